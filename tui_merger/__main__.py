@@ -1,0 +1,3 @@
+from tui_merger.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Console rendering of engine events: a rich progress bar on a terminal, plain lines elsewhere."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tui_merger.core.events import Event, MergeFinished, Notice, PhaseStarted, TensorProgress
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+class PlainProgress:
+    """Line-per-step output for logs, CI and dumb terminals: at most one progress line every few
+    seconds or every 10%, so logs stay readable."""
+
+    def __init__(self, stream=None, interval: float = 5.0) -> None:
+        self.stream = stream or sys.stderr
+        self.interval = interval
+        self._last_time = 0.0
+        self._last_decile = -1
+        self._started = time.monotonic()
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, PhaseStarted):
+            self._print(f"[{event.phase}] {event.message}")
+        elif isinstance(event, Notice):
+            self._print(f"{event.level}: {event.message}")
+        elif isinstance(event, TensorProgress):
+            frac = event.bytes_done / event.bytes_total if event.bytes_total else 1.0
+            decile = int(frac * 10)
+            now = time.monotonic()
+            last = event.tensors_done == event.tensors_total
+            if last or decile > self._last_decile or now - self._last_time >= self.interval:
+                self._last_decile, self._last_time = decile, now
+                rate = event.bytes_done / max(now - self._started, 1e-6)
+                self._print(
+                    f"  {frac:6.1%}  {event.tensors_done}/{event.tensors_total} tensors  "
+                    f"{human_bytes(event.bytes_done)} / {human_bytes(event.bytes_total)}  "
+                    f"{human_bytes(rate)}/s  {event.name}"
+                )
+        elif isinstance(event, MergeFinished):
+            pass
+
+
+class RichProgress:
+    """A live bar on stderr (stdout stays free for results)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.console = Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[tensor]}", style="dim"),
+            console=self.console,
+            transient=False,
+        )
+        self.task = None
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, PhaseStarted):
+            self.console.print(f"[bold]{event.phase}[/bold] {event.message}", highlight=False)
+        elif isinstance(event, Notice):
+            style = "yellow" if event.level == "warning" else "cyan"
+            self.console.print(f"[{style}]{event.level}:[/{style}] {event.message}", highlight=False)
+        elif isinstance(event, TensorProgress):
+            if self.task is None:
+                self.task = self.progress.add_task("merge", total=event.bytes_total, tensor="")
+            short = event.name if len(event.name) <= 40 else "..." + event.name[-37:]
+            self.progress.update(self.task, completed=event.bytes_done, tensor=short)

@@ -1,0 +1,249 @@
+"""A PEFT LoRA adapter folder: its config, and its tensors grouped by the module they belong to."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+from tui_merger.core.sources import TensorRef, TensorSource
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+# (regex on the key without the PEFT prefix, role). Group "mod" is the module path. An optional
+# ".<adapter name>" infix is accepted: peft strips it when saving, other trainers do not always.
+_NAME = r"(?:\.[A-Za-z0-9_\-]+)?"
+_PATTERNS = [
+    (re.compile(rf"^(?P<mod>.+)\.lora_A{_NAME}\.weight$"), "A"),
+    (re.compile(rf"^(?P<mod>.+)\.lora_B{_NAME}\.weight$"), "B"),
+    (re.compile(rf"^(?P<mod>.+)\.lora_B{_NAME}\.bias$"), "B_bias"),
+    (re.compile(rf"^(?P<mod>.+)\.lora_embedding_A{_NAME}$"), "emb_A"),
+    (re.compile(rf"^(?P<mod>.+)\.lora_embedding_B{_NAME}$"), "emb_B"),
+    (re.compile(rf"^(?P<mod>.+)\.lora_magnitude_vector{_NAME}(?:\.weight)?$"), "magnitude"),
+    (re.compile(r"^(?P<mod>.+)\.base_layer\.(?P<param>weight|bias)$"), "base_override"),
+    (re.compile(rf"^(?P<mod>.+)\.token_adapter\.trainable_tokens_delta{_NAME}$"), "token_rows"),
+]
+
+
+def pattern_key(patterns, module: str) -> str | None:
+    """The first rank/alpha pattern that matches a module name, matched as peft matches it:
+    the pattern must match a dotted suffix of the name (``(.*\\.)?(pattern)$``)."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return None
+
+
+@dataclass
+class LoraModule:
+    """The LoRA tensors of one module (e.g. ``model.layers.0.self_attn.q_proj``)."""
+
+    module: str
+    A: TensorRef | None = None
+    B: TensorRef | None = None
+    B_bias: TensorRef | None = None
+    emb_A: TensorRef | None = None
+    emb_B: TensorRef | None = None
+    magnitude: TensorRef | None = None
+    r: int = 0
+    alpha: float = 0.0
+    scale: float = 0.0
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.emb_A is not None or self.emb_B is not None
+
+
+@dataclass
+class PeftAdapter:
+    folder: Path
+    config: dict
+    source: TensorSource
+    lora: dict[str, LoraModule] = field(default_factory=dict)
+    # full replacement tensors (modules_to_save, saved embedding base layers): param name -> ref
+    replacements: dict[str, TensorRef] = field(default_factory=dict)
+    base_overrides: dict[str, TensorRef] = field(default_factory=dict)
+    # trainable_token_indices: module -> (row indices, ref of the stored rows)
+    token_rows: dict[str, tuple[list[int], TensorRef]] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+
+    @property
+    def fan_in_fan_out(self) -> bool:
+        return bool(self.config.get("fan_in_fan_out", False))
+
+    @property
+    def use_dora(self) -> bool:
+        return bool(self.config.get("use_dora", False))
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "adapter_config.json"
+    if not folder.is_dir():
+        raise MergeError(f"The adapter folder {folder} does not exist; check the path.")
+    if not path.is_file():
+        hint = ""
+        if (folder / "config.json").is_file():
+            hint = " It looks like a full model, not an adapter."
+        raise MergeError(
+            f"{folder} has no adapter_config.json, so it is not a PEFT adapter folder.{hint} "
+            "Point --adapter at the folder that peft's save_pretrained wrote."
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MergeError(f"{path} is not valid JSON ({err}); fix or re-save the adapter.") from None
+    if not isinstance(config, dict):
+        raise MergeError(f"{path} does not hold a JSON object; re-save the adapter.")
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise MergeError(
+            f"{folder} is a {peft_type} adapter; tui-merger merges LoRA adapters only (peft_type LORA)."
+        )
+    return config
+
+
+def _module_names_to_save(config: dict) -> list[str]:
+    names = list(config.get("modules_to_save") or [])
+    return [n for n in names if isinstance(n, str)]
+
+
+def open_adapter(folder: Path) -> PeftAdapter:
+    folder = Path(folder)
+    config = _read_config(folder)
+    files = [f for f in ADAPTER_WEIGHTS if (folder / f).is_file()]
+    if not files:
+        raise MergeError(
+            f"{folder} has adapter_config.json but no adapter_model.safetensors or adapter_model.bin; "
+            "the adapter weights were not saved or not copied."
+        )
+    source = TensorSource(folder, files[:1])
+    adapter = PeftAdapter(folder=folder, config=config, source=source)
+    try:
+        _group(adapter)
+        _resolve_scales(adapter)
+    except BaseException:
+        source.close()
+        raise
+    return adapter
+
+
+def _group(adapter: PeftAdapter) -> None:
+    save_names = _module_names_to_save(adapter.config)
+    leftovers = []
+    for key, ref in adapter.source.tensors.items():
+        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        for regex, role in _PATTERNS:
+            m = regex.match(name)
+            if not m:
+                continue
+            mod = m.group("mod")
+            if role == "base_override":
+                adapter.base_overrides[f"{mod}.{m.group('param')}"] = ref
+            elif role == "token_rows":
+                adapter.token_rows[mod] = ([], ref)
+            else:
+                entry = adapter.lora.setdefault(mod, LoraModule(mod))
+                setattr(entry, role, ref)
+            break
+        else:
+            # modules_to_save copies: "<module>.<param>" (older peft: "<module>.modules_to_save.<name>.<param>")
+            clean = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+            mod, _, _param = clean.rpartition(".")
+            if mod and any(mod == s or mod.endswith("." + s) for s in save_names):
+                adapter.replacements[clean] = ref
+            else:
+                leftovers.append(key)
+    if leftovers:
+        shown = ", ".join(leftovers[:5]) + (f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else "")
+        raise MergeError(
+            f"The adapter holds tensors tui-merger does not know how to merge ({shown}); "
+            "nothing was written. Is it a LoRA adapter saved by peft?"
+        )
+    _resolve_token_rows(adapter)
+
+
+def _resolve_token_rows(adapter: PeftAdapter) -> None:
+    if not adapter.token_rows:
+        return
+    spec = adapter.config.get("trainable_token_indices")
+    for mod in list(adapter.token_rows):
+        indices = None
+        if isinstance(spec, dict):
+            for key, value in spec.items():
+                if mod == key or mod.endswith("." + key):
+                    indices = value
+                    break
+        elif isinstance(spec, list):
+            indices = spec  # a plain list means the input embedding
+        if indices is None:
+            raise MergeError(
+                f"The adapter stores trainable token rows for {mod} but trainable_token_indices in "
+                "adapter_config.json does not say which rows; the adapter config is incomplete."
+            )
+        ref = adapter.token_rows[mod][1]
+        if len(ref.shape) != 2 or ref.shape[0] != len(indices):
+            raise MergeError(
+                f"{mod}: {len(indices)} trainable token indices but {ref.shape[0]} stored rows; "
+                "adapter_config.json does not match the adapter weights."
+            )
+        adapter.token_rows[mod] = ([int(i) for i in indices], ref)
+
+
+def _resolve_scales(adapter: PeftAdapter) -> None:
+    cfg = adapter.config
+    if "lora_alpha" not in cfg or cfg.get("lora_alpha") is None:
+        cfg_alpha = 8  # peft's LoraConfig default
+        if adapter.lora:
+            adapter.notices.append(
+                "adapter_config.json has no lora_alpha; using peft's default of 8 as peft would."
+            )
+    else:
+        cfg_alpha = cfg["lora_alpha"]
+    cfg_r = cfg.get("r", 8)
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    rslora = bool(cfg.get("use_rslora", False))
+    for mod, entry in adapter.lora.items():
+        a_ref, b_ref = (entry.emb_A, entry.emb_B) if entry.is_embedding else (entry.A, entry.B)
+        if a_ref is None or b_ref is None:
+            half = "A" if a_ref is None else "B"
+            raise MergeError(
+                f"The adapter has only half of the LoRA pair for {mod} (lora_{half} is missing); "
+                "the adapter file is incomplete."
+            )
+        if len(a_ref.shape) != 2 or len(b_ref.shape) != 2:
+            raise MergeError(
+                f"{mod}: LoRA tensors of shape {list(a_ref.shape)} / {list(b_ref.shape)} are not matrices; "
+                "convolution LoRA is not supported yet."
+            )
+        if a_ref.shape[0] != b_ref.shape[1]:
+            raise MergeError(
+                f"{mod}: lora_A has rank {a_ref.shape[0]} but lora_B has rank {b_ref.shape[1]}; "
+                "the adapter file is inconsistent."
+            )
+        key = pattern_key(rank_pattern, mod)
+        r = int(rank_pattern[key]) if key is not None else int(cfg_r)
+        key = pattern_key(alpha_pattern, mod)
+        alpha = alpha_pattern[key] if key is not None else cfg_alpha
+        if a_ref.shape[0] != r:
+            raise MergeError(
+                f"{mod}: adapter_config.json says r={r} but the saved tensors have rank {a_ref.shape[0]}; "
+                "the config does not belong to these weights."
+            )
+        if not alpha:
+            raise MergeError(
+                f"lora_alpha is 0 for {mod} in {adapter.folder / 'adapter_config.json'}, so the adapter "
+                "would change nothing; set lora_alpha to the value used in training and run again."
+            )
+        entry.r = r
+        entry.alpha = alpha
+        entry.scale = alpha / math.sqrt(r) if rslora else alpha / r
+        if entry.magnitude is not None and entry.is_embedding:
+            raise MergeError(f"{mod}: DoRA on embedding layers is not supported yet.")

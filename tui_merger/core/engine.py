@@ -1,0 +1,167 @@
+"""The merge pipeline: sources -> plan -> merge math -> sharded writer -> atomic rename.
+
+``run_merge`` is what every front end calls; it reports through events and raises ``MergeError``
+(one sentence for people) on any expected failure, after removing everything it wrote.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import time
+
+from tui_merger.core.adapter import open_adapter
+from tui_merger.core.errors import MergeError
+from tui_merger.core.events import (
+    CancelToken,
+    EventSink,
+    MergeFinished,
+    Notice,
+    PhaseStarted,
+    TensorProgress,
+    ignore_event,
+)
+from tui_merger.core.files import copy_files, edited_config, plan_files, read_config
+from tui_merger.core.merge_math import compute, fp16_overflows
+from tui_merger.core.options import MergeOptions, MergeResult
+from tui_merger.core.output import OutputFolder, check_space, check_target
+from tui_merger.core.plan import TensorPlan, build_plan
+from tui_merger.core.safetensors_io import SafetensorsWriter
+from tui_merger.core.sources import open_model
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def run_merge(
+    options: MergeOptions,
+    on_event: EventSink = ignore_event,
+    cancel: CancelToken | None = None,
+    fsync: bool = True,
+) -> MergeResult:
+    cancel = cancel or CancelToken()
+    started = time.perf_counter()
+    result = MergeResult(out=options.out)
+
+    def notice(level: str, message: str) -> None:
+        if level == "warning":
+            result.warnings.append(message)
+        on_event(Notice(level, message))
+
+    on_event(PhaseStarted("plan", "Reading the base model and the adapter"))
+    check_target(options.out, [options.base, options.adapter], options.overwrite)
+    base = open_model(options.base)
+    adapter = None
+    try:
+        adapter = open_adapter(options.adapter)
+        for message in adapter.notices:
+            notice("warning", message)
+        config = read_config(options.base)
+        plan = build_plan(base, adapter, config, options.dtype, options.shard_size)
+        files = plan_files(options.base, options.adapter, config, options.tokenizer_from)
+        for message in files.notices:
+            notice("warning", message)
+        result.tokenizer_source = files.tokenizer_source
+        result.config_changes = dict(plan.config_changes)
+        folder = OutputFolder(options.out)
+        check_space(folder.parent, plan.total_bytes)
+        cancel.raise_if_cancelled()
+        tmp = folder.create()
+        try:
+            _write(plan, tmp, options, result, on_event, notice, cancel, fsync)
+            cancel.raise_if_cancelled()
+            on_event(PhaseStarted("files", "Writing config, tokenizer and the other files"))
+            out_config = edited_config(config, plan.config_changes, options.dtype)
+            (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
+            result.files = sorted(result.shards + ["config.json"] + copy_files(files, tmp))
+            if len(plan.shards) > 1:
+                result.files = sorted(result.files + [INDEX_NAME])
+            on_event(PhaseStarted("finalize", f"Moving the finished model into {options.out}"))
+            cancel.raise_if_cancelled()
+            folder.finalize(fsync=fsync)
+        except BaseException as err:
+            folder.abort()
+            if isinstance(err, OSError):
+                raise _os_error(err, options) from None
+            raise
+    finally:
+        base.close()
+        if adapter is not None:
+            adapter.close()
+    result.seconds = time.perf_counter() - started
+    on_event(MergeFinished(result))
+    return result
+
+
+def _os_error(err: OSError, options: MergeOptions) -> MergeError:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return MergeError(
+            f"The disk ran out of space while writing {options.out} ({err.strerror}); the partial output "
+            "was removed and the inputs are untouched: free some space and run the merge again."
+        )
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return MergeError(
+            f"Permission denied while writing {options.out} ({err.strerror}); choose a folder you can write to."
+        )
+    return MergeError(f"Writing {options.out} failed: {err.strerror or err}; the partial output was removed.")
+
+
+def _write(
+    plan: TensorPlan,
+    tmp,
+    options: MergeOptions,
+    result: MergeResult,
+    on_event: EventSink,
+    notice,
+    cancel: CancelToken,
+    fsync: bool,
+) -> None:
+    total_bytes = plan.total_bytes
+    total = len(plan.tensors)
+    on_event(
+        PhaseStarted("merge", f"Merging {plan.merged_modules} tensors, copying {total - plan.merged_modules}")
+    )
+    done = 0
+    done_bytes = 0
+    weight_map: dict[str, str] = {}
+    clamped = []
+    for shard_name, tensors in plan.shards:
+        writer = SafetensorsWriter(tmp / shard_name, [(t.name, t.dtype, t.shape) for t in tensors])
+        try:
+            for t in tensors:
+                cancel.raise_if_cancelled()
+                raw = t.source.source.raw_range(t.source) if t.raw_copy else None
+                if raw is not None:
+                    writer.copy_from(t.name, *raw)
+                else:
+                    tensor = compute(t)
+                    if fp16_overflows(tensor, t):
+                        if not options.force_fp16_overflow:
+                            raise MergeError(
+                                f"{t.name} has values beyond float16's range (65504); the fp16 output would "
+                                "hold inf. Use --dtype bf16 or fp32, or --force to clamp the values."
+                            )
+                        tensor = compute(t, clamp=True)
+                        clamped.append(t.name)
+                    writer.write_tensor(t.name, tensor)
+                    del tensor
+                t.source.release()
+                weight_map[t.name] = shard_name
+                done += 1
+                done_bytes += t.nbytes
+                on_event(TensorProgress(t.name, done, total, done_bytes, total_bytes))
+            writer.close(fsync=fsync)
+        except BaseException:
+            writer.abort()
+            raise
+        result.shards.append(shard_name)
+    if clamped:
+        notice("warning", f"Clamped values beyond float16's range in {len(clamped)} tensors ({clamped[0]}, ...).")
+    if len(plan.shards) > 1:
+        index = {
+            "metadata": {"total_size": total_bytes},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    result.tensors_total = total
+    result.tensors_merged = plan.merged_modules
+    result.bytes_written = total_bytes

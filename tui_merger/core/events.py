@@ -1,0 +1,68 @@
+"""Progress events: the only channel from the engine to a front end (TUI, plain prompts, CLI)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from tui_merger.core.errors import MergeCancelled
+
+if TYPE_CHECKING:
+    from tui_merger.core.options import MergeResult
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class of everything the engine reports."""
+
+
+@dataclass(frozen=True)
+class PhaseStarted(Event):
+    phase: str  # "plan", "merge", "files", "finalize"
+    message: str
+
+
+@dataclass(frozen=True)
+class TensorProgress(Event):
+    name: str  # the tensor just written
+    tensors_done: int
+    tensors_total: int
+    bytes_done: int
+    bytes_total: int
+
+
+@dataclass(frozen=True)
+class Notice(Event):
+    level: str  # "info" or "warning"
+    message: str
+
+
+@dataclass(frozen=True)
+class MergeFinished(Event):
+    result: MergeResult
+
+
+EventSink = Callable[[Event], None]
+
+
+def ignore_event(event: Event) -> None:
+    """The default sink."""
+
+
+class CancelToken:
+    """Thread-safe cancellation flag; the engine checks it between tensors."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def raise_if_cancelled(self) -> None:
+        if self._event.is_set():
+            raise MergeCancelled()

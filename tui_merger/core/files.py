@@ -1,0 +1,161 @@
+"""Everything a merged model folder needs besides weights: config, generation config, tokenizer,
+chat template, processor files, custom code, licence. Never fabricates a tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+TOKENIZER_DIRS = ("additional_chat_templates",)
+TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "image_processor_config.json",
+    "feature_extractor_config.json",
+)
+LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "NOTICE.txt", "USE_POLICY.md")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in TOKENIZER_MARKERS)
+
+
+def read_config(base: Path) -> dict:
+    path = base / "config.json"
+    if not path.is_file():
+        raise MergeError(
+            f"{base} has no config.json, so it is not a Hugging Face model folder; "
+            "point the base at the folder that holds config.json and the weights."
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MergeError(f"{path} is not valid JSON ({err}); copy it again from the original model.") from None
+    if not isinstance(config, dict):
+        raise MergeError(f"{path} does not hold a JSON object; copy it again from the original model.")
+    return config
+
+
+def edited_config(config: dict, changes: dict, dtype: str | None) -> dict:
+    """config.json for the output: the changes applied at the top level and, where a nested
+    text_config holds the same key, there too."""
+    out = json.loads(json.dumps(config))
+    text = out.get("text_config") if isinstance(out.get("text_config"), dict) else None
+    for key, value in changes.items():
+        if key in out or text is None or key not in text:
+            out[key] = value
+        if text is not None and key in text:
+            text[key] = value
+    if dtype:
+        out["dtype"] = dtype
+        if "torch_dtype" in out:
+            out["torch_dtype"] = dtype
+    return out
+
+
+@dataclass
+class FilePlan:
+    """Files to carry: (source path, name in the output)."""
+
+    copies: list[tuple[Path, str]] = field(default_factory=list)
+    tokenizer_source: str | None = None
+    notices: list[str] = field(default_factory=list)
+
+
+def plan_files(base: Path, adapter: Path, config: dict, tokenizer_from: str) -> FilePlan:
+    plan = FilePlan()
+    adapter_tok, base_tok = has_tokenizer(adapter), has_tokenizer(base)
+    if tokenizer_from == "adapter" and not adapter_tok:
+        raise MergeError(
+            f"--tokenizer-from adapter was asked, but {adapter} holds no tokenizer "
+            "(no tokenizer_config.json, tokenizer.json or tokenizer.model)."
+        )
+    if tokenizer_from == "base" and not base_tok:
+        raise MergeError(
+            f"--tokenizer-from base was asked, but {base} holds no tokenizer "
+            "(no tokenizer_config.json, tokenizer.json or tokenizer.model)."
+        )
+    if tokenizer_from == "adapter" or (tokenizer_from == "auto" and adapter_tok):
+        tok_dir, plan.tokenizer_source = adapter, "adapter"
+    elif base_tok:
+        tok_dir, plan.tokenizer_source = base, "base"
+    else:
+        tok_dir = None
+        plan.notices.append(
+            "Neither the base nor the adapter folder holds a tokenizer; the merged model has none "
+            "(copy one in before using it)."
+        )
+    if tok_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (tok_dir / name).is_file():
+                plan.copies.append((tok_dir / name, name))
+        for name in TOKENIZER_DIRS:
+            if (tok_dir / name).is_dir():
+                for f in sorted((tok_dir / name).rglob("*")):
+                    if f.is_file():
+                        plan.copies.append((f, str(f.relative_to(tok_dir))))
+    # processor files travel with the tokenizer when that folder has them, else from the base
+    proc_dir = tok_dir if tok_dir is not None and any((tok_dir / f).is_file() for f in PROCESSOR_FILES) else base
+    for name in PROCESSOR_FILES:
+        if (proc_dir / name).is_file():
+            plan.copies.append((proc_dir / name, name))
+    gen = base / "generation_config.json"
+    if not gen.is_file() and (adapter / "generation_config.json").is_file():
+        gen = adapter / "generation_config.json"
+    if gen.is_file():
+        plan.copies.append((gen, "generation_config.json"))
+    for name in LICENSE_FILES:
+        if (base / name).is_file():
+            plan.copies.append((base / name, name))
+    plan.copies.extend((p, p.name) for p in custom_code_files(base, config))
+    return plan
+
+
+def custom_code_files(base: Path, config: dict) -> list[Path]:
+    """Python files of a trust_remote_code model: those named in auto_map, plus the other top-level
+    .py files beside them (modeling files import their helpers)."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict) or not auto_map:
+        return []
+    named = set()
+    for value in auto_map.values():
+        for ref in value if isinstance(value, list) else [value]:
+            if isinstance(ref, str) and "--" not in ref and "." in ref:
+                named.add(ref.rsplit(".", 1)[0] + ".py")
+    missing = [n for n in sorted(named) if not (base / n).is_file()]
+    if missing:
+        raise MergeError(
+            f"config.json's auto_map names {', '.join(missing)}, which {base} does not have; "
+            "copy the model's custom code files into the base folder."
+        )
+    return sorted(p for p in base.glob("*.py") if p.is_file())
+
+
+def copy_files(plan: FilePlan, dest: Path) -> list[str]:
+    written = []
+    for src, name in plan.copies:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, target)
+        written.append(name)
+    return written

@@ -1,0 +1,103 @@
+"""The output folder: written in a hidden temporary folder beside it, renamed into place at the end.
+
+An interrupted merge therefore never leaves a folder that looks like a finished model, and an
+``--overwrite`` swaps the old folder out only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+
+PARTIAL_TAG = ".tui-merger-partial-"
+
+
+def _fmt_gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_target(out: Path, inputs: list[Path], overwrite: bool) -> None:
+    """Refuse outputs that would clobber data; raises MergeError with the reason."""
+    out_r = out.resolve()
+    for src in inputs:
+        src_r = src.resolve()
+        if out_r == src_r or src_r.is_relative_to(out_r):
+            raise MergeError(
+                f"The output {out} {'is' if out_r == src_r else 'contains'} the input {src}; "
+                "choose another output folder so that no input is overwritten."
+            )
+    if out.exists() and not out.is_dir():
+        raise MergeError(f"{out} exists and is a file; choose a folder path for the output.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise MergeError(
+            f"The output folder {out} exists and is not empty; choose another folder or pass --overwrite."
+        )
+
+
+def check_space(parent: Path, needed: int) -> None:
+    free = shutil.disk_usage(parent).free
+    margin = max(64 << 20, needed // 100)
+    if free < needed + margin:
+        raise MergeError(
+            f"The merged model needs about {_fmt_gb(needed)} but only {_fmt_gb(free)} is free in {parent}; "
+            "free some space or choose an output on another disk."
+        )
+
+
+class OutputFolder:
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out).absolute()
+        self.parent = self.out.parent
+        if not self.parent.exists():
+            try:
+                self.parent.mkdir(parents=True)
+            except OSError as err:
+                raise MergeError(
+                    f"Cannot create {self.parent} ({err.strerror}); choose an output folder you can write to."
+                ) from None
+        self.tmp = self.parent / f".{self.out.name}{PARTIAL_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def create(self) -> Path:
+        try:
+            self.tmp.mkdir()
+        except OSError as err:
+            raise MergeError(
+                f"Cannot write in {self.parent} ({err.strerror}); choose an output folder you can write to."
+            ) from None
+        return self.tmp
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def finalize(self, fsync: bool = True) -> None:
+        if fsync:
+            _fsync_dir(self.tmp)
+        old = None
+        if self.out.exists():
+            if self.out.is_dir() and not any(self.out.iterdir()):
+                self.out.rmdir()
+            else:  # --overwrite was given (checked before): swap, then delete the old folder
+                old = self.parent / f".{self.out.name}.tui-merger-old-{uuid.uuid4().hex[:8]}"
+                os.rename(self.out, old)
+        os.rename(self.tmp, self.out)
+        if fsync:
+            _fsync_dir(self.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,290 @@
+"""Safetensors read (validated header, mmap views) and streaming write (header first, then bytes).
+
+Our own small implementation because the engine needs what the safetensors package does not offer:
+raw byte ranges to copy untouched tensors with ``copy_file_range`` (no decode, no Python copy), and a
+writer that streams one tensor at a time instead of building a whole shard in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+
+# safetensors dtype name -> (torch dtype name, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+}
+TORCH_TO_ST = {torch_name: st for st, (torch_name, _) in DTYPES.items()}
+FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a torch dtype name ('bfloat16' -> 2)."""
+    return DTYPES[TORCH_TO_ST[dtype]][1]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class SafetensorsFile:
+    """One .safetensors file: header parsed and checked at open, tensors read on demand via mmap."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, str] = {}
+        self._mmap: mmap.mmap | None = None
+        self._fd: int | None = None
+        self._parse_header()
+
+    def _bad(self, why: str) -> MergeError:
+        return MergeError(
+            f"{self.path} is not a valid safetensors file ({why}); it may be truncated or corrupt: "
+            "copy or download it again."
+        )
+
+    def _parse_header(self) -> None:
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise self._bad("shorter than 8 bytes")
+                (hlen,) = struct.unpack("<Q", head)
+                if hlen > MAX_HEADER or 8 + hlen > size:
+                    raise self._bad(f"header length {hlen} does not fit in a {size}-byte file")
+                raw = f.read(hlen)
+        except OSError as err:
+            raise MergeError(f"Cannot read {self.path}: {err.strerror or err}.") from None
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise self._bad("its header is not JSON") from None
+        if not isinstance(header, dict):
+            raise self._bad("its header is not a JSON object")
+        data_start = 8 + hlen
+        data_len = size - data_start
+        meta = header.pop("__metadata__", None) or {}
+        self.metadata = meta if isinstance(meta, dict) else {}
+        spans = []
+        for name, entry in header.items():
+            try:
+                st_dtype = entry["dtype"]
+                shape = tuple(int(d) for d in entry["shape"])
+                begin, end = (int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self._bad(f"entry '{name}' lacks dtype, shape or data_offsets") from None
+            if st_dtype not in DTYPES:
+                raise self._bad(f"tensor '{name}' has unknown dtype {st_dtype}")
+            if any(d < 0 for d in shape):
+                raise self._bad(f"tensor '{name}' has a negative dimension")
+            torch_dtype, isz = DTYPES[st_dtype]
+            numel = 1
+            for d in shape:
+                numel *= d
+            if not (0 <= begin <= end <= data_len):
+                raise self._bad(f"tensor '{name}' lies outside the file (the file is too short)")
+            if end - begin != numel * isz:
+                raise self._bad(f"tensor '{name}' has {end - begin} bytes for shape {list(shape)}")
+            self.tensors[name] = TensorInfo(
+                name, torch_dtype, shape, data_start + begin, data_start + end
+            )
+            spans.append((begin, end, name))
+        spans.sort()
+        for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise self._bad(f"tensors '{n0}' and '{n1}' overlap")
+
+    # -- reading -------------------------------------------------------------------------------
+    def fileno(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def _map(self) -> mmap.mmap:
+        if self._mmap is None:
+            self._mmap = mmap.mmap(self.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._mmap
+
+    def tensor(self, name: str):
+        """A zero-copy torch view of one tensor (read-only memory: copy before writing to it)."""
+        import torch
+
+        info = self.tensors[name]
+        dtype = getattr(torch, info.dtype)
+        if info.numel == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        mm = self._map()
+        # torch.frombuffer warns on read-only buffers; the views are never written to.
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mm, dtype=dtype, count=info.numel, offset=info.start)
+        return flat.view(info.shape)
+
+    def release(self, name: str) -> None:
+        """Drop the pages of one tensor from this process's memory (they stay in the page cache)."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = (info.start // page) * page
+        length = info.end - start
+        if length > 0:
+            try:
+                self._mmap.madvise(mmap.MADV_DONTNEED, start, length)
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a view is still alive somewhere; the GC will unmap it
+                pass
+            self._mmap = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None):
+    """Header bytes for tensors written in the given order: [(name, torch dtype, shape)].
+
+    Returns (header bytes including the 8-byte length, [(name, nbytes)]).
+    """
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    sizes = []
+    for name, dtype, shape in entries:
+        n = itemsize(dtype)
+        for d in shape:
+            n *= d
+        header[name] = {
+            "dtype": TORCH_TO_ST[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
+        sizes.append((name, n))
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw, sizes
+
+
+class SafetensorsWriter:
+    """Writes one shard: the header up front (all shapes are known), then each tensor's bytes in order."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        self.path = Path(path)
+        header, sizes = build_header(entries, {"format": "pt"})
+        self._expected = iter(sizes)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.bytes_written = 0
+        self._write_all(memoryview(header))
+        self.data_bytes = sum(n for _, n in sizes)
+
+    def _next(self, name: str, nbytes: int) -> None:
+        exp_name, exp_bytes = next(self._expected)
+        if exp_name != name or exp_bytes != nbytes:
+            raise RuntimeError(f"writer expected {exp_name} ({exp_bytes} B), got {name} ({nbytes} B)")
+
+    def _write_all(self, view: memoryview) -> None:
+        view = view.cast("B")
+        while len(view):
+            n = os.write(self._fd, view)
+            view = view[n:]
+            self.bytes_written += n
+
+    def write_tensor(self, name: str, tensor) -> None:
+        """Write a contiguous CPU tensor's bytes."""
+        flat = tensor.contiguous().reshape(-1)
+        raw = flat.view(__import__("torch").uint8).numpy() if flat.numel() else b""
+        self._next(name, len(raw) if isinstance(raw, bytes) else raw.nbytes)
+        if len(raw):
+            self._write_all(memoryview(raw))
+
+    def copy_from(self, name: str, src_fd: int, offset: int, length: int) -> None:
+        """Copy a byte range of another file in the kernel (no Python copy)."""
+        self._next(name, length)
+        done = 0
+        use_cfr = hasattr(os, "copy_file_range")
+        while done < length:
+            n = 0
+            if use_cfr:
+                try:
+                    n = os.copy_file_range(src_fd, self._fd, length - done, offset + done)
+                except OSError as err:
+                    if err.errno in (18, 22, 38, 95):  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP
+                        use_cfr = False
+                    else:
+                        raise
+            if not use_cfr:
+                chunk = os.pread(src_fd, min(length - done, 64 << 20), offset + done)
+                if not chunk:
+                    raise MergeError(f"A source file ended early while copying {name}.")
+                self._write_all(memoryview(chunk))
+                done += len(chunk)
+                continue
+            if n == 0:
+                raise MergeError(f"A source file ended early while copying {name}.")
+            done += n
+            self.bytes_written += n
+
+    def close(self, fsync: bool = True) -> None:
+        if self._fd is None:
+            return
+        try:
+            if next(self._expected, None) is not None:
+                raise RuntimeError(f"{self.path.name}: not every tensor was written")
+            if fsync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

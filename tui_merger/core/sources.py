@@ -1,0 +1,172 @@
+"""Read-only, lazy tensor sources. A source lists tensors from headers (no data read) and loads one
+tensor on demand. Safetensors are mmap'd; ``.bin`` files go through ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+from tui_merger.core.safetensors_io import SafetensorsFile
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor lives: a file and the name inside it, plus what its header says."""
+
+    source: "TensorSource"
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        from tui_merger.core.safetensors_io import itemsize
+
+        n = itemsize(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+    def load(self):
+        return self.source.load(self)
+
+    def release(self) -> None:
+        self.source.release(self)
+
+
+class TensorSource:
+    """A set of weight files in one folder."""
+
+    def __init__(self, folder: Path, files: list[str]) -> None:
+        self.folder = Path(folder)
+        self.files = files
+        self.tensors: dict[str, TensorRef] = {}
+        self._st: dict[str, SafetensorsFile] = {}
+        self._bin: dict[str, dict] = {}
+        for fname in files:
+            self._index_file(fname)
+
+    def _index_file(self, fname: str) -> None:
+        path = self.folder / fname
+        if not path.is_file():
+            raise MergeError(
+                f"{path} is missing; the weights in {self.folder} are incomplete: copy the whole folder again."
+            )
+        if fname.endswith(".safetensors"):
+            st = SafetensorsFile(path)
+            self._st[fname] = st
+            for name, info in st.tensors.items():
+                self._add(TensorRef(self, fname, name, info.dtype, info.shape))
+        else:
+            for name, tensor in self._load_bin(fname).items():
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                self._add(TensorRef(self, fname, name, dtype, tuple(tensor.shape)))
+
+    def _add(self, ref: TensorRef) -> None:
+        if ref.name in self.tensors:
+            raise MergeError(
+                f"Tensor {ref.name} appears in both {self.tensors[ref.name].file} and {ref.file} "
+                f"in {self.folder}; remove the stale file."
+            )
+        self.tensors[ref.name] = ref
+
+    def _load_bin(self, fname: str) -> dict:
+        if fname not in self._bin:
+            import pickle
+            import zipfile
+
+            import torch
+
+            path = self.folder / fname
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise MergeError(
+                    f"{path} could not be read as a PyTorch weights file ({first[:200]}); "
+                    "it may be truncated, corrupt, or need code to load, which tui-merger never runs."
+                ) from None
+            if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+                state = state["state_dict"]
+            if not isinstance(state, dict):
+                raise MergeError(f"{path} does not hold a dictionary of tensors.")
+            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            self._bin[fname] = tensors
+        return self._bin[fname]
+
+    # -- data ----------------------------------------------------------------------------------
+    def load(self, ref: TensorRef):
+        if ref.file in self._st:
+            return self._st[ref.file].tensor(ref.name)
+        return self._load_bin(ref.file)[ref.name]
+
+    def raw_range(self, ref: TensorRef) -> tuple[int, int, int] | None:
+        """(fd, offset, length) when the tensor's bytes can be copied as they are, else None."""
+        st = self._st.get(ref.file)
+        if st is None:
+            return None
+        info = st.tensors[ref.name]
+        return st.fileno(), info.start, info.nbytes
+
+    def release(self, ref: TensorRef) -> None:
+        st = self._st.get(ref.file)
+        if st is not None:
+            st.release(ref.name)
+
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.tensors.values())
+
+    def close(self) -> None:
+        for st in self._st.values():
+            st.close()
+        self._bin.clear()
+
+
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def _index_files(path: Path) -> list[str]:
+    try:
+        data = json.loads(path.read_text())
+        weight_map = data["weight_map"]
+        return list(dict.fromkeys(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise MergeError(f"{path} is not a valid weights index; copy it again from the original model.") from None
+
+
+def find_weight_files(folder: Path) -> list[str]:
+    """The weight files of a Hugging Face model folder, safetensors preferred."""
+    if (folder / SAFE_INDEX).is_file():
+        return _index_files(folder / SAFE_INDEX)
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    shards = sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("adapter_"))
+    if shards:
+        return shards
+    if (folder / BIN_INDEX).is_file():
+        return _index_files(folder / BIN_INDEX)
+    if (folder / "pytorch_model.bin").is_file():
+        return ["pytorch_model.bin"]
+    return []
+
+
+def open_model(folder: Path) -> TensorSource:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MergeError(f"The base model folder {folder} does not exist; check the path.")
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        raise MergeError(
+            f"{folder} is a LoRA adapter, not a base model; pass the full model it was trained on as the base."
+        )
+    files = find_weight_files(folder)
+    if not files:
+        raise MergeError(
+            f"No model weights (*.safetensors or pytorch_model.bin) in {folder}; "
+            "point the base at a Hugging Face model folder."
+        )
+    return TensorSource(folder, files)
