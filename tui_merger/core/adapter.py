@@ -24,7 +24,8 @@ _PATTERNS = [
     (re.compile(rf"^(?P<mod>.+)\.lora_embedding_A{_NAME}$"), "emb_A"),
     (re.compile(rf"^(?P<mod>.+)\.lora_embedding_B{_NAME}$"), "emb_B"),
     (re.compile(rf"^(?P<mod>.+)\.lora_magnitude_vector{_NAME}(?:\.weight)?$"), "magnitude"),
-    (re.compile(r"^(?P<mod>.+)\.base_layer\.(?P<param>weight|bias)$"), "base_override"),
+    (re.compile(r"^(?P<mod>.+)\.(?:base_layer|original_module)\.(?P<param>weight|bias)$"), "base_override"),
+    (re.compile(rf"^(?P<mod>.+)\.modules_to_save{_NAME}\.(?P<param>weight|bias)$"), "replacement"),
     (re.compile(rf"^(?P<mod>.+)\.token_adapter\.trainable_tokens_delta{_NAME}$"), "token_rows"),
 ]
 
@@ -146,6 +147,8 @@ def _group(adapter: PeftAdapter) -> None:
             mod = m.group("mod")
             if role == "base_override":
                 adapter.base_overrides[f"{mod}.{m.group('param')}"] = ref
+            elif role == "replacement":
+                adapter.replacements[f"{mod}.{m.group('param')}"] = ref
             elif role == "token_rows":
                 adapter.token_rows[mod] = ([], ref)
             else:
@@ -153,11 +156,10 @@ def _group(adapter: PeftAdapter) -> None:
                 setattr(entry, role, ref)
             break
         else:
-            # modules_to_save copies: "<module>.<param>" (older peft: "<module>.modules_to_save.<name>.<param>")
-            clean = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
-            mod, _, _param = clean.rpartition(".")
+            # modules_to_save copies are usually saved as plain "<module>.<param>"
+            mod, _, _param = name.rpartition(".")
             if mod and any(mod == s or mod.endswith("." + s) for s in save_names):
-                adapter.replacements[clean] = ref
+                adapter.replacements[name] = ref
             else:
                 leftovers.append(key)
     if leftovers:

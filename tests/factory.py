@@ -1,0 +1,130 @@
+"""Tiny real models and adapters for tests: built from configs with transformers, adapters saved by
+peft. Shared by the test modules (imported as a plain module; pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+QWEN = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def qwen_config(**overrides):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**QWEN, **overrides})
+
+
+def gpt2_config(**overrides):
+    from transformers import GPT2Config
+
+    kw = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(**{**kw, **overrides})
+
+
+def save_base(path: Path, config, dtype=torch.float32, seed=0, max_shard_size=None, bin_format=False) -> Path:
+    """A random model from ``config`` saved the way transformers saves models."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    if bin_format:  # what older transformers wrote: one torch.save'd state dict
+        path.mkdir(parents=True, exist_ok=True)
+        config.dtype = dtype
+        config.save_pretrained(path)
+        state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight" or not config.tie_word_embeddings}
+        torch.save(state, path / "pytorch_model.bin")
+        return path
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def load_base(path: Path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def save_adapter(path: Path, base_dir: Path, seed=1, perturb=True, resize_to=None, **lora_kwargs) -> Path:
+    """A LoRA adapter trained (here: randomly initialised) on the model in ``base_dir``, saved by peft.
+
+    ``perturb`` adds noise to parts peft initialises as copies of the base (DoRA magnitudes,
+    modules_to_save copies, trainable token rows) so that a merge that ignored them would be caught.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    model = load_base(base_dir)
+    if resize_to:
+        model.resize_token_embeddings(resize_to, mean_resizing=False)
+    torch.manual_seed(seed)
+    lora_kwargs.setdefault("r", 4)
+    lora_kwargs.setdefault("lora_alpha", 8)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora_kwargs))
+    if perturb:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_magnitude_vector" in name or "modules_to_save" in name or "trainable_tokens_delta" in name:
+                    param.add_(torch.randn_like(param) * 0.05)
+    peft_model.save_pretrained(path)
+    return path
+
+
+def edit_adapter_config(path: Path, **changes) -> None:
+    cfg_path = path / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(changes)
+    cfg_path.write_text(json.dumps(cfg))
+
+
+def reference(base_dir: Path, adapter_dir: Path, dtype=torch.float32, resize_to=None, probe=None):
+    """peft's own answer: (logits of the unmerged PeftModel, state dict after merge_and_unload)."""
+    from peft import PeftModel
+
+    model = load_base(base_dir, dtype)
+    if resize_to:
+        model.resize_token_embeddings(resize_to, mean_resizing=False)
+    peft_model = PeftModel.from_pretrained(model, adapter_dir)
+    peft_model.eval()
+    logits = None
+    if probe is not None:
+        with torch.no_grad():
+            logits = peft_model(probe).logits
+    merged = peft_model.merge_and_unload()
+    return logits, {k: v.detach().clone() for k, v in merged.state_dict().items()}, peft_model
+
+
+def read_output(out_dir: Path) -> dict:
+    """Every tensor of a merged folder, read with the safetensors library (not our reader)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(out_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def logits_of(model_dir: Path, probe, dtype=torch.float32):
+    model = load_base(model_dir, dtype)
+    model.eval()
+    with torch.no_grad():
+        return model(probe).logits
+
+
+def probe_ids(vocab=256, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (2, 16), generator=g)

@@ -1,0 +1,109 @@
+"""The command line as users run it: real subprocesses, exit codes, output on stdout and stderr."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from factory import logits_of, probe_ids, qwen_config, reference, save_adapter, save_base
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, cwd=None, timeout=300):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "tui_merger", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    base = save_base(root / "base", qwen_config())
+    adapter = save_adapter(root / "adapter", base, target_modules=["q_proj", "v_proj", "down_proj"])
+    return base, adapter
+
+
+def test_merge_command_writes_a_model_transformers_loads(pair, tmp_path):
+    base, adapter = pair
+    out = tmp_path / "merged"
+    proc = run_cli("merge", "--base", base, "--adapter", adapter, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "Merged model written to" in proc.stdout
+    assert "[merge]" in proc.stderr and "100.0%" in proc.stderr  # plain progress lines off a terminal
+    assert "Traceback" not in proc.stderr
+    probe = probe_ids()
+    ref_logits, _, _ = reference(base, adapter, probe=probe)
+    torch.testing.assert_close(logits_of(out, probe), ref_logits, atol=1e-5, rtol=0)
+
+
+def test_merge_command_dtype_and_shards(pair, tmp_path):
+    base, adapter = pair
+    out = tmp_path / "merged"
+    proc = run_cli("merge", "--base", base, "--adapter", adapter, "--out", out, "--dtype", "bf16", "--shard-size", "100KB")
+    assert proc.returncode == 0, proc.stderr
+    from factory import read_output
+
+    tensors = read_output(out)
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert (out / "model.safetensors.index.json").is_file()
+
+
+def test_bad_input_is_one_sentence_and_exit_1(pair, tmp_path):
+    base, _ = pair
+    proc = run_cli("merge", "--base", base, "--adapter", tmp_path / "nope", "--out", tmp_path / "o")
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and proc.stderr.rstrip().endswith(errors[0]) and "Traceback" not in proc.stderr
+    assert "does not exist" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_and_version():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "merge" in proc.stdout and "demo" in proc.stdout
+    proc = run_cli("merge", "--help")
+    assert proc.returncode == 0 and "--shard-size" in proc.stdout
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and "tui-merger" in proc.stdout
+
+
+def test_demo_builds_and_merges_offline(tmp_path):
+    proc = run_cli("demo", "--workspace", tmp_path / "ws")
+    assert proc.returncode == 0, proc.stderr
+    merged = tmp_path / "ws" / "merged"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    tok = AutoTokenizer.from_pretrained(merged)
+    ids = tok("a merge adds the update", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == model.config.vocab_size
+    assert tok.chat_template
+    # the adapter really changed the weights
+    from factory import read_output
+
+    base = read_output(tmp_path / "ws" / "base")
+    ours = read_output(merged)
+    assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"], ours["model.layers.0.self_attn.q_proj.weight"])
+    # running it again reuses the workspace and replaces the merged folder
+    again = run_cli("demo", "--workspace", tmp_path / "ws")
+    assert again.returncode == 0, again.stderr
+
+
+def test_demo_refuses_a_foreign_workspace(tmp_path):
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "thesis.tex").write_text("precious")
+    proc = run_cli("demo", "--workspace", tmp_path / "ws")
+    assert proc.returncode == 1 and "not a tui-merger demo folder" in proc.stderr
+    assert (tmp_path / "ws" / "thesis.tex").read_text() == "precious"
