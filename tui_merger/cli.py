@@ -115,7 +115,7 @@ def run_with_progress(options, plain: bool = False):
 
 
 def print_result(result, stream=None) -> None:
-    from tui_merger.console import human_bytes
+    from tui_merger.core.options import human_bytes
 
     stream = stream or sys.stdout
     print(f"Merged model written to {result.out}", file=stream)

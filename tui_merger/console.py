@@ -5,15 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from tui_merger.core.options import human_bytes
 from tui_merger.core.events import Event, MergeFinished, Notice, PhaseStarted, TensorProgress
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"  # pragma: no cover
 
 
 class PlainProgress:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
-from tui_merger.core.sources import TensorRef, TensorSource
+from tui_merger.core.sources import TensorRef, TensorSource, not_a_folder
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -87,7 +87,7 @@ class PeftAdapter:
 def _read_config(folder: Path) -> dict:
     path = folder / "adapter_config.json"
     if not folder.is_dir():
-        raise MergeError(f"The adapter folder {folder} does not exist; check the path.")
+        raise not_a_folder(folder, "--adapter", "adapter")
     if not path.is_file():
         hint = ""
         if (folder / "config.json").is_file():

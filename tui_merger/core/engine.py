@@ -22,7 +22,7 @@ from tui_merger.core.events import (
     ignore_event,
 )
 from tui_merger.core.files import copy_files, edited_config, plan_files, read_config
-from tui_merger.core.merge_math import compute, fp16_overflows
+from tui_merger.core.merge_math import Workspace, compute, fp16_overflows
 from tui_merger.core.options import MergeOptions, MergeResult
 from tui_merger.core.output import OutputFolder, check_space, check_target
 from tui_merger.core.plan import TensorPlan, build_plan
@@ -63,10 +63,10 @@ def run_merge(
         result.tokenizer_source = files.tokenizer_source
         result.config_changes = dict(plan.config_changes)
         folder = OutputFolder(options.out)
-        check_space(folder.parent, plan.total_bytes)
         cancel.raise_if_cancelled()
-        tmp = folder.create()
+        tmp = folder.create()  # first: a read-only place is refused as such, not as "no space"
         try:
+            check_space(folder.parent, plan.total_bytes)
             _write(plan, tmp, options, result, on_event, notice, cancel, fsync)
             cancel.raise_if_cancelled()
             on_event(PhaseStarted("files", "Writing config, tokenizer and the other files"))
@@ -124,6 +124,7 @@ def _write(
     done_bytes = 0
     weight_map: dict[str, str] = {}
     clamped = []
+    ws = Workspace()
     for shard_name, tensors in plan.shards:
         writer = SafetensorsWriter(tmp / shard_name, [(t.name, t.dtype, t.shape) for t in tensors])
         try:
@@ -133,14 +134,14 @@ def _write(
                 if raw is not None:
                     writer.copy_from(t.name, *raw)
                 else:
-                    tensor = compute(t)
+                    tensor = compute(t, ws=ws)
                     if fp16_overflows(tensor, t):
                         if not options.force_fp16_overflow:
                             raise MergeError(
                                 f"{t.name} has values beyond float16's range (65504); the fp16 output would "
                                 "hold inf. Use --dtype bf16 or fp32, or --force to clamp the values."
                             )
-                        tensor = compute(t, clamp=True)
+                        tensor = compute(t, clamp=True, ws=ws)
                         clamped.append(t.name)
                     writer.write_tensor(t.name, tensor)
                     del tensor

@@ -37,6 +37,15 @@ _SIZE_UNITS = {
 }
 
 
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (decimal units, as disk tools and the Hub count)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
 def parse_size(text: str | int) -> int:
     """'5GB' -> 5_000_000_000, '500MiB' -> 524288000, 1024 -> 1024."""
     if isinstance(text, int):

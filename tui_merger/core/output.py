@@ -12,12 +12,9 @@ import uuid
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.options import human_bytes
 
 PARTIAL_TAG = ".tui-merger-partial-"
-
-
-def _fmt_gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 def check_target(out: Path, inputs: list[Path], overwrite: bool) -> None:
@@ -43,7 +40,8 @@ def check_space(parent: Path, needed: int) -> None:
     margin = max(64 << 20, needed // 100)
     if free < needed + margin:
         raise MergeError(
-            f"The merged model needs about {_fmt_gb(needed)} but only {_fmt_gb(free)} is free in {parent}; "
+            f"The merged model needs {human_bytes(needed + margin)} of free space ({human_bytes(needed)} of "
+            f"weights plus a {human_bytes(margin)} margin) but {parent} has {human_bytes(free)} free; "
             "free some space or choose an output on another disk."
         )
 
@@ -52,19 +50,28 @@ class OutputFolder:
     def __init__(self, out: Path) -> None:
         self.out = Path(out).absolute()
         self.parent = self.out.parent
-        if not self.parent.exists():
-            try:
-                self.parent.mkdir(parents=True)
-            except OSError as err:
-                raise MergeError(
-                    f"Cannot create {self.parent} ({err.strerror}); choose an output folder you can write to."
-                ) from None
         self.tmp = self.parent / f".{self.out.name}{PARTIAL_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._made: list[Path] = []  # parent folders we created, removed again on abort
+
+    def existing_ancestor(self) -> Path:
+        path = self.parent
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        return path
 
     def create(self) -> Path:
+        missing = []
+        path = self.parent
+        while not path.exists() and path != path.parent:
+            missing.append(path)
+            path = path.parent
         try:
+            for folder in reversed(missing):
+                folder.mkdir()
+                self._made.append(folder)
             self.tmp.mkdir()
         except OSError as err:
+            self.abort()
             raise MergeError(
                 f"Cannot write in {self.parent} ({err.strerror}); choose an output folder you can write to."
             ) from None
@@ -72,6 +79,12 @@ class OutputFolder:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+        for folder in reversed(self._made):
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        self._made.clear()
 
     def finalize(self, fsync: bool = True) -> None:
         if fsync:

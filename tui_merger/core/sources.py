@@ -5,6 +5,7 @@ tensor on demand. Safetensors are mmap'd; ``.bin`` files go through ``torch.load
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +148,7 @@ def find_weight_files(folder: Path) -> list[str]:
         return ["model.safetensors"]
     shards = sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("adapter_"))
     if shards:
+        _check_shard_set(folder, shards)
         return shards
     if (folder / BIN_INDEX).is_file():
         return _index_files(folder / BIN_INDEX)
@@ -155,10 +157,37 @@ def find_weight_files(folder: Path) -> list[str]:
     return []
 
 
+_SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
+
+
+def _check_shard_set(folder: Path, shards: list[str]) -> None:
+    """Without an index, shard names like model-00002-of-00003 still say how many there must be."""
+    counts = {}
+    for name in shards:
+        m = _SHARD_NAME.search(name)
+        if m:
+            counts.setdefault((name[: m.start()], int(m.group(2))), set()).add(int(m.group(1)))
+    for (stem, total), present in counts.items():
+        missing = sorted(set(range(1, total + 1)) - present)
+        if missing:
+            width = len(_SHARD_NAME.search(shards[0]).group(2))
+            names = ", ".join(f"{stem}-{i:0{width}d}-of-{total:0{width}d}.safetensors" for i in missing[:3])
+            raise MergeError(
+                f"{folder} is missing shard(s) {names} (and has no index file); "
+                "the weights are incomplete: copy the whole folder again."
+            )
+
+
+def not_a_folder(path: Path, flag: str, what: str) -> MergeError:
+    if path.is_file():
+        return MergeError(f"{path} is a file; {flag} wants the {what} folder that holds it ({path.parent}).")
+    return MergeError(f"The {what} folder {path} does not exist; check the path.")
+
+
 def open_model(folder: Path) -> TensorSource:
     folder = Path(folder)
     if not folder.is_dir():
-        raise MergeError(f"The base model folder {folder} does not exist; check the path.")
+        raise not_a_folder(folder, "--base", "base model")
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
         raise MergeError(
             f"{folder} is a LoRA adapter, not a base model; pass the full model it was trained on as the base."
