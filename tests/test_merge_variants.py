@@ -243,3 +243,25 @@ def test_sharded_output_index_is_complete(tmp_path):
                 total += t.numel() * t.element_size()
     assert index["metadata"]["total_size"] == total
     assert set(index["weight_map"]) == set(read_base(base))
+
+
+@pytest.mark.parametrize(
+    "adapter_kw",
+    [
+        dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True),
+        dict(target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"], ensure_weight_tying=True),
+        dict(target_modules=["embed_tokens", "q_proj"], ensure_weight_tying=True),
+    ],
+    ids=["mts-embed", "mts-both", "embedding-lora"],
+)
+def test_ensure_weight_tying_adapters(tmp_path, adapter_kw):
+    """peft >= 0.17 can keep the output embedding tied to a trained input embedding. The merged model
+    must behave like the unmerged one (peft's own merge_and_unload adds a tied LoRA delta twice here,
+    so it is not the reference) and both embeddings must hold the same values."""
+    _, out, _, probe, ref_logits, _, _ = _tied_case(tmp_path, adapter_kw)
+    ours = read_output(out)
+    if "lm_head.weight" in ours:
+        assert torch.equal(ours["lm_head.weight"], ours["model.embed_tokens.weight"])
+    got = logits_of(out, probe)
+    scale = ref_logits.abs().max().item()
+    torch.testing.assert_close(got, ref_logits, atol=1e-5 * max(scale, 1.0), rtol=0)

@@ -1,3 +1,3 @@
-from tui_merger.cli import main
+from tui_merger.cli import entry
 
-raise SystemExit(main())
+entry()

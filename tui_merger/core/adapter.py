@@ -158,7 +158,9 @@ def _group(adapter: PeftAdapter) -> None:
         else:
             # modules_to_save copies are usually saved as plain "<module>.<param>"
             mod, _, _param = name.rpartition(".")
-            if mod and any(mod == s or mod.endswith("." + s) for s in save_names):
+            # with ensure_weight_tying peft also saves the output embedding tied to a trained input one
+            tied_head = bool(adapter.config.get("ensure_weight_tying")) and mod.endswith("lm_head")
+            if mod and (tied_head or any(mod == s or mod.endswith("." + s) for s in save_names)):
                 adapter.replacements[name] = ref
             else:
                 leftovers.append(key)

@@ -126,7 +126,9 @@ def _write(
     clamped = []
     ws = Workspace()
     for shard_name, tensors in plan.shards:
-        writer = SafetensorsWriter(tmp / shard_name, [(t.name, t.dtype, t.shape) for t in tensors])
+        writer = SafetensorsWriter(
+            tmp / shard_name, [(t.name, t.dtype, t.shape) for t in tensors], early_writeback=fsync
+        )
         try:
             for t in tensors:
                 cancel.raise_if_cancelled()
