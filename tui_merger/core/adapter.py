@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.files import read_json_object
 from tui_merger.core.sources import TensorRef, TensorSource, not_a_folder
 
 PEFT_PREFIX = "base_model.model."
@@ -96,12 +96,7 @@ def _read_config(folder: Path) -> dict:
             f"{folder} has no adapter_config.json, so it is not a PEFT adapter folder.{hint} "
             "Point --adapter at the folder that peft's save_pretrained wrote."
         )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise MergeError(f"{path} is not valid JSON ({err}); fix or re-save the adapter.") from None
-    if not isinstance(config, dict):
-        raise MergeError(f"{path} does not hold a JSON object; re-save the adapter.")
+    config = read_json_object(path, "fix or re-save the adapter")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise MergeError(

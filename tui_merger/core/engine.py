@@ -105,6 +105,22 @@ def _os_error(err: OSError, options: MergeOptions) -> MergeError:
     return MergeError(f"Writing {options.out} failed: {err.strerror or err}; the partial output was removed.")
 
 
+def _copy_alignment(tensors) -> int | None:
+    """Where in a 4 KiB page this shard's data should start so that the largest copied tensor keeps
+    the page offset it has in its source file: copy_file_range is ~2.4x slower between misaligned
+    offsets. Tensors following it in the same source file then line up as well."""
+    best, rel, offset = None, 0, 0
+    for t in tensors:
+        if t.raw_copy and (best is None or t.nbytes > best[0]):
+            raw = t.source.source.raw_range(t.source)
+            if raw is not None:
+                best, rel = (t.nbytes, raw[1]), offset
+        offset += t.nbytes
+    if best is None:
+        return None
+    return (best[1] - rel) % 4096
+
+
 def _write(
     plan: TensorPlan,
     tmp,
@@ -127,7 +143,10 @@ def _write(
     ws = Workspace()
     for shard_name, tensors in plan.shards:
         writer = SafetensorsWriter(
-            tmp / shard_name, [(t.name, t.dtype, t.shape) for t in tensors], early_writeback=fsync
+            tmp / shard_name,
+            [(t.name, t.dtype, t.shape) for t in tensors],
+            early_writeback=fsync,
+            data_align=_copy_alignment(tensors),
         )
         try:
             for t in tensors:
@@ -147,7 +166,8 @@ def _write(
                         clamped.append(t.name)
                     writer.write_tensor(t.name, tensor)
                     del tensor
-                t.source.release()
+                for ref in t.inputs():
+                    ref.release()
                 weight_map[t.name] = shard_name
                 done += 1
                 done_bytes += t.nbytes

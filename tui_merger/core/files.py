@@ -40,6 +40,17 @@ def has_tokenizer(folder: Path) -> bool:
     return any((folder / f).is_file() for f in TOKENIZER_MARKERS)
 
 
+def read_json_object(path: Path, fix: str) -> dict:
+    """A JSON file that must hold an object; ``fix`` ends the error sentence ('re-save the adapter')."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MergeError(f"{path} is not valid JSON ({err}); {fix}.") from None
+    if not isinstance(data, dict):
+        raise MergeError(f"{path} does not hold a JSON object; {fix}.")
+    return data
+
+
 def read_config(base: Path) -> dict:
     path = base / "config.json"
     if not path.is_file():
@@ -47,13 +58,7 @@ def read_config(base: Path) -> dict:
             f"{base} has no config.json, so it is not a Hugging Face model folder; "
             "point the base at the folder that holds config.json and the weights."
         )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise MergeError(f"{path} is not valid JSON ({err}); copy it again from the original model.") from None
-    if not isinstance(config, dict):
-        raise MergeError(f"{path} does not hold a JSON object; copy it again from the original model.")
-    return config
+    return read_json_object(path, "copy it again from the original model")
 
 
 def edited_config(config: dict, changes: dict, dtype: str | None) -> dict:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tui_merger.core.adapter import LoraModule, PeftAdapter
 from tui_merger.core.errors import MergeError
-from tui_merger.core.safetensors_io import FLOAT_DTYPES, itemsize
+from tui_merger.core.safetensors_io import FLOAT_DTYPES, itemsize, nbytes_of
 from tui_merger.core.sources import TensorRef, TensorSource
 
 INPUT_EMBEDDING_SUFFIXES = (
@@ -63,18 +63,19 @@ class OutputTensor:
 
     @property
     def nbytes(self) -> int:
-        n = itemsize(self.dtype)
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes_of(self.dtype, self.shape)
 
     @property
     def raw_copy(self) -> bool:
         """Untouched and same dtype: bytes are copied as they are."""
         return not self.ops and self.dtype == self.source.dtype
 
-    def signature(self):
-        return (self.source.file, self.source.name, tuple(self.ops))
+    def inputs(self) -> list[TensorRef]:
+        """Every tensor read to make this one."""
+        refs = [self.source]
+        for op in self.ops:
+            refs.extend(getattr(op, f) for f in ("A", "B", "magnitude", "bias", "rows") if getattr(op, f, None))
+        return refs
 
 
 @dataclass

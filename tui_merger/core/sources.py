@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
-from tui_merger.core.safetensors_io import SafetensorsFile
+from tui_merger.core.safetensors_io import SafetensorsFile, nbytes_of
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,7 @@ class TensorRef:
 
     @property
     def nbytes(self) -> int:
-        from tui_merger.core.safetensors_io import itemsize
-
-        n = itemsize(self.dtype)
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes_of(self.dtype, self.shape)
 
     def load(self):
         return self.source.load(self)
@@ -60,7 +55,8 @@ class TensorSource:
         if fname.endswith(".safetensors"):
             st = SafetensorsFile(path)
             self._st[fname] = st
-            for name, info in st.tensors.items():
+            # in file order, so that reading and copying run forward through each file
+            for name, info in sorted(st.tensors.items(), key=lambda kv: kv[1].start):
                 self._add(TensorRef(self, fname, name, info.dtype, info.shape))
         else:
             for name, tensor in self._load_bin(fname).items():
