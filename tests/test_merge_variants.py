@@ -265,3 +265,33 @@ def test_ensure_weight_tying_adapters(tmp_path, adapter_kw):
     got = logits_of(out, probe)
     scale = ref_logits.abs().max().item()
     torch.testing.assert_close(got, ref_logits, atol=1e-5 * max(scale, 1.0), rtol=0)
+
+
+def test_classifier_on_a_tied_base_gets_no_lm_head(tmp_path):
+    """A reward/classification model keeps tie_word_embeddings from its LM config but has no lm_head:
+    an embedding LoRA must not invent one."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    config = qwen_config(tie_word_embeddings=True, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "base")
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], task_type="SEQ_CLS", init_lora_weights=False)
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(torch.randn_like(p))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    run_merge(MergeOptions(base=tmp_path / "base", adapter=tmp_path / "adapter", out=tmp_path / "out"))
+    ours = read_output(tmp_path / "out")
+    assert "lm_head.weight" not in ours and "score.weight" in ours
+    probe = probe_ids()
+    ref = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    with torch.no_grad():
+        expected = ref(probe).logits
+        got = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")(probe).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -87,8 +87,10 @@ class OutputFolder:
         self._made.clear()
 
     def finalize(self, fsync: bool = True) -> None:
-        if fsync:
-            _fsync_dir(self.tmp)
+        if fsync:  # every file and folder durable before the rename makes them look finished
+            for path in sorted(self.tmp.rglob("*"), reverse=True):
+                _fsync_path(path)
+            _fsync_path(self.tmp)
         old = None
         if self.out.exists():
             if self.out.is_dir() and not any(self.out.iterdir()):
@@ -98,12 +100,12 @@ class OutputFolder:
                 os.rename(self.out, old)
         os.rename(self.tmp, self.out)
         if fsync:
-            _fsync_dir(self.parent)
+            _fsync_path(self.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -97,6 +97,16 @@ def _find_input_embedding(names: dict[str, TensorRef], vocab_size) -> str | None
     return found[0] if found else None
 
 
+LM_HEAD_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM", "ForImageTextToText")
+
+
+def _has_lm_head(config: dict) -> bool:
+    """Whether the model class has an output embedding that can be tied (a classifier or reward
+    model built on a tied LM keeps tie_word_embeddings in its config but has no lm_head)."""
+    archs = config.get("architectures") or []
+    return not archs or any(str(a).endswith(LM_HEAD_ARCHITECTURES) for a in archs)
+
+
 class _Resolver:
     """Maps adapter module names onto base tensor names, tolerating a leading prefix difference
     (e.g. ``transformer.h.0`` in the adapter and ``h.0`` in an old GPT-2 checkpoint)."""
@@ -109,7 +119,7 @@ class _Resolver:
         key = f"{module}.{param}"
         if key in self.names:
             return key
-        head, _, rest = key.partition(".")
+        rest = key.partition(".")[2]
         if rest in self.names:
             return rest
         for prefix in self.prefixes:
@@ -136,7 +146,7 @@ def build_plan(
     tie = base_config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings"))
     embed_name = _find_input_embedding(names, vocab_size)
     virtual_head = False
-    if embed_name and OUTPUT_EMBEDDING not in names and tie is not False:
+    if embed_name and OUTPUT_EMBEDDING not in names and tie is not False and _has_lm_head(base_config):
         names[OUTPUT_EMBEDDING] = names[embed_name]
         order.append(OUTPUT_EMBEDDING)
         virtual_head = True
