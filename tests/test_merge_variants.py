@@ -295,3 +295,20 @@ def test_classifier_on_a_tied_base_gets_no_lm_head(tmp_path):
         expected = ref(probe).logits
         got = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")(probe).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_adapter_saved_as_bin(tmp_path):
+    """Older trainers save adapter_model.bin (a torch.save'd dict); it merges like the safetensors one."""
+    from safetensors.torch import load_file
+
+    base = save_base(tmp_path / "base", qwen_config())
+    adapter = save_adapter(tmp_path / "adapter", base, target_modules=ALL_LINEAR)
+    ref_logits, ref_state, _ = reference(base, adapter, probe=probe_ids())
+    state = load_file(adapter / "adapter_model.safetensors")
+    (adapter / "adapter_model.safetensors").unlink()
+    torch.save(state, adapter / "adapter_model.bin")
+    run_merge(MergeOptions(base=base, adapter=adapter, out=tmp_path / "out"))
+    ours = read_output(tmp_path / "out")
+    for name in ours:
+        assert torch.equal(ours[name], ref_state[name]), name
+    torch.testing.assert_close(logits_of(tmp_path / "out", probe_ids()), ref_logits, atol=1e-5, rtol=0)
