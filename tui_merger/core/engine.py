@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import json
+import queue
+import threading
 import time
 
 from tui_merger.core.adapter import open_adapter
@@ -121,6 +123,33 @@ def _copy_alignment(tensors) -> int | None:
     return (best[1] - rel) % 4096
 
 
+class _Copier(threading.Thread):
+    """Copies the untouched tensors (kernel-side byte copies, no torch needed) while the main thread
+    imports torch and computes the merged ones. Only the main thread reports progress."""
+
+    def __init__(self, jobs, cancel: CancelToken) -> None:
+        super().__init__(name="tui-merger-copier", daemon=True)
+        self.jobs = jobs  # [(writer, tensor, (fd, offset, length))]
+        self.cancel = cancel
+        self.finished: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for writer, t, raw in self.jobs:
+                if self._halt.is_set() or self.cancel.cancelled:
+                    return
+                writer.copy_from(t.name, *raw)
+                self.finished.put(t)
+        except BaseException as err:  # handed to the main thread
+            self.error = err
+
+    def halt(self) -> None:
+        self._halt.set()
+        self.join()
+
+
 def _write(
     plan: TensorPlan,
     tmp,
@@ -136,50 +165,83 @@ def _write(
     on_event(
         PhaseStarted("merge", f"Merging {plan.merged_modules} tensors, copying {total - plan.merged_modules}")
     )
-    done = 0
-    done_bytes = 0
-    weight_map: dict[str, str] = {}
+    progress = {"done": 0, "bytes": 0}
+
+    def report(t) -> None:
+        cancel.raise_if_cancelled()
+        progress["done"] += 1
+        progress["bytes"] += t.nbytes
+        on_event(TensorProgress(t.name, progress["done"], total, progress["bytes"], total_bytes))
+
     clamped = []
     ws = Workspace()
-    for shard_name, tensors in plan.shards:
-        writer = SafetensorsWriter(
-            tmp / shard_name,
-            [(t.name, t.dtype, t.shape) for t in tensors],
-            early_writeback=fsync,
-            data_align=_copy_alignment(tensors),
-        )
-        try:
+    writers: dict[str, SafetensorsWriter] = {}
+    copier = None
+    try:
+        copy_jobs, compute_jobs = [], []
+        for shard_name, tensors in plan.shards:
+            writer = SafetensorsWriter(
+                tmp / shard_name,
+                [(t.name, t.dtype, t.shape) for t in tensors],
+                early_writeback=fsync,
+                data_align=_copy_alignment(tensors),
+            )
+            writers[shard_name] = writer
             for t in tensors:
-                cancel.raise_if_cancelled()
                 raw = t.source.source.raw_range(t.source) if t.raw_copy else None
                 if raw is not None:
-                    writer.copy_from(t.name, *raw)
+                    copy_jobs.append((writer, t, raw))
                 else:
-                    tensor = compute(t, ws=ws)
-                    if fp16_overflows(tensor, t):
-                        if not options.force_fp16_overflow:
-                            raise MergeError(
-                                f"{t.name} has values beyond float16's range (65504); the fp16 output would "
-                                "hold inf. Use --dtype bf16 or fp32, or --force to clamp the values."
-                            )
-                        tensor = compute(t, clamp=True, ws=ws)
-                        clamped.append(t.name)
-                    writer.write_tensor(t.name, tensor)
-                    del tensor
-                for ref in t.inputs():
-                    ref.release()
-                weight_map[t.name] = shard_name
-                done += 1
-                done_bytes += t.nbytes
-                on_event(TensorProgress(t.name, done, total, done_bytes, total_bytes))
+                    compute_jobs.append((writer, t))
+        copier = _Copier(copy_jobs, cancel)
+        copier.start()
+
+        def drain() -> None:
+            while True:
+                try:
+                    report(copier.finished.get_nowait())
+                except queue.Empty:
+                    break
+            if copier.error is not None:
+                raise copier.error
+
+        for writer, t in compute_jobs:
+            cancel.raise_if_cancelled()
+            drain()
+            tensor = compute(t, ws=ws)
+            if fp16_overflows(tensor, t):
+                if not options.force_fp16_overflow:
+                    raise MergeError(
+                        f"{t.name} has values beyond float16's range (65504); the fp16 output would "
+                        "hold inf. Use --dtype bf16 or fp32, or --force to clamp the values."
+                    )
+                tensor = compute(t, clamp=True, ws=ws)
+                clamped.append(t.name)
+            writer.write_tensor(t.name, tensor)
+            del tensor
+            for ref in t.inputs():
+                ref.release()
+            report(t)
+        while copier.is_alive():
+            try:
+                report(copier.finished.get(timeout=0.1))
+            except queue.Empty:
+                cancel.raise_if_cancelled()
+        drain()
+        cancel.raise_if_cancelled()
+        for shard_name, writer in writers.items():
             writer.close(fsync=fsync)
-        except BaseException:
+            result.shards.append(shard_name)
+    except BaseException:
+        if copier is not None:
+            copier.halt()
+        for writer in writers.values():
             writer.abort()
-            raise
-        result.shards.append(shard_name)
+        raise
     if clamped:
         notice("warning", f"Clamped values beyond float16's range in {len(clamped)} tensors ({clamped[0]}, ...).")
     if len(plan.shards) > 1:
+        weight_map = {t.name: shard_name for shard_name, tensors in plan.shards for t in tensors}
         index = {
             "metadata": {"total_size": total_bytes},
             "weight_map": dict(sorted(weight_map.items())),
