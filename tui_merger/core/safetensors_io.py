@@ -173,16 +173,20 @@ class SafetensorsFile:
         return flat.view(info.shape)
 
     def release(self, name: str) -> None:
-        """Drop the pages of one tensor from this process's memory (they stay in the page cache)."""
+        """Drop the pages of one tensor from this process's memory (they stay in the page cache).
+
+        The range is widened by 2 MiB on each side: a page fault maps cached neighbour pages too
+        (fault-around, large folios), and releasing only the tensor's own pages let memory creep up
+        by ~25 MB per GB of model. Dropping a neighbour's pages only costs a minor fault later."""
         if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         info = self.tensors[name]
-        page = mmap.PAGESIZE
-        start = (info.start // page) * page
-        length = info.end - start
-        if length > 0:
+        window = 2 << 20
+        start = max(0, (info.start // window - 1) * window)
+        end = min(len(self._mmap), (-(-info.end // window) + 1) * window)
+        if end > start:
             try:
-                self._mmap.madvise(mmap.MADV_DONTNEED, start, length)
+                self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
             except (OSError, ValueError):
                 pass
 
