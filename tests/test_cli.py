@@ -107,3 +107,35 @@ def test_demo_refuses_a_foreign_workspace(tmp_path):
     proc = run_cli("demo", "--workspace", tmp_path / "ws")
     assert proc.returncode == 1 and "not a tui-merger demo folder" in proc.stderr
     assert (tmp_path / "ws" / "thesis.tex").read_text() == "precious"
+
+
+def test_merge_on_a_terminal_draws_a_progress_bar(pair, tmp_path):
+    """On a terminal stderr gets rich's live bar instead of plain lines."""
+    import pty
+
+    base, adapter = pair
+    master, slave = pty.openpty()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "TERM": "xterm-256color", "COLUMNS": "100"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tui_merger", "merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "o")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=env,
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out, _ = proc.communicate(timeout=120)
+    os.close(master)
+    screen = b"".join(chunks).decode("utf-8", "replace")
+    assert proc.returncode == 0, screen
+    assert "━" in screen and "[merge]" not in screen  # a bar, not the plain lines
+    assert b"Merged model written to" in out
