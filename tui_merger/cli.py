@@ -31,14 +31,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = sub.add_parser(
         "merge",
-        help="merge a PEFT LoRA adapter into its base model",
-        description="Merge a PEFT LoRA adapter into its base model and write a complete Hugging Face model folder.",
+        help="merge a LoRA adapter into its base model, or turn a verl FSDP checkpoint into a model",
+        description="Write a complete Hugging Face model folder from a base model + PEFT LoRA adapter "
+        "(--base, --adapter) or from a verl FSDP checkpoint (CHECKPOINT or --local_dir; its LoRA, if any, "
+        "is merged into the weights). verl's model_merger flags are accepted as users type them.",
     )
-    merge.add_argument("--base", required=True, type=Path, help="base model folder (config.json + weights)")
-    merge.add_argument("--adapter", required=True, type=Path, help="PEFT adapter folder (adapter_config.json)")
-    merge.add_argument("--out", required=True, type=Path, help="output folder (created; must be empty)")
+    merge.add_argument("checkpoint", nargs="?", type=Path, help="a verl checkpoint: run, global_step_N or actor folder")
+    merge.add_argument("--base", type=Path, help="base model folder (config.json + weights)")
+    merge.add_argument("--adapter", type=Path, help="PEFT adapter folder (adapter_config.json)")
+    merge.add_argument("--out", "--target_dir", dest="out", type=Path, help="output folder (created; must be empty)")
+    merge.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
+    merge.add_argument("--backend", choices=["auto", "fsdp", "megatron"], default="auto", help="checkpoint format")
+    merge.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
+    merge.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic: write a TokenClassification model")
+    merge.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help="keep one embedding for input and output when they are equal")
+    merge.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", help=argparse.SUPPRESS)
+    merge.add_argument("--private", action="store_true", help=argparse.SUPPRESS)
+    merge.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help="accepted for verl compatibility; tui-merger never runs model code")
+    merge.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
     _add_write_options(merge)
     merge.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    test = sub.add_parser(
+        "test",
+        help="compare what a checkpoint merges to with a reference model (verl's model_merger test)",
+        description="Check that the model tui-merger makes from a checkpoint has the reference model's tensor "
+        "names, shapes and dtypes, and close values. Writes nothing.",
+    )
+    test.add_argument("checkpoint", nargs="?", type=Path, help="a verl checkpoint: run, global_step_N or actor folder")
+    test.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
+    test.add_argument("--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", type=Path, required=True, help="the reference Hugging Face model folder")
+    test.add_argument("--backend", choices=["auto", "fsdp", "megatron"], default="auto", help="checkpoint format")
+    test.add_argument("--base", type=Path, help="base model, for checkpoints saved with save_lora_only")
+    test.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
+    test.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic")
+    test.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help=argparse.SUPPRESS)
+    test.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype to compare in (default: the checkpoint config's)")
+    test.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help=argparse.SUPPRESS)
+    test.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     demo = sub.add_parser(
         "demo",
@@ -78,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "merge":
             return cmd_merge(args)
+        if args.command == "test":
+            return cmd_test(args)
         if args.command == "demo":
             from tui_merger.demo import cmd_demo
 
@@ -142,8 +174,27 @@ def print_result(result, stream=None) -> None:
 
 
 def cmd_merge(args) -> int:
+    from tui_merger.core.errors import MergeError
     from tui_merger.core.options import MergeOptions
 
+    checkpoint = args.checkpoint or args.local_dir
+    if args.checkpoint and args.local_dir and args.checkpoint != args.local_dir:
+        raise MergeError("Give the checkpoint once: either as CHECKPOINT or with --local_dir.")
+    if args.hf_upload_path:
+        raise MergeError(
+            "Uploading to the Hub (--hf_upload_path) is not available yet; run the merge without it, then "
+            f"upload the folder with: huggingface-cli upload {args.hf_upload_path} OUT"
+        )
+    if checkpoint is not None:
+        if args.adapter is not None:
+            raise MergeError("--adapter is for PEFT adapter folders; a checkpoint carries its LoRA itself.")
+        _check_backend(checkpoint, args.backend)
+    elif args.base is None or args.adapter is None:
+        raise MergeError(
+            "Say what to merge: --base MODEL --adapter ADAPTER, or a verl checkpoint folder (CHECKPOINT or --local_dir)."
+        )
+    if args.out is None:
+        raise MergeError("Say where to write the merged model with --out (or --target_dir).")
     options = MergeOptions(
         base=args.base,
         adapter=args.adapter,
@@ -153,7 +204,59 @@ def cmd_merge(args) -> int:
         tokenizer_from=args.tokenizer_from or "auto",
         overwrite=args.overwrite,
         force_fp16_overflow=args.force,
+        checkpoint=checkpoint,
+        lora_alpha=args.lora_alpha,
+        is_value_model=args.is_value_model,
+        tie_word_embedding=args.tie_word_embedding,
     )
     result = run_with_progress(options, plain=args.plain)
     print_result(result)
+    return 0
+
+
+def _check_backend(checkpoint: Path, backend: str) -> None:
+    from tui_merger.core.errors import MergeError
+
+    megatron = any(
+        (checkpoint / p).exists()
+        for p in ("dist_ckpt", "model/dist_ckpt", "model/mp_rank_00", "actor/dist_ckpt", "actor/model")
+    )
+    if backend == "megatron" or (backend == "auto" and megatron):
+        raise MergeError(
+            f"{checkpoint} is a Megatron checkpoint; tui-merger reads verl FSDP checkpoints and PEFT adapters "
+            "today, Megatron support is coming."
+        )
+
+
+def cmd_test(args) -> int:
+    from tui_merger.console import PlainProgress
+    from tui_merger.core.compare import compare_with_reference
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.options import MergeOptions
+
+    checkpoint = args.checkpoint or args.local_dir
+    if checkpoint is None:
+        raise MergeError("Say which checkpoint to test: CHECKPOINT or --local_dir.")
+    _check_backend(checkpoint, args.backend)
+    options = MergeOptions(
+        base=args.base,
+        checkpoint=checkpoint,
+        dtype=args.dtype,
+        lora_alpha=args.lora_alpha,
+        is_value_model=args.is_value_model,
+        tie_word_embedding=args.tie_word_embedding,
+    )
+    report = compare_with_reference(options, args.test_hf_dir, PlainProgress())
+    if report.problems:
+        for line in report.problems[:20]:
+            print(f"  {line}", file=sys.stderr)
+        more = f" (and {len(report.problems) - 20} more)" if len(report.problems) > 20 else ""
+        raise MergeError(
+            f"{len(report.problems)} difference(s) from {args.test_hf_dir}{more}; the checkpoint does not "
+            "reproduce the reference model."
+        )
+    print(
+        f"The checkpoint matches {args.test_hf_dir}: {report.compared} tensors, same names, shapes and dtypes, "
+        f"max abs diff {report.max_abs_diff:.3g}."
+    )
     return 0

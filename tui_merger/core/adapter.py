@@ -63,7 +63,7 @@ class LoraModule:
 class PeftAdapter:
     folder: Path
     config: dict
-    source: TensorSource
+    source: TensorSource | None
     lora: dict[str, LoraModule] = field(default_factory=dict)
     # full replacement tensors (modules_to_save, saved embedding base layers): param name -> ref
     replacements: dict[str, TensorRef] = field(default_factory=dict)
@@ -81,7 +81,21 @@ class PeftAdapter:
         return bool(self.config.get("use_dora", False))
 
     def close(self) -> None:
-        self.source.close()
+        if self.source is not None:
+            self.source.close()
+
+
+def empty_adapter(folder: Path) -> PeftAdapter:
+    """No adapter: a full-weights checkpoint is converted as it is."""
+    return PeftAdapter(folder=Path(folder), config={}, source=None)
+
+
+def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
+    """An adapter whose LoRA tensors live in another container (e.g. a verl FSDP checkpoint)."""
+    adapter = PeftAdapter(folder=Path(folder), config=config, source=source)
+    _group(adapter)
+    _resolve_scales(adapter)
+    return adapter
 
 
 def _read_config(folder: Path) -> dict:

@@ -12,7 +12,6 @@ import queue
 import threading
 import time
 
-from tui_merger.core.adapter import open_adapter
 from tui_merger.core.errors import MergeError
 from tui_merger.core.events import (
     CancelToken,
@@ -23,13 +22,13 @@ from tui_merger.core.events import (
     TensorProgress,
     ignore_event,
 )
-from tui_merger.core.files import copy_files, edited_config, plan_files, read_config
+from tui_merger.core.files import copy_files, edited_config
+from tui_merger.core.inputs import open_inputs, paths_of
 from tui_merger.core.merge_math import Workspace, compute, fp16_overflows
 from tui_merger.core.options import MergeOptions, MergeResult
 from tui_merger.core.output import OutputFolder, check_space, check_target
 from tui_merger.core.plan import TensorPlan, build_plan
 from tui_merger.core.safetensors_io import SafetensorsWriter
-from tui_merger.core.sources import open_model
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -49,21 +48,19 @@ def run_merge(
             result.warnings.append(message)
         on_event(Notice(level, message))
 
-    on_event(PhaseStarted("plan", "Reading the base model and the adapter"))
-    check_target(options.out, [options.base, options.adapter], options.overwrite)
-    base = open_model(options.base)
-    adapter = None
+    if options.out is None:
+        raise MergeError("Say where to write the merged model (--out).")
+    on_event(PhaseStarted("plan", "Reading the inputs"))
+    check_target(options.out, paths_of(options), options.overwrite)
+    inputs = open_inputs(options)
     try:
-        adapter = open_adapter(options.adapter)
-        for message in adapter.notices:
+        for message in inputs.notices:
             notice("warning", message)
-        config = read_config(options.base)
-        plan = build_plan(base, adapter, config, options.dtype, options.shard_size)
-        files = plan_files(options.base, options.adapter, config, options.tokenizer_from)
-        for message in files.notices:
-            notice("warning", message)
-        result.tokenizer_source = files.tokenizer_source
-        result.config_changes = dict(plan.config_changes)
+        dtype = options.dtype or inputs.dtype
+        config = {**inputs.config, **inputs.config_changes}
+        plan = build_plan(inputs.base, inputs.adapter, config, dtype, options.shard_size)
+        result.tokenizer_source = inputs.files.tokenizer_source
+        result.config_changes = {**inputs.config_changes, **plan.config_changes}
         folder = OutputFolder(options.out)
         cancel.raise_if_cancelled()
         tmp = folder.create()  # first: a read-only place is refused as such, not as "no space"
@@ -72,9 +69,9 @@ def run_merge(
             _write(plan, tmp, options, result, on_event, notice, cancel, fsync)
             cancel.raise_if_cancelled()
             on_event(PhaseStarted("files", "Writing config, tokenizer and the other files"))
-            out_config = edited_config(config, plan.config_changes, options.dtype)
+            out_config = edited_config(inputs.config, result.config_changes, dtype)
             (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
-            result.files = sorted(result.shards + ["config.json"] + copy_files(files, tmp))
+            result.files = sorted(result.shards + ["config.json"] + copy_files(inputs.files, tmp))
             if len(plan.shards) > 1:
                 result.files = sorted(result.files + [INDEX_NAME])
             on_event(PhaseStarted("finalize", f"Moving the finished model into {options.out}"))
@@ -86,9 +83,7 @@ def run_merge(
                 raise _os_error(err, options) from None
             raise
     finally:
-        base.close()
-        if adapter is not None:
-            adapter.close()
+        inputs.close()
     result.seconds = time.perf_counter() - started
     on_event(MergeFinished(result))
     return result
@@ -162,9 +157,11 @@ def _write(
 ) -> None:
     total_bytes = plan.total_bytes
     total = len(plan.tensors)
-    on_event(
-        PhaseStarted("merge", f"Merging {plan.merged_modules} tensors, copying {total - plan.merged_modules}")
-    )
+    if plan.merged_modules:
+        message = f"Merging {plan.merged_modules} tensors, copying {total - plan.merged_modules}"
+    else:
+        message = f"Writing {total} tensors"
+    on_event(PhaseStarted("merge", message))
     progress = {"done": 0, "bytes": 0}
 
     def report(t) -> None:

@@ -106,9 +106,9 @@ def plan_files(base: Path, adapter: Path, config: dict, tokenizer_from: str) -> 
         tok_dir, plan.tokenizer_source = base, "base"
     else:
         tok_dir = None
+        where = str(base) if base == adapter else f"{base} or {adapter}"
         plan.notices.append(
-            "Neither the base nor the adapter folder holds a tokenizer; the merged model has none "
-            "(copy one in before using it)."
+            f"No tokenizer found in {where}; the merged model has none (copy one in before using it)."
         )
     if tok_dir is not None:
         for name in TOKENIZER_FILES:

@@ -72,19 +72,26 @@ def normalize_dtype(text: str | None) -> str | None:
 
 @dataclass
 class MergeOptions:
-    base: Path
-    adapter: Path
-    out: Path
-    dtype: str | None = None  # None: keep each base tensor's dtype
+    base: Path | None = None  # a Hugging Face model folder
+    adapter: Path | None = None  # a PEFT adapter folder
+    out: Path | None = None
+    dtype: str | None = None  # None: the base's (each tensor's own; a checkpoint's saved config)
     shard_size: int = DEFAULT_SHARD_SIZE
     tokenizer_from: str = "auto"  # auto | base | adapter
     overwrite: bool = False
     force_fp16_overflow: bool = False  # clamp instead of refusing
+    checkpoint: Path | None = None  # a verl FSDP checkpoint (run, global_step_N or actor folder)
+    lora_alpha: float | None = None  # for checkpoints that do not record it
+    is_value_model: bool = False
+    tie_word_embedding: bool = False
 
     def __post_init__(self) -> None:
-        self.base = Path(self.base).expanduser()
-        self.adapter = Path(self.adapter).expanduser()
-        self.out = Path(self.out).expanduser()
+        for key in ("base", "adapter", "out", "checkpoint"):
+            value = getattr(self, key)
+            if value is not None:
+                setattr(self, key, Path(value).expanduser())
+        if self.checkpoint is None and (self.base is None or self.adapter is None):
+            raise MergeError("Give a base model and an adapter (--base and --adapter), or a checkpoint folder.")
         self.dtype = normalize_dtype(self.dtype)
         self.shard_size = parse_size(self.shard_size)
         if self.tokenizer_from not in ("auto", "base", "adapter"):
@@ -94,8 +101,8 @@ class MergeOptions:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        for key in ("base", "adapter", "out"):
-            data[key] = str(data[key])
+        for key in ("base", "adapter", "out", "checkpoint"):
+            data[key] = None if data[key] is None else str(data[key])
         return data
 
 

@@ -254,7 +254,7 @@ def build_plan(
     for name in order:
         src = sources[name]
         tensors.append(OutputTensor(name, src, out_dtype_for(name, src), tuple(src.shape), ops[name]))
-    merged = sum(1 for t in tensors if t.ops or t.source.source is not base)
+    merged = sum(1 for t in tensors if t.ops or base.tensors.get(t.name) is not t.source)
 
     # a resized vocabulary (modules_to_save or saved embedding layers) must reach config.json
     final = {t.name: t for t in tensors}

@@ -1,0 +1,287 @@
+"""verl FSDP checkpoints: find the rank files, read them safely, reassemble full tensors one at a time.
+
+Layout (verl): ``<run>/latest_checkpointed_iteration.txt``, ``<run>/global_step_N/{actor,critic}/``
+(the SFT trainer writes straight into ``global_step_N/``) holding ``model_world_size_W_rank_R.pt``,
+``optim_...``, ``extra_state_...``, ``fsdp_config.json``, ``huggingface/`` and, for LoRA runs,
+``lora_train_meta.json`` or ``lora_adapter/adapter_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+from tui_merger.core.sources import TensorRef, not_a_folder
+from tui_merger.core.torch_pickle import Record, TorchFile, WrapperTensor, load_state_dict
+
+RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class FsdpLayout:
+    folder: Path  # the folder holding the rank files
+    world_size: int
+    rank_files: list[Path]
+    role: str  # "actor", "critic" or "sft"
+    step: int | None = None
+    fsdp_version: int | None = None
+    hf_dir: Path | None = None
+    notices: list[str] = field(default_factory=list)
+
+
+def _rank_files(folder: Path) -> dict[int, dict[int, Path]]:
+    found: dict[int, dict[int, Path]] = {}
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return found
+    for p in entries:
+        m = RANK_FILE.match(p.name)
+        if m:
+            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
+    return found
+
+
+def _step_of(path: Path) -> int | None:
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def find_fsdp_checkpoint(path: Path) -> FsdpLayout:
+    """Resolve a run folder, a global_step folder or an actor/critic folder to its rank files."""
+    path = Path(path)
+    if not path.is_dir():
+        raise not_a_folder(path, "--local_dir", "checkpoint")
+    folder = path
+    notices = []
+    if not _rank_files(folder):
+        latest = folder / "latest_checkpointed_iteration.txt"
+        steps = sorted((s, p) for p in folder.iterdir() if p.is_dir() and (s := _step_of(p)) is not None)
+        if latest.is_file():
+            try:
+                n = int(latest.read_text().strip())
+            except ValueError:
+                raise MergeError(f"{latest} does not hold a step number; point at a global_step_N folder.") from None
+            folder = folder / f"global_step_{n}"
+            if not folder.is_dir():
+                raise MergeError(f"{latest} names step {n} but {folder} does not exist; point at an existing step.")
+        elif steps:
+            folder = steps[-1][1]
+            notices.append(f"Using the newest checkpoint, {folder.name}.")
+        if not _rank_files(folder):
+            for role in ("actor", "critic"):
+                if _rank_files(folder / role):
+                    if role == "actor" and _rank_files(folder / "critic"):
+                        notices.append(f"{folder} also has a critic; merging the actor (point at critic/ for it).")
+                    folder = folder / role
+                    break
+    groups = _rank_files(folder)
+    if not groups:
+        raise MergeError(
+            f"No verl FSDP model files (model_world_size_W_rank_R.pt) under {path}; "
+            "point at a run folder, a global_step_N folder or its actor/ folder."
+        )
+    if len(groups) > 1:
+        sizes = " and ".join(str(w) for w in sorted(groups))
+        raise MergeError(
+            f"{folder} mixes rank files of world sizes {sizes}; remove the files of the run that is not wanted."
+        )
+    (world, ranks), = groups.items()
+    missing = sorted(set(range(world)) - set(ranks))
+    if missing:
+        names = ", ".join(f"model_world_size_{world}_rank_{r}.pt" for r in missing[:3])
+        raise MergeError(f"{folder} is missing {names} of a {world}-rank checkpoint; copy the whole folder again.")
+    fsdp_version = None
+    cfg = folder / "fsdp_config.json"
+    if cfg.is_file():
+        try:
+            data = json.loads(cfg.read_text())
+            fsdp_version = data.get("FSDP_version")
+            if data.get("world_size") not in (None, world):
+                raise MergeError(
+                    f"{cfg} says world_size {data.get('world_size')} but the folder has {world} rank files; "
+                    "the folder mixes two runs."
+                )
+        except ValueError:
+            notices.append(f"{cfg} is not valid JSON; the world size was taken from the file names.")
+    role = folder.name if folder.name in ("actor", "critic") else "sft"
+    step = _step_of(folder.parent if role != "sft" else folder)
+    hf_dir = folder / "huggingface" if (folder / "huggingface").is_dir() else None
+    return FsdpLayout(folder, world, [ranks[r] for r in range(world)], role, step, fsdp_version, hf_dir, notices)
+
+
+@dataclass
+class _Part:
+    rank: int
+    local: object  # torch tensor (view on the rank file)
+
+
+@dataclass
+class _Entry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    dim: int | None  # concatenation dim, None for a single replicated copy
+    parts: list[_Part]
+
+
+def _placement_dims(value: WrapperTensor, path: Path, key: str):
+    spec = value.__dict__.get("_spec")
+    if spec is None or "_local_tensor" not in value.__dict__:
+        raise MergeError(f"{path}: {key} is a tensor subclass without its local shard; tui-merger cannot read it.")
+    mesh = spec.__dict__.get("mesh")
+    coords = getattr(mesh, "_coordinate_on_dim", None) if mesh is not None else None
+    placements = spec.__dict__.get("placements") or ()
+    kinds = []
+    for p in placements:
+        kind = p.kind if isinstance(p, Record) else type(p).__name__
+        if kind == "Shard":
+            kinds.append(("Shard", int(p.__dict__.get("dim", p.args[0] if p.args else 0))))
+        elif kind == "Replicate":
+            kinds.append(("Replicate", None))
+        else:
+            raise MergeError(f"{path}: {key} is sharded as {kind}, which tui-merger does not support yet.")
+    if coords is None or len(coords) != len(kinds):
+        raise MergeError(f"{path}: {key} does not record its place in the device mesh; tui-merger cannot reassemble it.")
+    return kinds, tuple(int(c) for c in coords)
+
+
+class FsdpSource:
+    """A TensorSource over the rank files: lists full tensors from pickled metadata, loads one full
+    tensor on demand by concatenating the ranks' local shards (views on the mmap'd files)."""
+
+    def __init__(self, layout: FsdpLayout) -> None:
+        self.layout = layout
+        self.folder = layout.folder
+        self.files: list[TorchFile] = []
+        self.entries: dict[str, _Entry] = {}
+        self.tensors: dict[str, TensorRef] = {}
+        try:
+            states = []
+            for path in layout.rank_files:
+                tf, state = load_state_dict(path)
+                self.files.append(tf)
+                states.append(state)
+            self._index(states)
+        except BaseException:
+            self.close()
+            raise
+
+    def _index(self, states) -> None:
+        first = states[0]
+        if "state" in first and "param_groups" in first:
+            raise MergeError(f"{self.layout.rank_files[0]} holds optimizer state, not model weights.")
+        for rank, state in enumerate(states[1:], start=1):
+            if set(state) != set(first):
+                raise MergeError(
+                    f"{self.layout.rank_files[rank]} holds different parameters than rank 0; "
+                    "the rank files come from different runs."
+                )
+        for key, v0 in first.items():
+            if isinstance(v0, WrapperTensor):
+                self.entries[key] = self._sharded(key, [s[key] for s in states])
+            elif isinstance(v0, Record):
+                raise MergeError(
+                    f"{self.layout.rank_files[0]}: {key} is a {v0.kind}, which tui-merger cannot read yet "
+                    "(only DTensor and plain tensors)."
+                )
+            elif hasattr(v0, "shape") and hasattr(v0, "dtype"):
+                dtype = str(v0.dtype).removeprefix("torch.")
+                self.entries[key] = _Entry(key, dtype, tuple(v0.shape), None, [_Part(0, v0)])
+            # other values (step counters, strings) are not weights
+        for key, entry in self.entries.items():
+            self.tensors[key] = TensorRef(self, "", key, entry.dtype, entry.shape)
+
+    def _sharded(self, key: str, values) -> _Entry:
+        dtype = str(values[0].dtype).removeprefix("torch.")
+        shape = tuple(values[0].size)
+        path = self.layout.rank_files[0]
+        shard_dims = None
+        chosen = []
+        for rank, v in enumerate(values):
+            kinds, coords = _placement_dims(v, self.layout.rank_files[rank], key)
+            dims = [d for kind, d in kinds if kind == "Shard"]
+            if len(set(dims)) > 1 or len(dims) > 1:
+                raise MergeError(f"{path}: {key} is sharded over several mesh dimensions; not supported yet.")
+            shard_dims = dims
+            # a replica: any Replicate mesh coordinate other than 0 holds a copy we do not need
+            if any(kind == "Replicate" and c != 0 for (kind, _), c in zip(kinds, coords)):
+                continue
+            order = next((c for (kind, _), c in zip(kinds, coords) if kind == "Shard"), 0)
+            chosen.append((order, rank, v.__dict__["_local_tensor"]))
+        chosen.sort()
+        if not shard_dims:
+            return _Entry(key, dtype, shape, None, [_Part(chosen[0][1], chosen[0][2])])
+        dim = shard_dims[0]
+        if [o for o, _, _ in chosen] != list(range(len(chosen))):
+            raise MergeError(f"{path}: the shards of {key} do not cover the mesh; a rank file is missing or stale.")
+        total = sum(t.shape[dim] for _, _, t in chosen)
+        if total != shape[dim]:
+            raise MergeError(
+                f"{key}: the rank files hold {total} of its {shape[dim]} rows along dim {dim}; "
+                "the checkpoint is incomplete."
+            )
+        return _Entry(key, dtype, shape, dim, [_Part(r, t) for _, r, t in chosen])
+
+    # -- TensorSource interface --------------------------------------------------------------------
+    def load(self, ref: TensorRef):
+        import torch
+
+        entry = self.entries[ref.name]
+        if entry.dim is None:
+            return entry.parts[0].local
+        return torch.cat([p.local for p in entry.parts], dim=entry.dim)
+
+    def raw_range(self, ref: TensorRef):
+        return None
+
+    def release(self, ref: TensorRef) -> None:
+        for tf in self.files:
+            tf.release_all()
+
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.tensors.values())
+
+    def close(self) -> None:
+        for tf in self.files:
+            tf.close()
+        self.files = []
+
+
+class RenamedSource:
+    """A view of another source under other names (PEFT keys -> plain model names)."""
+
+    def __init__(self, inner, mapping: dict[str, str]) -> None:
+        self.inner = inner
+        self.folder = getattr(inner, "folder", None)
+        self.tensors = {new: inner.tensors[old] for new, old in mapping.items()}
+
+    def load(self, ref):
+        return self.inner.load(ref)
+
+    def raw_range(self, ref):
+        return self.inner.raw_range(ref)
+
+    def release(self, ref) -> None:
+        self.inner.release(ref)
+
+    def close(self) -> None:
+        pass  # the inner source is closed by its owner
+
+
+def split_peft_keys(names) -> tuple[dict[str, str], dict[str, str]]:
+    """(base name -> key, adapter key -> key) for a PeftModel's state dict; plain names pass through."""
+    base, adapter = {}, {}
+    for key in names:
+        if ".lora_" in key:
+            adapter[key] = key
+            continue
+        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        name = name.replace(".base_layer.", ".")
+        base[name] = key
+    return base, adapter

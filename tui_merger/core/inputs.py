@@ -1,0 +1,178 @@
+"""What a merge reads: a base tensor source, an adapter (possibly empty), the model config and the
+files to carry. One place turns every kind of input (HF base + PEFT adapter, verl FSDP checkpoint)
+into the same four things, so the plan, the writer and the front ends never branch on the format."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tui_merger.core.adapter import PeftAdapter, adapter_from_source, empty_adapter, open_adapter
+from tui_merger.core.errors import MergeError
+from tui_merger.core.files import FilePlan, plan_files, read_config
+from tui_merger.core.options import MergeOptions
+from tui_merger.core.safetensors_io import FLOAT_DTYPES
+from tui_merger.core.sources import open_model
+
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+
+
+@dataclass
+class Inputs:
+    base: object  # a TensorSource (or a view of one)
+    adapter: PeftAdapter
+    config: dict
+    files: FilePlan
+    paths: list[Path]  # folders that must never be overwritten
+    dtype: str | None = None  # default output dtype when the user chose none
+    config_changes: dict = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+    closers: list = field(default_factory=list)
+
+    def close(self) -> None:
+        for item in self.closers:
+            item.close()
+
+
+def paths_of(options: MergeOptions) -> list[Path]:
+    return [p for p in (options.base, options.adapter, options.checkpoint) if p is not None]
+
+
+def open_inputs(options: MergeOptions) -> Inputs:
+    if options.checkpoint is not None:
+        return _open_fsdp(options)
+    base = open_model(options.base)
+    try:
+        adapter = open_adapter(options.adapter)
+    except BaseException:
+        base.close()
+        raise
+    inputs = Inputs(base, adapter, {}, FilePlan(), paths_of(options), closers=[base, adapter])
+    try:
+        inputs.config = read_config(options.base)
+        inputs.files = plan_files(options.base, options.adapter, inputs.config, options.tokenizer_from)
+        inputs.notices = adapter.notices + inputs.files.notices
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
+def _lora_config(folder: Path, options: MergeOptions, ranks: set[int]) -> dict:
+    """r and alpha of a verl LoRA run: lora_train_meta.json (verl >= 0.8) or lora_adapter/ (<= 0.7)."""
+    cfg: dict = {}
+    for path in (folder / "lora_train_meta.json", folder / "lora_adapter" / "adapter_config.json"):
+        if path.is_file():
+            try:
+                cfg = json.loads(path.read_text())
+            except ValueError:
+                raise MergeError(f"{path} is not valid JSON; fix it or pass --lora-alpha.") from None
+            break
+    if options.lora_alpha is not None:
+        cfg["lora_alpha"] = options.lora_alpha
+    if not cfg.get("lora_alpha"):
+        said = "is 0" if "lora_alpha" in cfg else "is not recorded"
+        raise MergeError(
+            f"This LoRA checkpoint's lora_alpha {said} (looked in lora_train_meta.json and "
+            "lora_adapter/adapter_config.json); pass --lora-alpha with the value used in training."
+        )
+    if "r" not in cfg and len(ranks) == 1:
+        cfg["r"] = next(iter(ranks))
+    cfg.setdefault("peft_type", "LORA")
+    return cfg
+
+
+def _open_fsdp(options: MergeOptions) -> Inputs:
+    from tui_merger.core.fsdp import FsdpSource, RenamedSource, find_fsdp_checkpoint, split_peft_keys
+
+    layout = find_fsdp_checkpoint(options.checkpoint)
+    source = FsdpSource(layout)
+    inputs = Inputs(None, empty_adapter(layout.folder), {}, FilePlan(), paths_of(options), closers=[source])
+    inputs.notices = list(layout.notices)
+    try:
+        hf_dir = layout.hf_dir
+        base_map, adapter_map = split_peft_keys(source.tensors)
+        config_dir = options.base if options.base is not None else hf_dir
+        if config_dir is None:
+            raise MergeError(
+                f"{layout.folder} has no huggingface/ folder with config.json; copy the model's config.json "
+                "and tokenizer into it, or pass --base with the original model."
+            )
+        inputs.config = read_config(config_dir)
+        if adapter_map:
+            ranks = {source.tensors[k].shape[0] for k in adapter_map if ".lora_A" in k}
+            cfg = _lora_config(layout.folder, options, ranks)
+            inputs.adapter = adapter_from_source(layout.folder, cfg, RenamedSource(source, adapter_map))
+        base_only_lora = not any(k.endswith((".weight", ".bias")) for k in base_map)
+        if base_only_lora:  # checkpoint.save_lora_only: the base weights are not in the files
+            if options.base is None:
+                raise MergeError(
+                    f"{layout.folder} holds only LoRA weights (save_lora_only); pass --base with the model "
+                    "the run started from."
+                )
+            base = open_model(options.base)
+            inputs.closers.append(base)
+            inputs.base = base
+        else:
+            inputs.base = RenamedSource(source, base_map)
+        _value_model(inputs, options, layout)
+        _tied(inputs, options, source, base_map)
+        dtype = inputs.config.get("dtype") or inputs.config.get("torch_dtype")
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        files_dir = hf_dir if hf_dir is not None else config_dir
+        inputs.files = plan_files(files_dir, files_dir, inputs.config, options.tokenizer_from)
+        inputs.notices += inputs.files.notices
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
+def _value_model(inputs: Inputs, options: MergeOptions, layout) -> None:
+    """verl's critic is a TokenClassification model with one label, saved with the actor's config."""
+    names = inputs.base.tensors
+    score = names.get("score.weight")
+    is_value = options.is_value_model or (layout.role == "critic" and score is not None)
+    if not is_value:
+        return
+    if score is None or score.shape[0] != 1:
+        raise MergeError(
+            "--is-value-model was given but the checkpoint has no score.weight with one row; "
+            "is it a critic checkpoint?"
+        )
+    archs = inputs.config.get("architectures") or []
+    new = [a.replace("ForCausalLM", "ForTokenClassification") for a in archs] or None
+    if new:
+        inputs.config_changes["architectures"] = new
+    inputs.config_changes["id2label"] = {"0": "LABEL_0"}
+    inputs.config_changes["label2id"] = {"LABEL_0": 0}
+
+
+def _tied(inputs: Inputs, options: MergeOptions, source, base_map) -> None:
+    """Tied embeddings appear twice in an FSDP state dict: write one tensor and keep the tie, unless
+    the two differ, which is then said, and both are kept."""
+    import torch
+
+    names = inputs.base.tensors
+    tie = bool(inputs.config.get("tie_word_embeddings")) or options.tie_word_embedding
+    if not (tie and EMBED in names and HEAD in names):
+        if options.tie_word_embedding and HEAD not in names:
+            inputs.config_changes["tie_word_embeddings"] = True
+        return
+    emb = source.entries[base_map[EMBED]]
+    head = source.entries[base_map[HEAD]]
+    same = emb.shape == head.shape and all(
+        torch.equal(a.local, b.local) for a, b in zip(emb.parts, head.parts)
+    )
+    if same:
+        del names[HEAD]
+        if not inputs.config.get("tie_word_embeddings"):
+            inputs.config_changes["tie_word_embeddings"] = True
+    else:
+        inputs.notices.append(
+            "lm_head.weight differs from the input embedding, so both are kept and "
+            "tie_word_embeddings is set to false."
+        )
+        inputs.config_changes["tie_word_embeddings"] = False

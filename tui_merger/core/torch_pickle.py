@@ -1,0 +1,261 @@
+"""Read ``torch.save`` files without running code from them and without torch's private classes.
+
+A restricted unpickler: it resolves only the globals a state dict needs (tensor rebuild functions,
+dtypes, storages, sizes) to our own safe implementations, and turns every class from
+``torch.distributed`` (DTensor, DTensorSpec, DeviceMesh, placements, ...) into an inert record of its
+constructor arguments and state. Anything else (``os.system``, arbitrary classes) is refused. Tensor
+data is never copied: storages are views on the mmap'd zip members.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+}
+_DTYPE_NAMES = {
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2",
+}
+
+
+class Record:
+    """An inert stand-in for a pickled object of a class we do not import (DTensorSpec, Shard, ...)."""
+
+    qualname = "?"
+    args: tuple = ()
+    kwargs: dict = {}
+
+    def __new__(cls, *args, **kwargs):  # NEWOBJ passes constructor arguments here, not to __init__
+        obj = super().__new__(cls)
+        obj.args = args
+        obj.kwargs = kwargs
+        return obj
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+            for part in state:
+                if isinstance(part, dict):
+                    self.__dict__.update(part)
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["state"] = state
+
+    @property
+    def kind(self) -> str:
+        return self.qualname.rsplit(".", 1)[-1]
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {self.args or ''} {sorted(k for k in self.__dict__ if k not in ('args', 'kwargs'))}>"
+
+
+def _record_class(qualname: str) -> type:
+    return type(qualname.rsplit(".", 1)[-1], (Record,), {"qualname": qualname})
+
+
+class WrapperTensor(Record):
+    """What a tensor subclass (DTensor) unpickles to: its global size, dtype and, once state is
+    applied, ``_local_tensor`` and ``_spec``."""
+
+    qualname = "tensor subclass"
+
+    def __init__(self, cls, dtype, size, stride, storage_offset, layout, device, requires_grad) -> None:
+        self.subclass = getattr(cls, "qualname", str(cls))
+        self.dtype = dtype
+        self.size = tuple(size)
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    return WrapperTensor(cls, dtype, size, stride, storage_offset, layout, device, requires_grad)
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    obj = func(*args)
+    if isinstance(obj, Record) and state:
+        obj.__setstate__(state)  # a dict, or (dict state, slots state) as torch writes it
+    return obj
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    if len(size) == 0:
+        return storage[storage_offset : storage_offset + 1].view(()) if storage.numel() else storage.new_empty(())
+    return storage.as_strided(tuple(size), tuple(stride), storage_offset)
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks, *rest):
+    return data
+
+
+class _StorageType:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, storage_loader, path: Path) -> None:
+        super().__init__(file)
+        self._load_storage = storage_loader
+        self._path = path
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        full = f"{module}.{name}"
+        if full == "collections.OrderedDict":
+            return OrderedDict
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor_v2
+        if module == "torch._utils" and name == "_rebuild_wrapper_subclass":
+            return _rebuild_wrapper_subclass
+        if module == "torch._utils" and name == "_rebuild_parameter":
+            return _rebuild_parameter
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _rebuild_from_type_v2
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
+        if module == "torch" and name in _DTYPE_NAMES:
+            return getattr(torch, name)
+        if full == "torch.Size":
+            return tuple
+        if full == "torch.device":
+            return str
+        if full == "torch.serialization._get_layout":
+            return str
+        if full == "torch.Tensor" or full == "torch.nn.parameter.Parameter":
+            return _record_class(full)
+        if module.startswith("torch.distributed"):
+            return _record_class(full)
+        raise MergeError(
+            f"{self._path} contains a pickled {full}, which a checkpoint of weights never needs; "
+            "tui-merger refuses to load it because unpickling it could run code."
+        )
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise MergeError(f"{self._path} has a storage reference tui-merger does not understand.")
+        _, storage_type, key, _location, numel = pid[:5]
+        if not isinstance(storage_type, _StorageType):
+            raise MergeError(f"{self._path} uses a storage type tui-merger does not understand.")
+        return self._load_storage(str(key), storage_type.dtype, int(numel))
+
+
+class TorchFile:
+    """One torch.save zip file, unpickled safely; tensors are views on an mmap of the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd = None
+        self._mmap = None
+        self._members: dict[str, tuple[int, int]] = {}
+        try:
+            with zipfile.ZipFile(self.path) as zf:
+                infos = zf.infolist()
+                pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+                if len(pkl) != 1:
+                    raise MergeError(f"{self.path} is not a PyTorch checkpoint (no data.pkl inside).")
+                prefix = pkl[0].filename[: -len("data.pkl")]
+                for info in infos:
+                    if info.filename.startswith(prefix + "data/"):
+                        self._members[info.filename[len(prefix) + 5 :]] = (info.header_offset, info.file_size)
+                        if info.compress_type != zipfile.ZIP_STORED:
+                            raise MergeError(f"{self.path} stores compressed tensors; re-save it with torch.save.")
+                data = zf.read(pkl[0])
+        except zipfile.BadZipFile:
+            raise MergeError(
+                f"{self.path} is not a readable PyTorch zip checkpoint (truncated or corrupt?); copy it again."
+            ) from None
+        except OSError as err:
+            raise MergeError(f"Cannot read {self.path}: {err.strerror or err}.") from None
+        import io
+
+        self._fd = os.open(self.path, os.O_RDONLY)
+        size = os.fstat(self._fd).st_size
+        self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if size else None
+        try:
+            self.obj = _Unpickler(io.BytesIO(data), self._storage, self.path).load()
+        except MergeError:
+            self.close()
+            raise
+        except Exception as err:  # malformed pickle stream
+            self.close()
+            raise MergeError(f"{self.path} could not be unpickled ({type(err).__name__}: {err}); it may be corrupt.") from None
+
+    def _data_offset(self, header_offset: int) -> int:
+        head = self._mmap[header_offset : header_offset + 30]
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            raise MergeError(f"{self.path} is corrupt (bad zip entry header); copy it again.")
+        name_len, extra_len = struct.unpack("<HH", head[26:30])
+        return header_offset + 30 + name_len + extra_len
+
+    def _storage(self, key: str, dtype: str, numel: int):
+        import torch
+        import warnings
+
+        from tui_merger.core.safetensors_io import itemsize
+
+        if key not in self._members:
+            raise MergeError(f"{self.path} is missing tensor data '{key}' (truncated or corrupt?); copy it again.")
+        header_offset, size = self._members[key]
+        if size != numel * itemsize(dtype):
+            raise MergeError(f"{self.path}: tensor data '{key}' has {size} bytes, expected {numel * itemsize(dtype)}.")
+        if numel == 0:
+            return torch.empty(0, dtype=getattr(torch, dtype))
+        start = self._data_offset(header_offset)
+        if start + size > len(self._mmap):
+            raise MergeError(f"{self.path} is truncated (tensor data '{key}' runs past the end); copy it again.")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._mmap, dtype=getattr(torch, dtype), count=numel, offset=start)
+
+    def release_all(self) -> None:
+        """Drop every mapped page of this file from the process (the page cache keeps them)."""
+        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self._mmap.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass
+            self._mmap = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def load_state_dict(path: Path) -> tuple[TorchFile, dict]:
+    """(the open file, its state dict); the dict's tensors stay valid while the file is open."""
+    tf = TorchFile(path)
+    obj = tf.obj
+    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        tf.close()
+        raise MergeError(f"{path} does not hold a dictionary of tensors.")
+    return tf, obj
