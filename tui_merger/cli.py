@@ -221,7 +221,7 @@ def _check_backend(checkpoint: Path, backend: str) -> None:
         (checkpoint / p).exists()
         for p in ("dist_ckpt", "model/dist_ckpt", "model/mp_rank_00", "actor/dist_ckpt", "actor/model")
     )
-    if backend == "megatron" or (backend == "auto" and megatron):
+    if backend == "megatron" or megatron:
         raise MergeError(
             f"{checkpoint} is a Megatron checkpoint; tui-merger reads verl FSDP checkpoints and PEFT adapters "
             "today, Megatron support is coming."
