@@ -1,0 +1,162 @@
+"""verl FSDP checkpoints written by torch.distributed itself (tests/fsdp_factory.py) are reassembled
+exactly: compared with the full state dict the library gathered before saving, and, for LoRA runs,
+with the logits of the unmerged PeftModel."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from factory import logits_of, read_output
+from fsdp_factory import cached_fsdp_checkpoint
+
+from tui_merger.cli import main as cli_main
+from tui_merger.core.engine import run_merge
+from tui_merger.core.options import MergeOptions
+
+CONFIGS = {
+    "fsdp1-w1": dict(fsdp_version=1, world_size=1),
+    "fsdp1-w2": dict(fsdp_version=1, world_size=2),
+    "fsdp1-w4": dict(fsdp_version=1, world_size=4),
+    "fsdp2-w1": dict(fsdp_version=2, world_size=1),
+    "fsdp2-w2": dict(fsdp_version=2, world_size=2),
+    "fsdp2-w4": dict(fsdp_version=2, world_size=4),
+    "fsdp2-hsdp": dict(fsdp_version=2, hsdp=True),
+    "fsdp1-hsdp": dict(fsdp_version=1, hsdp=True),
+    "fsdp2-shard-dim1": dict(fsdp_version=2, world_size=2, shard_dim1=True),
+    "fsdp2-buffers": dict(fsdp_version=2, world_size=2, buffer=True),
+    "no-fsdp-config": dict(fsdp_version=2, world_size=2, write_fsdp_config=False),
+    "sft-layout": dict(fsdp_version=2, world_size=2, sft_layout=True),
+}
+
+
+def _reference(info) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(info["reference"])
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_checkpoint_reassembles_exactly(tmp_path_factory, tmp_path, case):
+    info = cached_fsdp_checkpoint(tmp_path_factory, **CONFIGS[case])
+    out = tmp_path / "merged"
+    result = run_merge(MergeOptions(checkpoint=info["run_dir"], out=out))
+    ours = read_output(out)
+    ref = _reference(info)
+    assert set(ours) == set(ref)
+    for name, tensor in ref.items():
+        assert ours[name].dtype == tensor.dtype == torch.float32
+        assert torch.equal(ours[name], tensor), name  # fp32 master weights: exact
+    assert result.tensors_merged == 0
+    # the folder is a model transformers loads, with the checkpoint's tokenizer and generation config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(model.lm_head.weight, ref["lm_head.weight"])
+    assert len(AutoTokenizer.from_pretrained(out)) == info["tokenizer_size"]
+    assert (out / "generation_config.json").is_file()
+
+
+def test_tied_embeddings_are_written_once(tmp_path_factory, tmp_path):
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, tied=True)
+    out = tmp_path / "merged"
+    run_merge(MergeOptions(checkpoint=info["checkpoint_dir"], out=out))
+    ours = read_output(out)
+    ref = _reference(info)
+    assert "lm_head.weight" not in ours
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    assert torch.equal(ours["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(model.lm_head.weight, ref["lm_head.weight"])
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_critic_becomes_a_token_classification_model(tmp_path_factory, tmp_path, fsdp_version):
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=fsdp_version, world_size=2, critic=True)
+    out = tmp_path / "merged"
+    run_merge(MergeOptions(checkpoint=info["run_dir"], out=out))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForTokenClassification"]
+    ref = _reference(info)
+    ours = read_output(out)
+    assert set(ours) == set(ref)
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(out)
+    assert model.config.num_labels == 1
+    assert torch.equal(model.score.weight, ref["score.weight"])
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 1)
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_lora_checkpoint_is_merged_into_the_weights(tmp_path_factory, tmp_path, fsdp_version):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=fsdp_version, world_size=2, lora=True)
+    out = tmp_path / "merged"
+    result = run_merge(MergeOptions(checkpoint=info["checkpoint_dir"], out=out))
+    assert result.tensors_merged > 0
+    ours = read_output(out)
+    assert not [k for k in ours if "lora" in k or "base_layer" in k or k.startswith("base_model")]
+    probe = torch.tensor([[5, 17, 300, 999, 42, 7]])
+    base = AutoModelForCausalLM.from_pretrained(info["reference_base"], dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, info["reference_adapter"]).eval()
+    with torch.no_grad():
+        expected = peft_model(probe).logits
+    torch.testing.assert_close(logits_of(out, probe), expected, atol=1e-5, rtol=0)
+
+
+def test_lora_alpha_missing_is_an_error_not_a_default(tmp_path_factory, tmp_path, capsys):
+    from fsdp_factory import copy_fsdp_checkpoint
+
+    info = copy_fsdp_checkpoint(cached_fsdp_checkpoint(tmp_path_factory, lora=True), tmp_path / "copy")
+    ckpt = Path(info["checkpoint_dir"])
+    (ckpt / "lora_train_meta.json").unlink()
+    out = tmp_path / "merged"
+    code = cli_main(["merge", str(ckpt), "--out", str(out), "--plain"])
+    err = capsys.readouterr().err
+    assert code == 1 and "--lora-alpha" in err and not out.exists()
+    # with the alpha given, it merges
+    alpha = str(info["lora_alpha"])
+    assert cli_main(["merge", str(ckpt), "--out", str(out), "--lora-alpha", alpha, "--plain"]) == 0
+
+
+def test_verl_command_line_and_test_command(tmp_path_factory, tmp_path, capsys):
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2)
+    out = tmp_path / "merged"
+    code = cli_main(
+        ["merge", "--backend", "fsdp", "--local_dir", info["checkpoint_dir"], "--target_dir", str(out),
+         "--trust-remote-code", "--plain"]
+    )
+    assert code == 0, capsys.readouterr().err
+    # a reference model folder made from the library's own gathered weights
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    shutil.copy(info["reference"], ref_dir / "model.safetensors")
+    shutil.copy(Path(info["hf_dir"]) / "config.json", ref_dir / "config.json")
+    args = ["test", "--backend", "fsdp", "--local_dir", info["checkpoint_dir"], "--test_hf_dir", str(ref_dir)]
+    assert cli_main(args) == 0
+    assert "matches" in capsys.readouterr().out
+    # a reference that differs in one tensor is reported
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(ref_dir / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"] + 0.5
+    save_file(state, ref_dir / "model.safetensors", metadata={"format": "pt"})
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err
+    assert "model.norm.weight" in err and "1 difference" in err
+
+
+def test_hub_upload_flag_is_refused_before_anything_is_written(tmp_path_factory, tmp_path, capsys):
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2)
+    out = tmp_path / "merged"
+    code = cli_main(["merge", "--local_dir", info["checkpoint_dir"], "--target_dir", str(out), "--hf_upload_path", "me/model"])
+    assert code == 1 and "not available yet" in capsys.readouterr().err and not out.exists()
