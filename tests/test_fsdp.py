@@ -160,3 +160,26 @@ def test_hub_upload_flag_is_refused_before_anything_is_written(tmp_path_factory,
     out = tmp_path / "merged"
     code = cli_main(["merge", "--local_dir", info["checkpoint_dir"], "--target_dir", str(out), "--hf_upload_path", "me/model"])
     assert code == 1 and "not available yet" in capsys.readouterr().err and not out.exists()
+
+
+def test_export_adapter_writes_base_and_a_peft_adapter(tmp_path_factory, tmp_path):
+    """--export-adapter keeps the LoRA apart: the base weights plus lora_adapter/ that peft loads and
+    that behaves like the training run's unmerged model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, lora=True)
+    out = tmp_path / "exported"
+    assert cli_main(["merge", info["checkpoint_dir"], "--out", str(out), "--export-adapter", "--plain"]) == 0
+    ours = read_output(out)
+    ref_base = read_output(Path(info["reference_base"]))
+    assert set(ours) == set(ref_base)
+    for name in ours:
+        assert torch.equal(ours[name], ref_base[name].to(ours[name].dtype)), name
+    probe = torch.tensor([[5, 17, 300, 999, 42, 7]])
+    ours_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), out / "lora_adapter")
+    ref_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(info["reference_base"], dtype=torch.float32), info["reference_adapter"]
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(ours_model(probe).logits, ref_model(probe).logits, atol=1e-5, rtol=0)

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
     merge.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic: write a TokenClassification model")
     merge.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help="keep one embedding for input and output when they are equal")
+    merge.add_argument("--export-adapter", "--export_adapter", dest="export_adapter", action="store_true", help="write the base model plus a PEFT adapter folder (lora_adapter/) instead of merging")
     merge.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", help=argparse.SUPPRESS)
     merge.add_argument("--private", action="store_true", help=argparse.SUPPRESS)
     merge.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help="accepted for verl compatibility; tui-merger never runs model code")
@@ -208,6 +209,7 @@ def cmd_merge(args) -> int:
         lora_alpha=args.lora_alpha,
         is_value_model=args.is_value_model,
         tie_word_embedding=args.tie_word_embedding,
+        export_adapter=args.export_adapter,
     )
     result = run_with_progress(options, plain=args.plain)
     print_result(result)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -260,3 +261,47 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
         entry.scale = alpha / math.sqrt(r) if rslora else alpha / r
         if entry.magnitude is not None and entry.is_embedding:
             raise MergeError(f"{mod}: DoRA on embedding layers is not supported yet.")
+
+
+_ADAPTER_NAME = re.compile(
+    r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.(?!weight$|bias$)[A-Za-z0-9_\-]+(?=\.weight$|\.bias$|$)"
+)
+
+
+def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) -> list[str]:
+    """Write the adapter's LoRA tensors as a PEFT adapter folder (adapter_config.json +
+    adapter_model.safetensors, peft's key names) that peft and vLLM load. Returns the files written."""
+    from tui_merger.core.safetensors_io import SafetensorsWriter
+
+    dest.mkdir(parents=True)
+    entries = []
+    for key, ref in adapter.source.tensors.items():
+        name = key if key.startswith(PEFT_PREFIX) else PEFT_PREFIX + key
+        name = _ADAPTER_NAME.sub(r".\1", name)  # peft saves keys without the adapter name
+        entries.append((name, ref))
+    writer = SafetensorsWriter(dest / ADAPTER_WEIGHTS[0], [(n, r.dtype, r.shape) for n, r in entries], early_writeback=False)
+    try:
+        for name, ref in entries:
+            writer.write_tensor(name, ref.load())
+            ref.release()
+        writer.close(fsync=fsync)
+    except BaseException:
+        writer.abort()
+        raise
+    cfg = adapter.config
+    targets = sorted({mod.rsplit(".", 1)[-1] for mod in adapter.lora})
+    config = {
+        "peft_type": "LORA",
+        "task_type": cfg.get("task_type", "CAUSAL_LM"),
+        "r": int(cfg.get("r", next(iter(adapter.lora.values())).r if adapter.lora else 8)),
+        "lora_alpha": cfg.get("lora_alpha"),
+        "target_modules": targets,
+        "use_rslora": bool(cfg.get("use_rslora", False)),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": bool(cfg.get("fan_in_fan_out", False)),
+        "base_model_name_or_path": "..",
+        "inference_mode": True,
+    }
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [f"{dest.name}/adapter_config.json", f"{dest.name}/{ADAPTER_WEIGHTS[0]}"]

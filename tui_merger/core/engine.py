@@ -22,6 +22,7 @@ from tui_merger.core.events import (
     TensorProgress,
     ignore_event,
 )
+from tui_merger.core.adapter import empty_adapter, export_peft_adapter
 from tui_merger.core.files import copy_files, edited_config
 from tui_merger.core.inputs import open_inputs, paths_of
 from tui_merger.core.merge_math import Workspace, compute, fp16_overflows
@@ -31,6 +32,7 @@ from tui_merger.core.plan import TensorPlan, build_plan
 from tui_merger.core.safetensors_io import SafetensorsWriter
 
 INDEX_NAME = "model.safetensors.index.json"
+ADAPTER_DIR = "lora_adapter"
 
 
 def run_merge(
@@ -58,7 +60,12 @@ def run_merge(
             notice("warning", message)
         dtype = options.dtype or inputs.dtype
         config = {**inputs.config, **inputs.config_changes}
-        plan = build_plan(inputs.base, inputs.adapter, config, dtype, options.shard_size)
+        merged_adapter = inputs.adapter
+        if options.export_adapter:
+            if not inputs.adapter.lora:
+                raise MergeError("--export-adapter was given but the checkpoint holds no LoRA weights to export.")
+            merged_adapter = empty_adapter(inputs.adapter.folder)
+        plan = build_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
         result.tokenizer_source = inputs.files.tokenizer_source
         result.config_changes = {**inputs.config_changes, **plan.config_changes}
         folder = OutputFolder(options.out)
@@ -68,10 +75,13 @@ def run_merge(
             check_space(folder.parent, plan.total_bytes)
             _write(plan, tmp, options, result, on_event, notice, cancel, fsync)
             cancel.raise_if_cancelled()
+            extra = export_peft_adapter(inputs.adapter, tmp / ADAPTER_DIR, fsync) if options.export_adapter else []
             on_event(PhaseStarted("files", "Writing config, tokenizer and the other files"))
             out_config = edited_config(inputs.config, result.config_changes, dtype)
             (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
-            result.files = sorted(result.shards + ["config.json"] + copy_files(inputs.files, tmp))
+            result.files = sorted(
+                result.shards + ["config.json"] + copy_files(inputs.files, tmp) + extra
+            )
             if len(plan.shards) > 1:
                 result.files = sorted(result.files + [INDEX_NAME])
             on_event(PhaseStarted("finalize", f"Moving the finished model into {options.out}"))

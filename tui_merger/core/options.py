@@ -84,6 +84,7 @@ class MergeOptions:
     lora_alpha: float | None = None  # for checkpoints that do not record it
     is_value_model: bool = False
     tie_word_embedding: bool = False
+    export_adapter: bool = False  # write the base and a PEFT adapter folder instead of merging
 
     def __post_init__(self) -> None:
         for key in ("base", "adapter", "out", "checkpoint"):
