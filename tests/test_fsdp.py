@@ -183,3 +183,54 @@ def test_export_adapter_writes_base_and_a_peft_adapter(tmp_path_factory, tmp_pat
     )
     with torch.no_grad():
         torch.testing.assert_close(ours_model(probe).logits, ref_model(probe).logits, atol=1e-5, rtol=0)
+
+
+def test_alpha_from_an_old_lora_adapter_folder(tmp_path_factory, tmp_path, capsys):
+    """verl <= 0.7 recorded alpha in lora_adapter/adapter_config.json, and some versions wrote 0 there,
+    which silently disables the adapter: that must be an error, and a real alpha must be used."""
+    from fsdp_factory import copy_fsdp_checkpoint
+
+    info = copy_fsdp_checkpoint(cached_fsdp_checkpoint(tmp_path_factory, lora=True), tmp_path / "copy")
+    ckpt = Path(info["checkpoint_dir"])
+    meta = json.loads((ckpt / "lora_train_meta.json").read_text())
+    (ckpt / "lora_train_meta.json").unlink()
+    (ckpt / "lora_adapter").mkdir()
+    cfg_path = ckpt / "lora_adapter" / "adapter_config.json"
+    cfg_path.write_text(json.dumps({"peft_type": "LORA", "r": meta["r"], "lora_alpha": 0}))
+    out = tmp_path / "merged"
+    assert cli_main(["merge", str(ckpt), "--out", str(out), "--plain"]) == 1
+    assert "lora_alpha is 0" in capsys.readouterr().err and not out.exists()
+    cfg_path.write_text(json.dumps({"peft_type": "LORA", "r": meta["r"], "lora_alpha": meta["lora_alpha"]}))
+    assert cli_main(["merge", str(ckpt), "--out", str(out), "--plain"]) == 0
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    probe = torch.tensor([[5, 17, 300, 999]])
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(info["reference_base"], dtype=torch.float32), info["reference_adapter"])
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(out, probe), ref(probe).logits, atol=1e-5, rtol=0)
+
+
+def test_save_lora_only_checkpoint_needs_and_uses_the_base(tmp_path_factory, tmp_path, capsys):
+    """checkpoint.save_lora_only keeps only the LoRA tensors (DTensors re-saved by torch): the merge
+    asks for the base model, then merges onto it."""
+    import torch.distributed.tensor  # noqa: F401  (torch.load of DTensors needs it)
+
+    from fsdp_factory import copy_fsdp_checkpoint
+
+    info = copy_fsdp_checkpoint(cached_fsdp_checkpoint(tmp_path_factory, lora=True), tmp_path / "copy")
+    for path in info["model_files"]:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        torch.save({k: v for k, v in state.items() if ".lora_" in k}, path)
+    ckpt = info["checkpoint_dir"]
+    out = tmp_path / "merged"
+    assert cli_main(["merge", ckpt, "--out", str(out), "--plain"]) == 1
+    assert "--base" in capsys.readouterr().err and not out.exists()
+    assert cli_main(["merge", ckpt, "--base", info["reference_base"], "--out", str(out), "--plain"]) == 0
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    probe = torch.tensor([[5, 17, 300, 999]])
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(info["reference_base"], dtype=torch.float32), info["reference_adapter"])
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(out, probe, dtype=torch.float32), ref(probe).logits, atol=1e-4, rtol=0)
