@@ -36,19 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(--base, --adapter) or from a verl FSDP checkpoint (CHECKPOINT or --local_dir; its LoRA, if any, "
         "is merged into the weights). verl's model_merger flags are accepted as users type them.",
     )
-    merge.add_argument("checkpoint", nargs="?", type=Path, help="a verl checkpoint: run, global_step_N or actor folder")
-    merge.add_argument("--base", type=Path, help="base model folder (config.json + weights)")
+    _add_checkpoint_options(merge)
     merge.add_argument("--adapter", type=Path, help="PEFT adapter folder (adapter_config.json)")
     merge.add_argument("--out", "--target_dir", dest="out", type=Path, help="output folder (created; must be empty)")
-    merge.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
-    merge.add_argument("--backend", choices=["auto", "fsdp", "megatron"], default="auto", help="checkpoint format")
-    merge.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
-    merge.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic: write a TokenClassification model")
-    merge.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help="keep one embedding for input and output when they are equal")
     merge.add_argument("--export-adapter", "--export_adapter", dest="export_adapter", action="store_true", help="write the base model plus a PEFT adapter folder (lora_adapter/) instead of merging")
     merge.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", help=argparse.SUPPRESS)
     merge.add_argument("--private", action="store_true", help=argparse.SUPPRESS)
-    merge.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help="accepted for verl compatibility; tui-merger never runs model code")
     merge.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
     _add_write_options(merge)
     merge.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -59,16 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check that the model tui-merger makes from a checkpoint has the reference model's tensor "
         "names, shapes and dtypes, and close values. Writes nothing.",
     )
-    test.add_argument("checkpoint", nargs="?", type=Path, help="a verl checkpoint: run, global_step_N or actor folder")
-    test.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
+    _add_checkpoint_options(test)
     test.add_argument("--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", type=Path, required=True, help="the reference Hugging Face model folder")
-    test.add_argument("--backend", choices=["auto", "fsdp", "megatron"], default="auto", help="checkpoint format")
-    test.add_argument("--base", type=Path, help="base model, for checkpoints saved with save_lora_only")
-    test.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
-    test.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic")
-    test.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help=argparse.SUPPRESS)
     test.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype to compare in (default: the checkpoint config's)")
-    test.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help=argparse.SUPPRESS)
     test.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     demo = sub.add_parser(
@@ -82,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser
+
+
+def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
+    """What says which model to read: a checkpoint (verl's flags as users type them) or a base."""
+    p.add_argument("checkpoint", nargs="?", type=Path, help="a verl checkpoint: run, global_step_N or actor folder")
+    p.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
+    p.add_argument("--backend", choices=["auto", "fsdp", "megatron"], default="auto", help="checkpoint format")
+    p.add_argument("--base", type=Path, help="base model folder (config.json + weights)")
+    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
+    p.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic: a TokenClassification model")
+    p.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help="keep one embedding for input and output when they are equal")
+    p.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help="accepted for verl compatibility; tui-merger never runs model code")
 
 
 def _add_write_options(p: argparse.ArgumentParser) -> None:

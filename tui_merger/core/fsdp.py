@@ -242,7 +242,7 @@ class FsdpSource:
 
     def release(self, ref: TensorRef) -> None:
         for tf in self.files:
-            tf.release_all()
+            tf.release()
 
     def total_bytes(self) -> int:
         return sum(r.nbytes for r in self.tensors.values())

@@ -8,7 +8,6 @@ writer that streams one tensor at a time instead of building a whole shard in me
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 import threading
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.mapped import MappedFile
 
 # safetensors dtype name -> (torch dtype name, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -75,15 +75,13 @@ class TensorInfo:
         return n
 
 
-class SafetensorsFile:
+class SafetensorsFile(MappedFile):
     """One .safetensors file: header parsed and checked at open, tensors read on demand via mmap."""
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+        super().__init__(path)
         self.tensors: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
-        self._mmap: mmap.mmap | None = None
-        self._fd: int | None = None
         self._parse_header()
 
     def _bad(self, why: str) -> MergeError:
@@ -145,61 +143,14 @@ class SafetensorsFile:
                 raise self._bad(f"tensors '{n0}' and '{n1}' overlap")
 
     # -- reading -------------------------------------------------------------------------------
-    def fileno(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        return self._fd
-
-    def _map(self) -> mmap.mmap:
-        if self._mmap is None:
-            self._mmap = mmap.mmap(self.fileno(), 0, access=mmap.ACCESS_READ)
-        return self._mmap
-
     def tensor(self, name: str):
         """A zero-copy torch view of one tensor (read-only memory: copy before writing to it)."""
-        import torch
-
         info = self.tensors[name]
-        dtype = getattr(torch, info.dtype)
-        if info.numel == 0:
-            return torch.empty(info.shape, dtype=dtype)
-        mm = self._map()
-        # torch.frombuffer warns on read-only buffers; the views are never written to.
-        import warnings
+        return self.view(info.dtype, info.numel, info.start).view(info.shape)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(mm, dtype=dtype, count=info.numel, offset=info.start)
-        return flat.view(info.shape)
-
-    def release(self, name: str) -> None:
-        """Drop the pages of one tensor from this process's memory (they stay in the page cache).
-
-        The range is widened by 2 MiB on each side: a page fault maps cached neighbour pages too
-        (fault-around, large folios), and releasing only the tensor's own pages let memory creep up
-        by ~25 MB per GB of model. Dropping a neighbour's pages only costs a minor fault later."""
-        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
+    def release_tensor(self, name: str) -> None:
         info = self.tensors[name]
-        window = 2 << 20
-        start = max(0, (info.start // window - 1) * window)
-        end = min(len(self._mmap), (-(-info.end // window) + 1) * window)
-        if end > start:
-            try:
-                self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
-            except (OSError, ValueError):
-                pass
-
-    def close(self) -> None:
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # a view is still alive somewhere; the GC will unmap it
-                pass
-            self._mmap = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self.release(info.start, info.end)
 
 
 def build_header(

@@ -112,7 +112,7 @@ class TensorSource:
     def release(self, ref: TensorRef) -> None:
         st = self._st.get(ref.file)
         if st is not None:
-            st.release(ref.name)
+            st.release_tensor(ref.name)
 
     def total_bytes(self) -> int:
         return sum(r.nbytes for r in self.tensors.values())

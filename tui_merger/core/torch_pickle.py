@@ -9,8 +9,6 @@ data is never copied: storages are views on the mmap'd zip members.
 
 from __future__ import annotations
 
-import mmap
-import os
 import pickle
 import struct
 import zipfile
@@ -18,6 +16,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.mapped import MappedFile
 
 _STORAGE_DTYPES = {
     "FloatStorage": "float32",
@@ -161,13 +160,11 @@ class _Unpickler(pickle.Unpickler):
         return self._load_storage(str(key), storage_type.dtype, int(numel))
 
 
-class TorchFile:
+class TorchFile(MappedFile):
     """One torch.save zip file, unpickled safely; tensors are views on an mmap of the file."""
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._fd = None
-        self._mmap = None
+        super().__init__(path)
         self._members: dict[str, tuple[int, int]] = {}
         try:
             with zipfile.ZipFile(self.path) as zf:
@@ -190,9 +187,6 @@ class TorchFile:
             raise MergeError(f"Cannot read {self.path}: {err.strerror or err}.") from None
         import io
 
-        self._fd = os.open(self.path, os.O_RDONLY)
-        size = os.fstat(self._fd).st_size
-        self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if size else None
         try:
             self.obj = _Unpickler(io.BytesIO(data), self._storage, self.path).load()
         except MergeError:
@@ -203,16 +197,13 @@ class TorchFile:
             raise MergeError(f"{self.path} could not be unpickled ({type(err).__name__}: {err}); it may be corrupt.") from None
 
     def _data_offset(self, header_offset: int) -> int:
-        head = self._mmap[header_offset : header_offset + 30]
+        head = self.mapping()[header_offset : header_offset + 30]
         if len(head) < 30 or head[:4] != b"PK\x03\x04":
             raise MergeError(f"{self.path} is corrupt (bad zip entry header); copy it again.")
         name_len, extra_len = struct.unpack("<HH", head[26:30])
         return header_offset + 30 + name_len + extra_len
 
     def _storage(self, key: str, dtype: str, numel: int):
-        import torch
-        import warnings
-
         from tui_merger.core.safetensors_io import itemsize
 
         if key not in self._members:
@@ -221,32 +212,11 @@ class TorchFile:
         if size != numel * itemsize(dtype):
             raise MergeError(f"{self.path}: tensor data '{key}' has {size} bytes, expected {numel * itemsize(dtype)}.")
         if numel == 0:
-            return torch.empty(0, dtype=getattr(torch, dtype))
+            return self.view(dtype, 0, 0)
         start = self._data_offset(header_offset)
-        if start + size > len(self._mmap):
+        if start + size > len(self.mapping()):
             raise MergeError(f"{self.path} is truncated (tensor data '{key}' runs past the end); copy it again.")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(self._mmap, dtype=getattr(torch, dtype), count=numel, offset=start)
-
-    def release_all(self) -> None:
-        """Drop every mapped page of this file from the process (the page cache keeps them)."""
-        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
-            try:
-                self._mmap.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError):
-                pass
-
-    def close(self) -> None:
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass
-            self._mmap = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        return self.view(dtype, numel, start)
 
 
 def load_state_dict(path: Path) -> tuple[TorchFile, dict]:
