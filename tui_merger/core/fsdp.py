@@ -237,6 +237,20 @@ class FsdpSource:
             return entry.parts[0].local
         return torch.cat([p.local for p in entry.parts], dim=entry.dim)
 
+    def load_into(self, ref: TensorRef, out) -> None:
+        """Copy each rank's shard straight into its slice of ``out`` (converting dtype on the way),
+        so no full-size intermediate is built."""
+        entry = self.entries[ref.name]
+        if entry.dim is None:
+            out.copy_(entry.parts[0].local)
+            return
+        offset = 0
+        for part in entry.parts:
+            n = part.local.shape[entry.dim]
+            if n:
+                out.narrow(entry.dim, offset, n).copy_(part.local)
+            offset += n
+
     def raw_range(self, ref: TensorRef):
         return None
 
@@ -263,6 +277,9 @@ class RenamedSource:
 
     def load(self, ref):
         return self.inner.load(ref)
+
+    def load_into(self, ref, out) -> None:
+        self.inner.load_into(ref, out)
 
     def raw_range(self, ref):
         return self.inner.raw_range(ref)

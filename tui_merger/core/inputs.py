@@ -163,9 +163,14 @@ def _tied(inputs: Inputs, options: MergeOptions, source, base_map) -> None:
         return
     emb = source.entries[base_map[EMBED]]
     head = source.entries[base_map[HEAD]]
-    same = emb.shape == head.shape and all(
-        torch.equal(a.local, b.local) for a, b in zip(emb.parts, head.parts)
-    )
+    same = emb.shape == head.shape and len(emb.parts) == len(head.parts)
+    for a, b in zip(emb.parts, head.parts):
+        if not same:
+            break
+        # FSDP2 pickles the tied pair as one storage; FSDP1 as two equal ones, compared shard by shard
+        shared = a.local.data_ptr() == b.local.data_ptr() and a.local.shape == b.local.shape
+        same = shared or (a.local.shape == b.local.shape and torch.equal(a.local, b.local))
+        source.release(None)  # the comparison touched the pages: hand them back
     if same:
         del names[HEAD]
         if not inputs.config.get("tie_word_embeddings"):

@@ -60,15 +60,14 @@ def _fast_linear(t: OutputTensor, ws: Workspace, clamp: bool):
     import torch
 
     op = t.ops[0]
-    w = t.source.load()
     a = op.A.load().float()
     b = op.B.load().float()
-    acc = ws.get("acc", w.shape, torch.float32)
-    acc.copy_(w)
+    acc = ws.get("acc", t.source.shape, torch.float32)
+    t.source.load_into(acc)
     if _power_of_two(op.scale):
         acc.addmm_(b * op.scale, a)
     else:
-        delta = ws.get("delta", w.shape, torch.float32)
+        delta = ws.get("delta", t.source.shape, torch.float32)
         torch.mm(b, a, out=delta)
         delta.mul_(op.scale)
         acc.add_(delta)
@@ -77,7 +76,7 @@ def _fast_linear(t: OutputTensor, ws: Workspace, clamp: bool):
     out_dtype = getattr(torch, t.dtype)
     if out_dtype == torch.float32:
         return acc
-    out = ws.get("out", w.shape, out_dtype)
+    out = ws.get("out", t.source.shape, out_dtype)
     out.copy_(acc)
     return out
 
@@ -97,12 +96,14 @@ def compute(t: OutputTensor, clamp: bool = False, ws: Workspace | None = None):
 
     if ws is not None and _is_fast(t):
         return _fast_linear(t, ws, clamp)
-    w = t.source.load()
     out_dtype = getattr(torch, t.dtype)
+    if not t.ops and not clamp:  # a dtype change or a reassembled checkpoint tensor
+        out = ws.get("out", t.source.shape, out_dtype) if ws is not None else torch.empty(t.source.shape, dtype=out_dtype)
+        t.source.load_into(out)
+        return out
+    w = t.source.load()
     if not t.ops:
-        if clamp:
-            return w.float().clamp_(-FP16_MAX, FP16_MAX).to(out_dtype)
-        return w.to(out_dtype).contiguous()
+        return w.float().clamp_(-FP16_MAX, FP16_MAX).to(out_dtype)
 
     acc = None  # fp32 working copy
     for op in t.ops:

@@ -30,6 +30,10 @@ class TensorRef:
     def load(self):
         return self.source.load(self)
 
+    def load_into(self, out) -> None:
+        """Fill ``out`` (this tensor's shape, any dtype) without an intermediate full copy."""
+        self.source.load_into(self, out)
+
     def release(self) -> None:
         self.source.release(self)
 
@@ -100,6 +104,9 @@ class TensorSource:
         if ref.file in self._st:
             return self._st[ref.file].tensor(ref.name)
         return self._load_bin(ref.file)[ref.name]
+
+    def load_into(self, ref: TensorRef, out) -> None:
+        out.copy_(self.load(ref))
 
     def raw_range(self, ref: TensorRef) -> tuple[int, int, int] | None:
         """(fd, offset, length) when the tensor's bytes can be copied as they are, else None."""
