@@ -249,6 +249,7 @@ class FsdpSource:
             n = part.local.shape[entry.dim]
             if n:
                 out.narrow(entry.dim, offset, n).copy_(part.local)
+                self.files[part.rank].release()  # keep only one shard's pages mapped at a time
             offset += n
 
     def raw_range(self, ref: TensorRef):
