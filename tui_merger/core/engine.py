@@ -119,9 +119,9 @@ def _copy_alignment(tensors) -> int | None:
     best, rel, offset = None, 0, 0
     for t in tensors:
         if t.raw_copy and (best is None or t.nbytes > best[0]):
-            raw = t.source.source.raw_range(t.source)
+            raw = t.source.source.raw_ranges(t.source)
             if raw is not None:
-                best, rel = (t.nbytes, raw[1]), offset
+                best, rel = (t.nbytes, raw[0][1]), offset
         offset += t.nbytes
     if best is None:
         return None
@@ -134,7 +134,7 @@ class _Copier(threading.Thread):
 
     def __init__(self, jobs, cancel: CancelToken) -> None:
         super().__init__(name="tui-merger-copier", daemon=True)
-        self.jobs = jobs  # [(writer, tensor, (fd, offset, length))]
+        self.jobs = jobs  # [(writer, tensor, [(fd, offset, length), ...])]
         self.cancel = cancel
         self.finished: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
@@ -145,7 +145,7 @@ class _Copier(threading.Thread):
             for writer, t, raw in self.jobs:
                 if self._halt.is_set() or self.cancel.cancelled:
                     return
-                writer.copy_from(t.name, *raw)
+                writer.copy_from(t.name, raw)
                 self.finished.put(t)
         except BaseException as err:  # handed to the main thread
             self.error = err
@@ -195,7 +195,7 @@ def _write(
             )
             writers[shard_name] = writer
             for t in tensors:
-                raw = t.source.source.raw_range(t.source) if t.raw_copy else None
+                raw = t.source.source.raw_ranges(t.source) if t.raw_copy else None
                 if raw is not None:
                     copy_jobs.append((writer, t, raw))
                 else:

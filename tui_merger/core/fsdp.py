@@ -119,6 +119,8 @@ def find_fsdp_checkpoint(path: Path) -> FsdpLayout:
 class _Part:
     rank: int
     local: object  # torch tensor (view on the rank file)
+    start: int | None = None  # its bytes in the rank file, when contiguous there
+    end: int | None = None
 
 
 @dataclass
@@ -196,6 +198,11 @@ class FsdpSource:
             # other values (step counters, strings) are not weights
         for key, entry in self.entries.items():
             self.tensors[key] = TensorRef(self, "", key, entry.dtype, entry.shape)
+            for part in entry.parts:
+                local = part.local
+                offset = self.files[part.rank].offset_of(local) if local.is_contiguous() else None
+                if offset is not None:
+                    part.start, part.end = offset, offset + local.numel() * local.element_size()
 
     def _sharded(self, key: str, values) -> _Entry:
         dtype = str(values[0].dtype).removeprefix("torch.")
@@ -239,7 +246,7 @@ class FsdpSource:
 
     def load_into(self, ref: TensorRef, out) -> None:
         """Copy each rank's shard straight into its slice of ``out`` (converting dtype on the way),
-        so no full-size intermediate is built."""
+        so no full-size intermediate is built; each shard's pages are handed back once copied."""
         entry = self.entries[ref.name]
         if entry.dim is None:
             out.copy_(entry.parts[0].local)
@@ -249,15 +256,32 @@ class FsdpSource:
             n = part.local.shape[entry.dim]
             if n:
                 out.narrow(entry.dim, offset, n).copy_(part.local)
-                self.files[part.rank].release()  # keep only one shard's pages mapped at a time
+                self.release_part(part)
             offset += n
 
-    def raw_range(self, ref: TensorRef):
-        return None
+    def raw_ranges(self, ref: TensorRef):
+        """Shards along dim 0 that lie contiguously in their files are the tensor's bytes in order:
+        copied in the kernel when the output keeps the dtype (fp32 checkpoints written as fp32)."""
+        entry = self.entries[ref.name]
+        if entry.dim not in (None, 0):
+            return None
+        parts = entry.parts[:1] if entry.dim is None else entry.parts
+        if any(p.start is None for p in parts):
+            return None
+        return [(self.files[p.rank].fileno(), p.start, p.end - p.start) for p in parts if p.end > p.start]
+
+    def release_part(self, part: _Part) -> None:
+        if part.start is not None:
+            self.files[part.rank].release(part.start, part.end)
+        else:
+            self.files[part.rank].release()
+
+    def release_key(self, key: str) -> None:
+        for part in self.entries[key].parts:
+            self.release_part(part)
 
     def release(self, ref: TensorRef) -> None:
-        for tf in self.files:
-            tf.release()
+        self.release_key(ref.name)
 
     def total_bytes(self) -> int:
         return sum(r.nbytes for r in self.tensors.values())
@@ -282,8 +306,8 @@ class RenamedSource:
     def load_into(self, ref, out) -> None:
         self.inner.load_into(ref, out)
 
-    def raw_range(self, ref):
-        return self.inner.raw_range(ref)
+    def raw_ranges(self, ref):
+        return self.inner.raw_ranges(ref)
 
     def release(self, ref) -> None:
         self.inner.release(ref)

@@ -121,6 +121,11 @@ def _open_fsdp(options: MergeOptions) -> Inputs:
         _tied(inputs, options, source, base_map)
         dtype = inputs.config.get("dtype") or inputs.config.get("torch_dtype")
         inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        if inputs.dtype == "float32" and options.dtype is None:
+            inputs.notices.append(
+                "The checkpoint's config says float32, so the model is written in float32 (twice the size "
+                "of bf16); pass --dtype bf16 for the half-size model verl's merger writes."
+            )
         files_dir = hf_dir if hf_dir is not None else config_dir
         inputs.files = plan_files(files_dir, files_dir, inputs.config, options.tokenizer_from)
         inputs.notices += inputs.files.notices
@@ -170,7 +175,8 @@ def _tied(inputs: Inputs, options: MergeOptions, source, base_map) -> None:
         # FSDP2 pickles the tied pair as one storage; FSDP1 as two equal ones, compared shard by shard
         shared = a.local.data_ptr() == b.local.data_ptr() and a.local.shape == b.local.shape
         same = shared or (a.local.shape == b.local.shape and torch.equal(a.local, b.local))
-        source.release(None)  # the comparison touched the pages: hand them back
+        source.release_part(a)  # the comparison touched these pages: hand them back
+        source.release_part(b)
     if same:
         del names[HEAD]
         if not inputs.config.get("tie_word_embeddings"):

@@ -14,6 +14,7 @@ class MappedFile:
         self.path = Path(path)
         self._fd: int | None = None
         self._mmap: mmap.mmap | None = None
+        self._base_ptr: int | None = None
 
     def fileno(self) -> int:
         if self._fd is None:
@@ -36,6 +37,33 @@ class MappedFile:
         with warnings.catch_warnings():  # frombuffer warns about read-only buffers
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(self.mapping(), dtype=getattr(torch, dtype), count=numel, offset=offset)
+
+    def offset_of(self, tensor) -> int | None:
+        """Where a view made by ``view`` starts in the file (None when it is not one)."""
+        if self._mmap is None or not len(self._mmap):
+            return None
+        offset = tensor.data_ptr() - self._base()
+        return offset if 0 <= offset <= len(self._mmap) else None
+
+    def _base(self) -> int:
+        import warnings
+
+        import torch
+
+        if self._base_ptr is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self._base_ptr = torch.frombuffer(self.mapping(), dtype=torch.uint8, count=1).data_ptr()
+        return self._base_ptr
+
+    def advise(self, advice: str) -> None:
+        """'random' while scattered small reads (no read-ahead), 'normal' afterwards."""
+        flag = getattr(mmap, f"MADV_{advice.upper()}", None)
+        if flag is not None:
+            try:
+                self.mapping().madvise(flag)
+            except (OSError, ValueError):
+                pass
 
     def release(self, start: int = 0, end: int | None = None) -> None:
         """Drop mapped pages of [start, end) from this process (the page cache keeps them).
@@ -62,6 +90,7 @@ class MappedFile:
             except BufferError:  # a view is still alive somewhere; the GC will unmap it
                 pass
             self._mmap = None
+            self._base_ptr = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

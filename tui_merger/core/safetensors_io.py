@@ -269,9 +269,17 @@ class SafetensorsWriter:
             self._pwrite_all(memoryview(raw), offset)
         self._written(nbytes)
 
-    def copy_from(self, name: str, src_fd: int, src_offset: int, length: int) -> None:
-        """Copy a byte range of another file into the tensor's place, in the kernel (no Python copy)."""
-        dst = self._take(name, length)
+    def copy_from(self, name: str, ranges: list[tuple[int, int, int]]) -> None:
+        """Copy byte ranges of other files, one after the other, into the tensor's place, in the
+        kernel (no Python copy). Several ranges: a tensor whose shards lie in several files."""
+        total = sum(length for _, _, length in ranges)
+        dst = self._take(name, total)
+        for src_fd, src_offset, length in ranges:
+            self._copy_range(name, src_fd, src_offset, length, dst)
+            dst += length
+        self._written(total)
+
+    def _copy_range(self, name: str, src_fd: int, src_offset: int, length: int, dst: int) -> None:
         done = 0
         use_cfr = hasattr(os, "copy_file_range")
         while done < length:
@@ -288,9 +296,8 @@ class SafetensorsWriter:
                 self._pwrite_all(memoryview(chunk), dst + done)
                 n = len(chunk)
             if n == 0:
-                raise MergeError(f"A source file ended early while copying {name}; copy the base model again.")
+                raise MergeError(f"A source file ended early while copying {name}; copy the inputs again.")
             done += n
-        self._written(length)
 
     def close(self, fsync: bool = True) -> None:
         if self._fd is None:

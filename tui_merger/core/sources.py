@@ -108,13 +108,13 @@ class TensorSource:
     def load_into(self, ref: TensorRef, out) -> None:
         out.copy_(self.load(ref))
 
-    def raw_range(self, ref: TensorRef) -> tuple[int, int, int] | None:
-        """(fd, offset, length) when the tensor's bytes can be copied as they are, else None."""
+    def raw_ranges(self, ref: TensorRef) -> list[tuple[int, int, int]] | None:
+        """[(fd, offset, length)] when the tensor's bytes can be copied as they are, else None."""
         st = self._st.get(ref.file)
         if st is None:
             return None
         info = st.tensors[ref.name]
-        return st.fileno(), info.start, info.nbytes
+        return [(st.fileno(), info.start, info.nbytes)]
 
     def release(self, ref: TensorRef) -> None:
         st = self._st.get(ref.file)
