@@ -234,3 +234,19 @@ def test_save_lora_only_checkpoint_needs_and_uses_the_base(tmp_path_factory, tmp
     ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(info["reference_base"], dtype=torch.float32), info["reference_adapter"])
     with torch.no_grad():
         torch.testing.assert_close(logits_of(out, probe, dtype=torch.float32), ref(probe).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["fsdp1-w4", "fsdp2-w4", "fsdp2-hsdp", "fsdp2-shard-dim1", "fsdp2-buffers"])
+def test_checkpoint_written_in_bf16(tmp_path_factory, tmp_path, case):
+    """A dtype change goes shard by shard (cast into a small buffer, written at its place) instead of
+    through the fp32 copy path; the result is the reference rounded once."""
+    info = cached_fsdp_checkpoint(tmp_path_factory, **CONFIGS[case])
+    out = tmp_path / "merged"
+    run_merge(MergeOptions(checkpoint=info["run_dir"], out=out, dtype="bf16"))
+    ours = read_output(out)
+    ref = _reference(info)
+    assert set(ours) == set(ref)
+    for name, tensor in ref.items():
+        expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert torch.equal(ours[name], expected), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

@@ -155,6 +155,18 @@ class _Copier(threading.Thread):
         self.join()
 
 
+def _converted(blocks, dtype: str, ws: Workspace):
+    """Row blocks cast into one reused buffer; each block's source pages are handed back."""
+    import torch
+
+    out_dtype = getattr(torch, dtype)
+    for block, release in blocks:
+        buf = ws.get("block", tuple(block.shape), out_dtype)
+        buf.copy_(block)
+        release()
+        yield buf
+
+
 def _write(
     plan: TensorPlan,
     tmp,
@@ -215,6 +227,11 @@ def _write(
         for writer, t in compute_jobs:
             cancel.raise_if_cancelled()
             drain()
+            blocks = None if t.ops or t.dtype == "float16" else t.source.source.row_blocks(t.source)
+            if blocks is not None:  # a sharded checkpoint tensor: cast and write shard by shard
+                writer.write_blocks(t.name, t.nbytes, _converted(blocks, t.dtype, ws))
+                report(t)
+                continue
             tensor = compute(t, ws=ws)
             if fp16_overflows(tensor, t):
                 if not options.force_fp16_overflow:

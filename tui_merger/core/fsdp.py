@@ -270,6 +270,15 @@ class FsdpSource:
             return None
         return [(self.files[p.rank].fileno(), p.start, p.end - p.start) for p in parts if p.end > p.start]
 
+    def row_blocks(self, ref: TensorRef):
+        """The tensor as consecutive row blocks (its dim-0 shards, in order) with a callback that
+        hands each block's pages back: written one by one, a converted tensor never exists whole."""
+        entry = self.entries[ref.name]
+        if entry.dim not in (None, 0):
+            return None
+        parts = entry.parts[:1] if entry.dim is None else [p for p in entry.parts if p.local.numel()]
+        return [(p.local, lambda p=p: self.release_part(p)) for p in parts]
+
     def release_part(self, part: _Part) -> None:
         if part.start is not None:
             self.files[part.rank].release(part.start, part.end)
@@ -308,6 +317,9 @@ class RenamedSource:
 
     def raw_ranges(self, ref):
         return self.inner.raw_ranges(ref)
+
+    def row_blocks(self, ref):
+        return self.inner.row_blocks(ref)
 
     def release(self, ref) -> None:
         self.inner.release(ref)

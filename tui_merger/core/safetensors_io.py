@@ -269,6 +269,22 @@ class SafetensorsWriter:
             self._pwrite_all(memoryview(raw), offset)
         self._written(nbytes)
 
+    def write_blocks(self, name: str, nbytes: int, blocks) -> None:
+        """Write a tensor given as consecutive pieces (contiguous CPU tensors) into its place."""
+        import torch
+
+        offset = self._take(name, nbytes)
+        end = offset + nbytes
+        for block in blocks:
+            raw = block.contiguous().reshape(-1).view(torch.uint8).numpy()
+            if offset + raw.nbytes > end:
+                raise RuntimeError(f"{self.path.name}: {name} got more bytes than its shape holds")
+            self._pwrite_all(memoryview(raw), offset)
+            offset += raw.nbytes
+        if offset != end:
+            raise RuntimeError(f"{self.path.name}: {name} got {nbytes - (end - offset)} of {nbytes} bytes")
+        self._written(nbytes)
+
     def copy_from(self, name: str, ranges: list[tuple[int, int, int]]) -> None:
         """Copy byte ranges of other files, one after the other, into the tensor's place, in the
         kernel (no Python copy). Several ranges: a tensor whose shards lie in several files."""

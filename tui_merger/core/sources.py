@@ -108,6 +108,10 @@ class TensorSource:
     def load_into(self, ref: TensorRef, out) -> None:
         out.copy_(self.load(ref))
 
+    def row_blocks(self, ref: TensorRef):
+        """[(row block, release)] for sources that hold a tensor in pieces; None: load it whole."""
+        return None
+
     def raw_ranges(self, ref: TensorRef) -> list[tuple[int, int, int]] | None:
         """[(fd, offset, length)] when the tensor's bytes can be copied as they are, else None."""
         st = self._st.get(ref.file)
