@@ -176,9 +176,7 @@ def cmd_merge(args) -> int:
     from tui_merger.core.errors import MergeError
     from tui_merger.core.options import MergeOptions
 
-    checkpoint = args.checkpoint or args.local_dir
-    if args.checkpoint and args.local_dir and args.checkpoint != args.local_dir:
-        raise MergeError("Give the checkpoint once: either as CHECKPOINT or with --local_dir.")
+    checkpoint = _checkpoint(args)
     if args.hf_upload_path:
         raise MergeError(
             "Uploading to the Hub (--hf_upload_path) is not available yet; run the merge without it, then "
@@ -195,23 +193,38 @@ def cmd_merge(args) -> int:
     if args.out is None:
         raise MergeError("Say where to write the merged model with --out (or --target_dir).")
     options = MergeOptions(
-        base=args.base,
         adapter=args.adapter,
         out=args.out,
-        dtype=args.dtype,
         shard_size=args.shard_size,
         tokenizer_from=args.tokenizer_from or "auto",
         overwrite=args.overwrite,
         force_fp16_overflow=args.force,
-        checkpoint=checkpoint,
-        lora_alpha=args.lora_alpha,
-        is_value_model=args.is_value_model,
-        tie_word_embedding=args.tie_word_embedding,
         export_adapter=args.export_adapter,
+        **_read_options(args),
     )
     result = run_with_progress(options, plain=args.plain)
     print_result(result)
     return 0
+
+
+def _checkpoint(args) -> Path | None:
+    from tui_merger.core.errors import MergeError
+
+    if args.checkpoint and args.local_dir and args.checkpoint != args.local_dir:
+        raise MergeError("Give the checkpoint once: either as CHECKPOINT or with --local_dir.")
+    return args.checkpoint or args.local_dir
+
+
+def _read_options(args) -> dict:
+    """MergeOptions fields that say what to read, shared by merge and test."""
+    return dict(
+        base=args.base,
+        checkpoint=_checkpoint(args),
+        dtype=args.dtype,
+        lora_alpha=args.lora_alpha,
+        is_value_model=args.is_value_model,
+        tie_word_embedding=args.tie_word_embedding,
+    )
 
 
 def _check_backend(checkpoint: Path, backend: str) -> None:
@@ -234,18 +247,10 @@ def cmd_test(args) -> int:
     from tui_merger.core.errors import MergeError
     from tui_merger.core.options import MergeOptions
 
-    checkpoint = args.checkpoint or args.local_dir
-    if checkpoint is None:
+    if _checkpoint(args) is None:
         raise MergeError("Say which checkpoint to test: CHECKPOINT or --local_dir.")
-    _check_backend(checkpoint, args.backend)
-    options = MergeOptions(
-        base=args.base,
-        checkpoint=checkpoint,
-        dtype=args.dtype,
-        lora_alpha=args.lora_alpha,
-        is_value_model=args.is_value_model,
-        tie_word_embedding=args.tie_word_embedding,
-    )
+    _check_backend(_checkpoint(args), args.backend)
+    options = MergeOptions(**_read_options(args))
     report = compare_with_reference(options, args.test_hf_dir, PlainProgress())
     if report.problems:
         for line in report.problems[:20]:
