@@ -51,16 +51,41 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-DEFAULT_CACHE = HERE / ".cache"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: run as `python benchmarks/bench_fsdp.py`
+
+from harness import (  # noqa: E402
+    CHILD_ENV,
+    DEFAULT_CACHE,
+    REPO,
+    RESULT_HEADERS,
+    ChildFailed,
+    Runner,
+    bench_json,
+    code_state,
+    dir_bytes,
+    fmt_table,
+    load_tensors,
+    loadavg,
+    med,
+    print_rss_floor,
+    profile_run_merge,
+    qwen_config,
+    remove_kept,
+    rss_floor,
+    run_child,
+    run_child_command,
+    source_fingerprint,
+    summarize,
+    timed_rounds,
+    warm_up,
+)
+
 SPEC_VERSION = 1
 WORLD = 8
 STEP = 1
@@ -68,40 +93,11 @@ SHARD_SIZE = 5_000_000_000  # "5GB" as transformers counts it
 READ_CHUNK = 8 << 20
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
-CHILD_ENV = dict(
-    os.environ,
-    HF_HUB_OFFLINE="1",
-    TRANSFORMERS_OFFLINE="1",
-    HF_DATASETS_OFFLINE="1",
-    TOKENIZERS_PARALLELISM="false",
-    PYTHONWARNINGS="ignore",
-    TRANSFORMERS_VERBOSITY="error",
-)
+CHILD_ENV["TRANSFORMERS_VERBOSITY"] = "error"  # harness.run_child starts every child with CHILD_ENV
 
 # ----------------------------------------------------------------------------------------------
 # Children (run as `python bench_fsdp.py _<name> ...`; these are the only places torch is imported)
 # ----------------------------------------------------------------------------------------------
-
-
-def qwen_config(layers: int):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        max_window_layers=layers,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    )
 
 
 def child_rank(actor: str, layers: str, seed: str) -> None:
@@ -123,7 +119,7 @@ def child_rank(actor: str, layers: str, seed: str) -> None:
                             timeout=timedelta(seconds=900))
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-        cfg = qwen_config(layers)
+        cfg = qwen_config(layers, eos_token_id=151645)
         with torch.device("meta"):
             model = Qwen2ForCausalLM(cfg)
         assert model.lm_head.weight is model.model.embed_tokens.weight, "embeddings not tied"
@@ -305,40 +301,18 @@ def child_reference(actor: str, out: str) -> None:
 
 
 def child_profile(actor: str, out: str, top: str) -> None:
-    import cProfile
-    import pstats
-
-    from tui_merger.core.engine import run_merge
     from tui_merger.core.options import MergeOptions
 
     import torch  # noqa: F401  (import cost is not what we profile)
 
-    opts = MergeOptions(checkpoint=actor, out=out)
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    run_merge(opts, fsync=False)
-    prof.disable()
-    print(f"run_merge(fsync=False) under cProfile: {time.perf_counter() - t0:.2f} s wall", flush=True)
-    stats = pstats.Stats(prof, stream=sys.stdout)
-    stats.strip_dirs().sort_stats("tottime").print_stats(int(top))
-    stats.sort_stats("cumulative").print_stats(int(top))
+    profile_run_merge(MergeOptions(checkpoint=actor, out=out), top)
 
 
 def child_verify(ours: str, ref: str, layers: str) -> None:
     """Not timed: our output == the load-everything output, tensor for tensor."""
     import torch
-    from safetensors import safe_open
 
-    def tensors(folder):
-        out = {}
-        for f in sorted(Path(folder).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    out[k] = h.get_tensor(k)
-        return out
-
-    o, r = tensors(ours), tensors(ref)
+    o, r = load_tensors(ours), load_tensors(ref)
     ok = True
     common = sorted(set(o) & set(r))
     diff = [k for k in common if o[k].dtype != r[k].dtype or not torch.equal(o[k], r[k])]
@@ -373,65 +347,6 @@ CHILDREN = {
 # ----------------------------------------------------------------------------------------------
 
 
-class ChildFailed(RuntimeError):
-    pass
-
-
-def run_child(argv: list[str], log: Path | None = None, capture: bool = False) -> dict:
-    """Run one process; return wall seconds, its own peak RSS (MiB) and its stdout."""
-    out_f = open(log, "wb") if log else subprocess.DEVNULL
-    stdout = subprocess.PIPE if capture else out_f
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=stdout, stderr=out_f, env=CHILD_ENV, cwd=REPO)
-    text = b""
-    if capture:
-        text = proc.stdout.read()
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if log:
-        out_f.close()
-    text = text.decode(errors="replace")
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-4000:] if log else ""
-        raise ChildFailed(f"{' '.join(map(str, argv))} exited {proc.returncode}\n{text[-4000:]}\n{tail}")
-    return {"wall": wall, "rss": usage.ru_maxrss / 1024, "cpu": usage.ru_utime + usage.ru_stime,
-            "stdout": text}  # ru_maxrss is KiB on Linux
-
-
-def _code_state() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tui_merger", "pyproject.toml"],
-                               cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\n")
-        dirty = [line[3:] for line in dirty if line.strip()]
-        return f"git {head}" + (f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)")
-    except (OSError, subprocess.CalledProcessError):
-        return "git state unknown"
-
-
-def _source_fingerprint() -> str:
-    """A hash of tui_merger/'s sources: others may edit them while a long benchmark runs."""
-    import hashlib
-
-    h = hashlib.sha1()
-    for f in sorted((REPO / "tui_merger").rglob("*.py")):
-        h.update(str(f.relative_to(REPO)).encode() + b"\0")
-        try:
-            h.update(f.read_bytes())
-        except OSError:
-            pass
-    return h.hexdigest()[:12]
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
-
-
 def py(*args) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *map(str, args)]
 
@@ -443,10 +358,6 @@ def ours_cli(actor, out) -> list[str]:
 
 def rank_files(actor: Path) -> list[Path]:
     return [actor / f"model_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD)]
-
-
-def dir_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _free_port() -> int:
@@ -527,75 +438,6 @@ def ensure_checkpoint(cache: Path, layers: int, seed: int = 0) -> Path:
     return actor
 
 
-def bench_json(stdout: str) -> dict | None:
-    for line in stdout.splitlines():
-        if line.startswith("BENCH_JSON "):
-            return json.loads(line[len("BENCH_JSON "):])
-    return None
-
-
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def fmt_table(headers, rows) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
-
-
-class Runner:
-    def __init__(self, tmp_root: Path, sync: bool, settle: float, inputs: list[Path], cold: bool) -> None:
-        self.tmp_root = tmp_root
-        self.sync = sync
-        self.settle = settle
-        self.inputs = inputs
-        self.cold = cold
-        self.n = 0
-
-    def files(self) -> list[str]:
-        return sorted(str(f) for d in self.inputs for f in Path(d).rglob("*") if f.is_file())
-
-    def preread(self) -> None:
-        """Inputs into the page cache (untimed), right before every case (this VM's DAMON 'pageout'
-        drops page-cache pages left unread for a few seconds)."""
-        subprocess.run(["cat", *self.files()], stdout=subprocess.DEVNULL, check=True)
-
-    def evict(self) -> None:
-        """Inputs out of the page cache (they are clean after sync): the case reads from the disk."""
-        os.sync()
-        for f in self.files():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-    def run(self, name: str, make_argv, keep: bool = False) -> tuple[dict, Path]:
-        """make_argv(out) -> argv. Runs in a fresh output path; deletes it unless keep."""
-        self.n += 1
-        slug = "".join(c if c.isalnum() else "-" for c in name.split("(")[0].strip())
-        out = self.tmp_root / f"{slug}-{self.n}"
-        log = self.tmp_root / f"{slug}-{self.n}.log"
-        if self.sync:
-            os.sync()
-        if self.settle:
-            time.sleep(self.settle)
-        if self.cold:
-            self.evict()
-        else:
-            self.preread()
-        try:
-            r = run_child(make_argv(out), log=log, capture=True)
-        finally:
-            if not keep:
-                shutil.rmtree(out, ignore_errors=True)
-        if not keep:
-            log.unlink(missing_ok=True)
-        return r, out
-
-
 CP = "cp -r actor/"
 READ = "read once (8 MiB reads)"
 CAT = "cat rank files > /dev/null"
@@ -627,27 +469,20 @@ def main_bench(args, cache: Path) -> int:
     cases = make_cases(actor)
     if args.skip_reference:
         del cases[REF]
-    load0 = _loadavg()
+    load0 = loadavg()
     in_bytes = sum(f.stat().st_size for f in rank_files(actor))
     out_bytes = None
     try:
         print(f"checkpoint: {actor} ({in_bytes / 1e9:.3f} GB in {WORLD} rank files, fp32); outputs in {tmp_root}",
               flush=True)
-        floor = {
-            "python -c pass": run_child([sys.executable, "-c", "pass"])["rss"],
-            "python -c 'import torch'": run_child([sys.executable, "-c", "import torch"])["rss"],
-            "python -c 'import tui_merger.core.engine, torch'": run_child(
-                [sys.executable, "-c", "import tui_merger.core.engine, torch"])["rss"],
-        }
+        floor = rss_floor({
+            "python -c pass": [sys.executable, "-c", "pass"],
+            "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+            "python -c 'import tui_merger.core.engine, torch'": [sys.executable, "-c",
+                                                                   "import tui_merger.core.engine, torch"],
+        })
 
-        print("warm-up (untimed) + verification ...", flush=True)
-        kept = {}
-        for name, make in cases.items():
-            keep = name in (INPROC, REF)
-            r, out = runner.run(name, make, keep=keep)
-            print(f"  warm-up {name}: {r['wall']:.2f} s, {r['rss']:.0f} MiB", flush=True)
-            if keep:
-                kept[name] = out
+        kept = warm_up(runner, cases, (INPROC, REF))
         out_bytes = dir_bytes(kept[INPROC])
         verify_ok = True
         if not args.skip_verify and REF in kept:
@@ -655,37 +490,21 @@ def main_bench(args, cache: Path) -> int:
             r = run_child(py("_verify", kept[INPROC], kept[REF], layers), capture=True)
             print(r["stdout"].rstrip(), flush=True)
             verify_ok = "VERIFY_OK" in r["stdout"]
-        for out in kept.values():
-            shutil.rmtree(out, ignore_errors=True)
-            Path(str(out) + ".log").unlink(missing_ok=True)
+        remove_kept(kept)
 
-        results = {name: [] for name in cases}
-        print(f"timed: {args.repeats} round-robin repeats of {len(cases)} cases ...", flush=True)
-        for rep in range(args.repeats):
-            for name, make in cases.items():
-                r, _ = runner.run(name, make)
-                results[name].append(r)
-                print(f"  [{rep + 1}/{args.repeats}] {name}: {r['wall']:.2f} s, {r['rss']:.0f} MiB", flush=True)
+        results = timed_rounds(runner, cases, args.repeats)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
 
-    wall = {k: med([r["wall"] for r in v]) for k, v in results.items()}
-    rss = {k: med([r["rss"] for r in v]) for k, v in results.items()}
-    rows = []
-    for name, runs in results.items():
-        ws = [r["wall"] for r in runs]
-        rows.append([name, f"{wall[name]:.2f}", f"{min(ws):.2f}", f"{max(ws):.2f}",
-                     f"{med([r['cpu'] for r in runs]):.2f}",
-                     f"{rss[name]:.0f}", f"{max(r['rss'] for r in runs):.0f}"])
+    wall, rss, rows = summarize(results)
     print()
     print(f"Results: {layers} layers, {in_bytes / 1e9:.3f} GB fp32 in {WORLD} FSDP2 rank files -> "
           f"{(out_bytes or 0) / 1e9:.3f} GB bf16 ({args.repeats} repeats, medians; sync + {args.settle:g} s settle + "
           f"inputs {'evicted from' if args.cold else 're-read into'} the page cache before each case; "
-          f"load average before/after: {load0} / {_loadavg()})")
-    print(fmt_table(["case", "wall median s", "min s", "max s", "cpu (user+sys) s", "peak RSS median MiB",
-                     "peak RSS max MiB"], rows))
+          f"load average before/after: {load0} / {loadavg()})")
+    print(fmt_table(RESULT_HEADERS, rows))
     print()
-    print("RSS floor for context: " + ", ".join(f"{k}: {v:.0f} MiB" for k, v in floor.items()))
+    print_rss_floor(floor)
 
     inner = {}
     for name in (READ, INPROC, REF):
@@ -801,8 +620,7 @@ def clean(cache: Path) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in CHILDREN:
-        CHILDREN[argv[0]](argv[1:])
+    if run_child_command(argv, CHILDREN):
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per case (default 3)")
@@ -831,8 +649,8 @@ def main(argv=None) -> int:
     for stale in cache.glob("fsdp-run-*"):  # temp folders of an interrupted run
         shutil.rmtree(stale, ignore_errors=True)
     t0 = time.perf_counter()
-    fingerprint = _source_fingerprint()
-    print(f"measuring tui_merger at {_code_state()}, sources {fingerprint}", flush=True)
+    fingerprint = source_fingerprint()
+    print(f"measuring tui_merger at {code_state()}, sources {fingerprint}", flush=True)
     try:
         if args.profile:
             rc = main_profile(args, cache)
@@ -843,10 +661,10 @@ def main(argv=None) -> int:
     except ChildFailed as err:
         print(f"\nA benchmark child failed:\n{err}", file=sys.stderr)
         rc = 2
-    after = _source_fingerprint()
+    after = source_fingerprint()
     if after != fingerprint:
         print(f"\nWARNING: tui_merger/ changed while this ran (sources {fingerprint} -> {after}, now "
-              f"{_code_state()}); the figures may mix two versions: run again.")
+              f"{code_state()}); the figures may mix two versions: run again.")
     print(f"\ntotal benchmark runtime: {time.perf_counter() - t0:.1f} s")
     return rc
 

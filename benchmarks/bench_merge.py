@@ -27,57 +27,47 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-DEFAULT_CACHE = HERE / ".cache"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: run as `python benchmarks/bench_merge.py`
+
+from harness import (  # noqa: E402
+    DEFAULT_CACHE,
+    RESULT_HEADERS,
+    ChildFailed,
+    Runner,
+    bench_json,
+    code_state,
+    dir_bytes,
+    fmt_table,
+    load_tensors,
+    loadavg,
+    med,
+    print_rss_floor,
+    profile_run_merge,
+    qwen_config,
+    remove_kept,
+    rss_floor,
+    run_child,
+    run_child_command,
+    summarize,
+    timed_rounds,
+    warm_up,
+)
+
 SPEC_VERSION = 1
 LORA_R, LORA_ALPHA = 16, 32
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QV_TARGETS = ["q_proj", "v_proj"]
 MIB = 1024 * 1024
 
-CHILD_ENV = dict(
-    os.environ,
-    HF_HUB_OFFLINE="1",
-    TRANSFORMERS_OFFLINE="1",
-    HF_DATASETS_OFFLINE="1",
-    TOKENIZERS_PARALLELISM="false",
-    PYTHONWARNINGS="ignore",
-)
-
 # ----------------------------------------------------------------------------------------------
 # Children (run as `python bench_merge.py _<name> ...`; these are the only places torch is imported)
 # ----------------------------------------------------------------------------------------------
-
-
-def qwen_config(layers: int):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        max_window_layers=layers,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=151643,
-        eos_token_id=151643,
-    )
 
 
 def child_build(folder: str, layers: int, seed: int) -> None:
@@ -90,7 +80,7 @@ def child_build(folder: str, layers: int, seed: int) -> None:
     folder = Path(folder)
     base_dir, ad_all, ad_qv = folder / "base", folder / "adapter_all", folder / "adapter_qv"
     torch.manual_seed(seed)
-    cfg = qwen_config(layers)
+    cfg = qwen_config(layers, eos_token_id=151643)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
@@ -187,24 +177,11 @@ def child_ours(base: str, adapter: str, out: str, fsync: str) -> None:
 
 
 def child_profile(base: str, adapter: str, out: str, top: str) -> None:
-    import cProfile
-    import pstats
-
-    from tui_merger.core.engine import run_merge
     from tui_merger.core.options import MergeOptions
 
     import torch  # noqa: F401  (import cost is not what we profile)
 
-    opts = MergeOptions(base=base, adapter=adapter, out=out)
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    run_merge(opts, fsync=False)
-    prof.disable()
-    print(f"run_merge(fsync=False) under cProfile: {time.perf_counter() - t0:.2f} s wall", flush=True)
-    stats = pstats.Stats(prof, stream=sys.stdout)
-    stats.strip_dirs().sort_stats("tottime").print_stats(int(top))
-    stats.sort_stats("cumulative").print_stats(int(top))
+    profile_run_merge(MergeOptions(base=base, adapter=adapter, out=out), top)
 
 
 def child_verify(base: str, adapter: str, ours: str, peft_out: str, targets: str) -> None:
@@ -212,17 +189,9 @@ def child_verify(base: str, adapter: str, ours: str, peft_out: str, targets: str
     import torch
     from safetensors import safe_open
 
-    def tensors(folder):
-        out = {}
-        for f in sorted(Path(folder).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    out[k] = h.get_tensor(k)
-        return out
-
     ok = True
-    b = tensors(base)
-    o = tensors(ours)
+    b = load_tensors(base)
+    o = load_tensors(ours)
     ad = {}
     with safe_open(str(Path(adapter) / "adapter_model.safetensors"), framework="pt") as h:
         for k in h.keys():
@@ -255,7 +224,7 @@ def child_verify(base: str, adapter: str, ours: str, peft_out: str, targets: str
 
     # 3. against peft's merged output, every tensor
     if peft_out != "-":
-        p = tensors(peft_out)
+        p = load_tensors(peft_out)
         common = sorted(set(o) & set(p))
         diff = [k for k in common if not torch.equal(o[k], p[k])]
         print(f"  ours vs peft: {len(common) - len(diff)}/{len(common)} tensors torch.equal; "
@@ -286,52 +255,6 @@ CHILDREN = {
 # ----------------------------------------------------------------------------------------------
 
 
-class ChildFailed(RuntimeError):
-    pass
-
-
-def run_child(argv: list[str], log: Path | None = None, capture: bool = False) -> dict:
-    """Run one process; return wall seconds, its own peak RSS (MiB) and its stdout."""
-    out_f = open(log, "wb") if log else subprocess.DEVNULL
-    stdout = subprocess.PIPE if capture else out_f
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=stdout, stderr=out_f, env=CHILD_ENV, cwd=REPO)
-    text = b""
-    if capture:
-        text = proc.stdout.read()
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if log:
-        out_f.close()
-    text = text.decode(errors="replace")
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-4000:] if log else ""
-        raise ChildFailed(f"{' '.join(map(str, argv))} exited {proc.returncode}\n{text[-4000:]}\n{tail}")
-    return {"wall": wall, "rss": usage.ru_maxrss / 1024, "cpu": usage.ru_utime + usage.ru_stime,
-            "stdout": text}  # ru_maxrss is KiB on Linux
-
-
-def _code_state() -> str:
-    """Which engine code was measured: HEAD and whether tui_merger/ has uncommitted changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tui_merger", "pyproject.toml"],
-                               cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\n")
-        dirty = [line[3:] for line in dirty if line.strip()]
-        return f"git {head}" + (f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)")
-    except (OSError, subprocess.CalledProcessError):
-        return "git state unknown"
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
-
-
 def py(*args) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *map(str, args)]
 
@@ -339,10 +262,6 @@ def py(*args) -> list[str]:
 def ours_cli(base, adapter, out) -> list[str]:
     return [sys.executable, "-m", "tui_merger", "merge", "--base", str(base), "--adapter", str(adapter),
             "--out", str(out), "--plain"]
-
-
-def dir_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def ensure_model(cache: Path, layers: int, seed: int = 0) -> Path:
@@ -360,64 +279,12 @@ def ensure_model(cache: Path, layers: int, seed: int = 0) -> Path:
     return folder
 
 
-def bench_json(stdout: str) -> dict | None:
-    for line in stdout.splitlines():
-        if line.startswith("BENCH_JSON "):
-            return json.loads(line[len("BENCH_JSON "):])
-    return None
-
-
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def fmt_table(headers, rows) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
-
-
-class Runner:
-    def __init__(self, tmp_root: Path, sync: bool, settle: float, inputs: list[Path]) -> None:
-        self.tmp_root = tmp_root
-        self.sync = sync
-        self.settle = settle
-        self.inputs = inputs
-        self.n = 0
-
-    def preread(self, folders: list[Path]) -> None:
-        """Read the inputs into the page cache (untimed). This VM runs DAMON 'pageout' on physical
-        memory, which drops page-cache pages left unread for a few seconds, so "warm" must be renewed
-        right before every case."""
-        files = sorted(str(f) for d in folders for f in Path(d).rglob("*") if f.is_file())
-        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
-
-    def run(self, name: str, make_argv, keep: bool = False) -> tuple[dict, Path]:
-        """make_argv(out) -> argv. Runs in a fresh output path; deletes it unless keep."""
-        self.n += 1
-        out = self.tmp_root / f"{name}-{self.n}"
-        log = self.tmp_root / f"{name}-{self.n}.log"
-        if self.sync:
-            os.sync()
-        if self.settle:
-            time.sleep(self.settle)
-        self.preread(self.inputs)
-        try:
-            r = run_child(make_argv(out), log=log, capture=True)
-        finally:
-            if not keep:
-                shutil.rmtree(out, ignore_errors=True)
-        if not keep:
-            log.unlink(missing_ok=True)
-        return r, out
-
-
 def main_bench(args, cache: Path) -> int:
     folder = ensure_model(cache, 24)
     base, ad_all, ad_qv = folder / "base", folder / "adapter_all", folder / "adapter_qv"
     tmp_root = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
-    runner = Runner(tmp_root, sync=not args.no_sync, settle=args.settle, inputs=[base, ad_all, ad_qv])
+    runner = Runner(tmp_root, sync=not args.no_sync, settle=args.settle, inputs=[base, ad_all, ad_qv],
+                    tag=lambda name: name.split()[0])
     cases = {
         "cp -r": lambda out: ["cp", "-r", str(base), str(out)],
         "ours (CLI, fsync)": lambda out: ours_cli(base, ad_all, out),
@@ -428,26 +295,19 @@ def main_bench(args, cache: Path) -> int:
     }
     if args.skip_peft:
         del cases["peft"]
-    load0 = _loadavg()
+    load0 = loadavg()
     try:
         print(f"base: {base} ({dir_bytes(base) / 1e9:.3f} GB, "
               f"{len(list(base.glob('*.safetensors')))} shards); outputs in {tmp_root}", flush=True)
         # context: what a bare process and a bare `import torch` cost in RSS
-        floor = {
-            "true": run_child(["true"])["rss"],
-            "python -c 'import torch'": run_child([sys.executable, "-c", "import torch"])["rss"],
-            "python -c 'import tui_merger.core.engine, torch'": run_child(
-                [sys.executable, "-c", "import tui_merger.core.engine, torch"])["rss"],
-        }
+        floor = rss_floor({
+            "true": ["true"],
+            "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+            "python -c 'import tui_merger.core.engine, torch'": [sys.executable, "-c",
+                                                                   "import tui_merger.core.engine, torch"],
+        })
 
-        print("warm-up (untimed) + verification ...", flush=True)
-        kept = {}
-        for name, make in cases.items():
-            keep = name in ("ours (run_merge fsync=False)", "peft", "ours q,v (run_merge fsync=False)")
-            r, out = runner.run(name.split()[0], make, keep=keep)
-            print(f"  warm-up {name}: {r['wall']:.2f} s, {r['rss']:.0f} MiB", flush=True)
-            if keep:
-                kept[name] = out
+        kept = warm_up(runner, cases, ("ours (run_merge fsync=False)", "peft", "ours q,v (run_merge fsync=False)"))
         verify_ok = True
         if not args.skip_verify:
             peft_out = kept.get("peft", "-")
@@ -460,35 +320,19 @@ def main_bench(args, cache: Path) -> int:
                                  ",".join(targets)), capture=True)
                 print(r["stdout"].rstrip(), flush=True)
                 verify_ok &= "VERIFY_OK" in r["stdout"]
-        for out in kept.values():
-            shutil.rmtree(out, ignore_errors=True)
-            Path(str(out) + ".log").unlink(missing_ok=True)
+        remove_kept(kept)
 
-        results = {name: [] for name in cases}
-        print(f"timed: {args.repeats} round-robin repeats of {len(cases)} cases ...", flush=True)
-        for rep in range(args.repeats):
-            for name, make in cases.items():
-                r, _ = runner.run(name.split()[0], make)
-                results[name].append(r)
-                print(f"  [{rep + 1}/{args.repeats}] {name}: {r['wall']:.2f} s, {r['rss']:.0f} MiB", flush=True)
+        results = timed_rounds(runner, cases, args.repeats)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
 
-    wall = {k: med([r["wall"] for r in v]) for k, v in results.items()}
-    rss = {k: med([r["rss"] for r in v]) for k, v in results.items()}
-    rows = []
-    for name, runs in results.items():
-        ws = [r["wall"] for r in runs]
-        rows.append([name, f"{wall[name]:.2f}", f"{min(ws):.2f}", f"{max(ws):.2f}",
-                     f"{med([r['cpu'] for r in runs]):.2f}",
-                     f"{rss[name]:.0f}", f"{max(r['rss'] for r in runs):.0f}"])
+    wall, rss, rows = summarize(results)
     print()
     print(f"Results ({args.repeats} repeats, medians; sync + {args.settle:g} s settle + "
-          f"inputs re-read into the page cache before each case; load average before/after: {load0} / {_loadavg()})")
-    print(fmt_table(["case", "wall median s", "min s", "max s", "cpu (user+sys) s", "peak RSS median MiB",
-                     "peak RSS max MiB"], rows))
+          f"inputs re-read into the page cache before each case; load average before/after: {load0} / {loadavg()})")
+    print(fmt_table(RESULT_HEADERS, rows))
     print()
-    print("RSS floor for context: " + ", ".join(f"{k}: {v:.0f} MiB" for k, v in floor.items()))
+    print_rss_floor(floor)
 
     # where the time goes inside the children that report it
     for name in ("ours (run_merge fsync=False)", "ours q,v (run_merge fsync=False)", "peft"):
@@ -548,7 +392,8 @@ def main_scaling(args, cache: Path) -> int:
     sizes = [int(x) for x in args.layers.split(",")]
     folders = {n: ensure_model(cache, n) for n in sizes}
     tmp_root = Path(tempfile.mkdtemp(prefix="run-", dir=cache))
-    runner = Runner(tmp_root, sync=not args.no_sync, settle=args.settle, inputs=[])
+    runner = Runner(tmp_root, sync=not args.no_sync, settle=args.settle, inputs=[],
+                    tag=lambda name: name.split()[0])
     rows = []
     try:
         for n in sizes:
@@ -596,8 +441,7 @@ def main_profile(args, cache: Path) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in CHILDREN:
-        CHILDREN[argv[0]](argv[1:])
+    if run_child_command(argv, CHILDREN):
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per case (default 3)")
@@ -628,7 +472,7 @@ def main(argv=None) -> int:
     for stale in cache.glob("run-*"):  # temp folders of an interrupted run
         shutil.rmtree(stale, ignore_errors=True)
     t0 = time.perf_counter()
-    print(f"measuring tui_merger at {_code_state()}", flush=True)
+    print(f"measuring tui_merger at {code_state()}", flush=True)
     try:
         if args.profile:
             rc = main_profile(args, cache)
