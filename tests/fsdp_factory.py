@@ -103,6 +103,7 @@ _OPTION_DEFAULTS = dict(
     shard_dim1=False,
     write_fsdp_config=True,
     sft_layout=False,
+    sharded_tensor=False,
     step=5,
 )
 
@@ -124,6 +125,8 @@ def _normalise(opts: dict) -> dict:
         raise ValueError("world_size must be 1, 2 or 4")
     if o["shard_dim1"] and o["fsdp_version"] != 2:
         raise ValueError("shard_dim1 exists only for FSDP2 (fully_shard's shard_placement_fn)")
+    if o["sharded_tensor"] and (o["fsdp_version"] != 1 or o["hsdp"]):
+        raise ValueError("sharded_tensor=True means FSDP1 without a device mesh (no HSDP)")
     return o
 
 
@@ -156,6 +159,7 @@ def make_fsdp_checkpoint(
     shard_dim1: bool = False,
     write_fsdp_config: bool = True,
     sft_layout: bool = False,
+    sharded_tensor: bool = False,
     step: int = 5,
 ) -> dict:
     """Write one real verl FSDP checkpoint under ``root`` (the run dir) and return where things are.
@@ -191,6 +195,7 @@ def make_fsdp_checkpoint(
             shard_dim1=shard_dim1,
             write_fsdp_config=write_fsdp_config,
             sft_layout=sft_layout,
+            sharded_tensor=sharded_tensor,
             step=step,
         )
     )
@@ -223,7 +228,7 @@ def cached_fsdp_checkpoint(tmp_path_factory, **opts) -> dict:
         info = _CACHE.get(key)
         if info is None or not Path(info["reference"]).is_file():
             slug = "fsdp{fsdp_version}_w{world_size}".format(**o) + "".join(
-                f"_{k}" for k in ("hsdp", "tied", "critic", "buffer", "lora", "shard_dim1", "sft_layout") if o[k]
+                f"_{k}" for k in ("hsdp", "tied", "critic", "buffer", "lora", "shard_dim1", "sft_layout", "sharded_tensor") if o[k]
             )
             if not o["write_fsdp_config"]:
                 slug += "_nocfg"
@@ -758,7 +763,8 @@ def _wrap_fsdp1(model, mesh, o):
         # verl passes sync_module_states=True; FSDP1 refuses it for CPU modules, and every rank already
         # holds rank 0's weights (broadcast above), so it would be a no-op here
         sync_module_states=False,
-        device_mesh=mesh,
+        # without a device mesh FSDP1's sharded state dict holds ShardedTensors instead of DTensors
+        device_mesh=None if o["sharded_tensor"] else mesh,
         use_orig_params=False,
     )
 

@@ -30,6 +30,8 @@ CONFIGS = {
     "fsdp2-buffers": dict(fsdp_version=2, world_size=2, buffer=True),
     "no-fsdp-config": dict(fsdp_version=2, world_size=2, write_fsdp_config=False),
     "sft-layout": dict(fsdp_version=2, world_size=2, sft_layout=True),
+    "fsdp1-sharded-tensor-w2": dict(fsdp_version=1, world_size=2, sharded_tensor=True),
+    "fsdp1-sharded-tensor-w4": dict(fsdp_version=1, world_size=4, sharded_tensor=True),
 }
 
 
@@ -236,7 +238,9 @@ def test_save_lora_only_checkpoint_needs_and_uses_the_base(tmp_path_factory, tmp
         torch.testing.assert_close(logits_of(out, probe, dtype=torch.float32), ref(probe).logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["fsdp1-w4", "fsdp2-w4", "fsdp2-hsdp", "fsdp2-shard-dim1", "fsdp2-buffers"])
+@pytest.mark.parametrize(
+    "case", ["fsdp1-w4", "fsdp2-w4", "fsdp2-hsdp", "fsdp2-shard-dim1", "fsdp2-buffers", "fsdp1-sharded-tensor-w4"]
+)
 def test_checkpoint_written_in_bf16(tmp_path_factory, tmp_path, case):
     """A dtype change goes shard by shard (cast into a small buffer, written at its place) instead of
     through the fp32 copy path; the result is the reference rounded once."""

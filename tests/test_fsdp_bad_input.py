@@ -115,3 +115,17 @@ def test_single_rank_checkpoint_with_plain_tensors(tmp_path):
     for name, tensor in state.items():
         assert ours[name].dtype == torch.bfloat16
         assert torch.equal(ours[name], tensor.to(torch.bfloat16)), name
+
+
+class _Getattr:
+    def __reduce__(self):
+        return (getattr, ("a string", "upper"))
+
+
+def test_getattr_on_anything_but_a_record_is_refused(tmp_path, capsys):
+    """ShardedTensor pickles need getattr(ShardedTensor, "ProcessGroupState"); getattr on any other
+    object (the usual first step of a pickle exploit) is refused."""
+    state = _state()
+    state["model.norm.weight"] = _Getattr()
+    actor = _actor(tmp_path, {"model_world_size_1_rank_0.pt": state})
+    _refused(capsys, tmp_path, actor, "refusing")

@@ -185,7 +185,9 @@ class FsdpSource:
                     "the rank files come from different runs."
                 )
         for key, v0 in first.items():
-            if isinstance(v0, WrapperTensor):
+            if isinstance(v0, WrapperTensor) and v0.subclass.endswith("ShardedTensor"):
+                self.entries[key] = self._sharded_tensor(key, [s[key] for s in states])
+            elif isinstance(v0, WrapperTensor):
                 self.entries[key] = self._sharded(key, [s[key] for s in states])
             elif isinstance(v0, Record):
                 raise MergeError(
@@ -234,6 +236,41 @@ class FsdpSource:
                 "the checkpoint is incomplete."
             )
         return _Entry(key, dtype, shape, dim, [_Part(r, t) for _, r, t in chosen])
+
+    def _sharded_tensor(self, key: str, values) -> _Entry:
+        """FSDP1 without a device mesh saves ShardedTensors: each rank's local shards carry their
+        offsets in the global tensor; they must tile it along one dimension."""
+        dtype = str(values[0].dtype).removeprefix("torch.")
+        shape = tuple(values[0].size)
+        path = self.layout.rank_files[0]
+        pieces = []
+        for rank, v in enumerate(values):
+            state = v.__dict__.get("state")
+            local_shards = state[0] if isinstance(state, tuple) and state else None
+            if not isinstance(local_shards, list):
+                raise MergeError(f"{self.layout.rank_files[rank]}: {key} is a ShardedTensor without local shards.")
+            for shard in local_shards:
+                meta = shard.__dict__.get("metadata")
+                tensor = shard.__dict__.get("tensor")
+                offsets = tuple(int(o) for o in getattr(meta, "shard_offsets", ()) or ())
+                if tensor is None or len(offsets) != len(shape):
+                    raise MergeError(f"{path}: a shard of {key} lacks its data or offsets; the file is damaged.")
+                pieces.append((offsets, rank, tensor))
+        pieces.sort(key=lambda p: p[0])
+        varying = {d for d in range(len(shape)) if len({p[0][d] for p in pieces}) > 1}
+        if len(varying) > 1:
+            raise MergeError(f"{path}: {key} is sharded along several dimensions; not supported yet.")
+        dim = varying.pop() if varying else 0
+        expected = 0
+        for offsets, _, tensor in pieces:
+            if offsets[dim] != expected or any(offsets[d] for d in range(len(shape)) if d != dim):
+                raise MergeError(f"{path}: the shards of {key} leave a gap; a rank file is missing or stale.")
+            expected += tensor.shape[dim] if tensor.dim() else 1
+        if shape and expected != shape[dim]:
+            raise MergeError(f"{key}: the rank files hold {expected} of its {shape[dim]} rows; the checkpoint is incomplete.")
+        if len(pieces) == 1:
+            return _Entry(key, dtype, shape, None, [_Part(pieces[0][1], pieces[0][2])])
+        return _Entry(key, dtype, shape, dim, [_Part(r, t) for _, r, t in pieces])
 
     # -- TensorSource interface --------------------------------------------------------------------
     def load(self, ref: TensorRef):

@@ -108,6 +108,13 @@ def _rebuild_parameter(data, requires_grad, backward_hooks, *rest):
     return data
 
 
+def _record_getattr(obj, name: str):
+    """getattr limited to our inert record classes: a nested class becomes another record class."""
+    if isinstance(obj, type) and issubclass(obj, Record) and isinstance(name, str) and name.isidentifier():
+        return _record_class(f"{obj.qualname}.{name}")
+    raise MergeError("A checkpoint pickle asked for an attribute tui-merger does not allow; refusing to load it.")
+
+
 class _StorageType:
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
@@ -147,6 +154,8 @@ class _Unpickler(pickle.Unpickler):
             return _record_class(full)
         if module.startswith("torch.distributed"):
             return _record_class(full)
+        if full in ("__builtin__.getattr", "builtins.getattr"):
+            return _record_getattr  # ShardedTensor pickles getattr(ShardedTensor, "ProcessGroupState")
         raise MergeError(
             f"{self._path} contains a pickled {full}, which a checkpoint of weights never needs; "
             "tui-merger refuses to load it because unpickling it could run code."
