@@ -94,7 +94,7 @@ def _open_fsdp(options: MergeOptions) -> Inputs:
     try:
         hf_dir = layout.hf_dir
         base_map, adapter_map = split_peft_keys(source.tensors)
-        config_dir = options.base if options.base is not None else hf_dir
+        config_dir = hf_dir if hf_dir is not None else options.base  # the trained model's own config first
         if config_dir is None:
             raise MergeError(
                 f"{layout.folder} has no huggingface/ folder with config.json; copy the model's config.json "
