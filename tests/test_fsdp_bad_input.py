@@ -7,7 +7,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 import torch
 from factory import qwen_config
 
@@ -70,7 +69,7 @@ def test_truncated_rank_file(tmp_path, capsys):
 
 
 def test_missing_rank_file(tmp_path, capsys):
-    actor = _actor(tmp_path, {"model_world_size_2_rank_0.pt": _state()})
+    _actor(tmp_path, {"model_world_size_2_rank_0.pt": _state()})
     _refused(capsys, tmp_path, tmp_path, "model_world_size_2_rank_1.pt", "missing")
 
 

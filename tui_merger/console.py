@@ -6,7 +6,7 @@ import sys
 import time
 
 from tui_merger.core.options import human_bytes
-from tui_merger.core.events import Event, MergeFinished, Notice, PhaseStarted, TensorProgress
+from tui_merger.core.events import Event, Notice, PhaseStarted, TensorProgress
 
 
 class PlainProgress:
@@ -41,8 +41,6 @@ class PlainProgress:
                     f"{human_bytes(event.bytes_done)} / {human_bytes(event.bytes_total)}  "
                     f"{human_bytes(rate)}/s  {event.name}"
                 )
-        elif isinstance(event, MergeFinished):
-            pass
 
 
 class RichProgress:

@@ -329,9 +329,6 @@ class FsdpSource:
     def release(self, ref: TensorRef) -> None:
         self.release_key(ref.name)
 
-    def total_bytes(self) -> int:
-        return sum(r.nbytes for r in self.tensors.values())
-
     def close(self) -> None:
         for tf in self.files:
             tf.close()

@@ -125,9 +125,6 @@ class TensorSource:
         if st is not None:
             st.release_tensor(ref.name)
 
-    def total_bytes(self) -> int:
-        return sum(r.nbytes for r in self.tensors.values())
-
     def close(self) -> None:
         for st in self._st.values():
             st.close()
