@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workspace", type=Path, default=Path("tui-merger-demo"), help="folder for the demo files (default: %(default)s)"
     )
     demo.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    # commands that live in their own modules: each adds its parser and sets ``run``
+    from tui_merger import cli_cleanup, cli_upload
+
+    cli_upload.add_parser(sub)
+    cli_cleanup.add_parser(sub)
     return parser
 
 
@@ -105,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from tui_merger.core.errors import MergeCancelled, MergeError
 
     try:
+        if getattr(args, "run", None) is not None:
+            return args.run(args)
         if args.command == "merge":
             return cmd_merge(args)
         if args.command == "test":

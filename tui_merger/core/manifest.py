@@ -1,0 +1,154 @@
+"""Provenance: ``merge_manifest.json`` in every output, and the user's merge history.
+
+The manifest records what was merged (inputs with sha256), how (adapter settings, the exact
+options), what came out (per-file sha256), how long it took and what verification found. Cleanup
+trusts only merges whose manifest says verification passed; upload and the model card read it.
+
+Schema (``format: tui-merger-manifest/1``)::
+
+    {
+      "format": "tui-merger-manifest/1",
+      "tool": {"name": "tui-merger", "version": "0.1.0"},
+      "merged_at": "2026-11-30T06:30:00+00:00",
+      "kind": "merge" | "export-adapter" | "convert",
+      "inputs": [{"role": "base" | "adapter" | "checkpoint", "path": "/abs/folder",
+                  "files": [{"path": "rel/name", "size": 123, "sha256": "..."}]}],
+      "adapter": null | {"r": 16, "alpha": 32, "variant": "lora" | "rslora" | "dora",
+                         "target_modules": [...], "modules_to_save": [...], "base_model": "..."},
+      "base_model": "Qwen/Qwen2.5-0.5B" | "/abs/path" | null,
+      "options": {...MergeOptions.to_dict()},
+      "outputs": [{"path": "model.safetensors", "size": 123, "sha256": "..."}],
+      "timings": {"merge_s": 1.2, "hash_s": 0.4, "verify_s": 3.1},
+      "verification": null | {"passed": true, "summary": "...", "checks": [...]}
+    }
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tui_merger import __version__
+
+MANIFEST_NAME = "merge_manifest.json"
+FORMAT = "tui-merger-manifest/1"
+HISTORY_NAME = "history.jsonl"
+_HASH_CHUNK = 8 << 20
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+def state_dir() -> Path:
+    """Where tui-merger keeps its own state (history, jobs): $XDG_STATE_HOME/tui-merger."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tui-merger"
+
+
+def config_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "tui-merger"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+
+
+def sha256_file(path: Path) -> str:
+    """The file's sha256. Files in a Hugging Face cache snapshot are symlinks to blobs named by their
+    sha256 (LFS files): that name is used as is, without reading gigabytes again."""
+    path = Path(path)
+    if path.is_symlink():
+        target = path.resolve()
+        if target.parent.name == "blobs" and _SHA256_NAME.fullmatch(target.name):
+            return target.name
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_HASH_CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def describe_files(folder: Path, names: list[str]) -> list[dict]:
+    """[{path, size, sha256}] for files relative to ``folder``, hashed on two threads (hashlib releases
+    the GIL on large buffers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = Path(folder)
+    names = sorted(set(names))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        hashes = list(pool.map(lambda n: sha256_file(folder / n), names))
+    return [
+        {"path": n, "size": (folder / n).stat().st_size, "sha256": h} for n, h in zip(names, hashes)
+    ]
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest of a merged model folder, or None when it has none or it cannot be read."""
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None
+    return data
+
+
+def write_manifest(folder: Path, manifest: dict, fsync: bool = True) -> None:
+    """Write atomically (temporary file + rename) so a reader never sees half a manifest."""
+    folder = Path(folder)
+    tmp = folder / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST_NAME)
+
+
+def verification_passed(manifest: dict | None) -> bool:
+    ver = (manifest or {}).get("verification")
+    return isinstance(ver, dict) and ver.get("passed") is True
+
+
+def record_history(out: Path, manifest: dict) -> None:
+    """Append the merge to the user's history (used by cleanup to find merges made from a folder).
+    Best effort: a read-only home must not fail a merge."""
+    entry = {
+        "out": str(Path(out).absolute()),
+        "merged_at": manifest.get("merged_at"),
+        "inputs": [i.get("path") for i in manifest.get("inputs", [])],
+        "recorded": time.time(),
+    }
+    try:
+        folder = state_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / HISTORY_NAME, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    except OSError:
+        pass
+
+
+def read_history() -> list[dict]:
+    try:
+        lines = (state_dir() / HISTORY_NAME).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("out"), str):
+            out.append(entry)
+    return out
