@@ -21,6 +21,14 @@ from factory import (
 
 from tui_merger.core.engine import run_merge
 from tui_merger.core.options import MergeOptions
+from tui_merger.core.verify import verify_merge
+
+
+def assert_verified(base, adapter, out, **options):
+    """tui-merger's own verification passes every check on an output the test proved right."""
+    report = verify_merge(out, MergeOptions(base=base, adapter=adapter, out=out, **options))
+    statuses = {c.name: c.status for c in report.checks}
+    assert statuses == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, report.to_dict()
 
 CASES = {
     # id: (base kwargs, adapter kwargs, options)
@@ -96,6 +104,7 @@ def test_merge_equals_peft(tmp_path, case):
     if dtype == torch.float32 and out_dtype is None:
         got = logits_of(out, probe)
         torch.testing.assert_close(got, ref_logits, atol=1e-5, rtol=0)
+    assert_verified(base, adapter, out, **options)
 
 
 def read_base(base):
@@ -135,6 +144,7 @@ def _tied_case(tmp_path, adapter_kw, dtype=torch.float32):
     result = run_merge(MergeOptions(base=base, adapter=adapter, out=out))
     probe = probe_ids()
     ref_logits, ref_state, peft_model = reference(base, adapter, dtype=dtype, probe=probe)
+    assert_verified(base, adapter, out)
     return base, out, result, probe, ref_logits, ref_state, peft_model
 
 
@@ -223,6 +233,7 @@ def test_resized_vocab_with_modules_to_save(tmp_path):
     for name in ours:
         assert torch.equal(ours[name], ref_state[name]), name
     torch.testing.assert_close(logits_of(out, probe), ref_logits, atol=1e-5, rtol=0)
+    assert_verified(base, adapter, out)
 
 
 def test_sharded_output_index_is_complete(tmp_path):
@@ -295,6 +306,7 @@ def test_classifier_on_a_tied_base_gets_no_lm_head(tmp_path):
         expected = ref(probe).logits
         got = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")(probe).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert_verified(tmp_path / "base", tmp_path / "adapter", tmp_path / "out")
 
 
 def test_adapter_saved_as_bin(tmp_path):
@@ -312,3 +324,4 @@ def test_adapter_saved_as_bin(tmp_path):
     for name in ours:
         assert torch.equal(ours[name], ref_state[name]), name
     torch.testing.assert_close(logits_of(tmp_path / "out", probe_ids()), ref_logits, atol=1e-5, rtol=0)
+    assert_verified(base, adapter, tmp_path / "out")

@@ -21,6 +21,8 @@ def _is_tty(stream) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tui_merger import cli_cleanup, cli_upload, cli_verify  # each adds its command (cheap imports)
+
     parser = argparse.ArgumentParser(
         prog="tui-merger",
         description="Turn a training checkpoint (base model + LoRA adapter) into a plain Hugging Face model.",
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--private", action="store_true", help=argparse.SUPPRESS)
     merge.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
     _add_write_options(merge)
+    merge.add_argument("--no-verify", dest="verify", action="store_false", help="skip the verification after the merge")
+    cli_verify.add_verify_options(merge)
     merge.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     test = sub.add_parser(
@@ -69,8 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     # commands that live in their own modules: each adds its parser and sets ``run``
-    from tui_merger import cli_cleanup, cli_upload
-
+    cli_verify.add_parser(sub)
     cli_upload.add_parser(sub)
     cli_cleanup.add_parser(sub)
     return parser
@@ -153,15 +156,20 @@ def entry() -> None:
         os._exit(code)
 
 
-def run_with_progress(options, plain: bool = False):
-    """Run a merge with the right progress display; returns the MergeResult."""
+def run_with_progress(options, plain: bool = False, verify: bool = True, perplexity=None):
+    """Merge, record the manifest, verify, with the right progress display.
+    Returns (MergeResult, VerifyReport or None)."""
+    from contextlib import nullcontext
+
     from tui_merger.console import PlainProgress, RichProgress
     from tui_merger.core.engine import run_merge
+    from tui_merger.core.provenance import finish_merge
 
-    if plain or not _is_tty(sys.stderr):
-        return run_merge(options, PlainProgress())
-    with RichProgress() as progress:
-        return run_merge(options, progress)
+    progress = PlainProgress() if plain or not _is_tty(sys.stderr) else RichProgress()
+    with progress if isinstance(progress, RichProgress) else nullcontext():
+        result = run_merge(options, progress)
+        _, report = finish_merge(options, result, verify=verify, perplexity_text=perplexity, on_event=progress)
+    return result, report
 
 
 def print_result(result, stream=None) -> None:
@@ -210,9 +218,19 @@ def cmd_merge(args) -> int:
         export_adapter=args.export_adapter,
         **_read_options(args),
     )
-    result = run_with_progress(options, plain=args.plain)
+    result, report = run_with_progress(options, plain=args.plain, verify=args.verify, perplexity=args.perplexity)
     print_result(result)
-    return 0
+    return _report_verification(report)
+
+
+def _report_verification(report) -> int:
+    from tui_merger.cli_verify import VERIFY_FAILED, print_report
+
+    if report is None:
+        print("  not verified (--no-verify): run tui-merger verify on the folder before shipping it")
+        return 0
+    print_report(report)
+    return 0 if report.passed else VERIFY_FAILED
 
 
 def _checkpoint(args) -> Path | None:
@@ -272,4 +290,6 @@ def cmd_test(args) -> int:
         f"The checkpoint matches {args.test_hf_dir}: {report.compared} tensors, same names, shapes and dtypes, "
         f"max abs diff {report.max_abs_diff:.3g}."
     )
+    if report.behaviour is not None:
+        print(f"  {report.behaviour.summary}")
     return 0

@@ -25,6 +25,7 @@ class PlainProgress:
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, PhaseStarted):
+            self._last_decile, self._started = -1, time.monotonic()
             self._print(f"[{event.phase}] {event.message}")
         elif isinstance(event, Notice):
             self._print(f"{event.level}: {event.message}")
@@ -69,6 +70,7 @@ class RichProgress:
             transient=False,
         )
         self.task = None
+        self.phase = "merge"
 
     def __enter__(self):
         self.progress.start()
@@ -79,12 +81,13 @@ class RichProgress:
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, PhaseStarted):
+            self.task, self.phase = None, event.phase  # the next progress event starts a new bar
             self.console.print(f"[bold]{event.phase}[/bold] {event.message}", highlight=False)
         elif isinstance(event, Notice):
             style = "yellow" if event.level == "warning" else "cyan"
             self.console.print(f"[{style}]{event.level}:[/{style}] {event.message}", highlight=False)
         elif isinstance(event, TensorProgress):
             if self.task is None:
-                self.task = self.progress.add_task("merge", total=event.bytes_total, tensor="")
+                self.task = self.progress.add_task(self.phase, total=event.bytes_total, tensor="")
             short = event.name if len(event.name) <= 40 else "..." + event.name[-37:]
             self.progress.update(self.task, completed=event.bytes_done, tensor=short)

@@ -91,17 +91,18 @@ def build_demo(workspace: Path, seed: int = 0) -> tuple[Path, Path]:
 
 
 def cmd_demo(args) -> int:
-    from tui_merger.cli import print_result, run_with_progress
+    from tui_merger.cli import _report_verification, print_result, run_with_progress
     from tui_merger.core.options import MergeOptions
 
     workspace = Path(args.workspace)
     print(f"Building a tiny demo model and LoRA adapter in {workspace} ...", file=sys.stderr)
     base, adapter = build_demo(workspace)
     out = workspace / "merged"
-    result = run_with_progress(MergeOptions(base=base, adapter=adapter, out=out, overwrite=True))
+    result, report = run_with_progress(MergeOptions(base=base, adapter=adapter, out=out, overwrite=True))
     print_result(result)
+    code = _report_verification(report)
     print(
         f"\nTry it:  python -c \"from transformers import AutoModelForCausalLM; "
         f"AutoModelForCausalLM.from_pretrained('{out}')\"",
     )
-    return 0
+    return code

@@ -19,6 +19,7 @@ class Comparison:
     compared: int = 0
     problems: list[str] = field(default_factory=list)
     max_abs_diff: float = 0.0
+    behaviour: object = None  # verify's Check: logits of the checkpoint's model vs the reference's
 
 
 def compare_with_reference(options: MergeOptions, reference: Path, on_event: EventSink = ignore_event) -> Comparison:
@@ -59,10 +60,49 @@ def compare_with_reference(options: MergeOptions, reference: Path, on_event: Eve
             ref.release(r)
             for x in t.inputs():
                 x.release()
+        if not report.problems:
+            on_event(PhaseStarted("behaviour", "Comparing logits with the reference model"))
+            report.behaviour = _compare_logits(plan, config, Path(reference))
+            if report.behaviour.status == "fail":
+                report.problems.append(report.behaviour.summary)
     finally:
         inputs.close()
         ref.close()
     return report
+
+
+def _compare_logits(plan, config: dict, reference: Path):
+    """verify's behaviour check with the reference folder as the reference: both models are loaded
+    by transformers, ours from the checkpoint's tensors as the merge computes them."""
+    import gc
+    import json
+    import tempfile
+
+    import torch
+    import transformers
+
+    from tui_merger.core.verify import Check, _compare_logits as compare, _model_class, _probes, _quiet_transformers
+
+    cls = _model_class(config)
+    if cls is None:
+        return Check("behaviour", "skip", "skipped: the architecture is not a transformers class")
+    _quiet_transformers()
+    embed = next((t.shape[0] for t in plan.tensors if t.name.endswith("embed_tokens.weight")), 1 << 30)
+    probes = _probes(config, embed)
+    with torch.no_grad():
+        model = cls.from_pretrained(reference, dtype=torch.float32).eval()
+        want = model(probes).logits.float()
+        del model
+        gc.collect()
+        state = {t.name: compute(t).float() for t in plan.tensors}
+        with tempfile.TemporaryDirectory(prefix="tui-merger-test-") as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(config))
+            cfg = transformers.AutoConfig.from_pretrained(tmp)
+        model = cls.from_pretrained(None, config=cfg, state_dict=state, dtype=torch.float32).eval()
+        del state
+        got = model(probes).logits.float()
+    stored = plan.tensors[0].dtype if plan.tensors else "float32"
+    return compare(got, want, None, stored, [], cls.__name__, "float32")
 
 
 def _tolerance(dtype: str) -> dict:

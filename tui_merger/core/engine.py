@@ -67,6 +67,7 @@ def run_merge(
             merged_adapter = empty_adapter(inputs.adapter.folder)
         plan = build_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
         result.tokenizer_source = inputs.files.tokenizer_source
+        _describe_inputs(result, inputs, options)
         result.config_changes = {**inputs.config_changes, **plan.config_changes}
         folder = OutputFolder(options.out)
         cancel.raise_if_cancelled()
@@ -97,6 +98,30 @@ def run_merge(
     result.seconds = time.perf_counter() - started
     on_event(MergeFinished(result))
     return result
+
+
+def _describe_inputs(result: MergeResult, inputs, options: MergeOptions) -> None:
+    """What the manifest needs to say about the inputs (cheap: metadata only)."""
+    adapter = inputs.adapter
+    result.input_files = list(dict.fromkeys(inputs.read_files))
+    result.kind = "export-adapter" if options.export_adapter else ("merge" if adapter.lora else "convert")
+    cfg = adapter.config
+    if adapter.lora:
+        targets = cfg.get("target_modules")
+        if not targets:
+            targets = sorted({m.rsplit(".", 1)[-1] for m in adapter.lora})
+        variant = "dora" if cfg.get("use_dora") else ("rslora" if cfg.get("use_rslora") else "lora")
+        result.adapter_info = {
+            "r": cfg.get("r"),
+            "alpha": cfg.get("lora_alpha"),
+            "variant": variant,
+            "target_modules": sorted(targets) if isinstance(targets, list) else targets,
+            "modules_to_save": cfg.get("modules_to_save") or [],
+            "rank_pattern": cfg.get("rank_pattern") or {},
+            "alpha_pattern": cfg.get("alpha_pattern") or {},
+        }
+    named = cfg.get("base_model_name_or_path") or inputs.config.get("_name_or_path")
+    result.base_model = str(named) if named else (str(options.base) if options.base else None)
 
 
 def _os_error(err: OSError, options: MergeOptions) -> MergeError:

@@ -30,6 +30,7 @@ class Inputs:
     config_changes: dict = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
     closers: list = field(default_factory=list)
+    read_files: list[Path] = field(default_factory=list)  # every input file the output depends on
 
     def close(self) -> None:
         for item in self.closers:
@@ -54,6 +55,12 @@ def open_inputs(options: MergeOptions) -> Inputs:
         inputs.config = read_config(options.base)
         inputs.files = plan_files(options.base, options.adapter, inputs.config, options.tokenizer_from)
         inputs.notices = adapter.notices + inputs.files.notices
+        inputs.read_files = (
+            [options.base / f for f in base.files]
+            + [options.base / "config.json", options.adapter / "adapter_config.json"]
+            + [options.adapter / f for f in adapter.source.files]
+            + [src for src, _ in inputs.files.copies]
+        )
     except BaseException:
         inputs.close()
         raise
@@ -129,6 +136,14 @@ def _open_fsdp(options: MergeOptions) -> Inputs:
         files_dir = hf_dir if hf_dir is not None else config_dir
         inputs.files = plan_files(files_dir, files_dir, inputs.config, options.tokenizer_from)
         inputs.notices += inputs.files.notices
+        meta = [layout.folder / n for n in ("lora_train_meta.json", "lora_adapter/adapter_config.json")]
+        inputs.read_files = (
+            list(layout.rank_files)
+            + [config_dir / "config.json"]
+            + [p for p in meta if p.is_file()]
+            + ([options.base / f for f in inputs.base.files] if base_only_lora else [])
+            + [src for src, _ in inputs.files.copies]
+        )
     except BaseException:
         inputs.close()
         raise

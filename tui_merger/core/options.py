@@ -119,3 +119,8 @@ class MergeResult:
     tokenizer_source: str | None = None  # "adapter", "base" or None (no tokenizer found)
     config_changes: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # provenance, filled by the engine for the manifest
+    kind: str = "merge"  # "merge", "convert" (a checkpoint without LoRA) or "export-adapter"
+    input_files: list[Path] = field(default_factory=list)
+    adapter_info: dict | None = None  # r, alpha, variant, target_modules, modules_to_save
+    base_model: str | None = None  # what the adapter / checkpoint says its base is

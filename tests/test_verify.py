@@ -1,0 +1,270 @@
+"""Verification catches each planted fault (the adapter not applied, a wrong base, one layer left
+unmerged, a flipped sign, a truncated shard) and passes correct merges; the manifest and the model card
+record what happened. Faults are planted by rewriting real outputs with the safetensors library."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from factory import ALL_LINEAR, qwen_config, save_adapter, save_base
+from fsdp_factory import cached_fsdp_checkpoint
+from safetensors.torch import load_file, save_file
+
+from tui_merger.cli import main as cli_main
+from tui_merger.core.engine import run_merge
+from tui_merger.core.manifest import MANIFEST_NAME, read_manifest
+from tui_merger.core.options import MergeOptions
+from tui_merger.core.provenance import finish_merge
+from tui_merger.core.verify import verify_merge
+
+Q = "model.layers.1.self_attn.q_proj.weight"
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    base = save_base(root / "base", qwen_config(), dtype=torch.bfloat16)
+    other = save_base(root / "other-base", qwen_config(), dtype=torch.bfloat16, seed=5)
+    adapter = save_adapter(root / "adapter", base, target_modules=ALL_LINEAR)
+    return base, other, adapter
+
+
+def _merge(base, adapter, out, **kw):
+    options = MergeOptions(base=base, adapter=adapter, out=out, **kw)
+    result = run_merge(options, fsync=False)
+    manifest, report = finish_merge(options, result, fsync=False)
+    return options, manifest, report
+
+
+def _statuses(report) -> dict:
+    return {c.name: c.status for c in report.checks}
+
+
+def _rewrite(out: Path, change) -> None:
+    """Rewrite model.safetensors with ``change(tensors)`` applied (a planted fault)."""
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def merged(pair, tmp_path_factory):
+    base, _, adapter = pair
+    out = tmp_path_factory.mktemp("merged") / "out"
+    options, manifest, report = _merge(base, adapter, out)
+    return options, manifest, report
+
+
+def test_a_correct_merge_passes_every_check(merged):
+    _, manifest, report = merged
+    assert report.passed, report.to_dict()
+    assert _statuses(report) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    behaviour = report.checks[2].metrics
+    assert behaviour["kl"] < behaviour["adapter_effect_kl"] / 100  # the check can tell the two apart
+    assert manifest["verification"]["passed"] is True
+
+
+def _faulty_copy(merged, tmp_path, change) -> Path:
+    out = Path(merged[0].out)
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    _rewrite(bad, change)
+    return bad
+
+
+def _verify_against(options, out):
+    return verify_merge(out, MergeOptions(base=options.base, adapter=options.adapter, out=out))
+
+
+def test_adapter_not_applied_is_caught(merged, pair, tmp_path):
+    """What an alpha of 0 (or a dropped adapter) produces: the base weights, unchanged."""
+    base_tensors = load_file(pair[0] / "model.safetensors")
+    bad = _faulty_copy(merged, tmp_path, lambda t: t.update(base_tensors))
+    report = _verify_against(merged[0], bad)
+    assert _statuses(report) == {"structure": "pass", "recompute": "fail", "behaviour": "fail"}
+    assert "not (or wrongly) applied" in " ".join(report.checks[2].details)
+
+
+def test_one_layer_left_unmerged_is_caught(merged, pair, tmp_path):
+    base_q = load_file(pair[0] / "model.safetensors")[Q]
+    bad = _faulty_copy(merged, tmp_path, lambda t: t.__setitem__(Q, base_q))
+    report = _verify_against(merged[0], bad)
+    recompute = report.checks[1]
+    assert recompute.status == "fail"
+    assert len(recompute.details) == 1 and recompute.details[0].startswith(Q)
+
+
+def test_a_flipped_sign_is_caught(merged, pair, tmp_path):
+    base_t = load_file(pair[0] / "model.safetensors")
+
+    def flip(t):
+        for name in t:
+            if name.endswith("proj.weight"):
+                t[name] = (2 * base_t[name].float() - t[name].float()).to(t[name].dtype)  # W - delta
+
+    bad = _faulty_copy(merged, tmp_path, flip)
+    report = _verify_against(merged[0], bad)
+    assert _statuses(report)["recompute"] == "fail"
+    assert _statuses(report)["behaviour"] == "fail"
+
+
+def test_a_wrong_base_is_caught(pair, merged, tmp_path):
+    base, other, adapter = pair
+    out = tmp_path / "from-other"
+    run_merge(MergeOptions(base=other, adapter=adapter, out=out), fsync=False)
+    report = verify_merge(out, MergeOptions(base=base, adapter=adapter, out=out))
+    assert _statuses(report) == {"structure": "pass", "recompute": "fail", "behaviour": "fail"}
+
+
+def test_a_truncated_shard_is_caught_without_a_crash(merged, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(merged[0].out, bad)
+    path = bad / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1000)
+    report = _verify_against(merged[0], bad)
+    assert not report.passed
+    assert report.checks[0].status == "fail"
+    assert "truncated or corrupt" in report.checks[0].details[0]
+
+
+def test_nan_in_the_output_is_caught(merged, tmp_path):
+    def poison(t):
+        t[Q][0, 0] = float("nan")
+
+    report = _verify_against(merged[0], _faulty_copy(merged, tmp_path, poison))
+    assert any("NaN or Inf" in d for d in report.checks[1].details)
+
+
+def test_sampled_rows_still_catch_a_fault(merged, pair, tmp_path, monkeypatch):
+    """Above the size limit only a sample of rows is recomputed; an unmerged layer changes every row."""
+    import tui_merger.core.verify as verify
+
+    monkeypatch.setattr(verify, "SAMPLE_LIMIT", 100)
+    monkeypatch.setattr(verify, "SAMPLE_ROWS", 4)
+    good = _verify_against(merged[0], Path(merged[0].out))
+    assert good.checks[1].status == "pass" and good.checks[1].metrics["sampled_tensors"] > 0
+    assert "random rows" in good.checks[1].summary
+    base_q = load_file(pair[0] / "model.safetensors")[Q]
+    bad = _faulty_copy(merged, tmp_path, lambda t: t.__setitem__(Q, base_q))
+    assert _verify_against(merged[0], bad).checks[1].status == "fail"
+
+
+def test_manifest_records_inputs_outputs_and_settings(merged, pair):
+    options, manifest, _ = merged
+    base, _, adapter = pair
+    on_disk = read_manifest(options.out)
+    assert on_disk == manifest
+    roles = {i["role"]: i for i in manifest["inputs"]}
+    assert set(roles) == {"base", "adapter"}
+    for role, folder in (("base", base), ("adapter", adapter)):
+        for entry in roles[role]["files"]:
+            data = (folder / entry["path"]).read_bytes()
+            assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["size"] == len(data)
+    names = {e["path"] for e in roles["adapter"]["files"]}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+    outputs = {e["path"]: e["sha256"] for e in manifest["outputs"]}
+    for name, digest in outputs.items():
+        assert hashlib.sha256((Path(options.out) / name).read_bytes()).hexdigest() == digest
+    assert "model.safetensors" in outputs and "config.json" in outputs
+    assert manifest["adapter"]["r"] == 4 and manifest["adapter"]["alpha"] == 8
+    assert manifest["adapter"]["variant"] == "lora"
+    assert sorted(manifest["adapter"]["target_modules"]) == sorted(ALL_LINEAR)
+    assert manifest["options"]["base"] == str(base)
+    assert manifest["timings"]["merge_s"] > 0 and manifest["timings"]["verify_s"] > 0
+
+
+def test_model_card_front_matter_and_summary(merged):
+    options = merged[0]
+    card = (Path(options.out) / "README.md").read_text()
+    front = card.split("---")[1]
+    assert "base_model_relation: finetune" in front
+    assert "library_name: transformers" in front
+    assert "Passed" in card and "| alpha | 8 |" in card
+
+
+def test_an_existing_readme_is_kept(pair, tmp_path):
+    from tui_merger.core.card import write_model_card
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "README.md").write_text("my own card\n")
+    assert not write_model_card(folder, {"kind": "merge"})
+    assert (folder / "README.md").read_text() == "my own card\n"
+    assert write_model_card(folder, {"kind": "merge"}, overwrite=True)
+    assert "tui-merger" in (folder / "README.md").read_text()
+
+
+def test_export_adapter_output_verifies(pair, tmp_path):
+    base, _, adapter = pair
+    _, manifest, report = _merge(base, adapter, tmp_path / "exported", export_adapter=True)
+    assert report.passed
+
+
+def test_fsdp_lora_checkpoint_verifies_against_its_own_weights(tmp_path_factory, tmp_path):
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, lora=True)
+    options = MergeOptions(checkpoint=Path(info["checkpoint_dir"]), out=tmp_path / "out")
+    result = run_merge(options, fsync=False)
+    manifest, report = finish_merge(options, result, fsync=False)
+    assert report.passed, report.to_dict()
+    assert manifest["kind"] == "merge" and manifest["inputs"][0]["role"] == "checkpoint"
+    assert any(f["path"].startswith("model_world_size_") for f in manifest["inputs"][0]["files"])
+    # the same model verified against the independent reference base + adapter folders
+    ref = verify_merge(
+        options.out,
+        MergeOptions(base=Path(info["reference_base"]), adapter=Path(info["reference_adapter"]), out=options.out, dtype=result_dtype(options.out)),
+    )
+    assert ref.checks[2].status == "pass", ref.to_dict()
+
+
+def result_dtype(out: Path) -> str:
+    return json.loads((out / "config.json").read_text())["dtype"]
+
+
+def test_verify_cli_reads_the_manifest_and_sets_the_exit_code(merged, pair, tmp_path, capsys):
+    options = merged[0]
+    assert cli_main(["verify", str(options.out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["passed"] is True
+    base_q = load_file(pair[0] / "model.safetensors")[Q]
+    bad = _faulty_copy(merged, tmp_path, lambda t: t.__setitem__(Q, base_q))
+    assert cli_main(["verify", str(bad)]) == 4
+    text = capsys.readouterr().out
+    assert "FAILED" in text and "Do not ship it" in text
+    assert read_manifest(bad)["verification"]["passed"] is False
+
+
+def test_verify_without_manifest_asks_for_the_inputs(merged, tmp_path, capsys):
+    bad = tmp_path / "copy"
+    shutil.copytree(merged[0].out, bad)
+    (bad / MANIFEST_NAME).unlink()
+    assert cli_main(["verify", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "no merge_manifest.json" in err and "--base and --adapter" in err
+    assert cli_main(["verify", str(bad), "--base", str(merged[0].base), "--adapter", str(merged[0].adapter), "--no-behaviour"]) == 0
+
+
+def test_perplexity_on_a_text_file(tmp_path, capsys):
+    from tui_merger.demo import build_demo
+
+    base, adapter = build_demo(tmp_path / "ws")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    code = cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "m"), "--plain", "--perplexity", str(text)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "PASS  perplexity" in out
+    ver = read_manifest(tmp_path / "m")["verification"]
+    ppl = next(c for c in ver["checks"] if c["name"] == "perplexity")["metrics"]
+    assert abs(ppl["merged"] - ppl["reference"]) < 0.5 and ppl["tokens"] > 100
