@@ -158,13 +158,6 @@ def test_verl_command_line_and_test_command(tmp_path_factory, tmp_path, capsys):
     assert "model.norm.weight" in err and "1 difference" in err
 
 
-def test_hub_upload_flag_is_refused_before_anything_is_written(tmp_path_factory, tmp_path, capsys):
-    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2)
-    out = tmp_path / "merged"
-    code = cli_main(["merge", "--local_dir", info["checkpoint_dir"], "--target_dir", str(out), "--hf_upload_path", "me/model"])
-    assert code == 1 and "not available yet" in capsys.readouterr().err and not out.exists()
-
-
 def test_export_adapter_writes_base_and_a_peft_adapter(tmp_path_factory, tmp_path):
     """--export-adapter keeps the LoRA apart: the base weights plus lora_adapter/ that peft loads and
     that behaves like the training run's unmerged model."""

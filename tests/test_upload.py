@@ -90,7 +90,7 @@ def upload(tmp_path):
     """``upload(endpoint, *cli_args)``: run ``tui-merger upload`` in a subprocess against ``endpoint``,
     with HF_TOKEN set to ``token`` (None: no token) and an empty HF_HOME (no stored login)."""
 
-    def run(endpoint: str, *args, token: str | None = WRITE, code: str = CLI, xet: bool = False):
+    def run(endpoint: str, *args, token: str | None = WRITE, code: str = CLI, xet: bool = False, command="upload"):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
         env.update(HF_HUB_OFFLINE="0", HF_ENDPOINT=endpoint, HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf-home"))
         if not xet:
@@ -98,7 +98,7 @@ def upload(tmp_path):
         if token:
             env["HF_TOKEN"] = token
         return subprocess.run(
-            [sys.executable, "-c", code, "upload", *map(str, args)],
+            [sys.executable, "-c", code, command, *map(str, args)],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
         )
 
@@ -309,3 +309,33 @@ def test_bad_input_is_refused_before_anything_is_sent(small, tmp_path, capsys, m
     assert main(["upload", str(folder), "--repo-id", repo_id]) == 1  # offline (conftest): nothing could be sent
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+def test_verl_merge_command_line_uploads_the_verified_model(upload, hub, tmp_path_factory, tmp_path):
+    """verl's `merge --backend fsdp --local_dir D --target_dir O --hf_upload_path R --private`: merged,
+    verified, then uploaded (private: our default, and what --private asks)."""
+    from fsdp_factory import cached_fsdp_checkpoint
+
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, lora=True)
+    out = tmp_path / "merged"
+    args = ["--backend", "fsdp", "--local_dir", info["checkpoint_dir"], "--target_dir", out,
+            "--hf_upload_path", "alice/verl-lora", "--private", "--plain"]
+    run = upload(hub.url, *args, command="merge")
+    assert run.returncode == 0, run.stderr
+    assert "PASS  behaviour" in run.stdout and "uploaded: " in run.stdout
+    repo = hub.repos["alice/verl-lora"]
+    assert repo.private
+    stored = repo.files()
+    stored.pop(".gitattributes")  # the server's own, as the Hub makes at creation
+    assert stored == local_files(out)
+    assert "merge_manifest.json" in local_files(out) and "README.md" in local_files(out)
+
+
+def test_merge_with_upload_checks_the_token_before_merging(upload, hub, merged, tmp_path):
+    out = tmp_path / "never"
+    base = merged.parent / "base"
+    adapter = merged.parent / "adapter"
+    run = upload(hub.url, "--base", base, "--adapter", adapter, "--out", out, "--hf_upload_path", "alice/x",
+                 token="bad_token_5ecret", command="merge")
+    assert "rejected" in one_error(run)
+    assert not out.exists() and "alice/x" not in hub.repos

@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--adapter", type=Path, help="PEFT adapter folder (adapter_config.json)")
     merge.add_argument("--out", "--target_dir", dest="out", type=Path, help="output folder (created; must be empty)")
     merge.add_argument("--export-adapter", "--export_adapter", dest="export_adapter", action="store_true", help="write the base model plus a PEFT adapter folder (lora_adapter/) instead of merging")
-    merge.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", help=argparse.SUPPRESS)
-    merge.add_argument("--private", action="store_true", help=argparse.SUPPRESS)
+    merge.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", metavar="ORG/NAME", help="upload the verified model to this Hub repo (private unless --public)")
+    merge.add_argument("--public", action="store_true", help="with --hf_upload_path: create the repo public")
+    merge.add_argument("--private", action="store_true", help=argparse.SUPPRESS)  # verl's flag; private is our default
     merge.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
     _add_write_options(merge)
     merge.add_argument("--no-verify", dest="verify", action="store_false", help="skip the verification after the merge")
@@ -193,11 +194,6 @@ def cmd_merge(args) -> int:
     from tui_merger.core.options import MergeOptions
 
     checkpoint = _checkpoint(args)
-    if args.hf_upload_path:
-        raise MergeError(
-            "Uploading to the Hub (--hf_upload_path) is not available yet; run the merge without it, then "
-            f"upload the folder with: huggingface-cli upload {args.hf_upload_path} OUT"
-        )
     if checkpoint is not None:
         if args.adapter is not None:
             raise MergeError("--adapter is for PEFT adapter folders; a checkpoint carries its LoRA itself.")
@@ -208,6 +204,14 @@ def cmd_merge(args) -> int:
         )
     if args.out is None:
         raise MergeError("Say where to write the merged model with --out (or --target_dir).")
+    if args.hf_upload_path:
+        if args.public and args.private:
+            raise MergeError("--public and --private contradict each other; give one.")
+        if not args.verify:
+            raise MergeError("--hf_upload_path uploads only a verified model; leave out --no-verify.")
+        from tui_merger.core.hub import check_token
+
+        check_token(args.hf_upload_path)  # a bad token is found now, not after the merge
     options = MergeOptions(
         adapter=args.adapter,
         out=args.out,
@@ -220,7 +224,15 @@ def cmd_merge(args) -> int:
     )
     result, report = run_with_progress(options, plain=args.plain, verify=args.verify, perplexity=args.perplexity)
     print_result(result)
-    return _report_verification(report)
+    code = _report_verification(report)
+    if args.hf_upload_path:
+        if code != 0:
+            raise MergeError(f"Nothing was uploaded to {args.hf_upload_path}: the merged model failed verification.")
+        from tui_merger.cli_upload import upload_after_merge
+
+        uploaded = upload_after_merge(result.out, args.hf_upload_path, private=not args.public, plain=args.plain)
+        print(f"  uploaded: {uploaded.commit_url}")
+    return code
 
 
 def _report_verification(report) -> int:

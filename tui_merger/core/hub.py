@@ -142,6 +142,20 @@ def plan_upload(
     )
 
 
+def check_token(repo_id: str, token: str | None = None, endpoint: str | None = None) -> str:
+    """Check the repo id and that the token may write, before hours of merging; returns the user name."""
+    _check_repo_id(repo_id)
+    api = _api(endpoint, token)
+    with _hub_errors(repo_id, "main", endpoint, token):
+        me = api.whoami()
+    if me.get("auth", {}).get("accessToken", {}).get("role") == "read":
+        raise MergeError(
+            f"The token of {me['name']} is read-only; create one with write access at "
+            f"{api.endpoint}/settings/tokens and log in with it (`hf auth login`) or set HF_TOKEN to it."
+        )
+    return me["name"]
+
+
 def upload(
     plan: UploadPlan,
     message: str | None = None,
