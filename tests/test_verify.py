@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factory import ALL_LINEAR, qwen_config, save_adapter, save_base
+from factory import ALL_LINEAR, edit_adapter_config, load_base, qwen_config, save_adapter, save_base
 from fsdp_factory import cached_fsdp_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -87,13 +87,26 @@ def _verify_against(options, out):
     return verify_merge(out, MergeOptions(base=options.base, adapter=options.adapter, out=out))
 
 
-def test_adapter_not_applied_is_caught(merged, pair, tmp_path):
-    """What an alpha of 0 (or a dropped adapter) produces: the base weights, unchanged."""
+def test_alpha_zero_merge_is_caught(merged, pair, tmp_path):
+    """An adapter whose config lost lora_alpha (0, as old verl wrote) merges to the base weights."""
+    base, _, adapter = pair
+    lost = shutil.copytree(adapter, tmp_path / "alpha0")
+    edit_adapter_config(lost, lora_alpha=0)
+    out = tmp_path / "out"  # tui-merger refuses alpha 0, so merge it the way other tools do: peft
+    from peft import PeftModel
+
+    PeftModel.from_pretrained(load_base(base, torch.bfloat16), lost).merge_and_unload().save_pretrained(out)
+    report = _verify_against(merged[0], out)  # against the adapter as trained
+    assert _statuses(report) == {"structure": "pass", "recompute": "fail", "behaviour": "fail"}
+    assert "not (or wrongly) applied" in " ".join(report.checks[2].details)
+
+
+def test_dropped_adapter_is_caught(merged, pair, tmp_path):
+    """The base weights written as the merged model (an adapter silently not applied)."""
     base_tensors = load_file(pair[0] / "model.safetensors")
     bad = _faulty_copy(merged, tmp_path, lambda t: t.update(base_tensors))
     report = _verify_against(merged[0], bad)
     assert _statuses(report) == {"structure": "pass", "recompute": "fail", "behaviour": "fail"}
-    assert "not (or wrongly) applied" in " ".join(report.checks[2].details)
 
 
 def test_one_layer_left_unmerged_is_caught(merged, pair, tmp_path):
@@ -186,12 +199,20 @@ def test_manifest_records_inputs_outputs_and_settings(merged, pair):
 
 
 def test_model_card_front_matter_and_summary(merged):
-    options = merged[0]
+    from tui_merger.core.card import render_model_card
+
+    options, manifest, _ = merged
     card = (Path(options.out) / "README.md").read_text()
     front = card.split("---")[1]
-    assert "base_model_relation: finetune" in front
-    assert "library_name: transformers" in front
+    assert "library_name: transformers" in front and "- lora" in front
+    assert "base_model" not in front  # a local folder is not a Hub id; the Hub would refuse it
+    assert str(options.base) in card  # but the text says what was merged
     assert "Passed" in card and "| alpha | 8 |" in card
+    hub_card = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B"})
+    front = hub_card.split("---")[1]
+    assert 'base_model: "Qwen/Qwen2.5-0.5B"' in front and "base_model_relation: finetune" in front
+    exported = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B", "kind": "export-adapter"})
+    assert "base_model_relation: adapter" in exported and "library_name: peft" in exported
 
 
 def test_an_existing_readme_is_kept(pair, tmp_path):

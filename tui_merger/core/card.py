@@ -8,6 +8,7 @@ replaced unless asked.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tui_merger.core.manifest import read_manifest
@@ -24,12 +25,24 @@ def _relation(manifest: dict) -> str:
     return "merge" if len(adapters) > 1 else "finetune"
 
 
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_model_id(name) -> str | None:
+    """``name`` when it is a Hub model id (ORG/NAME), else None: a local path in base_model would be
+    refused by the Hub's metadata check and means nothing to readers."""
+    text = str(name or "")
+    if not _REPO_ID.fullmatch(text) or text.startswith(".") or Path(text).expanduser().exists():
+        return None
+    return text
+
+
 def _yaml_str(value: str) -> str:
     return json.dumps(str(value))  # a JSON string is a valid YAML scalar
 
 
 def render_model_card(manifest: dict) -> str:
-    base = manifest.get("base_model")
+    base = hub_model_id(manifest.get("base_model"))
     adapter = manifest.get("adapter") or {}
     lines = ["---"]
     if base:
@@ -49,7 +62,7 @@ def render_model_card(manifest: dict) -> str:
     lines.append("")
     if adapter:
         lines.append(
-            f"This model is {base or 'a base model'} with a LoRA adapter merged into its weights by "
+            f"This model is {manifest.get('base_model') or 'a base model'} with a LoRA adapter merged into its weights by "
             f"tui-merger {manifest.get('tool', {}).get('version', '')}."
             if manifest.get("kind") != "export-adapter"
             else "A base model and its LoRA adapter (in `lora_adapter/`), written by tui-merger."
