@@ -289,3 +289,16 @@ def test_perplexity_on_a_text_file(tmp_path, capsys):
     ver = read_manifest(tmp_path / "m")["verification"]
     ppl = next(c for c in ver["checks"] if c["name"] == "perplexity")["metrics"]
     assert abs(ppl["merged"] - ppl["reference"]) < 0.5 and ppl["tokens"] > 100
+
+
+def test_large_models_are_compared_in_their_stored_dtype(merged, pair, tmp_path, monkeypatch):
+    """When fp32 copies would not fit in memory, both models run in bf16 (memory-mapped weights): a
+    correct merge still passes and a dropped adapter still fails."""
+    import tui_merger.core.verify as verify
+
+    monkeypatch.setattr(verify, "_available_memory", lambda: 1 << 20)
+    good = _verify_against(merged[0], Path(merged[0].out))
+    assert good.checks[2].status == "pass" and good.checks[2].metrics["compute_dtype"] == "bfloat16"
+    base_tensors = load_file(pair[0] / "model.safetensors")
+    bad = _faulty_copy(merged, tmp_path, lambda t: t.update(base_tensors))
+    assert _verify_against(merged[0], bad).checks[2].status == "fail"

@@ -302,18 +302,23 @@ def _needs_all_rows(t) -> bool:
     return any(isinstance(op, BiasOp) or (isinstance(op, LoraOp) and op.magnitude is not None and op.transpose) for op in t.ops)
 
 
-def _mismatches(got, want, dtype: str):
-    """Elements of ``got`` further than one unit in the last place (of ``dtype``) from ``want``."""
+def _mismatches(got, want) -> int:
+    """Elements of ``got`` further than one unit in the last place of its dtype from ``want`` (fp32,
+    already rounded to that dtype). Equal elements, the common case, cost one comparison."""
     import torch
 
-    bits = _MANTISSA_BITS.get(dtype)
+    differ = got != want.to(got.dtype)
+    if not differ.any():
+        return 0
+    g, w = got[differ].float(), want[differ]
+    bits = _MANTISSA_BITS.get(str(got.dtype).removeprefix("torch."))
     if bits is None:
-        return (got != want).sum().item()
-    _, exp = torch.frexp(want)
-    ulp = torch.ldexp(torch.ones_like(want), exp - 1 - bits)
-    tiny = {"float32": 2.0**-126, "bfloat16": 2.0**-126, "float16": 2.0**-24}[dtype]
-    tol = torch.clamp(ulp, min=tiny) * (4 if dtype == "float32" else 1)  # fp32 sums differ in order
-    return ((got - want).abs() > tol).sum().item()
+        return int(differ.sum())
+    _, exp = torch.frexp(w)
+    ulp = torch.ldexp(torch.ones_like(w), exp - 1 - bits)
+    tiny = 2.0**-24 if got.dtype == torch.float16 else 2.0**-126
+    tol = torch.clamp(ulp, min=tiny) * (4 if got.dtype == torch.float32 else 1)  # fp32 sums differ in order
+    return int(((g - w).abs() > tol).sum())
 
 
 def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: CancelToken, clamp: bool = False) -> Check:
@@ -324,43 +329,38 @@ def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: Cancel
     total = len(plan.tensors)
     total_bytes = sum(t.nbytes for t in plan.tensors)
     done_bytes = 0
-    handles = {}
-    try:
-        for i, t in enumerate(plan.tensors, start=1):
-            cancel.raise_if_cancelled()
-            if t.name not in files:
-                continue
-            fname = files[t.name]
-            if fname not in handles:
-                handles[fname] = safe_open(str(out / fname), framework="pt")
-            got = handles[fname].get_tensor(t.name)
-            if got.is_floating_point() and not torch.isfinite(got).all():
-                nonfinite.append(t.name)
-            if not t.ops and t.dtype == t.source.dtype:
-                ok = torch.equal(got, t.source.load())
-                if not ok:
-                    problems.append(f"{t.name}: differs from the input it was copied from")
-            else:
-                rows = None if _needs_all_rows(t) else _sample_rows(t.name, t.shape[0])
-                if rows is not None:
-                    sampled.append(t.name)
-                    got = got[rows]
-                want = _reference(t, rows)
-                if clamp:  # --force: values beyond fp16's range were clamped on purpose
-                    want = want.clamp(-65504.0, 65504.0)
-                want = want.to(getattr(torch, t.dtype)).float()
-                bad = _mismatches(got.float(), want, t.dtype)
-                if bad:
-                    diff = (got.float() - want).abs().max().item()
-                    problems.append(
-                        f"{t.name}: {bad} of {want.numel()} values differ from the recomputation (max {diff:.3g})"
-                    )
-            for ref in t.inputs():
-                ref.release()
-            done_bytes += t.nbytes
-            on_event(TensorProgress(t.name, i, total, done_bytes, total_bytes))
-    finally:
-        handles.clear()
+    for i, t in enumerate(plan.tensors, start=1):
+        cancel.raise_if_cancelled()
+        if t.name not in files:
+            continue
+        # opened per tensor: closing unmaps the file, so memory stays at one tensor
+        with safe_open(str(out / files[t.name]), framework="pt") as f:
+            got = f.get_tensor(t.name)
+        if got.is_floating_point() and not torch.isfinite(got).all():
+            nonfinite.append(t.name)
+        if not t.ops and t.dtype == t.source.dtype:
+            if not torch.equal(got, t.source.load()):
+                problems.append(f"{t.name}: differs from the input it was copied from")
+        else:
+            rows = None if _needs_all_rows(t) else _sample_rows(t.name, t.shape[0])
+            if rows is not None:
+                sampled.append(t.name)
+                got = got[rows]
+            want = _reference(t, rows)
+            if clamp:  # --force: values beyond fp16's range were clamped on purpose
+                want = want.clamp(-65504.0, 65504.0)
+            want = want.to(got.dtype).float()
+            bad = _mismatches(got, want)
+            if bad:
+                diff = (got.float() - want).abs().max().item()
+                problems.append(
+                    f"{t.name}: {bad} of {want.numel()} values differ from the recomputation (max {diff:.3g})"
+                )
+        for ref in t.inputs():
+            ref.release()
+        del got
+        done_bytes += t.nbytes
+        on_event(TensorProgress(t.name, i, total, done_bytes, total_bytes))
     details = problems[:50] + [f"{n}: holds NaN or Inf" for n in nonfinite[:20]]
     metrics = {"tensors": total, "sampled_tensors": len(sampled), "sample_rows": SAMPLE_ROWS, "sample_limit": SAMPLE_LIMIT}
     if problems or nonfinite:
@@ -395,11 +395,13 @@ def _probes(config: dict, rows: int):
 
 
 def _compute_dtype(n_values: int, stored: str):
-    """fp32 when the model fits in fp32 in under 40 % of the available memory, else the stored dtype."""
+    """fp32 (the most exact comparison) when loading the model in fp32 fits: transformers' load peaks
+    at about twice the fp32 size, which must stay under 60 % of the available memory. Else the stored
+    dtype: then the weights stay memory-mapped from the files and hardly count as process memory."""
     import torch
 
     available = _available_memory()
-    if available is None or n_values * 4 <= 0.4 * available:
+    if available is None or n_values * 4 * 2 <= 0.6 * available:
         return torch.float32
     return getattr(torch, stored)
 
