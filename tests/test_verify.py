@@ -233,20 +233,34 @@ def test_export_adapter_output_verifies(pair, tmp_path):
     assert report.passed
 
 
-def test_fsdp_lora_checkpoint_verifies_against_its_own_weights(tmp_path_factory, tmp_path):
-    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, lora=True)
-    options = MergeOptions(checkpoint=Path(info["checkpoint_dir"]), out=tmp_path / "out")
+@pytest.mark.parametrize(
+    "opts, dtype",
+    [
+        (dict(lora=True), None),
+        (dict(lora=True), "bf16"),  # every weight rounded from the fp32 checkpoint, not only merged ones
+        (dict(critic=True), None),  # one output per token: compared by relative difference, not KL
+        (dict(tied=True), "bf16"),
+    ],
+    ids=["lora-fp32", "lora-bf16", "critic", "tied-bf16"],
+)
+def test_fsdp_checkpoints_verify_against_their_own_weights(tmp_path_factory, tmp_path, opts, dtype):
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, **opts)
+    options = MergeOptions(checkpoint=Path(info["checkpoint_dir"]), out=tmp_path / "out", dtype=dtype)
     result = run_merge(options, fsync=False)
     manifest, report = finish_merge(options, result, fsync=False)
-    assert report.passed, report.to_dict()
-    assert manifest["kind"] == "merge" and manifest["inputs"][0]["role"] == "checkpoint"
+    assert _statuses(report) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, report.to_dict()
+    assert manifest["inputs"][0]["role"] == "checkpoint"
     assert any(f["path"].startswith("model_world_size_") for f in manifest["inputs"][0]["files"])
-    # the same model verified against the independent reference base + adapter folders
-    ref = verify_merge(
-        options.out,
-        MergeOptions(base=Path(info["reference_base"]), adapter=Path(info["reference_adapter"]), out=options.out, dtype=result_dtype(options.out)),
-    )
-    assert ref.checks[2].status == "pass", ref.to_dict()
+    assert manifest["kind"] == ("merge" if opts.get("lora") else "convert")
+    if opts.get("critic"):
+        assert "rel_diff" in report.checks[2].metrics
+    if opts.get("lora") and dtype is None:
+        # the same model verified against the independent reference base + adapter folders
+        ref = verify_merge(
+            options.out,
+            MergeOptions(base=Path(info["reference_base"]), adapter=Path(info["reference_adapter"]), out=options.out, dtype=result_dtype(options.out)),
+        )
+        assert ref.checks[2].status == "pass", ref.to_dict()
 
 
 def result_dtype(out: Path) -> str:
@@ -274,6 +288,16 @@ def test_verify_without_manifest_asks_for_the_inputs(merged, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no merge_manifest.json" in err and "--base and --adapter" in err
     assert cli_main(["verify", str(bad), "--base", str(merged[0].base), "--adapter", str(merged[0].adapter), "--no-behaviour"]) == 0
+    assert "not recorded" in capsys.readouterr().err
+
+
+def test_verify_keeps_a_hand_written_card_unless_asked(merged, tmp_path):
+    folder = shutil.copytree(merged[0].out, tmp_path / "copy")
+    (folder / "README.md").write_text("my card\n")
+    assert cli_main(["verify", str(folder), "--no-behaviour"]) == 0
+    assert (folder / "README.md").read_text() == "my card\n"
+    assert cli_main(["verify", str(folder), "--no-behaviour", "--rewrite-card"]) == 0
+    assert "## Verification" in (folder / "README.md").read_text()
 
 
 def test_perplexity_on_a_text_file(tmp_path, capsys):

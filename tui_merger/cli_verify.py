@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
     add_verify_options(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--rewrite-card", action="store_true", help="replace README.md with tui-merger's model card even if you wrote it")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_verify)
 
@@ -56,7 +57,8 @@ def cmd_verify(args) -> int:
         options = options_from_manifest(args.out)
     progress = PlainProgress(stream=sys.stderr)
     report = verify_merge(args.out, options, behaviour=args.behaviour, perplexity_text=args.perplexity, on_event=progress)
-    record_verification(args.out, report.to_dict())
+    if record_verification(args.out, report.to_dict(), overwrite_card=args.rewrite_card) is None:
+        print(f"note: {args.out} has no merge_manifest.json, so the result is not recorded in it.", file=sys.stderr)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -68,15 +68,16 @@ def record_merge(options: MergeOptions, result: MergeResult, fsync: bool = True)
     return manifest
 
 
-def record_verification(out: Path, verification: dict, fsync: bool = True) -> dict | None:
-    """Store a verification report in the output's manifest and refresh the model card."""
+def record_verification(out: Path, verification: dict, fsync: bool = True, overwrite_card: bool = False) -> dict | None:
+    """Store a verification report in the output's manifest and refresh the model card (a README.md
+    tui-merger did not write is replaced only with ``overwrite_card``)."""
     manifest = read_manifest(out)
     if manifest is None:
         return None
     manifest["verification"] = verification
     manifest.setdefault("timings", {})["verify_s"] = verification.get("seconds")
     write_manifest(out, manifest, fsync=fsync)
-    write_model_card(out, manifest)
+    write_model_card(out, manifest, overwrite=overwrite_card)
     return manifest
 
 

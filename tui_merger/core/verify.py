@@ -28,6 +28,7 @@ from tui_merger.core.options import MergeOptions
 
 SAMPLE_LIMIT = 1 << 24  # values in a tensor above which a sample of rows is recomputed
 SAMPLE_ROWS = 64
+BLOCK_VALUES = 1 << 22  # values read at a time when scanning a stored tensor
 PROBE_SEED = 20261130
 PROBE_SHAPE = (3, 16)  # sequences x tokens
 PPL_TOLERANCE = 0.5
@@ -321,6 +322,40 @@ def _mismatches(got, want) -> int:
     return int(((g - w).abs() > tol).sum())
 
 
+def _blocks(t):
+    """Row ranges of about BLOCK_VALUES values each."""
+    if not t.shape:
+        return [None]
+    row = max(1, math.prod(t.shape[1:]))
+    step = max(1, BLOCK_VALUES // row)
+    return [(a, min(a + step, t.shape[0])) for a in range(0, t.shape[0], step)]
+
+
+def _read(f, name: str, block):
+    return f.get_tensor(name) if block is None else f.get_slice(name)[block[0] : block[1]]
+
+
+def _finite(f, t) -> bool:
+    """No NaN or Inf in the stored tensor."""
+    import torch
+
+    for block in _blocks(t):
+        part = _read(f, t.name, block)
+        if part.is_floating_point() and not torch.isfinite(part).all():
+            return False
+    return True
+
+
+def _equal_blocks(f, t) -> bool:
+    import torch
+
+    src = t.source.load()
+    return all(
+        torch.equal(_read(f, t.name, block), src if block is None else src[block[0] : block[1]])
+        for block in _blocks(t)
+    )
+
+
 def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: CancelToken, clamp: bool = False) -> Check:
     import torch
     from safetensors import safe_open
@@ -333,32 +368,36 @@ def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: Cancel
         cancel.raise_if_cancelled()
         if t.name not in files:
             continue
-        # opened per tensor: closing unmaps the file, so memory stays at one tensor
+        # opened per tensor (closing unmaps the file) and read in row blocks: memory stays at one block
+        # for copied tensors and at one merged tensor (or its sampled rows) for the others
         with safe_open(str(out / files[t.name]), framework="pt") as f:
-            got = f.get_tensor(t.name)
-        if got.is_floating_point() and not torch.isfinite(got).all():
-            nonfinite.append(t.name)
-        if not t.ops and t.dtype == t.source.dtype:
-            if not torch.equal(got, t.source.load()):
-                problems.append(f"{t.name}: differs from the input it was copied from")
-        else:
-            rows = None if _needs_all_rows(t) else _sample_rows(t.name, t.shape[0])
-            if rows is not None:
-                sampled.append(t.name)
-                got = got[rows]
-            want = _reference(t, rows)
-            if clamp:  # --force: values beyond fp16's range were clamped on purpose
-                want = want.clamp(-65504.0, 65504.0)
-            want = want.to(got.dtype).float()
-            bad = _mismatches(got, want)
-            if bad:
-                diff = (got.float() - want).abs().max().item()
-                problems.append(
-                    f"{t.name}: {bad} of {want.numel()} values differ from the recomputation (max {diff:.3g})"
-                )
+            raw = not t.ops and t.dtype == t.source.dtype
+            if not _finite(f, t):
+                nonfinite.append(t.name)
+            if raw:
+                if not _equal_blocks(f, t):
+                    problems.append(f"{t.name}: differs from the input it was copied from")
+            else:
+                rows = None if _needs_all_rows(t) else _sample_rows(t.name, t.shape[0])
+                if rows is None:
+                    got = f.get_tensor(t.name)
+                else:
+                    sampled.append(t.name)
+                    sl = f.get_slice(t.name)
+                    got = torch.cat([sl[r : r + 1] for r in rows.tolist()])
+                want = _reference(t, rows)
+                if clamp:  # --force: values beyond fp16's range were clamped on purpose
+                    want = want.clamp(-65504.0, 65504.0)
+                want = want.to(got.dtype).float()
+                bad = _mismatches(got, want)
+                if bad:
+                    diff = (got.float() - want).abs().max().item()
+                    problems.append(
+                        f"{t.name}: {bad} of {want.numel()} values differ from the recomputation (max {diff:.3g})"
+                    )
+                del got, want
         for ref in t.inputs():
             ref.release()
-        del got
         done_bytes += t.nbytes
         on_event(TensorProgress(t.name, i, total, done_bytes, total_bytes))
     details = problems[:50] + [f"{n}: holds NaN or Inf" for n in nonfinite[:20]]
@@ -464,7 +503,7 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
     # 1. the merged model, as users will load it
     on_event(Notice("info", f"Loading the merged model with transformers ({cls.__name__}, {str(cdtype)[6:]})"))
     try:
-        model, info = cls.from_pretrained(out, dtype=cdtype, output_loading_info=True)
+        model, info = cls.from_pretrained(out, dtype=cdtype, output_loading_info=True, local_files_only=True)
     except Exception as err:
         return [Check("behaviour", "fail", f"transformers cannot load the output: {str(err).splitlines()[0][:200]}")]
     missing = [k for k in info.get("missing_keys", [])]
@@ -508,7 +547,7 @@ def _reference_model(cls, out: Path, options: MergeOptions, inputs, cdtype):
     from peft import PeftModel
 
     if options.checkpoint is None:
-        model = cls.from_pretrained(options.base, dtype=cdtype)
+        model = cls.from_pretrained(options.base, dtype=cdtype, local_files_only=True)
         vocab = transformers_vocab(out)
         if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
             model.resize_token_embeddings(vocab, mean_resizing=False)  # as the adapter's training did
