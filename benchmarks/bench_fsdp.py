@@ -26,7 +26,8 @@ Cases, each in its own child process, round-robin over ``--repeats``:
 * read once: a plain Python child that reads every rank file start to end in 8 MiB ``readinto`` calls
   (the floor a merge that reads its input once cannot beat); ``cat > /dev/null`` for context;
 * ours: the CLI (``python -m tui_merger merge --backend fsdp --local_dir ACTOR --target_dir OUT --plain``,
-  which fsyncs), and ``run_merge(MergeOptions(checkpoint=ACTOR, out=OUT), fsync=False)`` in a child that
+  which fsyncs; ``--no-verify``: verification is measured by bench_verify.py, the manifest's sha256
+  pass is included), and ``run_merge(MergeOptions(checkpoint=ACTOR, out=OUT), fsync=False)`` in a child that
   has already imported torch, timed around ``run_merge`` alone;
 * load-everything: a small reference script (here, not in the product) doing what verl's
   ``model_merger`` does: ``torch.load`` every rank file (thread pool, weights_only=False), per key the
@@ -353,7 +354,7 @@ def py(*args) -> list[str]:
 
 def ours_cli(actor, out) -> list[str]:
     return [sys.executable, "-m", "tui_merger", "merge", "--backend", "fsdp", "--local_dir", str(actor),
-            "--target_dir", str(out), "--plain"]
+            "--target_dir", str(out), "--plain", "--no-verify"]
 
 
 def rank_files(actor: Path) -> list[Path]:

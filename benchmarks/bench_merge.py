@@ -12,7 +12,8 @@ vocab 151936, tied embeddings), random bf16 weights, saved by transformers' save
 2 shards. Adapters: r=16, alpha=32 on all 7 linear kinds, and one on q_proj/v_proj only, both saved by
 peft with non-zero random lora_B. Everything is built once and cached in benchmarks/.cache/.
 
-Every timed case runs in its own child process; its peak RSS is the ru_maxrss that ``os.wait4``
+The CLI cases run ``tui-merger merge ... --no-verify`` (verification is measured by bench_verify.py;
+the manifest's sha256 pass over inputs and outputs is included). Every timed case runs in its own child process; its peak RSS is the ru_maxrss that ``os.wait4``
 reports for that child alone. This parent process never imports torch, so that the children's
 ru_maxrss is not inflated by the parent's memory (exec records the pre-exec mm's high-water mark,
 and with vfork that mm is the parent's). Outputs go to a temporary folder inside the cache (same
@@ -261,7 +262,7 @@ def py(*args) -> list[str]:
 
 def ours_cli(base, adapter, out) -> list[str]:
     return [sys.executable, "-m", "tui_merger", "merge", "--base", str(base), "--adapter", str(adapter),
-            "--out", str(out), "--plain"]
+            "--out", str(out), "--plain", "--no-verify"]
 
 
 def ensure_model(cache: Path, layers: int, seed: int = 0) -> Path:

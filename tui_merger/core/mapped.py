@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 RELEASE_MARGIN = 2 << 20
+RELEASE_BATCH = 16 << 20  # neighbouring releases are merged and handed back in one call of this size
 
 
 class MappedFile:
@@ -14,7 +15,8 @@ class MappedFile:
         self.path = Path(path)
         self._fd: int | None = None
         self._mmap: mmap.mmap | None = None
-        self._base_ptr: int | None = None
+        self._bytes = None  # the whole mapping as one uint8 tensor; views are slices of it
+        self._pending: tuple[int, int] | None = None  # released range not yet handed back
 
     def fileno(self) -> int:
         if self._fd is None:
@@ -28,33 +30,34 @@ class MappedFile:
 
     def view(self, dtype: str, numel: int, offset: int):
         """A zero-copy torch tensor over bytes of the file (read-only memory: never write to it)."""
-        import warnings
-
         import torch
 
+        torch_dtype = getattr(torch, dtype)
         if numel == 0:
-            return torch.empty(0, dtype=getattr(torch, dtype))
-        with warnings.catch_warnings():  # frombuffer warns about read-only buffers
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(self.mapping(), dtype=getattr(torch, dtype), count=numel, offset=offset)
+            return torch.empty(0, dtype=torch_dtype)
+        size = torch_dtype.itemsize
+        raw = self._whole()[offset : offset + numel * size]
+        if offset % size == 0:
+            return raw.view(torch_dtype)
+        return raw.clone().view(torch_dtype)  # unaligned in the file (rare): a copy
+
+    def _whole(self):
+        if self._bytes is None:
+            import warnings
+
+            import torch
+
+            with warnings.catch_warnings():  # frombuffer warns about read-only buffers, once per file here
+                warnings.simplefilter("ignore", UserWarning)
+                self._bytes = torch.frombuffer(self.mapping(), dtype=torch.uint8)
+        return self._bytes
 
     def offset_of(self, tensor) -> int | None:
         """Where a view made by ``view`` starts in the file (None when it is not one)."""
         if self._mmap is None or not len(self._mmap):
             return None
-        offset = tensor.data_ptr() - self._base()
+        offset = tensor.data_ptr() - self._whole().data_ptr()
         return offset if 0 <= offset <= len(self._mmap) else None
-
-    def _base(self) -> int:
-        import warnings
-
-        import torch
-
-        if self._base_ptr is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                self._base_ptr = torch.frombuffer(self.mapping(), dtype=torch.uint8, count=1).data_ptr()
-        return self._base_ptr
 
     def advise(self, advice: str) -> None:
         """'random' while scattered small reads (no read-ahead), 'normal' afterwards."""
@@ -70,13 +73,32 @@ class MappedFile:
 
         The range is widened by 2 MiB on each side: a page fault maps cached neighbour pages too
         (fault-around, large folios), and releasing only a tensor's own pages let memory creep up by
-        ~25 MB per GB of model. Dropping a neighbour's pages only costs a minor fault later."""
+        ~25 MB per GB of model. Dropping a neighbour's pages only costs a minor fault later.
+        Neighbouring ranges are merged and handed back 16 MiB at a time: one madvise per small shard
+        cost 0.18 s per 2 GB read."""
         if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         size = len(self._mmap)
+        whole = end is None and start == 0
         end = size if end is None else end
         start = max(0, (start // RELEASE_MARGIN - 1) * RELEASE_MARGIN)
         end = min(size, (-(-end // RELEASE_MARGIN) + 1) * RELEASE_MARGIN)
+        pending = self._pending
+        if pending is not None and start <= pending[1] and end >= pending[0]:
+            self._pending = (min(start, pending[0]), max(end, pending[1]))
+        else:
+            self.flush()
+            self._pending = (start, end)
+        if whole or self._pending[1] - self._pending[0] >= RELEASE_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand back the pages of released ranges still pending."""
+        if self._pending is None or self._mmap is None:
+            self._pending = None
+            return
+        start, end = self._pending
+        self._pending = None
         if end > start:
             try:
                 self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
@@ -84,13 +106,14 @@ class MappedFile:
                 pass
 
     def close(self) -> None:
+        self._pending = None
+        self._bytes = None
         if self._mmap is not None:
             try:
                 self._mmap.close()
             except BufferError:  # a view is still alive somewhere; the GC will unmap it
                 pass
             self._mmap = None
-            self._base_ptr = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -101,7 +101,8 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
     if len(size) == 0:
         return storage[storage_offset : storage_offset + 1].view(()) if storage.numel() else storage.new_empty(())
-    return storage.as_strided(tuple(size), tuple(stride), storage_offset)
+    # the storage is a view into the mmap'd file: as_strided counts offsets from the file's start
+    return storage.as_strided(tuple(size), tuple(stride), storage.storage_offset() + storage_offset)
 
 
 def _rebuild_parameter(data, requires_grad, backward_hooks, *rest):
