@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
     _add_write_options(merge)
     merge.add_argument("--no-verify", dest="verify", action="store_false", help="skip the verification after the merge")
+    merge.add_argument("--dry-run", action="store_true", help="print the plan and every check; write nothing")
     cli_verify.add_verify_options(merge)
     merge.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
@@ -202,9 +203,9 @@ def cmd_merge(args) -> int:
         raise MergeError(
             "Say what to merge: --base MODEL --adapter ADAPTER, or a verl checkpoint folder (CHECKPOINT or --local_dir)."
         )
-    if args.out is None:
-        raise MergeError("Say where to write the merged model with --out (or --target_dir).")
-    if args.hf_upload_path:
+    if args.out is None and not args.dry_run:
+        raise MergeError("Say where to write the merged model with --out (or --target_dir); --dry-run suggests a name.")
+    if args.hf_upload_path and not args.dry_run:
         if args.public and args.private:
             raise MergeError("--public and --private contradict each other; give one.")
         if not args.verify:
@@ -222,6 +223,10 @@ def cmd_merge(args) -> int:
         export_adapter=args.export_adapter,
         **_read_options(args),
     )
+    if not _preflight(options, args.dry_run):
+        return 1
+    if args.dry_run:
+        return 0
     result, report = run_with_progress(options, plain=args.plain, verify=args.verify, perplexity=args.perplexity)
     print_result(result)
     code = _report_verification(report)
@@ -233,6 +238,35 @@ def cmd_merge(args) -> int:
         uploaded = upload_after_merge(result.out, args.hf_upload_path, private=not args.public, plain=args.plain)
         print(f"  uploaded: {uploaded.commit_url}")
     return code
+
+
+def _preflight(options, dry_run: bool) -> bool:
+    """Check everything before writing. A dry run prints the plan and every finding; a merge prints the
+    warnings and stops on errors (the first as the error sentence). Returns whether the merge may go on."""
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.preflight import ENGINE_SAYS, ERROR, describe, make_plan
+
+    plan = make_plan(options)
+    if dry_run:
+        print("Merge plan (nothing is written):")
+        for line in describe(plan):
+            print(line)
+        for f in plan.findings:
+            print(f"  {f.severity.upper():7} {f.text()}")
+        if not plan.findings:
+            print("  every check passed")
+        if plan.blocked:
+            print(f"error: {len(plan.of(ERROR))} problem(s) would stop this merge.", file=sys.stderr)
+        return not plan.blocked
+    for f in plan.findings:
+        if f.severity != ERROR and f.id not in ENGINE_SAYS:
+            print(f"{f.severity}: {f.text()}", file=sys.stderr)
+    errors = plan.of(ERROR)
+    if errors:
+        for f in errors[1:]:
+            print(f"  also: {f.text()}", file=sys.stderr)
+        raise MergeError(errors[0].text())
+    return True
 
 
 def _report_verification(report) -> int:

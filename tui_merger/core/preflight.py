@@ -1,0 +1,559 @@
+"""Before anything is written: the merge plan (what will be read, written, how big, how long) and every
+check of the inputs, each with a severity (an error blocks the merge, a warning needs acknowledgement,
+info is for reading), one sentence saying what is wrong and one saying what to do.
+
+``make_plan`` is shared by the three front ends: the TUI's Review step shows it, the plain flow asks
+about its warnings, and ``tui-merger merge --dry-run`` prints it. It reads configs, headers and the
+(small) adapter tensors; the base's tensor data only for the fp16 overflow check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+from tui_merger.core.options import MergeOptions, human_bytes
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+ENGINE_SAYS = ("notice", "tokenizer")  # findings the merge itself reports again as notices
+MERGE_BYTES_PER_S = 0.5e9  # output bytes per second, measured on this project's 2-core machine (~2 s/GB)
+FP16_MAX = 65504.0
+
+
+@dataclass
+class Finding:
+    id: str  # stable: what the TUI and tests key on
+    severity: str  # error | warning | info
+    message: str  # what is wrong, one sentence
+    fix: str = ""  # what to do, one sentence
+
+    def text(self) -> str:
+        return f"{self.message} {self.fix}".strip()
+
+
+@dataclass
+class MergePlan:
+    options: dict
+    suggested_out: str
+    inputs: dict = field(default_factory=dict)  # role -> path
+    dtype: str | None = None
+    shard_size: int = 0
+    tokenizer_source: str | None = None
+    tensors: int = 0
+    merged_tensors: int = 0
+    shards: int = 0
+    output_bytes: int = 0
+    estimated_seconds: float = 0.0
+    adapter: dict | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def blocked(self) -> bool:
+        return any(f.severity == ERROR for f in self.findings)
+
+    def of(self, severity: str) -> list[Finding]:
+        return [f for f in self.findings if f.severity == severity]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["blocked"] = self.blocked
+        return data
+
+
+def make_plan(options: MergeOptions, today: datetime.date | None = None) -> MergePlan:
+    """The plan and all findings for ``options``; never raises MergeError for bad input (that becomes
+    an error finding), never writes anything."""
+    from tui_merger.core.inputs import open_inputs, paths_of
+    from tui_merger.core.plan import build_plan
+
+    plan = MergePlan(options=options.to_dict(), suggested_out="", shard_size=options.shard_size)
+    plan.inputs = {k: str(v) for k, v in (("checkpoint", options.checkpoint), ("base", options.base), ("adapter", options.adapter)) if v}
+    add = plan.findings.append
+    raw = _raw_adapter(options, add)
+    try:
+        inputs = open_inputs(options)
+    except MergeError as err:
+        if not plan.blocked:
+            add(Finding("inputs", ERROR, str(err)))
+        plan.suggested_out = suggest_name(options, None, raw, today)
+        _check_output(options, plan, paths_of(options), add)
+        return plan
+    try:
+        config = {**inputs.config, **inputs.config_changes}
+        dtype = options.dtype or inputs.dtype
+        merged_adapter = inputs.adapter
+        if options.export_adapter:
+            from tui_merger.core.adapter import empty_adapter
+
+            merged_adapter = empty_adapter(inputs.adapter.folder)
+        for note in inputs.notices:
+            if "no lora_alpha" not in note:  # said by the lora-alpha check
+                add(_notice_finding(note))
+        try:
+            tplan = build_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
+        except MergeError as err:
+            add(Finding("adapter-fit", ERROR, str(err)))
+            tplan = None
+        plan.dtype = dtype
+        plan.tokenizer_source = inputs.files.tokenizer_source
+        plan.adapter = _adapter_summary(inputs.adapter)
+        plan.suggested_out = suggest_name(options, inputs, raw, today)
+        if tplan is not None:
+            plan.tensors = len(tplan.tensors)
+            plan.merged_tensors = sum(1 for t in tplan.tensors if t.ops)
+            plan.shards = len(tplan.shards)
+            plan.output_bytes = tplan.total_bytes
+            plan.estimated_seconds = round(1.0 + tplan.total_bytes / MERGE_BYTES_PER_S, 1)
+            _check_tied(config, inputs.config, tplan, add)
+            _check_fp16(tplan, options, add)
+            _check_memory(tplan, add)
+        base_config = inputs.config if options.checkpoint is None else {}
+        if options.checkpoint is None:
+            _check_targets(inputs.adapter, inputs.base, add)
+            _check_against_adapter_side(options, base_config, add)
+            _check_vocab(options, inputs, add)
+        _check_quantized(inputs.config, add)
+        _check_remote_code(inputs.config, add)
+        _check_nan(inputs.adapter, add)
+    finally:
+        inputs.close()
+    _check_output(options, plan, paths_of(options), add)
+    return plan
+
+
+# -- the adapter as written, before the parser (which refuses what these checks explain) -------------
+
+
+def _raw_adapter(options: MergeOptions, add) -> dict | None:
+    """adapter_config.json of a PEFT adapter, with the checks that make the parser refuse it."""
+    if options.adapter is None:
+        return None
+    path = Path(options.adapter) / "adapter_config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # the parser says what is wrong with it
+    if not isinstance(cfg, dict):
+        return None
+    if cfg.get("lora_alpha") is None:
+        add(Finding(
+            "lora-alpha", WARNING,
+            f"{path} has no lora_alpha, so peft's default of 8 will be used, as peft itself would.",
+            "If training used another alpha, set lora_alpha in adapter_config.json.",
+        ))
+    elif not cfg.get("lora_alpha") and not cfg.get("alpha_pattern"):
+        add(Finding(
+            "lora-alpha", ERROR,
+            f"lora_alpha is 0 in {path}, so the adapter would change nothing.",
+            "Set lora_alpha to the value used in training.",
+        ))
+    _check_rank(options.adapter, cfg, add)
+    return cfg
+
+
+def _check_rank(folder: Path, cfg: dict, add) -> None:
+    from tui_merger.core.adapter import pattern_key
+    from tui_merger.core.safetensors_io import SafetensorsFile
+
+    path = Path(folder) / "adapter_model.safetensors"
+    if not path.is_file():
+        return
+    try:
+        header = SafetensorsFile(path)
+    except MergeError:
+        return  # the parser says what is wrong with the file
+    try:
+        wrong = []
+        for key, info in header.tensors.items():
+            m = re.match(r"^(?:base_model\.model\.)?(.+)\.lora_A(?:\.[\w\-]+)?\.weight$", key)
+            if not m or len(info.shape) != 2:
+                continue
+            module = m.group(1)
+            pattern = pattern_key(cfg.get("rank_pattern") or {}, module)
+            r = int((cfg.get("rank_pattern") or {})[pattern]) if pattern else int(cfg.get("r", 8))
+            if info.shape[0] != r:
+                wrong.append((module, r, info.shape[0]))
+    finally:
+        header.close()
+    if wrong:
+        module, r, rank = wrong[0]
+        more = f" (and {len(wrong) - 1} more modules)" if len(wrong) > 1 else ""
+        add(Finding(
+            "lora-rank", ERROR,
+            f"{module}: adapter_config.json says r={r} but the saved tensors have rank {rank}{more}; "
+            "the config does not belong to these weights.",
+            "Use the adapter_config.json saved with these weights.",
+        ))
+
+
+# -- checks on opened inputs ---------------------------------------------------------------------------
+
+
+def _notice_finding(note: str) -> Finding:
+    if "No tokenizer" in note:
+        return Finding("tokenizer", WARNING, note, "Copy the tokenizer files into the adapter or base folder.")
+    return Finding("notice", WARNING if "differs" in note else INFO, note)
+
+
+def _adapter_summary(adapter) -> dict | None:
+    if not adapter.lora:
+        return None
+    cfg = adapter.config
+    ranks = sorted({m.r for m in adapter.lora.values()})
+    alphas = sorted({m.alpha for m in adapter.lora.values()})
+    return {
+        "modules": len(adapter.lora),
+        "r": ranks[0] if len(ranks) == 1 else ranks,
+        "alpha": alphas[0] if len(alphas) == 1 else alphas,
+        "variant": "dora" if cfg.get("use_dora") else ("rslora" if cfg.get("use_rslora") else "lora"),
+        "target_modules": cfg.get("target_modules") or sorted({m.rsplit(".", 1)[-1] for m in adapter.lora}),
+        "modules_to_save": cfg.get("modules_to_save") or [],
+    }
+
+
+def _module_names(base) -> set[str]:
+    return {n.rsplit(".", 1)[0] for n in base.tensors if "." in n}
+
+
+def _check_targets(adapter, base, add) -> None:
+    """target_modules names that match no module of the base (peft matches a name on its last parts)."""
+    targets = adapter.config.get("target_modules")
+    if not isinstance(targets, list) or not targets:
+        return
+    modules = _module_names(base)
+    leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    absent = [t for t in targets if isinstance(t, str) and not any(m == t or m.endswith("." + t) for m in modules)]
+    if absent:
+        near = {t: difflib.get_close_matches(t.rsplit(".", 1)[-1], leaves, n=2) for t in absent}
+        shown = "; ".join(f"{t} (nearest: {', '.join(n) or 'none'})" for t, n in near.items())
+        add(Finding(
+            "targets", WARNING,
+            f"target_modules names modules the base does not have: {shown}.",
+            "Check that the base is the model the adapter was trained on; those targets received no LoRA.",
+        ))
+
+
+def _adapter_side_config(options: MergeOptions) -> tuple[dict | None, str]:
+    """The config the adapter was trained against: a config.json saved beside the adapter, else the
+    base_model_name_or_path it names when that is a local folder or in the HF cache."""
+    folder = Path(options.adapter)
+    if (folder / "config.json").is_file():
+        return _read_json(folder / "config.json"), str(folder / "config.json")
+    try:
+        named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None, ""
+    path = resolve_model_reference(named)
+    if path is None:
+        return None, ""
+    return _read_json(path / "config.json"), str(path / "config.json")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def hf_cache_dirs() -> list[Path]:
+    env = os.environ
+    dirs = [env.get("HF_HUB_CACHE"), env.get("HUGGINGFACE_HUB_CACHE")]
+    if env.get("HF_HOME"):
+        dirs.append(str(Path(env["HF_HOME"]) / "hub"))
+    dirs.append(str(Path.home() / ".cache" / "huggingface" / "hub"))
+    return [Path(d) for d in dirs if d]
+
+
+def resolve_model_reference(name) -> Path | None:
+    """A model reference (a path or an ORG/NAME Hub id) to a local folder with config.json: the path
+    itself, or the newest snapshot in the Hugging Face cache. None when it would need a download."""
+    if not name or not isinstance(name, str):
+        return None
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name):
+        for cache in hf_cache_dirs():
+            snaps = cache / f"models--{name.replace('/', '--')}" / "snapshots"
+            found = sorted(snaps.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True) if snaps.is_dir() else []
+            if found:
+                return found[0].parent
+    return None
+
+
+def _names_of_base(base: Path, config: dict) -> set[str]:
+    names = {str(base), str(base.resolve()), base.name, base.resolve().name}
+    if config.get("_name_or_path"):
+        names.add(str(config["_name_or_path"]))
+    for part in base.resolve().parts:  # .../models--Org--Name/snapshots/<sha>
+        if part.startswith("models--"):
+            names.add(part[len("models--"):].replace("--", "/"))
+    return names
+
+
+def _check_against_adapter_side(options: MergeOptions, base_config: dict, add) -> None:
+    """The base the adapter names, and the config it was trained against, vs the base given."""
+    try:
+        named = json.loads((Path(options.adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    base = Path(options.base)
+    if named:
+        names = _names_of_base(base, base_config)
+        resolved = resolve_model_reference(named)
+        same = named in names or Path(str(named)).name in names or (resolved is not None and resolved.resolve() == base.resolve())
+        if not same:
+            add(Finding(
+                "base-name", WARNING,
+                f"The adapter was trained on {named}, but the base given is {base}.",
+                "Use the base the adapter names, unless this folder is a copy of it.",
+            ))
+    other, where = _adapter_side_config(options)
+    if not other:
+        return
+    if other.get("model_type") and base_config.get("model_type") and other["model_type"] != base_config["model_type"]:
+        add(Finding(
+            "architecture", ERROR,
+            f"The adapter was trained on a {other['model_type']} model ({where}) but the base is {base_config['model_type']}.",
+            "Give the base model the adapter was trained on.",
+        ))
+    elif (other.get("architectures") or None) != (base_config.get("architectures") or None) and other.get("architectures") and base_config.get("architectures"):
+        add(Finding(
+            "architecture", WARNING,
+            f"The adapter's base config ({where}) names {other['architectures']} but the base has {base_config['architectures']}.",
+            "Check that the model head is the one the adapter was trained with.",
+        ))
+    a, b = _rope(other), _rope(base_config)
+    differ = [f"{k} {a[k]} vs {b[k]}" for k in a if k in b and a[k] != b[k]]
+    if a.get("rope_scaling") != b.get("rope_scaling") and not ("rope_scaling" in a and "rope_scaling" in b):
+        differ.append(f"rope_scaling {a.get('rope_scaling')} vs {b.get('rope_scaling')}")
+    if differ:
+        add(Finding(
+            "rope", WARNING,
+            f"The adapter's base config ({where}) and the base given differ in position encoding: {'; '.join(differ)}.",
+            "Merge into the same base the adapter was trained on, or the merged model's long-context behaviour will differ.",
+        ))
+
+
+def _rope(config: dict) -> dict:
+    """rope_theta, the scaling and max_position_embeddings, wherever the config keeps them
+    (transformers 5 moved theta and scaling into rope_parameters)."""
+    params = _field(config, "rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    found = {
+        "rope_theta": _field(config, "rope_theta") if _field(config, "rope_theta") is not None else params.get("rope_theta"),
+        "rope_scaling": _field(config, "rope_scaling") or ({k: v for k, v in params.items() if k != "rope_theta"} or None),
+        "max_position_embeddings": _field(config, "max_position_embeddings"),
+    }
+    if found["rope_scaling"] in ({"rope_type": "default"}, {"type": "default"}):
+        found["rope_scaling"] = None  # the same as no scaling
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _field(config: dict, key: str):
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return config.get(key, text.get(key))
+
+
+def _check_vocab(options: MergeOptions, inputs, add) -> None:
+    """A tokenizer beside the adapter with more tokens than the base embedding has rows, and no
+    resized embedding saved in the adapter: the new tokens would point past the embedding."""
+    from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES
+
+    rows = next((r.shape[0] for n, r in inputs.base.tensors.items() if n.endswith(INPUT_EMBEDDING_SUFFIXES) and len(r.shape) == 2), None)
+    saved = [n for n in inputs.adapter.replacements if n.endswith(INPUT_EMBEDDING_SUFFIXES)]
+    if saved:
+        new_rows = inputs.adapter.replacements[saved[0]].shape[0]
+        if rows and new_rows != rows:
+            add(Finding("vocab", INFO, f"The adapter carries a resized embedding: {rows} -> {new_rows} rows; vocab_size will be updated."))
+        return
+    tokens = _tokenizer_size(Path(options.adapter))
+    if rows and tokens and tokens > rows:
+        add(Finding(
+            "vocab", ERROR,
+            f"The adapter's tokenizer has {tokens} tokens but the base embedding has {rows} rows, and the adapter "
+            "does not carry a resized embedding (modules_to_save).",
+            "Save the adapter with modules_to_save=['embed_tokens', 'lm_head'] after resizing, or use the base's tokenizer (--tokenizer-from base).",
+        ))
+
+
+def _tokenizer_size(folder: Path) -> int | None:
+    data = _read_json(folder / "tokenizer.json")
+    if not data:
+        return None
+    vocab = (data.get("model") or {}).get("vocab")
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab or [])))
+    ids.update(t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict))
+    ids.discard(None)
+    return max(ids) + 1 if ids else None
+
+
+def _check_quantized(config: dict, add) -> None:
+    q = config.get("quantization_config")
+    if isinstance(q, dict):
+        method = q.get("quant_method") or ("bitsandbytes" if q.get("load_in_4bit") or q.get("load_in_8bit") else "quantized")
+        add(Finding(
+            "quantized", ERROR,
+            f"The base model is quantized ({method}); merging into quantized weights loses the adapter's precision.",
+            "Merge into the original 16-bit base model (the one the quantized model was made from).",
+        ))
+
+
+def _check_remote_code(config: dict, add) -> None:
+    if isinstance(config.get("auto_map"), dict) and config["auto_map"]:
+        add(Finding(
+            "remote-code", INFO,
+            "The model uses custom code (auto_map): its .py files are copied, never run, so the logits check is skipped.",
+            "Load the merged model with trust_remote_code=True once you have read that code.",
+        ))
+
+
+def _check_tied(config: dict, base_config: dict, tplan, add) -> None:
+    was_tied = bool(_field(base_config, "tie_word_embeddings"))
+    if was_tied and tplan.config_changes.get("tie_word_embeddings") is False:
+        head = next((t for t in tplan.tensors if t.name.endswith("lm_head.weight")), None)
+        extra = f" (+{human_bytes(head.nbytes)})" if head else ""
+        add(Finding(
+            "tied", WARNING,
+            f"The base ties its input and output embeddings, but the adapter changes only one of them, so the "
+            f"merged model gets its own lm_head{extra} and tie_word_embeddings false.",
+            "Nothing to do if that is what training did; it is what the unmerged model computes.",
+        ))
+
+
+def _check_fp16(tplan, options: MergeOptions, add) -> None:
+    """Values beyond fp16's range in tensors converted to fp16 (reads those base tensors)."""
+    converted = [t for t in tplan.tensors if t.dtype == "float16" and t.source.dtype != "float16"]
+    over = []
+    for t in converted:
+        if t.source.load().abs().max().item() > FP16_MAX:
+            over.append(t.name)
+        t.source.release()
+    if over:
+        add(Finding(
+            "fp16-overflow", WARNING if options.force_fp16_overflow else ERROR,
+            f"{len(over)} tensor(s) hold values beyond float16's range ({', '.join(over[:3])}).",
+            "Use --dtype bf16, or --force to clamp them to ±65504." if not options.force_fp16_overflow else "They will be clamped (--force).",
+        ))
+
+
+def _check_memory(tplan, add) -> None:
+    from tui_merger.core.verify import _available_memory
+
+    available = _available_memory()
+    biggest = max((math.prod(t.shape) for t in tplan.tensors if t.ops), default=0)
+    need = biggest * 4 * 3 + (400 << 20)  # fp32 working copies of the largest merged tensor + torch
+    if available is not None and need > available:
+        add(Finding(
+            "memory", ERROR,
+            f"Merging needs about {human_bytes(need)} of memory (the largest merged tensor in fp32, three times) "
+            f"but {human_bytes(available)} is available.",
+            "Close other programs or merge on a machine with more memory.",
+        ))
+
+
+def _check_nan(adapter, add) -> None:
+    import torch
+
+    bad = []
+    refs = [r for m in adapter.lora.values() for r in (m.A, m.B, m.emb_A, m.emb_B, m.magnitude, m.B_bias) if r is not None]
+    refs += list(adapter.replacements.values())
+    for ref in refs:
+        t = ref.load()
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad.append(ref.name)
+    if bad:
+        add(Finding(
+            "adapter-nan", ERROR,
+            f"The adapter holds NaN or Inf values in {len(bad)} tensor(s) ({', '.join(bad[:3])}); training diverged or the file is damaged.",
+            "Use an earlier checkpoint of the adapter.",
+        ))
+
+
+def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
+    from tui_merger.core.output import check_target
+
+    out = options.out
+    if out is None:
+        return
+    try:
+        check_target(Path(out), inputs, options.overwrite)
+    except MergeError as err:
+        add(Finding("output", ERROR, str(err)))
+        return
+    if options.overwrite and Path(out).is_dir() and any(Path(out).iterdir()):
+        add(Finding("output", WARNING, f"{out} exists and will be replaced once the new model is complete (--overwrite)."))
+    parent = Path(out).absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+        why = "Read-only file system" if read_only else "Permission denied"
+        add(Finding(
+            "output", ERROR,
+            f"Cannot write in {parent} ({why}), so the merged model cannot be created there.",
+            "Choose an output folder you can write to.",
+        ))
+        return
+    if plan.output_bytes:
+        from tui_merger.core.output import check_space
+
+        try:
+            check_space(parent, plan.output_bytes)  # the engine's own check, with its sentence
+        except MergeError as err:
+            add(Finding("disk", ERROR, str(err)))
+
+
+# -- the suggested output name -------------------------------------------------------------------------
+
+_GENERIC = re.compile(r"^(adapter|adapters|lora|lora_adapter|lora-adapter|output|outputs|actor|critic|final|checkpoint-\d+|global_step_\d+|\d+)$", re.I)
+
+
+def suggest_name(options: MergeOptions, inputs, raw: dict | None, today: datetime.date | None = None) -> str:
+    """``{base}-{task}-r{rank}-{date}``, e.g. ``Qwen2.5-0.5B-alpaca-r16-20261130`` (editable)."""
+    today = today or datetime.date.today()
+    cfg = (inputs.adapter.config if inputs is not None else raw) or {}
+    base_ref = cfg.get("base_model_name_or_path") or (inputs.config.get("_name_or_path") if inputs else None) or (options.base and str(options.base))
+    base = Path(str(base_ref or "model")).name or "model"
+    source = Path(options.adapter or options.checkpoint or "merged")
+    task = next((p.name for p in (source, *source.parents) if p.name and not _GENERIC.match(p.name)), "merged")
+    parts = [base, task]
+    r = cfg.get("r")
+    if inputs is not None and inputs.adapter.lora:
+        ranks = {m.r for m in inputs.adapter.lora.values()}
+        r = ranks.pop() if len(ranks) == 1 else max(ranks)
+    if r:
+        parts.append(f"r{r}")
+    parts.append(today.strftime("%Y%m%d"))
+    name = "-".join(dict.fromkeys(p for p in parts if p))
+    return re.sub(r"[^\w.\-]+", "-", name)
+
+
+def describe(plan: MergePlan) -> list[str]:
+    """The plan as lines of text (for --dry-run and the plain flow)."""
+    lines = []
+    for role, path in plan.inputs.items():
+        lines.append(f"  {role:10} {path}")
+    out = plan.options.get("out")
+    lines.append(f"  {'output':10} {out or '(not given)'}" + ("" if out else f"  suggested: {plan.suggested_out}"))
+    if plan.adapter:
+        a = plan.adapter
+        targets = a["target_modules"] if isinstance(a["target_modules"], str) else ", ".join(map(str, a["target_modules"]))
+        lines.append(f"  {'LoRA':10} r={a['r']} alpha={a['alpha']} {a['variant']}, {a['modules']} modules ({targets})")
+    if plan.tensors:
+        lines.append(
+            f"  {'writes':10} {plan.tensors} tensors ({plan.merged_tensors} merged), {human_bytes(plan.output_bytes)} "
+            f"in {plan.shards} shard(s), dtype {plan.dtype or 'as the base'}, about {plan.estimated_seconds:.0f} s"
+        )
+        tok = {"adapter": "from the adapter folder", "base": "from the base", None: "none found"}[plan.tokenizer_source]
+        lines.append(f"  {'tokenizer':10} {tok}")
+    return lines
