@@ -264,29 +264,18 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def hf_cache_dirs() -> list[Path]:
-    env = os.environ
-    dirs = [env.get("HF_HUB_CACHE"), env.get("HUGGINGFACE_HUB_CACHE")]
-    if env.get("HF_HOME"):
-        dirs.append(str(Path(env["HF_HOME"]) / "hub"))
-    dirs.append(str(Path.home() / ".cache" / "huggingface" / "hub"))
-    return [Path(d) for d in dirs if d]
-
-
 def resolve_model_reference(name) -> Path | None:
     """A model reference (a path or an ORG/NAME Hub id) to a local folder with config.json: the path
-    itself, or the newest snapshot in the Hugging Face cache. None when it would need a download."""
+    itself, or its snapshot in the Hugging Face cache. None when it would need a download."""
+    from tui_merger.core.inspect import cached_snapshot
+
     if not name or not isinstance(name, str):
         return None
     path = Path(name).expanduser()
     if (path / "config.json").is_file():
         return path
-    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name):
-        for cache in hf_cache_dirs():
-            snaps = cache / f"models--{name.replace('/', '--')}" / "snapshots"
-            found = sorted(snaps.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True) if snaps.is_dir() else []
-            if found:
-                return found[0].parent
+    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) and ".." not in name:
+        return cached_snapshot(name)
     return None
 
 
