@@ -132,10 +132,12 @@ def test_architecture_and_rope_of_the_adapters_base_config(demo, tmp_path):
     (a / "config.json").write_text(json.dumps({**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     f = findings(base, a)
     assert f["architecture"].severity == "error" and "llama" in f["architecture"].message
+    (a / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    assert findings(base, a)["vocab-size"].severity == "warning"
     (a / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
     assert "yarn" in findings(base, a)["rope"].message
     (a / "config.json").write_text(json.dumps(config))
-    assert not {"rope", "architecture"} & set(findings(base, a))
+    assert not {"rope", "architecture", "vocab-size"} & set(findings(base, a))
 
 
 def test_the_adapter_names_another_base(demo, tmp_path):

@@ -321,6 +321,14 @@ def _check_against_adapter_side(options: MergeOptions, base_config: dict, add) -
             f"The adapter's base config ({where}) names {other['architectures']} but the base has {base_config['architectures']}.",
             "Check that the model head is the one the adapter was trained with.",
         ))
+    va, vb = _field(other, "vocab_size"), _field(base_config, "vocab_size")
+    if va and vb and va != vb:
+        add(Finding(
+            "vocab-size", WARNING,
+            f"vocab_size is {va} in the adapter's base config ({where}) but {vb} in the base given.",
+            "Check that the base is the one the adapter was trained on (a resized vocabulary needs the "
+            "adapter to carry the embeddings: modules_to_save).",
+        ))
     a, b = _rope(other), _rope(base_config)
     differ = [f"{k} {a[k]} vs {b[k]}" for k in a if k in b and a[k] != b[k]]
     if a.get("rope_scaling") != b.get("rope_scaling") and not ("rope_scaling" in a and "rope_scaling" in b):
