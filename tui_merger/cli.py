@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="tui-merger",
-        description="Turn a training checkpoint (base model + LoRA adapter) into a plain Hugging Face model.",
+        description="Turn a training checkpoint (base model + LoRA adapter) into a plain Hugging Face model. "
+        "`tui-merger [PATH]` (no command) opens the merge assistant on PATH; `--plain` asks plain questions instead.",
     )
     parser.add_argument("--version", action="version", version=f"tui-merger {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks of unexpected errors")
@@ -67,11 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="build a tiny model and adapter offline and merge them",
         description="Build a tiny random Qwen2-style model, a LoRA adapter and a tokenizer in a workspace "
-        "folder (offline, in seconds), then merge them.",
+        "folder (offline, in seconds), then open the merge assistant on it (on a terminal) or merge them "
+        "right away (no terminal, or --no-ui).",
     )
     demo.add_argument(
         "--workspace", type=Path, default=Path("tui-merger-demo"), help="folder for the demo files (default: %(default)s)"
     )
+    demo.add_argument("--no-ui", action="store_true", help="merge right away instead of opening the assistant")
     demo.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     # commands that live in their own modules: each adds its parser and sets ``run``
@@ -108,15 +111,32 @@ def _add_write_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
 
 
+def build_ui_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tui-merger",
+        description="The merge assistant: finds checkpoints in PATH and walks you through merging, "
+        "verifying, cleaning up and uploading. Run `tui-merger --help` for the other commands.",
+    )
+    p.add_argument("path", nargs="?", default=".", type=Path, help="folder to look in (default: the current one)")
+    p.add_argument("--plain", action="store_true", help="plain questions instead of the full-screen app")
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
+    commands = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 (argparse keeps them here)
+    ui = not argv or (argv[0] not in commands and argv[0] not in ("-h", "--help", "--version"))
+    args = build_ui_parser().parse_args(argv) if ui else parser.parse_args(argv)
+    if not ui and args.command is None:
         parser.print_help(sys.stderr)
         return 0
     from tui_merger.core.errors import MergeCancelled, MergeError
 
     try:
+        if ui:
+            return launch(args.path, plain=args.plain)
         if getattr(args, "run", None) is not None:
             return args.run(args)
         if args.command == "merge":
@@ -146,6 +166,38 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 3
     return 2  # pragma: no cover
+
+
+def _terminal() -> tuple[bool, bool]:
+    """(interactive, dumb): stdin and stderr are terminals (Textual draws on stderr); the terminal
+    cannot take a full-screen app or questionary's escape codes (TERM empty or dumb, not UTF-8)."""
+    interactive = sys.stdin.isatty() and sys.stderr.isatty()
+    encoding = (getattr(sys.stderr, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+    dumb = os.environ.get("TERM", "") in ("", "dumb") or encoding != "utf8"
+    return interactive, dumb
+
+
+def launch(path: Path, plain: bool = False) -> int:
+    """The interactive assistant on ``path``: the Textual app, or the plain question flow when the
+    terminal cannot take it or --plain asks; with no terminal at all, say what to run instead."""
+    from tui_merger.core.errors import MergeError
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise MergeError(f"{path} does not exist; give a folder that holds your training run or checkpoint.")
+    interactive, dumb = _terminal()
+    if not interactive and not plain:
+        from tui_merger.plain import explain_no_terminal
+
+        print(explain_no_terminal(path), file=sys.stderr)
+        return 2
+    if plain or dumb or not interactive:
+        from tui_merger.plain import run_plain
+
+        return run_plain(path, dumb=dumb or not interactive)
+    from tui_merger.tui.app import run_tui
+
+    return run_tui(path)
 
 
 def entry() -> None:

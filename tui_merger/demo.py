@@ -94,9 +94,14 @@ def cmd_demo(args) -> int:
     from tui_merger.cli import _report_verification, print_result, run_with_progress
     from tui_merger.core.options import MergeOptions
 
+    from tui_merger.cli import _terminal, launch
+
     workspace = Path(args.workspace)
     print(f"Building a tiny demo model and LoRA adapter in {workspace} ...", file=sys.stderr)
     base, adapter = build_demo(workspace)
+    interactive, dumb = _terminal()
+    if interactive and not args.no_ui:  # a person at a terminal: the assistant takes it from here
+        return launch(workspace, plain=dumb)
     out = workspace / "merged"
     result, report = run_with_progress(MergeOptions(base=base, adapter=adapter, out=out, overwrite=True))
     print_result(result)

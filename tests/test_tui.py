@@ -1,0 +1,230 @@
+"""The Textual merge assistant, driven with Textual's pilot on real checkpoints: every step, back and next,
+validation, a failing merge (the app stays alive), cancel mid-merge gated by the engine's own events,
+and a full run to a verified model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, Static
+
+from tui_merger.core.events import TensorProgress
+from tui_merger.core.manifest import read_manifest
+from tui_merger.tui.app import MergeApp
+
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from tui_merger.demo import build_demo
+
+    ws = tmp_path_factory.mktemp("tui") / "ws"
+    build_demo(ws)
+    return ws
+
+
+def text(app, selector) -> str:
+    return str(app.screen.query_one(selector, Static).content)
+
+
+async def until(pilot, condition, what: str, tries: int = 600):
+    for _ in range(tries):
+        if condition():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def recheck(pilot, app, what="the new plan"):
+    """Enter in the output field checks again, as a user does after editing it."""
+    app.screen.query_one("#out", Input).focus()
+    await pilot.press("enter")
+    await until(pilot, lambda: app.wizard.running is None and not app.wizard.plan_stale, what)
+
+
+async def to_review(pilot, app):
+    wizard = app.wizard
+    await until(pilot, lambda: wizard.candidate is not None, "a candidate")
+    await pilot.press("ctrl+n")
+    await until(pilot, lambda: wizard.plan is not None and wizard.running is None, "the plan")
+    return wizard
+
+
+async def test_find_lists_checkpoints_and_picks_the_adapter(workspace):
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidate is not None, "a candidate")
+        assert "Step 1 of 5: Find" in text(app, "#title")
+        kinds = [c.kind for c in wizard.candidates]
+        assert "peft-adapter" in kinds and "hf-model" in kinds
+        assert wizard.candidate.kind == "peft-adapter"  # the first mergeable one is chosen
+        assert "LoRA rank 8, alpha 16" in text(app, "#path-status")
+        assert not app.screen.query_one("#next", Button).disabled
+        assert app.screen.query_one("#back", Button).disabled
+
+
+async def test_typed_path_is_validated(workspace, tmp_path):
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        path = app.screen.query_one("#path", Input)
+        path.value = str(tmp_path / "nowhere")
+        path.focus()
+        await pilot.press("enter")
+        assert "does not exist" in text(app, "#path-status")
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        path.value = str(empty)
+        path.focus()
+        await pilot.press("enter")
+        assert "No checkpoint found" in text(app, "#path-status")
+        assert app.screen.query_one("#next", Button).disabled
+        path.value = str(workspace / "adapter")
+        path.focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: app.wizard.candidate is not None, "the typed adapter")
+        assert app.wizard.candidate.path == str(workspace / "adapter")
+
+
+async def test_review_shows_the_plan_and_back_returns_to_find(workspace):
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert "Step 2 of 5: Review" in text(app, "#title")
+        assert "r=8 alpha=16" in text(app, "#plan-text")
+        assert "every check passed" in text(app, "#findings")
+        out = app.screen.query_one("#out", Input).value
+        assert out.endswith(wizard.plan.suggested_out) and Path(out).parent == workspace
+        assert not app.screen.query_one("#next", Button).disabled
+        await pilot.press("ctrl+b")
+        assert wizard.step == "find"
+
+
+async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        taken = tmp_path / "taken"
+        taken.mkdir()
+        (taken / "x").write_text("x")
+        app.screen.query_one("#out", Input).value = str(taken)
+        await pilot.pause()
+        assert app.screen.query_one("#next", Button).disabled  # edited: stale until checked again
+        await recheck(pilot, app)
+        assert "ERROR" in text(app, "#findings") and "not empty" in text(app, "#findings")
+        assert app.screen.query_one("#next", Button).disabled
+        assert "fix the errors" in text(app, "#nav-status")
+        # a warning: the adapter config lost its lora_alpha (peft would use 8)
+        app.screen.query_one("#out", Input).value = str(tmp_path / "fresh")
+        cfg = workspace / "adapter" / "adapter_config.json"
+        saved = cfg.read_text()
+        try:
+            data = json.loads(saved)
+            del data["lora_alpha"]
+            cfg.write_text(json.dumps(data))
+            await recheck(pilot, app, "the plan with a warning")
+        finally:
+            cfg.write_text(saved)
+        assert "WARNING" in text(app, "#findings")
+        assert app.screen.query_one("#next", Button).disabled
+        app.screen.query_one("#ack", Checkbox).value = True
+        await pilot.pause()
+        assert not app.screen.query_one("#next", Button).disabled
+
+
+async def test_full_run_to_a_verified_model(workspace, tmp_path):
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
+        table = app.screen.query_one("#checks", DataTable)
+        assert [table.get_row_at(i)[1] for i in range(table.row_count)] == ["structure", "recompute", "behaviour"]
+        await pilot.press("ctrl+n")
+        assert wizard.step == "finish" and "verified" in text(app, "#summary")
+        assert not app.screen.query_one("#cleanup", Button).disabled
+    manifest = read_manifest(out)
+    assert manifest["verification"]["passed"] is True
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
+async def test_a_failing_merge_is_shown_and_the_app_stays_alive(workspace, tmp_path):
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(tmp_path / "out")
+        await recheck(pilot, app)
+        # the base loses its weights after the checks passed (a disk unmounted, a file removed)
+        weights = workspace / "base" / "model.safetensors"
+        moved = tmp_path / "moved.safetensors"
+        shutil.move(weights, moved)
+        try:
+            await pilot.press("ctrl+n")
+            await until(pilot, lambda: wizard.running is None and wizard.step == "merge", "the failure")
+        finally:
+            shutil.move(moved, weights)
+        assert "The merge failed" in text(app, "#merge-status")
+        assert not app.screen.query_one("#back", Button).disabled
+        await pilot.press("ctrl+b")
+        assert wizard.step == "review" and app.is_running
+        assert not (tmp_path / "out").exists()
+
+
+async def test_cancel_mid_merge_stops_the_thread_and_leaves_no_model(workspace, tmp_path):
+    """The engine thread is held at its first progress event until the test has pressed Cancel: no sleeps."""
+    reached, release = threading.Event(), threading.Event()
+
+    def hook(event):
+        if isinstance(event, TensorProgress) and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    app = MergeApp(workspace, engine_hook=hook)
+    out = tmp_path / "out"
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, reached.is_set, "the merge to start")
+        await pilot.click("#cancel")
+        await pilot.click("#yes")  # the confirmation
+        assert wizard.cancel_token.cancelled
+        release.set()
+        await until(pilot, lambda: wizard.running is None, "the merge thread to stop")
+        assert "Cancelled" in text(app, "#merge-status")
+        assert wizard.result is None and wizard.step == "merge"
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+async def test_help_and_command_palette(workspace):
+    app = MergeApp(workspace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("f1")
+        assert type(app.screen).__name__ == "HelpScreen"
+        await pilot.press("escape")
+        assert app.screen is app.wizard
+        commands = [c.title for c in app.get_system_commands(app.screen)]
+        assert {"Next step", "Previous step", "Help"} <= set(commands)

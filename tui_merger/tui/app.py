@@ -1,0 +1,113 @@
+"""The Textual app: themes, settings, help, the command palette, and the wizard screen.
+
+Nothing heavy is imported here: torch and transformers load in the workers, after the first screen is
+drawn.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+
+from tui_merger.tui.widgets import Confirm, HelpScreen
+from tui_merger.tui.wizard import Wizard
+
+CSS = """
+Wizard { layout: vertical; }
+#title { height: 1; padding: 0 1; background: $panel; }
+#steps { height: 1fr; padding: 0 1; }
+#nav { height: 3; padding: 0 1; }
+#nav-status { width: 1fr; content-align: center middle; height: 3; color: $text-muted; }
+#find { height: 1fr; }
+#candidates { height: 1fr; min-height: 4; }
+.row { height: auto; }
+#path { width: 1fr; }
+#path-status { height: auto; min-height: 1; color: $text-muted; }
+#plan-text, #findings { height: auto; margin-bottom: 1; }
+.field { margin-top: 1; }
+#dtype, #tokenizer { width: 1fr; }
+#shard { width: 14; }
+#merge-progress, #verify-progress { margin: 1 0; }
+#merge-detail, #merge-notes, #merge-status, #verify-status { height: auto; }
+#checks { height: 1fr; }
+#summary, #finish-notes { height: auto; margin-bottom: 1; }
+.dialog { width: 90%; max-width: 100; height: auto; max-height: 90%; padding: 1 2; border: round $primary; background: $surface; }
+.dialog.wide { height: 90%; }
+.dialog #tree { height: 1fr; min-height: 8; }
+.dialog SelectionList { height: 1fr; }
+.buttons { height: auto; align-horizontal: right; margin-top: 1; }
+.buttons Button { margin-left: 1; }
+.dim { color: $text-muted; }
+Confirm, HelpScreen, FolderPicker, CleanupDialog, UploadDialog { align: center middle; }
+"""
+
+
+class MergeApp(App):
+    TITLE = "tui-merger"
+    CSS = CSS
+    BINDINGS = [Binding("f1", "help", "Help"), Binding("ctrl+q", "quit", "Quit", priority=True)]
+
+    def __init__(self, path: Path, engine_hook=None, theme_dirs: list[Path] | None = None) -> None:
+        super().__init__()
+        self.start_path = Path(path)
+        self.engine_hook = engine_hook
+        self.theme_dirs = theme_dirs or []
+        self.wizard: Wizard | None = None
+        self._saving_theme = False
+
+    def on_mount(self) -> None:
+        from tui_merger import settings
+        from tui_merger.tui.themes import DEFAULT_THEME, load_themes
+
+        themes, problems = load_themes(self.theme_dirs)
+        for theme in themes:
+            self.register_theme(theme)
+        saved, problem = settings.load()
+        for text in problems + ([problem] if problem else []):
+            self.notify(text, severity="warning", timeout=8)
+        wanted = saved.theme or DEFAULT_THEME
+        self.theme = wanted if wanted in self.available_themes else DEFAULT_THEME
+        self.theme_changed_signal.subscribe(self, self._remember_theme)
+        self.wizard = Wizard(self.start_path, engine_hook=self.engine_hook)
+        self.push_screen(self.wizard)
+
+    def _remember_theme(self, theme) -> None:
+        from tui_merger import settings
+
+        problem = settings.save(settings.Settings(theme=theme.name))
+        if problem:
+            self.notify(problem, severity="warning")
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    async def action_quit(self) -> None:
+        """Quitting during a merge asks first, then stops the merge thread before leaving."""
+        wizard = self.wizard
+        if wizard is None or wizard.running != "merge":
+            self.exit(0)
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                wizard.cancel_token.cancel()
+                self.exit(130)  # Textual waits for the worker thread, which stops after the current tensor
+
+        self.push_screen(Confirm("A merge is running. Stop it and quit? The partial output is removed.", "Stop and quit", "Keep merging"), answer)
+
+    def get_system_commands(self, screen):
+        yield from super().get_system_commands(screen)
+        if self.wizard is not None:
+            yield SystemCommand("Next step", "Go to the next step (ctrl+n)", self.wizard.action_next)
+            yield SystemCommand("Previous step", "Go back one step (ctrl+b)", self.wizard.action_back)
+            yield SystemCommand("Rescan", "Look for checkpoints again", lambda: self.wizard.rescan(self.wizard.root))
+        yield SystemCommand("Help", "Steps and keys", self.action_help)
+
+
+def run_tui(path: Path) -> int:
+    app = MergeApp(path)
+    code = app.run()
+    return code if isinstance(code, int) else 0

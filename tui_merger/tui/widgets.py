@@ -1,0 +1,190 @@
+"""Small widgets and modal screens of the wizard: a plain-ASCII folder picker, a yes/no confirmation,
+the help screen, and the cleanup and upload dialogs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, DirectoryTree, Input, Label, Markdown, SelectionList, Static
+
+HELP = """\
+# tui-merger
+
+Turn a training checkpoint into a plain Hugging Face model, in five steps:
+
+1. **Find** - pick a detected checkpoint, type a path, or browse for a folder.
+2. **Review** - read the plan and every check. Errors must be fixed; warnings need a tick.
+3. **Merge** - runs in the background; *Cancel* stops it and removes the partial output.
+4. **Verify** - the result is read back, recomputed and compared with the unmerged model.
+5. **Finish** - where the model is; clean up the training folder or upload to the Hub.
+
+## Keys
+
+| key | action |
+|---|---|
+| ctrl+n | next step |
+| ctrl+b | previous step |
+| tab / shift+tab | move between fields and buttons |
+| enter | press the focused button |
+| ctrl+p | command palette (also: change the theme) |
+| f1 | this help |
+| ctrl+q | quit |
+
+The same steps run without a full-screen terminal: `tui-merger --plain`.
+"""
+
+
+class AsciiDirectoryTree(DirectoryTree):
+    """Folders only, with icons every terminal font has."""
+
+    ICON_NODE = "+ "
+    ICON_NODE_EXPANDED = "- "
+    ICON_FILE = "  "
+
+    def filter_paths(self, paths):
+        return [p for p in paths if p.is_dir() and not p.name.startswith(".")]
+
+
+class FolderPicker(ModalScreen[Path | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, start: Path) -> None:
+        super().__init__()
+        self.start = start
+        self.chosen: Path = start
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("Choose a folder (enter opens it, then Use this folder)")
+            yield AsciiDirectoryTree(self.start, id="tree")
+            yield Label(str(self.start), id="picked")
+            with Horizontal(classes="buttons"):
+                yield Button("Use this folder", variant="primary", id="use")
+                yield Button("Cancel", id="cancel")
+
+    def on_directory_tree_directory_selected(self, event: DirectoryTree.DirectorySelected) -> None:
+        self.chosen = Path(event.path)
+        self.query_one("#picked", Label).update(str(self.chosen))
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(self.chosen if event.button.id == "use" else None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class Confirm(ModalScreen[bool]):
+    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n", "answer(False)", "No"), Binding("escape", "answer(False)", "No")]
+
+    def __init__(self, question: str, yes: str = "Yes", no: str = "No") -> None:
+        super().__init__()
+        self.question, self.yes, self.no = question, yes, no
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Static(self.question)
+            with Horizontal(classes="buttons"):
+                yield Button(self.yes, variant="error", id="yes")
+                yield Button(self.no, variant="primary", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, value: bool) -> None:
+        self.dismiss(value)
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape", "close", "Close"), Binding("f1", "close", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog wide"):
+            with VerticalScroll():
+                yield Markdown(HELP)
+            with Horizontal(classes="buttons"):
+                yield Button("Close", variant="primary", id="close")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(None)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class CleanupDialog(ModalScreen[list | None]):
+    """The items a verified merge made unnecessary; returns the chosen ones (None: cancelled)."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, plan) -> None:
+        super().__init__()
+        self.plan = plan
+
+    def compose(self) -> ComposeResult:
+        from tui_merger.core.options import human_bytes
+
+        with Vertical(classes="dialog wide"):
+            yield Label(f"Free space in {self.plan.root}: pick what to delete")
+            yield SelectionList(
+                *[
+                    (f"{human_bytes(i.size):>9}  {i.label}  ({i.reason})", n, i.selected_by_default)
+                    for n, i in enumerate(self.plan.items)
+                ],
+                id="items",
+            )
+            if self.plan.protected:
+                yield Static(f"{len(self.plan.protected)} item(s) are protected and never deleted.", classes="dim")
+            with Horizontal(classes="buttons"):
+                yield Button("Delete selected", variant="error", id="delete")
+                yield Button("Cancel", variant="primary", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "delete":
+            chosen = self.query_one("#items", SelectionList).selected
+            self.dismiss([self.plan.items[n] for n in chosen])
+        else:
+            self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class UploadDialog(ModalScreen[tuple | None]):
+    """Asks the repo id and visibility; returns (repo_id, private) or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, suggested: str) -> None:
+        super().__init__()
+        self.suggested = suggested
+
+    def compose(self) -> ComposeResult:
+        from textual.widgets import Checkbox
+
+        with Vertical(classes="dialog"):
+            yield Label("Upload to the Hugging Face Hub: repo id (ORG/NAME, or NAME for your account)")
+            yield Input(self.suggested, id="repo")
+            yield Checkbox("Public (default: private)", id="public")
+            with Horizontal(classes="buttons"):
+                yield Button("Upload", variant="primary", id="upload")
+                yield Button("Cancel", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        from textual.widgets import Checkbox
+
+        if event.button.id == "upload":
+            repo = self.query_one("#repo", Input).value.strip()
+            if repo:
+                self.dismiss((repo, not self.query_one("#public", Checkbox).value))
+                return
+        self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

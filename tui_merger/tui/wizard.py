@@ -1,0 +1,620 @@
+"""The merge assistant: one screen, five steps (Find, Review, Merge, Verify, Finish) in a ContentSwitcher.
+
+The screen holds no merge logic: it scans with ``core.inspect``, plans with ``core.preflight``, merges
+with ``core.engine`` and verifies with ``core.provenance`` in thread workers, and renders the engine's
+events, posted to the UI as messages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import (
+    Button,
+    Checkbox,
+    ContentSwitcher,
+    DataTable,
+    Footer,
+    Input,
+    Label,
+    OptionList,
+    ProgressBar,
+    Select,
+    Static,
+)
+from textual.widgets.option_list import Option
+
+from tui_merger.tui.widgets import CleanupDialog, Confirm, FolderPicker, UploadDialog
+
+STEPS = ("find", "review", "merge", "verify", "finish")
+TITLES = {"find": "Find", "review": "Review", "merge": "Merge", "verify": "Verify", "finish": "Finish"}
+PROGRESS_EVERY = 0.1  # seconds between progress updates sent to the UI
+DTYPES = [("as the base", ""), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
+TOKENIZERS = [("adapter's, else the base's", "auto"), ("the base's", "base"), ("the adapter's", "adapter")]
+
+
+class EngineEvent(Message):
+    """An event of the engine, forwarded from a worker thread."""
+
+    def __init__(self, event) -> None:
+        super().__init__()
+        self.event = event
+
+
+@dataclass
+class _Done:
+    value: object = None
+    error: str | None = None
+    cancelled: bool = False
+
+
+class WorkDone(Message):
+    def __init__(self, kind: str, done: _Done) -> None:
+        super().__init__()
+        self.kind = kind
+        self.done = done
+
+
+def _escape(text: str) -> str:
+    return str(text).replace("[", r"\[")
+
+
+class Wizard(Screen):
+    AUTO_FOCUS = ""
+    BINDINGS = [
+        Binding("ctrl+n", "next", "Next", priority=True),
+        Binding("ctrl+b", "back", "Back", priority=True),
+        Binding("f1", "app.help", "Help"),
+    ]
+
+    def __init__(self, root: Path, engine_hook=None) -> None:
+        super().__init__()
+        self.root = Path(root).absolute()
+        self.engine_hook = engine_hook  # tests: called in the worker thread with every engine event
+        self.step = "find"
+        self.candidates = []
+        self.candidate = None
+        self.plan = None
+        self.options = None
+        self.plan_stale = True
+        self.result = None
+        self.report = None
+        self.cancel_token = None
+        self.running: str | None = None  # which worker is busy: plan, merge, verify, upload, cleanup
+        self._last_progress = 0.0
+        self._started = 0.0
+        self._planned: tuple = ()  # the field values the current plan was made from
+
+    # -- layout -------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(id="title")
+        with ContentSwitcher(initial="find", id="steps"):
+            with Vertical(id="find"):
+                yield Label("Checkpoints found (newest first):")
+                yield OptionList(id="candidates")
+                with Horizontal(classes="row"):
+                    yield Input(placeholder="or type a path to a checkpoint or a folder", id="path")
+                    yield Button("Browse...", id="browse")
+                yield Static(id="path-status")
+            with VerticalScroll(id="review"):
+                yield Static(id="plan-text")
+                yield Static(id="findings")
+                yield Checkbox("I have read the warnings and want to go on", id="ack")
+                yield Label("Base model folder", classes="field base-field")
+                yield Input(id="base", classes="base-field")
+                yield Label("LoRA alpha used in training (the checkpoint does not record it)", classes="field alpha-field")
+                yield Input(id="alpha", type="number", classes="alpha-field")
+                yield Label("Output folder", classes="field")
+                yield Input(id="out")
+                with Horizontal(classes="row"):
+                    yield Select(DTYPES, value="", allow_blank=False, id="dtype")
+                    yield Input("5GB", id="shard", placeholder="shard size")
+                    yield Select(TOKENIZERS, value="auto", allow_blank=False, id="tokenizer")
+                yield Button("Check again", id="recheck")
+            with Vertical(id="merge"):
+                yield Static(id="merge-status")
+                yield ProgressBar(show_eta=False, id="merge-progress")
+                yield Static(id="merge-detail")
+                yield Static(id="merge-notes")
+                yield Button("Cancel the merge", variant="error", id="cancel")
+            with Vertical(id="verify"):
+                yield Static(id="verify-status")
+                yield ProgressBar(show_eta=False, id="verify-progress")
+                yield DataTable(id="checks", cursor_type="row")
+            with VerticalScroll(id="finish"):
+                yield Static(id="summary")
+                with Horizontal(classes="row"):
+                    yield Button("Clean up...", id="cleanup")
+                    yield Button("Upload...", id="upload")
+                    yield Button("Quit", variant="primary", id="quit")
+                yield Static(id="finish-notes")
+        with Horizontal(id="nav"):
+            yield Button("< Back", id="back")
+            yield Static(id="nav-status")
+            yield Button("Next >", variant="primary", id="next")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#checks", DataTable).add_columns("result", "check", "summary")
+        self.rescan(self.root)
+        self.show("find")
+
+    # -- steps --------------------------------------------------------------------------------
+    def show(self, step: str) -> None:
+        self.step = step
+        self.query_one("#steps", ContentSwitcher).current = step
+        n = STEPS.index(step) + 1
+        self.query_one("#title", Static).update(
+            f"[b]tui-merger[/b]  Step {n} of 5: {TITLES[step]}   [dim]{_escape(self.root)}[/dim]"
+        )
+        self.refresh_nav()
+        first = {"find": "#candidates", "review": "#out", "merge": "#cancel", "verify": "#checks", "finish": "#quit"}[step]
+        self.query_one(first).focus()
+
+    def refresh_nav(self) -> None:
+        back, nxt = self.query_one("#back", Button), self.query_one("#next", Button)
+        status = ""
+        if self.step == "find":
+            back.disabled = True
+            nxt.disabled = self.candidate is None
+            nxt.label = "Review >"
+        elif self.step == "review":
+            back.disabled = self.running is not None
+            blocked = self.plan is None or self.plan.blocked or self.plan_stale or self.running is not None
+            warned = self.plan is not None and bool(self.plan.of("warning"))
+            nxt.disabled = blocked or (warned and not self.query_one("#ack", Checkbox).value)
+            nxt.label = "Merge >"
+            if self.running == "plan":
+                status = "checking..."
+            elif self.plan is not None and self.plan.blocked:
+                status = "fix the errors to go on"
+            elif warned and not self.query_one("#ack", Checkbox).value:
+                status = "tick the box to accept the warnings"
+        elif self.step == "merge":
+            back.disabled = self.running is not None or self.result is not None
+            nxt.disabled = True
+            nxt.label = "Verify >"
+        elif self.step == "verify":
+            back.disabled = True
+            nxt.disabled = self.running is not None or self.result is None
+            nxt.label = "Finish >"
+        else:
+            back.disabled = self.running is not None
+            nxt.disabled = True
+            nxt.label = "Next >"
+        self.query_one("#nav-status", Static).update(status)
+
+    def action_next(self) -> None:
+        if self.query_one("#next", Button).disabled:
+            return
+        if self.step == "find":
+            self.enter_review()
+        elif self.step == "review":
+            self.start_merge()
+        elif self.step == "verify":
+            self.enter_finish()
+
+    def action_back(self) -> None:
+        if self.query_one("#back", Button).disabled:
+            return
+        target = {"review": "find", "merge": "review", "finish": "verify"}.get(self.step)
+        if target:
+            self.show(target)
+
+    @on(Button.Pressed, "#next")
+    def _next(self) -> None:
+        self.action_next()
+
+    @on(Button.Pressed, "#back")
+    def _back(self) -> None:
+        self.action_back()
+
+    # -- Find ---------------------------------------------------------------------------------
+    def rescan(self, path: Path) -> None:
+        from tui_merger.core.choices import describe_candidate, why_not_mergeable
+        from tui_merger.core.errors import MergeError
+        from tui_merger.core.inspect import scan
+
+        status = self.query_one("#path-status", Static)
+        try:
+            found = scan(path)
+        except MergeError as err:
+            status.update(f"[b red]{_escape(err)}[/]")
+            return
+        self.root = Path(path).absolute() if Path(path).is_dir() else Path(path).absolute().parent
+        self.candidates = found.candidates
+        options = self.query_one("#candidates", OptionList)
+        options.clear_options()
+        for n, c in enumerate(self.candidates):
+            line = describe_candidate(c, self.root)
+            if why_not_mergeable(c):
+                line += "  [dim](not mergeable)[/dim]"
+            options.add_option(Option(line, id=str(n)))
+        problems = f"; {len(found.problems)} entries could not be read" if found.problems else ""
+        if self.candidates:
+            status.update(f"Found {len(self.candidates)} checkpoint(s) in {_escape(self.root)}{problems}.")
+            mergeable = [n for n, c in enumerate(self.candidates) if not why_not_mergeable(c)]
+            options.highlighted = mergeable[0] if mergeable else 0
+        else:
+            status.update(f"No checkpoint found in {_escape(self.root)}{problems}; type a path or browse.")
+        self.candidate = None
+        self.refresh_nav()
+
+    @on(OptionList.OptionHighlighted, "#candidates")
+    @on(OptionList.OptionSelected, "#candidates")
+    def _pick(self, event) -> None:
+        from tui_merger.core.choices import why_not_mergeable
+
+        c = self.candidates[int(event.option.id)]
+        problem = why_not_mergeable(c)
+        self.candidate = None if problem else c
+        note = problem or self._candidate_text(c)
+        self.query_one("#path-status", Static).update(_escape(note))
+        self.refresh_nav()
+        if isinstance(event, OptionList.OptionSelected) and self.candidate is not None:
+            self.enter_review()
+
+    def _candidate_text(self, c) -> str:
+        from tui_merger.core.options import human_bytes
+
+        bits = [f"{c.kind}, {human_bytes(c.size_bytes)}"]
+        if c.lora:
+            bits.append(f"LoRA rank {c.lora.get('r')}, alpha {c.lora.get('alpha') or 'missing'}")
+        if c.base_model:
+            where = {"path": "found here", "hf-cache": "in the HF cache", "missing": "not on this machine"}.get(c.base_resolves, "")
+            bits.append(f"base {c.base_model} ({where})")
+        return "; ".join(bits) + "."
+
+    @on(Input.Submitted, "#path")
+    def _typed(self, event: Input.Submitted) -> None:
+        path = Path(event.value.strip()).expanduser()
+        if not event.value.strip():
+            return
+        if not path.exists():
+            self.query_one("#path-status", Static).update(f"[b red]{_escape(path)} does not exist.[/]")
+            return
+        self.rescan(path)
+        self.query_one("#candidates", OptionList).focus()
+
+    @on(Button.Pressed, "#browse")
+    def _browse(self) -> None:
+        def chosen(path: Path | None) -> None:
+            if path is not None:
+                self.query_one("#path", Input).value = str(path)
+                self.rescan(path)
+
+        self.app.push_screen(FolderPicker(self.root), chosen)
+
+    # -- Review -------------------------------------------------------------------------------
+    def enter_review(self) -> None:
+        from tui_merger.core.choices import needs_alpha, needs_base
+
+        c = self.candidate
+        for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c))):
+            for w in self.query(cls):
+                w.display = shown
+        if needs_base(c) and not self.query_one("#base", Input).value and c.base_path:
+            self.query_one("#base", Input).value = c.base_path
+        self.query_one("#out", Input).value = ""  # filled with the suggested name by the plan
+        self.query_one("#ack", Checkbox).value = False
+        self.plan = None
+        self.show("review")
+        self.replan()
+
+    def _options(self):
+        from tui_merger.core.choices import options_for
+
+        out = self.query_one("#out", Input).value.strip()
+        alpha = self.query_one("#alpha", Input).value.strip()
+        base = self.query_one("#base", Input).value.strip() if self.query_one("#base", Input).display else None
+        return options_for(
+            self.candidate,
+            base=Path(base).expanduser() if base else None,
+            out=Path(out).expanduser() if out else None,
+            lora_alpha=float(alpha) if alpha else None,
+            dtype=self.query_one("#dtype", Select).value or None,
+            shard_size=self.query_one("#shard", Input).value.strip() or "5GB",
+            tokenizer_from=self.query_one("#tokenizer", Select).value,
+        )
+
+    def replan(self) -> None:
+        from tui_merger.core.errors import MergeError
+
+        try:
+            options = self._options()
+        except (MergeError, ValueError) as err:
+            self.plan, self.plan_stale = None, True
+            self.query_one("#findings", Static).update(f"[b red]ERROR[/]  {_escape(err)}")
+            self.refresh_nav()
+            return
+        self.running = "plan"
+        self.refresh_nav()
+        self._plan_worker(options)
+
+    @work(thread=True, exclusive=True, group="plan", exit_on_error=False)
+    def _plan_worker(self, options) -> None:
+        from tui_merger.core.preflight import make_plan
+
+        try:
+            done = _Done((options, make_plan(options)))
+        except Exception as err:  # a bug in a check must not kill the app
+            done = _Done(error=f"The checks failed unexpectedly ({type(err).__name__}: {err}).")
+        self.post_message(WorkDone("plan", done))
+
+    def _show_plan(self, options, plan) -> None:
+        from tui_merger.core.choices import default_out
+        from tui_merger.core.preflight import describe
+
+        out_input = self.query_one("#out", Input)
+        if options.out is None:  # first plan: propose the suggested name, then plan again with it
+            out_input.value = str(default_out(self.candidate, plan.suggested_out))
+            self.replan()
+            return
+        self.options, self.plan, self.plan_stale = options, plan, False
+        self._planned = self._fields()
+        self.query_one("#plan-text", Static).update(_escape("\n".join(describe(plan))))
+        colours = {"error": "red", "warning": "yellow", "info": "cyan"}
+        lines = [
+            f"[b {colours[f.severity]}]{f.severity.upper():7}[/] {_escape(f.message)}"
+            + (f"\n         [dim]{_escape(f.fix)}[/dim]" if f.fix else "")
+            for f in plan.findings
+        ] or ["[b green]every check passed[/]"]
+        self.query_one("#findings", Static).update("\n".join(lines))
+        self.query_one("#ack", Checkbox).display = bool(plan.of("warning"))
+
+    def _fields(self) -> tuple:
+        return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer"))
+
+    @on(Input.Changed, "#base, #alpha, #out, #shard")
+    @on(Select.Changed, "#dtype, #tokenizer")
+    def _edited(self) -> None:
+        """An edit makes the plan stale (Next waits for "Check again" or enter) until it is undone."""
+        if self.step == "review" and self.plan is not None:
+            self.plan_stale = self._fields() != self._planned
+            self.refresh_nav()
+
+    @on(Input.Submitted, "#base, #alpha, #out, #shard")
+    @on(Button.Pressed, "#recheck")
+    def _recheck(self) -> None:
+        if self.step == "review":
+            self.replan()
+
+    @on(Checkbox.Changed, "#ack")
+    def _ack(self) -> None:
+        self.refresh_nav()
+
+    # -- Merge --------------------------------------------------------------------------------
+    def start_merge(self) -> None:
+        from tui_merger.core.events import CancelToken
+
+        self.result = None
+        self.cancel_token = CancelToken()
+        self.query_one("#merge-status", Static).update(f"Merging into {_escape(self.options.out)}")
+        self.query_one("#merge-detail", Static).update("")
+        self.query_one("#merge-notes", Static).update("")
+        self.query_one("#merge-progress", ProgressBar).update(total=None, progress=0)
+        self.query_one("#cancel", Button).disabled = False
+        self.running = "merge"
+        self._started = time.monotonic()
+        self.show("merge")
+        self._merge_worker(self.options, self.cancel_token)
+
+    def _forward(self, event) -> None:
+        """Runs in the worker thread: hand an engine event to the UI, progress at most every 0.1 s."""
+        from tui_merger.core.events import TensorProgress
+
+        if self.engine_hook is not None:
+            self.engine_hook(event)
+        if isinstance(event, TensorProgress) and event.tensors_done < event.tensors_total:
+            now = time.monotonic()
+            if now - self._last_progress < PROGRESS_EVERY:
+                return
+            self._last_progress = now
+        self.post_message(EngineEvent(event))
+
+    @work(thread=True, exclusive=True, group="merge", exit_on_error=False)
+    def _merge_worker(self, options, cancel) -> None:
+        from tui_merger.core.engine import run_merge
+        from tui_merger.core.errors import MergeCancelled, MergeError
+
+        try:
+            done = _Done(run_merge(options, self._forward, cancel))
+        except MergeCancelled:
+            done = _Done(cancelled=True)
+        except MergeError as err:
+            done = _Done(error=str(err))
+        except Exception as err:
+            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
+        self.post_message(WorkDone("merge", done))  # posted last: the thread has finished its work
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        def answer(yes: bool | None) -> None:
+            if yes and self.running == "merge" and self.cancel_token is not None:
+                self.cancel_token.cancel()
+                self.query_one("#cancel", Button).disabled = True
+                self.query_one("#merge-status", Static).update("Cancelling: stopping after the current tensor...")
+
+        self.app.push_screen(
+            Confirm("Cancel the merge? The partial output is removed; the inputs are untouched.", "Cancel the merge", "Keep merging"),
+            answer,
+        )
+
+    def on_engine_event(self, message: EngineEvent) -> None:
+        from tui_merger.core.events import Notice, PhaseStarted, TensorProgress
+        from tui_merger.core.options import human_bytes
+
+        ev = message.event
+        target = "verify" if self.running == "verify" else "merge"
+        if isinstance(ev, PhaseStarted):
+            self.query_one(f"#{target}-status", Static).update(f"[b]{ev.phase}[/b]  {_escape(ev.message)}")
+            if ev.phase in ("merge", "verify"):
+                self.query_one(f"#{target}-progress", ProgressBar).update(total=None, progress=0)
+                self._started = time.monotonic()
+        elif isinstance(ev, Notice):
+            notes = self.query_one("#merge-notes", Static)
+            notes.update(f"{notes.content}\n[yellow]{ev.level}:[/] {_escape(ev.message)}".strip())
+        elif isinstance(ev, TensorProgress) and self.running in ("merge", "verify"):
+            bar = self.query_one(f"#{target}-progress", ProgressBar)
+            bar.update(total=max(ev.bytes_total, 1), progress=ev.bytes_done)
+            if target == "merge":
+                elapsed = max(time.monotonic() - self._started, 1e-6)
+                speed = ev.bytes_done / elapsed
+                eta = (ev.bytes_total - ev.bytes_done) / speed if speed > 0 else 0
+                self.query_one("#merge-detail", Static).update(
+                    f"{human_bytes(ev.bytes_done)} of {human_bytes(ev.bytes_total)}   "
+                    f"{ev.tensors_done}/{ev.tensors_total} tensors   {human_bytes(speed)}/s   "
+                    f"about {eta:.0f} s left\n[dim]{_escape(ev.name)}[/dim]"
+                )
+
+    # -- Verify -------------------------------------------------------------------------------
+    def start_verify(self) -> None:
+        self.report = None
+        self.query_one("#checks", DataTable).clear()
+        self.running = "verify"
+        self.show("verify")
+        self._verify_worker(self.options, self.result)
+
+    @work(thread=True, exclusive=True, group="verify", exit_on_error=False)
+    def _verify_worker(self, options, result) -> None:
+        from tui_merger.core.errors import MergeError
+        from tui_merger.core.provenance import finish_merge
+
+        try:
+            done = _Done(finish_merge(options, result, on_event=self._forward)[1])
+        except MergeError as err:
+            done = _Done(error=str(err))
+        except Exception as err:
+            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
+        self.post_message(WorkDone("verify", done))
+
+    # -- Finish -------------------------------------------------------------------------------
+    def enter_finish(self) -> None:
+        from tui_merger.core.options import human_bytes
+
+        r = self.result
+        verdict = (
+            "[b green]verified[/]" if self.report is not None and self.report.passed else "[b red]NOT verified: do not ship it[/]"
+        )
+        self.query_one("#summary", Static).update(
+            f"The merged model is in [b]{_escape(r.out)}[/b] ({verdict}).\n"
+            f"{r.tensors_total} tensors ({r.tensors_merged} changed by the adapter), "
+            f"{human_bytes(r.bytes_written)} in {len(r.shards)} shard(s), written in {r.seconds:.1f} s.\n"
+            f"Files: {_escape(', '.join(r.files))}"
+        )
+        verified = self.report is not None and self.report.passed
+        self.query_one("#cleanup", Button).disabled = not verified
+        self.query_one("#upload", Button).disabled = not verified
+        self.show("finish")
+
+    @on(Button.Pressed, "#quit")
+    def _quit(self) -> None:
+        self.app.exit(0)
+
+    @on(Button.Pressed, "#cleanup")
+    def _cleanup(self) -> None:
+        from tui_merger.core.cleanup import find_cleanup
+        from tui_merger.core.errors import MergeError
+
+        folder = Path(self.candidate.run or self.candidate.path)
+        notes = self.query_one("#finish-notes", Static)
+        try:
+            plan = find_cleanup(folder, [Path(self.result.out)])
+        except MergeError as err:
+            notes.update(_escape(err))
+            return
+        if not plan.items:
+            notes.update(f"Nothing to clean up in {_escape(folder)}.")
+            return
+
+        def chosen(items) -> None:
+            if items:
+                self.running = "cleanup"
+                self.refresh_nav()
+                self._cleanup_worker(plan, items)
+
+        self.app.push_screen(CleanupDialog(plan), chosen)
+
+    @work(thread=True, exclusive=True, group="cleanup", exit_on_error=False)
+    def _cleanup_worker(self, plan, items) -> None:
+        from tui_merger.core.cleanup import delete_items
+
+        errors = []
+        freed = delete_items(plan, items, lambda ev: ev.error and errors.append(ev.error))
+        self.post_message(WorkDone("cleanup", _Done((freed, errors))))
+
+    @on(Button.Pressed, "#upload")
+    def _upload(self) -> None:
+        def chosen(answer) -> None:
+            if answer:
+                self.running = "upload"
+                self.refresh_nav()
+                self.query_one("#finish-notes", Static).update(f"Uploading to {_escape(answer[0])}...")
+                self._upload_worker(*answer)
+
+        self.app.push_screen(UploadDialog(Path(self.result.out).name), chosen)
+
+    @work(thread=True, exclusive=True, group="upload", exit_on_error=False)
+    def _upload_worker(self, repo_id: str, private: bool) -> None:
+        from tui_merger.core.errors import MergeError
+        from tui_merger.core.hub import plan_upload, upload
+
+        try:
+            done = _Done(upload(plan_upload(self.result.out, repo_id, private=private), on_event=self._forward))
+        except MergeError as err:
+            done = _Done(error=str(err))
+        self.post_message(WorkDone("upload", done))
+
+    # -- workers report here --------------------------------------------------------------------
+    def on_work_done(self, message: WorkDone) -> None:
+        done, kind = message.done, message.kind
+        self.running = None
+        if kind == "plan":
+            if done.error:
+                self.query_one("#findings", Static).update(f"[b red]ERROR[/]  {_escape(done.error)}")
+            else:
+                self._show_plan(*done.value)
+        elif kind == "merge":
+            self.query_one("#cancel", Button).disabled = True
+            status = self.query_one("#merge-status", Static)
+            if done.cancelled:
+                status.update("[b yellow]Cancelled.[/] The partial output was removed; the inputs are untouched.")
+            elif done.error:
+                status.update(f"[b red]The merge failed:[/] {_escape(done.error)}\nGo back to Review to change something.")
+            else:
+                self.result = done.value
+                self.refresh_nav()
+                self.start_verify()
+                return
+        elif kind == "verify":
+            table = self.query_one("#checks", DataTable)
+            if done.error:
+                self.query_one("#verify-status", Static).update(f"[b red]Verification could not run:[/] {_escape(done.error)}")
+                self.report = None
+            else:
+                self.report = done.value
+                for check in self.report.checks:
+                    table.add_row(check.status.upper(), check.name, check.summary)
+                verdict = "[b green]PASSED[/]" if self.report.passed else "[b red]FAILED: the model does not match its inputs[/]"
+                self.query_one("#verify-status", Static).update(f"Verification {verdict} ({self.report.seconds:.1f} s)")
+                self.query_one("#verify-progress", ProgressBar).update(total=1, progress=1)
+        elif kind == "cleanup":
+            from tui_merger.core.options import human_bytes
+
+            freed, errors = done.value
+            text = f"Freed {human_bytes(freed)}."
+            if errors:
+                text += " Not deleted: " + "; ".join(errors[:3])
+            self.query_one("#finish-notes", Static).update(_escape(text))
+        elif kind == "upload":
+            notes = self.query_one("#finish-notes", Static)
+            notes.update(_escape(done.error) if done.error else f"Uploaded: {_escape(done.value.commit_url)}")
+        self.refresh_nav()
