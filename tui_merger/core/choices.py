@@ -37,10 +37,15 @@ def needs_alpha(c) -> bool:
     return c.kind == "verl-fsdp" and bool(c.lora) and not c.lora.get("alpha")
 
 
-def default_out(c, suggested: str) -> Path:
-    """Beside the run (or the adapter) folder, under the suggested name."""
-    anchor = Path(c.run) if getattr(c, "run", None) else Path(c.path)
-    return anchor.parent / suggested
+def default_out_folder(c) -> tuple[Path, str]:
+    """Where the merged model goes by default, and that place in words: beside the training folder
+    (the run, else the checkpoint), else (not writable there) the current folder."""
+    import os
+
+    beside = Path(c.run or c.path).parent
+    if os.access(beside, os.W_OK):
+        return beside, f"beside the training folder, into {beside}"
+    return Path.cwd(), f"into the current folder, {Path.cwd()}, because {beside} is not writable"
 
 
 def options_for(c, *, base=None, out=None, lora_alpha=None, **write_options) -> MergeOptions:

@@ -544,7 +544,7 @@ def describe(plan: MergePlan) -> list[str]:
     lines.append(f"  {'output':10} {out or '(not given)'}" + ("" if out else f"  suggested: {plan.suggested_out}"))
     if plan.adapter:
         a = plan.adapter
-        targets = a["target_modules"] if isinstance(a["target_modules"], str) else ", ".join(map(str, a["target_modules"]))
+        targets = a["target_modules"] if isinstance(a["target_modules"], str) else ", ".join(sorted(map(str, a["target_modules"])))
         lines.append(f"  {'LoRA':10} r={a['r']} alpha={a['alpha']} {a['variant']}, {a['modules']} modules ({targets})")
     if plan.tensors:
         lines.append(

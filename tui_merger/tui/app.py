@@ -31,7 +31,8 @@ Wizard { layout: vertical; }
 #shard { width: 14; }
 #merge-progress, #verify-progress { margin: 1 0; }
 #merge-detail, #merge-notes, #merge-status, #verify-status { height: auto; }
-#checks { height: 1fr; }
+#checks { height: auto; max-height: 8; }
+#check-detail { height: auto; margin-top: 1; }
 #summary, #finish-notes { height: auto; margin-bottom: 1; }
 .dialog { width: 90%; max-width: 100; height: auto; max-height: 90%; padding: 1 2; border: round $primary; background: $surface; }
 .dialog.wide { height: 90%; }
@@ -49,10 +50,11 @@ class MergeApp(App):
     CSS = CSS
     BINDINGS = [Binding("f1", "help", "Help"), Binding("ctrl+q", "quit", "Quit", priority=True)]
 
-    def __init__(self, path: Path, engine_hook=None, theme_dirs: list[Path] | None = None) -> None:
+    def __init__(self, path: Path, engine_hook=None, theme_dirs: list[Path] | None = None, today=None) -> None:
         super().__init__()
         self.start_path = Path(path)
         self.engine_hook = engine_hook
+        self.today = today
         self.theme_dirs = theme_dirs or []
         self.wizard: Wizard | None = None
         self._saving_theme = False
@@ -70,7 +72,7 @@ class MergeApp(App):
         wanted = saved.theme or DEFAULT_THEME
         self.theme = wanted if wanted in self.available_themes else DEFAULT_THEME
         self.theme_changed_signal.subscribe(self, self._remember_theme)
-        self.wizard = Wizard(self.start_path, engine_hook=self.engine_hook)
+        self.wizard = Wizard(self.start_path, engine_hook=self.engine_hook, today=self.today)
         self.push_screen(self.wizard)
 
     def _remember_theme(self, theme) -> None:

@@ -37,8 +37,8 @@ from tui_merger.tui.widgets import CleanupDialog, Confirm, FolderPicker, UploadD
 STEPS = ("find", "review", "merge", "verify", "finish")
 TITLES = {"find": "Find", "review": "Review", "merge": "Merge", "verify": "Verify", "finish": "Finish"}
 PROGRESS_EVERY = 0.1  # seconds between progress updates sent to the UI
-DTYPES = [("as the base", ""), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")]
-TOKENIZERS = [("adapter's, else the base's", "auto"), ("the base's", "base"), ("the adapter's", "adapter")]
+DTYPES = [("dtype: as the base", ""), ("dtype: bf16", "bf16"), ("dtype: fp16", "fp16"), ("dtype: fp32", "fp32")]
+TOKENIZERS = [("tokenizer: auto", "auto"), ("tokenizer: base", "base"), ("tokenizer: adapter", "adapter")]
 
 
 class EngineEvent(Message):
@@ -75,10 +75,11 @@ class Wizard(Screen):
         Binding("f1", "app.help", "Help"),
     ]
 
-    def __init__(self, root: Path, engine_hook=None) -> None:
+    def __init__(self, root: Path, engine_hook=None, today=None) -> None:
         super().__init__()
         self.root = Path(root).absolute()
         self.engine_hook = engine_hook  # tests: called in the worker thread with every engine event
+        self.today = today  # the date in suggested output names (tests fix it)
         self.step = "find"
         self.candidates = []
         self.candidate = None
@@ -114,6 +115,7 @@ class Wizard(Screen):
                 yield Input(id="alpha", type="number", classes="alpha-field")
                 yield Label("Output folder", classes="field")
                 yield Input(id="out")
+                yield Label("Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)", classes="field")
                 with Horizontal(classes="row"):
                     yield Select(DTYPES, value="", allow_blank=False, id="dtype")
                     yield Input("5GB", id="shard", placeholder="shard size")
@@ -129,6 +131,7 @@ class Wizard(Screen):
                 yield Static(id="verify-status")
                 yield ProgressBar(show_eta=False, id="verify-progress")
                 yield DataTable(id="checks", cursor_type="row")
+                yield Static(id="check-detail")
             with VerticalScroll(id="finish"):
                 yield Static(id="summary")
                 with Horizontal(classes="row"):
@@ -344,18 +347,18 @@ class Wizard(Screen):
         from tui_merger.core.preflight import make_plan
 
         try:
-            done = _Done((options, make_plan(options)))
+            done = _Done((options, make_plan(options, today=self.today)))
         except Exception as err:  # a bug in a check must not kill the app
             done = _Done(error=f"The checks failed unexpectedly ({type(err).__name__}: {err}).")
         self.post_message(WorkDone("plan", done))
 
     def _show_plan(self, options, plan) -> None:
-        from tui_merger.core.choices import default_out
+        from tui_merger.core.choices import default_out_folder
         from tui_merger.core.preflight import describe
 
         out_input = self.query_one("#out", Input)
         if options.out is None:  # first plan: propose the suggested name, then plan again with it
-            out_input.value = str(default_out(self.candidate, plan.suggested_out))
+            out_input.value = str(default_out_folder(self.candidate)[0] / plan.suggested_out)
             self.replan()
             return
         self.options, self.plan, self.plan_stale = options, plan, False
@@ -496,6 +499,23 @@ class Wizard(Screen):
             done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
         self.post_message(WorkDone("verify", done))
 
+    def show_report(self) -> None:
+        table = self.query_one("#checks", DataTable)
+        table.clear()
+        for check in self.report.checks:
+            table.add_row(check.status.upper(), check.name, check.summary)
+        verdict = "[b green]PASSED[/]" if self.report.passed else "[b red]FAILED: the model does not match its inputs[/]"
+        self.query_one("#verify-status", Static).update(f"Verification {verdict} ({self.report.seconds:.1f} s)")
+        self.query_one("#verify-progress", ProgressBar).update(total=1, progress=1)
+
+    @on(DataTable.RowHighlighted, "#checks")
+    def _check_detail(self, event: DataTable.RowHighlighted) -> None:
+        if self.report is None or event.cursor_row >= len(self.report.checks):
+            return
+        check = self.report.checks[event.cursor_row]
+        lines = [f"[b]{check.name}[/b]: {_escape(check.summary)}"] + [f"  {_escape(d)}" for d in check.details[:8]]
+        self.query_one("#check-detail", Static).update("\n".join(lines))
+
     # -- Finish -------------------------------------------------------------------------------
     def enter_finish(self) -> None:
         from tui_merger.core.options import human_bytes
@@ -585,6 +605,9 @@ class Wizard(Screen):
         elif kind == "merge":
             self.query_one("#cancel", Button).disabled = True
             status = self.query_one("#merge-status", Static)
+            bar = self.query_one("#merge-progress", ProgressBar)
+            if bar.total is None:
+                bar.update(total=1, progress=0)  # no animation left running after a stop
             if done.cancelled:
                 status.update("[b yellow]Cancelled.[/] The partial output was removed; the inputs are untouched.")
             elif done.error:
@@ -595,17 +618,12 @@ class Wizard(Screen):
                 self.start_verify()
                 return
         elif kind == "verify":
-            table = self.query_one("#checks", DataTable)
             if done.error:
                 self.query_one("#verify-status", Static).update(f"[b red]Verification could not run:[/] {_escape(done.error)}")
                 self.report = None
             else:
                 self.report = done.value
-                for check in self.report.checks:
-                    table.add_row(check.status.upper(), check.name, check.summary)
-                verdict = "[b green]PASSED[/]" if self.report.passed else "[b red]FAILED: the model does not match its inputs[/]"
-                self.query_one("#verify-status", Static).update(f"Verification {verdict} ({self.report.seconds:.1f} s)")
-                self.query_one("#verify-progress", ProgressBar).update(total=1, progress=1)
+                self.show_report()
         elif kind == "cleanup":
             from tui_merger.core.options import human_bytes
 

@@ -1,0 +1,74 @@
+"""End to end in a real terminal: README's first command (`tui-merger demo`) in tmux, driven with keys to
+a finished, verified merge; then the files are checked."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tui_merger.core.manifest import read_manifest
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+
+
+class Tmux:
+    def __init__(self, tmp_path) -> None:
+        self.socket = str(tmp_path / "tmux.sock")
+        self.name = f"tm-{uuid.uuid4().hex[:8]}"
+
+    def run(self, *args) -> str:
+        return subprocess.run(["tmux", "-S", self.socket, *args], capture_output=True, text=True, check=True).stdout
+
+    def start(self, command: str, cwd) -> None:
+        self.run("new-session", "-d", "-s", self.name, "-x", "100", "-y", "30", "-c", str(cwd),
+                 f"{command}; echo EXIT=$?; sleep 60")
+
+    def screen(self) -> str:
+        return self.run("capture-pane", "-p", "-t", self.name)
+
+    def keys(self, *keys) -> None:
+        self.run("send-keys", "-t", self.name, *keys)
+
+    def wait_for(self, text: str, timeout: float = 90) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            screen = self.screen()
+            if text in screen:
+                return screen
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} did not appear; the screen shows:\n{self.screen()}")
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "-S", self.socket, "kill-server"], capture_output=True)
+
+
+def test_demo_in_a_real_terminal_to_a_verified_merge(tmp_path):
+    tmux = Tmux(tmp_path)
+    env = f"XDG_CONFIG_HOME={shlex.quote(str(tmp_path / 'config'))} XDG_STATE_HOME={shlex.quote(str(tmp_path / 'state'))} HF_HUB_OFFLINE=1 TERM=xterm-256color"
+    try:
+        tmux.start(f"env {env} {shlex.quote(sys.executable)} -m tui_merger demo --workspace ws", tmp_path)
+        tmux.wait_for("Step 1 of 5: Find")
+        tmux.wait_for("LoRA rank 8, alpha 16")
+        tmux.keys("C-n")
+        tmux.wait_for("every check passed")
+        tmux.wait_for("Step 2 of 5: Review")
+        tmux.keys("C-n")
+        tmux.wait_for("Verification PASSED")
+        tmux.keys("C-n")
+        tmux.wait_for("Step 5 of 5: Finish")
+        tmux.keys("C-q")
+        tmux.wait_for("EXIT=0")
+    finally:
+        tmux.kill()
+    [out] = (tmp_path / "ws").glob("*-r8-*")  # the suggested name, beside the adapter
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert read_manifest(out)["verification"]["passed"] is True
+    assert not [p for p in (tmp_path / "ws").iterdir() if "partial" in p.name]
+    assert os.path.isfile(tmp_path / "ws" / "adapter" / "adapter_config.json")  # inputs untouched

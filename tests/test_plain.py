@@ -1,0 +1,234 @@
+"""The plain flow (``tui_merger.plain``), driven with piped keys (questionary) and typed lines (dumb mode)
+on the real demo model and adapter: full merges, blocked plans, warnings, failures, cleanup, end of input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from tui_merger import plain
+from tui_merger.core.events import TensorProgress
+from tui_merger.core.manifest import MANIFEST_NAME
+from tui_merger.demo import build_demo
+from tui_merger.plain import explain_no_terminal, run_plain
+
+UP, DOWN, ENTER = "\x1b[A", "\x1b[B", "\r"  # questionary: UP from the first item wraps to the last
+
+
+@pytest.fixture(autouse=True)
+def private_state(tmp_path, monkeypatch):
+    """Keep the user's merge history and Hub login out of the tests."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    base, _ = build_demo(tmp_path_factory.mktemp("demo") / "ws")
+    return base.parent
+
+
+@pytest.fixture
+def ws(demo, tmp_path) -> Path:
+    """A copy of the demo (base/ and adapter/, whose adapter_config.json names this base); adapter newest."""
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(demo / name, ws / name)
+    set_json(ws / "adapter" / "adapter_config.json", base_model_name_or_path=str(ws / "base"))
+    os.utime(ws / "base", (1e9, 1e9))
+    return ws
+
+
+def set_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}, indent=2))
+
+
+def keys(path: Path, text: str, capsys) -> tuple[int, str]:
+    """Run the questionary flow on piped keys; the pipe closes after them, so nothing can hang."""
+    with create_pipe_input() as inp:
+        inp.send_text(text)
+        inp.close()
+        code = run_plain(path, input=inp, output=DummyOutput())
+    return code, capsys.readouterr().out
+
+
+def lines(path: Path, *answers: str) -> tuple[int, str]:
+    """Run the dumb flow on typed lines ("" is a bare Enter)."""
+    out = io.StringIO()
+    code = run_plain(path, input=io.StringIO("".join(a + "\n" for a in answers)), output=out, dumb=True)
+    return code, out.getvalue()
+
+
+def merged_folders(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if (p / MANIFEST_NAME).is_file()]
+
+
+def verification(out: Path) -> dict:
+    return json.loads((out / MANIFEST_NAME).read_text())["verification"]
+
+
+def test_questionary_flow_merges_verifies_and_survives_a_failed_upload(ws, capsys):
+    code, out = keys(
+        ws,
+        ENTER  # Find: the adapter, newest first
+        + ENTER  # Review: the suggested output folder beside the adapter
+        + ENTER  # Start the merge
+        + UP + UP + ENTER  # Finish: Upload (second to last)
+        + "me/tiny-merged" + ENTER + ENTER  # repo id, private
+        + UP + ENTER,  # Done
+        capsys,
+    )
+    assert code == 0, out
+    for n, name in enumerate(plain.STEPS, 1):
+        assert f"Step {n} of 5: {name}" in out
+    assert "Every check passed." in out
+    [merged] = merged_folders(ws)
+    assert merged.name.endswith("-r8-" + merged.name.rsplit("-", 1)[1])
+    assert verification(merged)["passed"] is True
+    assert (merged / "model.safetensors").is_file() and f"Merged model written to {merged}" in out
+    assert "Verification of" in out and "PASSED" in out
+    [upload_error] = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert "HF_HUB_OFFLINE" in upload_error or "token" in upload_error
+    assert "Traceback" not in out
+
+
+def test_dumb_flow_on_a_trainer_run_merges_then_cleans_up(ws, monkeypatch, capsys):
+    run = ws / "run"
+    for n in (10, 20):  # checkpoint-N: the adapter plus the trainer's state
+        ckpt = run / f"checkpoint-{n}"
+        shutil.copytree(ws / "adapter", ckpt)
+        torch.save({"state": {0: {"exp_avg": torch.randn(64, 64)}}}, ckpt / "optimizer.pt")
+        torch.save({"last_epoch": n}, ckpt / "scheduler.pt")
+        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": n}))
+        os.utime(ckpt, (2e9 + n, 2e9 + n))
+    shutil.rmtree(ws / "adapter")
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join([
+        "",  # Find: checkpoint-20, the newest
+        "",  # the suggested output folder, beside the run
+        "",  # Start the merge
+        "1",  # Finish: free space
+        "",  # the default selection
+        "y",  # delete it
+        "2",  # Done (upload declined)
+    ]) + "\n"))
+    assert run_plain(ws, dumb=True) == 0
+    out = capsys.readouterr().out
+    assert "1) trainer-checkpoint  run/checkpoint-20  step 20  r=8 alpha=16  (latest)" in out
+    [merged] = merged_folders(ws)
+    assert verification(merged)["passed"] is True
+    assert not (run / "checkpoint-20" / "optimizer.pt").exists()
+    assert (run / "checkpoint-20" / "adapter_model.safetensors").is_file()  # an input: not selected
+    assert "Freed " in out and "Done" in out
+
+
+def test_blocked_plan_shows_the_error_and_lets_the_user_change_the_base(ws, demo):
+    set_json(ws / "base" / "config.json", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    code, out = lines(
+        ws,
+        "1",  # the adapter
+        "",  # output folder
+        "2",  # Change the base model (there is no Start while blocked)
+        str(ws / "adapter"),  # not a model folder: said, asked again
+        str(demo / "base"),
+        "8",  # Quit
+    )
+    assert code == 0
+    assert "ERROR   The base model is quantized (bitsandbytes)" in out
+    assert "1 problem(s) stop this merge; what do you want to change?" in out
+    assert "1) Start the merge" not in out.split("Change the base model")[0]
+    assert f"{ws / 'adapter'} has no config.json, so it is not a Hugging Face model folder." in out
+    assert out.rstrip().endswith("8) Quit\nNumber [1]: 8")
+    assert "Start the merge?" in out  # the new base unblocked it
+    assert not merged_folders(ws) and sorted(os.listdir(ws)) == ["adapter", "base"]
+
+
+def test_warning_needs_acknowledgement_and_ctrl_c_cancels_cleanly(ws, monkeypatch, capsys):
+    set_json(ws / "adapter" / "adapter_config.json", lora_alpha=None)
+
+    class CtrlC(plain.PlainProgress):  # the user presses Ctrl-C once the first tensor is written
+        def __call__(self, event):
+            if isinstance(event, TensorProgress):
+                raise KeyboardInterrupt
+            super().__call__(event)
+
+    monkeypatch.setattr(plain, "PlainProgress", CtrlC)
+    code, out = keys(
+        ws,
+        ENTER + ENTER  # the adapter, the suggested output folder
+        + ENTER + ENTER  # Start; the warning confirm defaults to No: back to the menu
+        + ENTER + "y"  # Start; acknowledged
+        + UP + ENTER,  # after the cancel: Quit
+        capsys,
+    )
+    assert code == 1
+    assert "WARNING " in out and "has no lora_alpha" in out
+    assert out.count("Step 3 of 5: Merge") == 1
+    assert "Merge cancelled: the partial output was removed and the inputs are untouched." in out
+    assert sorted(os.listdir(ws)) == ["adapter", "base"]
+
+
+def test_failed_merge_is_one_sentence_and_the_flow_goes_back_to_review(ws, monkeypatch):
+    weights = ws / "base" / "model.safetensors"
+    real_plan = plain.make_plan
+
+    def plan_then_truncate(options):  # the base is damaged after the Review step checked it
+        plan = real_plan(options)
+        if options.out is not None:
+            os.truncate(weights, weights.stat().st_size // 2)
+        return plan
+
+    monkeypatch.setattr(plain, "make_plan", plan_then_truncate)
+    code, out = lines(ws, "1", "", "1", "1", "7")  # adapter, output, Start; Back to Review; Quit
+    assert code == 0
+    [error] = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert "model.safetensors is not a valid safetensors file" in error and error.endswith("copy or download it again.")
+    assert out.count("Step 2 of 5: Review") == 2 and "ERROR   " in out.split("Step 3 of 5")[1]
+    assert "Traceback" not in out and sorted(os.listdir(ws)) == ["adapter", "base"]
+
+
+def test_no_checkpoints_then_typed_paths(ws, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out = lines(
+        empty,
+        "1",  # Type a path...
+        str(tmp_path / "nowhere"),  # refused with a sentence, asked again
+        str(ws),
+        "2",  # the base: a full model, nothing to merge; back to Find (in ws now)
+        "3",  # Type a path...
+        str(ws / "adapter"),  # one checkpoint there: taken at once
+        "",  # output folder
+        "8",  # Quit
+    )
+    assert code == 0
+    assert f"No checkpoints found in {empty}; type the path of one, or quit." in out
+    assert f"{tmp_path / 'nowhere'} does not exist; check the path." in out
+    assert "This is already a complete Hugging Face model: there is nothing to merge. Pick another one." in out
+    assert out.count("Step 1 of 5: Find") == 2
+    assert f"Found peft-adapter  {ws / 'adapter'}  r=8 alpha=16." in out
+
+
+def test_end_of_input_stops_with_a_sentence(ws, capsys):
+    code, out = lines(ws, "1")
+    assert code == 1
+    assert out.rstrip().endswith("The input ended before every question was answered, so tui-merger stopped.")
+    code, out = keys(ws, "", capsys)
+    assert code == 1 and "The input ended" in out
+
+
+def test_explain_no_terminal_names_the_commands(ws, tmp_path):
+    text = explain_no_terminal(ws)
+    assert f"`tui-merger inspect {ws}`" in text
+    assert f"For the latest checkpoint: `tui-merger merge --base {ws / 'base'} --adapter {ws / 'adapter'} --out " in text
+    assert explain_no_terminal(tmp_path / "nowhere").endswith("then `tui-merger merge` merges one.")

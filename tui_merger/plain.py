@@ -1,0 +1,562 @@
+"""The plain flow: the wizard's five steps (Find, Review, Merge, Verify, Finish) as questions, for
+terminals where a full-screen app cannot run.
+
+Questions go through a small ask layer with two implementations: questionary on a terminal, and numbered
+menus read line by line on a dumb one (TERM=dumb, or an encoding other than UTF-8), where questionary
+would still send escape codes. Everything else is the core's work; this module only asks and prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from tui_merger.cli_verify import VERIFY_FAILED, print_report
+from tui_merger.console import PlainProgress
+from tui_merger.core.choices import default_out_folder, needs_alpha, options_for, why_not_mergeable
+from tui_merger.core.errors import MergeError
+from tui_merger.core.events import Notice
+from tui_merger.core.inspect import scan, shown
+from tui_merger.core.options import MergeOptions, human_bytes, parse_size
+from tui_merger.core.preflight import ERROR, WARNING, describe, make_plan
+
+STEPS = ("Find", "Review", "Merge", "Verify", "Finish")
+TYPE_PATH = "type a path"
+DTYPES = (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"), ("as the base", None))
+TOKENIZER_FROM = (
+    ("auto (the adapter's when it has one, else the base's)", "auto"),
+    ("base", "base"),
+    ("adapter", "adapter"),
+)
+
+
+# -- the ask layer -----------------------------------------------------------------------------------
+# select(message, [(title, value)], default=index) -> value; text(message, default, validate) -> str,
+# where validate(text) returns None or the sentence saying what is wrong; confirm(message, default) ->
+# bool; checkbox(message, [(title, value, checked)]) -> [value]. End of input raises EOFError.
+
+
+class QuestionaryAsk:
+    """Questions on a terminal. ``input``/``output``: prompt_toolkit's (tests pass a pipe)."""
+
+    def __init__(self, input=None, output=None) -> None:
+        self.kw = {k: v for k, v in (("input", input), ("output", output)) if v is not None}
+
+    def select(self, message: str, choices: list, default: int = 0):
+        import questionary
+
+        items = [questionary.Choice(title, value=i) for i, (title, _) in enumerate(choices)]
+        picked = questionary.select(message, choices=items, default=items[default], **self.kw).unsafe_ask()
+        return choices[picked][1]
+
+    def text(self, message: str, default: str = "", validate=None) -> str:
+        import questionary
+
+        check = (lambda s: validate(s.strip()) or True) if validate else None
+        answer = questionary.text(message, default=default, validate=check, validate_while_typing=False, **self.kw)
+        return answer.unsafe_ask().strip()
+
+    def confirm(self, message: str, default: bool = False) -> bool:
+        import questionary
+
+        return questionary.confirm(message, default=default, **self.kw).unsafe_ask()
+
+    def checkbox(self, message: str, choices: list) -> list:
+        import questionary
+
+        items = [questionary.Choice(title, value=i, checked=on) for i, (title, _, on) in enumerate(choices)]
+        return [choices[i][1] for i in questionary.checkbox(message, choices=items, **self.kw).unsafe_ask()]
+
+
+class DumbAsk:
+    """Numbered menus and plain lines, for terminals that cannot take escape codes."""
+
+    def __init__(self, stdin=None, out=None) -> None:
+        self.stdin = stdin
+        self.out = out
+
+    def _line(self, prompt: str) -> str:
+        print(prompt, end="", file=self.out, flush=True)
+        stdin = self.stdin or sys.stdin
+        line = stdin.readline()
+        if not line:
+            raise EOFError
+        if not stdin.isatty():  # no terminal echoes the answer: show it, so that the transcript reads
+            print(line.rstrip("\n"), file=self.out)
+        return line.strip()
+
+    def _menu(self, message: str, titles: list[str]) -> None:
+        print(message, file=self.out)
+        for i, title in enumerate(titles, 1):
+            print(f"  {i}) {title}", file=self.out)
+
+    def select(self, message: str, choices: list, default: int = 0):
+        self._menu(message, [title for title, _ in choices])
+        while True:
+            answer = self._line(f"Number [{default + 1}]: ") or str(default + 1)
+            if answer.isdigit() and 1 <= int(answer) <= len(choices):
+                return choices[int(answer) - 1][1]
+            print(f"Type a number from 1 to {len(choices)}.", file=self.out)
+
+    def text(self, message: str, default: str = "", validate=None) -> str:
+        while True:
+            answer = self._line(f"{message} [{default}] " if default else f"{message} ") or default
+            problem = validate(answer) if validate else None
+            if problem is None:
+                return answer
+            print(problem, file=self.out)
+
+    def confirm(self, message: str, default: bool = False) -> bool:
+        while True:
+            answer = self._line(f"{message} ({'Y/n' if default else 'y/N'}) ").lower()
+            if answer in ("", "y", "yes", "n", "no"):
+                return default if not answer else answer.startswith("y")
+            print("Answer y or n.", file=self.out)
+
+    def checkbox(self, message: str, choices: list) -> list:
+        self._menu(message, [f"[{'x' if on else ' '}] {title}" for title, _, on in choices])
+        marked = " ".join(str(i) for i, (_, _, on) in enumerate(choices, 1) if on) or "none"
+        while True:
+            answer = self._line(f"Numbers separated by spaces, or none [{marked}]: ") or marked
+            numbers = answer.replace(",", " ").split()
+            if answer.lower() == "none":
+                return []
+            if all(n.isdigit() and 1 <= int(n) <= len(choices) for n in numbers):
+                return [choices[int(n) - 1][1] for n in dict.fromkeys(numbers)]
+            print(f"Type numbers from 1 to {len(choices)}, or none.", file=self.out)
+
+
+# -- the flow ----------------------------------------------------------------------------------------
+
+
+def run_plain(path: Path, *, input=None, output=None, dumb: bool = False) -> int:
+    """Find, review, merge, verify and finish, asking on the terminal; returns the exit code.
+
+    ``dumb``: numbered menus read line by line (``input``/``output``: text streams, default stdin and
+    stdout) instead of questionary (``input``/``output``: prompt_toolkit's; messages go to stdout).
+    Exit codes: 0 done or quit, 1 the input ended or the user quit after a failed merge, 4 the model is
+    not verified, 130 Ctrl-C at a question.
+    """
+    out = output if dumb and output is not None else sys.stdout
+    flow = _Flow(DumbAsk(input, out) if dumb else QuestionaryAsk(input, output), out, Path(path))
+    try:
+        return flow.run()
+    except EOFError:
+        flow.say("The input ended before every question was answered, so tui-merger stopped.")
+        return 1
+    except KeyboardInterrupt:
+        flow.say("Stopped at your request.")
+        return 130
+
+
+class _Flow:
+    def __init__(self, ask, out, root: Path) -> None:
+        self.ask = ask
+        self.out = out
+        self.root = root
+        self.candidate = None
+        self.options: MergeOptions | None = None
+
+    def say(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def step(self, n: int) -> None:
+        self.say()
+        self.say(f"Step {n} of {len(STEPS)}: {STEPS[n - 1]}")
+
+    def run(self) -> int:
+        while True:
+            self.step(1)
+            self.candidate = self.find()
+            if self.candidate is None:
+                return 0
+            self.step(2)
+            self.options = self.setup(self.candidate)
+            if self.options is None:
+                continue
+            while (choice := self.review()) == "start":
+                result = self.merge()
+                if result is not None:
+                    return self.finish(result, self.verify(result))
+                if self.ask.select("What now?", [("Back to Review", "review"), ("Quit", "quit")]) == "quit":
+                    return 1
+                self.step(2)
+            if choice == "quit":
+                return 0
+
+    # -- 1. Find ------------------------------------------------------------------------------------
+    def find(self):
+        """The checkpoint to merge, picked from those under the root; None to quit."""
+        while True:
+            candidates = self.look(self.root)
+            choices = [(self.label(c), c) for c in candidates] + [("Type a path...", TYPE_PATH), ("Quit", None)]
+            picked = self.ask.select("Which checkpoint do you want to merge?", choices)
+            if picked is not TYPE_PATH:
+                return picked
+            typed = Path(self.ask.text("Path to a checkpoint, or a folder holding some:", validate=_check_path))
+            self.root = typed.expanduser().absolute()
+            found = scan(self.root).candidates
+            if len(found) == 1:
+                self.say(f"Found {self.label(found[0])}.")
+                return found[0]
+
+    def look(self, root: Path) -> list:
+        try:
+            result = scan(root)
+        except MergeError as err:
+            self.say(str(err))
+            return []
+        for problem in result.problems:
+            self.say(f"  {shown(problem.path)} {problem.message}")
+        if not result.candidates:
+            self.say(f"No checkpoints found in {shown(root)}; type the path of one, or quit.")
+            return []
+        n = len(result.candidates)
+        self.say(f"Found {n} checkpoint{'s' * (n != 1)} in {shown(root)}.")
+        return sorted(result.candidates, key=lambda c: (why_not_mergeable(c) is not None, -_mtime(c)))
+
+    def label(self, c) -> str:
+        rel = os.path.relpath(c.path, self.root)
+        parts = [c.kind, shown(c.path) if rel == "." or rel.startswith("..") else shown(rel)]
+        if c.step is not None:
+            parts.append(f"step {c.step}")
+        if c.lora is not None:
+            alpha = c.lora["alpha"]
+            parts.append(f"r={c.lora['r'] if c.lora['r'] is not None else '?'} alpha={'?' if alpha is None else alpha}")
+        if c.latest:
+            parts.append("(latest)")
+        return "  ".join(parts)
+
+    # -- 2. Review ----------------------------------------------------------------------------------
+    def setup(self, c) -> MergeOptions | None:
+        """Options for the picked checkpoint (asking what it does not say); None when it cannot be merged."""
+        self.say(f"{c.kind} at {shown(c.path)}")
+        for note in c.notes:
+            self.say(f"  note: {note}")
+        problem = why_not_mergeable(c)
+        if problem:
+            self.say(f"{problem} Pick another one.")
+            return None
+        base = None
+        if c.needs_base:
+            if c.base_resolves in ("path", "hf-cache"):
+                base = Path(c.base_path)
+                self.say(f"Base model: {shown(base)} (named by the checkpoint).")
+            else:
+                base = self.ask_base()
+        options = options_for(c, base=base, lora_alpha=self.ask_alpha() if needs_alpha(c) else None)
+        folder, where = default_out_folder(c)
+        self.say(f"The merged model goes {where}; type another folder if you like.")
+        default = folder / make_plan(options).suggested_out
+        out = self.ask.text("Output folder:", default=str(default), validate=_not_empty)
+        return dataclasses.replace(options, out=Path(out).expanduser().absolute())
+
+    def ask_base(self, now: Path | None = None) -> Path:
+        answer = self.ask.text(
+            "Base model folder (the model the adapter was trained on):",
+            default=str(now or ""),
+            validate=_check_base,
+        )
+        return Path(answer).expanduser().absolute()
+
+    def ask_alpha(self) -> float:
+        self.say("The checkpoint does not record lora_alpha; look it up in the training config.")
+        return float(self.ask.text("lora_alpha used in training:", validate=_check_alpha))
+
+    def review(self) -> str:
+        """Show the plan and its findings until the user starts ("start"), picks again ("find") or quits."""
+        plan = self.show_plan()
+        while True:
+            question = (
+                f"{len(plan.of(ERROR))} problem(s) stop this merge; what do you want to change?"
+                if plan.blocked else "Start the merge?"
+            )
+            choice = self.ask.select(question, self.review_menu(plan))
+            if choice == "start":
+                warnings = plan.of(WARNING)
+                if not warnings or self.ask.confirm(
+                    f"Merge despite the {len(warnings)} warning(s) shown above?", default=False
+                ):
+                    return "start"
+            elif choice in ("find", "quit"):
+                return choice
+            else:
+                self.options = dataclasses.replace(self.options, **choice())
+                plan = self.show_plan()
+
+    def show_plan(self):
+        plan = make_plan(self.options)
+        self.say("The plan:")
+        for line in describe(plan):
+            self.say(line)
+        for f in plan.findings:
+            self.say(f"  {f.severity.upper():7} {f.message}")
+            if f.fix:
+                self.say(f"          fix: {f.fix}")
+        if not plan.findings:
+            self.say("  Every check passed.")
+        return plan
+
+    def review_menu(self, plan) -> list:
+        """(title, value): "start", "find", "quit", or a function returning the options to change."""
+        o = self.options
+        dtype = next(name for name, value in DTYPES if value == o.dtype)
+        menu = [] if plan.blocked else [("Start the merge", "start")]
+        menu.append((f"Change the output folder (now {shown(o.out)})", self.edit_out))
+        if _holds_files(o.out) and not o.overwrite:
+            menu.append(("Replace the existing output folder once the new model is complete", lambda: {"overwrite": True}))
+        if o.base is not None:
+            menu.append((f"Change the base model (now {shown(o.base)})", lambda: {"base": self.ask_base(o.base)}))
+        if o.lora_alpha is not None:
+            menu.append((f"Change lora_alpha (now {o.lora_alpha:g})", lambda: {"lora_alpha": self.ask_alpha()}))
+        menu += [
+            (f"Change the dtype (now {dtype})", self.edit_dtype),
+            (f"Change the shard size (now {human_bytes(o.shard_size)})", self.edit_shard_size),
+            (f"Change where the tokenizer comes from (now {o.tokenizer_from})", self.edit_tokenizer),
+            ("Pick another checkpoint", "find"),
+            ("Quit", "quit"),
+        ]
+        return menu
+
+    def edit_out(self) -> dict:
+        answer = self.ask.text("Output folder:", default=str(self.options.out), validate=_not_empty)
+        return {"out": Path(answer).expanduser().absolute(), "overwrite": False}
+
+    def edit_dtype(self) -> dict:
+        now = next(i for i, (_, value) in enumerate(DTYPES) if value == self.options.dtype)
+        return {"dtype": self.ask.select("Output dtype:", DTYPES, default=now)}
+
+    def edit_shard_size(self) -> dict:
+        answer = self.ask.text(
+            "Largest shard (e.g. 5GB, 2GiB):", default=human_bytes(self.options.shard_size).replace(".00 ", ""),
+            validate=_check_size,
+        )
+        return {"shard_size": parse_size(answer)}
+
+    def edit_tokenizer(self) -> dict:
+        now = next(i for i, (_, value) in enumerate(TOKENIZER_FROM) if value == self.options.tokenizer_from)
+        return {"tokenizer_from": self.ask.select("Take the tokenizer from:", TOKENIZER_FROM, default=now)}
+
+    # -- 3. Merge and 4. Verify ---------------------------------------------------------------------
+    def merge(self):
+        """The MergeResult, or None when the merge failed or was cancelled (nothing is left behind)."""
+        from tui_merger.core.engine import run_merge
+
+        self.step(3)
+        self.say("Press Ctrl-C to cancel.")
+        try:
+            return run_merge(self.options, PlainProgress(stream=self.out))
+        except KeyboardInterrupt:
+            self.say("Merge cancelled: the partial output was removed and the inputs are untouched.")
+        except MergeError as err:
+            self.say(f"error: {err}")
+        return None
+
+    def verify(self, result):
+        """The VerifyReport, or None when verification could not run."""
+        from tui_merger.core.provenance import finish_merge
+
+        self.step(4)
+        try:
+            _, report = finish_merge(self.options, result, on_event=PlainProgress(stream=self.out))
+        except MergeError as err:
+            self.say(f"error: {err}")
+            return None
+        except KeyboardInterrupt:
+            self.say("Verification stopped; the model is written but not verified.")
+            return None
+        print_report(report, stream=self.out)
+        return report
+
+    # -- 5. Finish ----------------------------------------------------------------------------------
+    def finish(self, result, report) -> int:
+        from tui_merger.cli import print_result
+
+        self.step(5)
+        print_result(result, stream=self.out)
+        sizes = [(name, _size(Path(result.out) / name)) for name in result.files]
+        self.say(f"  {len(sizes)} files, {human_bytes(sum(s for _, s in sizes))} in all:")
+        for name, size in sizes[:12]:
+            self.say(f"  {human_bytes(size):>10}  {name}")
+        if len(sizes) > 12:
+            self.say(f"  ... and {len(sizes) - 12} more")
+        if report is None or not report.passed:
+            self.say(
+                f"The model is not verified, so cleanup and upload are not offered; run "
+                f"`tui-merger verify {shlex.quote(str(result.out))}` once the problem is fixed."
+            )
+            return VERIFY_FAILED
+        cleanup, uploaded = self.cleanup_plan(result), False
+        while True:
+            menu = []
+            if cleanup is not None:
+                total = human_bytes(sum(i.size for i in cleanup.items))
+                menu.append((f"Free space in the training folder (up to {total} can go)", "cleanup"))
+            if not uploaded:
+                menu.append(("Upload the model to the Hugging Face Hub", "upload"))
+            menu.append(("Done", "done"))
+            choice = self.ask.select("What next?", menu)
+            if choice == "done":
+                return 0
+            if choice == "cleanup":
+                cleanup = None if self.clean(cleanup) else cleanup
+            else:
+                uploaded = self.upload(Path(result.out))
+
+    def cleanup_plan(self, result):
+        from tui_merger.core.cleanup import find_cleanup
+
+        training = Path(self.candidate.run or self.candidate.path)
+        try:
+            plan = find_cleanup(training, [Path(result.out)])
+        except MergeError as err:
+            self.say(f"note: {err}")
+            return None
+        return plan if plan.items else None
+
+    def clean(self, plan) -> bool:
+        """Let the user pick and confirm, then delete; whether anything was deleted."""
+        from tui_merger.core.cleanup import delete_items
+
+        choices = [
+            (f"{human_bytes(i.size):>9}  {i.kind:<13}  {i.label}  ({i.reason})", i, i.selected_by_default)
+            for i in plan.items
+        ]
+        picked = self.ask.checkbox(f"What in {shown(plan.root)} may go?", choices)
+        size = human_bytes(sum(i.size for i in picked))
+        question = f"Delete {len(picked)} item(s), {size}? This cannot be undone."
+        if not picked or not self.ask.confirm(question, default=False):
+            self.say("Nothing was deleted.")
+            return False
+
+        def report(event) -> None:
+            if event.error:
+                self.say(f"  not removed: {event.error}")
+            else:
+                self.say(f"  removed {event.item.label} ({human_bytes(event.freed)})")
+
+        self.say(f"Freed {human_bytes(delete_items(plan, picked, report))}.")
+        return True
+
+    def upload(self, folder: Path) -> bool:
+        """Ask, plan, confirm and upload; whether the model was uploaded."""
+        from tui_merger.core.hub import UploadProgress, plan_upload, upload
+
+        repo = self.ask.text("Hub repository (ORG/NAME, or NAME for your account):", validate=_not_empty)
+        private = self.ask.confirm("Make it private?", default=True)
+
+        lines = PlainProgress(stream=self.out)
+
+        def progress(event) -> None:
+            if isinstance(event, UploadProgress):
+                what = "already on the Hub" if event.skipped else "sent"
+                self.say(f"  {event.files_done}/{event.files_total}  {what}: {event.path}")
+            elif not (isinstance(event, Notice) and event.message in plan.notices):  # said before asking
+                lines(event)
+
+        try:
+            plan = plan_upload(folder, repo, private=private)
+            state = "existing repo" if plan.exists else "new repo"
+            self.say(
+                f"{len(plan.files)} files, {human_bytes(plan.total_bytes)}, would go to {plan.repo_id} "
+                f"({'private' if plan.private else 'public'}, {state}; signed in as {plan.user})."
+            )
+            for text in plan.notices:
+                self.say(f"note: {text}")
+            if not self.ask.confirm("Upload now?", default=False):
+                self.say("Nothing was uploaded.")
+                return False
+            result = upload(plan, on_event=progress)
+        except MergeError as err:
+            self.say(f"error: {err}")
+            return False
+        except KeyboardInterrupt:
+            self.say("Upload interrupted; choose Upload again to resume where it stopped.")
+            return False
+        self.say(f"Uploaded: {result.commit_url}")
+        return True
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def _mtime(c) -> float:
+    try:
+        return os.stat(c.path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _holds_files(folder: Path) -> bool:
+    try:
+        return any(folder.iterdir())
+    except OSError:
+        return False
+
+
+def _not_empty(text: str) -> str | None:
+    return None if text else "Type a value."
+
+
+def _check_path(text: str) -> str | None:
+    if not text:
+        return "Type the path of a checkpoint or of a folder holding checkpoints."
+    try:
+        found = scan(Path(text).expanduser()).candidates
+    except MergeError as err:
+        return str(err)
+    return None if found else f"Found no checkpoint in {text} or in the folders below it."
+
+
+def _check_base(text: str) -> str | None:
+    folder = Path(text).expanduser()
+    if not text or not folder.is_dir():
+        return "Type the path of a model folder."
+    if not (folder / "config.json").is_file():
+        return f"{text} has no config.json, so it is not a Hugging Face model folder."
+    return None
+
+
+def _check_alpha(text: str) -> str | None:
+    try:
+        ok = float(text) > 0
+    except ValueError:
+        ok = False
+    return None if ok else "Type a number above 0, such as 16 or 32."
+
+
+def _check_size(text: str) -> str | None:
+    try:
+        parse_size(text)
+    except MergeError as err:
+        return str(err)
+    return None
+
+
+def explain_no_terminal(path: Path) -> str:
+    """What to run instead when there is no terminal to ask on: inspect, then the merge command of the
+    latest checkpoint that can be merged, when there is one."""
+    from tui_merger.cli_inspect import next_step
+
+    given = shown(path)
+    text = (
+        "There is no terminal to ask questions on, so run the steps as commands: "
+        f"`tui-merger inspect {shlex.quote(given)}` lists the checkpoints, then `tui-merger merge` merges one."
+    )
+    try:
+        result = scan(path)
+    except MergeError:
+        return text
+    mergeable = dataclasses.replace(result, candidates=[c for c in result.candidates if why_not_mergeable(c) is None])
+    hint = next_step(mergeable, lambda p: shown(os.path.normpath(os.path.join(given, os.path.relpath(p, result.root)))))
+    return text if hint is None else f"{text} For the latest checkpoint: `{hint}`."
