@@ -139,3 +139,15 @@ def test_merge_on_a_terminal_draws_a_progress_bar(pair, tmp_path):
     assert proc.returncode == 0, screen
     assert "━" in screen and "[merge]" not in screen  # a bar, not the plain lines
     assert b"Merged model written to" in out
+
+
+def test_no_terminal_explains_what_to_run_instead(pair, tmp_path):
+    """Without a terminal (stdin not a TTY) and without --plain, the assistant does not start or hang:
+    it names the non-interactive commands."""
+    base, adapter = pair
+    proc = subprocess.run(
+        [sys.executable, "-m", "tui_merger", str(adapter.parent)], stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "tui-merger inspect" in proc.stderr and "tui-merger merge" in proc.stderr

@@ -228,3 +228,21 @@ async def test_help_and_command_palette(workspace):
         assert app.screen is app.wizard
         commands = [c.title for c in app.get_system_commands(app.screen)]
         assert {"Next step", "Previous step", "Help"} <= set(commands)
+
+
+async def test_theme_choice_persists_and_a_bad_theme_file_is_a_notification(workspace, tmp_path):
+    themes = tmp_path / "config" / "tui-merger" / "themes"
+    themes.mkdir(parents=True)
+    (themes / "broken.toml").write_text("name = 'broken'\ndark = true\nprimary = 'not-a-colour'\n")
+    app = MergeApp(workspace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert app.theme == "harbor-night"  # the default, despite the bad file
+        assert any("broken.toml" in str(n.message) for n in app._notifications)
+        app.theme = "paper"
+        await pilot.pause()
+    assert "paper" in (tmp_path / "config" / "tui-merger" / "config.toml").read_text()
+    again = MergeApp(workspace)
+    async with again.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert again.theme == "paper"
