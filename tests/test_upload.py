@@ -294,6 +294,14 @@ def test_xet_error_mapping():
     )
     message = hub_module._explain(err, "alice/tiny", "main", "http://hub.local", None)
     assert message.startswith("The Hub at http://hub.local does not offer Xet storage") and "HF_HUB_DISABLE_XET=1" in message
+    # a local endpoint whose port holds "403" is still not a 403 (a CI run failed on port 40321 once)
+    port = ConnectionError(
+        "Network error: Request error: HTTP status client error (404 Not Found), "
+        "domain: http://127.0.0.1:40321/api/models/alice/tiny/xet-write-token/main"
+    )
+    assert "HF_HUB_DISABLE_XET=1" in hub_module._explain(port, "alice/tiny", "main", "http://127.0.0.1:40321", None)
+    denied = ConnectionError("HTTP status client error (403 Forbidden), domain: http://hub.local/api/models/a/b/xet-write-token/main")
+    assert "HF_HUB_DISABLE_XET" not in hub_module._explain(denied, "a/b", "main", "http://hub.local", None)
 
 
 @pytest.mark.parametrize("make, repo_id, says", [

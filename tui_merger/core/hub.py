@@ -11,6 +11,7 @@ huggingface_hub is imported inside functions only: importing this module stays c
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -373,7 +374,8 @@ def _explain(err: BaseException, repo_id: str, revision: str, endpoint: str, tok
             return f"The Hub at {endpoint} did not answer within {TIMEOUT_S:.0f} s; check your connection, then {resume}."
         if isinstance(e, (httpx2.TransportError, ConnectionError)):
             text = str(e)
-            if "xet-write-token" in text and "403" not in text and "401" not in text:
+            # (status codes as whole words: the port of a local endpoint, e.g. 40321, holds "403")
+            if "xet-write-token" in text and not re.search(r"\b40[13]\b", text):
                 return (f"The Hub at {endpoint} does not offer Xet storage, which huggingface_hub uses for large "
                         "files while hf_xet is installed; set HF_HUB_DISABLE_XET=1 and run again.")
             return f"The connection to the Hub at {endpoint} failed during the upload; {resume}."
