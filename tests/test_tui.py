@@ -246,3 +246,31 @@ async def test_theme_choice_persists_and_a_bad_theme_file_is_a_notification(work
     async with again.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
         assert again.theme == "paper"
+
+
+async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
+    """A trainer run: after the verified merge of checkpoint-20, Clean up lists the older checkpoint
+    and the optimizer state, deletes what is picked and says how much was freed."""
+    from tui_merger.demo import build_demo
+
+    ws = tmp_path / "ws"
+    base, adapter = build_demo(ws)
+    run = tmp_path / "run"
+    for step in (10, 20):
+        shutil.copytree(adapter, run / f"checkpoint-{step}")
+        (run / f"checkpoint-{step}" / "optimizer.pt").write_bytes(b"\0" * 300_000)
+    app = MergeApp(run)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert wizard.candidate.path.endswith("checkpoint-20")  # newest first
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await pilot.press("ctrl+n")
+        await pilot.click("#cleanup")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "CleanupDialog"
+        await pilot.click("#delete")
+        await until(pilot, lambda: wizard.running is None and "Freed" in text(app, "#finish-notes"), "the cleanup")
+    assert not (run / "checkpoint-10").exists()
+    assert not (run / "checkpoint-20" / "optimizer.pt").exists()
+    assert (run / "checkpoint-20" / "adapter_model.safetensors").is_file()  # what was merged stays unless picked

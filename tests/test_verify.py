@@ -326,3 +326,20 @@ def test_large_models_are_compared_in_their_stored_dtype(merged, pair, tmp_path,
     base_tensors = load_file(pair[0] / "model.safetensors")
     bad = _faulty_copy(merged, tmp_path, lambda t: t.update(base_tensors))
     assert _verify_against(merged[0], bad).checks[2].status == "fail"
+
+
+def test_hash_cache_reuses_unchanged_files_and_notices_changes(tmp_path):
+    from tui_merger.core.manifest import describe_files
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    big = folder / "big.bin"
+    big.write_bytes(b"a" * (2 << 20))
+    first = describe_files(folder, ["big.bin"])[0]["sha256"]
+    assert first == hashlib.sha256(big.read_bytes()).hexdigest()
+    cache = json.loads((tmp_path / "state" / "tui-merger" / "hashes.json").read_text())
+    assert cache[str(big.resolve())][1] == first  # remembered by identity
+    with open(big, "r+b") as f:  # same size, new content: a new ctime, so hashed again
+        f.write(b"b")
+    again = describe_files(folder, ["big.bin"])[0]["sha256"]
+    assert again == hashlib.sha256(big.read_bytes()).hexdigest() != first

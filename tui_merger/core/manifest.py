@@ -79,16 +79,67 @@ def sha256_file(path: Path) -> str:
 
 def describe_files(folder: Path, names: list[str]) -> list[dict]:
     """[{path, size, sha256}] for files relative to ``folder``, hashed on two threads (hashlib releases
-    the GIL on large buffers)."""
+    the GIL on large buffers). Large files hashed before and unchanged since (same inode, size, mtime
+    and ctime) take their hash from the user's hash cache: merging several adapters into one base
+    reads the base's gigabytes for hashing once."""
     from concurrent.futures import ThreadPoolExecutor
 
     folder = Path(folder)
     names = sorted(set(names))
+    cache = _HashCache()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        hashes = list(pool.map(lambda n: sha256_file(folder / n), names))
+        hashes = list(pool.map(lambda n: cache.sha256(folder / n), names))
+    cache.save()
     return [
         {"path": n, "size": (folder / n).stat().st_size, "sha256": h} for n, h in zip(names, hashes)
     ]
+
+
+class _HashCache:
+    """sha256 of large files by identity, in $XDG_STATE_HOME/tui-merger/hashes.json (best effort)."""
+
+    MIN_SIZE = 1 << 20
+    MAX_ENTRIES = 5000
+
+    def __init__(self) -> None:
+        self.path = state_dir() / "hashes.json"
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        self.entries: dict = data if isinstance(data, dict) else {}
+        self.changed = False
+
+    @staticmethod
+    def _key(path: Path) -> tuple[str, str] | None:
+        st = path.stat()
+        if st.st_size < _HashCache.MIN_SIZE:
+            return None
+        return str(path.resolve()), f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+    def sha256(self, path: Path) -> str:
+        key = self._key(path)
+        if key is not None:
+            hit = self.entries.get(key[0])
+            if isinstance(hit, list) and len(hit) == 2 and hit[0] == key[1]:
+                return hit[1]
+        digest = sha256_file(path)
+        if key is not None:
+            self.entries[key[0]] = [key[1], digest]
+            self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        entries = dict(list(self.entries.items())[-self.MAX_ENTRIES :])
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".hashes.json.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(entries))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
 
 
 def read_manifest(folder: Path) -> dict | None:
