@@ -687,3 +687,56 @@ def test_fp16_overflow_with_force_is_clamped(world, huge_base, tmp_path, capsys)
     assert all(torch.isfinite(t).all() for t in tensors.values()), "the fp16 output holds inf or nan"
     assert tensors[QPROJ].abs().max().item() == 65504.0
     assert leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# two merges into one output
+# ------------------------------------------------------------------------------------------------
+def _lock_file(out: Path) -> Path:
+    return out.parent / f".{out.name}.tui-merger.lock"
+
+
+def test_a_second_merge_into_the_same_output_is_refused(world, tmp_path, capsys):
+    """The first merge's lock (a live process owns it) stops the second before it writes anything."""
+    import socket
+
+    out = tmp_path / "merged"
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _lock_file(out).write_text(json.dumps({"pid": owner.pid, "host": socket.gethostname(), "started": "now"}))
+        msg = expect_refusal(capsys, world.base, world.adapter, out, mentions=[f"pid {owner.pid}", str(out)])
+        assert "Another merge" in msg
+        assert _lock_file(out).exists()  # not ours to remove
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_a_stale_lock_is_taken_over_and_released(world, tmp_path, capsys):
+    import socket
+
+    out = tmp_path / "merged"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _lock_file(out).write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "started": "then"}))
+    rc, stdout, err = run_cli(capsys, merge_args(world.base, world.adapter, out, "--no-verify"))
+    assert rc == 0, err
+    assert "stale lock" in err and (out / "model.safetensors").is_file()
+    assert not _lock_file(out).exists()
+
+
+def test_the_lock_is_released_after_a_failed_merge(world, tmp_path):
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken, TensorProgress
+
+    out = tmp_path / "merged"
+    cancel = CancelToken()
+
+    def stop(event):
+        if isinstance(event, TensorProgress):
+            assert _lock_file(out).exists()  # held while writing
+            cancel.cancel()
+
+    with pytest.raises(MergeCancelled):
+        run_merge(MergeOptions(base=world.base, adapter=world.adapter, out=out), stop, cancel)
+    assert not _lock_file(out).exists() and not out.exists()

@@ -27,7 +27,7 @@ from tui_merger.core.files import copy_files, edited_config
 from tui_merger.core.inputs import open_inputs, paths_of
 from tui_merger.core.merge_math import Workspace, compute, fp16_overflows
 from tui_merger.core.options import MergeOptions, MergeResult
-from tui_merger.core.output import OutputFolder, check_space, check_target
+from tui_merger.core.output import OutputFolder, OutputLock, check_space, check_target
 from tui_merger.core.plan import TensorPlan, build_plan
 from tui_merger.core.safetensors_io import SafetensorsWriter
 
@@ -72,6 +72,14 @@ def run_merge(
         folder = OutputFolder(options.out)
         cancel.raise_if_cancelled()
         tmp = folder.create()  # first: a read-only place is refused as such, not as "no space"
+        lock = OutputLock(options.out)
+        try:
+            taken_over = lock.acquire()
+        except BaseException:
+            folder.abort()
+            raise
+        if taken_over:
+            notice("info", taken_over)
         try:
             check_space(folder.parent, plan.total_bytes)
             _write(plan, tmp, options, result, on_event, notice, cancel, fsync)
@@ -93,6 +101,8 @@ def run_merge(
             if isinstance(err, OSError):
                 raise _os_error(err, options) from None
             raise
+        finally:
+            lock.release()
     finally:
         inputs.close()
     result.seconds = time.perf_counter() - started

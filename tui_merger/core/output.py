@@ -6,8 +6,11 @@ An interrupted merge therefore never leaves a folder that looks like a finished 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from tui_merger.core.errors import MergeError
 from tui_merger.core.options import human_bytes
 
 PARTIAL_TAG = ".tui-merger-partial-"
+LOCK_TAG = ".tui-merger.lock"
 
 
 def check_target(out: Path, inputs: list[Path], overwrite: bool) -> None:
@@ -103,6 +107,76 @@ class OutputFolder:
             _fsync_path(self.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+class OutputLock:
+    """One merge at a time per output: a lock file beside it (``.NAME.tui-merger.lock``) holding the
+    owner's pid, host and start time. A lock left by a process that is gone (on this host) is stale and
+    taken over; ``acquire`` returns a notice saying so."""
+
+    def __init__(self, out: Path) -> None:
+        out = Path(out).absolute()
+        self.path = out.parent / f".{out.name}{LOCK_TAG}"
+        self.out = out
+        self.held = False
+
+    def acquire(self) -> str | None:
+        notice = None
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner is not None and _alive(owner):
+                    raise MergeError(
+                        f"Another merge (pid {owner.get('pid')} on {owner.get('host')}, started "
+                        f"{owner.get('started', 'earlier')}) is writing {self.out}; wait for it to finish or "
+                        f"stop it. If no merge is running there, delete {self.path}."
+                    ) from None
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+                who = f" (pid {owner.get('pid')})" if owner else ""
+                notice = f"Took over a stale lock on {self.out} left by a merge that is no longer running{who}."
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+            self.held = True
+            return notice
+        raise MergeError(f"Could not lock {self.out} ({self.path} keeps changing); try again.")
+
+    def _owner(self) -> dict | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None  # half-written or unreadable: treated as stale
+        return data if isinstance(data, dict) else None
+
+    def release(self) -> None:
+        if self.held:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+            self.held = False
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the lock's owner still runs. On another host this cannot be known: assume it does."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _fsync_path(path: Path) -> None:
