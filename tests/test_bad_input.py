@@ -36,7 +36,7 @@ from tui_merger.core.errors import MergeError  # noqa: E402
 from tui_merger.core.events import PhaseStarted  # noqa: E402
 from tui_merger.core.options import MergeOptions  # noqa: E402
 
-PARTIAL_TAG = ".tui-merger-partial-"
+PARTIAL_TAG = ".tui-merger-partial"
 OLD_TAG = ".tui-merger-old-"
 QPROJ = "model.layers.0.self_attn.q_proj.weight"
 PEFT_PREFIX = "base_model.model."

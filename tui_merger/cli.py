@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tui_merger.core.errors import MergeCancelled, MergeError
 
+    if not ui:
+        _interrupt_on_signals()
     try:
         if ui:
             return launch(args.path, plain=args.plain)
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_demo(args)
     except MergeCancelled as err:
-        print(f"cancelled: {err}", file=sys.stderr)
+        print(str(err), file=sys.stderr)
         return 130
     except MergeError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -166,6 +168,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 3
     return 2  # pragma: no cover
+
+
+def _interrupt_on_signals() -> None:
+    """SIGTERM and SIGHUP (a closed SSH session) stop a merge like Ctrl-C: between tensors, keeping the
+    finished shards for a resume."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, interrupt)
+        except (ValueError, OSError):  # not the main thread
+            pass
 
 
 def _terminal() -> tuple[bool, bool]:

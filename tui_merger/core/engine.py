@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 
-from tui_merger.core.errors import MergeError
+from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import (
     CancelToken,
     EventSink,
@@ -25,6 +25,7 @@ from tui_merger.core.events import (
 from tui_merger.core.adapter import empty_adapter, export_peft_adapter
 from tui_merger.core.files import copy_files, edited_config
 from tui_merger.core.inputs import open_inputs, paths_of
+from tui_merger.core.journal import Journal, fingerprint
 from tui_merger.core.merge_math import Workspace, compute, fp16_overflows
 from tui_merger.core.options import MergeOptions, MergeResult
 from tui_merger.core.output import OutputFolder, OutputLock, check_space, check_target
@@ -71,36 +72,42 @@ def run_merge(
         result.config_changes = {**inputs.config_changes, **plan.config_changes}
         folder = OutputFolder(options.out)
         cancel.raise_if_cancelled()
-        tmp = folder.create()  # first: a read-only place is refused as such, not as "no space"
+        folder.make_parents()  # first: a read-only place is refused as such, not as "no space"
         lock = OutputLock(options.out)
         try:
             taken_over = lock.acquire()
         except BaseException:
-            folder.abort()
+            folder.remove_parents()
             raise
         if taken_over:
             notice("info", taken_over)
         try:
-            check_space(folder.parent, plan.total_bytes)
-            _write(plan, tmp, options, result, on_event, notice, cancel, fsync)
-            cancel.raise_if_cancelled()
-            extra = export_peft_adapter(inputs.adapter, tmp / ADAPTER_DIR, fsync) if options.export_adapter else []
-            on_event(PhaseStarted("files", "Writing config, tokenizer and the other files"))
-            out_config = edited_config(inputs.config, result.config_changes, dtype)
-            (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
-            result.files = sorted(
-                result.shards + ["config.json"] + copy_files(inputs.files, tmp) + extra
-            )
-            if len(plan.shards) > 1:
-                result.files = sorted(result.files + [INDEX_NAME])
-            on_event(PhaseStarted("finalize", f"Moving the finished model into {options.out}"))
-            cancel.raise_if_cancelled()
-            folder.finalize(fsync=fsync)
-        except BaseException as err:
-            folder.abort()
-            if isinstance(err, OSError):
-                raise _os_error(err, options) from None
-            raise
+            tmp = folder.create()
+            journal = Journal(tmp, fingerprint(options, inputs.read_files, plan), fsync)
+            try:
+                kept, resumed = journal.resume()
+                if resumed:
+                    notice("info", resumed)
+                kept_bytes = sum((tmp / name).stat().st_size for name in kept)
+                check_space(folder.parent, max(plan.total_bytes - kept_bytes, 0))
+                _write(plan, tmp, options, result, on_event, notice, cancel, fsync, journal, set(kept))
+                cancel.raise_if_cancelled()
+                extra = export_peft_adapter(inputs.adapter, tmp / ADAPTER_DIR, fsync) if options.export_adapter else []
+                on_event(PhaseStarted("files", "Writing config, tokenizer and the other files"))
+                out_config = edited_config(inputs.config, result.config_changes, dtype)
+                (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
+                result.files = sorted(
+                    result.shards + ["config.json"] + copy_files(inputs.files, tmp) + extra
+                )
+                if len(plan.shards) > 1:
+                    result.files = sorted(result.files + [INDEX_NAME])
+                on_event(PhaseStarted("finalize", f"Moving the finished model into {options.out}"))
+                cancel.raise_if_cancelled()
+                journal.remove()
+                folder.finalize(fsync=fsync)
+            except BaseException as err:
+                _stopped(err, folder, journal, options)
+                raise
         finally:
             lock.release()
     finally:
@@ -132,6 +139,95 @@ def _describe_inputs(result: MergeResult, inputs, options: MergeOptions) -> None
         }
     named = cfg.get("base_model_name_or_path") or inputs.config.get("_name_or_path")
     result.base_model = str(named) if named else (str(options.base) if options.base else None)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _stopped(err: BaseException, folder: OutputFolder, journal: Journal, options: MergeOptions) -> None:
+    """After a failure: keep the finished shards for a resume when the merge was interrupted (Ctrl-C,
+    SIGTERM, SIGHUP) or the disk filled up, else remove the partial folder; raises the sentence."""
+    journal.wait()
+    interrupted = isinstance(err, KeyboardInterrupt)
+    no_space = isinstance(err, OSError) and err.errno in _NO_SPACE
+    if journal.kept and (interrupted or no_space):
+        shards = f"the {journal.kept} finished shard(s) are kept in {folder.tmp}"
+        if no_space:
+            raise MergeError(
+                f"The disk ran out of space while writing {options.out} ({err.strerror}); {shards}: free some "
+                "space and run the same merge again to resume, or delete that folder."
+            ) from None
+        raise MergeCancelled(
+            f"Interrupted: {shards}; run the same merge again to resume, or delete that folder."
+        ) from None
+    folder.abort()
+    if isinstance(err, OSError):
+        raise _os_error(err, options) from None
+
+
+def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, clamped: list, cancel: CancelToken, fsync: bool) -> None:
+    writer = SafetensorsWriter(
+        path,
+        [(t.name, t.dtype, t.shape) for t in tensors],
+        early_writeback=fsync,
+        data_align=_copy_alignment(tensors),
+    )
+    copier = None
+    try:
+        copy_jobs, compute_jobs = [], []
+        for t in tensors:
+            raw = t.source.source.raw_ranges(t.source) if t.raw_copy else None
+            if raw is not None:
+                copy_jobs.append((writer, t, raw))
+            else:
+                compute_jobs.append((writer, t))
+        copier = _Copier(copy_jobs, cancel)
+        copier.start()
+
+        def drain() -> None:
+            while True:
+                try:
+                    report(copier.finished.get_nowait())
+                except queue.Empty:
+                    break
+            if copier.error is not None:
+                raise copier.error
+
+        for _, t in compute_jobs:
+            cancel.raise_if_cancelled()
+            drain()
+            blocks = None if t.ops or t.dtype == "float16" else t.source.source.row_blocks(t.source)
+            if blocks is not None:  # a sharded checkpoint tensor: cast and write shard by shard
+                writer.write_blocks(t.name, t.nbytes, _converted(blocks, t.dtype, ws))
+                report(t)
+                continue
+            tensor = compute(t, ws=ws)
+            if fp16_overflows(tensor, t):
+                if not options.force_fp16_overflow:
+                    raise MergeError(
+                        f"{t.name} has values beyond float16's range (65504); the fp16 output would "
+                        "hold inf. Use --dtype bf16 or fp32, or --force to clamp the values."
+                    )
+                tensor = compute(t, clamp=True, ws=ws)
+                clamped.append(t.name)
+            writer.write_tensor(t.name, tensor)
+            del tensor
+            for ref in t.inputs():
+                ref.release()
+            report(t)
+        while copier.is_alive():
+            try:
+                report(copier.finished.get(timeout=0.1))
+            except queue.Empty:
+                cancel.raise_if_cancelled()
+        drain()
+        cancel.raise_if_cancelled()
+        writer.close(fsync=fsync)
+    except BaseException:
+        if copier is not None:
+            copier.halt()
+        writer.abort()
+        raise
 
 
 def _os_error(err: OSError, options: MergeOptions) -> MergeError:
@@ -211,7 +307,12 @@ def _write(
     notice,
     cancel: CancelToken,
     fsync: bool,
+    journal: Journal,
+    kept: set[str],
 ) -> None:
+    """Write the shards one after the other (a finished shard is journaled, so that an interrupted
+    merge resumes after it); within a shard, untouched tensors are copied by a second thread while
+    merged ones are computed."""
     total_bytes = plan.total_bytes
     total = len(plan.tensors)
     if plan.merged_modules:
@@ -229,74 +330,16 @@ def _write(
 
     clamped = []
     ws = Workspace()
-    writers: dict[str, SafetensorsWriter] = {}
-    copier = None
-    try:
-        copy_jobs, compute_jobs = [], []
-        for shard_name, tensors in plan.shards:
-            writer = SafetensorsWriter(
-                tmp / shard_name,
-                [(t.name, t.dtype, t.shape) for t in tensors],
-                early_writeback=fsync,
-                data_align=_copy_alignment(tensors),
-            )
-            writers[shard_name] = writer
+    for n, (shard_name, tensors) in enumerate(plan.shards):
+        if shard_name in kept:  # finished by the interrupted merge, checked against the journal
             for t in tensors:
-                raw = t.source.source.raw_ranges(t.source) if t.raw_copy else None
-                if raw is not None:
-                    copy_jobs.append((writer, t, raw))
-                else:
-                    compute_jobs.append((writer, t))
-        copier = _Copier(copy_jobs, cancel)
-        copier.start()
-
-        def drain() -> None:
-            while True:
-                try:
-                    report(copier.finished.get_nowait())
-                except queue.Empty:
-                    break
-            if copier.error is not None:
-                raise copier.error
-
-        for writer, t in compute_jobs:
-            cancel.raise_if_cancelled()
-            drain()
-            blocks = None if t.ops or t.dtype == "float16" else t.source.source.row_blocks(t.source)
-            if blocks is not None:  # a sharded checkpoint tensor: cast and write shard by shard
-                writer.write_blocks(t.name, t.nbytes, _converted(blocks, t.dtype, ws))
                 report(t)
-                continue
-            tensor = compute(t, ws=ws)
-            if fp16_overflows(tensor, t):
-                if not options.force_fp16_overflow:
-                    raise MergeError(
-                        f"{t.name} has values beyond float16's range (65504); the fp16 output would "
-                        "hold inf. Use --dtype bf16 or fp32, or --force to clamp the values."
-                    )
-                tensor = compute(t, clamp=True, ws=ws)
-                clamped.append(t.name)
-            writer.write_tensor(t.name, tensor)
-            del tensor
-            for ref in t.inputs():
-                ref.release()
-            report(t)
-        while copier.is_alive():
-            try:
-                report(copier.finished.get(timeout=0.1))
-            except queue.Empty:
-                cancel.raise_if_cancelled()
-        drain()
-        cancel.raise_if_cancelled()
-        for shard_name, writer in writers.items():
-            writer.close(fsync=fsync)
             result.shards.append(shard_name)
-    except BaseException:
-        if copier is not None:
-            copier.halt()
-        for writer in writers.values():
-            writer.abort()
-        raise
+            continue
+        _write_shard(tmp / shard_name, tensors, options, ws, report, clamped, cancel, fsync)
+        result.shards.append(shard_name)
+        if n < len(plan.shards) - 1:  # the last one is followed by the final rename at once
+            journal.finished(shard_name)
     if clamped:
         notice("warning", f"Clamped values beyond float16's range in {len(clamped)} tensors ({clamped[0]}, ...).")
     if len(plan.shards) > 1:

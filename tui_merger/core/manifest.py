@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -95,8 +96,20 @@ def describe_files(folder: Path, names: list[str]) -> list[dict]:
     ]
 
 
+def remember_hash(path: Path, digest: str) -> None:
+    """Put a freshly computed sha256 into the hash cache (the merge hashes finished shards for its
+    journal; the manifest then finds them there, also after the output folder was renamed)."""
+    cache = _HashCache()
+    key = cache._key(Path(path))
+    if key is not None:
+        cache.entries[key] = digest
+        cache.changed = True
+        cache.save()
+
+
 class _HashCache:
-    """sha256 of large files by identity, in $XDG_STATE_HOME/tui-merger/hashes.json (best effort)."""
+    """sha256 of large files by identity (device, inode, size, mtime, ctime: a rename keeps it, any
+    write changes it), in $XDG_STATE_HOME/tui-merger/hashes.json (best effort)."""
 
     MIN_SIZE = 1 << 20
     MAX_ENTRIES = 5000
@@ -111,21 +124,20 @@ class _HashCache:
         self.changed = False
 
     @staticmethod
-    def _key(path: Path) -> tuple[str, str] | None:
+    def _key(path: Path) -> str | None:
         st = path.stat()
         if st.st_size < _HashCache.MIN_SIZE:
             return None
-        return str(path.resolve()), f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
     def sha256(self, path: Path) -> str:
         key = self._key(path)
-        if key is not None:
-            hit = self.entries.get(key[0])
-            if isinstance(hit, list) and len(hit) == 2 and hit[0] == key[1]:
-                return hit[1]
+        hit = self.entries.get(key) if key is not None else None
+        if isinstance(hit, str):
+            return hit
         digest = sha256_file(path)
         if key is not None:
-            self.entries[key[0]] = [key[1], digest]
+            self.entries[key] = digest
             self.changed = True
         return digest
 
@@ -135,7 +147,7 @@ class _HashCache:
         entries = dict(list(self.entries.items())[-self.MAX_ENTRIES :])
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".hashes.json.tmp-{os.getpid()}")
+            tmp = self.path.with_name(f".hashes.json.tmp-{os.getpid()}-{threading.get_ident()}")
             tmp.write_text(json.dumps(entries))
             os.replace(tmp, self.path)
         except OSError:

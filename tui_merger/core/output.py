@@ -17,7 +17,7 @@ from pathlib import Path
 from tui_merger.core.errors import MergeError
 from tui_merger.core.options import human_bytes
 
-PARTIAL_TAG = ".tui-merger-partial-"
+PARTIAL_TAG = ".tui-merger-partial"
 LOCK_TAG = ".tui-merger.lock"
 
 
@@ -51,19 +51,16 @@ def check_space(parent: Path, needed: int) -> None:
 
 
 class OutputFolder:
+    """The hidden partial folder beside the output (``.NAME.tui-merger-partial``). Its name is fixed so
+    that an interrupted merge can be resumed; the output lock keeps two merges out of it."""
+
     def __init__(self, out: Path) -> None:
         self.out = Path(out).absolute()
         self.parent = self.out.parent
-        self.tmp = self.parent / f".{self.out.name}{PARTIAL_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp = self.parent / f".{self.out.name}{PARTIAL_TAG}"
         self._made: list[Path] = []  # parent folders we created, removed again on abort
 
-    def existing_ancestor(self) -> Path:
-        path = self.parent
-        while not path.exists() and path != path.parent:
-            path = path.parent
-        return path
-
-    def create(self) -> Path:
+    def make_parents(self) -> None:
         missing = []
         path = self.parent
         while not path.exists() and path != path.parent:
@@ -73,9 +70,18 @@ class OutputFolder:
             for folder in reversed(missing):
                 folder.mkdir()
                 self._made.append(folder)
-            self.tmp.mkdir()
         except OSError as err:
-            self.abort()
+            self.remove_parents()
+            raise MergeError(
+                f"Cannot write in {self.parent} ({err.strerror}); choose an output folder you can write to."
+            ) from None
+
+    def create(self) -> Path:
+        """The partial folder, as an interrupted merge left it, or new (call with the lock held)."""
+        try:
+            self.tmp.mkdir(exist_ok=True)
+        except OSError as err:
+            self.remove_parents()
             raise MergeError(
                 f"Cannot write in {self.parent} ({err.strerror}); choose an output folder you can write to."
             ) from None
@@ -83,6 +89,9 @@ class OutputFolder:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self.remove_parents()
+
+    def remove_parents(self) -> None:
         for folder in reversed(self._made):
             try:
                 folder.rmdir()

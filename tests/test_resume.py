@@ -1,0 +1,215 @@
+"""Resume: a real merge process killed between shards (SIGKILL, SIGTERM, SIGHUP) or stopped by a full disk
+keeps its finished shards; running the same command again writes only the rest, and the result is
+byte-identical to an uninterrupted merge. Changed inputs start over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from factory import qwen_config, save_adapter, save_base
+
+from tui_merger.core.engine import run_merge
+from tui_merger.core.journal import JOURNAL_NAME
+from tui_merger.core.options import MergeOptions
+
+SHARD = "1MB"
+# the real CLI, with each finished shard announced on stdout and a pause after it, so that the test
+# can stop the process at a shard boundary it chooses (gated by these lines, not by timing)
+SLOW_CLI = """
+import sys, time
+import tui_merger.core.engine as engine
+real = engine._write_shard
+def announced(path, *args, **kwargs):
+    real(path, *args, **kwargs)
+    print("SHARD", path.name, flush=True)
+    time.sleep(0.3)
+engine._write_shard = announced
+from tui_merger.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    config = qwen_config(hidden_size=128, intermediate_size=384, num_hidden_layers=6, vocab_size=2048)
+    base = save_base(root / "base", config, dtype=torch.float32)
+    adapter = save_adapter(root / "adapter", base, target_modules=["q_proj", "v_proj", "down_proj"])
+    reference = root / "reference"
+    run_merge(MergeOptions(base=base, adapter=adapter, out=reference, shard_size=SHARD), fsync=False)
+    shards = sorted(p.name for p in reference.glob("*.safetensors"))
+    assert len(shards) >= 5, shards
+    return base, adapter, reference
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
+def cli(base, adapter, out) -> list[str]:
+    return ["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--shard-size", SHARD,
+            "--plain", "--no-verify"]
+
+
+def env(tmp_path) -> dict:
+    return {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "HF_HUB_OFFLINE": "1"}
+
+
+def journaled(partial: Path) -> int:
+    try:
+        return len(json.loads((partial / JOURNAL_NAME).read_text())["shards"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def same_model(out: Path, reference: Path) -> None:
+    """Every file of the merge (the manifest and card hold timestamps and paths) byte for byte."""
+    ours = {p.name: p.read_bytes() for p in out.iterdir() if p.name not in ("merge_manifest.json", "README.md")}
+    theirs = {p.name: p.read_bytes() for p in reference.iterdir()}
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert ours[name] == theirs[name], name
+
+
+@pytest.mark.parametrize("sig, stop_after", [(signal.SIGKILL, 3), (signal.SIGTERM, 2), (signal.SIGHUP, 4)],
+                         ids=["SIGKILL", "SIGTERM", "SIGHUP"])
+def test_a_killed_merge_resumes_to_the_same_bytes(inputs, tmp_path, sig, stop_after):
+    base, adapter, reference = inputs
+    out = tmp_path / "merged"
+    partial = tmp_path / ".merged.tui-merger-partial"
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+    try:
+        done = 0
+        for line in child.stdout:
+            done += line.startswith("SHARD")
+            if done == stop_after:
+                break
+        deadline = time.monotonic() + 30
+        while journaled(partial) < stop_after - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the journal records a shard once its hash is known
+        child.send_signal(sig)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert not out.exists()  # nothing that looks like a model
+    kept = journaled(partial)
+    assert kept >= stop_after - 1
+    if sig == signal.SIGKILL:
+        assert child.returncode == -signal.SIGKILL
+    else:
+        assert child.returncode == 130 and "Traceback" not in err, err
+        assert f"the {kept} finished shard(s) are kept in {partial}" in err
+    resumed = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
+                             text=True, env=env(tmp_path), timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"Resuming an interrupted merge: {kept} finished shard(s) kept" in resumed.stderr
+    assert not partial.exists()
+    same_model(out, reference)
+
+
+def test_changed_inputs_start_over(inputs, tmp_path):
+    base, adapter, reference = inputs
+    out = tmp_path / "merged"
+    partial = tmp_path / ".merged.tui-merger-partial"
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+    try:
+        for line in child.stdout:
+            if line.startswith("SHARD"):
+                break
+        deadline = time.monotonic() + 30
+        while journaled(partial) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+    finally:
+        child.kill()
+    assert journaled(partial) >= 1
+    weights = adapter / "adapter_model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000_000))  # "retrained"
+    resumed = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
+                             text=True, env=env(tmp_path), timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "starts over" in resumed.stderr and "Resuming" not in resumed.stderr
+    same_model(out, reference)
+
+
+def test_a_damaged_kept_shard_is_written_again(inputs, tmp_path):
+    """A finished shard whose bytes changed after it was journaled does not match its sha256: rewritten."""
+    base, adapter, reference = inputs
+    out = tmp_path / "merged"
+    partial = tmp_path / ".merged.tui-merger-partial"
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+    try:
+        done = 0
+        for line in child.stdout:
+            done += line.startswith("SHARD")
+            if done == 3:
+                break
+        deadline = time.monotonic() + 30
+        while journaled(partial) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+    finally:
+        child.kill()
+    journal = json.loads((partial / JOURNAL_NAME).read_text())["shards"]
+    first = sorted(journal)[0]
+    with open(partial / first, "r+b") as f:  # one flipped byte near the end
+        f.seek(-10, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
+                             text=True, env=env(tmp_path), timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"Resuming an interrupted merge: {len(journal) - 1} finished shard(s) kept" in resumed.stderr
+    same_model(out, reference)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+def test_disk_full_keeps_finished_shards_and_resumes_once_space_is_freed(inputs, tmp_path):
+    base, adapter, reference = inputs
+    total = sum(p.stat().st_size for p in reference.glob("*.safetensors"))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={total + (70 << 20)}", "tmpfs", str(disk)], check=True)
+    try:
+        out = disk / "merged"
+        filler = disk / "someone-elses-file"
+        child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+        done = 0
+        for line in child.stdout:
+            done += line.startswith("SHARD")
+            if done == 3:  # another process fills the disk while the merge runs
+                with open(filler, "wb") as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * (1 << 20))
+                    except OSError:
+                        pass
+                break
+        _, err = child.communicate(timeout=60)
+        assert child.returncode == 1, err
+        assert "ran out of space" in err and "run the same merge again to resume" in err
+        assert not out.exists()
+        filler.unlink()  # space freed
+        resumed = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
+                                 text=True, env=env(tmp_path), timeout=120)
+        assert resumed.returncode == 0, resumed.stderr
+        assert "Resuming an interrupted merge" in resumed.stderr
+        same_model(out, reference)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
