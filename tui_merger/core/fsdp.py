@@ -153,6 +153,21 @@ def _placement_dims(value: WrapperTensor, path: Path, key: str):
     return kinds, tuple(int(c) for c in coords)
 
 
+def _check_local(path, key: str, shape: tuple, dim: int | None, local) -> None:
+    """A local shard must match the global shape it claims to be part of in every dimension but the
+    sharded one (all of them when the tensor is not sharded): else the pieces would not reassemble
+    into that shape (a damaged or forged file)."""
+    local_shape = tuple(local.shape)
+    fits = len(local_shape) == len(shape) and all(
+        a == b for d, (a, b) in enumerate(zip(local_shape, shape)) if d != dim
+    )
+    if not fits:
+        raise MergeError(
+            f"{path}: {key} claims the global shape {list(shape)} but a rank holds a piece of shape "
+            f"{list(local_shape)}; the file is damaged."
+        )
+
+
 class FsdpSource:
     """A TensorSource over the rank files: lists full tensors from pickled metadata, loads one full
     tensor on demand by concatenating the ranks' local shards (views on the mmap'd files)."""
@@ -225,8 +240,13 @@ class FsdpSource:
             chosen.append((order, rank, v.__dict__["_local_tensor"]))
         chosen.sort()
         if not shard_dims:
+            _check_local(path, key, shape, None, chosen[0][2])
             return _Entry(key, dtype, shape, None, [_Part(chosen[0][1], chosen[0][2])])
         dim = shard_dims[0]
+        if not 0 <= dim < len(shape):
+            raise MergeError(f"{path}: {key} is sharded along dim {dim} but has {len(shape)} dims; the file is damaged.")
+        for _, _, t in chosen:
+            _check_local(path, key, shape, dim, t)
         if [o for o, _, _ in chosen] != list(range(len(chosen))):
             raise MergeError(f"{path}: the shards of {key} do not cover the mesh; a rank file is missing or stale.")
         total = sum(t.shape[dim] for _, _, t in chosen)
@@ -268,6 +288,8 @@ class FsdpSource:
             expected += tensor.shape[dim] if tensor.dim() else 1
         if shape and expected != shape[dim]:
             raise MergeError(f"{key}: the rank files hold {expected} of its {shape[dim]} rows; the checkpoint is incomplete.")
+        for _, _, tensor in pieces:
+            _check_local(path, key, shape, dim if len(pieces) > 1 else None, tensor)
         if len(pieces) == 1:
             return _Entry(key, dtype, shape, None, [_Part(pieces[0][1], pieces[0][2])])
         return _Entry(key, dtype, shape, dim, [_Part(r, t) for _, r, t in pieces])

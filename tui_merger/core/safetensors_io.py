@@ -105,7 +105,7 @@ class SafetensorsFile(MappedFile):
             raise MergeError(f"Cannot read {self.path}: {err.strerror or err}.") from None
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # fuzzing: >4300-digit numbers, deep nesting
             raise self._bad("its header is not JSON") from None
         if not isinstance(header, dict):
             raise self._bad("its header is not a JSON object")
@@ -116,15 +116,18 @@ class SafetensorsFile(MappedFile):
         spans = []
         for name, entry in header.items():
             try:
-                st_dtype = entry["dtype"]
-                shape = tuple(int(d) for d in entry["shape"])
-                begin, end = (int(x) for x in entry["data_offsets"])
-            except (KeyError, TypeError, ValueError):
+                st_dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            except (KeyError, TypeError):
                 raise self._bad(f"entry '{name}' lacks dtype, shape or data_offsets") from None
-            if st_dtype not in DTYPES:
+            # JSON integers only: int() took 1.7, true and "12" (as shape (1, 2)) and raised OverflowError on Infinity
+            if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+                    and all(type(x) is int for x in (*shape, *offsets))):
+                raise self._bad(f"entry '{name}' has a shape or data_offsets that are not lists of integers")
+            shape, (begin, end) = tuple(shape), offsets
+            if not isinstance(st_dtype, str) or st_dtype not in DTYPES:  # a list as dtype raised TypeError
                 raise self._bad(f"tensor '{name}' has unknown dtype {st_dtype}")
-            if any(d < 0 for d in shape):
-                raise self._bad(f"tensor '{name}' has a negative dimension")
+            if any(d < 0 or d >= 1 << 63 for d in shape):  # torch sizes are int64: an empty [0, 2**63] crashed on read
+                raise self._bad(f"tensor '{name}' has a dimension out of range")
             torch_dtype, isz = DTYPES[st_dtype]
             numel = 1
             for d in shape:

@@ -77,7 +77,6 @@ class TensorSource:
 
     def _load_bin(self, fname: str) -> dict:
         if fname not in self._bin:
-            import pickle
             import zipfile
 
             import torch
@@ -85,7 +84,7 @@ class TensorSource:
             path = self.folder / fname
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-            except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+            except Exception as err:  # a damaged file can make torch.load raise anything; no code runs here
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise MergeError(
                     f"{path} could not be read as a PyTorch weights file ({first[:200]}); "
@@ -138,10 +137,16 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 def _index_files(path: Path) -> list[str]:
     try:
         data = json.loads(path.read_text())
-        weight_map = data["weight_map"]
-        return list(dict.fromkeys(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        files = list(dict.fromkeys(data["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise MergeError(f"{path} is not a valid weights index; copy it again from the original model.") from None
+    for name in files:  # plain file names in the model folder: never a path out of it
+        if not isinstance(name, str) or not name or len(name) > 255 or Path(name).name != name or name in (".", ".."):
+            raise MergeError(
+                f"{path} names {name!r} as a weights file, which is not a file name in that folder; "
+                "the index is damaged: copy it again from the original model."
+            )
+    return files
 
 
 def find_weight_files(folder: Path) -> list[str]:

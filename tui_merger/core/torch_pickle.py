@@ -101,6 +101,9 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
     if len(size) == 0:
         return storage[storage_offset : storage_offset + 1].view(()) if storage.numel() else storage.new_empty(())
+    # as_strided checks bounds against the whole mmap only: keep the view inside its own storage, as torch.load does
+    if all(size) and not 0 <= storage_offset + sum((n - 1) * s for n, s in zip(size, stride)) < storage.numel():
+        raise ValueError("a tensor reaches outside its stored data")
     # the storage is a view into the mmap'd file: as_strided counts offsets from the file's start
     return storage.as_strided(tuple(size), tuple(stride), storage.storage_offset() + storage_offset)
 
@@ -109,11 +112,12 @@ def _rebuild_parameter(data, requires_grad, backward_hooks, *rest):
     return data
 
 
-def _record_getattr(obj, name: str):
+def _record_getattr(obj, name: str, path=None):
     """getattr limited to our inert record classes: a nested class becomes another record class."""
     if isinstance(obj, type) and issubclass(obj, Record) and isinstance(name, str) and name.isidentifier():
         return _record_class(f"{obj.qualname}.{name}")
-    raise MergeError("A checkpoint pickle asked for an attribute tui-merger does not allow; refusing to load it.")
+    where = f"{path}: its pickle" if path else "A checkpoint pickle"  # the one-sentence error names the file
+    raise MergeError(f"{where} asked for an attribute tui-merger does not allow; refusing to load it.")
 
 
 class _StorageType:
@@ -156,7 +160,8 @@ class _Unpickler(pickle.Unpickler):
         if module.startswith("torch.distributed"):
             return _record_class(full)
         if full in ("__builtin__.getattr", "builtins.getattr"):
-            return _record_getattr  # ShardedTensor pickles getattr(ShardedTensor, "ProcessGroupState")
+            # ShardedTensor pickles getattr(ShardedTensor, "ProcessGroupState"); the file is named in a refusal
+            return lambda obj, name: _record_getattr(obj, name, self._path)
         raise MergeError(
             f"{self._path} contains a pickled {full}, which a checkpoint of weights never needs; "
             "tui-merger refuses to load it because unpickling it could run code."
@@ -171,6 +176,16 @@ class _Unpickler(pickle.Unpickler):
         return self._load_storage(str(key), storage_type.dtype, int(numel))
 
 
+def _check_memo_indices(data: bytes) -> None:
+    """CPython's C unpickler grows its memo table to twice the largest PUT index and zeroes it: one
+    LONG_BINPUT 0x7fffffff in a 13-byte pickle takes 32 GiB. A real pickle numbers its PUTs from 0."""
+    import pickletools
+
+    for op, arg, _pos in pickletools.genops(data):
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and not 0 <= arg <= len(data):
+            raise ValueError(f"memo index {arg} in a {len(data)}-byte pickle")
+
+
 class TorchFile(MappedFile):
     """One torch.save zip file, unpickled safely; tensors are views on an mmap of the file."""
 
@@ -183,6 +198,8 @@ class TorchFile(MappedFile):
                 pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
                 if len(pkl) != 1:
                     raise MergeError(f"{self.path} is not a PyTorch checkpoint (no data.pkl inside).")
+                if pkl[0].compress_type != zipfile.ZIP_STORED:  # torch.save never compresses it: a zip bomb
+                    raise MergeError(f"{self.path} stores its pickle compressed, which torch.save never does; refusing it.")
                 prefix = pkl[0].filename[: -len("data.pkl")]
                 for info in infos:
                     if info.filename.startswith(prefix + "data/"):
@@ -190,7 +207,7 @@ class TorchFile(MappedFile):
                         if info.compress_type != zipfile.ZIP_STORED:
                             raise MergeError(f"{self.path} stores compressed tensors; re-save it with torch.save.")
                 data = zf.read(pkl[0])
-        except zipfile.BadZipFile:
+        except (zipfile.BadZipFile, ValueError):  # fuzzing: a flipped name byte made zipfile raise UnicodeDecodeError
             raise MergeError(
                 f"{self.path} is not a readable PyTorch zip checkpoint (truncated or corrupt?); copy it again."
             ) from None
@@ -204,6 +221,7 @@ class TorchFile(MappedFile):
         if os.path.getsize(self.path):
             self.advise("random")
         try:
+            _check_memo_indices(data)
             self.obj = _Unpickler(io.BytesIO(data), self._storage, self.path).load()
         except MergeError:
             self.close()
