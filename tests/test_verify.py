@@ -344,3 +344,12 @@ def test_hash_cache_reuses_unchanged_files_and_notices_changes(tmp_path):
         f.write(b"b")
     again = describe_files(folder, ["big.bin"])[0]["sha256"]
     assert again == hashlib.sha256(big.read_bytes()).hexdigest() != first
+
+
+def test_merge_no_behaviour_skips_loading_the_models(pair, tmp_path, capsys):
+    base, _, adapter = pair
+    out = tmp_path / "quick"
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain", "--no-behaviour"]) == 0
+    said = capsys.readouterr().out
+    assert "PASS  recompute" in said and "  behaviour:" not in said
+    assert [c["name"] for c in read_manifest(out)["verification"]["checks"]] == ["structure", "recompute"]

@@ -21,7 +21,7 @@ def _is_tty(stream) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tui_merger import cli_cleanup, cli_inspect, cli_upload, cli_verify  # each adds its command (cheap imports)
+    from tui_merger import cli_cleanup, cli_inspect, cli_jobs, cli_upload, cli_verify  # each adds its command (cheap imports)
 
     parser = argparse.ArgumentParser(
         prog="tui-merger",
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_write_options(merge)
     merge.add_argument("--no-verify", dest="verify", action="store_false", help="skip the verification after the merge")
     merge.add_argument("--dry-run", action="store_true", help="print the plan and every check; write nothing")
+    merge.add_argument("--detach", action="store_true", help="check in the foreground, then merge in the background: it keeps running if you disconnect (tui-merger attach follows it)")
     cli_verify.add_verify_options(merge)
     merge.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_upload.add_parser(sub)
     cli_cleanup.add_parser(sub)
     cli_inspect.add_parser(sub)
+    cli_jobs.add_parser(sub)
     return parser
 
 
@@ -228,7 +230,7 @@ def entry() -> None:
         os._exit(code)
 
 
-def run_with_progress(options, plain: bool = False, verify: bool = True, perplexity=None):
+def run_with_progress(options, plain: bool = False, verify: bool = True, perplexity=None, behaviour: bool = True):
     """Merge, record the manifest, verify, with the right progress display.
     Returns (MergeResult, VerifyReport or None)."""
     from contextlib import nullcontext
@@ -240,7 +242,9 @@ def run_with_progress(options, plain: bool = False, verify: bool = True, perplex
     progress = PlainProgress() if plain or not _is_tty(sys.stderr) else RichProgress()
     with progress if isinstance(progress, RichProgress) else nullcontext():
         result = run_merge(options, progress)
-        _, report = finish_merge(options, result, verify=verify, perplexity_text=perplexity, on_event=progress)
+        _, report = finish_merge(
+            options, result, verify=verify, behaviour=behaviour, perplexity_text=perplexity, on_event=progress
+        )
     return result, report
 
 
@@ -297,7 +301,13 @@ def cmd_merge(args) -> int:
         return 1
     if args.dry_run:
         return 0
-    result, report = run_with_progress(options, plain=args.plain, verify=args.verify, perplexity=args.perplexity)
+    if args.detach:  # the checks passed here; the merge runs on in its own session (cli_jobs)
+        from tui_merger.cli_jobs import detach
+
+        return detach(args, options)
+    result, report = run_with_progress(
+        options, plain=args.plain, verify=args.verify, perplexity=args.perplexity, behaviour=args.behaviour
+    )
     print_result(result)
     code = _report_verification(report)
     if args.hf_upload_path:

@@ -86,6 +86,7 @@ def finish_merge(
     result: MergeResult,
     *,
     verify: bool = True,
+    behaviour: bool = True,
     perplexity_text: Path | None = None,
     on_event=None,
     cancel=None,
@@ -104,6 +105,8 @@ def finish_merge(
             result.files = sorted(result.files + [name])
     if not verify:
         return manifest, None
-    report = verify_merge(result.out, options, perplexity_text=perplexity_text, on_event=on_event, cancel=cancel)
+    report = verify_merge(
+        result.out, options, behaviour=behaviour, perplexity_text=perplexity_text, on_event=on_event, cancel=cancel
+    )
     manifest = record_verification(result.out, report.to_dict(), fsync=fsync) or manifest
     return manifest, report
