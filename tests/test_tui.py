@@ -274,3 +274,46 @@ async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
     assert not (run / "checkpoint-10").exists()
     assert not (run / "checkpoint-20" / "optimizer.pt").exists()
     assert (run / "checkpoint-20" / "adapter_model.safetensors").is_file()  # what was merged stays unless picked
+
+
+async def test_keep_running_if_i_disconnect_runs_a_background_job(workspace, tmp_path):
+    """Ticked in Review, the merge runs as a detached job (its own process session); the wizard
+    follows it to the verified result, read from the job's manifest."""
+    from tui_merger.core.jobs import FINISHED, list_jobs
+
+    app = MergeApp(workspace)
+    out = tmp_path / "bg"
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        app.screen.query_one("#detach", Checkbox).value = True
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "the job", tries=2400)
+        assert "verification" in text(app, "#verify-status") and "PASSED" in text(app, "#verify-status")
+        table = app.screen.query_one("#checks", DataTable)
+        assert [table.get_row_at(i)[1] for i in range(table.row_count)] == ["structure", "recompute", "behaviour"]
+        await pilot.press("ctrl+n")
+        assert "verified" in text(app, "#summary") and "written by job" in text(app, "#summary")
+    [job] = list_jobs()
+    assert job.state == FINISHED and job.out == str(out)
+    assert read_manifest(out)["verification"]["passed"] is True
+
+
+async def test_reopening_the_app_follows_a_running_job(workspace, tmp_path):
+    from tui_merger.core.jobs import start_detached
+    from tui_merger.core.options import MergeOptions
+
+    out = tmp_path / "bg2"
+    job = start_detached(MergeOptions(base=workspace / "base", adapter=workspace / "adapter", out=out))
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = app.wizard
+        await pilot.pause()
+        assert wizard._running_job() is not None  # the job takes seconds (it verifies): still running
+        assert any(job.id in str(n.message) for n in app._notifications)  # the app says so
+        await pilot.press("ctrl+j")
+        assert wizard.step == "merge" and job.id in text(app, "#merge-status")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "the job", tries=2400)
+        assert "PASSED" in text(app, "#verify-status")
+    assert read_manifest(out)["verification"]["passed"] is True

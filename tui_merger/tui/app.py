@@ -92,6 +92,10 @@ class MergeApp(App):
         if wizard is None or wizard.running != "merge":
             self.exit(0)
             return
+        if wizard.job is not None:  # a background job keeps running: stop following it and leave
+            wizard._stop_following.set()
+            self.exit(0)
+            return
 
         def answer(yes: bool | None) -> None:
             if yes:

@@ -56,6 +56,14 @@ class _Done:
     cancelled: bool = False
 
 
+class JobProgress(Message):
+    """The latest progress.json of a background job."""
+
+    def __init__(self, progress: dict) -> None:
+        super().__init__()
+        self.progress = progress
+
+
 class WorkDone(Message):
     def __init__(self, kind: str, done: _Done) -> None:
         super().__init__()
@@ -73,6 +81,7 @@ class Wizard(Screen):
         Binding("ctrl+n", "next", "Next", priority=True),
         Binding("ctrl+b", "back", "Back", priority=True),
         Binding("f1", "app.help", "Help"),
+        Binding("ctrl+j", "follow_job", "Follow job", show=False),
     ]
 
     def __init__(self, root: Path, engine_hook=None, today=None) -> None:
@@ -93,6 +102,7 @@ class Wizard(Screen):
         self._last_progress = 0.0
         self._started = 0.0
         self._planned: tuple = ()  # the field values the current plan was made from
+        self.job = None  # the background job being followed (core.jobs.Job), when the merge runs detached
 
     # -- layout -------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -120,6 +130,7 @@ class Wizard(Screen):
                     yield Select(DTYPES, value="", allow_blank=False, id="dtype")
                     yield Input("5GB", id="shard", placeholder="shard size")
                     yield Select(TOKENIZERS, value="auto", allow_blank=False, id="tokenizer")
+                yield Checkbox("Keep running if I disconnect (a background job; tui-merger attach follows it)", id="detach")
                 yield Button("Check again", id="recheck")
             with Vertical(id="merge"):
                 yield Static(id="merge-status")
@@ -149,6 +160,24 @@ class Wizard(Screen):
         self.query_one("#checks", DataTable).add_columns("result", "check", "summary")
         self.rescan(self.root)
         self.show("find")
+        running = self._running_job()
+        if running is not None:
+            self.app.notify(
+                f"A merge job is running in the background ({running.id}, into {running.out}): press ctrl+j to follow it.",
+                timeout=15,
+            )
+
+    def _running_job(self):
+        from tui_merger.core.jobs import RUNNING, list_jobs
+
+        return next((j for j in list_jobs() if j.state == RUNNING), None)
+
+    def action_follow_job(self) -> None:
+        job = self._running_job()
+        if job is None or self.running is not None:
+            self.app.notify("No background merge job is running.", severity="warning")
+            return
+        self._start_following(job)
 
     # -- steps --------------------------------------------------------------------------------
     def show(self, step: str) -> None:
@@ -187,7 +216,7 @@ class Wizard(Screen):
             nxt.label = "Verify >"
         elif self.step == "verify":
             back.disabled = True
-            nxt.disabled = self.running is not None or self.result is None
+            nxt.disabled = self.running is not None or (self.result is None and self.job is None)
             nxt.label = "Finish >"
         else:
             back.disabled = self.running is not None
@@ -407,8 +436,54 @@ class Wizard(Screen):
         self.query_one("#cancel", Button).disabled = False
         self.running = "merge"
         self._started = time.monotonic()
+        if self.query_one("#detach", Checkbox).value:
+            self._start_following(None)
+            return
         self.show("merge")
         self._merge_worker(self.options, self.cancel_token)
+
+    def _start_following(self, job) -> None:
+        """The merge as a background job: started now (job None) or already running; the UI follows it."""
+        import threading
+
+        self.result, self.report, self.job = None, None, job
+        self.running = "merge"
+        self._stop_following = threading.Event()
+        self.query_one("#merge-status", Static).update(
+            "Starting a background job..." if job is None else f"Following job {job.id} into {_escape(job.out)}"
+        )
+        self.query_one("#merge-progress", ProgressBar).update(total=None, progress=0)
+        self.query_one("#cancel", Button).disabled = False
+        self.show("merge")
+        self._job_worker(self.options if job is None else None, job, self._stop_following)
+
+    @work(thread=True, exclusive=True, group="merge", exit_on_error=False)
+    def _job_worker(self, options, job, stop) -> None:
+        from tui_merger.core.errors import MergeError
+        from tui_merger.core.jobs import follow, start_detached
+
+        try:
+            if job is None:
+                job = start_detached(options)
+            self.job = job
+            self.post_message(JobProgress({"phase": "job", "message": f"job {job.id}: the merge keeps running if you disconnect"}))
+            done = _Done(follow(job, lambda line: None, lambda p: self.post_message(JobProgress(p)), stop))
+        except MergeError as err:
+            done = _Done(error=str(err))
+        self.post_message(WorkDone("job", done))
+
+    def on_job_progress(self, message: JobProgress) -> None:
+        from tui_merger.core.options import human_bytes
+
+        p = message.progress
+        if "message" in p:
+            self.query_one("#merge-status", Static).update(f"[b]{_escape(p.get('phase', ''))}[/b]  {_escape(p['message'])}")
+        if p.get("bytes_total"):
+            self.query_one("#merge-progress", ProgressBar).update(total=p["bytes_total"], progress=p.get("bytes_done", 0))
+            self.query_one("#merge-detail", Static).update(
+                f"{human_bytes(p.get('bytes_done', 0))} of {human_bytes(p['bytes_total'])}   "
+                f"{p.get('done', 0)}/{p.get('total', 0)} tensors\n[dim]{_escape(p.get('tensor', ''))}[/dim]"
+            )
 
     def _forward(self, event) -> None:
         """Runs in the worker thread: hand an engine event to the UI, progress at most every 0.1 s."""
@@ -441,6 +516,14 @@ class Wizard(Screen):
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:
         def answer(yes: bool | None) -> None:
+            if yes and self.running == "merge" and self.job is not None and self.job.pid:
+                import os
+                import signal
+
+                os.kill(self.job.pid, signal.SIGTERM)  # the job stops between tensors, keeping finished shards
+                self.query_one("#cancel", Button).disabled = True
+                self.query_one("#merge-status", Static).update("Stopping the background job...")
+                return
             if yes and self.running == "merge" and self.cancel_token is not None:
                 self.cancel_token.cancel()
                 self.query_one("#cancel", Button).disabled = True
@@ -477,6 +560,32 @@ class Wizard(Screen):
                     f"{ev.tensors_done}/{ev.tensors_total} tensors   {human_bytes(speed)}/s   "
                     f"about {eta:.0f} s left\n[dim]{_escape(ev.name)}[/dim]"
                 )
+
+    def _job_ended(self, done: _Done) -> None:
+        """A followed job ended (or following stopped): its verification is read from its manifest."""
+        from tui_merger.core.jobs import FINISHED
+        from tui_merger.core.manifest import read_manifest
+
+        status = self.query_one("#merge-status", Static)
+        if done.error:
+            status.update(f"[b red]The background job could not start:[/] {_escape(done.error)}")
+            return
+        job = done.value
+        message = (job.result or {}).get("message", "")
+        if job.state != FINISHED:
+            status.update(f"[b yellow]Job {job.id} {job.state}.[/] {_escape(message)}")
+            return
+        manifest = read_manifest(Path(job.out)) or {}
+        checks = (manifest.get("verification") or {}).get("checks") or []
+        table = self.query_one("#checks", DataTable)
+        table.clear()
+        for check in checks:
+            table.add_row(str(check.get("status", "")).upper(), check.get("name", ""), check.get("summary", ""))
+        verified = (job.result or {}).get("verified")
+        verdict = "[b green]PASSED[/]" if verified else "[b red]not passed[/]"
+        self.query_one("#verify-status", Static).update(f"Job {job.id}: verification {verdict}. {_escape(message)}")
+        self.query_one("#verify-progress", ProgressBar).update(total=1, progress=1)
+        self.show("verify")
 
     # -- Verify -------------------------------------------------------------------------------
     def start_verify(self) -> None:
@@ -517,20 +626,34 @@ class Wizard(Screen):
         self.query_one("#check-detail", Static).update("\n".join(lines))
 
     # -- Finish -------------------------------------------------------------------------------
+    @property
+    def out_path(self) -> Path:
+        return Path(self.result.out if self.result is not None else self.job.out)
+
     def enter_finish(self) -> None:
+        from tui_merger.core.manifest import read_manifest
         from tui_merger.core.options import human_bytes
 
-        r = self.result
-        verdict = (
-            "[b green]verified[/]" if self.report is not None and self.report.passed else "[b red]NOT verified: do not ship it[/]"
-        )
+        if self.result is not None:
+            r = self.result
+            verified = self.report is not None and self.report.passed
+            details = (
+                f"{r.tensors_total} tensors ({r.tensors_merged} changed by the adapter), "
+                f"{human_bytes(r.bytes_written)} in {len(r.shards)} shard(s), written in {r.seconds:.1f} s.\n"
+                f"Files: {_escape(', '.join(r.files))}"
+            )
+        else:  # a background job: what its manifest says
+            manifest = read_manifest(self.out_path) or {}
+            verified = bool((manifest.get("verification") or {}).get("passed"))
+            outputs = manifest.get("outputs") or []
+            details = (
+                f"{human_bytes(sum(f.get('size', 0) for f in outputs))} in {len(outputs)} file(s), "
+                f"written by job {self.job.id}.\nFiles: {_escape(', '.join(f.get('path', '') for f in outputs))}"
+            )
+        verdict = "[b green]verified[/]" if verified else "[b red]NOT verified: do not ship it[/]"
         self.query_one("#summary", Static).update(
-            f"The merged model is in [b]{_escape(r.out)}[/b] ({verdict}).\n"
-            f"{r.tensors_total} tensors ({r.tensors_merged} changed by the adapter), "
-            f"{human_bytes(r.bytes_written)} in {len(r.shards)} shard(s), written in {r.seconds:.1f} s.\n"
-            f"Files: {_escape(', '.join(r.files))}"
+            f"The merged model is in [b]{_escape(self.out_path)}[/b] ({verdict}).\n{details}"
         )
-        verified = self.report is not None and self.report.passed
         self.query_one("#cleanup", Button).disabled = not verified
         self.query_one("#upload", Button).disabled = not verified
         self.show("finish")
@@ -544,10 +667,14 @@ class Wizard(Screen):
         from tui_merger.core.cleanup import find_cleanup
         from tui_merger.core.errors import MergeError
 
-        folder = Path(self.candidate.run or self.candidate.path)
+        if self.candidate is not None:
+            folder = Path(self.candidate.run or self.candidate.path)
+        else:  # a job followed from an earlier session
+            opts = self.job.request["options"]
+            folder = Path(opts.get("checkpoint") or opts.get("adapter"))
         notes = self.query_one("#finish-notes", Static)
         try:
-            plan = find_cleanup(folder, [Path(self.result.out)])
+            plan = find_cleanup(folder, [self.out_path])
         except MergeError as err:
             notes.update(_escape(err))
             return
@@ -580,7 +707,7 @@ class Wizard(Screen):
                 self.query_one("#finish-notes", Static).update(f"Uploading to {_escape(answer[0])}...")
                 self._upload_worker(*answer)
 
-        self.app.push_screen(UploadDialog(Path(self.result.out).name), chosen)
+        self.app.push_screen(UploadDialog(self.out_path.name), chosen)
 
     @work(thread=True, exclusive=True, group="upload", exit_on_error=False)
     def _upload_worker(self, repo_id: str, private: bool) -> None:
@@ -588,7 +715,7 @@ class Wizard(Screen):
         from tui_merger.core.hub import plan_upload, upload
 
         try:
-            done = _Done(upload(plan_upload(self.result.out, repo_id, private=private), on_event=self._forward))
+            done = _Done(upload(plan_upload(self.out_path, repo_id, private=private), on_event=self._forward))
         except MergeError as err:
             done = _Done(error=str(err))
         self.post_message(WorkDone("upload", done))
@@ -617,6 +744,9 @@ class Wizard(Screen):
                 self.refresh_nav()
                 self.start_verify()
                 return
+        elif kind == "job":
+            self.query_one("#cancel", Button).disabled = True
+            self._job_ended(done)
         elif kind == "verify":
             if done.error:
                 self.query_one("#verify-status", Static).update(f"[b red]Verification could not run:[/] {_escape(done.error)}")
