@@ -353,3 +353,13 @@ def test_merge_no_behaviour_skips_loading_the_models(pair, tmp_path, capsys):
     said = capsys.readouterr().out
     assert "PASS  recompute" in said and "  behaviour:" not in said
     assert [c["name"] for c in read_manifest(out)["verification"]["checks"]] == ["structure", "recompute"]
+
+
+def test_merging_again_into_an_unverified_output_says_how_to_check_it(pair, tmp_path, capsys):
+    base, _, adapter = pair
+    out = tmp_path / "stopped"
+    options = MergeOptions(base=base, adapter=adapter, out=out)
+    finish_merge(options, run_merge(options, fsync=False), verify=False, fsync=False)  # stopped before verifying
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 1
+    err = capsys.readouterr().err
+    assert "never verified" in err and f"tui-merger verify {out}" in err

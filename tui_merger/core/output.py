@@ -34,6 +34,14 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise MergeError(f"{out} exists and is a file; choose a folder path for the output.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
+        from tui_merger.core.manifest import read_manifest
+
+        manifest = read_manifest(out)
+        if manifest is not None and manifest.get("verification") is None:
+            raise MergeError(
+                f"The output folder {out} already holds a merged model that was never verified (was the merge "
+                f"stopped after writing it?); check it with tui-merger verify {out}, or pass --overwrite to merge again."
+            )
         raise MergeError(
             f"The output folder {out} exists and is not empty; choose another folder or pass --overwrite."
         )
