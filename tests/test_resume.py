@@ -71,6 +71,33 @@ def journaled(partial: Path) -> int:
         return 0
 
 
+def interrupt(base, adapter, out, tmp_path, after: int, sig) -> tuple[int, str]:
+    """Run the slowed CLI, send ``sig`` once ``after`` shards are finished (and all but the last are
+    journaled); returns the exit code and stderr."""
+    partial = out.parent / f".{out.name}.tui-merger-partial"
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+    try:
+        done = 0
+        for line in child.stdout:
+            done += line.startswith("SHARD")
+            if done == after:
+                break
+        deadline = time.monotonic() + 30
+        while journaled(partial) < after - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the journal records a shard once its hash is known
+        child.send_signal(sig)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    return child.returncode, err
+
+
+def rerun(base, adapter, out, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
+                          text=True, env=env(tmp_path), timeout=120)
+
+
 def same_model(out: Path, reference: Path) -> None:
     """Every file of the merge (the manifest and card hold timestamps and paths) byte for byte."""
     ours = {p.name: p.read_bytes() for p in out.iterdir() if p.name not in ("merge_manifest.json", "README.md")}
@@ -86,31 +113,16 @@ def test_a_killed_merge_resumes_to_the_same_bytes(inputs, tmp_path, sig, stop_af
     base, adapter, reference = inputs
     out = tmp_path / "merged"
     partial = tmp_path / ".merged.tui-merger-partial"
-    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
-    try:
-        done = 0
-        for line in child.stdout:
-            done += line.startswith("SHARD")
-            if done == stop_after:
-                break
-        deadline = time.monotonic() + 30
-        while journaled(partial) < stop_after - 1 and time.monotonic() < deadline:
-            time.sleep(0.02)  # the journal records a shard once its hash is known
-        child.send_signal(sig)
-        _, err = child.communicate(timeout=60)
-    finally:
-        child.kill()
+    code, err = interrupt(base, adapter, out, tmp_path, stop_after, sig)
     assert not out.exists()  # nothing that looks like a model
     kept = journaled(partial)
     assert kept >= stop_after - 1
     if sig == signal.SIGKILL:
-        assert child.returncode == -signal.SIGKILL
+        assert code == -signal.SIGKILL
     else:
-        assert child.returncode == 130 and "Traceback" not in err, err
+        assert code == 130 and "Traceback" not in err, err
         assert f"the {kept} finished shard(s) are kept in {partial}" in err
-    resumed = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
-                             text=True, env=env(tmp_path), timeout=120)
+    resumed = rerun(base, adapter, out, tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"Resuming an interrupted merge: {kept} finished shard(s) kept" in resumed.stderr
     assert not partial.exists()
@@ -120,25 +132,11 @@ def test_a_killed_merge_resumes_to_the_same_bytes(inputs, tmp_path, sig, stop_af
 def test_changed_inputs_start_over(inputs, tmp_path):
     base, adapter, reference = inputs
     out = tmp_path / "merged"
-    partial = tmp_path / ".merged.tui-merger-partial"
-    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
-    try:
-        for line in child.stdout:
-            if line.startswith("SHARD"):
-                break
-        deadline = time.monotonic() + 30
-        while journaled(partial) < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        child.send_signal(signal.SIGKILL)
-        child.wait(60)
-    finally:
-        child.kill()
-    assert journaled(partial) >= 1
+    interrupt(base, adapter, out, tmp_path, 2, signal.SIGKILL)
+    assert journaled(tmp_path / ".merged.tui-merger-partial") >= 1
     weights = adapter / "adapter_model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000_000))  # "retrained"
-    resumed = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
-                             text=True, env=env(tmp_path), timeout=120)
+    resumed = rerun(base, adapter, out, tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "starts over" in resumed.stderr and "Resuming" not in resumed.stderr
     same_model(out, reference)
@@ -149,21 +147,7 @@ def test_a_damaged_kept_shard_is_written_again(inputs, tmp_path):
     base, adapter, reference = inputs
     out = tmp_path / "merged"
     partial = tmp_path / ".merged.tui-merger-partial"
-    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
-    try:
-        done = 0
-        for line in child.stdout:
-            done += line.startswith("SHARD")
-            if done == 3:
-                break
-        deadline = time.monotonic() + 30
-        while journaled(partial) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        child.send_signal(signal.SIGKILL)
-        child.wait(60)
-    finally:
-        child.kill()
+    interrupt(base, adapter, out, tmp_path, 3, signal.SIGKILL)
     journal = json.loads((partial / JOURNAL_NAME).read_text())["shards"]
     first = sorted(journal)[0]
     with open(partial / first, "r+b") as f:  # one flipped byte near the end
@@ -171,8 +155,7 @@ def test_a_damaged_kept_shard_is_written_again(inputs, tmp_path):
         byte = f.read(1)
         f.seek(-10, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
-    resumed = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
-                             text=True, env=env(tmp_path), timeout=120)
+    resumed = rerun(base, adapter, out, tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"Resuming an interrupted merge: {len(journal) - 1} finished shard(s) kept" in resumed.stderr
     same_model(out, reference)
@@ -206,8 +189,7 @@ def test_disk_full_keeps_finished_shards_and_resumes_once_space_is_freed(inputs,
         assert "ran out of space" in err and "run the same merge again to resume" in err
         assert not out.exists()
         filler.unlink()  # space freed
-        resumed = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)], capture_output=True,
-                                 text=True, env=env(tmp_path), timeout=120)
+        resumed = rerun(base, adapter, out, tmp_path)
         assert resumed.returncode == 0, resumed.stderr
         assert "Resuming an interrupted merge" in resumed.stderr
         same_model(out, reference)
