@@ -178,12 +178,67 @@ class _Unpickler(pickle.Unpickler):
 
 def _check_memo_indices(data: bytes) -> None:
     """CPython's C unpickler grows its memo table to twice the largest PUT index and zeroes it: one
-    LONG_BINPUT 0x7fffffff in a 13-byte pickle takes 32 GiB. A real pickle numbers its PUTs from 0."""
-    import pickletools
+    LONG_BINPUT 0x7fffffff in a 13-byte pickle takes 32 GiB. A real pickle numbers its PUTs from 0.
+    A minimal opcode walk (arguments skipped by their encoded sizes, nothing decoded): 4x faster than
+    pickletools.genops, which took 9 ms per rank file of a 0.5B model."""
+    i, n = 0, len(data)
+    sizes = _argument_sizes()
+    while i < n:
+        code = data[i]
+        size = sizes.get(code)
+        i += 1
+        if size is None:
+            raise ValueError(f"unknown opcode {code:#x} at byte {i - 1}")
+        if code == _STOP:
+            return
+        if size >= 0:
+            if code == _LONG_BINPUT and int.from_bytes(data[i : i + 4], "little") > n:
+                raise ValueError(f"memo index {int.from_bytes(data[i : i + 4], 'little')} in a {n}-byte pickle")
+            i += size
+        elif size in (-1, _TWO_LINES):  # up to a newline (text opcodes, PUT among them), or two
+            end = data.find(b"\n", i)
+            if size == _TWO_LINES and end >= 0:
+                end = data.find(b"\n", end + 1)
+            if end < 0:
+                raise ValueError("a text argument runs past the end")
+            if code == _PUT and not (data[i:end].isdigit() and int(data[i:end]) <= n):
+                raise ValueError(f"memo index {data[i:end][:20]!r} in a {n}-byte pickle")
+            i = end + 1
+        else:  # a length prefix of -size - 1 bytes, then that many bytes
+            width = -size - 1
+            i += width + int.from_bytes(data[i : i + width], "little")
+    raise ValueError("the pickle ends without STOP")
 
-    for op, arg, _pos in pickletools.genops(data):
-        if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and not 0 <= arg <= len(data):
-            raise ValueError(f"memo index {arg} in a {len(data)}-byte pickle")
+
+_STOP, _PUT, _LONG_BINPUT = ord("."), ord("p"), ord("r")
+_TWO_LINES = -100
+_SIZES: dict[int, int] = {}
+
+
+def _argument_sizes() -> dict[int, int]:
+    """opcode byte -> bytes of its argument (>= 0), -1 for up to a newline, _TWO_LINES for two lines,
+    -(w+1) for a w-byte length prefix followed by that many bytes."""
+    if not _SIZES:
+        import pickletools
+
+        for op in pickletools.opcodes:
+            arg = op.arg
+            if arg is None:
+                size = 0
+            elif arg.n >= 0:
+                size = arg.n
+            elif arg.n == pickletools.UP_TO_NEWLINE:
+                size = _TWO_LINES if arg.name.endswith("_pair") else -1  # GLOBAL and INST: module, name
+            elif arg.n == pickletools.TAKEN_FROM_ARGUMENT1:
+                size = -2
+            elif arg.n in (pickletools.TAKEN_FROM_ARGUMENT4, pickletools.TAKEN_FROM_ARGUMENT4U):
+                size = -5
+            elif arg.n == pickletools.TAKEN_FROM_ARGUMENT8U:
+                size = -9
+            else:
+                continue
+            _SIZES[ord(op.code)] = size
+    return _SIZES
 
 
 class TorchFile(MappedFile):
