@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="build a tiny model and adapter offline and merge them",
+        help="build a tiny model and adapter offline, then open the assistant on them (or merge them: --no-ui)",
         description="Build a tiny random Qwen2-style model, a LoRA adapter and a tokenizer in a workspace "
         "folder (offline, in seconds), then open the merge assistant on it (on a terminal) or merge them "
         "right away (no terminal, or --no-ui).",
