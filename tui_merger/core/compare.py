@@ -87,8 +87,7 @@ def _compare_logits(plan, config: dict, reference: Path):
     if cls is None:
         return Check("behaviour", "skip", "skipped: the architecture is not a transformers class")
     _quiet_transformers()
-    embed = next((t.shape[0] for t in plan.tensors if t.name.endswith("embed_tokens.weight")), 1 << 30)
-    probes = _probes(config, embed)
+    probes = _probes(config, plan)
     with torch.no_grad():
         model = cls.from_pretrained(reference, dtype=torch.float32).eval()
         want = model(probes).logits.float()

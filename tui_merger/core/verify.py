@@ -424,11 +424,15 @@ def _model_class(config: dict):
     return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
-def _probes(config: dict, rows: int):
+def _probes(config: dict, plan):
+    """Fixed token ids within both the config's vocabulary and the model's input embedding rows."""
     import torch
 
+    from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES
+
+    rows = next((t.shape[0] for t in plan.tensors if t.name.endswith(INPUT_EMBEDDING_SUFFIXES)), None)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    vocab = min(v for v in (config.get("vocab_size", text.get("vocab_size")), rows) if v)
+    vocab = min(v for v in (config.get("vocab_size", text.get("vocab_size")), rows, 1 << 30) if v)
     g = torch.Generator().manual_seed(PROBE_SEED)
     return torch.randint(0, vocab, PROBE_SHAPE, generator=g)
 
@@ -486,11 +490,8 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
     _quiet_transformers()
     stored = options.dtype or inputs.dtype or str(config.get("dtype") or config.get("torch_dtype") or "float32")
     stored = stored if stored in KL_LIMIT else "float32"
-    from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES
-
     cdtype = _compute_dtype(sum(math.prod(t.shape) for t in plan.tensors), stored)
-    embed_rows = next((t.shape[0] for t in plan.tensors if t.name.endswith(INPUT_EMBEDDING_SUFFIXES)), None)
-    probes = _probes(config, embed_rows or 1 << 30)
+    probes = _probes(config, plan)
     tokens = _perplexity_tokens(out, text) if text else None
 
     def run(model) -> tuple:
