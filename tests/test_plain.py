@@ -141,14 +141,14 @@ def test_blocked_plan_shows_the_error_and_lets_the_user_change_the_base(ws, demo
         "2",  # Change the base model (there is no Start while blocked)
         str(ws / "adapter"),  # not a model folder: said, asked again
         str(demo / "base"),
-        "8",  # Quit
+        "9",  # Quit
     )
     assert code == 0
     assert "ERROR   The base model is quantized (bitsandbytes)" in out
     assert "1 problem(s) stop this merge; what do you want to change?" in out
     assert "1) Start the merge" not in out.split("Change the base model")[0]
     assert f"{ws / 'adapter'} has no config.json, so it is not a Hugging Face model folder." in out
-    assert out.rstrip().endswith("8) Quit\nNumber [1]: 8")
+    assert out.rstrip().endswith("9) Quit\nNumber [1]: 9")
     assert "Start the merge?" in out  # the new base unblocked it
     assert not merged_folders(ws) and sorted(os.listdir(ws)) == ["adapter", "base"]
 
@@ -189,7 +189,7 @@ def test_failed_merge_is_one_sentence_and_the_flow_goes_back_to_review(ws, monke
         return plan
 
     monkeypatch.setattr(plain, "make_plan", plan_then_truncate)
-    code, out = lines(ws, "1", "", "1", "1", "7")  # adapter, output, Start; Back to Review; Quit
+    code, out = lines(ws, "1", "", "1", "1", "8")  # adapter, output, Start; Back to Review; Quit
     assert code == 0
     [error] = [line for line in out.splitlines() if line.startswith("error: ")]
     assert "model.safetensors is not a valid safetensors file" in error and error.endswith("copy or download it again.")
@@ -209,7 +209,7 @@ def test_no_checkpoints_then_typed_paths(ws, tmp_path):
         "3",  # Type a path...
         str(ws / "adapter"),  # one checkpoint there: taken at once
         "",  # output folder
-        "8",  # Quit
+        "9",  # Quit
     )
     assert code == 0
     assert f"No checkpoints found in {empty}; type the path of one, or quit." in out
@@ -232,3 +232,28 @@ def test_explain_no_terminal_names_the_commands(ws, tmp_path):
     assert f"`tui-merger inspect {ws}`" in text
     assert f"For the latest checkpoint: `tui-merger merge --base {ws / 'base'} --adapter {ws / 'adapter'} --out " in text
     assert explain_no_terminal(tmp_path / "nowhere").endswith("then `tui-merger merge` merges one.")
+
+
+def test_dumb_flow_weights_the_adapter_and_blends_in_another(ws, tmp_path):
+    from factory import save_adapter
+
+    other = save_adapter(tmp_path / "other", ws / "base", seed=3, target_modules=["q_proj"], r=2, lora_alpha=2)
+    code, out = lines(
+        ws,
+        "1",  # the adapter
+        "",  # output folder
+        "4",  # Weight this adapter or blend in others
+        "abc",  # not a number: said, asked again
+        "0.5",
+        f"{tmp_path / 'nowhere'}:0.5",  # does not exist: said, asked again
+        f"{other}:0.25",
+        "1",  # Start the merge
+        "3",  # Finish: Done
+    )
+    assert code == 0, out
+    assert "not a number" in out and "nowhere does not exist" in out
+    assert "0.5 x adapter 1 (adapter:" in out and "0.25 x adapter 2 (other:" in out
+    [merged] = merged_folders(ws)
+    assert verification(merged)["passed"] is True
+    manifest = json.loads((merged / MANIFEST_NAME).read_text())
+    assert [p["weight"] for p in manifest["adapter"]["adapters"]] == [0.5, 0.25]

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, Static
+from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, Select, Static
 
 from tui_merger.core.events import TensorProgress
 from tui_merger.core.manifest import read_manifest
@@ -317,3 +317,64 @@ async def test_reopening_the_app_follows_a_running_job(workspace, tmp_path):
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "the job", tries=2400)
         assert "PASSED" in text(app, "#verify-status")
     assert read_manifest(out)["verification"]["passed"] is True
+
+
+async def test_review_blends_weighted_adapters(workspace, tmp_path):
+    """The Review step takes a weight for the picked adapter and more adapters as PATH:WEIGHT; the plan
+    shows both, and the merge writes the blend (checked against peft by the verification step)."""
+    from factory import save_adapter
+
+    other = save_adapter(tmp_path / "other-lora", workspace / "base", seed=9, target_modules=["q_proj", "v_proj"], r=2, lora_alpha=4)
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert app.screen.query_one("#weight", Input).display
+        app.screen.query_one("#weight", Input).value = "0.7"
+        app.screen.query_one("#more", Input).value = f"{other}:abc"
+        await recheck(pilot, app, "a plan with a bad weight")
+        assert "ERROR" in text(app, "#findings") or "not a number" in text(app, "#findings")
+        app.screen.query_one("#more", Input).value = f"{other}:0.3"
+        out = tmp_path / "blend"
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        plan = text(app, "#plan-text")
+        assert "0.7 x adapter 1 (adapter:" in plan and "0.3 x adapter 2 (other-lora:" in plan
+        assert "q_proj: adapter + other-lora" in plan
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
+    manifest = read_manifest(out)
+    assert [p["weight"] for p in manifest["adapter"]["adapters"]] == [0.7, 0.3]
+
+
+async def test_a_quantized_base_asks_for_the_16_bit_one_found_beside_it(workspace, tmp_path):
+    """The adapter names a bitsandbytes model; its 16-bit original lies beside it: Review says why the
+    quantized base is refused, shows the base field filled with the original, and a recheck passes."""
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace / "base", ws / "base")
+    shutil.copytree(workspace / "base", ws / "base-bnb-4bit")
+    shutil.copytree(workspace / "adapter", ws / "adapter")
+    cfg = json.loads((ws / "base-bnb-4bit" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (ws / "base-bnb-4bit" / "config.json").write_text(json.dumps(cfg))
+    acfg = json.loads((ws / "adapter" / "adapter_config.json").read_text())
+    acfg["base_model_name_or_path"] = str(ws / "base-bnb-4bit")
+    (ws / "adapter" / "adapter_config.json").write_text(json.dumps(acfg))
+    app = MergeApp(ws / "adapter")
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert "The base model is quantized (bitsandbytes)" in text(app, "#findings")
+        base = app.screen.query_one("#base", Input)
+        assert base.display and base.value == str(ws / "base")
+        assert app.screen.query_one("#next", Button).disabled
+        await recheck(pilot, app, "the plan with the 16-bit base")
+        assert "ERROR" not in text(app, "#findings")
+        assert wizard.options.base == ws / "base"
+        assert not app.screen.query_one("#next", Button).disabled, text(app, "#findings")
+        # QLoRA: the merge may go into the rounded weights training saw instead
+        roundtrip = app.screen.query_one("#roundtrip", Select)
+        assert roundtrip.display and roundtrip.value == ""
+        roundtrip.value = "nf4:double_quant=no"
+        await recheck(pilot, app, "the plan with the round trip")
+        assert wizard.options.base_roundtrip == "nf4:double_quant=no"
+        assert "round-tripped through" in text(app, "#findings")

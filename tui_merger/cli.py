@@ -40,9 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
         "is merged into the weights). verl's model_merger flags are accepted as users type them.",
     )
     _add_checkpoint_options(merge)
-    merge.add_argument("--adapter", type=Path, help="PEFT adapter folder (adapter_config.json)")
+    merge.add_argument(
+        "--adapter", action="append", metavar="ADAPTER[:WEIGHT]",
+        help="PEFT adapter folder (adapter_config.json), or a kohya-style LoRA .safetensors file; repeat it with "
+        "weights for a weighted merge: --adapter A:0.7 --adapter B:0.3 (W + 0.7*dA + 0.3*dB, exactly)",
+    )
     merge.add_argument("--out", "--target_dir", dest="out", type=Path, help="output folder (created; must be empty)")
     merge.add_argument("--export-adapter", "--export_adapter", dest="export_adapter", action="store_true", help="write the base model plus a PEFT adapter folder (lora_adapter/) instead of merging")
+    merge.add_argument(
+        "--qlora-base", dest="base_roundtrip", metavar="QUANT",
+        help="the adapter was trained with QLoRA on the 16-bit --base quantized as QUANT (nf4, or fp4): merge into "
+        "dequant(quant(W)), the weights training saw, instead of W itself. Defaults are QLoRA's (blocksize 64, "
+        "double quantization); change them like nf4:blocksize=64,double_quant=no,skip=mlp.gate. Without it the "
+        "adapter goes into the 16-bit weights",
+    )
     merge.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", metavar="ORG/NAME", help="upload the verified model to this Hub repo (private unless --public)")
     merge.add_argument("--public", action="store_true", help="with --hf_upload_path: create the repo public")
     merge.add_argument("--private", action="store_true", help=argparse.SUPPRESS)  # verl's flag; private is our default
@@ -288,7 +299,7 @@ def cmd_merge(args) -> int:
 
         check_token(args.hf_upload_path)  # a bad token is found now, not after the merge
     options = MergeOptions(
-        adapter=args.adapter,
+        adapters=args.adapter or [],
         out=args.out,
         shard_size=args.shard_size,
         tokenizer_from=args.tokenizer_from or "auto",
@@ -376,21 +387,15 @@ def _read_options(args) -> dict:
         lora_alpha=args.lora_alpha,
         is_value_model=args.is_value_model,
         tie_word_embedding=args.tie_word_embedding,
+        base_roundtrip=getattr(args, "base_roundtrip", None),  # merge only: --qlora-base
     )
 
 
 def _check_backend(checkpoint: Path, backend: str) -> None:
-    from tui_merger.core.errors import MergeError
+    """--backend fsdp on a Megatron folder (or the reverse) is said in one sentence; auto detects."""
+    from tui_merger.core.megatron import check_backend
 
-    megatron = any(
-        (checkpoint / p).exists()
-        for p in ("dist_ckpt", "model/dist_ckpt", "model/mp_rank_00", "actor/dist_ckpt", "actor/model")
-    )
-    if backend == "megatron" or megatron:
-        raise MergeError(
-            f"{checkpoint} is a Megatron checkpoint; tui-merger reads verl FSDP checkpoints and PEFT adapters "
-            "today, Megatron support is coming."
-        )
+    check_backend(checkpoint, backend)
 
 
 def cmd_test(args) -> int:

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 MAX_TARGETS = 8
 
@@ -151,13 +152,8 @@ def next_step(result, where) -> str | None:
     c = max(pool, key=mtime)
     path = where(c.path)
     q = shlex.quote
-    if c.kind == "verl-megatron":
-        return (
-            f"{path} is a Megatron checkpoint, which tui-merger cannot merge yet (verl's merger: python -m "
-            f"verl.model_merger merge --backend megatron --local_dir {q(path)} --target_dir OUT)."
-        )
-    if c.kind == "kohya-lora":
-        return f"{path} is a kohya-style LoRA file, which tui-merger cannot merge yet."
+    if c.kind == "verl-megatron" and (Path(c.path) / "adapter_checkpoint").is_dir():
+        return f"{path} holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet."
     if c.kind in ("hf-model", "trainer-checkpoint") and not c.needs_base:
         return f"{path} is a full model, not an adapter: nothing to merge; load it as it is."
     base_arg = q(shown(c.base_path)) if c.base_resolves in ("path", "hf-cache") else "BASE_MODEL"
@@ -165,6 +161,8 @@ def next_step(result, where) -> str | None:
         out = os.path.join(where(c.run), f"merged-step-{c.step}" + ("-critic" if c.role == "critic" else ""))
     else:
         out = f"{path}-merged"
+    if c.kind == "verl-megatron":
+        return f"tui-merger merge --backend megatron --local_dir {q(path)} --target_dir {q(out)}"
     if c.kind == "verl-fsdp":
         base = f" --base {base_arg}" if c.needs_base else ""
         alpha = " --lora-alpha ALPHA" if c.lora is not None and not c.lora["alpha"] else ""

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from tui_merger.cli_verify import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
-from tui_merger.core.choices import default_out_folder, needs_alpha, options_for, why_not_mergeable
+from tui_merger.core.choices import default_out_folder, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
 from tui_merger.core.errors import MergeError
 from tui_merger.core.events import Notice
 from tui_merger.core.inspect import scan, shown
-from tui_merger.core.options import MergeOptions, human_bytes, parse_size
+from tui_merger.core.options import MergeOptions, human_bytes, parse_size, parse_weight
 from tui_merger.core.preflight import ERROR, WARNING, describe, make_plan
 
 STEPS = ("Find", "Review", "Merge", "Verify", "Finish")
@@ -312,6 +312,9 @@ class _Flow:
             menu.append((f"Change the base model (now {shown(o.base)})", lambda: {"base": self.ask_base(o.base)}))
         if o.lora_alpha is not None:
             menu.append((f"Change lora_alpha (now {o.lora_alpha:g})", lambda: {"lora_alpha": self.ask_alpha()}))
+        if o.adapter is not None and o.checkpoint is None:
+            now = ", ".join(f"{p.name} x {w:g}" for p, w in o.adapter_weights())
+            menu.append((f"Weight this adapter or blend in others (now {now})", self.edit_weights))
         menu += [
             (f"Change the dtype (now {dtype})", self.edit_dtype),
             (f"Change the shard size (now {human_bytes(o.shard_size)})", self.edit_shard_size),
@@ -320,6 +323,16 @@ class _Flow:
             ("Quit", "quit"),
         ]
         return menu
+
+    def edit_weights(self) -> dict:
+        parts = self.options.adapter_weights()
+        first, weight = parts[0]
+        answer = self.ask.text(f"Weight of {first.name} (1 = as trained):", default=f"{weight:g}", validate=_check_weight)
+        more = self.ask.text(
+            "Other adapters to blend in, as PATH:WEIGHT separated by ; (empty: none):",
+            default="; ".join(f"{p}:{w:g}" for p, w in parts[1:]), validate=_check_more,
+        )
+        return {"adapter": None, "adapters": [(first, float(answer)), *parse_more_adapters(more)]}
 
     def edit_out(self) -> dict:
         answer = self.ask.text("Output folder:", default=str(self.options.out), validate=_not_empty)
@@ -524,6 +537,24 @@ def _check_base(text: str) -> str | None:
         return "Type the path of a model folder."
     if not (folder / "config.json").is_file():
         return f"{text} has no config.json, so it is not a Hugging Face model folder."
+    return None
+
+
+def _check_weight(text: str) -> str | None:
+    try:
+        parse_weight(text, "this adapter")
+    except MergeError as err:
+        return str(err)
+    return None
+
+
+def _check_more(text: str) -> str | None:
+    try:
+        for path, _ in parse_more_adapters(text):
+            if not path.exists():
+                return f"{path} does not exist."
+    except MergeError as err:
+        return str(err)
     return None
 
 

@@ -53,7 +53,9 @@ class LoraModule:
     magnitude: TensorRef | None = None
     r: int = 0
     alpha: float = 0.0
-    scale: float = 0.0
+    scale: float = 0.0  # alpha / r (or / sqrt(r)), times the adapter's weight in a weighted merge
+    origin: int = 0  # which adapter of a weighted merge (index into config["adapters"])
+    terms: list["LoraModule"] = field(default_factory=list)  # the same module in the other adapters
 
     @property
     def is_embedding(self) -> bool:
@@ -295,6 +297,8 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
         "task_type": cfg.get("task_type", "CAUSAL_LM"),
         "r": int(cfg.get("r", next(iter(adapter.lora.values())).r if adapter.lora else 8)),
         "lora_alpha": cfg.get("lora_alpha"),
+        "rank_pattern": cfg.get("rank_pattern") or {},
+        "alpha_pattern": cfg.get("alpha_pattern") or {},
         "target_modules": targets,
         "use_rslora": bool(cfg.get("use_rslora", False)),
         "lora_dropout": 0.0,
@@ -305,3 +309,33 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
     }
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [f"{dest.name}/adapter_config.json", f"{dest.name}/{ADAPTER_WEIGHTS[0]}"]
+
+
+def open_any_adapter(path: Path, base_names=None) -> PeftAdapter:
+    """What --adapter names: a PEFT adapter folder, the adapter_model file inside one, or a kohya-style
+    LoRA ``.safetensors`` file (mapped onto ``base_names``, the base's tensor names)."""
+    path = Path(path)
+    if path.is_dir() or not path.exists():
+        return open_adapter(path)  # says what is wrong with a missing folder
+    if path.name in ADAPTER_WEIGHTS and (path.parent / "adapter_config.json").is_file():
+        return open_adapter(path.parent)
+    if path.name.endswith(".safetensors"):
+        from tui_merger.core.kohya import file_kind, open_kohya
+
+        kind = file_kind(path)
+        if kind == "kohya":
+            if base_names is None:
+                raise MergeError(
+                    f"{path} is a kohya-style LoRA file, whose module names can only be read against the base "
+                    "model; give the base model as well."
+                )
+            return open_kohya(path, base_names)
+        if kind == "peft":
+            raise MergeError(
+                f"{path} holds peft LoRA tensors (lora_A / lora_B) but has no adapter_config.json beside it; "
+                "point --adapter at the folder peft's save_pretrained wrote, with its adapter_config.json."
+            )
+    raise MergeError(
+        f"{path} is neither a PEFT adapter folder nor a kohya-style LoRA .safetensors file; point --adapter "
+        "at the folder holding adapter_config.json, or at a .safetensors file with lora_down / lora_up tensors."
+    )

@@ -62,7 +62,8 @@ def render_model_card(manifest: dict) -> str:
     lines.append("")
     if adapter:
         lines.append(
-            f"This model is {manifest.get('base_model') or 'a base model'} with a LoRA adapter merged into its weights by "
+            f"This model is {manifest.get('base_model') or 'a base model'} with "
+            f"{'weighted LoRA adapters' if adapter.get('adapters') else 'a LoRA adapter'} merged into its weights by "
             f"tui-merger {manifest.get('tool', {}).get('version', '')}."
             if manifest.get("kind") != "export-adapter"
             else "A base model and its LoRA adapter (in `lora_adapter/`), written by tui-merger."
@@ -75,6 +76,8 @@ def render_model_card(manifest: dict) -> str:
             if value not in (None, [], ""):
                 shown = ", ".join(map(str, value)) if isinstance(value, list) else value
                 lines.append(f"| {key} | {shown} |")
+        for part in adapter.get("adapters") or []:  # a weighted merge of several adapters
+            lines.append(f"| adapter | {Path(str(part.get('path'))).name} × {part.get('weight')} (r={part.get('r')}) |")
     else:
         lines.append(f"Converted from a training checkpoint by tui-merger {manifest.get('tool', {}).get('version', '')}.")
     lines.append("")

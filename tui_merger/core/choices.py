@@ -8,15 +8,13 @@ from pathlib import Path
 from tui_merger.core.errors import MergeError
 from tui_merger.core.options import MergeOptions
 
-MERGEABLE = ("peft-adapter", "trainer-checkpoint", "verl-fsdp")
+MERGEABLE = ("peft-adapter", "trainer-checkpoint", "verl-fsdp", "verl-megatron", "kohya-lora")
 
 
 def why_not_mergeable(c) -> str | None:
     """None when tui-merger can merge this candidate, else one sentence why not."""
-    if c.kind == "verl-megatron":
-        return "Megatron checkpoints cannot be merged by tui-merger yet."
-    if c.kind == "kohya-lora":
-        return "kohya-style LoRA files cannot be merged by tui-merger yet."
+    if c.kind == "verl-megatron" and (Path(c.path) / "adapter_checkpoint").is_dir():
+        return "Megatron PEFT adapters (adapter_checkpoint/) cannot be merged by tui-merger yet."
     if c.kind == "hf-model":
         return "This is already a complete Hugging Face model: there is nothing to merge."
     if c.kind == "trainer-checkpoint" and not c.lora:
@@ -30,11 +28,25 @@ def needs_base(c) -> bool:
     """The user must give the base model folder (it is not named, or not on this machine)."""
     if c.kind == "verl-fsdp":
         return bool(c.needs_base)
+    if c.kind == "verl-megatron":
+        return False  # the checkpoint holds every weight and its config
     return not c.base_path
 
 
 def needs_alpha(c) -> bool:
     return c.kind == "verl-fsdp" and bool(c.lora) and not c.lora.get("alpha")
+
+
+def can_weight(c) -> bool:
+    """An adapter the user may weight and blend with other adapters (not a checkpoint's own LoRA)."""
+    return c.kind != "verl-fsdp" and c.kind != "verl-megatron"
+
+
+def parse_more_adapters(text: str) -> list:
+    """'a:0.3; b:0.5' -> [(a, 0.3), (b, 0.5)] (what the TUI's "more adapters" field holds)."""
+    from tui_merger.core.options import parse_adapter_spec
+
+    return [parse_adapter_spec(item.strip()) for item in (text or "").split(";") if item.strip()]
 
 
 def default_out_folder(c) -> tuple[Path, str]:
@@ -48,16 +60,23 @@ def default_out_folder(c) -> tuple[Path, str]:
     return Path.cwd(), f"into the current folder, {Path.cwd()}, because {beside} is not writable"
 
 
-def options_for(c, *, base=None, out=None, lora_alpha=None, **write_options) -> MergeOptions:
-    """MergeOptions for a candidate; ``write_options``: dtype, shard_size, tokenizer_from, overwrite."""
+def options_for(c, *, base=None, out=None, lora_alpha=None, weight="1", more="", **write_options) -> MergeOptions:
+    """MergeOptions for a candidate; ``write_options``: dtype, shard_size, tokenizer_from, overwrite.
+    ``weight`` and ``more`` ('path:weight; ...') make a weighted merge of several adapters."""
     problem = why_not_mergeable(c)
     if problem:
         raise MergeError(problem)
-    base = base or (c.base_path if c.kind != "verl-fsdp" else None)
-    if c.kind == "verl-fsdp":
+    base = base or (c.base_path if c.kind not in ("verl-fsdp", "verl-megatron") else None)
+    if c.kind in ("verl-fsdp", "verl-megatron"):
         return MergeOptions(checkpoint=Path(c.path), base=base, out=out, lora_alpha=lora_alpha, **write_options)
     if not base:
         raise MergeError("Say which base model the adapter was trained on (a folder with config.json).")
+    from tui_merger.core.options import parse_weight
+
+    extra = parse_more_adapters(more)
+    first = (Path(c.path), parse_weight(weight, Path(c.path).name))
+    if extra or first[1] != 1.0:
+        return MergeOptions(base=Path(base), adapters=[first, *extra], out=out, **write_options)
     return MergeOptions(base=Path(base), adapter=Path(c.path), out=out, **write_options)
 
 

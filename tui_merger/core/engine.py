@@ -22,7 +22,8 @@ from tui_merger.core.events import (
     TensorProgress,
     ignore_event,
 )
-from tui_merger.core.adapter import empty_adapter, export_peft_adapter
+from tui_merger.core.adapter import empty_adapter
+from tui_merger.core.combine import export_adapter_folder, overlap_summary
 from tui_merger.core.files import copy_files, edited_config
 from tui_merger.core.inputs import open_inputs, paths_of
 from tui_merger.core.journal import Journal, fingerprint
@@ -92,7 +93,7 @@ def run_merge(
                 check_space(folder.parent, max(plan.total_bytes - kept_bytes, 0))
                 _write(plan, tmp, options, result, on_event, notice, cancel, fsync, journal, set(kept))
                 cancel.raise_if_cancelled()
-                extra = export_peft_adapter(inputs.adapter, tmp / ADAPTER_DIR, fsync) if options.export_adapter else []
+                extra = export_adapter_folder(inputs.adapter, tmp / ADAPTER_DIR, fsync) if options.export_adapter else []
                 on_event(PhaseStarted("files", "Writing config, tokenizer and the other files"))
                 out_config = edited_config(inputs.config, result.config_changes, dtype)
                 (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
@@ -137,8 +138,14 @@ def _describe_inputs(result: MergeResult, inputs, options: MergeOptions) -> None
             "rank_pattern": cfg.get("rank_pattern") or {},
             "alpha_pattern": cfg.get("alpha_pattern") or {},
         }
+        if cfg.get("combined"):  # a weighted merge: each adapter with its weight, and who touches what
+            result.adapter_info["adapters"] = cfg["adapters"]
+            result.adapter_info["r"] = sorted({d.get("r") for d in cfg["adapters"]}, key=str)
+            result.adapter_info["alpha"] = sorted({d.get("lora_alpha") for d in cfg["adapters"]}, key=str)
+            result.adapter_info["overlaps"] = overlap_summary(adapter)
     named = cfg.get("base_model_name_or_path") or inputs.config.get("_name_or_path")
     result.base_model = str(named) if named else (str(options.base) if options.base else None)
+    result.base_weights = dict(inputs.base_weights)
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tui_merger.core.adapter import PeftAdapter, adapter_from_source, empty_adapter, open_adapter
+from tui_merger.core.adapter import PeftAdapter, adapter_from_source, empty_adapter, open_any_adapter
+from tui_merger.core.combine import combine_adapters
 from tui_merger.core.errors import MergeError
 from tui_merger.core.files import FilePlan, plan_files, read_config
 from tui_merger.core.options import MergeOptions
@@ -31,6 +32,8 @@ class Inputs:
     notices: list[str] = field(default_factory=list)
     closers: list = field(default_factory=list)
     read_files: list[Path] = field(default_factory=list)  # every input file the output depends on
+    base_weights: dict = field(default_factory=lambda: {"weights": "as stored"})  # or the --qlora-base round trip
+    parts: list = field(default_factory=list)  # a weighted merge: [(PeftAdapter, weight, path), ...]
 
     def close(self) -> None:
         for item in self.closers:
@@ -38,33 +41,60 @@ class Inputs:
 
 
 def paths_of(options: MergeOptions) -> list[Path]:
-    return [p for p in (options.base, options.adapter, options.checkpoint) if p is not None]
+    extra = [p for p, _ in options.adapters[1:]]
+    return [p for p in (options.base, options.adapter, options.checkpoint, *extra) if p is not None]
 
 
 def open_inputs(options: MergeOptions) -> Inputs:
     if options.checkpoint is not None:
-        return _open_fsdp(options)
+        from tui_merger.core.megatron import is_megatron_checkpoint
+
+        return _open_megatron(options) if is_megatron_checkpoint(options.checkpoint) else _open_fsdp(options)
     base = open_model(options.base)
+    inputs = Inputs(base, empty_adapter(options.adapter), {}, FilePlan(), paths_of(options), closers=[base])
     try:
-        adapter = open_adapter(options.adapter)
-    except BaseException:
-        base.close()
-        raise
-    inputs = Inputs(base, adapter, {}, FilePlan(), paths_of(options), closers=[base, adapter])
-    try:
+        parts = []
+        for path, weight in options.adapter_weights():
+            part = open_any_adapter(path, base.tensors)
+            inputs.closers.append(part)
+            parts.append((part, weight, path))
+        inputs.parts = parts
+        adapter = inputs.adapter = combine_adapters(parts)
         inputs.config = read_config(options.base)
+        _quantized_base(inputs, options)
         inputs.files = plan_files(options.base, options.adapter, inputs.config, options.tokenizer_from)
         inputs.notices = adapter.notices + inputs.files.notices
+        adapter_files = []
+        for part, _, _ in parts:
+            if part.folder.is_file():  # a kohya-style LoRA file: the file itself is the adapter
+                adapter_files.append(part.folder)
+            else:
+                adapter_files += [part.folder / "adapter_config.json"] + [part.folder / f for f in part.source.files]
         inputs.read_files = (
             [options.base / f for f in base.files]
-            + [options.base / "config.json", options.adapter / "adapter_config.json"]
-            + [options.adapter / f for f in adapter.source.files]
+            + [options.base / "config.json"]
+            + adapter_files
             + [src for src, _ in inputs.files.copies]
         )
     except BaseException:
         inputs.close()
         raise
     return inputs
+
+
+def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
+    """Weights saved already quantized (bitsandbytes, GPTQ, AWQ) are refused; with --qlora-base the
+    base reads as dequant(quant(W)), the weights QLoRA training saw. The settings come from the flag
+    alone (default: blocksize 64, double quantization, as QLoRA): the 16-bit base records nothing about
+    how training quantized it, and peft saves nothing about it either."""
+    from tui_merger.core.quant import RoundTripSource, parse_roundtrip, refuse_packed
+
+    refuse_packed(inputs.base, inputs.config, options.base)
+    if options.base_roundtrip:
+        conv1d = True if getattr(inputs.adapter, "fan_in_fan_out", False) else None  # else: by model_type
+        source = RoundTripSource(inputs.base, parse_roundtrip(options.base_roundtrip), inputs.config, conv1d)
+        inputs.base = source
+        inputs.base_weights = source.describe()
 
 
 def _lora_config(folder: Path, options: MergeOptions, ranks: set[int]) -> dict:
@@ -148,6 +178,14 @@ def _open_fsdp(options: MergeOptions) -> Inputs:
         inputs.close()
         raise
     return inputs
+
+
+def _open_megatron(options: MergeOptions) -> Inputs:
+    """A verl Megatron checkpoint (dist_ckpt v1/v2, legacy mp_rank files, or HF weights saved by
+    mbridge): converted to Hugging Face names by core/megatron.py, no adapter."""
+    from tui_merger.core.megatron import open_megatron_inputs
+
+    return open_megatron_inputs(options)
 
 
 def _value_model(inputs: Inputs, options: MergeOptions, layout) -> None:

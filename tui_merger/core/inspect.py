@@ -674,9 +674,8 @@ class _Scanner:
         if layout == "v2" and self.weight_files(hf, hf_names):
             c.notes.append("model/huggingface holds the model in Hugging Face format (mbridge): nothing to merge.")
         if _is_dir(names.get("adapter_checkpoint")):
-            c.notes.append("holds a Megatron PEFT adapter (adapter_checkpoint/).")
+            c.notes.append("holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet.")
         self.sized(c, names.values(), recursive=True)
-        c.notes.append("tui-merger cannot merge Megatron checkpoints yet.")
         return c
 
     def loose_safetensors(self, path: Path) -> bool:
@@ -714,7 +713,6 @@ class _Scanner:
         base = st.metadata.get("ss_sd_model_name") or st.metadata.get("ss_base_model_version")
         c.base_model = base if isinstance(base, str) and base else None
         self.resolve_base(c, path.parent)
-        c.notes.append("tui-merger cannot merge kohya-style LoRA files yet.")
         try:
             c.size_bytes = os.stat(path).st_size
         except OSError as err:

@@ -20,7 +20,7 @@ from tui_merger.core.manifest import remember_hash, sha256_file
 
 JOURNAL_NAME = ".tui-merger-journal.json"
 _SHAPING = ("base", "adapter", "checkpoint", "dtype", "shard_size", "force_fp16_overflow", "lora_alpha",
-            "is_value_model", "tie_word_embedding", "export_adapter")
+            "is_value_model", "tie_word_embedding", "export_adapter", "base_roundtrip", "adapters")
 
 
 def fingerprint(options, read_files, plan) -> str:

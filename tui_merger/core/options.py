@@ -85,26 +85,89 @@ class MergeOptions:
     is_value_model: bool = False
     tie_word_embedding: bool = False
     export_adapter: bool = False  # write the base and a PEFT adapter folder instead of merging
+    base_roundtrip: str | None = None  # "nf4[:blocksize=64,double_quant=no]": merge into dequant(quant(W)), as QLoRA saw it
+    # weighted merge: [(adapter, weight), ...]; the first is also ``adapter``. Empty: ``adapter`` with weight 1.
+    adapters: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for key in ("base", "adapter", "out", "checkpoint"):
             value = getattr(self, key)
             if value is not None:
                 setattr(self, key, Path(value).expanduser())
+        self.adapters = [_adapter_spec(item) for item in self.adapters]
+        if self.adapters and self.adapter is None:
+            self.adapter = self.adapters[0][0]
+        elif self.adapters and self.adapters[0][0] != self.adapter:
+            raise MergeError("Give the adapters either as --adapter options or as a list, not both.")
+        if len({path for path, _ in self.adapters}) < len(self.adapters):
+            raise MergeError("The same adapter is given twice; give each adapter once with its weight.")
         if self.checkpoint is None and (self.base is None or self.adapter is None):
             raise MergeError("Give a base model and an adapter (--base and --adapter), or a checkpoint folder.")
         self.dtype = normalize_dtype(self.dtype)
         self.shard_size = parse_size(self.shard_size)
+        if self.base_roundtrip is not None:
+            from tui_merger.core.quant import parse_roundtrip
+
+            parse_roundtrip(self.base_roundtrip)  # a bad value is said now, in one sentence
+            if self.checkpoint is not None:
+                raise MergeError("--qlora-base works with --base and --adapter, not with a checkpoint folder.")
         if self.tokenizer_from not in ("auto", "base", "adapter"):
             raise MergeError(
                 f"--tokenizer-from must be base or adapter, not '{self.tokenizer_from}'."
             )
 
+    @property
+    def weighted(self) -> bool:
+        """More than one adapter, or one with a weight other than 1."""
+        return len(self.adapters) > 1 or any(w != 1.0 for _, w in self.adapters)
+
+    def adapter_weights(self) -> list[tuple[Path, float]]:
+        """Every adapter with its weight (an unweighted merge: the one adapter, weight 1)."""
+        if self.adapters:
+            return list(self.adapters)
+        return [(self.adapter, 1.0)] if self.adapter is not None else []
+
     def to_dict(self) -> dict:
         data = asdict(self)
         for key in ("base", "adapter", "out", "checkpoint"):
             data[key] = None if data[key] is None else str(data[key])
+        data["adapters"] = [[str(p), w] for p, w in self.adapters]
         return data
+
+
+def _adapter_spec(item) -> tuple[Path, float]:
+    if isinstance(item, (str, Path)):
+        return parse_adapter_spec(str(item))
+    path, weight = item
+    return Path(path).expanduser(), parse_weight(weight, str(path))
+
+
+def parse_weight(value, where: str) -> float:
+    import math
+
+    try:
+        weight = float(value)
+    except (TypeError, ValueError):
+        raise MergeError(f"The weight of {where} is '{value}', not a number; write it like ADAPTER:0.7.") from None
+    if not math.isfinite(weight):
+        raise MergeError(f"The weight of {where} must be a finite number, not {value}.")
+    if weight == 0:
+        raise MergeError(f"A weight of 0 leaves {where} out of the merge; remove that --adapter instead.")
+    return weight
+
+
+def parse_adapter_spec(text: str) -> tuple[Path, float]:
+    """'path/to/adapter:0.7' -> (path, 0.7); a plain path has weight 1. A path that exists as given
+    (even with a colon in its name) is taken as a path."""
+    path = Path(text).expanduser()
+    head, sep, tail = text.rpartition(":")
+    if not sep or path.exists() or not head:
+        return path, 1.0
+    try:
+        float(tail)
+    except ValueError:
+        return path, 1.0  # a colon that is part of the name
+    return Path(head).expanduser(), parse_weight(tail, head)
 
 
 @dataclass
@@ -124,3 +187,4 @@ class MergeResult:
     input_files: list[Path] = field(default_factory=list)
     adapter_info: dict | None = None  # r, alpha, variant, target_modules, modules_to_save
     base_model: str | None = None  # what the adapter / checkpoint says its base is
+    base_weights: dict | None = None  # which base weights: as stored, or the --qlora-base round trip and its settings

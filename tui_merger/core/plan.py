@@ -179,8 +179,8 @@ def build_plan(
         if name:
             sources[name] = ref
 
-    # 3. LoRA deltas
-    for mod, entry in adapter.lora.items():
+    # 3. LoRA deltas (one op per adapter touching the module in a weighted merge)
+    for mod, entry in [(m, term) for m, first in adapter.lora.items() for term in [first, *first.terms]]:
         name = resolve(mod, "weight", "LoRA pair")
         if not name:
             continue

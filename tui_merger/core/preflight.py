@@ -53,6 +53,8 @@ class MergePlan:
     estimated_seconds: float = 0.0
     adapter: dict | None = None
     findings: list[Finding] = field(default_factory=list)
+    suggested_base: str | None = None  # a local 16-bit model to use instead of a quantized base
+    suggested_roundtrip: str | None = None  # the --qlora-base value that reproduces the training's rounding
 
     @property
     def blocked(self) -> bool:
@@ -75,6 +77,8 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
 
     plan = MergePlan(options=options.to_dict(), suggested_out="", shard_size=options.shard_size)
     plan.inputs = {k: str(v) for k, v in (("checkpoint", options.checkpoint), ("base", options.base), ("adapter", options.adapter)) if v}
+    for number, (path, _) in enumerate(options.adapters[1:], start=2):
+        plan.inputs[f"adapter {number}"] = str(path)
     add = plan.findings.append
     raw = _raw_adapter(options, add)
     try:
@@ -119,7 +123,8 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             _check_targets(inputs.adapter, inputs.base, add)
             _check_against_adapter_side(options, base_config, add)
             _check_vocab(options, inputs, add)
-        _check_quantized(inputs.config, add)
+        plan.suggested_roundtrip = _check_quantized(options, inputs, add)
+        plan.suggested_base = _suggested_base(options, inputs)
         _check_remote_code(inputs.config, add)
         _check_nan(inputs.adapter, add)
     finally:
@@ -132,10 +137,14 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
 
 
 def _raw_adapter(options: MergeOptions, add) -> dict | None:
-    """adapter_config.json of a PEFT adapter, with the checks that make the parser refuse it."""
-    if options.adapter is None:
-        return None
-    path = Path(options.adapter) / "adapter_config.json"
+    """adapter_config.json of the (first) PEFT adapter, with the checks that make the parser refuse
+    it; each adapter of a weighted merge is checked."""
+    configs = [_raw_one(Path(path), add) for path, _ in options.adapter_weights()]
+    return configs[0] if configs else None
+
+
+def _raw_one(folder: Path, add) -> dict | None:
+    path = folder / "adapter_config.json"
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -154,7 +163,7 @@ def _raw_adapter(options: MergeOptions, add) -> dict | None:
             f"lora_alpha is 0 in {path}, so the adapter would change nothing.",
             "Set lora_alpha to the value used in training.",
         ))
-    _check_rank(options.adapter, cfg, add)
+    _check_rank(folder, cfg, add)
     return cfg
 
 
@@ -206,8 +215,9 @@ def _adapter_summary(adapter) -> dict | None:
     if not adapter.lora:
         return None
     cfg = adapter.config
-    ranks = sorted({m.r for m in adapter.lora.values()})
-    alphas = sorted({m.alpha for m in adapter.lora.values()})
+    every = [m for entry in adapter.lora.values() for m in (entry, *entry.terms)]
+    ranks = sorted({m.r for m in every})
+    alphas = sorted({m.alpha for m in every})
     return {
         "modules": len(adapter.lora),
         "r": ranks[0] if len(ranks) == 1 else ranks,
@@ -215,6 +225,19 @@ def _adapter_summary(adapter) -> dict | None:
         "variant": "dora" if cfg.get("use_dora") else ("rslora" if cfg.get("use_rslora") else "lora"),
         "target_modules": cfg.get("target_modules") or sorted({m.rsplit(".", 1)[-1] for m in adapter.lora}),
         "modules_to_save": cfg.get("modules_to_save") or [],
+        **(_weighted_summary(adapter) if cfg.get("combined") else {}),
+    }
+
+
+def _weighted_summary(adapter) -> dict:
+    from tui_merger.core.combine import overlap_summary, overlaps
+
+    parts = adapter.config["adapters"]
+    return {
+        "variant": "weighted lora",
+        "adapters": [{k: d[k] for k in ("path", "weight", "r", "lora_alpha", "modules")} for d in parts],
+        "overlaps": overlap_summary(adapter),
+        "overlap_modules": {mod: [parts[i]["path"] for i in who] for mod, who in overlaps(adapter).items()},
     }
 
 
@@ -300,6 +323,16 @@ def _check_against_adapter_side(options: MergeOptions, base_config: dict, add) -
         names = _names_of_base(base, base_config)
         resolved = resolve_model_reference(named)
         same = named in names or Path(str(named)).name in names or (resolved is not None and resolved.resolve() == base.resolve())
+        if not same and resolved is not None:  # QLoRA: trained on a quantized model made from this base
+            from tui_merger.core.quant import find_unquantized_base, quantization_info
+
+            try:
+                qcfg = json.loads((resolved / "config.json").read_text())
+            except (OSError, ValueError):
+                qcfg = {}
+            if isinstance(qcfg, dict) and quantization_info(qcfg) is not None:
+                origin = find_unquantized_base(qcfg, resolved)
+                same = origin is not None and origin.resolve() == base.resolve()
         if not same:
             add(Finding(
                 "base-name", WARNING,
@@ -394,15 +427,86 @@ def _tokenizer_size(folder: Path) -> int | None:
     return max(ids) + 1 if ids else None
 
 
-def _check_quantized(config: dict, add) -> None:
-    q = config.get("quantization_config")
-    if isinstance(q, dict):
-        method = q.get("quant_method") or ("bitsandbytes" if q.get("load_in_4bit") or q.get("load_in_8bit") else "quantized")
+def _suggested_base(options: MergeOptions, inputs) -> str | None:
+    from tui_merger.core.quant import find_unquantized_base, quantization_info
+
+    if options.checkpoint is not None or quantization_info(inputs.config) is None:
+        return None
+    found = find_unquantized_base(inputs.config, options.base)
+    return str(found) if found is not None else None
+
+
+def _check_quantized(options: MergeOptions, inputs, add) -> str | None:
+    """A quantized base (explained, with the local 16-bit model it was made from when there is one);
+    the --qlora-base round trip in use; an adapter trained on a quantized model (QLoRA) merged into
+    16-bit weights, which is right, with the round trip offered."""
+    from tui_merger.core.quant import FLAG, origin_fix, parse_roundtrip, quantization_info
+
+    info = quantization_info(inputs.config)
+    if info is not None:
+        fix = origin_fix(inputs.config, options.base or options.checkpoint)
+        if info.can_roundtrip:
+            fix += f" With it, {FLAG} {info.flag_value()} merges into the rounded weights QLoRA training saw."
+        add(Finding("quantized", ERROR, f"The base model is quantized ({info.method}). {info.explanation}", fix))
+        return
+    if options.checkpoint is not None:
+        return
+    named, trained = _trained_quantized(options)
+    if options.base_roundtrip:
+        chosen = parse_roundtrip(options.base_roundtrip)
+        count = len(getattr(inputs.base, "round_tripped", []))
+        if not count:
+            add(Finding(
+                "qlora-base", WARNING,
+                f"{FLAG} was given but the base has no Linear weights bitsandbytes would quantize, so nothing is round-tripped.",
+                f"Check the skip= setting of {FLAG}.",
+            ))
+            return
         add(Finding(
-            "quantized", ERROR,
-            f"The base model is quantized ({method}); merging into quantized weights loses the adapter's precision.",
-            "Merge into the original 16-bit base model (the one the quantized model was made from).",
+            "qlora-base", INFO,
+            f"The adapter is merged into {count} Linear weights of the base round-tripped through {chosen.label} "
+            f"(blocksize {chosen.blocksize}), the weights QLoRA training saw, not into the 16-bit weights.",
         ))
+        suggested = trained.flag_value() if trained is not None and trained.can_roundtrip else chosen.flag_value()
+        if trained is not None and trained.can_roundtrip and trained.flag_value() != chosen.flag_value():
+            add(Finding(
+                "qlora-settings", WARNING,
+                f"{FLAG} {options.base_roundtrip} differs from {named}, the quantized model the adapter names ({trained.label}).",
+                f"Use {FLAG} {trained.flag_value()} to reproduce that model's rounding.",
+            ))
+        return suggested
+    if named is None or (trained is not None and not trained.can_roundtrip):
+        return
+    label = trained.label if trained is not None else "4-bit bitsandbytes"
+    value = trained.flag_value() if trained is not None else "nf4"
+    add(Finding(
+        "qlora", INFO,
+        f"The adapter was trained on {named}, a {label} model (QLoRA); it is merged into the 16-bit weights of "
+        "the base given, the usual choice.",
+        f"To merge into the rounded weights training saw instead, add {FLAG} {value}.",
+    ))
+    return value
+
+
+_QUANTIZED_NAME = re.compile(r"bnb|[-_.](?:4bit|nf4)(?:$|[-_.])", re.I)
+
+
+def _trained_quantized(options: MergeOptions):
+    """(name, QuantInfo or None) when the adapter names a quantized base: by its config when that model
+    is local, else by a name like ``...-bnb-4bit`` (settings unknown); (name or None, None) otherwise."""
+    from tui_merger.core.quant import quantization_info
+
+    try:
+        named = json.loads((Path(options.adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None, None
+    if not named or not isinstance(named, str):
+        return None, None
+    path = resolve_model_reference(named)
+    if path is not None:
+        info = quantization_info(_read_json(path / "config.json"))
+        return (named, info) if info is not None else (None, None)
+    return (named, None) if _QUANTIZED_NAME.search(named) else (None, None)
 
 
 def _check_remote_code(config: dict, add) -> None:
@@ -522,6 +626,7 @@ def suggest_name(options: MergeOptions, inputs, raw: dict | None, today: datetim
     base_ref = cfg.get("base_model_name_or_path") or (inputs.config.get("_name_or_path") if inputs else None) or (options.base and str(options.base))
     base = Path(str(base_ref or "model")).name or "model"
     source = Path(options.adapter or options.checkpoint or "merged")
+    source = source.with_suffix("") if source.suffix == ".safetensors" else source  # a kohya LoRA file
     task = next((p.name for p in (source, *source.parents) if p.name and not _GENERIC.match(p.name)), "merged")
     parts = [base, task]
     r = cfg.get("r")
@@ -546,6 +651,13 @@ def describe(plan: MergePlan) -> list[str]:
         a = plan.adapter
         targets = a["target_modules"] if isinstance(a["target_modules"], str) else ", ".join(sorted(map(str, a["target_modules"])))
         lines.append(f"  {'LoRA':10} r={a['r']} alpha={a['alpha']} {a['variant']}, {a['modules']} modules ({targets})")
+        for number, part in enumerate(a.get("adapters") or [], start=1):
+            lines.append(
+                f"  {'weight':10} {part['weight']:g} x adapter {number} ({Path(part['path']).name}: r={part['r']} "
+                f"alpha={part['lora_alpha']}, {part['modules']} modules)"
+            )
+        for line in a.get("overlaps") or []:
+            lines.append(f"  {'touches':10} {line}")
     if plan.tensors:
         lines.append(
             f"  {'writes':10} {plan.tensors} tensors ({plan.merged_tensors} merged), {human_bytes(plan.output_bytes)} "

@@ -22,6 +22,8 @@ from tui_merger.core.options import MergeOptions, MergeResult
 
 def _group_inputs(options: MergeOptions, files: list[Path]) -> list[dict]:
     roles = [(r, p) for r, p in (("checkpoint", options.checkpoint), ("base", options.base), ("adapter", options.adapter)) if p]
+    roles += [("adapter", p) for p, _ in options.adapters[1:]]  # the other adapters of a weighted merge
+    roles = [(r, Path(p).parent if Path(p).is_file() else p) for r, p in roles]  # a kohya file: its folder + name
     groups: dict[tuple[str, Path], list[str]] = {(r, Path(p).absolute()): [] for r, p in roles}
     for f in files:
         f = Path(f).absolute()
@@ -50,6 +52,7 @@ def build_manifest(options: MergeOptions, result: MergeResult) -> dict:
         "inputs": inputs,
         "adapter": result.adapter_info,
         "base_model": result.base_model,
+        "base_weights": result.base_weights,  # as stored, or the --qlora-base round trip with its settings
         "options": options.to_dict(),
         "config_changes": result.config_changes,
         "warnings": result.warnings,

@@ -96,6 +96,9 @@ def options_from_manifest(out: Path) -> MergeOptions:
                 f"The {key} this model was merged from, {saved[key]}, is no longer there; "
                 f"pass its new place with --{key if key != 'checkpoint' else 'against'}."
             )
+    for item in saved.get("adapters") or []:
+        if isinstance(item, list) and item and not Path(str(item[0])).exists():
+            raise MergeError(f"The adapter this model was merged from, {item[0]}, is no longer there; move it back.")
     return MergeOptions(**saved)
 
 
@@ -518,7 +521,10 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
 
     # 2. the unmerged reference, and the base without the adapter
     on_event(Notice("info", "Loading the unmerged reference (base + adapter through peft)"))
-    model = _reference_model(cls, out, options, inputs, cdtype)
+    try:
+        model = _reference_model(cls, out, options, inputs, cdtype)
+    except _NoReference as why:
+        return [Check("behaviour", "skip", str(why))]
     reference, ppl_ref = run(model)
     base_logits = None
     if hasattr(model, "disable_adapter"):
@@ -549,11 +555,21 @@ def _reference_model(cls, out: Path, options: MergeOptions, inputs, cdtype):
 
     if options.checkpoint is None:
         model = cls.from_pretrained(options.base, dtype=cdtype, local_files_only=True)
+        if options.base_roundtrip:
+            _load_round_trip(model, inputs.base)  # --qlora-base: the weights the adapter was trained against
         vocab = transformers_vocab(out)
         if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
             model.resize_token_embeddings(vocab, mean_resizing=False)  # as the adapter's training did
-        if options.adapter is not None:
-            model = PeftModel.from_pretrained(model, options.adapter)
+        if options.weighted:
+            model = _weighted_reference(model, inputs)
+        elif options.adapter is not None and not inputs.adapter.folder.is_file():
+            model = PeftModel.from_pretrained(model, inputs.adapter.folder)
+        elif options.adapter is not None and inputs.adapter.lora:  # a kohya file: through peft's format
+            from tui_merger.core.adapter import export_peft_adapter
+
+            with tempfile.TemporaryDirectory(prefix="tui-merger-verify-") as tmp:
+                export_peft_adapter(inputs.adapter, Path(tmp) / "adapter", fsync=False)
+                model = PeftModel.from_pretrained(model, Path(tmp) / "adapter")
         return model
     import transformers
 
@@ -571,6 +587,62 @@ def _reference_model(cls, out: Path, options: MergeOptions, inputs, cdtype):
             export_peft_adapter(inputs.adapter, Path(tmp) / "adapter", fsync=False)
             model = PeftModel.from_pretrained(model, Path(tmp) / "adapter")  # reads the weights in; the folder may go
     return model
+
+
+def _weighted_reference(model, inputs):
+    """Several weighted adapters through peft: each loaded as peft loads it, then combined by peft's own
+    add_weighted_adapter with the exact "cat" combination (concatenated ranks, no cross terms)."""
+    import tempfile
+
+    from peft import PeftModel
+
+    from tui_merger.core.adapter import export_peft_adapter
+
+    names, weights = [], []
+    with tempfile.TemporaryDirectory(prefix="tui-merger-verify-") as tmp:
+        for index, (part, weight, _path) in enumerate(inputs.parts):
+            folder = part.folder
+            if folder.is_file():  # a kohya file: through peft's format
+                folder = Path(tmp) / f"adapter{index}"
+                export_peft_adapter(part, folder, fsync=False)
+            name = f"a{index}"
+            if index == 0:
+                model = PeftModel.from_pretrained(model, folder, adapter_name=name)
+            else:
+                model.load_adapter(folder, adapter_name=name)
+            names.append(name)
+            weights.append(weight)
+        model.add_weighted_adapter(names, weights, "weighted", combination_type="cat")
+        model.set_adapter("weighted")
+    return model
+
+
+class _NoReference(Exception):
+    """The unmerged reference cannot be built; the message says why (the behaviour check is skipped)."""
+
+
+def _load_round_trip(model, base) -> None:
+    """Replace the round-tripped weights of a model loaded from the 16-bit base by dequant(quant(W)),
+    as the merge read them (one tensor at a time), found by their names in the files."""
+    import torch
+
+    state = model.state_dict()  # shares storage with the parameters
+    unplaced = []
+    with torch.no_grad():
+        for name in base.round_tripped:
+            key = name if name in state else next((k for k in state if k.endswith("." + name)), None)
+            ref = base.tensors[name]
+            if key is None or tuple(state[key].shape) != tuple(ref.shape):
+                unplaced.append(name)
+                continue
+            state[key].copy_(ref.load())
+            ref.release()
+    if unplaced:
+        raise _NoReference(
+            f"skipped: the --qlora-base round-tripped weights could not be put into the {type(model).__name__} "
+            f"transformers builds ({unplaced[0]} has no parameter of that name and shape); the recompute check "
+            "covers them"
+        )
 
 
 def transformers_vocab(out: Path) -> int | None:

@@ -23,7 +23,7 @@ Wizard { layout: vertical; }
 #find { height: 1fr; }
 #candidates { height: 1fr; min-height: 4; }
 .row { height: auto; }
-#path { width: 1fr; }
+#path, #more { width: 1fr; }
 #path-status { height: auto; min-height: 1; color: $text-muted; }
 #plan-text, #findings { height: auto; margin-bottom: 1; }
 .field { margin-top: 1; }

@@ -103,6 +103,7 @@ class Wizard(Screen):
         self._started = 0.0
         self._planned: tuple = ()  # the field values the current plan was made from
         self.job = None  # the background job being followed (core.jobs.Job), when the merge runs detached
+        self._roundtrip_offer = None  # the --qlora-base value the Review step offers
 
     # -- layout -------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -123,6 +124,14 @@ class Wizard(Screen):
                 yield Input(id="base", classes="base-field")
                 yield Label("LoRA alpha used in training (the checkpoint does not record it)", classes="field alpha-field")
                 yield Input(id="alpha", type="number", classes="alpha-field")
+                yield Label("Weight of this adapter (1 = as trained; e.g. 0.7 to blend it with others)", classes="field weight-field")
+                yield Input("1", id="weight", classes="weight-field")
+                yield Label("More adapters to blend in, as PATH:WEIGHT separated by ;", classes="field weight-field")
+                with Horizontal(classes="row weight-field"):
+                    yield Input(id="more", placeholder="e.g. ../pixel-art-lora:0.3")
+                    yield Button("Add adapter...", id="add-adapter")
+                yield Label("Base weights (the adapter was trained with QLoRA on a quantized copy of the base)", classes="field qlora-field")
+                yield Select([("the 16-bit weights as stored (usual)", "")], value="", allow_blank=False, id="roundtrip", classes="qlora-field")
                 yield Label("Output folder", classes="field")
                 yield Input(id="out")
                 yield Label("Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)", classes="field")
@@ -327,16 +336,21 @@ class Wizard(Screen):
 
     # -- Review -------------------------------------------------------------------------------
     def enter_review(self) -> None:
-        from tui_merger.core.choices import needs_alpha, needs_base
+        from tui_merger.core.choices import can_weight, needs_alpha, needs_base
 
         c = self.candidate
-        for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c))):
+        for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
             for w in self.query(cls):
                 w.display = shown
         if needs_base(c) and not self.query_one("#base", Input).value and c.base_path:
             self.query_one("#base", Input).value = c.base_path
         self.query_one("#out", Input).value = ""  # filled with the suggested name by the plan
         self.query_one("#ack", Checkbox).value = False
+        for w in self.query(".qlora-field"):
+            w.display = False
+        self._roundtrip_offer = None
+        self.query_one("#roundtrip", Select).set_options([("the 16-bit weights as stored (usual)", "")])
+        self.query_one("#roundtrip", Select).value = ""
         self.plan = None
         self.show("review")
         self.replan()
@@ -347,8 +361,14 @@ class Wizard(Screen):
         out = self.query_one("#out", Input).value.strip()
         alpha = self.query_one("#alpha", Input).value.strip()
         base = self.query_one("#base", Input).value.strip() if self.query_one("#base", Input).display else None
+        extra = {}
+        if self.query_one("#roundtrip", Select).display and self.query_one("#roundtrip", Select).value:
+            extra["base_roundtrip"] = self.query_one("#roundtrip", Select).value
+        if self.query_one("#weight", Input).display:
+            extra.update(weight=self.query_one("#weight", Input).value.strip() or "1", more=self.query_one("#more", Input).value)
         return options_for(
             self.candidate,
+            **extra,
             base=Path(base).expanduser() if base else None,
             out=Path(out).expanduser() if out else None,
             lora_alpha=float(alpha) if alpha else None,
@@ -401,19 +421,51 @@ class Wizard(Screen):
         ] or ["[b green]every check passed[/]"]
         self.query_one("#findings", Static).update("\n".join(lines))
         self.query_one("#ack", Checkbox).display = bool(plan.of("warning"))
+        roundtrip = self.query_one("#roundtrip", Select)
+        offer = plan.suggested_roundtrip or options.base_roundtrip
+        for w in self.query(".qlora-field"):
+            w.display = bool(offer)
+        if offer and offer != self._roundtrip_offer:
+            self._roundtrip_offer = offer
+            roundtrip.set_options([
+                ("the 16-bit weights as stored (usual)", ""),
+                (f"the rounded weights QLoRA training saw ({offer})", offer),
+            ])
+            roundtrip.value = options.base_roundtrip or ""
+            self._planned = self._fields()
+        if any(f.id == "quantized" for f in plan.findings) and self.candidate.kind != "verl-fsdp":
+            # a quantized base: ask for the 16-bit one, filled in when it was found on this machine
+            for w in self.query(".base-field"):
+                w.display = True
+            base = self.query_one("#base", Input)
+            if plan.suggested_base and base.value.strip() != plan.suggested_base:
+                base.value = plan.suggested_base
+                base.focus()
 
     def _fields(self) -> tuple:
-        return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer"))
+        return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer", "weight", "more", "roundtrip"))
 
-    @on(Input.Changed, "#base, #alpha, #out, #shard")
-    @on(Select.Changed, "#dtype, #tokenizer")
+    @on(Button.Pressed, "#add-adapter")
+    def _add_adapter(self) -> None:
+        """Pick another adapter folder (or kohya file's folder) to blend in, with weight 1 to edit."""
+
+        def chosen(path: Path | None) -> None:
+            if path is not None:
+                more = self.query_one("#more", Input)
+                more.value = "; ".join(p for p in (more.value.strip().rstrip(";"), f"{path}:1") if p)
+                more.focus()
+
+        self.app.push_screen(FolderPicker(Path(self.candidate.path).parent), chosen)
+
+    @on(Input.Changed, "#base, #alpha, #out, #shard, #weight, #more")
+    @on(Select.Changed, "#dtype, #tokenizer, #roundtrip")
     def _edited(self) -> None:
         """An edit makes the plan stale (Next waits for "Check again" or enter) until it is undone."""
         if self.step == "review" and self.plan is not None:
             self.plan_stale = self._fields() != self._planned
             self.refresh_nav()
 
-    @on(Input.Submitted, "#base, #alpha, #out, #shard")
+    @on(Input.Submitted, "#base, #alpha, #out, #shard, #weight, #more")
     @on(Button.Pressed, "#recheck")
     def _recheck(self) -> None:
         if self.step == "review":
