@@ -179,13 +179,20 @@ class _Unpickler(pickle.Unpickler):
 def _check_memo_indices(data: bytes) -> None:
     """CPython's C unpickler grows its memo table to twice the largest PUT index and zeroes it: one
     LONG_BINPUT 0x7fffffff in a 13-byte pickle takes 32 GiB. A real pickle numbers its PUTs from 0.
-    A minimal opcode walk (arguments skipped by their encoded sizes, nothing decoded): 4x faster than
-    pickletools.genops, which took 9 ms per rank file of a 0.5B model."""
+    A minimal opcode walk (arguments skipped by their encoded sizes, nothing decoded). Runs of opcodes
+    with fixed-size arguments, LONG_BINPUT with a small index among them, are skipped by one regex
+    match in C (3x faster: 11 instead of 30 ms for the 8 rank files of a 0.5B model); such an index
+    stays below len(data) rounded up to 64 KiB, so the memo stays O(len(data))."""
     i, n = 0, len(data)
-    sizes = _argument_sizes()
+    sizes = _opcode_table()
+    skip = _run_regex(n >> 16).match if n < 1 << 24 else None
     while i < n:
+        if skip is not None:
+            i = skip(data, i).end()
+            if i >= n:
+                break
         code = data[i]
-        size = sizes.get(code)
+        size = sizes[code]
         i += 1
         if size is None:
             raise ValueError(f"unknown opcode {code:#x} at byte {i - 1}")
@@ -208,6 +215,37 @@ def _check_memo_indices(data: bytes) -> None:
             width = -size - 1
             i += width + int.from_bytes(data[i : i + width], "little")
     raise ValueError("the pickle ends without STOP")
+
+
+def _opcode_table() -> list:
+    """_argument_sizes as a list indexed by the opcode byte (None: not an opcode)."""
+    if not _TABLE:
+        sizes = _argument_sizes()
+        _TABLE.extend(sizes.get(code) for code in range(256))
+    return _TABLE
+
+
+_TABLE: list = []
+_RUNS: dict = {}
+
+
+def _run_regex(high: int):
+    """A regex matching a run of opcodes whose arguments have fixed sizes (never STOP, PUT or a
+    length-prefixed one), LONG_BINPUT included when its index is below (high + 1) * 64 KiB."""
+    import re
+
+    if high not in _RUNS:
+        groups: dict[int, list[int]] = {}
+        for code, size in _argument_sizes().items():
+            if code not in (_STOP, _PUT, _LONG_BINPUT) and size >= 0:
+                groups.setdefault(size, []).append(code)
+        alternatives = [
+            b"[" + b"".join(re.escape(bytes([c])) for c in codes) + b"]" + b"." * size
+            for size, codes in sorted(groups.items())
+        ]
+        alternatives.append(b"r..[\\x00-" + re.escape(bytes([high])) + b"]\\x00")
+        _RUNS[high] = re.compile(b"(?:" + b"|".join(alternatives) + b")*", re.DOTALL)
+    return _RUNS[high]
 
 
 _STOP, _PUT, _LONG_BINPUT = ord("."), ord("p"), ord("r")
