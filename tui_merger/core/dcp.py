@@ -321,13 +321,7 @@ class ChunkStore:
         found.sort(key=lambda x: x[0])
         views = []
         for a, b, chunk in found:
-            data = self.fetch(entry, chunk)
-            self.decoded += 1
-            if tuple(data.shape) != chunk.sizes:
-                raise MergeError(
-                    f"{entry.key}: a stored chunk has shape {list(data.shape)} where the index says "
-                    f"{list(chunk.sizes)}; the checkpoint is damaged: copy it again."
-                )
+            data = self._decode(entry, chunk)
             part = data[tuple(i - o for i, o in zip(index, chunk.offsets))][a - chunk.offsets[d] : b - chunk.offsets[d]]
             row_bytes = max(1, part[0].numel() * part.element_size()) if len(part) else 1
             step = len(part) if max_bytes is None else max(1, max_bytes // row_bytes)
@@ -342,10 +336,8 @@ class ChunkStore:
         if start is not None:
             f.release(start, start + view.numel() * view.element_size())
 
-    def _chunk(self, entry: ChunkedTensor, chunk: Chunk):
-        cached = self._cached.get(id(chunk))
-        if cached is not None:
-            return cached[0]
+    def _decode(self, entry: ChunkedTensor, chunk: Chunk):
+        """One stored chunk as a tensor, its shape checked against the index."""
         data = self.fetch(entry, chunk)
         self.decoded += 1
         if tuple(data.shape) != chunk.sizes:
@@ -353,6 +345,13 @@ class ChunkStore:
                 f"{entry.key}: a stored chunk has shape {list(data.shape)} where the index says "
                 f"{list(chunk.sizes)}; the checkpoint is damaged: copy it again."
             )
+        return data
+
+    def _chunk(self, entry: ChunkedTensor, chunk: Chunk):
+        cached = self._cached.get(id(chunk))
+        if cached is not None:
+            return cached[0]
+        data = self._decode(entry, chunk)
         self._cached[id(chunk)] = (data, chunk)
         return data
 
