@@ -4,7 +4,7 @@ Each adapter keeps its own pair: the plan gets one op per adapter touching a mod
 and rounded once. peft's ``add_weighted_adapter(combination_type="linear")`` instead averages the A and B
 matrices, whose product then carries cross terms (w_1 w_2 B_1 A_2 ...); its "cat" combination, like ours,
 concatenates the ranks and is exact. The combined adapter can also be written as one PEFT adapter
-(ranks concatenated, zero-padded to one rank so vLLM loads it too).
+(ranks concatenated, zero-padded to one rank so that no rank_pattern is needed).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def overlap_summary(adapter: PeftAdapter) -> list[str]:
 def export_combined_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) -> list[str]:
     """One PEFT adapter equal to the weighted sum: for each module A = [A_1; A_2; 0], B = [w_1 s_1 B_1,
     w_2 s_2 B_2, 0] in fp32, every module padded with zeros to the same rank R and lora_alpha = R, so that
-    peft's scale is 1 and no rank_pattern is needed (vLLM ignores rank patterns)."""
+    peft's scale is 1 and no rank_pattern is needed (loaders that read one r, like vLLM's, need none)."""
     import torch
 
     from tui_merger.core.safetensors_io import SafetensorsWriter
