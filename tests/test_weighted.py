@@ -216,3 +216,9 @@ def test_changed_weights_never_resume_old_shards(models, tmp_path):
         finally:
             inputs.close()
     assert prints[0] == prints[1] != prints[2]
+
+
+def test_weighted_options_survive_the_json_round_trip_jobs_and_manifests_use(tmp_path):
+    options = MergeOptions(base=tmp_path, adapters=[(tmp_path / "a", 0.7), (tmp_path / "b", -0.3)], out=tmp_path / "o")
+    again = MergeOptions(**json.loads(json.dumps(options.to_dict())))
+    assert again.adapters == options.adapters and again.adapter == tmp_path / "a" and again.weighted
