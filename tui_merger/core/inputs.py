@@ -4,7 +4,9 @@ into the same four things, so the plan, the writer and the front ends never bran
 
 from __future__ import annotations
 
+import gc
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +47,27 @@ def paths_of(options: MergeOptions) -> list[Path]:
     return [p for p in (options.base, options.adapter, options.checkpoint, *extra) if p is not None]
 
 
+@contextmanager
+def _cycle_collector_paused():
+    """Opening a checkpoint makes thousands of small objects (records, tensor views) and no reference
+    cycles. In a fresh process just after ``import torch`` that triggers a full collection over all of
+    torch's objects: 60-100 ms of an FSDP open of ~150 ms (measured). Refcounting still frees
+    everything; the collector is paused only while opening."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def open_inputs(options: MergeOptions) -> Inputs:
+    with _cycle_collector_paused():
+        return _open_inputs(options)
+
+
+def _open_inputs(options: MergeOptions) -> Inputs:
     if options.checkpoint is not None:
         from tui_merger.core.megatron import is_megatron_checkpoint
 
