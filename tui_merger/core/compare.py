@@ -81,13 +81,14 @@ def _compare_logits(plan, config: dict, reference: Path):
     import torch
     import transformers
 
-    from tui_merger.core.verify import Check, _compare_logits as compare, _model_class, _probes, _quiet_transformers
+    from tui_merger.core.verify import Check, model_class, probe_ids, quiet_transformers
+    from tui_merger.core.verify import compare_logits as compare
 
-    cls = _model_class(config)
+    cls = model_class(config)
     if cls is None:
         return Check("behaviour", "skip", "skipped: the architecture is not a transformers class")
-    _quiet_transformers()
-    probes = _probes(config, plan)
+    quiet_transformers()
+    probes = probe_ids(config, plan)
     with torch.no_grad():
         model = cls.from_pretrained(reference, dtype=torch.float32).eval()
         want = model(probes).logits.float()

@@ -414,7 +414,7 @@ def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: Cancel
 # -- behaviour ---------------------------------------------------------------------------------
 
 
-def _model_class(config: dict):
+def model_class(config: dict):
     import transformers
 
     archs = config.get("architectures") or []
@@ -427,7 +427,7 @@ def _model_class(config: dict):
     return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
-def _probes(config: dict, plan):
+def probe_ids(config: dict, plan):
     """Fixed token ids within both the config's vocabulary and the model's input embedding rows."""
     import torch
 
@@ -470,7 +470,7 @@ def _kl(ref, other) -> float:
     return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
-def _quiet_transformers():
+def quiet_transformers():
     import warnings
 
     import transformers
@@ -483,18 +483,18 @@ def _quiet_transformers():
 def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, text: Path | None, on_event) -> list[Check]:
     import torch
 
-    cls = _model_class(config)
+    cls = model_class(config)
     archs = config.get("architectures") or ["(none)"]
     if cls is None:
         return [Check(
             "behaviour", "skip",
             f"skipped: {archs[0]} is not a transformers class (custom code); tui-merger never runs model code",
         )]
-    _quiet_transformers()
+    quiet_transformers()
     stored = options.dtype or inputs.dtype or str(config.get("dtype") or config.get("torch_dtype") or "float32")
     stored = stored if stored in KL_LIMIT else "float32"
     cdtype = _compute_dtype(sum(math.prod(t.shape) for t in plan.tensors), stored)
-    probes = _probes(config, plan)
+    probes = probe_ids(config, plan)
     tokens = _perplexity_tokens(out, text) if text else None
 
     def run(model) -> tuple:
@@ -533,7 +533,7 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
     del model
     gc.collect()
 
-    checks = [_compare_logits(merged, reference, base_logits, stored, missing, cls.__name__, str(cdtype)[6:])]
+    checks = [compare_logits(merged, reference, base_logits, stored, missing, cls.__name__, str(cdtype)[6:])]
     if tokens is not None:
         delta = abs(ppl_merged - ppl_ref)
         status = "pass" if delta <= PPL_TOLERANCE else "fail"
@@ -651,7 +651,7 @@ def transformers_vocab(out: Path) -> int | None:
     return config.get("vocab_size", text.get("vocab_size"))
 
 
-def _compare_logits(merged, reference, base, stored: str, missing: list, cls_name: str, cdtype: str) -> Check:
+def compare_logits(merged, reference, base, stored: str, missing: list, cls_name: str, cdtype: str) -> Check:
     details = [f"missing from the files (transformers starts them random): {', '.join(missing[:10])}"] if missing else []
     diff = (merged - reference).abs().max().item()
     metrics = {"max_abs_diff": diff, "dtype": stored, "compute_dtype": cdtype, "probes": list(PROBE_SHAPE)}
