@@ -168,8 +168,12 @@ def test_adapter_spec_parsing(tmp_path):
         parse_adapter_spec("a:0")
     with pytest.raises(MergeError, match="finite"):
         parse_adapter_spec("a:nan")
+    with pytest.raises(MergeError, match="'abc', not a number"):
+        parse_adapter_spec(f"{odd}:abc")  # an existing adapter with a weight that is not a number
     with pytest.raises(MergeError, match="twice"):
         MergeOptions(base=tmp_path, adapters=["x:0.5", "x:0.2"])
+    with pytest.raises(MergeError, match="twice"):  # one folder by two paths
+        MergeOptions(base=tmp_path, adapters=[f"{odd}:0.5", f"{odd}/../{odd.name}:0.2"])
 
 
 @pytest.mark.parametrize("case", ["other-base", "dora", "modules-to-save"])

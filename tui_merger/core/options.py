@@ -99,7 +99,7 @@ class MergeOptions:
             self.adapter = self.adapters[0][0]
         elif self.adapters and self.adapters[0][0] != self.adapter:
             raise MergeError("Give the adapters either as --adapter options or as a list, not both.")
-        if len({path for path, _ in self.adapters}) < len(self.adapters):
+        if len({path.resolve() for path, _ in self.adapters}) < len(self.adapters):
             raise MergeError("The same adapter is given twice; give each adapter once with its weight.")
         if self.checkpoint is None and (self.base is None or self.adapter is None):
             raise MergeError("Give a base model and an adapter (--base and --adapter), or a checkpoint folder.")
@@ -166,6 +166,8 @@ def parse_adapter_spec(text: str) -> tuple[Path, float]:
     try:
         float(tail)
     except ValueError:
+        if Path(head).expanduser().exists():  # ADAPTER:WEIGHT with a weight that is not a number
+            parse_weight(tail, head)
         return path, 1.0  # a colon that is part of the name
     return Path(head).expanduser(), parse_weight(tail, head)
 
