@@ -214,3 +214,36 @@ def test_missing_alpha_uses_peft_default_and_warns(tmp_path):
     probe = probe_ids()
     ref_logits, _, _ = reference(base, adapter, probe=probe)
     torch.testing.assert_close(logits_of(tmp_path / "out", probe), ref_logits, atol=1e-5, rtol=0)
+
+
+def test_opening_inputs_pauses_the_cycle_collector_and_gives_it_back(pair, tmp_path):
+    """open_inputs runs with the cyclic GC paused (a full collection over torch's objects cost 60-100 ms
+    of an FSDP open) and restores it, after success and after a refusal alike; a caller that had it
+    off keeps it off."""
+    import gc
+
+    from tui_merger.core.inputs import open_inputs
+    from tui_merger.core.options import MergeOptions
+
+    base, adapter = pair
+    seen = []
+    real = open_inputs.__globals__["_open_inputs"]
+
+    def spy(options):
+        seen.append(gc.isenabled())
+        return real(options)
+
+    open_inputs.__globals__["_open_inputs"] = spy
+    try:
+        assert gc.isenabled()
+        open_inputs(MergeOptions(base=base, adapter=adapter)).close()
+        assert gc.isenabled() and seen == [False]
+        with pytest.raises(MergeError):
+            open_inputs(MergeOptions(base=base, adapter=tmp_path / "missing"))
+        assert gc.isenabled()
+        gc.disable()
+        open_inputs(MergeOptions(base=base, adapter=adapter)).close()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        open_inputs.__globals__["_open_inputs"] = real
