@@ -331,8 +331,10 @@ async def test_review_blends_weighted_adapters(workspace, tmp_path):
         assert app.screen.query_one("#weight", Input).display
         app.screen.query_one("#weight", Input).value = "0.7"
         app.screen.query_one("#more", Input).value = f"{other}:abc"
-        await recheck(pilot, app, "a plan with a bad weight")
-        assert "ERROR" in text(app, "#findings") or "not a number" in text(app, "#findings")
+        app.screen.query_one("#more", Input).focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: "not a number" in text(app, "#findings"), "the bad weight said")
+        assert app.screen.query_one("#next", Button).disabled
         app.screen.query_one("#more", Input).value = f"{other}:0.3"
         out = tmp_path / "blend"
         app.screen.query_one("#out", Input).value = str(out)
@@ -378,3 +380,19 @@ async def test_a_quantized_base_asks_for_the_16_bit_one_found_beside_it(workspac
         await recheck(pilot, app, "the plan with the round trip")
         assert wizard.options.base_roundtrip == "nf4:double_quant=no"
         assert "round-tripped through" in text(app, "#findings")
+
+
+async def test_weights_start_afresh_for_another_checkpoint(workspace):
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#weight", Input).value = "0.4"
+        await pilot.press("ctrl+b")
+        await pilot.press("ctrl+n")  # the same adapter again: the weight stays
+        await until(pilot, lambda: wizard.plan is not None and wizard.running is None, "the plan")
+        assert app.screen.query_one("#weight", Input).value == "0.4"
+        wizard._reviewed = "somewhere else"  # as if another checkpoint had been reviewed in between
+        await pilot.press("ctrl+b")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.plan is not None and wizard.running is None, "the plan")
+        assert app.screen.query_one("#weight", Input).value == "1"

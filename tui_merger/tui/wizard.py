@@ -104,6 +104,7 @@ class Wizard(Screen):
         self._planned: tuple = ()  # the field values the current plan was made from
         self.job = None  # the background job being followed (core.jobs.Job), when the merge runs detached
         self._roundtrip_offer = None  # the --qlora-base value the Review step offers
+        self._reviewed = None  # the checkpoint the Review fields were last filled for
 
     # -- layout -------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -346,6 +347,10 @@ class Wizard(Screen):
             self.query_one("#base", Input).value = c.base_path
         self.query_one("#out", Input).value = ""  # filled with the suggested name by the plan
         self.query_one("#ack", Checkbox).value = False
+        if c.path != self._reviewed:  # another checkpoint: its own weights, no adapters blended in yet
+            self._reviewed = c.path
+            self.query_one("#weight", Input).value = "1"
+            self.query_one("#more", Input).value = ""
         for w in self.query(".qlora-field"):
             w.display = False
         self._roundtrip_offer = None
@@ -447,7 +452,7 @@ class Wizard(Screen):
 
     @on(Button.Pressed, "#add-adapter")
     def _add_adapter(self) -> None:
-        """Pick another adapter folder (or kohya file's folder) to blend in, with weight 1 to edit."""
+        """Pick another adapter folder to blend in, with weight 1 to edit (a kohya file: type its path)."""
 
         def chosen(path: Path | None) -> None:
             if path is not None:
