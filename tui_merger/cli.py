@@ -265,7 +265,7 @@ def print_result(result, stream=None) -> None:
     stream = stream or sys.stdout
     print(f"Merged model written to {result.out}", file=stream)
     print(
-        f"  {result.tensors_total} tensors ({result.tensors_merged} changed by the adapter), "
+        f"  {result.tensors_text()}, "
         f"{human_bytes(result.bytes_written)} in {len(result.shards)} shard(s), {result.seconds:.1f} s",
         file=stream,
     )

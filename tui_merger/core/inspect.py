@@ -212,11 +212,12 @@ def _dominant_dtype(infos) -> str | None:
     return count.most_common(1)[0][0] if count else None
 
 
-def _number(value):
+def plain_number(value):
+    """2.0 -> 2 (how ranks and alphas are shown and stored), other values unchanged."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _most_common(values: dict) -> tuple[object, dict]:
+def common_and_exceptions(values: dict) -> tuple[object, dict]:
     """(the most common value, {key: value} for the keys that differ from it)."""
     if not values:
         return None, {}
@@ -697,8 +698,8 @@ class _Scanner:
         c = Candidate("kohya-lora", str(path), needs_base=True)
         c.dtype = _dominant_dtype(i for n, i in st.tensors.items() if ".lora_" in n)
         ranks = {m: i.shape[0] for m, i in downs.items() if len(i.shape) >= 2}
-        r, rank_pattern = _most_common(ranks)
-        alpha, alpha_pattern = _most_common(self.scalars(path, {m: alphas[m] for m in downs if m in alphas}))
+        r, rank_pattern = common_and_exceptions(ranks)
+        alpha, alpha_pattern = common_and_exceptions(self.scalars(path, {m: alphas[m] for m in downs if m in alphas}))
         c.lora = {
             "r": r, "alpha": alpha, "rslora": False, "dora": dora,
             "target_modules": sorted({_kohya_target(m) for m in downs}),
@@ -739,7 +740,7 @@ class _Scanner:
                     (value,) = struct.unpack(_SCALAR[info.dtype], raw)
                 else:
                     continue
-                values[key] = _number(round(float(value), 6))
+                values[key] = plain_number(round(float(value), 6))
         except (OSError, struct.error) as err:
             self.problem(path, f"its alpha values cannot be read ({err}).")
         finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 from tui_merger.core.adapter import PEFT_PREFIX, PeftAdapter, adapter_from_source, export_peft_adapter
 from tui_merger.core.errors import MergeError
 from tui_merger.core.fsdp import RenamedSource
-from tui_merger.core.inspect import _most_common, _number
+from tui_merger.core.inspect import common_and_exceptions, plain_number
 from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
 from tui_merger.core.safetensors_io import SafetensorsFile
 from tui_merger.core.sources import TensorSource
@@ -200,7 +200,7 @@ def _alpha(flat: str, ref, rank: int, notices: list) -> float:
     if value == 0:  # kohya's own loader treats alpha 0 as "alpha = rank"
         notices.append(f"{flat}.alpha is 0; using alpha = rank ({rank}) as kohya's scripts do.")
         return rank
-    return _number(value)
+    return plain_number(value)
 
 
 def open_kohya(path: Path, base_names) -> PeftAdapter:
@@ -220,8 +220,8 @@ def open_kohya(path: Path, base_names) -> PeftAdapter:
             alpha_of[mod] = _alpha(flat, alphas.get(flat), ranks[mod], notices)
             mapping[f"{PEFT_PREFIX}{mod}.lora_A.weight"] = downs[flat].name
             mapping[f"{PEFT_PREFIX}{mod}.lora_B.weight"] = ups[flat].name
-        r, rank_pattern = _most_common(ranks)
-        alpha, alpha_pattern = _most_common(alpha_of)
+        r, rank_pattern = common_and_exceptions(ranks)
+        alpha, alpha_pattern = common_and_exceptions(alpha_of)
         config = {
             "peft_type": "LORA",
             "r": r,

@@ -190,3 +190,10 @@ class MergeResult:
     adapter_info: dict | None = None  # r, alpha, variant, target_modules, modules_to_save
     base_model: str | None = None  # what the adapter / checkpoint says its base is
     base_weights: dict | None = None  # which base weights: as stored, or the --qlora-base round trip and its settings
+
+    def tensors_text(self) -> str:
+        """'50 tensors (28 changed by the adapter)', as the front ends say it."""
+        if self.kind == "convert":
+            return f"{self.tensors_total} tensors (converted from the checkpoint, no adapter)"
+        several = len((self.adapter_info or {}).get("adapters") or []) > 1
+        return f"{self.tensors_total} tensors ({self.tensors_merged} changed by the adapter{'s' if several else ''})"

@@ -520,7 +520,8 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
     gc.collect()
 
     # 2. the unmerged reference, and the base without the adapter
-    on_event(Notice("info", "Loading the unmerged reference (base + adapter through peft)"))
+    on_event(Notice("info", "Loading the unmerged reference (base + adapter through peft)" if inputs.adapter.lora
+                    else "Loading the reference (the checkpoint's own weights)"))
     try:
         model = _reference_model(cls, out, options, inputs, cdtype)
     except _NoReference as why:

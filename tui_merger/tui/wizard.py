@@ -695,7 +695,7 @@ class Wizard(Screen):
             r = self.result
             verified = self.report is not None and self.report.passed
             details = (
-                f"{r.tensors_total} tensors ({r.tensors_merged} changed by the adapter), "
+                f"{r.tensors_text()}, "
                 f"{human_bytes(r.bytes_written)} in {len(r.shards)} shard(s), written in {r.seconds:.1f} s.\n"
                 f"Files: {_escape(', '.join(r.files))}"
             )
