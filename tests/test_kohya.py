@@ -250,3 +250,24 @@ def test_other_files_as_adapter_are_explained(made, tmp_path):
     opened.close()
     with pytest.raises(MergeError, match="already exists"):
         kohya_to_peft(made["kohya"], names, made["adapter"])
+
+
+def test_convert_kohya_command_writes_only_the_adapter(made, tmp_path, capsys):
+    """`tui-merger convert-kohya FILE --base B --out DIR`: a PEFT folder equal to the one peft saved
+    (same merged weights), and one sentence for a file that is not kohya; nothing written then."""
+    from peft import PeftModel
+
+    from tui_merger.cli import main
+
+    base, dest = made["base"], tmp_path / "peft"
+    assert main(["convert-kohya", str(made["kohya"]), "--base", str(base), "--out", str(dest)]) == 0
+    assert sorted(p.name for p in dest.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert "PEFT adapter written to" in capsys.readouterr().out
+    merged = PeftModel.from_pretrained(load_base(base), dest).merge_and_unload().state_dict()
+    _, expected, _ = reference(base, made["adapter"])
+    for name, tensor in expected.items():
+        assert torch.equal(merged[name], tensor), name
+    other = tmp_path / "other"
+    assert main(["convert-kohya", str(base / "model.safetensors"), "--base", str(base), "--out", str(other)]) == 1
+    assert "is not a kohya-style LoRA file" in capsys.readouterr().err
+    assert not other.exists()

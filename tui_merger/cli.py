@@ -21,7 +21,7 @@ def _is_tty(stream) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tui_merger import cli_cleanup, cli_inspect, cli_jobs, cli_upload, cli_verify  # each adds its command (cheap imports)
+    from tui_merger import cli_cleanup, cli_convert, cli_inspect, cli_jobs, cli_upload, cli_verify  # each adds its command (cheap imports)
 
     parser = argparse.ArgumentParser(
         prog="tui-merger",
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_cleanup.add_parser(sub)
     cli_inspect.add_parser(sub)
     cli_jobs.add_parser(sub)
+    cli_convert.add_parser(sub)
     return parser
 
 
