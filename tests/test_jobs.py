@@ -224,3 +224,44 @@ def _journaled(partial: Path) -> int:
         return len(json.loads((partial / JOURNAL_NAME).read_text())["shards"])
     except (OSError, ValueError, KeyError):
         return 0
+
+
+def test_prune_removes_old_ended_job_records_only(tmp_path, env, capsys):
+    """jobs --prune DAYS: records of jobs that ended long ago go; running, recent and another host's
+    jobs stay; the merged model folders are not touched."""
+    import json
+    import socket
+    import time
+
+    from tui_merger.cli import main
+    from tui_merger.core.jobs import jobs_dir
+
+    model = tmp_path / "merged-model"
+    model.mkdir()
+    (model / "model.safetensors").write_text("x")
+    day = 86400
+    specs = {  # id: (state, ended days ago, host, pid)
+        "20250101-000000-aaaa": ("finished", 40, socket.gethostname(), None),
+        "20250101-000000-bbbb": ("failed", 31, socket.gethostname(), None),
+        "20250101-000000-cccc": ("finished", 2, socket.gethostname(), None),
+        "20250101-000000-dddd": ("running", 50, socket.gethostname(), os.getpid()),  # not our runner: died
+        "20250101-000000-eeee": ("running", 50, "another-host", 1),  # cannot be known here: kept
+    }
+    now = time.time()
+    for job_id, (state, ago, host, pid) in specs.items():
+        folder = jobs_dir() / job_id
+        folder.mkdir(parents=True)
+        (folder / "log.txt").write_text("log\n")
+        os.utime(folder / "log.txt", (now - ago * day, now - ago * day))
+        ended = None if state == "running" else now - ago * day
+        (folder / "job.json").write_text(json.dumps({
+            "id": job_id, "state": state, "started": now - ago * day - 60, "out": str(model), "request": {},
+            "cwd": str(tmp_path), "host": host, "pid": pid, "ended": ended,
+        }))
+    assert main(["jobs", "--prune", "30"]) == 0
+    out = capsys.readouterr().out
+    left = sorted(p.name for p in jobs_dir().iterdir())
+    assert left == ["20250101-000000-cccc", "20250101-000000-eeee"], out
+    assert "3 job record(s) removed" in out and (model / "model.safetensors").is_file()
+    assert main(["jobs", "--prune", "-1"]) == 1
+    assert "0 or more" in capsys.readouterr().err

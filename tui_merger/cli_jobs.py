@@ -23,6 +23,11 @@ def add_parser(sub) -> None:
         description="List the merges started with tui-merger merge --detach, newest first: state, start, "
         "elapsed time, progress or result, and output folder.",
     )
+    p.add_argument(
+        "--prune", nargs="?", type=float, const=30.0, metavar="DAYS",
+        help="remove the records (log, progress) of jobs that ended more than DAYS ago (default 30); "
+        "running jobs and the merged models are never touched",
+    )
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_jobs)
 
@@ -58,8 +63,17 @@ def detach(args, options) -> int:
 
 
 def cmd_jobs(args) -> int:
-    from tui_merger.core.jobs import DIED, list_jobs
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.jobs import DIED, list_jobs, prune_jobs
 
+    if args.prune is not None:
+        if not args.prune >= 0:
+            raise MergeError(f"--prune takes a number of days (0 or more), not {args.prune}.")
+        removed = prune_jobs(args.prune)
+        for job in removed:
+            print(f"removed job {job.id} ({job.state}, {job.out})")
+        print(f"{len(removed)} job record(s) removed; the merged models are untouched.")
+        return 0
     jobs = list_jobs()
     if not jobs:
         print("No detached jobs; start one with tui-merger merge ... --detach.")

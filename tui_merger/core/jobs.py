@@ -131,6 +131,24 @@ def list_jobs() -> list[Job]:
     return sorted(jobs, key=lambda j: (j.started, j.id), reverse=True)
 
 
+def prune_jobs(older_than_days: float) -> list[Job]:
+    """Remove the folders (job.json, log, progress) of jobs that are over — finished, failed, cancelled
+    or died — and ended more than ``older_than_days`` ago. Running jobs, and jobs of another host whose
+    state cannot be known here, are kept; the merged models themselves are never touched. Returns the
+    jobs removed."""
+    limit = time.time() - older_than_days * 86400
+    removed = []
+    for job in list_jobs():
+        if job.state == RUNNING or (job.ended or job.started) > limit:
+            continue
+        try:
+            shutil.rmtree(job.folder)
+        except OSError as err:
+            raise MergeError(f"Could not remove {job.folder}: {err.strerror or err}.") from None
+        removed.append(job)
+    return removed
+
+
 def read_job(job_id: str) -> Job:
     job = _load(job_id) if _ID.fullmatch(job_id) else None
     if job is None:
