@@ -194,7 +194,9 @@ def test_a_killed_job_shows_as_died_and_the_same_merge_resumes(inputs, tmp_path,
     lines, progress, stop = [], [], threading.Event()
     stop.set()  # one look, as the TUI's follower does when it is closed
     assert follow(read_job(first), lines.append, progress.append, stop).state == RUNNING
-    assert lines[0].startswith(f"Job {first}") and progress[0]["phase"] == "merge" and progress[0]["done"] >= 2
+    # progress.json is written at most every 0.5 s, on events: while the slowed runner sleeps after a
+    # shard it may still say 1 tensor done although 2 shards are journaled (seen once in CI)
+    assert lines[0].startswith(f"Job {first}") and progress[0]["phase"] == "merge" and progress[0]["done"] >= 1
 
     os.kill(read_job(first).pid, signal.SIGKILL)
     until(lambda: read_job(first).state == DIED)
