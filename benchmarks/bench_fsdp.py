@@ -51,7 +51,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +60,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: run as `python benchmarks/bench_fsdp.py`
 
 from harness import (  # noqa: E402
+    free_port,
     CHILD_ENV,
     DEFAULT_CACHE,
     REPO,
@@ -361,15 +361,9 @@ def rank_files(actor: Path) -> list[Path]:
     return [actor / f"model_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD)]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _build_ranks(actor: Path, layers: int, seed: int, logdir: Path) -> tuple[float, list[float]]:
     """Start WORLD rank processes, wait for all; on the first failure stop the others (their pids only)."""
-    port = _free_port()
+    port = free_port()
     procs = {}
     t0 = time.perf_counter()
     for rank in range(WORLD):

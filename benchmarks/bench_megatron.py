@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: run as `python benchmarks/bench_megatron.py`
 
 from harness import (  # noqa: E402
+    free_port,
     CHILD_ENV,
     DEFAULT_CACHE,
     REPO,
@@ -257,12 +257,6 @@ def py(*args) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *map(str, args)]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_checkpoint(cache: Path, layers: int) -> Path:
     folder = cache / f"megatron-qwen2.5-0.5b-shapes-L{layers}-tp{TP}"
     actor = folder / "global_step_1" / "actor"
@@ -273,7 +267,7 @@ def ensure_checkpoint(cache: Path, layers: int) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     actor.mkdir(parents=True)
     print(f"building the {layers}-layer TP{TP} dist checkpoint in {folder} ...", flush=True)
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
     procs = []
     for rank in range(TP):

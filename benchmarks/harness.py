@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -307,3 +308,10 @@ def run_child_command(argv: list[str], children: dict) -> bool:
         children[argv[0]](argv[1:])
         return True
     return False
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for the gloo rendezvous of benchmark rank processes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -128,3 +128,14 @@ def logits_of(model_dir: Path, probe, dtype=torch.float32):
 def probe_ids(vocab=256, seed=7):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (2, 16), generator=g)
+
+
+class Evil:
+    """Pickles into a call of os.system that creates ``marker``: a loader that runs code from a
+    checkpoint leaves the file behind."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))

@@ -4,11 +4,10 @@ tries to run code, truncated rank files, missing or mixed ranks, optimizer state
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
-from factory import qwen_config
+from factory import Evil, qwen_config
 
 from tui_merger.cli import main as cli_main
 
@@ -44,18 +43,10 @@ def _refused(capsys, tmp_path, local_dir, *needles):
     return lines[0]
 
 
-class _Evil:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_pickle_that_runs_code_is_refused(tmp_path, capsys):
     marker = tmp_path / "pwned"
     state = _state()
-    state["model.norm.weight"] = _Evil(marker)
+    state["model.norm.weight"] = Evil(marker)
     actor = _actor(tmp_path, {"model_world_size_1_rank_0.pt": state})
     _refused(capsys, tmp_path, actor, "model_world_size_1_rank_0.pt", "system", "run code")
     assert not marker.exists()

@@ -5,13 +5,13 @@ an unknown architecture, missing legacy rank files, pickles that try to run code
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from factory import Evil
 
 from tui_merger.cli import main as cli_main
 
@@ -66,14 +66,6 @@ def _refused(capsys, tmp_path, local_dir, *needles, backend="megatron"):
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name or p.name.startswith(".merged")]
     return lines[0]
-
-
-class _Evil:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def _metadata(run: Path):
@@ -142,7 +134,7 @@ def test_metadata_naming_a_file_outside_the_folder(tmp_path, capsys):
 def test_metadata_pickle_that_runs_code_is_refused(tmp_path, capsys):
     run = _copy(tmp_path, "qwen2_tp2")
     marker = tmp_path / "pwned"
-    (_dist(run) / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": _Evil(marker)}))
+    (_dist(run) / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": Evil(marker)}))
     _refused(capsys, tmp_path, run, ".metadata", "system", "run code")
     assert not marker.exists()
 
@@ -151,7 +143,7 @@ def test_metadata_pickle_hiding_code_in_a_real_metadata_is_refused(tmp_path, cap
     run = _copy(tmp_path, "qwen2_tp2")
     marker = tmp_path / "pwned"
     md = _metadata(run)
-    md.planner_data = _Evil(marker)
+    md.planner_data = Evil(marker)
     (_dist(run) / ".metadata").write_bytes(pickle.dumps(md))
     _refused(capsys, tmp_path, run, ".metadata", "run code")
     assert not marker.exists()
@@ -206,7 +198,7 @@ def test_legacy_rank_file_that_runs_code_is_refused(tmp_path, capsys):
     marker = tmp_path / "pwned"
     path = _actor(run) / "model" / "mp_rank_00_001" / "model.pt"
     chunks = torch.load(path, weights_only=True)
-    chunks[0]["decoder.final_layernorm.weight"] = _Evil(marker)
+    chunks[0]["decoder.final_layernorm.weight"] = Evil(marker)
     torch.save(chunks, path)
     _refused(capsys, tmp_path, run, "mp_rank_00_001", "system", "run code")
     assert not marker.exists()
