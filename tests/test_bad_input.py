@@ -377,6 +377,18 @@ def test_base_folder_without_config(world, tmp_path, capsys):
     expect_refusal(capsys, base, world.adapter, out, mentions=["config.json", str(base)])
 
 
+def test_bin_base_keyed_by_a_tensor(world, tmp_path, capsys):
+    """A pytorch_model.bin whose state dict keys a weight by a tensor: refused, the tensor not printed."""
+    base = tmp_path / "base"
+    base.mkdir()
+    shutil.copy(world.base / "config.json", base / "config.json")
+    state = load_file(str(world.base / "model.safetensors"))
+    state[torch.full((3,), 7.0)] = torch.ones(2)
+    torch.save(state, base / "pytorch_model.bin")
+    msg = expect_refusal(capsys, base, world.adapter, tmp_path / "merged", mentions=["pytorch_model.bin"])
+    assert "keyed by a Tensor" in msg and "7." not in msg
+
+
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 def test_truncated_base_safetensors(world, tmp_path, capsys, layout):
     base = copy_of(world.base if layout == "single" else world.sharded, tmp_path / "base")

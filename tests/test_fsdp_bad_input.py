@@ -119,3 +119,14 @@ def test_getattr_on_anything_but_a_record_is_refused(tmp_path, capsys):
     state["model.norm.weight"] = _Getattr()
     actor = _actor(tmp_path, {"model_world_size_1_rank_0.pt": state})
     _refused(capsys, tmp_path, actor, "refusing")
+
+
+def test_a_state_dict_keyed_by_a_tensor_is_refused_without_printing_it(tmp_path, capsys):
+    """A damaged pickle can key a weight by a tensor (found by the fuzzer): before, the tensor became a
+    "parameter name" and error messages printed its values."""
+    state = _state()
+    state[torch.full((3,), 7.0)] = torch.ones(2)
+    actor = _actor(tmp_path, {"model_world_size_1_rank_0.pt": state})
+    line = _refused(capsys, tmp_path, actor, "model_world_size_1_rank_0.pt", "keyed by a Tensor")
+    assert "7." not in line
+

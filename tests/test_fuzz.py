@@ -120,14 +120,26 @@ def _no_memory_error(err: BaseException) -> None:
 
 @contextmanager
 def no_code_runs():
-    """Fails when a process is started, code is exec'd/eval'd/compiled or a module imported inside."""
+    """Fails when a process is started, code is exec'd/eval'd/compiled or a module imported inside, or
+    when a tensor is formatted: a loader has no reason to print one, and a damaged pickle that makes it
+    (a tensor used as a parameter name) once showed up only as torch's lazy import of its printing
+    helpers, i.e. only when no earlier test in the process had printed a tensor."""
     _install_audit_hook()
     _AUDIT["events"].clear()
     _AUDIT["on"] = True
+    original = torch.Tensor.__repr__
+
+    def recorded(self, *args, **kwargs):
+        if _AUDIT["on"]:
+            _AUDIT["events"].append(f"a tensor of shape {tuple(self.shape)} was formatted")
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.__repr__ = recorded
     try:
         yield
     finally:
         _AUDIT["on"] = False
+        torch.Tensor.__repr__ = original
     assert not _AUDIT["events"], f"loading ran code: {_AUDIT['events']}"
 
 

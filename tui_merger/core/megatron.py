@@ -268,18 +268,20 @@ class LegacyStore(ChunkStore):
         return {k: v / "model.pt" for k, v in ranks.items()}
 
     def _load(self, path: Path) -> list[dict]:
-        from tui_merger.core.torch_pickle import TorchFile
+        from tui_merger.core.torch_pickle import TorchFile, require_names
 
         tf = TorchFile(path)
         self.files.append(tf)
         self.data_files.append(str(path.relative_to(self.model_dir)))
         obj = tf.obj
-        if isinstance(obj, dict) and all(re.fullmatch(r"model\d*", str(k)) for k in obj):
+        if isinstance(obj, dict) and obj and all(isinstance(k, str) and re.fullmatch(r"model\d*", k) for k in obj):
             obj = [obj[k] for k in sorted(obj, key=lambda k: int(k[5:] or 0))]
         if isinstance(obj, dict):
             obj = [obj]
         if not isinstance(obj, list) or not all(isinstance(c, dict) for c in obj):
             raise MergeError(f"{path} does not hold Megatron model state dicts; it is not a verl checkpoint file.")
+        for chunk in obj:
+            require_names(path, chunk)
         return [(tf, c) for c in obj]
 
     def _assemble(self, grid) -> dict[str, ChunkedTensor]:

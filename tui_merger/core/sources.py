@@ -94,6 +94,9 @@ class TensorSource:
                 state = state["state_dict"]
             if not isinstance(state, dict):
                 raise MergeError(f"{path} does not hold a dictionary of tensors.")
+            from tui_merger.core.torch_pickle import require_names
+
+            require_names(path, state)
             tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
             self._bin[fname] = tensors
         return self._bin[fname]

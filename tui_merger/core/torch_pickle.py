@@ -358,4 +358,21 @@ def load_state_dict(path: Path) -> tuple[TorchFile, dict]:
     if not isinstance(obj, dict):
         tf.close()
         raise MergeError(f"{path} does not hold a dictionary of tensors.")
+    try:
+        require_names(path, obj)
+    except MergeError:
+        tf.close()
+        raise
     return tf, obj
+
+
+def require_names(path, state: dict) -> None:
+    """A state dict's keys must be parameter names. A damaged or forged pickle can key a tensor by
+    another tensor or a tuple: refuse it without formatting the key (printing a tensor is slow and
+    would put its values into the one-sentence error)."""
+    for key in state:
+        if not isinstance(key, str):
+            raise MergeError(
+                f"{path} holds a state dict keyed by a {type(key).__name__} instead of parameter names; "
+                "the file is damaged or is not a model checkpoint."
+            )
