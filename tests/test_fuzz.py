@@ -65,10 +65,16 @@ HEADROOM = 1 << 30  # what a fuzzed input may make us allocate beyond what is ma
 WATCHDOG_S = 300  # a fuzz test still running after this long has hung: dump the stacks and exit
 
 
+# Longer hunts, by hand: TUI_MERGER_FUZZ_SCALE=10 multiplies every property's inputs and
+# TUI_MERGER_FUZZ_RANDOM=1 draws new ones on each run (CI keeps the fixed, derandomized set).
+FUZZ_SCALE = float(os.environ.get("TUI_MERGER_FUZZ_SCALE", "1"))
+FUZZ_RANDOM = os.environ.get("TUI_MERGER_FUZZ_RANDOM") == "1"
+
+
 def fuzz_settings(n: int):
     return settings(
-        max_examples=n,
-        derandomize=True,  # the same inputs on every run (CI stability); new inputs need a code change
+        max_examples=max(1, int(n * FUZZ_SCALE)),
+        derandomize=not FUZZ_RANDOM,  # the same inputs on every run (CI stability); new inputs need a code change
         database=None,
         deadline=timedelta(seconds=5),  # generous for loaded CI machines; the watchdog catches real hangs
         print_blob=False,

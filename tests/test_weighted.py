@@ -226,3 +226,28 @@ def test_weighted_options_survive_the_json_round_trip_jobs_and_manifests_use(tmp
     options = MergeOptions(base=tmp_path, adapters=[(tmp_path / "a", 0.7), (tmp_path / "b", -0.3)], out=tmp_path / "o")
     again = MergeOptions(**json.loads(json.dumps(options.to_dict())))
     assert again.adapters == options.adapters and again.adapter == tmp_path / "a" and again.weighted
+
+
+def test_every_adapter_is_checked_against_the_base(models, tmp_path):
+    """The checks against the config an adapter was trained on (rope, vocab, tokenizer) run for each
+    adapter of a blend, naming it: before, only the first adapter was looked at."""
+    import shutil
+
+    root, base, a1, a2, _ = models
+    second = shutil.copytree(a2, tmp_path / "pixel-long")
+    config = json.loads((base / "config.json").read_text())
+    config["rope_theta"] = 123456.0
+    config.setdefault("rope_parameters", {})["rope_theta"] = 123456.0
+    (second / "config.json").write_text(json.dumps(config))
+    rows = load_file(base / "model.safetensors")["model.embed_tokens.weight"].shape[0]
+    vocab = {f"t{i}": i for i in range(rows + 5)}
+    (second / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordLevel", "vocab": vocab}, "added_tokens": []}))
+
+    plan = make_plan(MergeOptions(base=base, adapters=[(a1, 0.7), (second, 0.3)], out=tmp_path / "out"))
+    rope = [f for f in plan.findings if f.id == "rope"]
+    assert len(rope) == 1 and "pixel-long" in rope[0].message and "123456" in rope[0].message, plan.findings
+    vocab_errors = [f for f in plan.findings if f.id == "vocab"]
+    assert len(vocab_errors) == 1 and "pixel-long" in vocab_errors[0].message and plan.blocked
+    # the first adapter alone has neither problem
+    plain = make_plan(MergeOptions(base=base, adapters=[(a1, 0.7), (a2, 0.3)], out=tmp_path / "out"))
+    assert not [f for f in plain.findings if f.id in ("rope", "vocab")]

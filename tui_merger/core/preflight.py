@@ -121,7 +121,10 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         base_config = inputs.config if options.checkpoint is None else {}
         if options.checkpoint is None:
             _check_targets(inputs.adapter, inputs.base, add)
-            _check_against_adapter_side(options, base_config, add)
+            adapters = options.adapter_weights()
+            for path, _ in adapters:  # a weighted merge: every adapter against the one base
+                who = "The adapter" if len(adapters) == 1 else f"The adapter {Path(path).name}"
+                _check_against_adapter_side(Path(path), who, Path(options.base), base_config, add)
             _check_vocab(options, inputs, add)
         plan.suggested_roundtrip = _check_quantized(options, inputs, add)
         plan.suggested_base = _suggested_base(options, inputs)
@@ -263,10 +266,9 @@ def _check_targets(adapter, base, add) -> None:
         ))
 
 
-def _adapter_side_config(options: MergeOptions) -> tuple[dict | None, str]:
+def _adapter_side_config(folder: Path) -> tuple[dict | None, str]:
     """The config the adapter was trained against: a config.json saved beside the adapter, else the
     base_model_name_or_path it names when that is a local folder or in the HF cache."""
-    folder = Path(options.adapter)
     if (folder / "config.json").is_file():
         return _read_json(folder / "config.json"), str(folder / "config.json")
     try:
@@ -312,13 +314,13 @@ def _names_of_base(base: Path, config: dict) -> set[str]:
     return names
 
 
-def _check_against_adapter_side(options: MergeOptions, base_config: dict, add) -> None:
-    """The base the adapter names, and the config it was trained against, vs the base given."""
+def _check_against_adapter_side(adapter: Path, who: str, base: Path, base_config: dict, add) -> None:
+    """The base the adapter names, and the config it was trained against, vs the base given.
+    ``who``: how the sentences name the adapter ("The adapter", or its folder name in a blend)."""
     try:
-        named = json.loads((Path(options.adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         named = None
-    base = Path(options.base)
     if named:
         names = _names_of_base(base, base_config)
         resolved = resolve_model_reference(named)
@@ -336,29 +338,30 @@ def _check_against_adapter_side(options: MergeOptions, base_config: dict, add) -
         if not same:
             add(Finding(
                 "base-name", WARNING,
-                f"The adapter was trained on {named}, but the base given is {base}.",
+                f"{who} was trained on {named}, but the base given is {base}.",
                 "Use the base the adapter names, unless this folder is a copy of it.",
             ))
-    other, where = _adapter_side_config(options)
+    other, where = _adapter_side_config(adapter)
+    whose = "the adapter's" if who == "The adapter" else f"{who[4:]}'s"
     if not other:
         return
     if other.get("model_type") and base_config.get("model_type") and other["model_type"] != base_config["model_type"]:
         add(Finding(
             "architecture", ERROR,
-            f"The adapter was trained on a {other['model_type']} model ({where}) but the base is {base_config['model_type']}.",
+            f"{who} was trained on a {other['model_type']} model ({where}) but the base is {base_config['model_type']}.",
             "Give the base model the adapter was trained on.",
         ))
     elif (other.get("architectures") or None) != (base_config.get("architectures") or None) and other.get("architectures") and base_config.get("architectures"):
         add(Finding(
             "architecture", WARNING,
-            f"The adapter's base config ({where}) names {other['architectures']} but the base has {base_config['architectures']}.",
+            f"{whose[0].upper()}{whose[1:]} base config ({where}) names {other['architectures']} but the base has {base_config['architectures']}.",
             "Check that the model head is the one the adapter was trained with.",
         ))
     va, vb = _field(other, "vocab_size"), _field(base_config, "vocab_size")
     if va and vb and va != vb:
         add(Finding(
             "vocab-size", WARNING,
-            f"vocab_size is {va} in the adapter's base config ({where}) but {vb} in the base given.",
+            f"vocab_size is {va} in {whose} base config ({where}) but {vb} in the base given.",
             "Check that the base is the one the adapter was trained on (a resized vocabulary needs the "
             "adapter to carry the embeddings: modules_to_save).",
         ))
@@ -369,7 +372,7 @@ def _check_against_adapter_side(options: MergeOptions, base_config: dict, add) -
     if differ:
         add(Finding(
             "rope", WARNING,
-            f"The adapter's base config ({where}) and the base given differ in position encoding: {'; '.join(differ)}.",
+            f"{whose[0].upper()}{whose[1:]} base config ({where}) and the base given differ in position encoding: {'; '.join(differ)}.",
             "Merge into the same base the adapter was trained on, or the merged model's long-context behaviour will differ.",
         ))
 
@@ -406,14 +409,17 @@ def _check_vocab(options: MergeOptions, inputs, add) -> None:
         if rows and new_rows != rows:
             add(Finding("vocab", INFO, f"The adapter carries a resized embedding: {rows} -> {new_rows} rows; vocab_size will be updated."))
         return
-    tokens = _tokenizer_size(Path(options.adapter))
-    if rows and tokens and tokens > rows:
-        add(Finding(
-            "vocab", ERROR,
-            f"The adapter's tokenizer has {tokens} tokens but the base embedding has {rows} rows, and the adapter "
-            "does not carry a resized embedding (modules_to_save).",
-            "Save the adapter with modules_to_save=['embed_tokens', 'lm_head'] after resizing, or use the base's tokenizer (--tokenizer-from base).",
-        ))
+    adapters = options.adapter_weights()
+    for path, _ in adapters:
+        tokens = _tokenizer_size(Path(path))
+        whose = "The adapter's" if len(adapters) == 1 else f"Adapter {Path(path).name}'s"
+        if rows and tokens and tokens > rows:
+            add(Finding(
+                "vocab", ERROR,
+                f"{whose} tokenizer has {tokens} tokens but the base embedding has {rows} rows, and the adapter "
+                "does not carry a resized embedding (modules_to_save).",
+                "Save the adapter with modules_to_save=['embed_tokens', 'lm_head'] after resizing, or use the base's tokenizer (--tokenizer-from base).",
+            ))
 
 
 def _tokenizer_size(folder: Path) -> int | None:
