@@ -251,3 +251,27 @@ def test_every_adapter_is_checked_against_the_base(models, tmp_path):
     # the first adapter alone has neither problem
     plain = make_plan(MergeOptions(base=base, adapters=[(a1, 0.7), (a2, 0.3)], out=tmp_path / "out"))
     assert not [f for f in plain.findings if f.id in ("rope", "vocab")]
+
+
+def test_one_base_under_two_names_is_one_base(models, tmp_path):
+    """Adapters naming the same local folder by two paths (a symlink with another name), or a folder and
+    the name in its config, blend; before, the last path components were compared and they were refused."""
+    import shutil
+
+    root, base, a1, a2, _ = models
+    link = tmp_path / "qwen-copy-link"
+    link.symlink_to(base, target_is_directory=True)
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(a1, first)
+    shutil.copytree(a2, second)
+    edit_adapter_config(first, base_model_name_or_path=str(base))
+    edit_adapter_config(second, base_model_name_or_path=str(link))
+    out = tmp_path / "out"
+    run_merge(MergeOptions(base=base, adapters=[(first, 0.7), (second, 0.3)], out=out), fsync=False)
+    got, want = read_output(out), expected(base, [(a1, 0.7), (a2, 0.3)])
+    assert all(torch.equal(t, want[n]) for n, t in got.items())
+    # a name that leads nowhere here still counts as another base
+    edit_adapter_config(second, base_model_name_or_path="someone/another-model")
+    with pytest.raises(MergeError, match="another-model"):
+        run_merge(MergeOptions(base=base, adapters=[(first, 0.7), (second, 0.3)], out=tmp_path / "out2"), fsync=False)
+    assert not (tmp_path / "out2").exists()

@@ -28,6 +28,21 @@ def _base_name(adapter: PeftAdapter) -> str | None:
     return name.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
+def _same_local_base(first: str, other: str) -> bool:
+    """Two base names that differ but lead to one model here: the same folder (a symlink, a copy in the
+    HF cache), or a folder whose config or cache path carries the other name."""
+    from tui_merger.core.files import json_object_or_none
+    from tui_merger.core.preflight import names_of_base, resolve_model_reference
+
+    folders = [resolve_model_reference(n) for n in (first, other)]
+    if folders[0] is not None and folders[1] is not None and folders[0].resolve() == folders[1].resolve():
+        return True
+    for folder, name in ((folders[0], other), (folders[1], first)):
+        if folder is not None and name in names_of_base(folder, json_object_or_none(folder / "config.json") or {}):
+            return True
+    return False
+
+
 def combine_adapters(parts: list[tuple[PeftAdapter, float, Path]]) -> PeftAdapter:
     """One adapter standing for several weighted ones. A single adapter of weight 1 is returned as it is."""
     if len(parts) == 1 and parts[0][1] == 1.0:
@@ -55,8 +70,9 @@ def combine_adapters(parts: list[tuple[PeftAdapter, float, Path]]) -> PeftAdapte
             raise MergeError(f"{label} holds no LoRA weights, so a weight for it would change nothing.")
     names = [(_base_name(a), p) for a, _, p in parts]
     known = [(n, p) for n, p in names if n]
+    raw = {p: a.config.get("base_model_name_or_path") for a, _, p in parts}
     for name, path in known[1:]:
-        if name != known[0][0]:
+        if name != known[0][0] and not _same_local_base(raw[known[0][1]], raw[path]):
             raise MergeError(
                 f"{_label(known[0][1])} was trained on {known[0][0]} but {_label(path)} on {name}; a weighted "
                 "merge needs adapters of one base model (if they do share it, make base_model_name_or_path "

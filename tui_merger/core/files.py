@@ -40,6 +40,15 @@ def has_tokenizer(folder: Path) -> bool:
     return any((folder / f).is_file() for f in TOKENIZER_MARKERS)
 
 
+def json_object_or_none(path: Path) -> dict | None:
+    """A JSON file holding an object, or None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_json_object(path: Path, fix: str) -> dict:
     """A JSON file that must hold an object; ``fix`` ends the error sentence ('re-save the adapter')."""
     try:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.files import json_object_or_none
 from tui_merger.core.events import Event, PhaseStarted, TensorProgress
 from tui_merger.core.manifest import state_dir
 from tui_merger.core.options import MergeOptions
@@ -73,7 +74,7 @@ class Job:
     def progress(self) -> dict | None:
         """The latest progress.json: phase and message, then (once tensors move) done, total, bytes_done,
         bytes_total and tensor; None before the first phase."""
-        return _read_json(self.folder / PROGRESS_FILE)
+        return json_object_or_none(self.folder / PROGRESS_FILE)
 
 
 def start_detached(
@@ -273,7 +274,7 @@ def _create(out: str, request: dict) -> Job:
 
 
 def _load(job_id: str) -> Job | None:
-    data = _read_json(jobs_dir() / job_id / JOB_FILE)
+    data = json_object_or_none(jobs_dir() / job_id / JOB_FILE)
     if data is None:
         return None
     names = {f.name for f in fields(Job)}
@@ -313,17 +314,10 @@ def _runner_alive(job: Job) -> bool:
 
 def _update(job: Job, **changes) -> None:
     path = job.folder / JOB_FILE
-    data = _read_json(path) or asdict(job)
+    data = json_object_or_none(path) or asdict(job)
     data.update(changes)
     _write_json(path, data)
 
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.files import json_object_or_none
 from tui_merger.core.options import MergeOptions, human_bytes
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -270,7 +271,7 @@ def _adapter_side_config(folder: Path) -> tuple[dict | None, str]:
     """The config the adapter was trained against: a config.json saved beside the adapter, else the
     base_model_name_or_path it names when that is a local folder or in the HF cache."""
     if (folder / "config.json").is_file():
-        return _read_json(folder / "config.json"), str(folder / "config.json")
+        return json_object_or_none(folder / "config.json"), str(folder / "config.json")
     try:
         named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
@@ -278,15 +279,8 @@ def _adapter_side_config(folder: Path) -> tuple[dict | None, str]:
     path = resolve_model_reference(named)
     if path is None:
         return None, ""
-    return _read_json(path / "config.json"), str(path / "config.json")
+    return json_object_or_none(path / "config.json"), str(path / "config.json")
 
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def resolve_model_reference(name) -> Path | None:
@@ -304,7 +298,7 @@ def resolve_model_reference(name) -> Path | None:
     return None
 
 
-def _names_of_base(base: Path, config: dict) -> set[str]:
+def names_of_base(base: Path, config: dict) -> set[str]:
     names = {str(base), str(base.resolve()), base.name, base.resolve().name}
     if config.get("_name_or_path"):
         names.add(str(config["_name_or_path"]))
@@ -322,7 +316,7 @@ def _check_against_adapter_side(adapter: Path, who: str, base: Path, base_config
     except (OSError, ValueError, AttributeError):
         named = None
     if named:
-        names = _names_of_base(base, base_config)
+        names = names_of_base(base, base_config)
         resolved = resolve_model_reference(named)
         same = named in names or Path(str(named)).name in names or (resolved is not None and resolved.resolve() == base.resolve())
         if not same and resolved is not None:  # QLoRA: trained on a quantized model made from this base
@@ -423,7 +417,7 @@ def _check_vocab(options: MergeOptions, inputs, add) -> None:
 
 
 def _tokenizer_size(folder: Path) -> int | None:
-    data = _read_json(folder / "tokenizer.json")
+    data = json_object_or_none(folder / "tokenizer.json")
     if not data:
         return None
     vocab = (data.get("model") or {}).get("vocab")
@@ -510,7 +504,7 @@ def _trained_quantized(options: MergeOptions):
         return None, None
     path = resolve_model_reference(named)
     if path is not None:
-        info = quantization_info(_read_json(path / "config.json"))
+        info = quantization_info(json_object_or_none(path / "config.json"))
         return (named, info) if info is not None else (None, None)
     return (named, None) if _QUANTIZED_NAME.search(named) else (None, None)
 
