@@ -127,8 +127,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
                 who = "The adapter" if len(adapters) == 1 else f"The adapter {Path(path).name}"
                 _check_against_adapter_side(Path(path), who, Path(options.base), base_config, add)
             _check_vocab(options, inputs, add)
-        plan.suggested_roundtrip = _check_quantized(options, inputs, add)
-        plan.suggested_base = _suggested_base(options, inputs)
+        plan.suggested_roundtrip, plan.suggested_base = _check_quantized(options, inputs, add)
         _check_remote_code(inputs.config, add)
         _check_nan(inputs.adapter, add)
     finally:
@@ -427,30 +426,29 @@ def _tokenizer_size(folder: Path) -> int | None:
     return max(ids) + 1 if ids else None
 
 
-def _suggested_base(options: MergeOptions, inputs) -> str | None:
-    from tui_merger.core.quant import find_unquantized_base, quantization_info
-
-    if options.checkpoint is not None or quantization_info(inputs.config) is None:
-        return None
-    found = find_unquantized_base(inputs.config, options.base)
-    return str(found) if found is not None else None
-
-
-def _check_quantized(options: MergeOptions, inputs, add) -> str | None:
+def _check_quantized(options: MergeOptions, inputs, add) -> tuple[str | None, str | None]:
     """A quantized base (explained, with the local 16-bit model it was made from when there is one);
     the --qlora-base round trip in use; an adapter trained on a quantized model (QLoRA) merged into
-    16-bit weights, which is right, with the round trip offered."""
-    from tui_merger.core.quant import FLAG, origin_fix, parse_roundtrip, quantization_info
+    16-bit weights, which is right, with the round trip offered. Returns (the --qlora-base value to
+    suggest, the 16-bit base to use instead of a quantized one), each or None."""
+    from tui_merger.core.quant import FLAG, find_unquantized_base, origin_fix, parse_roundtrip, quantization_info
 
     info = quantization_info(inputs.config)
     if info is not None:
-        fix = origin_fix(inputs.config, options.base or options.checkpoint)
+        found = find_unquantized_base(inputs.config, options.base or options.checkpoint)
+        fix = origin_fix(inputs.config, options.base or options.checkpoint, found)
         if info.can_roundtrip:
             fix += f" With it, {FLAG} {info.flag_value()} merges into the rounded weights QLoRA training saw."
         add(Finding("quantized", ERROR, f"The base model is quantized ({info.method}). {info.explanation}", fix))
-        return
+        return None, str(found) if found is not None and options.checkpoint is None else None
     if options.checkpoint is not None:
-        return
+        return None, None
+    return _check_roundtrip(options, inputs, add), None
+
+
+def _check_roundtrip(options: MergeOptions, inputs, add) -> str | None:
+    from tui_merger.core.quant import FLAG, parse_roundtrip
+
     named, trained = _trained_quantized(options)
     if options.base_roundtrip:
         chosen = parse_roundtrip(options.base_roundtrip)

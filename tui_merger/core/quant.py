@@ -434,9 +434,14 @@ def refuse_packed(source, config: dict, base_path) -> None:
     raise MergeError(f"{base_path} holds weights saved already quantized ({kind}: {what}). {why} {origin_fix(config, base_path)}")
 
 
-def origin_fix(config: dict, base_path) -> str:
-    """The sentence that says which --base to use instead of a quantized one."""
-    found = find_unquantized_base(config, base_path)
+_UNSET = object()
+
+
+def origin_fix(config: dict, base_path, found=_UNSET) -> str:
+    """The sentence that says which --base to use instead of a quantized one (``found``: the result of
+    find_unquantized_base when the caller has it already)."""
+    if found is _UNSET:
+        found = find_unquantized_base(config, base_path)
     if found is not None:
         return f"Pass --base {found} (the 16-bit model it was made from, found locally)."
     named = origin_name(config, base_path)
