@@ -109,6 +109,18 @@ def _install_audit_hook() -> None:
         # stdlib codecs imported lazily: pickle's text opcodes, zipfile's names without the UTF-8 flag
         for name in ("raw_unicode_escape", "ascii", "latin-1", "utf-8", "cp437"):
             codecs.lookup(name)
+        # torch imports its printing helpers on the first tensor repr; torch.load's error for a damaged
+        # pickle may print one (see no_code_runs): import them now, whatever ran before in this process
+        repr(torch.zeros(2))
+        # ... and its weights-only unpickler compares a misplaced tensor with its allowed globals, which
+        # include NestedTensor, whose __torch_function__ imports these on first use
+        import importlib
+
+        for name in ("torch.nested._internal.ops", "torch.nested._internal.sdpa"):
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
         sys.addaudithook(_audit)
         _hook_installed = True
 
@@ -137,7 +149,14 @@ def no_code_runs():
 
     def recorded(self, *args, **kwargs):
         if _AUDIT["on"]:
-            _AUDIT["events"].append(f"a tensor of shape {tuple(self.shape)} was formatted")
+            import traceback
+
+            stack = traceback.extract_stack()[:-1]
+            # torch.load's own error for a damaged pickle may name the object it found ("unrecognized
+            # function tensor([...])"): torch's choice, and our message keeps only its first 200 characters
+            if not any(f.filename.endswith("_weights_only_unpickler.py") for f in stack):
+                where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack[-5:][::-1])
+                _AUDIT["events"].append(f"a tensor of shape {tuple(self.shape)} was formatted, in {where}")
         return original(self, *args, **kwargs)
 
     torch.Tensor.__repr__ = recorded
@@ -995,6 +1014,131 @@ def test_torch_zip_container_damage(data, small_torch_file, work, guarded):
     check_torch_file("torch zip container", path)
 
 
+# -- found by longer random hunts (TUI_MERGER_FUZZ_RANDOM=1), kept as fixed cases -------------------------
+
+
+def test_zip_extra_field_running_past_the_end(small_torch_file, tmp_path):
+    """Byte 29 (the high byte of the first local header's extra-field length) set to 9: zipfile read
+    past the end and raised EOFError, which escaped as a crash."""
+    blob = bytearray(small_torch_file.read_bytes())
+    blob[29] = 9
+    path = tmp_path / "small.pt"
+    path.write_bytes(bytes(blob))
+    with no_code_runs(), pytest.raises(MergeError, match="not a readable PyTorch zip checkpoint"):
+        load_state_dict(path)
+
+
+def test_dtensor_whose_dtype_is_not_a_dtype(fsdp_ckpt, tmp_path):
+    """A renamed global made a DTensor's dtype a function: it was listed as a tensor of dtype
+    "<function _rebuild_parameter ...>". Now: one sentence."""
+    from tui_merger.core.fsdp import FsdpSource, find_fsdp_checkpoint
+
+    actor = tmp_path / "fsdp"
+    shutil.copytree(fsdp_ckpt["checkpoint_dir"], actor)
+    src = Path(fsdp_ckpt["model_files"][0])
+    pkl = data_pkl_of(src)
+    assert pkl.count(_global("torch", "float32")) == 1
+    rewrite_torch_zip(src, actor / src.name, pkl.replace(_global("torch", "float32"), _global("torch._utils", "_rebuild_parameter")))
+    with no_code_runs(), pytest.raises(MergeError, match="does not record a valid dtype and shape"):
+        FsdpSource(find_fsdp_checkpoint(actor)).close()
+
+
+@pytest.mark.parametrize("damage", ["spec-is-a-list", "placements-not-a-list", "dim-not-an-int", "args-not-a-tuple",
+                                    "coords-not-ints", "size-not-a-tuple"])
+def test_dtensor_with_damaged_placement_records(damage):
+    """A memo index pointing elsewhere made a DTensor's spec a list: AttributeError escaped. Every part
+    of the placement records is now checked before use."""
+    from tui_merger.core.fsdp import _placement_dims, _wrapper_meta
+    from tui_merger.core.torch_pickle import WrapperTensor, _record_class
+
+    Spec, Mesh, Shard = (_record_class(f"torch.distributed.tensor.{n}") for n in ("DTensorSpec", "DeviceMesh", "Shard"))
+    shard = Shard(0)
+    mesh = Mesh()
+    mesh.__dict__["_coordinate_on_dim"] = [1]
+    spec = Spec()
+    spec.__dict__.update(mesh=mesh, placements=(shard,))
+    value = WrapperTensor(_record_class("torch.distributed.tensor.DTensor"), torch.float32, (4, 4), (4, 1), 0, None, "cpu", False)
+    value.__dict__.update(_spec=spec, _local_tensor=torch.zeros(2, 4))
+    assert _placement_dims(value, Path("rank0.pt"), "w") == ([("Shard", 0)], (1,))  # the undamaged record
+    if damage == "spec-is-a-list":
+        value.__dict__["_spec"] = [spec]
+    elif damage == "placements-not-a-list":
+        spec.__dict__["placements"] = 3
+    elif damage == "dim-not-an-int":
+        shard.__dict__["dim"] = "0"
+    elif damage == "args-not-a-tuple":
+        shard.args = 7
+        shard.__dict__["dim"] = None
+    elif damage == "coords-not-ints":
+        mesh.__dict__["_coordinate_on_dim"] = ["1"]
+    else:
+        value.size = 16
+        with pytest.raises(MergeError, match="valid dtype and shape"):
+            _wrapper_meta(Path("rank0.pt"), "w", value)
+        return
+    with pytest.raises(MergeError, match="rank0.pt: w "):
+        _placement_dims(value, Path("rank0.pt"), "w")
+
+
+def test_zero_sized_safetensors_tensor_whose_strides_overflow(tmp_path):
+    """shape [0, 2**31 - 1, 2**40] holds no bytes, but torch computes its strides and raised
+    "Stride calculation overflowed" on read."""
+    header = json.dumps({"t": {"dtype": "F32", "shape": [0, 2**31 - 1, 2**40], "data_offsets": [0, 0]}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(MergeError, match="shape out of range"):
+        SafetensorsFile(path)
+
+
+def test_negative_storage_offset_is_refused(small_torch_file, tmp_path):
+    """storage_offset -1 passed the check that the view ends inside its storage: the tensor began one
+    element before it, reading the zip bytes in front."""
+    pkl = data_pkl_of(small_torch_file)
+    old = b"Q" + b"K\x00" + b"K\x04K\x06\x86"  # BINPERSID, offset 0, size (4, 6) of tensor "w"
+    assert pkl.count(old) == 1
+    path = tmp_path / "small.pt"
+    rewrite_torch_zip(small_torch_file, path, pkl.replace(old, b"QJ\xff\xff\xff\xffK\x04K\x06\x86"))
+    with no_code_runs(), pytest.raises(MergeError, match="could not be unpickled"):
+        load_state_dict(path)
+
+
+def test_tensor_subclass_record_never_formats_its_class():
+    """A damaged pickle can hand a tensor where the DTensor class belongs: it is named by its type only."""
+    from tui_merger.core.torch_pickle import WrapperTensor
+
+    with no_code_runs():
+        value = WrapperTensor(torch.zeros(16, 64), torch.float32, (4,), (1,), 0, None, "cpu", False)
+    assert value.subclass == "Tensor"
+
+
+def test_bin_whose_pickle_calls_a_tensor(small_torch_file, tmp_path):
+    """A damaged pytorch_model.bin whose pickle "calls" one of its tensors: torch.load's error names
+    the tensor with its values; the sentence says "a tensor" instead."""
+    pkl = data_pkl_of(small_torch_file)
+    ops = list(pickletools.genops(pkl))
+    # the memo slot of the first tensor: the BINPUT after the second REDUCE following the GLOBAL
+    # _rebuild_tensor_v2 (the first REDUCE makes its backward-hooks OrderedDict). The fuzzer got there by
+    # changing that BINPUT's slot to the one of the GLOBAL, so the next tensor "called" this one.
+    first = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "GLOBAL" and "_rebuild_tensor_v2" in str(arg))
+    reduce_at = [i for i in range(first, len(ops)) if ops[i][0].name == "REDUCE"][1]
+    slot = ops[reduce_at + 1][1]
+    assert ops[reduce_at + 1][0].name in ("BINPUT", "LONG_BINPUT")
+    assert pkl.endswith(b".")
+    damaged = pkl[:-1] + b"h" + bytes([slot]) + b")R."  # BINGET tensor, EMPTY_TUPLE, REDUCE, STOP
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    rewrite_torch_zip(small_torch_file, base / "pytorch_model.bin", damaged)
+    with no_code_runs(), pytest.raises(MergeError) as err:
+        source = open_model(base)
+        try:
+            for ref in source.tensors.values():
+                source.load(ref)
+        finally:
+            source.close()
+    assert "tensor(" not in str(err.value) and "pytorch_model.bin" in str(err.value), err.value
+
+
 def test_compressed_pickle_is_refused_without_inflating_it(small_torch_file, tmp_path):
     """A data.pkl stored deflated (torch.save never compresses) could be a zip bomb: refused before
     it is inflated."""
@@ -1268,3 +1412,188 @@ def test_dtensor_global_size_disagreeing_with_its_shards_is_named(size, fsdp_ckp
     with allocates_at_most(64 << 20):
         line = _cli_refuses(capsys, run, tmp_path / "merged")
     assert "model.embed_tokens.weight" in line, line
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. verl Megatron checkpoints (DCP .metadata, .distcp archives, legacy model.pt), configs, adapters
+# ------------------------------------------------------------------------------------------------
+MEGATRON = Path(__file__).resolve().parent / "fixtures" / "megatron"
+
+
+def _megatron_run(work: Path, name: str) -> Path:
+    """A private copy of a committed Megatron fixture (without its reference logits), made once."""
+    dst = work / f"megatron-{name}"
+    if not dst.is_dir():
+        if not (MEGATRON / name / "reference.pt").is_file():
+            pytest.skip(f"Megatron fixture {name} is not generated")
+        shutil.copytree(MEGATRON / name, dst, ignore=shutil.ignore_patterns("reference.pt"))
+        _warm_up(lambda: _convert(dst / "global_step_1" / "actor"))
+    return dst
+
+
+def _warm_up(load) -> None:
+    """Run a load once outside the audit: our own modules (and the libraries' lazily imported parts)
+    are imported on first use, which the audit hook would otherwise count as code run by the input."""
+    load()
+
+
+def _convert(checkpoint: Path) -> None:
+    from tui_merger.core.inputs import open_inputs
+    from tui_merger.core.options import MergeOptions
+
+    inputs = open_inputs(MergeOptions(checkpoint=checkpoint))
+    try:
+        for name, ref in inputs.base.tensors.items():
+            t = inputs.base.load(ref)
+            assert tuple(t.shape) == tuple(ref.shape) and str(t.dtype) == f"torch.{ref.dtype}", name
+    finally:
+        inputs.close()
+
+
+def check_checkpoint(prop: str, checkpoint: Path) -> None:
+    """open_inputs converts the checkpoint and every tensor loads with the shape and dtype listed, or
+    the checkpoint is refused with MergeError."""
+    loads_or_refuses(prop, lambda: _convert(checkpoint))
+
+
+def test_the_unmutated_megatron_fixtures_load(work):
+    for name in ("qwen2_tp2", "legacy_tp2pp2"):
+        run = _megatron_run(work, name)
+        check_checkpoint(None, run / "global_step_1" / "actor")
+
+
+@settings(fuzz_settings(250), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_megatron_dcp_over_a_mutated_metadata(data, work, guarded):
+    """``.metadata`` (a plain pickle of DCP's Metadata) under the pickle mutations of section 2."""
+    run = _megatron_run(work, "qwen2_tp2")
+    meta = run / "global_step_1" / "actor" / "model" / "dist_ckpt" / ".metadata"
+    pkl = (MEGATRON / "qwen2_tp2" / meta.relative_to(run)).read_bytes()
+    meta.write_bytes(mutate_pickle(data, pkl, _ops_cached(pkl)))
+    check_checkpoint("megatron .metadata", run / "global_step_1" / "actor")
+
+
+@settings(fuzz_settings(200), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_megatron_distcp_damage(data, work, guarded):
+    """A .distcp file (torch.save archives at the offsets .metadata names): flipped, inserted, zeroed
+    bytes and truncation, anywhere or in the first archive's headers."""
+    run = _megatron_run(work, "qwen2_tp2")
+    dist = run / "global_step_1" / "actor" / "model" / "dist_ckpt"
+    for f in dist.glob("*.distcp"):  # undo the previous example's damage
+        shutil.copyfile(MEGATRON / "qwen2_tp2" / f.relative_to(run), f)
+    victim = dist / data.draw(st.sampled_from(sorted(p.name for p in dist.glob("*.distcp"))), label="file")
+    out = victim.read_bytes()
+    for _ in range(data.draw(st.integers(1, 3), label="ops")):
+        hi = min(len(out) - 1, data.draw(st.sampled_from([200, 4096, len(out) - 1]), label="region"))
+        if hi < 0:
+            break
+        pos = data.draw(st.integers(0, hi), label="pos")
+        kind = data.draw(st.sampled_from(["flip", "flip", "insert", "zero", "truncate"]), label="op")
+        if kind == "flip":
+            out = out[:pos] + bytes([data.draw(st.integers(0, 255), label="byte")]) + out[pos + 1 :]
+        elif kind == "insert":
+            out = out[:pos] + data.draw(st.binary(min_size=1, max_size=4), label="bytes") + out[pos:]
+        elif kind == "zero":
+            out = out[:pos] + b"\0" * 8 + out[pos + 8 :]
+        else:
+            out = out[:pos]
+    victim.write_bytes(out)
+    check_checkpoint("megatron .distcp", run / "global_step_1" / "actor")
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+@settings(fuzz_settings(250), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_legacy_megatron_over_a_mutated_model_pt(data, work, guarded):
+    """A legacy mp_rank_XX_YYY/model.pt (a torch.save archive of model chunks) with its pickle mutated."""
+    run = _megatron_run(work, "legacy_tp2pp2")
+    model = run / "global_step_1" / "actor" / "model"
+    rank = data.draw(st.sampled_from(["mp_rank_00_000", "mp_rank_01_001"]), label="rank dir")
+    for d in ("mp_rank_00_000", "mp_rank_01_001"):
+        shutil.copyfile(MEGATRON / "legacy_tp2pp2" / (model / d / "model.pt").relative_to(run), model / d / "model.pt")
+    src = MEGATRON / "legacy_tp2pp2" / (model / rank / "model.pt").relative_to(run)
+    pkl = data_pkl_of(src)
+    rewrite_torch_zip(src, model / rank / "model.pt", mutate_pickle(data, pkl, _ops_cached(pkl)))
+    check_checkpoint("legacy megatron model.pt", run / "global_step_1" / "actor")
+
+
+_ODD_JSON = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 5), st.sampled_from([0, 1, 7, 2**31, 2**63, -(2**40)]),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8), st.sampled_from(["qwen2", "llama", "mixtral", "bfloat16"]),
+    st.lists(st.integers(-1, 3), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+_MEGATRON_CONFIG_KEYS = [
+    "model_type", "architectures", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "num_hidden_layers", "intermediate_size", "vocab_size", "tie_word_embeddings", "torch_dtype", "dtype",
+    "rope_theta", "attention_bias", "text_config", "num_experts", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "max_position_embeddings",
+]
+
+
+@settings(fuzz_settings(250), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_megatron_with_odd_config_values(data, work, guarded):
+    """config.json beside a Megatron checkpoint with fields replaced by odd JSON values (0, negative,
+    huge, NaN, strings, lists, null) or removed: converted or refused."""
+    run = _megatron_run(work, "qwen2_tp2")
+    path = run / "global_step_1" / "actor" / "model" / "huggingface" / "config.json"
+    config = json.loads((MEGATRON / "qwen2_tp2" / path.relative_to(run)).read_text())
+    for key in data.draw(st.lists(st.sampled_from(_MEGATRON_CONFIG_KEYS), min_size=1, max_size=3, unique=True), label="keys"):
+        if data.draw(st.booleans(), label="remove"):
+            config.pop(key, None)
+        else:
+            config[key] = data.draw(_ODD_JSON, label=key)
+    path.write_text(json.dumps(config))
+    check_checkpoint("megatron config.json", run / "global_step_1" / "actor")
+
+
+from tui_merger.core.options import MergeOptions  # noqa: E402
+
+_ADAPTER_KEYS = [
+    "r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora",
+    "fan_in_fan_out", "modules_to_save", "lora_bias", "base_model_name_or_path", "peft_type", "task_type",
+    "layers_to_transform", "trainable_token_indices", "exclude_modules",
+]
+
+
+@pytest.fixture(scope="module")
+def lora_pair(tmp_path_factory):
+    """A tiny base and a real peft adapter for it."""
+    from factory import ALL_LINEAR, qwen_config, save_adapter, save_base
+
+    root = tmp_path_factory.mktemp("fuzz-lora")
+    base = save_base(root / "base", qwen_config())
+    adapter = save_adapter(root / "adapter", base, seed=1, target_modules=ALL_LINEAR, r=4, lora_alpha=8)
+    _warm_up(lambda: _plan_and_open(MergeOptions(base=base, adapter=adapter, out=root / "out")))
+    return base, adapter
+
+
+def _plan_and_open(options) -> None:
+    from tui_merger.core.inputs import open_inputs
+    from tui_merger.core.preflight import make_plan
+
+    plan = make_plan(options)
+    assert all(f.message.strip() for f in plan.findings)
+    open_inputs(options).close()
+
+
+@settings(fuzz_settings(250), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_plan_and_open_with_odd_adapter_config_values(data, lora_pair, work, guarded):
+    """adapter_config.json with fields replaced by odd JSON values or removed: the merge plan never
+    raises (problems are findings), and opening the inputs converts them or refuses with MergeError."""
+    base, adapter = lora_pair
+    folder = work / "odd-adapter"
+    if not folder.is_dir():
+        shutil.copytree(adapter, folder)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    for key in data.draw(st.lists(st.sampled_from(_ADAPTER_KEYS), min_size=1, max_size=3, unique=True), label="keys"):
+        if data.draw(st.booleans(), label="remove"):
+            config.pop(key, None)
+        else:
+            config[key] = data.draw(_ODD_JSON, label=key)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    options = MergeOptions(base=base, adapter=folder, out=work / "odd-out")
+    loads_or_refuses("adapter_config.json", lambda: _plan_and_open(options))
+    assert not (work / "odd-out").exists()

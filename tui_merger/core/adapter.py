@@ -101,6 +101,64 @@ def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
     return adapter
 
 
+def _is_number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _is_names(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _is_patterns(value, ok) -> bool:
+    if not isinstance(value, dict):
+        return False
+    for key, v in value.items():
+        try:
+            re.compile(key)
+        except re.error:
+            return False
+        if not ok(v):
+            return False
+    return True
+
+
+def _is_indices(value) -> bool:
+    ints = lambda v: isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)  # noqa: E731
+    return ints(value) or (isinstance(value, dict) and all(ints(v) for v in value.values()))
+
+
+# field -> (check of a present, non-null value, what it should be)
+_CONFIG_FIELDS = {
+    "peft_type": (lambda v: isinstance(v, str), "a name such as LORA"),
+    "r": (lambda v: type(v) is int and v >= 1, "a whole number of at least 1"),
+    "lora_alpha": (_is_number, "a number"),
+    "rank_pattern": (lambda v: _is_patterns(v, lambda r: type(r) is int and r >= 1), "a map of module patterns to ranks"),
+    "alpha_pattern": (lambda v: _is_patterns(v, _is_number), "a map of module patterns to numbers"),
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
+    "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
+    "lora_bias": (lambda v: isinstance(v, bool), "true or false"),
+    "target_modules": (_is_names, "a module name or a list of them"),
+    "modules_to_save": (_is_names, "a list of module names"),
+    "exclude_modules": (_is_names, "a module name or a list of them"),
+    "base_model_name_or_path": (lambda v: isinstance(v, str), "a model name or path"),
+    "task_type": (lambda v: isinstance(v, str), "a task name such as CAUSAL_LM"),
+    "trainable_token_indices": (_is_indices, "a list of token ids (or a map of modules to lists)"),
+}
+
+
+def check_adapter_config(config: dict, path: Path) -> None:
+    """The fields tui-merger reads must have the types peft writes: a damaged or hand-edited
+    adapter_config.json is named in one sentence instead of failing somewhere in the merge."""
+    for key, (ok, what) in _CONFIG_FIELDS.items():
+        value = config.get(key)
+        if value is not None and not ok(value):
+            raise MergeError(
+                f"{path}: {key} is {json.dumps(value)[:40]}, not {what}; fix adapter_config.json or save the "
+                "adapter again with peft."
+            )
+
+
 def _read_config(folder: Path) -> dict:
     path = folder / "adapter_config.json"
     if not folder.is_dir():
@@ -114,6 +172,7 @@ def _read_config(folder: Path) -> dict:
             "Point --adapter at the folder that peft's save_pretrained wrote."
         )
     config = read_json_object(path, "fix or re-save the adapter")
+    check_adapter_config(config, path)
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise MergeError(
@@ -222,7 +281,7 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
             )
     else:
         cfg_alpha = cfg["lora_alpha"]
-    cfg_r = cfg.get("r", 8)
+    cfg_r = cfg.get("r") or 8  # peft's default; null counts as not given
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
     rslora = bool(cfg.get("use_rslora", False))

@@ -67,7 +67,42 @@ def read_config(base: Path) -> dict:
             f"{base} has no config.json, so it is not a Hugging Face model folder; "
             "point the base at the folder that holds config.json and the weights."
         )
-    return read_json_object(path, "copy it again from the original model")
+    config = read_json_object(path, "copy it again from the original model")
+    check_config_types(config, path)
+    return config
+
+
+# integer fields tui-merger reads (shapes, counts); null means "not given", as in transformers
+_POSITIVE_INTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size",
+                  "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "decoder_sparse_step")
+_COUNTS = ("num_experts", "num_local_experts", "num_labels")
+_STRINGS = ("model_type", "dtype", "torch_dtype")
+
+
+def check_config_types(config: dict, path: Path) -> None:
+    """The fields tui-merger uses must have the types transformers writes: a damaged or hand-edited
+    config.json is named here, in one sentence, instead of failing somewhere in the merge."""
+    for where, cfg in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(cfg, dict):
+            continue
+        for key in _POSITIVE_INTS + _COUNTS:
+            value = cfg.get(key)
+            low = 1 if key in _POSITIVE_INTS else 0
+            if value is not None and (type(value) is not int or value < low):
+                raise MergeError(
+                    f"{path}: {where}{key} is {json.dumps(value)[:40]}, not a whole number of at least {low}; "
+                    "fix config.json (copy it again from the original model)."
+                )
+        for key in _STRINGS:
+            if cfg.get(key) is not None and not isinstance(cfg[key], str):
+                raise MergeError(f"{path}: {where}{key} is {json.dumps(cfg[key])[:40]}, not a name; fix config.json.")
+        archs = cfg.get("architectures")
+        if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise MergeError(f"{path}: {where}architectures is {json.dumps(archs)[:40]}, not a list of class names; fix config.json.")
+        tie = cfg.get("tie_word_embeddings")
+        if tie is not None and not isinstance(tie, bool):
+            raise MergeError(f"{path}: {where}tie_word_embeddings is {json.dumps(tie)[:40]}, not true or false; fix config.json.")
 
 
 def edited_config(config: dict, changes: dict, dtype: str | None) -> dict:

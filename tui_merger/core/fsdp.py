@@ -134,23 +134,51 @@ class _Entry:
 
 def _placement_dims(value: WrapperTensor, path: Path, key: str):
     spec = value.__dict__.get("_spec")
-    if spec is None or "_local_tensor" not in value.__dict__:
+    if not isinstance(spec, Record) or "_local_tensor" not in value.__dict__:
         raise MergeError(f"{path}: {key} is a tensor subclass without its local shard; tui-merger cannot read it.")
+    damaged = MergeError(f"{path}: {key} does not record its place in the device mesh; tui-merger cannot reassemble it.")
     mesh = spec.__dict__.get("mesh")
-    coords = getattr(mesh, "_coordinate_on_dim", None) if mesh is not None else None
+    coords = getattr(mesh, "_coordinate_on_dim", None) if isinstance(mesh, Record) else None
     placements = spec.__dict__.get("placements") or ()
+    if not isinstance(placements, (list, tuple)):
+        raise damaged
     kinds = []
     for p in placements:
-        kind = p.kind if isinstance(p, Record) else type(p).__name__
-        if kind == "Shard":
-            kinds.append(("Shard", int(p.__dict__.get("dim", p.args[0] if p.args else 0))))
-        elif kind == "Replicate":
+        if not isinstance(p, Record):
+            raise damaged
+        if p.kind == "Shard":
+            args = p.args if isinstance(p.args, tuple) else ()  # state may have replaced anything
+            dim = p.__dict__.get("dim", args[0] if args else 0)
+            if type(dim) is not int:
+                raise damaged
+            kinds.append(("Shard", dim))
+        elif p.kind == "Replicate":
             kinds.append(("Replicate", None))
         else:
-            raise MergeError(f"{path}: {key} is sharded as {kind}, which tui-merger does not support yet.")
-    if coords is None or len(coords) != len(kinds):
-        raise MergeError(f"{path}: {key} does not record its place in the device mesh; tui-merger cannot reassemble it.")
-    return kinds, tuple(int(c) for c in coords)
+            raise MergeError(f"{path}: {key} is sharded as {p.kind}, which tui-merger does not support yet.")
+    if not isinstance(coords, (list, tuple)) or len(coords) != len(kinds) or not all(type(c) is int for c in coords):
+        raise damaged
+    return kinds, tuple(coords)
+
+
+def _wrapper_meta(path, key: str, value: WrapperTensor):
+    """(torch dtype, global shape) a DTensor or ShardedTensor claims, checked: a damaged pickle can put
+    any object in either place."""
+    import torch
+
+    dtype, shape = value.dtype, value.size
+    if not isinstance(dtype, torch.dtype) or not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
+        raise MergeError(f"{path}: {key} does not record a valid dtype and shape; the file is damaged.")
+    return dtype, shape
+
+
+def _local_piece(path, key: str, dtype, local):
+    """A rank's local shard: a tensor of the dtype its DTensor claims."""
+    import torch
+
+    if not isinstance(local, torch.Tensor) or local.dtype != dtype:
+        raise MergeError(f"{path}: a local shard of {key} is not a {str(dtype).removeprefix('torch.')} tensor; the file is damaged.")
+    return local
 
 
 def _check_local(path, key: str, shape: tuple, dim: int | None, local) -> None:
@@ -166,6 +194,12 @@ def _check_local(path, key: str, shape: tuple, dim: int | None, local) -> None:
             f"{path}: {key} claims the global shape {list(shape)} but a rank holds a piece of shape "
             f"{list(local_shape)}; the file is damaged."
         )
+
+
+def _is_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 class FsdpSource:
@@ -209,7 +243,7 @@ class FsdpSource:
                     f"{self.layout.rank_files[0]}: {key} is a {v0.kind}, which tui-merger cannot read yet "
                     "(only DTensor and plain tensors)."
                 )
-            elif hasattr(v0, "shape") and hasattr(v0, "dtype"):
+            elif _is_tensor(v0):
                 dtype = str(v0.dtype).removeprefix("torch.")
                 self.entries[key] = _Entry(key, dtype, tuple(v0.shape), None, [_Part(0, v0)])
             # other values (step counters, strings) are not weights
@@ -222,9 +256,9 @@ class FsdpSource:
                     part.start, part.end = offset, offset + local.numel() * local.element_size()
 
     def _sharded(self, key: str, values) -> _Entry:
-        dtype = str(values[0].dtype).removeprefix("torch.")
-        shape = tuple(values[0].size)
         path = self.layout.rank_files[0]
+        torch_dtype, shape = _wrapper_meta(path, key, values[0])
+        dtype = str(torch_dtype).removeprefix("torch.")
         shard_dims = None
         chosen = []
         for rank, v in enumerate(values):
@@ -237,7 +271,7 @@ class FsdpSource:
             if any(kind == "Replicate" and c != 0 for (kind, _), c in zip(kinds, coords)):
                 continue
             order = next((c for (kind, _), c in zip(kinds, coords) if kind == "Shard"), 0)
-            chosen.append((order, rank, v.__dict__["_local_tensor"]))
+            chosen.append((order, rank, _local_piece(self.layout.rank_files[rank], key, torch_dtype, v.__dict__["_local_tensor"])))
         chosen.sort()
         if not shard_dims:
             _check_local(path, key, shape, None, chosen[0][2])
@@ -260,9 +294,9 @@ class FsdpSource:
     def _sharded_tensor(self, key: str, values) -> _Entry:
         """FSDP1 without a device mesh saves ShardedTensors: each rank's local shards carry their
         offsets in the global tensor; they must tile it along one dimension."""
-        dtype = str(values[0].dtype).removeprefix("torch.")
-        shape = tuple(values[0].size)
         path = self.layout.rank_files[0]
+        torch_dtype, shape = _wrapper_meta(path, key, values[0])
+        dtype = str(torch_dtype).removeprefix("torch.")
         pieces = []
         for rank, v in enumerate(values):
             state = v.__dict__.get("state")
@@ -272,9 +306,11 @@ class FsdpSource:
             for shard in local_shards:
                 meta = shard.__dict__.get("metadata")
                 tensor = shard.__dict__.get("tensor")
-                offsets = tuple(int(o) for o in getattr(meta, "shard_offsets", ()) or ())
+                raw = getattr(meta, "shard_offsets", ()) or ()
+                offsets = tuple(raw) if isinstance(raw, (list, tuple)) and all(type(o) is int for o in raw) else ()
                 if tensor is None or len(offsets) != len(shape):
                     raise MergeError(f"{path}: a shard of {key} lacks its data or offsets; the file is damaged.")
+                tensor = _local_piece(self.layout.rank_files[rank], key, torch_dtype, tensor)
                 pieces.append((offsets, rank, tensor))
         pieces.sort(key=lambda p: p[0])
         varying = {d for d in range(len(shape)) if len({p[0][d] for p in pieces}) > 1}

@@ -154,6 +154,12 @@ def _raw_one(folder: Path, add) -> dict | None:
         return None  # the parser says what is wrong with it
     if not isinstance(cfg, dict):
         return None
+    from tui_merger.core.adapter import check_adapter_config
+
+    try:
+        check_adapter_config(cfg, path)
+    except MergeError:
+        return None  # the parser says what is wrong with it
     if cfg.get("lora_alpha") is None:
         add(Finding(
             "lora-alpha", WARNING,
@@ -189,7 +195,7 @@ def _check_rank(folder: Path, cfg: dict, add) -> None:
                 continue
             module = m.group(1)
             pattern = pattern_key(cfg.get("rank_pattern") or {}, module)
-            r = int((cfg.get("rank_pattern") or {})[pattern]) if pattern else int(cfg.get("r", 8))
+            r = int((cfg.get("rank_pattern") or {})[pattern]) if pattern else int(cfg.get("r") or 8)
             if info.shape[0] != r:
                 wrong.append((module, r, info.shape[0]))
     finally:

@@ -128,6 +128,11 @@ class SafetensorsFile(MappedFile):
                 raise self._bad(f"tensor '{name}' has unknown dtype {st_dtype}")
             if any(d < 0 or d >= 1 << 63 for d in shape):  # torch sizes are int64: an empty [0, 2**63] crashed on read
                 raise self._bad(f"tensor '{name}' has a dimension out of range")
+            strides = 1  # torch computes contiguous strides even when a 0 makes the tensor empty:
+            for d in shape[1:]:  # [0, 2**31, 2**40] overflowed them ("Stride calculation overflowed")
+                strides *= max(d, 1)
+            if strides >= 1 << 63:
+                raise self._bad(f"tensor '{name}' has a shape out of range")
             torch_dtype, isz = DTYPES[st_dtype]
             numel = 1
             for d in shape:

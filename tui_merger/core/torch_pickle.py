@@ -82,7 +82,8 @@ class WrapperTensor(Record):
     qualname = "tensor subclass"
 
     def __init__(self, cls, dtype, size, stride, storage_offset, layout, device, requires_grad) -> None:
-        self.subclass = getattr(cls, "qualname", str(cls))
+        # never str(cls): a damaged pickle can put a tensor there (printing it is slow and leaks values)
+        self.subclass = cls.qualname if isinstance(cls, type) and issubclass(cls, Record) else type(cls).__name__
         self.dtype = dtype
         self.size = tuple(size)
 
@@ -99,6 +100,10 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    # fuzzing: a negative offset passed the upper-bound check below and the view began before its storage
+    if (type(storage_offset) is not int or storage_offset < 0 or not isinstance(size, tuple) or not isinstance(stride, tuple)
+            or len(size) != len(stride) or not all(type(n) is int and n >= 0 for n in size + stride)):
+        raise ValueError("a tensor has a negative or malformed offset, size or stride")
     if len(size) == 0:
         return storage[storage_offset : storage_offset + 1].view(()) if storage.numel() else storage.new_empty(())
     # as_strided checks bounds against the whole mmap only: keep the view inside its own storage, as torch.load does
@@ -300,7 +305,9 @@ class TorchFile(MappedFile):
                         if info.compress_type != zipfile.ZIP_STORED:
                             raise MergeError(f"{self.path} stores compressed tensors; re-save it with torch.save.")
                 data = zf.read(pkl[0])
-        except (zipfile.BadZipFile, ValueError):  # fuzzing: a flipped name byte made zipfile raise UnicodeDecodeError
+        # fuzzing: a flipped name byte made zipfile raise UnicodeDecodeError, a flipped size EOFError; a
+        # flipped flag asks for a password (RuntimeError) or an unknown method (NotImplementedError)
+        except (zipfile.BadZipFile, ValueError, EOFError, RuntimeError, NotImplementedError, struct.error):
             raise MergeError(
                 f"{self.path} is not a readable PyTorch zip checkpoint (truncated or corrupt?); copy it again."
             ) from None
