@@ -1566,6 +1566,7 @@ def lora_pair(tmp_path_factory):
     base = save_base(root / "base", qwen_config())
     adapter = save_adapter(root / "adapter", base, seed=1, target_modules=ALL_LINEAR, r=4, lora_alpha=8)
     _warm_up(lambda: _plan_and_open(MergeOptions(base=base, adapter=adapter, out=root / "out")))
+    _warm_up(lambda: _plan_then_merge(MergeOptions(base=base, adapter=adapter, out=root / "out"), root / "out", "the clean adapter"))
     return base, adapter
 
 
@@ -1597,3 +1598,157 @@ def test_plan_and_open_with_odd_adapter_config_values(data, lora_pair, work, gua
     options = MergeOptions(base=base, adapter=folder, out=work / "odd-out")
     loads_or_refuses("adapter_config.json", lambda: _plan_and_open(options))
     assert not (work / "odd-out").exists()
+
+
+_KOHYA_PREFIXES = ["lora_transformer_", "lora_unet_", "lora_te_", "lora_te1_", "lora_te3_", "lora_", "", "lora_x_"]
+_KOHYA_SUFFIXES = [".lora_down.weight", ".lora_up.weight", ".alpha", ".lora_down.weight", ".lora_up.weight", ".alpha",
+                   ".dora_scale", ".lora_mid.weight", ".hada_w1_a", ".weight", ""]
+
+
+@pytest.fixture(scope="module")
+def kohya_base(lora_pair, tmp_path_factory):
+    """The tiny base, its module names in kohya's flattened form, and one merge run outside the audit."""
+    from safetensors.torch import save_file as save
+
+    from tui_merger.core.engine import run_merge
+    from tui_merger.core.kohya import module_names
+    from tui_merger.core.sources import open_model
+
+    base, _ = lora_pair
+    source = open_model(base)
+    modules = {m: tuple(source.tensors[m + ".weight"].shape) for m in module_names(list(source.tensors)) if m.endswith("_proj")}
+    source.close()
+    root = tmp_path_factory.mktemp("kohya-warm")
+    flat = "lora_transformer_" + next(m for m in modules if m.endswith("q_proj")).replace(".", "_")
+    save({f"{flat}.lora_down.weight": torch.zeros(2, 64), f"{flat}.lora_up.weight": torch.zeros(64, 2),
+          f"{flat}.alpha": torch.tensor(2.0)}, str(root / "warm.safetensors"))
+    _warm_up(lambda: _plan_then_merge(MergeOptions(base=base, adapter=root / "warm.safetensors", out=root / "out"), root / "out", "warm-up"))
+    return base, modules
+
+
+@settings(fuzz_settings(200), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_kohya_files_with_odd_names_shapes_and_alphas(data, kohya_base, work, guarded):
+    """A valid kohya-style file for 1-3 real modules, then 0-3 damages: another prefix, a cut name, a
+    variant suffix, alphas of NaN, inf, 0, huge or a vector, odd dtypes, NaN weights, wrong shapes, a
+    missing half. Merged into a model whose every tensor is finite, or refused with MergeError."""
+    from safetensors.torch import save_file as save
+
+    base, modules = kohya_base
+    tensors = {}
+    chosen = data.draw(st.lists(st.sampled_from(sorted(modules)), min_size=1, max_size=3, unique=True), label="modules")
+    for module in chosen:
+        out_f, in_f = modules[module]
+        rank = data.draw(st.sampled_from([1, 2, 4]), label="rank")
+        flat = "lora_transformer_" + module.replace(".", "_")
+        tensors[f"{flat}.lora_down.weight"] = torch.randn(rank, in_f) * 0.1
+        tensors[f"{flat}.lora_up.weight"] = torch.randn(out_f, rank) * 0.1
+        if data.draw(st.booleans(), label="alpha"):
+            tensors[f"{flat}.alpha"] = torch.tensor(float(rank))
+    for _ in range(data.draw(st.integers(0, 3), label="damages")):
+        key = data.draw(st.sampled_from(sorted(tensors)), label="key")
+        flat, dot, suffix = key.partition(".")
+        suffix = dot + suffix  # "" for a key without one (a variant damage can make that)
+        damage = data.draw(st.sampled_from(["prefix", "cut", "variant", "alpha", "dtype", "nan", "shape", "drop"]), label="damage")
+        value = tensors.pop(key)
+        if damage == "prefix":
+            new = data.draw(st.sampled_from(_KOHYA_PREFIXES), label="prefix") + flat.removeprefix("lora_transformer_")
+            tensors[f"{new}{suffix}"] = value
+        elif damage == "cut":
+            tensors[f"{flat[:data.draw(st.integers(1, max(1, len(flat) - 1)), label='cut')]}{suffix}"] = value
+        elif damage == "variant":
+            tensors[key] = value
+            tensors[f"{flat}{data.draw(st.sampled_from(_KOHYA_SUFFIXES), label='suffix')}"] = torch.randn(2, 2)
+        elif damage == "alpha":
+            tensors[key] = value
+            odd = data.draw(st.sampled_from([0.0, -4.0, float("nan"), float("inf"), 1e30]), label="alpha value")
+            tensors[f"{flat}.alpha"] = torch.full(data.draw(st.sampled_from([(), (1,), (2,)]), label="alpha shape"), odd)
+        elif damage == "dtype":
+            tensors[key] = value.to(data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.int64, torch.bool]), label="dtype"))
+        elif damage == "nan":
+            tensors[key] = value.clone().fill_(float(data.draw(st.sampled_from(["nan", "inf"]), label="fill")))
+        elif damage == "shape":
+            tensors[key] = torch.randn(data.draw(st.sampled_from([(3, 64), (64,), (2, 64, 1, 1), (0, 64), (64, 0)]), label="shape"))
+        # "drop": the tensor is gone
+    if not tensors:
+        return
+    path = work / "kohya.safetensors"
+    save(tensors, str(path))
+    out = work / "kohya-out"
+    if out.exists():
+        shutil.rmtree(out)
+
+    merged = loads_or_refuses("kohya file", lambda: _plan_then_merge(MergeOptions(base=base, adapter=path, out=out), out, sorted(tensors)))
+    if merged is None:
+        assert not out.exists() and not [p.name for p in work.iterdir() if "partial" in p.name]
+
+
+def _plan_then_merge(options, out: Path, what) -> bool:
+    """The user's path (the CLI and the assistant): the plan, refused when it is blocked, then the merge;
+    the merged model must be finite. Returns True when merged."""
+    from safetensors.torch import load_file
+
+    from tui_merger.core.engine import run_merge
+    from tui_merger.core.preflight import make_plan
+
+    plan = make_plan(options)
+    if plan.blocked:
+        raise MergeError(plan.of("error")[0].message)
+    run_merge(options, fsync=False)
+    for f in out.glob("*.safetensors"):
+        for name, t in load_file(str(f)).items():
+            assert torch.isfinite(t.float()).all(), f"{name} is not finite after merging {what}"
+    return True
+
+
+@settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_peft_adapters_with_damaged_tensors(data, lora_pair, work, guarded):
+    """A real peft adapter, then 1-3 damages to its tensors: renamed keys (adapter name, prefix, an
+    unknown part), odd dtypes, NaN/Inf values, wrong shapes, a missing half, extra tensors. Merged into a
+    finite model, or refused with MergeError and nothing written."""
+    from safetensors.torch import load_file, save_file as save
+
+    base, adapter = lora_pair
+    folder = work / "damaged-adapter"
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.copytree(adapter, folder)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    for _ in range(data.draw(st.integers(1, 3), label="damages")):
+        if not tensors:
+            break
+        key = data.draw(st.sampled_from(sorted(tensors)), label="key")
+        damage = data.draw(st.sampled_from(["rename", "dtype", "nan", "shape", "drop", "extra", "transpose"]), label="damage")
+        value = tensors.pop(key)
+        if damage == "rename":
+            old, new = data.draw(st.sampled_from([
+                ("base_model.model.", ""), ("base_model.model.", "model."), (".lora_A.", ".lora_A.other."),
+                (".weight", ".bias"), ("self_attn", "attn"), (".lora_B.", ".lora_embedding_B."),
+                (".lora_A.", ".lora_magnitude_vector."), ("layers.0", "layers.7"),
+            ]), label="rename")
+            tensors[key.replace(old, new, 1)] = value
+        elif damage == "dtype":
+            tensors[key] = value.to(data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.int8, torch.bool]), label="dtype"))
+        elif damage == "nan":
+            tensors[key] = value.clone().fill_(float(data.draw(st.sampled_from(["nan", "inf", "-inf"]), label="fill")))
+        elif damage == "shape":
+            tensors[key] = torch.randn(data.draw(st.sampled_from([(3, 64), (64,), (4, 64, 1), (0, 64), (64, 0), ()]), label="shape"))
+        elif damage == "extra":
+            tensors[key] = value
+            tensors[data.draw(st.sampled_from([
+                "base_model.model.model.norm.weight", "base_model.model.lm_head.weight", "unknown",
+                "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight",
+            ]), label="extra")] = torch.randn(64)
+        elif damage == "transpose":
+            tensors[key] = value.t().contiguous() if value.dim() == 2 else value
+        # "drop": the tensor is gone
+    (folder / "adapter_model.safetensors").unlink()
+    save(tensors, str(folder / "adapter_model.safetensors"))
+    out = work / "damaged-out"
+    if out.exists():
+        shutil.rmtree(out)
+    merged = loads_or_refuses("peft adapter tensors", lambda: _plan_then_merge(
+        MergeOptions(base=base, adapter=folder, out=out), out, sorted(tensors)))
+    if merged is None:
+        assert not out.exists() and not [p.name for p in work.iterdir() if "partial" in p.name]

@@ -218,6 +218,9 @@ def _pair(flat="lora_transformer_model_layers_0_self_attn_q_proj", r=2, down_sha
         ("loha", {"lora_unet_x.hada_w1_a": torch.randn(64, 2), "lora_unet_x.hada_w1_b": torch.randn(2, 64), "lora_unet_x.alpha": torch.tensor(1.0)}, "LoHa"),
         ("lokr", {"lora_unet_x.lokr_w1": torch.randn(8, 8), **_pair()}, "LoKr"),
         ("dora", {**_pair(), "lora_transformer_model_layers_0_self_attn_q_proj.dora_scale": torch.randn(1, 64)}, "DoRA"),
+        # found by fuzzing: a NaN or infinite alpha merged into a model of NaNs without a word
+        ("nan-alpha", {**_pair(), "lora_transformer_model_layers_0_self_attn_q_proj.alpha": torch.tensor(float("nan"))}, "alpha is nan, not a finite number"),
+        ("inf-alpha", {**_pair(), "lora_transformer_model_layers_0_self_attn_q_proj.alpha": torch.tensor(float("inf"))}, "alpha is inf, not a finite number"),
     ],
 )
 def test_broken_kohya_files_are_one_sentence_and_write_nothing(made, tmp_path, case, tensors, said):

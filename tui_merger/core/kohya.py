@@ -12,6 +12,7 @@ adapter and ``export_peft_adapter`` writes as a PEFT adapter folder.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -197,6 +198,8 @@ def _alpha(flat: str, ref, rank: int, notices: list) -> float:
         raise MergeError(f"{flat}.alpha has shape {list(ref.shape)} instead of one number; the file is damaged.")
     value = float(ref.load().reshape(()).item())
     ref.release()
+    if not math.isfinite(value):  # fuzzing: a NaN alpha merged into a model of NaNs without a word
+        raise MergeError(f"{flat}.alpha is {value}, not a finite number; the file is damaged.")
     if value == 0:  # kohya's own loader treats alpha 0 as "alpha = rank"
         notices.append(f"{flat}.alpha is 0; using alpha = rank ({rank}) as kohya's scripts do.")
         return rank
