@@ -1646,6 +1646,8 @@ def test_kohya_files_with_odd_names_shapes_and_alphas(data, kohya_base, work, gu
         if data.draw(st.booleans(), label="alpha"):
             tensors[f"{flat}.alpha"] = torch.tensor(float(rank))
     for _ in range(data.draw(st.integers(0, 3), label="damages")):
+        if not tensors:
+            break
         key = data.draw(st.sampled_from(sorted(tensors)), label="key")
         flat, dot, suffix = key.partition(".")
         suffix = dot + suffix  # "" for a key without one (a variant damage can make that)
@@ -1666,7 +1668,8 @@ def test_kohya_files_with_odd_names_shapes_and_alphas(data, kohya_base, work, gu
         elif damage == "dtype":
             tensors[key] = value.to(data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.int64, torch.bool]), label="dtype"))
         elif damage == "nan":
-            tensors[key] = value.clone().fill_(float(data.draw(st.sampled_from(["nan", "inf"]), label="fill")))
+            fill = float(data.draw(st.sampled_from(["nan", "inf"]), label="fill"))
+            tensors[key] = value.clone().fill_(fill) if value.is_floating_point() else value
         elif damage == "shape":
             tensors[key] = torch.randn(data.draw(st.sampled_from([(3, 64), (64,), (2, 64, 1, 1), (0, 64), (64, 0)]), label="shape"))
         # "drop": the tensor is gone
@@ -1731,7 +1734,8 @@ def test_peft_adapters_with_damaged_tensors(data, lora_pair, work, guarded):
         elif damage == "dtype":
             tensors[key] = value.to(data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.int8, torch.bool]), label="dtype"))
         elif damage == "nan":
-            tensors[key] = value.clone().fill_(float(data.draw(st.sampled_from(["nan", "inf", "-inf"]), label="fill")))
+            fill = float(data.draw(st.sampled_from(["nan", "inf", "-inf"]), label="fill"))
+            tensors[key] = value.clone().fill_(fill) if value.is_floating_point() else value
         elif damage == "shape":
             tensors[key] = torch.randn(data.draw(st.sampled_from([(3, 64), (64,), (4, 64, 1), (0, 64), (64, 0), ()]), label="shape"))
         elif damage == "extra":
@@ -1752,3 +1756,43 @@ def test_peft_adapters_with_damaged_tensors(data, lora_pair, work, guarded):
         MergeOptions(base=base, adapter=folder, out=out), out, sorted(tensors)))
     if merged is None:
         assert not out.exists() and not [p.name for p in work.iterdir() if "partial" in p.name]
+
+
+@pytest.fixture(scope="module")
+def fsdp_lora_ckpt(tmp_path_factory):
+    fsdp_factory = pytest.importorskip("fsdp_factory")
+    return fsdp_factory.cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, lora=True)
+
+
+_ODD_TEXT = st.one_of(st.sampled_from(["5", "0", "-1", "5\n", "  5  ", "", "abc", "1e3", "99999999999999999999", "\xff\xfe"]),
+                      st.text(max_size=6))
+
+
+@settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_run_folder_metadata_with_odd_values(data, fsdp_lora_ckpt, work, guarded):
+    """A verl run folder's small files with odd contents: latest_checkpointed_iteration.txt, and
+    fsdp_config.json / lora_train_meta.json as other JSON types or with fields replaced. The run merges
+    (LoRA applied) or is refused with MergeError."""
+    run = work / "fsdp-lora-run"
+    src_run = Path(fsdp_lora_ckpt["run_dir"])
+    if not run.is_dir():
+        shutil.copytree(src_run, run)
+        _warm_up(lambda: _convert(run))
+    step = Path(fsdp_lora_ckpt["checkpoint_dir"]).relative_to(src_run)
+    for name in ("latest_checkpointed_iteration.txt", f"{step}/fsdp_config.json", f"{step}/lora_train_meta.json"):
+        shutil.copyfile(src_run / name, run / name)  # undo the previous example
+    target = data.draw(st.sampled_from(["latest", "fsdp_config", "lora_meta"]), label="file")
+    if target == "latest":
+        (run / "latest_checkpointed_iteration.txt").write_bytes(data.draw(_ODD_TEXT, label="text").encode("utf-8", "surrogateescape"))
+    else:
+        path = run / step / ("fsdp_config.json" if target == "fsdp_config" else "lora_train_meta.json")
+        content = json.loads(path.read_text())
+        if data.draw(st.booleans(), label="whole"):
+            content = data.draw(_ODD_JSON, label="content")
+        else:
+            for key in data.draw(st.lists(st.sampled_from(["r", "lora_alpha", "task_type", "world_size", "FSDP_version",
+                                                            "target_modules", "use_rslora"]), min_size=1, max_size=3, unique=True), label="keys"):
+                content[key] = data.draw(_ODD_JSON, label=key)
+        path.write_text(json.dumps(content))
+    check_checkpoint("verl run metadata", run)

@@ -13,6 +13,21 @@ from pathlib import Path
 from tui_merger import __version__
 
 
+
+def _finite_number(text: str) -> float:
+    """argparse type: a finite number (float() alone takes 'nan' and 'inf', which would poison every weight)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
+    return value
+
+
 def _is_tty(stream) -> bool:
     try:
         return stream.isatty() and os.environ.get("TERM", "") not in ("", "dumb")
@@ -105,7 +120,7 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
     p.add_argument("--backend", choices=["auto", "fsdp", "megatron"], default="auto", help="checkpoint format")
     p.add_argument("--base", type=Path, help="base model folder (config.json + weights)")
-    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
+    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=_finite_number, help="LoRA alpha when the checkpoint does not record it")
     p.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic: a TokenClassification model")
     p.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help="keep one embedding for input and output when they are equal")
     p.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help="accepted for verl compatibility; tui-merger never runs model code")

@@ -101,6 +101,8 @@ def find_fsdp_checkpoint(path: Path) -> FsdpLayout:
     if cfg.is_file():
         try:
             data = json.loads(cfg.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
             fsdp_version = data.get("FSDP_version")
             if data.get("world_size") not in (None, world):
                 raise MergeError(
@@ -108,7 +110,7 @@ def find_fsdp_checkpoint(path: Path) -> FsdpLayout:
                     "the folder mixes two runs."
                 )
         except ValueError:
-            notices.append(f"{cfg} is not valid JSON; the world size was taken from the file names.")
+            notices.append(f"{cfg} is not a valid JSON object; the world size was taken from the file names.")
     role = folder.name if folder.name in ("actor", "critic") else "sft"
     step = _step_of(folder.parent if role != "sft" else folder)
     hf_dir = folder / "huggingface" if (folder / "huggingface").is_dir() else None

@@ -128,6 +128,11 @@ def _lora_config(folder: Path, options: MergeOptions, ranks: set[int]) -> dict:
                 cfg = json.loads(path.read_text())
             except ValueError:
                 raise MergeError(f"{path} is not valid JSON; fix it or pass --lora-alpha.") from None
+            if not isinstance(cfg, dict):
+                raise MergeError(f"{path} does not hold a JSON object; fix it or pass --lora-alpha.")
+            from tui_merger.core.adapter import check_adapter_config
+
+            check_adapter_config(cfg, path)
             break
     if options.lora_alpha is not None:
         cfg["lora_alpha"] = options.lora_alpha
