@@ -1796,3 +1796,58 @@ def test_run_folder_metadata_with_odd_values(data, fsdp_lora_ckpt, work, guarded
                 content[key] = data.draw(_ODD_JSON, label=key)
         path.write_text(json.dumps(content))
     check_checkpoint("verl run metadata", run)
+
+
+_TREE_FILES = {  # file in the inspect tree -> the keys worth replacing in it
+    "base/config.json": ["model_type", "architectures", "vocab_size", "torch_dtype", "dtype", "tie_word_embeddings", "text_config", "quantization_config", "_name_or_path"],
+    "adapter/adapter_config.json": ["r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "base_model_name_or_path", "peft_type", "modules_to_save"],
+    "megatron/global_step_1/actor/ckpt_contents.json": ["role", "contents"],
+    "megatron/global_step_1/actor/model/huggingface/config.json": ["model_type", "architectures", "num_hidden_layers", "dtype"],
+}
+
+
+@pytest.fixture(scope="module")
+def inspect_tree(lora_pair, tmp_path_factory, work):
+    """A folder as users point inspect at: a model, an adapter, a Megatron run."""
+    base, adapter = lora_pair
+    root = tmp_path_factory.mktemp("inspect-tree")
+    shutil.copytree(base, root / "base")
+    shutil.copytree(adapter, root / "adapter")
+    shutil.copytree(_megatron_run(work, "qwen2_tp2"), root / "megatron")
+    originals = {name: (root / name).read_bytes() for name in _TREE_FILES}
+    originals["megatron/latest_checkpointed_iteration.txt"] = (root / "megatron/latest_checkpointed_iteration.txt").read_bytes()
+    _warm_up(lambda: _scan_and_render(root))
+    return root, originals
+
+
+def _scan_and_render(root: Path):
+    from tui_merger.cli_inspect import render
+    from tui_merger.core.inspect import scan
+
+    result = scan(root)
+    json.dumps(result.to_dict())  # what --json prints
+    assert render(result, str(root))  # the text, with the suggested next step
+    return result
+
+
+@settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_inspect_over_odd_metadata(data, inspect_tree, guarded):
+    """inspect (the first thing users run) over a tree whose config files hold odd JSON values, other
+    JSON types or no JSON, and an odd latest_checkpointed_iteration.txt: it lists what it can and names
+    the rest, never crashes (scan, --json, the text rendering with its suggested next step)."""
+    root, originals = inspect_tree
+    for name, body in originals.items():
+        (root / name).write_bytes(body)  # undo the previous example
+    name = data.draw(st.sampled_from(sorted(originals)), label="file")
+    path = root / name
+    if name.endswith(".txt"):
+        path.write_bytes(data.draw(_ODD_TEXT, label="text").encode("utf-8", "surrogateescape"))
+    elif data.draw(st.integers(0, 4), label="how") == 0:
+        path.write_bytes(data.draw(st.sampled_from([b"", b"[]", b"null", b"{", b"\xff\xfe{}", b'"text"', b"1e999"]), label="raw"))
+    else:
+        content = json.loads(originals[name])
+        for key in data.draw(st.lists(st.sampled_from(_TREE_FILES[name]), min_size=1, max_size=3, unique=True), label="keys"):
+            content[key] = data.draw(_ODD_JSON, label=key)
+        path.write_text(json.dumps(content))
+    loads_or_refuses("inspect tree", lambda: _scan_and_render(root))

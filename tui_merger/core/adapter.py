@@ -147,16 +147,21 @@ _CONFIG_FIELDS = {
 }
 
 
-def check_adapter_config(config: dict, path: Path) -> None:
-    """The fields tui-merger reads must have the types peft writes: a damaged or hand-edited
-    adapter_config.json is named in one sentence instead of failing somewhere in the merge."""
+def adapter_config_problems(config: dict) -> dict[str, str]:
+    """{field: what is wrong with it} for the fields tui-merger reads that lack the types peft writes."""
+    problems = {}
     for key, (ok, what) in _CONFIG_FIELDS.items():
         value = config.get(key)
         if value is not None and not ok(value):
-            raise MergeError(
-                f"{path}: {key} is {json.dumps(value)[:40]}, not {what}; fix adapter_config.json or save the "
-                "adapter again with peft."
-            )
+            problems[key] = f"{key} is {json.dumps(value)[:40]}, not {what}"
+    return problems
+
+
+def check_adapter_config(config: dict, path: Path) -> None:
+    """A damaged or hand-edited adapter_config.json is named in one sentence instead of failing
+    somewhere in the merge."""
+    for problem in adapter_config_problems(config).values():
+        raise MergeError(f"{path}: {problem}; fix adapter_config.json or save the adapter again with peft.")
 
 
 def _read_config(folder: Path) -> dict:

@@ -80,9 +80,10 @@ _COUNTS = ("num_experts", "num_local_experts", "num_labels")
 _STRINGS = ("model_type", "dtype", "torch_dtype")
 
 
-def check_config_types(config: dict, path: Path) -> None:
-    """The fields tui-merger uses must have the types transformers writes: a damaged or hand-edited
-    config.json is named here, in one sentence, instead of failing somewhere in the merge."""
+def config_type_problems(config: dict) -> dict[str, str]:
+    """{field: what is wrong with it} for the fields tui-merger uses that lack the types transformers
+    writes (``text_config.`` prefixed for the nested ones)."""
+    problems = {}
     for where, cfg in (("", config), ("text_config.", config.get("text_config"))):
         if not isinstance(cfg, dict):
             continue
@@ -90,19 +91,39 @@ def check_config_types(config: dict, path: Path) -> None:
             value = cfg.get(key)
             low = 1 if key in _POSITIVE_INTS else 0
             if value is not None and (type(value) is not int or value < low):
-                raise MergeError(
-                    f"{path}: {where}{key} is {json.dumps(value)[:40]}, not a whole number of at least {low}; "
-                    "fix config.json (copy it again from the original model)."
-                )
+                problems[where + key] = f"{where}{key} is {json.dumps(value)[:40]}, not a whole number of at least {low}"
         for key in _STRINGS:
             if cfg.get(key) is not None and not isinstance(cfg[key], str):
-                raise MergeError(f"{path}: {where}{key} is {json.dumps(cfg[key])[:40]}, not a name; fix config.json.")
+                problems[where + key] = f"{where}{key} is {json.dumps(cfg[key])[:40]}, not a name"
         archs = cfg.get("architectures")
         if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-            raise MergeError(f"{path}: {where}architectures is {json.dumps(archs)[:40]}, not a list of class names; fix config.json.")
+            problems[where + "architectures"] = f"{where}architectures is {json.dumps(archs)[:40]}, not a list of class names"
         tie = cfg.get("tie_word_embeddings")
         if tie is not None and not isinstance(tie, bool):
-            raise MergeError(f"{path}: {where}tie_word_embeddings is {json.dumps(tie)[:40]}, not true or false; fix config.json.")
+            problems[where + "tie_word_embeddings"] = f"{where}tie_word_embeddings is {json.dumps(tie)[:40]}, not true or false"
+    return problems
+
+
+def check_config_types(config: dict, path: Path) -> None:
+    """A damaged or hand-edited config.json is named here, in one sentence, instead of failing
+    somewhere in the merge."""
+    for problem in config_type_problems(config).values():
+        raise MergeError(f"{path}: {problem}; fix config.json (copy it again from the original model).")
+
+
+def without_problems(config: dict, problems: dict[str, str]) -> dict:
+    """A copy of ``config`` without the fields named in ``problems`` (for display: inspect shows what
+    it can and says what is wrong)."""
+    clean = dict(config)
+    nested = dict(clean["text_config"]) if isinstance(clean.get("text_config"), dict) else None
+    for key in problems:
+        if key.startswith("text_config.") and nested is not None:
+            nested.pop(key[len("text_config."):], None)
+        else:
+            clean.pop(key, None)
+    if nested is not None:
+        clean["text_config"] = nested
+    return clean
 
 
 def edited_config(config: dict, changes: dict, dtype: str | None) -> dict:

@@ -402,7 +402,23 @@ class _Scanner:
         if not isinstance(data, dict):
             self.problem(path, "does not hold a JSON object; fix or re-save it.")
             return None
-        return data
+        return self._typed(path, data)
+
+    def _typed(self, path: Path, data: dict) -> dict:
+        """Fields of the wrong type (a damaged or hand-edited file) are said once and left out, so
+        that what is shown never depends on them; the merge refuses the file with the same words."""
+        from tui_merger.core.adapter import adapter_config_problems
+        from tui_merger.core.files import config_type_problems, without_problems
+
+        if path.name == "config.json":
+            problems = config_type_problems(data)
+        elif path.name in ("adapter_config.json", "lora_train_meta.json"):
+            problems = adapter_config_problems(data)
+        else:
+            return data
+        if problems:
+            self.problem(path, f"has {'; '.join(problems.values())}; the merge would refuse it, so fix or re-save it.")
+        return without_problems(data, problems)
 
     def header(self, path: Path) -> SafetensorsFile | None:
         if self.regular(path) is None:
