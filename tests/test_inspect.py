@@ -472,3 +472,22 @@ def test_cli_missing_path_is_one_sentence(tmp_path, capsys):
 def test_a_single_file_that_is_not_a_lora(tree):
     result = scan(tree["base"] / "config.json")
     assert result.candidates == [] and "not a kohya-style LoRA file" in result.problems[0].message
+
+
+def test_config_dtype_as_transformers_writes_it(tmp_path):
+    """transformers writes dtype as a name, as "torch.float16" in old files, or as a map of sub-configs
+    to names for composite models; all are read, and the map is not taken for a damaged field."""
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.files import config_dtype, read_config
+
+    assert config_dtype({"dtype": "bfloat16"}) == "bfloat16"
+    assert config_dtype({"torch_dtype": "torch.float16"}) == "float16"
+    assert config_dtype({"text_config": {"dtype": "float32"}}) == "float32"
+    assert config_dtype({"dtype": {"text_config": "bfloat16", "vision_config": "float32"}}) == "bfloat16"
+    assert config_dtype({"dtype": {"a": "float16", "b": "float16"}}) == "float16"
+    assert config_dtype({"dtype": {"a": "float16", "b": "float32"}}) is None
+    (tmp_path / "config.json").write_text('{"model_type": "llava", "dtype": {"text_config": "bfloat16", "vision_config": "float32"}}')
+    assert read_config(tmp_path)["model_type"] == "llava"
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "dtype": 16}')
+    with pytest.raises(MergeError, match="dtype is 16, not a dtype name"):
+        read_config(tmp_path)

@@ -77,7 +77,26 @@ _POSITIVE_INTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vo
                   "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
                   "decoder_sparse_step")
 _COUNTS = ("num_experts", "num_local_experts", "num_labels")
-_STRINGS = ("model_type", "dtype", "torch_dtype")
+_STRINGS = ("model_type",)
+_DTYPES = ("dtype", "torch_dtype")  # a name, or per sub-config names ({"text_config": "bfloat16", ...})
+
+
+def config_dtype(config: dict | None) -> str | None:
+    """The dtype a config.json records for the (text) model, without "torch.": ``dtype`` or the older
+    ``torch_dtype``, at the top or in text_config; transformers writes a map of sub-configs to names
+    for some composite models (then the text model's, or the one name they all share)."""
+    if not isinstance(config, dict):
+        return None
+    for cfg in (config, config.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        value = cfg.get("dtype") or cfg.get("torch_dtype")
+        if isinstance(value, dict):
+            names = {v for v in value.values() if isinstance(v, str)}
+            value = value.get("text_config") if isinstance(value.get("text_config"), str) else (names.pop() if len(names) == 1 else None)
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None
 
 
 def config_type_problems(config: dict) -> dict[str, str]:
@@ -95,6 +114,11 @@ def config_type_problems(config: dict) -> dict[str, str]:
         for key in _STRINGS:
             if cfg.get(key) is not None and not isinstance(cfg[key], str):
                 problems[where + key] = f"{where}{key} is {json.dumps(cfg[key])[:40]}, not a name"
+        for key in _DTYPES:
+            value = cfg.get(key)
+            if value is not None and not isinstance(value, str) and not (
+                    isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+                problems[where + key] = f"{where}{key} is {json.dumps(value)[:40]}, not a dtype name"
         archs = cfg.get("architectures")
         if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
             problems[where + "architectures"] = f"{where}architectures is {json.dumps(archs)[:40]}, not a list of class names"

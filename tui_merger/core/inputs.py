@@ -13,7 +13,7 @@ from pathlib import Path
 from tui_merger.core.adapter import PeftAdapter, adapter_from_source, empty_adapter, open_any_adapter
 from tui_merger.core.combine import combine_adapters
 from tui_merger.core.errors import MergeError
-from tui_merger.core.files import FilePlan, plan_files, read_config
+from tui_merger.core.files import FilePlan, config_dtype, plan_files, read_config
 from tui_merger.core.options import MergeOptions
 from tui_merger.core.safetensors_io import FLOAT_DTYPES
 from tui_merger.core.sources import open_model
@@ -183,7 +183,7 @@ def _open_fsdp(options: MergeOptions) -> Inputs:
             inputs.base = RenamedSource(source, base_map)
         _value_model(inputs, options, layout)
         _tied(inputs, options, source, base_map)
-        dtype = inputs.config.get("dtype") or inputs.config.get("torch_dtype")
+        dtype = config_dtype(inputs.config)
         inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
         if inputs.dtype == "float32" and options.dtype is None:
             inputs.notices.append(

@@ -37,7 +37,7 @@ from pathlib import Path
 from tui_merger.core.adapter import ADAPTER_WEIGHTS
 from tui_merger.core.cleanup import OPTIMIZER_FILE
 from tui_merger.core.errors import MergeError
-from tui_merger.core.files import TOKENIZER_MARKERS
+from tui_merger.core.files import TOKENIZER_MARKERS, config_dtype
 from tui_merger.core.fsdp import RANK_FILE, STEP_DIR
 from tui_merger.core.options import human_bytes
 from tui_merger.core.safetensors_io import SafetensorsFile
@@ -191,17 +191,6 @@ def _step(name: str, pattern) -> int | None:
 
 def _is_dir(entry) -> bool:
     return entry is not None and entry.is_dir(follow_symlinks=False)
-
-
-def _config_dtype(config: dict | None) -> str | None:
-    if not config:
-        return None
-    for cfg in (config, config.get("text_config")):
-        if isinstance(cfg, dict):
-            value = cfg.get("dtype") or cfg.get("torch_dtype")
-            if isinstance(value, str):
-                return value.removeprefix("torch.")
-    return None
 
 
 def _dominant_dtype(infos) -> str | None:
@@ -557,10 +546,10 @@ class _Scanner:
         config = self.json(folder / "config.json")
         present = [w for w in weights if w in names]
         header_dtype, _ = self.headers_dtype(folder, present)
-        config_dtype = _config_dtype(config)
-        c.dtype = header_dtype or config_dtype
-        if header_dtype and config_dtype and header_dtype != config_dtype:
-            c.notes.append(f"config.json says {config_dtype} but the weights are stored in {header_dtype}.")
+        said_dtype = config_dtype(config)
+        c.dtype = header_dtype or said_dtype
+        if header_dtype and said_dtype and header_dtype != said_dtype:
+            c.notes.append(f"config.json says {said_dtype} but the weights are stored in {header_dtype}.")
         missing = [w for w in weights if w not in names]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -605,7 +594,7 @@ class _Scanner:
         hf = folder / "huggingface"
         hf_names = self.names(hf)
         config = self.json(hf / "config.json") if "config.json" in hf_names else None
-        c.dtype = _config_dtype(config)
+        c.dtype = config_dtype(config)
         c.tokenizer = any(m in hf_names for m in TOKENIZER_MARKERS)
         if "config.json" not in hf_names:
             c.notes.append("no huggingface/config.json: the merge needs --base for the model's config.")
@@ -686,7 +675,7 @@ class _Scanner:
         else:
             c.world_size = len({m.group(1) for n in model_names if (m := _DISTCP.match(n))}) or None
         hf_names = self.names(hf)
-        c.dtype = _config_dtype(self.json(hf / "config.json") if "config.json" in hf_names else None)
+        c.dtype = config_dtype(self.json(hf / "config.json") if "config.json" in hf_names else None)
         c.tokenizer = any(m in hf_names for m in TOKENIZER_MARKERS)
         if layout == "v2" and self.weight_files(hf, hf_names):
             c.notes.append("model/huggingface holds the model in Hugging Face format (mbridge): nothing to merge.")

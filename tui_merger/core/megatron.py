@@ -828,7 +828,7 @@ def open_megatron_inputs(options):
     """Inputs (see inputs.py) for a verl Megatron checkpoint: the converted model as a tensor source
     with Hugging Face names, no adapter, the checkpoint's config and files."""
     from tui_merger.core.adapter import empty_adapter
-    from tui_merger.core.files import FilePlan, plan_files, read_config
+    from tui_merger.core.files import FilePlan, config_dtype, plan_files, read_config
     from tui_merger.core.inputs import Inputs, _value_model, paths_of
     from tui_merger.core.safetensors_io import FLOAT_DTYPES
     from tui_merger.core.sources import open_model
@@ -864,7 +864,7 @@ def open_megatron_inputs(options):
                 weights = [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
         score = "score.weight" in inputs.base.tensors and inputs.base.tensors["score.weight"].shape[0] == 1
         _value_model(inputs, options, SimpleNamespace(role="critic" if score else layout.role))
-        dtype = _cfg(config, "dtype") or _cfg(config, "torch_dtype")
+        dtype = config_dtype(config)
         inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
         if inputs.dtype == "float32" and options.dtype is None and layout.kind != "hf":
             inputs.notices.append(

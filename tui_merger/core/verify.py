@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted, TensorProgress, ignore_event
-from tui_merger.core.files import read_json_object
+from tui_merger.core.files import config_dtype, read_json_object
 from tui_merger.core.manifest import read_manifest
 from tui_merger.core.options import MergeOptions
 
@@ -491,7 +491,7 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
             f"skipped: {archs[0]} is not a transformers class (custom code); tui-merger never runs model code",
         )]
     quiet_transformers()
-    stored = options.dtype or inputs.dtype or str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    stored = options.dtype or inputs.dtype or config_dtype(config) or "float32"
     stored = stored if stored in KL_LIMIT else "float32"
     cdtype = _compute_dtype(sum(math.prod(t.shape) for t in plan.tensors), stored)
     probes = probe_ids(config, plan)
