@@ -986,6 +986,19 @@ def test_unpickler_mutated_small_dict(data, small_torch_file, work, guarded):
     check_torch_file("small-dict pickle", dst)
 
 
+def damage_bytes(data, out: bytes, pos: int, zeros: int) -> bytes:
+    """One drawn change at ``pos``: a byte flipped (twice as likely), 1-4 bytes inserted, the file cut
+    there, or ``zeros`` bytes zeroed."""
+    kind = data.draw(st.sampled_from(["flip", "flip", "insert", "truncate", "zero"]), label="op")
+    if kind == "flip":
+        return out[:pos] + bytes([data.draw(st.integers(0, 255), label="byte")]) + out[pos + 1 :]
+    if kind == "insert":
+        return out[:pos] + data.draw(st.binary(min_size=1, max_size=4), label="bytes") + out[pos:]
+    if kind == "zero":
+        return out[:pos] + b"\0" * zeros + out[pos + zeros :]
+    return out[:pos]
+
+
 @fuzz_settings(400)
 @given(data=st.data())
 def test_torch_zip_container_damage(data, small_torch_file, work, guarded):
@@ -998,16 +1011,7 @@ def test_torch_zip_container_damage(data, small_torch_file, work, guarded):
         lo, hi = {"start": (0, 120), "end": (max(0, len(out) - 400), len(out) - 1), "anywhere": (0, len(out) - 1)}[region]
         if hi < lo:
             break
-        pos = data.draw(st.integers(lo, hi), label="pos")
-        kind = data.draw(st.sampled_from(["flip", "flip", "insert", "truncate", "zero"]), label="op")
-        if kind == "flip":
-            out = out[:pos] + bytes([data.draw(st.integers(0, 255), label="byte")]) + out[pos + 1 :]
-        elif kind == "insert":
-            out = out[:pos] + data.draw(st.binary(min_size=1, max_size=4), label="bytes") + out[pos:]
-        elif kind == "zero":
-            out = out[:pos] + b"\0" * 4 + out[pos + 4 :]
-        else:
-            out = out[:pos]
+        out = damage_bytes(data, out, data.draw(st.integers(lo, hi), label="pos"), zeros=4)
     path = work / "zip" / "small.pt"
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(out)
@@ -1488,16 +1492,7 @@ def test_megatron_distcp_damage(data, work, guarded):
         hi = min(len(out) - 1, data.draw(st.sampled_from([200, 4096, len(out) - 1]), label="region"))
         if hi < 0:
             break
-        pos = data.draw(st.integers(0, hi), label="pos")
-        kind = data.draw(st.sampled_from(["flip", "flip", "insert", "zero", "truncate"]), label="op")
-        if kind == "flip":
-            out = out[:pos] + bytes([data.draw(st.integers(0, 255), label="byte")]) + out[pos + 1 :]
-        elif kind == "insert":
-            out = out[:pos] + data.draw(st.binary(min_size=1, max_size=4), label="bytes") + out[pos:]
-        elif kind == "zero":
-            out = out[:pos] + b"\0" * 8 + out[pos + 8 :]
-        else:
-            out = out[:pos]
+        out = damage_bytes(data, out, data.draw(st.integers(0, hi), label="pos"), zeros=8)
     victim.write_bytes(out)
     check_checkpoint("megatron .distcp", run / "global_step_1" / "actor")
 
