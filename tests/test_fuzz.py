@@ -1846,3 +1846,77 @@ def test_inspect_over_odd_metadata(data, inspect_tree, guarded):
             content[key] = data.draw(_ODD_JSON, label=key)
         path.write_text(json.dumps(content))
     loads_or_refuses("inspect tree", lambda: _scan_and_render(root))
+
+
+@pytest.fixture(scope="module")
+def merged_model(lora_pair, tmp_path_factory):
+    """A verified merge (manifest, model card) to damage the manifest of."""
+    from tui_merger.core.engine import run_merge
+    from tui_merger.core.provenance import finish_merge
+
+    base, adapter = lora_pair
+    out = tmp_path_factory.mktemp("merged") / "out"
+    options = MergeOptions(base=base, adapter=adapter, out=out)
+    finish_merge(options, run_merge(options, fsync=False), verify=True, fsync=False)
+    manifest = (out / "merge_manifest.json").read_text()
+    _warm_up(lambda: _manifest_consumers(out, base))
+    return out, base, manifest
+
+
+def _paths(value, prefix=()):
+    """Every path (tuple of keys and indices) into a JSON value."""
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value[:3]):
+            yield from _paths(v, prefix + (i,))
+
+
+def _manifest_consumers(out: Path, root: Path) -> None:
+    """What reads a merged model's manifest: verify's options, the model card, cleanup's plan, the
+    output check of a second merge into the same folder."""
+    from tui_merger.core.card import render_model_card
+    from tui_merger.core.cleanup import find_cleanup
+    from tui_merger.core.manifest import read_manifest, verification_passed
+    from tui_merger.core.output import check_target
+    from tui_merger.core.verify import options_from_manifest
+
+    manifest = read_manifest(out)
+    if manifest is not None:
+        assert render_model_card(manifest)
+        verification_passed(manifest)
+    try:
+        options_from_manifest(out)
+    except MergeError:
+        pass
+    try:
+        check_target(out, [root], overwrite=False)
+    except MergeError:
+        pass
+    if manifest is not None:
+        find_cleanup(root, merged=[out])
+
+
+@settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_manifest_consumers_over_odd_values(data, merged_model, guarded):
+    """merge_manifest.json with any one of its values (at any depth) replaced by an odd JSON value:
+    verify, the model card, cleanup and the output check read it or refuse it, never crash."""
+    out, base, original = merged_model
+    manifest = json.loads(original)
+    paths = [p for p in _paths(manifest) if p]
+    for path in data.draw(st.lists(st.sampled_from(paths), min_size=1, max_size=2, unique=True), label="paths"):
+        node = manifest
+        try:
+            for k in path[:-1]:
+                node = node[k]
+            node[path[-1]] = data.draw(_ODD_JSON, label="/".join(map(str, path)))
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier change replaced a parent
+    (out / "merge_manifest.json").write_text(json.dumps(manifest))
+    try:
+        loads_or_refuses("merge_manifest.json", lambda: _manifest_consumers(out, base.parent))
+    finally:
+        (out / "merge_manifest.json").write_text(original)

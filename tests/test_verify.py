@@ -286,7 +286,7 @@ def test_verify_without_manifest_asks_for_the_inputs(merged, tmp_path, capsys):
     (bad / MANIFEST_NAME).unlink()
     assert cli_main(["verify", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert "no merge_manifest.json" in err and "--base and --adapter" in err
+    assert "no readable merge_manifest.json" in err and "--base and --adapter" in err
     assert cli_main(["verify", str(bad), "--base", str(merged[0].base), "--adapter", str(merged[0].adapter), "--no-behaviour"]) == 0
     assert "not recorded" in capsys.readouterr().err
 
@@ -363,3 +363,23 @@ def test_merging_again_into_an_unverified_output_says_how_to_check_it(pair, tmp_
     assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 1
     err = capsys.readouterr().err
     assert "never verified" in err and f"tui-merger verify {out}" in err
+
+
+@pytest.mark.parametrize("edit", ["options-of-wrong-type", "verification-not-an-object"])
+def test_verify_with_an_edited_manifest_asks_for_the_inputs(merged, tmp_path, capsys, edit):
+    """A manifest edited by hand into other types: one sentence that asks for the inputs, no traceback
+    (before, a string as verification crashed the model card, a string as an option crashed later)."""
+    bad = tmp_path / "copy"
+    shutil.copytree(merged[0].out, bad)
+    manifest = json.loads((bad / MANIFEST_NAME).read_text())
+    if edit == "options-of-wrong-type":
+        manifest["options"]["shard_size"] = [5]
+        said = "The option shard_size is [5], not a size"
+    else:
+        manifest["verification"] = "passed"
+        said = "no readable merge_manifest.json"
+    (bad / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert cli_main(["verify", str(bad)]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and said in lines[0] and "--base and --adapter" in lines[0] and "Traceback" not in err, err

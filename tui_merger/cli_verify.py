@@ -58,7 +58,7 @@ def cmd_verify(args) -> int:
     progress = PlainProgress(stream=sys.stderr)
     report = verify_merge(args.out, options, behaviour=args.behaviour, perplexity_text=args.perplexity, on_event=progress)
     if record_verification(args.out, report.to_dict(), overwrite_card=args.rewrite_card) is None:
-        print(f"note: {args.out} has no merge_manifest.json, so the result is not recorded in it.", file=sys.stderr)
+        print(f"note: {args.out} has no readable merge_manifest.json, so the result is not recorded in it.", file=sys.stderr)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

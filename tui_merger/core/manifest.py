@@ -161,9 +161,36 @@ def read_manifest(folder: Path) -> dict | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not _well_formed(data):
         return None
     return data
+
+
+def _files_ok(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(f, dict) and isinstance(f.get("path"), str) and type(f.get("size")) is int
+        and isinstance(f.get("sha256"), str) for f in value
+    )
+
+
+def _well_formed(data: dict) -> bool:
+    """The schema above, as far as anything reads it: a manifest edited by hand into other types is
+    treated as unreadable (cleanup then protects the folder; verify asks what it was merged from)."""
+    inputs, adapter, ver = data.get("inputs", []), data.get("adapter"), data.get("verification")
+    return (
+        isinstance(data.get("kind", "merge"), str)
+        and all(isinstance(data.get(k, {}), dict) for k in ("tool", "options", "timings"))
+        and all(data.get(k) is None or isinstance(data[k], str) for k in ("merged_at", "base_model", "out"))
+        and isinstance(inputs, list)
+        and all(isinstance(i, dict) and isinstance(i.get("role"), str) and isinstance(i.get("path"), str)
+                and _files_ok(i.get("files", [])) for i in inputs)
+        and _files_ok(data.get("outputs", []))
+        and (adapter is None or (isinstance(adapter, dict) and isinstance(adapter.get("adapters", []), list)
+                                 and all(isinstance(a, dict) for a in adapter.get("adapters", []))))
+        and (ver is None or (isinstance(ver, dict) and isinstance(ver.get("passed"), bool)
+                             and isinstance(ver.get("summary", ""), str) and isinstance(ver.get("checks", []), list)
+                             and all(isinstance(c, dict) for c in ver.get("checks", []))))
+    )
 
 
 def write_manifest(folder: Path, manifest: dict, fsync: bool = True) -> None:

@@ -90,6 +90,7 @@ class MergeOptions:
     adapters: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for key in ("base", "adapter", "out", "checkpoint"):
             value = getattr(self, key)
             if value is not None:
@@ -133,6 +134,45 @@ class MergeOptions:
             data[key] = None if data[key] is None else str(data[key])
         data["adapters"] = [[str(p), w] for p, w in self.adapters]
         return data
+
+
+def _is_finite(value) -> bool:
+    import math
+
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+_PATHLIKE = (str, Path)
+_OPTION_TYPES = {  # field -> (accepts, what it should be); options also come from JSON (manifests, job requests)
+    "base": (lambda v: v is None or isinstance(v, _PATHLIKE), "a folder path"),
+    "adapter": (lambda v: v is None or isinstance(v, _PATHLIKE), "a path"),
+    "out": (lambda v: v is None or isinstance(v, _PATHLIKE), "a folder path"),
+    "checkpoint": (lambda v: v is None or isinstance(v, _PATHLIKE), "a folder path"),
+    "dtype": (lambda v: v is None or isinstance(v, str), "a dtype name"),
+    "shard_size": (lambda v: isinstance(v, str) or (type(v) is int and v > 0), "a size such as 5GB"),
+    "tokenizer_from": (lambda v: isinstance(v, str), "auto, base or adapter"),
+    "overwrite": (lambda v: isinstance(v, bool), "true or false"),
+    "force_fp16_overflow": (lambda v: isinstance(v, bool), "true or false"),
+    "is_value_model": (lambda v: isinstance(v, bool), "true or false"),
+    "tie_word_embedding": (lambda v: isinstance(v, bool), "true or false"),
+    "export_adapter": (lambda v: isinstance(v, bool), "true or false"),
+    "lora_alpha": (lambda v: v is None or _is_finite(v), "a finite number"),
+    "base_roundtrip": (lambda v: v is None or isinstance(v, str), "a setting such as nf4"),
+    "adapters": (lambda v: isinstance(v, list) and all(
+        isinstance(i, _PATHLIKE) or (isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[0], _PATHLIKE)
+                                     and (isinstance(i[1], str) or _is_finite(i[1])))
+        for i in v), "a list of [path, weight] pairs"),
+}
+
+
+def _check_types(options) -> None:
+    import json
+
+    for key, (ok, what) in _OPTION_TYPES.items():
+        value = getattr(options, key)
+        if not ok(value):
+            shown = json.dumps(value, default=str)[:40]
+            raise MergeError(f"The option {key} is {shown}, not {what}.")
 
 
 def _adapter_spec(item) -> tuple[Path, float]:

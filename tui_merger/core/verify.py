@@ -23,7 +23,7 @@ from pathlib import Path
 from tui_merger.core.errors import MergeError
 from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted, TensorProgress, ignore_event
 from tui_merger.core.files import config_dtype, read_json_object
-from tui_merger.core.manifest import read_manifest
+from tui_merger.core.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions
 
 SAMPLE_LIMIT = 1 << 24  # values in a tensor above which a sample of rows is recomputed
@@ -84,7 +84,7 @@ def options_from_manifest(out: Path) -> MergeOptions:
     manifest = read_manifest(out)
     if manifest is None:
         raise MergeError(
-            f"{out} has no merge_manifest.json, so tui-merger does not know what it was merged from; "
+            f"{out} has no readable merge_manifest.json, so tui-merger does not know what it was merged from; "
             "say it with --base and --adapter, or --against CHECKPOINT."
         )
     names = {f.name for f in fields(MergeOptions)}
@@ -99,7 +99,13 @@ def options_from_manifest(out: Path) -> MergeOptions:
     for item in saved.get("adapters") or []:
         if isinstance(item, list) and item and not Path(str(item[0])).exists():
             raise MergeError(f"The adapter this model was merged from, {item[0]}, is no longer there; move it back.")
-    return MergeOptions(**saved)
+    try:
+        return MergeOptions(**saved)
+    except MergeError as err:
+        raise MergeError(
+            f"{out / MANIFEST_NAME} records options tui-merger cannot use ({str(err).rstrip('.')}); it was edited "
+            "or damaged: say what the model was merged from with --base and --adapter, or --against CHECKPOINT."
+        ) from None
 
 
 def verify_merge(
