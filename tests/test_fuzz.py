@@ -1920,3 +1920,62 @@ def test_manifest_consumers_over_odd_values(data, merged_model, guarded):
         loads_or_refuses("merge_manifest.json", lambda: _manifest_consumers(out, base.parent))
     finally:
         (out / "merge_manifest.json").write_text(original)
+
+
+_JOBS_WARM: list = []
+_JOB_FIELDS = ["id", "state", "started", "out", "request", "cwd", "host", "pid", "ended", "exit_code", "result"]
+
+
+@settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_job_records_with_odd_values(data, tmp_path_factory, guarded):
+    """Background-job records (job.json, progress.json) with odd values, an id that is not the folder's
+    name ("../victim"), other JSON types: `tui-merger jobs` lists what it can and `jobs --prune 0` never
+    removes anything outside the jobs folder nor crashes."""
+    import contextlib
+    import io
+
+    from tui_merger.cli import main as cli_main
+    from tui_merger.core import jobs
+
+    state = tmp_path_factory.mktemp("state")
+    victim = state / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("user data")
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(state)
+    try:
+        job = jobs._create(str(state / "out"), {"options": {}, "verify": True, "perplexity": None})
+        record = dataclasses_asdict(job)
+        record.update(state="FINISHED", ended=1.0, started=0.5)
+        for key in data.draw(st.lists(st.sampled_from(_JOB_FIELDS), min_size=1, max_size=3, unique=True), label="fields"):
+            record[key] = data.draw(st.one_of(_ODD_JSON, st.sampled_from(["../victim", "../../tui-merger", "/", "RUNNING", "DIED"])), label=key)
+        (job.folder / jobs.JOB_FILE).write_text(json.dumps(record))
+        progress = {"phase": "merge", "done": 1, "total": 2, "bytes_done": 5, "bytes_total": 10}
+        for key in data.draw(st.lists(st.sampled_from(sorted(progress)), max_size=2, unique=True), label="progress fields"):
+            progress[key] = data.draw(_ODD_JSON, label=key)
+        (job.folder / jobs.PROGRESS_FILE).write_text(json.dumps(progress))
+
+        def listing_and_prune():
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                assert cli_main(["jobs"]) == 0
+                assert cli_main(["jobs", "--prune", "0"]) == 0
+            assert (victim / "keep").read_text() == "user data"
+
+        if not _JOBS_WARM:  # the CLI imports its commands on first use: not code from the records
+            with contextlib.redirect_stdout(io.StringIO()):
+                cli_main(["jobs"])
+            _JOBS_WARM.append(True)
+        loads_or_refuses("job records", listing_and_prune)
+    finally:
+        if old is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = old
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def dataclasses_asdict(obj):
+    import dataclasses
+
+    return dataclasses.asdict(obj)

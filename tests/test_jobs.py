@@ -267,3 +267,28 @@ def test_prune_removes_old_ended_job_records_only(tmp_path, env, capsys):
     assert "3 job record(s) removed" in out and (model / "model.safetensors").is_file()
     assert main(["jobs", "--prune", "-1"]) == 1
     assert "0 or more" in capsys.readouterr().err
+
+
+def test_prune_never_follows_an_id_out_of_the_jobs_folder(tmp_path, env, capsys):
+    """A job.json whose id is not its folder's name (edited, damaged, copied): prune removed
+    jobs_dir()/id, so "../victim" pointed it at a folder outside the job records. Such a record is
+    skipped now (not listed, not removed)."""
+    import json
+    import time
+
+    from tui_merger.cli import main
+    from tui_merger.core.jobs import jobs_dir
+
+    victim = jobs_dir().parent / "victim"
+    victim.mkdir(parents=True)
+    (victim / "keep").write_text("user data")
+    folder = jobs_dir() / "20250101-000000-ffff"
+    folder.mkdir(parents=True)
+    (folder / "job.json").write_text(json.dumps({
+        "id": "../victim", "state": "finished", "started": time.time() - 90 * 86400, "out": str(tmp_path),
+        "request": {}, "cwd": str(tmp_path), "host": "h", "pid": None, "ended": time.time() - 90 * 86400,
+    }))
+    assert main(["jobs", "--prune", "0"]) == 0
+    assert "0 job record(s) removed" in capsys.readouterr().out
+    assert (victim / "keep").read_text() == "user data"
+    assert main(["jobs"]) == 0 and "No detached jobs" in capsys.readouterr().out

@@ -16,6 +16,7 @@ the machine restarted): running the same merge again resumes from its finished s
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -74,7 +75,15 @@ class Job:
     def progress(self) -> dict | None:
         """The latest progress.json: phase and message, then (once tensors move) done, total, bytes_done,
         bytes_total and tensor; None before the first phase."""
-        return json_object_or_none(self.folder / PROGRESS_FILE)
+        data = json_object_or_none(self.folder / PROGRESS_FILE)
+        if data is None or not isinstance(data.get("phase"), str):
+            return None
+        for key in ("done", "total", "bytes_done", "bytes_total"):
+            if key in data and not (type(data[key]) in (int, float) and math.isfinite(data[key]) and data[key] >= 0):
+                data.pop(key)  # a damaged or edited file: show the phase only
+        if not data.get("bytes_total") or "bytes_done" not in data:
+            data.pop("bytes_total", None)
+        return data
 
 
 def start_detached(
@@ -282,6 +291,10 @@ def _load(job_id: str) -> Job | None:
         job = Job(**{k: v for k, v in data.items() if k in names})
     except TypeError:  # fields missing
         return None
+    # the folder is removed by prune and named by id: a record whose id is not its folder's name (edited,
+    # or copied from another job) could point prune at any folder; odd types would crash the listing
+    if job.id != job_id or not _well_typed(job):
+        return None
     if job.state == RUNNING and not _runner_alive(job):
         job.state = DIED
         try:
@@ -289,6 +302,22 @@ def _load(job_id: str) -> Job | None:
         except OSError:
             pass
     return job
+
+
+def _number(value, optional: bool = False) -> bool:
+    if value is None:
+        return optional
+    return type(value) in (int, float) and math.isfinite(value) and abs(value) < 1e12
+
+
+def _well_typed(job: Job) -> bool:
+    return (
+        all(isinstance(getattr(job, k), str) for k in ("id", "state", "out", "cwd", "host"))
+        and _number(job.started) and _number(job.ended, optional=True)
+        and isinstance(job.request, dict) and (job.result is None or isinstance(job.result, dict))
+        and all(getattr(job, k) is None or type(getattr(job, k)) is int for k in ("pid", "exit_code"))
+        and (job.pid is None or job.pid > 0)
+    )
 
 
 def _runner_alive(job: Job) -> bool:

@@ -165,14 +165,18 @@ _OPTION_TYPES = {  # field -> (accepts, what it should be); options also come fr
 }
 
 
-def _check_types(options) -> None:
+def check_option_types(values: dict) -> None:
+    """Options as JSON holds them (a manifest, a job request): each present one of the right type."""
     import json
 
     for key, (ok, what) in _OPTION_TYPES.items():
-        value = getattr(options, key)
-        if not ok(value):
-            shown = json.dumps(value, default=str)[:40]
+        if key in values and not ok(values[key]):
+            shown = json.dumps(values[key], default=str)[:40]
             raise MergeError(f"The option {key} is {shown}, not {what}.")
+
+
+def _check_types(options) -> None:
+    check_option_types({key: getattr(options, key) for key in _OPTION_TYPES})
 
 
 def _adapter_spec(item) -> tuple[Path, float]:

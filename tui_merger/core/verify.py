@@ -24,7 +24,7 @@ from tui_merger.core.errors import MergeError
 from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted, TensorProgress, ignore_event
 from tui_merger.core.files import config_dtype, read_json_object
 from tui_merger.core.manifest import MANIFEST_NAME, read_manifest
-from tui_merger.core.options import MergeOptions
+from tui_merger.core.options import MergeOptions, check_option_types
 
 SAMPLE_LIMIT = 1 << 24  # values in a tensor above which a sample of rows is recomputed
 SAMPLE_ROWS = 64
@@ -90,6 +90,10 @@ def options_from_manifest(out: Path) -> MergeOptions:
     names = {f.name for f in fields(MergeOptions)}
     saved = {k: v for k, v in (manifest.get("options") or {}).items() if k in names}
     saved["out"] = out
+    try:
+        check_option_types(saved)
+    except MergeError as err:
+        raise _unusable(out, err) from None
     for key in ("base", "adapter", "checkpoint"):
         if saved.get(key) and not Path(saved[key]).exists():
             raise MergeError(
@@ -102,10 +106,14 @@ def options_from_manifest(out: Path) -> MergeOptions:
     try:
         return MergeOptions(**saved)
     except MergeError as err:
-        raise MergeError(
-            f"{out / MANIFEST_NAME} records options tui-merger cannot use ({str(err).rstrip('.')}); it was edited "
-            "or damaged: say what the model was merged from with --base and --adapter, or --against CHECKPOINT."
-        ) from None
+        raise _unusable(out, err) from None
+
+
+def _unusable(out: Path, err: MergeError) -> MergeError:
+    return MergeError(
+        f"{out / MANIFEST_NAME} records options tui-merger cannot use ({str(err).rstrip('.')}); it was edited "
+        "or damaged: say what the model was merged from with --base and --adapter, or --against CHECKPOINT."
+    )
 
 
 def verify_merge(
