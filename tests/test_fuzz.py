@@ -1979,3 +1979,23 @@ def dataclasses_asdict(obj):
     import dataclasses
 
     return dataclasses.asdict(obj)
+
+
+@settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_plan_with_odd_tokenizer_json(data, lora_pair, work, guarded):
+    """A tokenizer.json beside the adapter (the plan counts its tokens against the embedding rows) with
+    odd structure: the plan is made (problems are findings), never an exception."""
+    from tui_merger.core.preflight import make_plan
+
+    base, adapter = lora_pair
+    folder = work / "tokenizer-adapter"
+    if not folder.is_dir():
+        shutil.copytree(adapter, folder)
+    vocab = data.draw(st.one_of(_ODD_JSON, st.dictionaries(st.text(max_size=3), _ODD_JSON, max_size=4),
+                                st.lists(st.lists(st.text(max_size=2), max_size=2), max_size=300)), label="vocab")
+    model = data.draw(st.one_of(_ODD_JSON, st.just({"type": "BPE", "vocab": vocab})), label="model")
+    added = data.draw(st.one_of(_ODD_JSON, st.lists(st.one_of(_ODD_JSON, st.fixed_dictionaries({"id": _ODD_JSON})), max_size=3)), label="added")
+    tokenizer = data.draw(st.one_of(_ODD_JSON, st.just({"model": model, "added_tokens": added})), label="tokenizer")
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    loads_or_refuses("tokenizer.json", lambda: make_plan(MergeOptions(base=base, adapter=folder, out=work / "tok-out")))

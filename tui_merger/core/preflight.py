@@ -425,10 +425,16 @@ def _tokenizer_size(folder: Path) -> int | None:
     data = json_object_or_none(folder / "tokenizer.json")
     if not data:
         return None
-    vocab = (data.get("model") or {}).get("vocab")
-    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab or [])))
-    ids.update(t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict))
-    ids.discard(None)
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):  # BPE / WordPiece: token -> id
+        ids = {i for i in vocab.values() if type(i) is int and i >= 0}
+    elif isinstance(vocab, list):  # Unigram: [token, score] pairs
+        ids = set(range(len(vocab)))
+    else:
+        ids = set()
+    added = data.get("added_tokens") if isinstance(data.get("added_tokens"), list) else []
+    ids.update(t["id"] for t in added if isinstance(t, dict) and type(t.get("id")) is int and t["id"] >= 0)
     return max(ids) + 1 if ids else None
 
 
