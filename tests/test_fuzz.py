@@ -1084,10 +1084,11 @@ def test_dtensor_with_damaged_placement_records(damage):
         _placement_dims(value, Path("rank0.pt"), "w")
 
 
-def test_zero_sized_safetensors_tensor_whose_strides_overflow(tmp_path):
-    """shape [0, 2**31 - 1, 2**40] holds no bytes, but torch computes its strides and raised
-    "Stride calculation overflowed" on read."""
-    header = json.dumps({"t": {"dtype": "F32", "shape": [0, 2**31 - 1, 2**40], "data_offsets": [0, 0]}}).encode()
+@pytest.mark.parametrize("shape", [[0, 2**31 - 1, 2**40], [2**31 - 1, 2**40, 0]], ids=["strides", "numel"])
+def test_zero_sized_safetensors_tensor_whose_dims_overflow(tmp_path, shape):
+    """These shapes hold no bytes, but torch multiplies their dims with overflow checks and raised
+    "Stride calculation overflowed" / "numel: integer multiplication overflow" on read."""
+    header = json.dumps({"t": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header)
     with pytest.raises(MergeError, match="shape out of range"):
@@ -1999,3 +2000,27 @@ def test_plan_with_odd_tokenizer_json(data, lora_pair, work, guarded):
     tokenizer = data.draw(st.one_of(_ODD_JSON, st.just({"model": model, "added_tokens": added})), label="tokenizer")
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
     loads_or_refuses("tokenizer.json", lambda: make_plan(MergeOptions(base=base, adapter=folder, out=work / "tok-out")))
+
+
+_BASE_CONFIG_KEYS = ["model_type", "architectures", "vocab_size", "hidden_size", "tie_word_embeddings", "dtype",
+                     "quantization_config", "rope_scaling", "rope_parameters", "rope_theta", "text_config",
+                     "auto_map", "_name_or_path", "max_position_embeddings", "num_hidden_layers"]
+
+
+@settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_plan_and_open_with_odd_base_config_values(data, lora_pair, work, guarded):
+    """The base model's config.json with fields replaced by odd JSON values (quantization_config, rope,
+    auto_map, text_config, ...): the plan is made and the inputs open, or MergeError."""
+    base, adapter = lora_pair
+    folder = work / "odd-base"
+    if not folder.is_dir():
+        shutil.copytree(base, folder)
+    config = json.loads((base / "config.json").read_text())
+    for key in data.draw(st.lists(st.sampled_from(_BASE_CONFIG_KEYS), min_size=1, max_size=3, unique=True), label="keys"):
+        config[key] = data.draw(st.one_of(_ODD_JSON, st.fixed_dictionaries({}, optional={
+            "load_in_4bit": _ODD_JSON, "quant_method": _ODD_JSON, "bnb_4bit_quant_type": _ODD_JSON,
+            "rope_type": _ODD_JSON, "factor": _ODD_JSON, "rope_theta": _ODD_JSON, "vocab_size": _ODD_JSON,
+            "AutoModelForCausalLM": _ODD_JSON})), label=key)
+    (folder / "config.json").write_text(json.dumps(config))
+    loads_or_refuses("base config.json", lambda: _plan_and_open(MergeOptions(base=folder, adapter=adapter, out=work / "odd-base-out")))

@@ -128,10 +128,13 @@ class SafetensorsFile(MappedFile):
                 raise self._bad(f"tensor '{name}' has unknown dtype {st_dtype}")
             if any(d < 0 or d >= 1 << 63 for d in shape):  # torch sizes are int64: an empty [0, 2**63] crashed on read
                 raise self._bad(f"tensor '{name}' has a dimension out of range")
-            strides = 1  # torch computes contiguous strides even when a 0 makes the tensor empty:
-            for d in shape[1:]:  # [0, 2**31, 2**40] overflowed them ("Stride calculation overflowed")
-                strides *= max(d, 1)
-            if strides >= 1 << 63:
+            # torch multiplies the dims (strides, numel) with overflow checks even when a 0 makes the tensor
+            # empty: [0, 2**31, 2**40] raised "Stride calculation overflowed", [2**31, 2**40, 0] "numel:
+            # integer multiplication overflow". The product of the non-zero dims must fit in int64.
+            product = 1
+            for d in shape:
+                product *= max(d, 1)
+            if product >= 1 << 63:
                 raise self._bad(f"tensor '{name}' has a shape out of range")
             torch_dtype, isz = DTYPES[st_dtype]
             numel = 1
