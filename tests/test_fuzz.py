@@ -1116,6 +1116,36 @@ def test_tensor_subclass_record_never_formats_its_class():
     assert value.subclass == "Tensor"
 
 
+def test_config_and_adapter_config_of_wrong_types_are_one_sentence(lora_pair, tmp_path):
+    """Cases the config fuzzers found: a list as model_type crashed the Megatron mapper (unhashable);
+    r: null crashed the plan (int(None)); rank_pattern: 7 crashed inspect's rendering; a tokenizer.json
+    whose vocab is a string crashed the plan's token count."""
+    from tui_merger.cli_inspect import render
+    from tui_merger.core.files import read_config
+    from tui_merger.core.inspect import scan
+    from tui_merger.core.preflight import make_plan
+
+    base, adapter = lora_pair
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps({"model_type": [1, -1, 3]}))
+    with pytest.raises(MergeError, match="model_type is \\[1, -1, 3\\], not a name"):
+        read_config(tmp_path / "cfg")
+    odd = shutil.copytree(adapter, tmp_path / "adapter")
+    cfg = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps({**cfg, "r": None}))
+    plan = make_plan(MergeOptions(base=base, adapter=odd, out=tmp_path / "out"))
+    # null r is peft's default 8; these tensors have rank 4, which the plan says (it crashed before)
+    assert plan.blocked and any("r=8" in f.message for f in plan.findings), plan.findings
+    (odd / "adapter_config.json").write_text(json.dumps({**cfg, "rank_pattern": 7}))
+    plan = make_plan(MergeOptions(base=base, adapter=odd, out=tmp_path / "out"))
+    assert plan.blocked and any("rank_pattern is 7" in f.message for f in plan.findings)
+    lines = [text for text, _ in render(scan(tmp_path), str(tmp_path))]
+    assert any("rank_pattern is 7" in line for line in lines), lines
+    (odd / "adapter_config.json").write_text(json.dumps(cfg))
+    (odd / "tokenizer.json").write_text(json.dumps({"model": {"vocab": "bfloat16"}, "added_tokens": 5}))
+    assert not make_plan(MergeOptions(base=base, adapter=odd, out=tmp_path / "out")).blocked
+
+
 def test_bin_whose_pickle_calls_a_tensor(small_torch_file, tmp_path):
     """A damaged pytorch_model.bin whose pickle "calls" one of its tensors: torch.load's error names
     the tensor with its values; the sentence says "a tensor" instead."""
