@@ -1549,6 +1549,17 @@ _ODD_JSON = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8), st.sampled_from(["qwen2", "llama", "mixtral", "bfloat16"]),
     st.lists(st.integers(-1, 3), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
+def odd_fields(data, content: dict, keys, values=_ODD_JSON, max_size: int = 3, removable: bool = False,
+               min_size: int = 1) -> dict:
+    """``content`` with 1-3 of ``keys`` replaced by drawn ``values`` (or removed, when ``removable``)."""
+    for key in data.draw(st.lists(st.sampled_from(list(keys)), min_size=min_size, max_size=max_size, unique=True), label="keys"):
+        if removable and data.draw(st.booleans(), label="remove"):
+            content.pop(key, None)
+        else:
+            content[key] = data.draw(values, label=str(key))
+    return content
+
+
 _MEGATRON_CONFIG_KEYS = [
     "model_type", "architectures", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "num_hidden_layers", "intermediate_size", "vocab_size", "tie_word_embeddings", "torch_dtype", "dtype",
@@ -1565,11 +1576,7 @@ def test_megatron_with_odd_config_values(data, work, guarded):
     run = _megatron_run(work, "qwen2_tp2")
     path = run / "global_step_1" / "actor" / "model" / "huggingface" / "config.json"
     config = json.loads((MEGATRON / "qwen2_tp2" / path.relative_to(run)).read_text())
-    for key in data.draw(st.lists(st.sampled_from(_MEGATRON_CONFIG_KEYS), min_size=1, max_size=3, unique=True), label="keys"):
-        if data.draw(st.booleans(), label="remove"):
-            config.pop(key, None)
-        else:
-            config[key] = data.draw(_ODD_JSON, label=key)
+    odd_fields(data, config, _MEGATRON_CONFIG_KEYS, removable=True)
     path.write_text(json.dumps(config))
     check_checkpoint("megatron config.json", run / "global_step_1" / "actor")
 
@@ -1615,11 +1622,7 @@ def test_plan_and_open_with_odd_adapter_config_values(data, lora_pair, work, gua
     if not folder.is_dir():
         shutil.copytree(adapter, folder)
     config = json.loads((adapter / "adapter_config.json").read_text())
-    for key in data.draw(st.lists(st.sampled_from(_ADAPTER_KEYS), min_size=1, max_size=3, unique=True), label="keys"):
-        if data.draw(st.booleans(), label="remove"):
-            config.pop(key, None)
-        else:
-            config[key] = data.draw(_ODD_JSON, label=key)
+    odd_fields(data, config, _ADAPTER_KEYS, removable=True)
     (folder / "adapter_config.json").write_text(json.dumps(config))
     options = MergeOptions(base=base, adapter=folder, out=work / "odd-out")
     loads_or_refuses("adapter_config.json", lambda: _plan_and_open(options))
@@ -1817,9 +1820,7 @@ def test_run_folder_metadata_with_odd_values(data, fsdp_lora_ckpt, work, guarded
         if data.draw(st.booleans(), label="whole"):
             content = data.draw(_ODD_JSON, label="content")
         else:
-            for key in data.draw(st.lists(st.sampled_from(["r", "lora_alpha", "task_type", "world_size", "FSDP_version",
-                                                            "target_modules", "use_rslora"]), min_size=1, max_size=3, unique=True), label="keys"):
-                content[key] = data.draw(_ODD_JSON, label=key)
+            odd_fields(data, content, ["r", "lora_alpha", "task_type", "world_size", "FSDP_version", "target_modules", "use_rslora"])
         path.write_text(json.dumps(content))
     check_checkpoint("verl run metadata", run)
 
@@ -1873,8 +1874,7 @@ def test_inspect_over_odd_metadata(data, inspect_tree, guarded):
         path.write_bytes(data.draw(st.sampled_from([b"", b"[]", b"null", b"{", b"\xff\xfe{}", b'"text"', b"1e999"]), label="raw"))
     else:
         content = json.loads(originals[name])
-        for key in data.draw(st.lists(st.sampled_from(_TREE_FILES[name]), min_size=1, max_size=3, unique=True), label="keys"):
-            content[key] = data.draw(_ODD_JSON, label=key)
+        odd_fields(data, content, _TREE_FILES[name])
         path.write_text(json.dumps(content))
     loads_or_refuses("inspect tree", lambda: _scan_and_render(root))
 
@@ -1979,12 +1979,10 @@ def test_job_records_with_odd_values(data, tmp_path_factory, guarded):
         job = jobs._create(str(state / "out"), {"options": {}, "verify": True, "perplexity": None})
         record = dataclasses_asdict(job)
         record.update(state="FINISHED", ended=1.0, started=0.5)
-        for key in data.draw(st.lists(st.sampled_from(_JOB_FIELDS), min_size=1, max_size=3, unique=True), label="fields"):
-            record[key] = data.draw(st.one_of(_ODD_JSON, st.sampled_from(["../victim", "../../tui-merger", "/", "RUNNING", "DIED"])), label=key)
+        odd_fields(data, record, _JOB_FIELDS, st.one_of(_ODD_JSON, st.sampled_from(["../victim", "../../tui-merger", "/", "RUNNING", "DIED"])))
         (job.folder / jobs.JOB_FILE).write_text(json.dumps(record))
         progress = {"phase": "merge", "done": 1, "total": 2, "bytes_done": 5, "bytes_total": 10}
-        for key in data.draw(st.lists(st.sampled_from(sorted(progress)), max_size=2, unique=True), label="progress fields"):
-            progress[key] = data.draw(_ODD_JSON, label=key)
+        odd_fields(data, progress, sorted(progress), max_size=2, min_size=0)
         (job.folder / jobs.PROGRESS_FILE).write_text(json.dumps(progress))
 
         def listing_and_prune():
@@ -2047,10 +2045,9 @@ def test_plan_and_open_with_odd_base_config_values(data, lora_pair, work, guarde
     if not folder.is_dir():
         shutil.copytree(base, folder)
     config = json.loads((base / "config.json").read_text())
-    for key in data.draw(st.lists(st.sampled_from(_BASE_CONFIG_KEYS), min_size=1, max_size=3, unique=True), label="keys"):
-        config[key] = data.draw(st.one_of(_ODD_JSON, st.fixed_dictionaries({}, optional={
-            "load_in_4bit": _ODD_JSON, "quant_method": _ODD_JSON, "bnb_4bit_quant_type": _ODD_JSON,
-            "rope_type": _ODD_JSON, "factor": _ODD_JSON, "rope_theta": _ODD_JSON, "vocab_size": _ODD_JSON,
-            "AutoModelForCausalLM": _ODD_JSON})), label=key)
+    odd_fields(data, config, _BASE_CONFIG_KEYS, st.one_of(_ODD_JSON, st.fixed_dictionaries({}, optional={
+        "load_in_4bit": _ODD_JSON, "quant_method": _ODD_JSON, "bnb_4bit_quant_type": _ODD_JSON,
+        "rope_type": _ODD_JSON, "factor": _ODD_JSON, "rope_theta": _ODD_JSON, "vocab_size": _ODD_JSON,
+        "AutoModelForCausalLM": _ODD_JSON})))
     (folder / "config.json").write_text(json.dumps(config))
     loads_or_refuses("base config.json", lambda: _plan_and_open(MergeOptions(base=folder, adapter=adapter, out=work / "odd-base-out")))
