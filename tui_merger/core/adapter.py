@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.files import read_json_object
+from tui_merger.core.options import is_finite_number
 from tui_merger.core.sources import TensorRef, TensorSource, not_a_folder
 
 PEFT_PREFIX = "base_model.model."
@@ -101,10 +102,6 @@ def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
     return adapter
 
 
-def _is_number(value) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
-
-
 def _is_names(value) -> bool:
     return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
 
@@ -131,9 +128,9 @@ def _is_indices(value) -> bool:
 _CONFIG_FIELDS = {
     "peft_type": (lambda v: isinstance(v, str), "a name such as LORA"),
     "r": (lambda v: type(v) is int and v >= 1, "a whole number of at least 1"),
-    "lora_alpha": (_is_number, "a number"),
+    "lora_alpha": (is_finite_number, "a number"),
     "rank_pattern": (lambda v: _is_patterns(v, lambda r: type(r) is int and r >= 1), "a map of module patterns to ranks"),
-    "alpha_pattern": (lambda v: _is_patterns(v, _is_number), "a map of module patterns to numbers"),
+    "alpha_pattern": (lambda v: _is_patterns(v, is_finite_number), "a map of module patterns to numbers"),
     "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
     "use_dora": (lambda v: isinstance(v, bool), "true or false"),
     "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),

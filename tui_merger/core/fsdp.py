@@ -306,6 +306,8 @@ class FsdpSource:
             if not isinstance(local_shards, list):
                 raise MergeError(f"{self.layout.rank_files[rank]}: {key} is a ShardedTensor without local shards.")
             for shard in local_shards:
+                if not isinstance(shard, Record):
+                    raise MergeError(f"{path}: a shard of {key} lacks its data or offsets; the file is damaged.")
                 meta = shard.__dict__.get("metadata")
                 tensor = shard.__dict__.get("tensor")
                 raw = getattr(meta, "shard_offsets", ()) or ()

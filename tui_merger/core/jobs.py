@@ -16,7 +16,6 @@ the machine restarted): running the same merge again resumes from its finished s
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import secrets
@@ -34,7 +33,7 @@ from tui_merger.core.errors import MergeError
 from tui_merger.core.files import json_object_or_none
 from tui_merger.core.events import Event, PhaseStarted, TensorProgress
 from tui_merger.core.manifest import state_dir
-from tui_merger.core.options import MergeOptions
+from tui_merger.core.options import MergeOptions, is_finite_number
 
 RUNNING, FINISHED, FAILED, CANCELLED, DIED = "running", "finished", "failed", "cancelled", "died"
 RUNNER_COMMAND = "_job-run"  # the hidden CLI command the detached process runs
@@ -79,7 +78,7 @@ class Job:
         if data is None or not isinstance(data.get("phase"), str):
             return None
         for key in ("done", "total", "bytes_done", "bytes_total"):
-            if key in data and not (type(data[key]) in (int, float) and math.isfinite(data[key]) and data[key] >= 0):
+            if key in data and not (is_finite_number(data[key]) and data[key] >= 0):
                 data.pop(key)  # a damaged or edited file: show the phase only
         if not data.get("bytes_total") or "bytes_done" not in data:
             data.pop("bytes_total", None)
@@ -307,7 +306,7 @@ def _load(job_id: str) -> Job | None:
 def _number(value, optional: bool = False) -> bool:
     if value is None:
         return optional
-    return type(value) in (int, float) and math.isfinite(value) and abs(value) < 1e12
+    return is_finite_number(value) and abs(value) < 1e12
 
 
 def _well_typed(job: Job) -> bool:

@@ -136,7 +136,8 @@ class MergeOptions:
         return data
 
 
-def _is_finite(value) -> bool:
+def is_finite_number(value) -> bool:
+    """A JSON number that is a real value: an int or float (not a bool), not NaN or infinite."""
     import math
 
     return type(value) in (int, float) and math.isfinite(value)
@@ -156,11 +157,11 @@ _OPTION_TYPES = {  # field -> (accepts, what it should be); options also come fr
     "is_value_model": (lambda v: isinstance(v, bool), "true or false"),
     "tie_word_embedding": (lambda v: isinstance(v, bool), "true or false"),
     "export_adapter": (lambda v: isinstance(v, bool), "true or false"),
-    "lora_alpha": (lambda v: v is None or _is_finite(v), "a finite number"),
+    "lora_alpha": (lambda v: v is None or is_finite_number(v), "a finite number"),
     "base_roundtrip": (lambda v: v is None or isinstance(v, str), "a setting such as nf4"),
     "adapters": (lambda v: isinstance(v, list) and all(
         isinstance(i, _PATHLIKE) or (isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[0], _PATHLIKE)
-                                     and (isinstance(i[1], str) or _is_finite(i[1])))
+                                     and (isinstance(i[1], str) or is_finite_number(i[1])))
         for i in v), "a list of [path, weight] pairs"),
 }
 
