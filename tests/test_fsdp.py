@@ -125,6 +125,11 @@ def test_lora_alpha_missing_is_an_error_not_a_default(tmp_path_factory, tmp_path
     code = cli_main(["merge", str(ckpt), "--out", str(out), "--plain"])
     err = capsys.readouterr().err
     assert code == 1 and "--lora-alpha" in err and not out.exists()
+    # NaN or infinity would poison every merged weight: refused by the command line itself
+    for bad in ("nan", "inf"):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["merge", str(ckpt), "--out", str(out), "--lora-alpha", bad, "--plain"])
+        assert exit_.value.code == 2 and "not a finite number" in capsys.readouterr().err and not out.exists()
     # with the alpha given, it merges
     alpha = str(info["lora_alpha"])
     assert cli_main(["merge", str(ckpt), "--out", str(out), "--lora-alpha", alpha, "--plain"]) == 0

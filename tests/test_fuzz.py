@@ -1146,6 +1146,23 @@ def test_config_and_adapter_config_of_wrong_types_are_one_sentence(lora_pair, tm
     assert not make_plan(MergeOptions(base=base, adapter=odd, out=tmp_path / "out")).blocked
 
 
+def test_sharded_tensor_whose_local_shard_is_not_a_record():
+    """A ShardedTensor (FSDP1 without a mesh) whose list of local shards holds something else than shard
+    records raised AttributeError; now one sentence."""
+    from types import SimpleNamespace
+
+    from tui_merger.core.fsdp import FsdpSource
+    from tui_merger.core.torch_pickle import WrapperTensor, _record_class
+
+    value = WrapperTensor(_record_class("torch.distributed._shard.sharded_tensor.api.ShardedTensor"),
+                          torch.float32, (4, 4), (4, 1), 0, None, "cpu", False)
+    value.__dict__["state"] = ([5], None)
+    source = FsdpSource.__new__(FsdpSource)
+    source.layout = SimpleNamespace(rank_files=[Path("model_world_size_1_rank_0.pt")])
+    with no_code_runs(), pytest.raises(MergeError, match="a shard of w lacks its data or offsets"):
+        source._sharded_tensor("w", [value])
+
+
 def test_bin_whose_pickle_calls_a_tensor(small_torch_file, tmp_path):
     """A damaged pytorch_model.bin whose pickle "calls" one of its tensors: torch.load's error names
     the tensor with its values; the sentence says "a tensor" instead."""
