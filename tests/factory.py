@@ -139,3 +139,22 @@ class Evil:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
+
+
+def refused_by_cli(capsys, tmp_path: Path, args: list[str], needles=(), extra_leftover: str | None = None) -> str:
+    """Run ``tui-merger ARGS`` (which must write to tmp_path/merged): exit code 1, exactly one ``error:``
+    line holding every needle, no traceback, and nothing left behind (no output, no partial folder).
+    Returns the error line."""
+    from tui_merger.cli import main as cli_main
+
+    out = tmp_path / "merged"
+    code = cli_main(args)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name or (extra_leftover and p.name.startswith(extra_leftover))]
+    return lines[0]

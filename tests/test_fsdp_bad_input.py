@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from factory import Evil, qwen_config
+from factory import Evil, qwen_config, refused_by_cli
 
 from tui_merger.cli import main as cli_main
 
@@ -30,17 +30,8 @@ def _state():
 
 
 def _refused(capsys, tmp_path, local_dir, *needles):
-    out = tmp_path / "merged"
-    code = cli_main(["merge", "--backend", "fsdp", "--local_dir", str(local_dir), "--target_dir", str(out), "--plain"])
-    err = capsys.readouterr().err
-    assert code == 1, err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
-    return lines[0]
+    args = ["merge", "--backend", "fsdp", "--local_dir", str(local_dir), "--target_dir", str(tmp_path / "merged"), "--plain"]
+    return refused_by_cli(capsys, tmp_path, args, needles)
 
 
 def test_a_pickle_that_runs_code_is_refused(tmp_path, capsys):

@@ -1656,7 +1656,6 @@ def kohya_base(lora_pair, tmp_path_factory):
     """The tiny base, its module names in kohya's flattened form, and one merge run outside the audit."""
     from safetensors.torch import save_file as save
 
-    from tui_merger.core.engine import run_merge
     from tui_merger.core.kohya import module_names
     from tui_merger.core.sources import open_model
 
@@ -1981,6 +1980,7 @@ def test_job_records_with_odd_values(data, tmp_path_factory, guarded):
     name ("../victim"), other JSON types: `tui-merger jobs` lists what it can and `jobs --prune 0` never
     removes anything outside the jobs folder nor crashes."""
     import contextlib
+    import dataclasses
     import io
 
     from tui_merger.cli import main as cli_main
@@ -1994,7 +1994,7 @@ def test_job_records_with_odd_values(data, tmp_path_factory, guarded):
     os.environ["XDG_STATE_HOME"] = str(state)
     try:
         job = jobs._create(str(state / "out"), {"options": {}, "verify": True, "perplexity": None})
-        record = dataclasses_asdict(job)
+        record = dataclasses.asdict(job)
         record.update(state="FINISHED", ended=1.0, started=0.5)
         odd_fields(data, record, _JOB_FIELDS, st.one_of(_ODD_JSON, st.sampled_from(["../victim", "../../tui-merger", "/", "RUNNING", "DIED"])))
         (job.folder / jobs.JOB_FILE).write_text(json.dumps(record))
@@ -2020,11 +2020,6 @@ def test_job_records_with_odd_values(data, tmp_path_factory, guarded):
             os.environ["XDG_STATE_HOME"] = old
         shutil.rmtree(state, ignore_errors=True)
 
-
-def dataclasses_asdict(obj):
-    import dataclasses
-
-    return dataclasses.asdict(obj)
 
 
 @settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from factory import Evil
+from factory import Evil, refused_by_cli
 
-from tui_merger.cli import main as cli_main
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
 
@@ -52,20 +51,10 @@ def _edit_config(run: Path, **changes) -> None:
 
 
 def _refused(capsys, tmp_path, local_dir, *needles, backend="megatron"):
-    out = tmp_path / "merged"
-    args = ["merge", "--local_dir", str(local_dir), "--target_dir", str(out), "--plain"]
+    args = ["merge", "--local_dir", str(local_dir), "--target_dir", str(tmp_path / "merged"), "--plain"]
     if backend:
         args[1:1] = ["--backend", backend]
-    code = cli_main(args)
-    err = capsys.readouterr().err
-    assert code == 1, err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if "partial" in p.name or p.name.startswith(".merged")]
-    return lines[0]
+    return refused_by_cli(capsys, tmp_path, args, needles, extra_leftover=".merged")
 
 
 def _metadata(run: Path):

@@ -584,23 +584,19 @@ class _Mapper:
     def _features(self) -> None:
         """Which optional tensors the config implies, against what the checkpoint holds."""
         keys = " ".join(self.tensors)
-        has_bias = "linear_qkv.bias" in keys
-        wants_bias = self.family in ("qwen2", "qwen2_moe") or bool(_cfg(self.config, "attention_bias", False))
-        if has_bias != wants_bias:
-            said = "q/k/v projections with biases" if wants_bias else "q/k/v projections without biases"
-            held = "has" if has_bias else "has no"
-            raise self.fail(f"it describes a {self.name} model ({said}) but the checkpoint {held} linear_qkv biases")
-        has_norm = "q_layernorm" in keys
-        wants_norm = self.family in ("qwen3", "qwen3_moe")
-        if has_norm != wants_norm:
-            said = "with q/k norms" if wants_norm else "without q/k norms"
-            held = "has" if has_norm else "has no"
-            raise self.fail(f"it describes a {self.name} model ({said}) but the checkpoint {held} q_layernorm/k_layernorm")
-        moe = "mlp.router.weight" in keys
-        wants_moe = self.family in ("qwen2_moe", "qwen3_moe")
-        if moe != wants_moe:
-            held = "has" if moe else "has no"
-            raise self.fail(f"it describes a {self.name} model but the checkpoint {held} MoE routers")
+        features = [  # (in the checkpoint, implied by the config, what the config says, what the tensors are)
+            ("linear_qkv.bias" in keys,
+             self.family in ("qwen2", "qwen2_moe") or bool(_cfg(self.config, "attention_bias", False)),
+             (" (q/k/v projections without biases)", " (q/k/v projections with biases)"), "linear_qkv biases"),
+            ("q_layernorm" in keys, self.family in ("qwen3", "qwen3_moe"),
+             (" (without q/k norms)", " (with q/k norms)"), "q_layernorm/k_layernorm"),
+            ("mlp.router.weight" in keys, self.family in ("qwen2_moe", "qwen3_moe"), ("", ""), "MoE routers"),
+        ]
+        for held, wanted, said, what in features:
+            if held != wanted:
+                raise self.fail(
+                    f"it describes a {self.name} model{said[wanted]} but the checkpoint {'has' if held else 'has no'} {what}"
+                )
         if "shared_experts" in keys and self.family != "qwen2_moe":
             raise self.fail(f"it describes a {self.name} model, which has no shared experts, but the checkpoint has them")
 

@@ -443,7 +443,7 @@ def _check_quantized(options: MergeOptions, inputs, add) -> tuple[str | None, st
     the --qlora-base round trip in use; an adapter trained on a quantized model (QLoRA) merged into
     16-bit weights, which is right, with the round trip offered. Returns (the --qlora-base value to
     suggest, the 16-bit base to use instead of a quantized one), each or None."""
-    from tui_merger.core.quant import FLAG, find_unquantized_base, origin_fix, parse_roundtrip, quantization_info
+    from tui_merger.core.quant import FLAG, find_unquantized_base, origin_fix, quantization_info
 
     info = quantization_info(inputs.config)
     if info is not None:
