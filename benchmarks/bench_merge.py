@@ -71,7 +71,7 @@ MIB = 1024 * 1024
 # ----------------------------------------------------------------------------------------------
 
 
-def child_build(folder: str, layers: int, seed: int) -> None:
+def child_build(folder: str, layers: int, seed: int, shape: str = "0.5b") -> None:
     """Base (bf16, 2 shards, random) + two peft adapters, in `folder`."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -81,7 +81,7 @@ def child_build(folder: str, layers: int, seed: int) -> None:
     folder = Path(folder)
     base_dir, ad_all, ad_qv = folder / "base", folder / "adapter_all", folder / "adapter_qv"
     torch.manual_seed(seed)
-    cfg = qwen_config(layers, eos_token_id=151643)
+    cfg = qwen_config(layers, eos_token_id=151643, shape=shape)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
@@ -244,7 +244,7 @@ def child_verify(base: str, adapter: str, ours: str, peft_out: str, targets: str
 
 
 CHILDREN = {
-    "_build": lambda a: child_build(a[0], int(a[1]), int(a[2])),
+    "_build": lambda a: child_build(a[0], int(a[1]), int(a[2]), *a[3:]),
     "_peft": lambda a: child_peft(*a),
     "_ours": lambda a: child_ours(*a),
     "_profile": lambda a: child_profile(*a),
@@ -265,16 +265,23 @@ def ours_cli(base, adapter, out) -> list[str]:
             "--out", str(out), "--plain", "--no-verify"]
 
 
-def ensure_model(cache: Path, layers: int, seed: int = 0) -> Path:
-    folder = cache / f"qwen2.5-0.5b-shapes-L{layers}"
+def ensure_model(cache: Path, layers: int | None = 24, seed: int = 0, shape: str = "0.5b") -> Path:
+    """The cached base + adapters of Qwen2.5 `shape` (0.5b, 1.5b, 3b) with `layers` layers (None: the
+    real count). 0.5B with 24 layers keeps its old folder name."""
+    from harness import QWEN_SHAPES
+
+    layers = QWEN_SHAPES[shape][2] if layers is None else layers
+    folder = cache / f"qwen2.5-{shape}-shapes-L{layers}"
     marker = folder / "complete.json"
     spec = {"version": SPEC_VERSION, "layers": layers, "seed": seed, "r": LORA_R, "alpha": LORA_ALPHA}
+    if shape != "0.5b":
+        spec["shape"] = shape
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return folder
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    print(f"building the {layers}-layer base model and adapters in {folder} ...", flush=True)
-    r = run_child(py("_build", folder, layers, seed), capture=True)
+    print(f"building the {shape} {layers}-layer base model and adapters in {folder} ...", flush=True)
+    r = run_child(py("_build", folder, layers, seed, shape), capture=True)
     print("  " + r["stdout"].strip() + f"  [{r['wall']:.1f} s, peak RSS {r['rss']:.0f} MiB]", flush=True)
     marker.write_text(json.dumps(spec))
     return folder

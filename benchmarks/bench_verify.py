@@ -1,20 +1,23 @@
 #!/usr/bin/env python
-"""What verification and provenance cost next to the merge itself, measured side by side in one run.
+"""The default merge (merge + manifest + verification, as a user runs it) against ``cp -r``, the merge
+alone and peft, at real sizes, side by side in one run.
 
-    python benchmarks/bench_verify.py              # medians of 3 round-robin runs, peak RSS
-    python benchmarks/bench_verify.py --repeats 5
+    python benchmarks/bench_verify.py                        # 0.5b, 1.5b and 3b shapes, 2 rounds each
+    python benchmarks/bench_verify.py --shapes 3b --repeats 3
+    python benchmarks/bench_merge.py --clean                 # delete benchmarks/.cache (the 3B model is 6 GB)
 
-Model: bench_merge.py's Qwen2.5-0.5B-shaped bf16 base (0.99 GB, 24 layers, tied) with the r=16 all-linear
-adapter, built once in benchmarks/.cache/. Cases, each in its own child process with warm inputs:
+Models: Qwen2.5 shapes (0.5B: 24 layers, 1.5B: 28, 3B: 36; vocab 151936, tied), random bf16 weights,
+with an r=16 alpha=32 adapter on all seven linear kinds, built once in benchmarks/.cache/ by
+bench_merge.py's builder. Cases, each in its own child process with warm inputs, round robin:
 
 - ``cp -r``: the base copied (the I/O floor of writing a model);
-- ``merge``: ``run_merge`` (fsync) alone;
-- ``hash``: sha256 of inputs and outputs into merge_manifest.json (``record_merge``);
-- ``verify files+tensors``: structure + recomputation of every tensor (``--no-behaviour``);
-- ``verify full``: + loading the merged model and base+adapter through peft, logits compared.
+- ``merge --no-verify``: the CLI, merge and manifest only;
+- ``merge``: the CLI as a user runs it (merge, manifest, verification: structure, every value recomputed,
+  merged model and base+adapter through peft run layer by layer);
+- ``peft``: load bf16, ``PeftModel``, ``merge_and_unload``, ``save_pretrained`` (no verification at all).
 
-Peak RSS is each child's own ru_maxrss; the model's size is printed beside it, since verification loads
-one model at a time (fp32 when it fits in 40 % of the available memory).
+Peak RSS is each child's own ru_maxrss. The phase times come from the manifest the default merge writes
+(merge_s, hash_s, verify_s); the behaviour check's worst layer (its difference over its limit) too.
 """
 
 from __future__ import annotations
@@ -24,54 +27,84 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_merge import ensure_model  # noqa: E402
-from harness import DEFAULT_CACHE, Runner, dir_bytes, fmt_table, loadavg, run_child, summarize, timed_rounds  # noqa: E402
+from bench_merge import child_peft, ensure_model  # noqa: E402
+from harness import DEFAULT_CACHE, Runner, dir_bytes, fmt_table, loadavg, med, summarize, timed_rounds  # noqa: E402
 
 
-def child_merge(base: str, adapter: str, out: str) -> None:
-    from tui_merger.core.engine import run_merge
-    from tui_merger.core.options import MergeOptions
+def child_cli(base: str, adapter: str, out: str, verify: str) -> None:
+    """tui-merger merge as the command line runs it, then the manifest's timings and metrics."""
+    from tui_merger.cli import main
 
-    t0 = time.perf_counter()
-    run_merge(MergeOptions(base=base, adapter=adapter, out=out))
-    print("BENCH_JSON " + json.dumps({"merge": time.perf_counter() - t0}), flush=True)
-
-
-def child_hash(base: str, adapter: str, out: str) -> None:
-    """A merge (untimed), then record_merge timed on its own."""
-    from tui_merger.core.engine import run_merge
-    from tui_merger.core.options import MergeOptions
-    from tui_merger.core.provenance import record_merge
-
-    options = MergeOptions(base=base, adapter=adapter, out=out)
-    result = run_merge(options, fsync=False)
-    t0 = time.perf_counter()
-    record_merge(options, result, fsync=False)
-    print("BENCH_JSON " + json.dumps({"hash": time.perf_counter() - t0}), flush=True)
+    args = ["merge", "--base", base, "--adapter", adapter, "--out", out, "--plain"]
+    code = main(args + ([] if verify == "1" else ["--no-verify"]))
+    manifest = json.loads((Path(out) / "merge_manifest.json").read_text())
+    ver = manifest.get("verification") or {}
+    checks = {c["name"]: c for c in ver.get("checks", [])}
+    behaviour = checks.get("behaviour", {}).get("metrics", {})
+    print("BENCH_JSON " + json.dumps({
+        "code": code, "timings": manifest.get("timings", {}), "passed": ver.get("passed"),
+        "worst_ratio": behaviour.get("worst_ratio"), "peak_live_values": behaviour.get("peak_live_values"),
+        "layers": behaviour.get("layers"),
+    }), flush=True)
 
 
-def child_verify(base: str, adapter: str, merged: str, behaviour: str) -> None:
-    from tui_merger.core.options import MergeOptions
-    from tui_merger.core.verify import verify_merge
-
-    t0 = time.perf_counter()
-    report = verify_merge(Path(merged), MergeOptions(base=base, adapter=adapter, out=merged), behaviour=behaviour == "1")
-    seconds = time.perf_counter() - t0
-    assert report.passed, report.to_dict()
-    metrics = {c.name: c.metrics for c in report.checks}
-    print("BENCH_JSON " + json.dumps({"verify": seconds, "metrics": metrics}), flush=True)
-
-
-CHILDREN = {"_merge": child_merge, "_hash": child_hash, "_verify": child_verify}
+CHILDREN = {"_cli": child_cli, "_peft": child_peft}
 
 
 def py(*args) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *map(str, args)]
+
+
+def bench_shape(shape: str, args) -> dict:
+    folder = ensure_model(args.cache, None, shape=shape)
+    base, adapter = folder / "base", folder / "adapter_all"
+    tmp_root = Path(tempfile.mkdtemp(prefix=f"verify-{shape}-", dir=args.cache))
+    runner = Runner(tmp_root, sync=True, settle=1.0, inputs=[base, adapter], tag=lambda n: n.split()[0])
+    cases = {
+        "cp -r": lambda out: ["cp", "-r", str(base), str(out)],
+        "merge --no-verify": lambda out: py("_cli", base, adapter, out, 0),
+        "merge": lambda out: py("_cli", base, adapter, out, 1),
+        "peft": lambda out: py("_peft", base, adapter, out),
+    }
+    if args.skip_peft:
+        del cases["peft"]
+    try:
+        results = timed_rounds(runner, cases, args.repeats)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    wall, rss, rows = summarize(results)
+    inner = {}
+    for name, runs in results.items():
+        for r in runs:
+            line = next((x for x in r["stdout"].splitlines() if x.startswith("BENCH_JSON ")), None)
+            if line:
+                inner.setdefault(name, []).append(json.loads(line[len("BENCH_JSON "):]))
+    size = dir_bytes(base)
+    print(f"\n== Qwen2.5-{shape} shapes: {size / 1e9:.2f} GB bf16; load average {loadavg()}")
+    print(fmt_table(["case", "wall median s", "min s", "max s", "cpu s", "peak RSS MiB", "peak RSS max MiB"], rows))
+    default = inner.get("merge", [])
+    phases = {k: med([d["timings"].get(k, float("nan")) for d in default]) for k in ("merge_s", "hash_s", "verify_s")}
+    worst = max((d.get("worst_ratio") or 0.0) for d in default) if default else float("nan")
+    assert all(d.get("passed") for d in default), "a correct merge failed verification"
+    fig = {
+        "shape": shape, "gb": size / 1e9, "cp": wall["cp -r"], "no_verify": wall["merge --no-verify"],
+        "default": wall["merge"], "peft": wall.get("peft", float("nan")), "rss_default": rss["merge"],
+        "rss_no_verify": rss["merge --no-verify"], "rss_peft": rss.get("peft", float("nan")),
+        "worst_ratio": worst, **phases,
+    }
+    print(f"  default merge: {fig['default']:.1f} s = {fig['default'] / fig['cp']:.1f}x cp, "
+          f"{fig['peft'] / fig['default']:.2f}x faster than peft's merge alone; "
+          f"merge --no-verify {fig['no_verify'] / fig['cp']:.1f}x cp")
+    print(f"  in the default merge: merge {phases['merge_s']:.1f} s, hashing {phases['hash_s']:.1f} s, "
+          f"verification {phases['verify_s']:.1f} s = {phases['verify_s'] / phases['merge_s']:.2f}x the merge")
+    print(f"  peak RSS: default {fig['rss_default']:.0f} MiB = {fig['rss_default'] / fig['rss_peft']:.0%} of peft's "
+          f"{fig['rss_peft']:.0f} MiB; --no-verify {fig['rss_no_verify']:.0f} MiB")
+    print(f"  behaviour check: the worst hidden state or logits at {worst:.1%} of its limit")
+    return fig
 
 
 def main(argv=None) -> int:
@@ -79,54 +112,16 @@ def main(argv=None) -> int:
         CHILDREN[sys.argv[1]](*sys.argv[2:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default="0.5b,1.5b,3b")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-peft", action="store_true")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
-
-    folder = ensure_model(args.cache, 24)
-    base, adapter = folder / "base", folder / "adapter_all"
-    tmp_root = Path(tempfile.mkdtemp(prefix="verify-", dir=args.cache))
-    merged = tmp_root / "merged"
-    run_child(py("_merge", base, adapter, merged))
-    runner = Runner(tmp_root, sync=True, settle=1.0, inputs=[base, adapter, merged], tag=lambda n: n.split()[0])
-    cases = {
-        "cp -r": lambda out: ["cp", "-r", str(base), str(out)],
-        "merge": lambda out: py("_merge", base, adapter, out),
-        "hash (merge untimed)": lambda out: py("_hash", base, adapter, out),
-        "verify files+tensors": lambda out: py("_verify", base, adapter, merged, 0),
-        "verify full": lambda out: py("_verify", base, adapter, merged, 1),
-    }
-    load0 = loadavg()
-    try:
-        results = timed_rounds(runner, cases, args.repeats)
-    finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
-    inner = {}
-    for name, runs in results.items():
-        for r in runs:
-            line = next((x for x in r["stdout"].splitlines() if x.startswith("BENCH_JSON ")), None)
-            if line:
-                inner.setdefault(name, []).append(json.loads(line[len("BENCH_JSON "):]))
-    wall, rss, rows = summarize(results)
-    size = dir_bytes(base)
-    print(f"\nmodel {size / 1e9:.2f} GB bf16; load average before/after: {load0} / {loadavg()}")
-    print(fmt_table(["case", "wall median s", "min s", "max s", "cpu s", "peak RSS MiB", "peak RSS max MiB"], rows))
-
-    def inner_med(name, key):
-        values = sorted(x[key] for x in inner.get(name, []) if key in x)
-        return values[len(values) // 2] if values else float("nan")
-
-    merge = inner_med("merge", "merge")
-    print("\nin-process times (child start-up and imports excluded), medians:")
-    for name, key in (("merge", "merge"), ("hash (merge untimed)", "hash"), ("verify files+tensors", "verify"), ("verify full", "verify")):
-        t = inner_med(name, key)
-        print(f"  {name:22} {t:6.2f} s  = {t / merge:4.1f}x the merge   (cp -r: {wall['cp -r']:.2f} s)")
-    print(f"  peak RSS of verify full: {rss['verify full']:.0f} MiB = {rss['verify full'] * 2**20 / size:.1f}x the bf16 "
-          f"model ({size * 2 / 2**20:.0f} MiB in fp32)")
-    m = inner.get("verify full", [{}])[0].get("metrics", {}).get("behaviour", {})
-    if m:
-        print(f"  behaviour: KL {m.get('kl', float('nan')):.2e}, adapter effect KL {m.get('adapter_effect_kl', float('nan')):.2e}, "
-              f"compute dtype {m.get('compute_dtype')}")
+    figs = [bench_shape(shape, args) for shape in args.shapes.split(",")]
+    if len(figs) > 1:
+        small, big = figs[0], figs[-1]
+        print(f"\npeak RSS of the default merge, {big['shape']} vs {small['shape']}: "
+              f"{big['rss_default'] / small['rss_default']:.2f}x for {big['gb'] / small['gb']:.1f}x the weights")
     return 0
 
 

@@ -41,16 +41,26 @@ CHILD_ENV = dict(
 # ----------------------------------------------------------------------------------------------
 
 
-def qwen_config(layers: int, eos_token_id: int):
-    """Qwen2.5-0.5B shapes with `layers` decoder layers."""
+# Qwen2.5 shapes by name: hidden, intermediate, layers, heads, kv heads (vocab 151936, tied embeddings)
+QWEN_SHAPES = {
+    "0.5b": (896, 4864, 24, 14, 2),
+    "1.5b": (1536, 8960, 28, 12, 2),
+    "3b": (2048, 11008, 36, 16, 2),
+}
+
+
+def qwen_config(layers: int | None, eos_token_id: int, shape: str = "0.5b"):
+    """Qwen2.5 shapes (0.5B by default) with `layers` decoder layers (None: the real model's count)."""
     from transformers import Qwen2Config
 
+    hidden, inter, real_layers, heads, kv = QWEN_SHAPES[shape]
+    layers = real_layers if layers is None else layers
     return Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
+        hidden_size=hidden,
+        intermediate_size=inter,
         num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
         vocab_size=151936,
         max_position_embeddings=32768,
         max_window_layers=layers,

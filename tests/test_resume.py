@@ -99,9 +99,11 @@ def rerun(base, adapter, out, tmp_path) -> subprocess.CompletedProcess:
 
 
 def same_model(out: Path, reference: Path) -> None:
-    """Every file of the merge (the manifest and card hold timestamps and paths) byte for byte."""
-    ours = {p.name: p.read_bytes() for p in out.iterdir() if p.name not in ("merge_manifest.json", "README.md")}
-    theirs = {p.name: p.read_bytes() for p in reference.iterdir()}
+    """Every file of the merge (the manifest and card hold timestamps and paths; the marker of a merge
+    not yet verified is bookkeeping) byte for byte."""
+    skip = ("merge_manifest.json", "README.md", ".tui-merger-unverified.json")
+    ours = {p.name: p.read_bytes() for p in out.iterdir() if p.name not in skip}
+    theirs = {p.name: p.read_bytes() for p in reference.iterdir() if p.name not in skip}
     assert sorted(ours) == sorted(theirs)
     for name in theirs:
         assert ours[name] == theirs[name], name
@@ -219,3 +221,53 @@ def test_sigkill_at_random_moments_then_rerun_gives_the_same_bytes(inputs, tmp_p
             assert again.returncode == 0, again.stderr
         same_model(out, reference)
         assert not (tmp_path / f".merged-{attempt}.tui-merger-partial").exists()
+
+
+GATED = """
+import sys, time
+import tui_merger.core.provenance as provenance
+import tui_merger.core.verify as verify
+
+def gate(module, name):
+    real = getattr(module, name)
+    def gated(*args, **kwargs):
+        print("STAGE", name, flush=True)
+        time.sleep(60)
+        return real(*args, **kwargs)
+    setattr(module, name, gated)
+
+gate(provenance if sys.argv[1] == "record_merge" else verify, sys.argv[1])
+from tui_merger.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("stage", ["record_merge", "_recompute", "_behaviour"])
+def test_killed_while_recording_or_verifying_the_same_command_finishes(inputs, tmp_path, stage):
+    """kill -9 after the model is in place (while hashing it, recomputing, or running the models), then
+    the same command: it keeps the model, records and verifies it, exits 0."""
+    base, adapter, reference = inputs
+    out = tmp_path / "out"
+    args = [a for a in cli(base, adapter, out) if a != "--no-verify"]
+    child = subprocess.Popen([sys.executable, "-c", GATED, stage, *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+    try:
+        for line in child.stdout:
+            if line.startswith("STAGE"):
+                break
+        child.kill()
+    finally:
+        child.wait()
+    assert out.is_dir() and (out / ".tui-merger-unverified.json").is_file()
+    again = subprocess.run([sys.executable, "-m", "tui_merger", *args], capture_output=True, text=True,
+                           env=env(tmp_path), timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "stopped before it was verified; it is kept and verified now" in again.stderr + again.stdout
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    assert manifest["verification"]["passed"] is True
+    assert not (out / ".tui-merger-unverified.json").exists()
+    same_model(out, reference)
+    # a third run is refused: the model is complete and verified; --overwrite replaces it
+    third = subprocess.run([sys.executable, "-m", "tui_merger", *args], capture_output=True, text=True,
+                           env=env(tmp_path), timeout=300)
+    assert third.returncode == 1 and "--overwrite" in third.stderr

@@ -29,7 +29,14 @@ from tui_merger.core.inputs import open_inputs, paths_of
 from tui_merger.core.journal import Journal, fingerprint
 from tui_merger.core.merge_math import Workspace, compute, fp16_overflows
 from tui_merger.core.options import MergeOptions, MergeResult
-from tui_merger.core.output import OutputFolder, OutputLock, check_space, check_target
+from tui_merger.core.output import (
+    PENDING_NAME,
+    OutputFolder,
+    OutputLock,
+    UnverifiedOutput,
+    check_space,
+    check_target,
+)
 from tui_merger.core.plan import TensorPlan, build_plan
 from tui_merger.core.safetensors_io import SafetensorsWriter
 
@@ -55,7 +62,13 @@ def run_merge(
     if options.out is None:
         raise MergeError("Say where to write the merged model (--out).")
     on_event(PhaseStarted("plan", "Reading the inputs"))
-    check_target(options.out, paths_of(options), options.overwrite)
+    unverified = None
+    try:
+        check_target(options.out, paths_of(options), options.overwrite)
+    except UnverifiedOutput as err:
+        if err.fingerprint is None:
+            raise
+        unverified = err
     inputs = open_inputs(options)
     try:
         for message in inputs.notices:
@@ -71,6 +84,15 @@ def run_merge(
         result.tokenizer_source = inputs.files.tokenizer_source
         _describe_inputs(result, inputs, options)
         result.config_changes = {**inputs.config_changes, **plan.config_changes}
+        if unverified is not None:  # a run of this same merge stopped after writing the model
+            if unverified.fingerprint != fingerprint(options, inputs.read_files, plan):
+                raise MergeError(str(unverified))
+            _describe_earlier(result, plan, options)
+            notice("info", f"{options.out} was merged by an earlier run of this merge that stopped before it was "
+                           "verified; it is kept and verified now")
+            result.seconds = time.perf_counter() - started
+            on_event(MergeFinished(result))
+            return result
         folder = OutputFolder(options.out)
         cancel.raise_if_cancelled()
         folder.make_parents()  # first: a read-only place is refused as such, not as "no space"
@@ -104,6 +126,7 @@ def run_merge(
                     result.files = sorted(result.files + [INDEX_NAME])
                 on_event(PhaseStarted("finalize", f"Moving the finished model into {options.out}"))
                 cancel.raise_if_cancelled()
+                (tmp / PENDING_NAME).write_text(json.dumps({"fingerprint": journal.fingerprint}) + "\n")
                 journal.remove()
                 folder.finalize(fsync=fsync)
             except BaseException as err:
@@ -146,6 +169,22 @@ def _describe_inputs(result: MergeResult, inputs, options: MergeOptions) -> None
     named = cfg.get("base_model_name_or_path") or inputs.config.get("_name_or_path")
     result.base_model = str(named) if named else (str(options.base) if options.base else None)
     result.base_weights = dict(inputs.base_weights)
+
+
+def _describe_earlier(result: MergeResult, plan: TensorPlan, options: MergeOptions) -> None:
+    """The result of the earlier run whose output is kept (what the manifest needs)."""
+    from tui_merger.core.manifest import MANIFEST_NAME
+
+    out = options.out
+    skip = {PENDING_NAME, MANIFEST_NAME, "README.md"}
+    result.files = sorted(
+        str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and str(p.relative_to(out)) not in skip
+    )
+    result.shards = [name for name, _ in plan.shards]
+    result.tensors_total = len(plan.tensors)
+    result.tensors_merged = plan.merged_modules
+    result.bytes_written = plan.total_bytes
+    result.kept_earlier = True
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

@@ -30,6 +30,7 @@ def fingerprint(options, read_files, plan) -> str:
         st = os.stat(path)
         stats.append((path, st.st_size, st.st_mtime_ns, st.st_ino))
     opts = options.to_dict()
+    opts["adapters"] = [[str(p), w] for p, w in options.adapter_weights()]  # --adapter A is the list [A, 1]
     data = {
         "tool": __version__,
         "options": {k: opts.get(k) for k in _SHAPING},

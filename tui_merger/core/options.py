@@ -235,6 +235,7 @@ class MergeResult:
     adapter_info: dict | None = None  # r, alpha, variant, target_modules, modules_to_save
     base_model: str | None = None  # what the adapter / checkpoint says its base is
     base_weights: dict | None = None  # which base weights: as stored, or the --qlora-base round trip and its settings
+    kept_earlier: bool = False  # the output of an earlier run of the same merge, stopped before verification
 
     def tensors_text(self) -> str:
         """'50 tensors (28 changed by the adapter)', as the front ends say it."""

@@ -19,6 +19,27 @@ from tui_merger.core.options import human_bytes
 
 PARTIAL_TAG = ".tui-merger-partial"
 LOCK_TAG = ".tui-merger.lock"
+# in a finished output until its verification is recorded: what it was merged from (a fingerprint),
+# so that the same command run again after an interruption verifies it instead of refusing
+PENDING_NAME = ".tui-merger-unverified.json"
+
+
+class UnverifiedOutput(MergeError):
+    """The output holds a finished merge whose verification never ran (``fingerprint``: of its inputs)."""
+
+    def __init__(self, message: str, fingerprint: str | None) -> None:
+        super().__init__(message)
+        self.fingerprint = fingerprint
+
+
+def pending_fingerprint(out: Path) -> str | None:
+    """The fingerprint in a finished output's pending marker (None: no marker or unreadable)."""
+    try:
+        data = json.loads((Path(out) / PENDING_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    value = data.get("fingerprint") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def check_target(out: Path, inputs: list[Path], overwrite: bool) -> None:
@@ -37,10 +58,12 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool) -> None:
         from tui_merger.core.manifest import read_manifest
 
         manifest = read_manifest(out)
-        if manifest is not None and manifest.get("verification") is None:
-            raise MergeError(
+        pending = pending_fingerprint(out)
+        if pending is not None or (manifest is not None and manifest.get("verification") is None):
+            raise UnverifiedOutput(
                 f"The output folder {out} already holds a merged model that was never verified (was the merge "
-                f"stopped after writing it?); check it with tui-merger verify {out}, or pass --overwrite to merge again."
+                f"stopped after writing it?); check it with tui-merger verify {out}, or pass --overwrite to merge again.",
+                pending,
             )
         raise MergeError(
             f"The output folder {out} exists and is not empty; choose another folder or pass --overwrite."

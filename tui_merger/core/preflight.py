@@ -591,13 +591,23 @@ def _check_nan(adapter, add) -> None:
 
 
 def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
-    from tui_merger.core.output import check_target
+    from tui_merger.core.output import UnverifiedOutput, check_target
 
     out = options.out
     if out is None:
         return
     try:
         check_target(Path(out), inputs, options.overwrite)
+    except UnverifiedOutput as err:
+        if err.fingerprint is None:
+            add(Finding("output", ERROR, str(err)))
+        else:
+            add(Finding(
+                "output", INFO,
+                f"{out} holds a model an earlier run of a merge wrote and never verified; if it is this merge "
+                "(same inputs and options) it is kept and verified, else the merge stops.",
+            ))
+        return
     except MergeError as err:
         add(Finding("output", ERROR, str(err)))
         return

@@ -18,6 +18,7 @@ from tui_merger.core.manifest import (
     write_manifest,
 )
 from tui_merger.core.options import MergeOptions, MergeResult
+from tui_merger.core.output import PENDING_NAME
 
 
 def _group_inputs(options: MergeOptions, files: list[Path]) -> list[dict]:
@@ -101,15 +102,19 @@ def finish_merge(
     from tui_merger.core.verify import verify_merge
 
     on_event = on_event or ignore_event
-    on_event(PhaseStarted("record", "Hashing inputs and outputs into merge_manifest.json"))
-    manifest = record_merge(options, result, fsync=fsync)
+    manifest = read_manifest(result.out) if result.kept_earlier else None
+    if manifest is None or manifest.get("verification") is not None:
+        on_event(PhaseStarted("record", "Hashing inputs and outputs into merge_manifest.json"))
+        manifest = record_merge(options, result, fsync=fsync)
     for name in ("README.md", MANIFEST_NAME):
         if (Path(result.out) / name).is_file() and name not in result.files:
             result.files = sorted(result.files + [name])
     if not verify:
+        (Path(result.out) / PENDING_NAME).unlink(missing_ok=True)  # recorded as not verified, by choice
         return manifest, None
     report = verify_merge(
         result.out, options, behaviour=behaviour, perplexity_text=perplexity_text, on_event=on_event, cancel=cancel
     )
     manifest = record_verification(result.out, report.to_dict(), fsync=fsync) or manifest
+    (Path(result.out) / PENDING_NAME).unlink(missing_ok=True)  # verified: a later run of it is refused
     return manifest, report

@@ -26,11 +26,12 @@ from tui_merger.core.files import config_dtype, read_json_object
 from tui_merger.core.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions, check_option_types
 
-SAMPLE_LIMIT = 1 << 24  # values in a tensor above which a sample of rows is recomputed
+SAMPLE_LIMIT = 1 << 24  # values in a tensor above which adapters of rank > FULL_RANK are sampled
+FULL_RANK = 256  # summed LoRA rank up to which every row is recomputed (the product costs less than the read)
 SAMPLE_ROWS = 64
-BLOCK_VALUES = 1 << 22  # values read at a time when scanning a stored tensor
+BLOCK_VALUES = 1 << 18  # values recomputed at a time: a block stays in the CPU cache
 PROBE_SEED = 20261130
-PROBE_SHAPE = (3, 16)  # sequences x tokens
+PROBE_SHAPE = (2, 8)  # sequences x tokens: every pass costs two multiply-adds per weight and token
 PPL_TOLERANCE = 0.5
 PPL_MAX_TOKENS = 2048
 # mean KL(reference || merged) per token allowed, by the dtype the weights are stored in: rounding
@@ -222,13 +223,15 @@ def _structure(out: Path, plan, config: dict) -> tuple[Check, dict | None]:
             problems.append(f"{k} is missing")
         for k in sorted(set(located) - set(expected)):
             problems.append(f"{k} is not expected")
-        for k in sorted(set(expected) & set(located)):
-            with safe_open(str(out / located[k]), framework="pt") as f:
-                sl = f.get_slice(k)
-                shape, dtype = tuple(sl.get_shape()), _dtype_name(sl.get_dtype())
-            t = expected[k]
-            if shape != tuple(t.shape) or dtype != t.dtype:
-                problems.append(f"{k} is {dtype}{list(shape)}, expected {t.dtype}{list(t.shape)}")
+        common = sorted(set(expected) & set(located))
+        for fname in sorted({located[k] for k in common}):
+            with safe_open(str(out / fname), framework="pt") as f:
+                for k in (k for k in common if located[k] == fname):
+                    sl = f.get_slice(k)
+                    shape, dtype = tuple(sl.get_shape()), _dtype_name(sl.get_dtype())
+                    t = expected[k]
+                    if shape != tuple(t.shape) or dtype != t.dtype:
+                        problems.append(f"{k} is {dtype}{list(shape)}, expected {t.dtype}{list(t.shape)}")
     problems += _config_problems(config, {k: expected[k].shape for k in expected})
     n = len(located)
     if problems:
@@ -273,62 +276,134 @@ def _sample_rows(name: str, n_rows: int):
     return torch.randperm(n_rows, generator=g)[: min(SAMPLE_ROWS, n_rows)].sort().values
 
 
-def _reference(t, rows):
-    """fp32 recomputation of output tensor ``t`` (only ``rows`` when given), independent of the
-    engine's fast paths: float(W) + s * (B @ A) per op, in order, as peft defines the merge."""
-    import torch
+class _Recomputation:
+    """fp32 recomputation of one output tensor from its inputs, independent of the engine's fast
+    paths: float(W) + s * (B @ A) per op, in order, as peft defines the merge. The inputs are read
+    once; ``rows`` (a slice or an index tensor) gives any part of the result."""
 
-    from tui_merger.core.plan import BiasOp, LoraOp, RowsOp
+    def __init__(self, t) -> None:
+        from tui_merger.core.plan import BiasOp, LoraOp
 
-    w = t.source.load()
-    acc = (w if rows is None else w[rows]).float().clone()
-    for op in t.ops:
-        if isinstance(op, LoraOp):
-            a, b = op.A.load().float(), op.B.load().float()
-            if op.transpose:
-                delta = (b @ (a if rows is None else a[:, rows])).T
+        self.t = t
+        self.w = t.source.load()
+        self.ops = []
+        for op in t.ops:
+            if isinstance(op, LoraOp):
+                mag = op.magnitude.load().float().reshape(-1) if op.magnitude is not None else None
+                self.ops.append((op, op.A.load().float(), op.B.load().float(), mag))
+            elif isinstance(op, BiasOp):
+                self.ops.append((op, op.bias.load().float(), None, None))
             else:
-                delta = (b if rows is None else b[rows]) @ a
-            v = acc + delta * op.scale
-            if op.magnitude is not None:
-                v_rows = v.T if op.transpose else v
-                m = op.magnitude.load().float().reshape(-1)
-                if rows is not None and not op.transpose:
-                    m = m[rows]
-                factor = (m / torch.linalg.vector_norm(v_rows, dim=1)).view(-1, 1)
-                v = factor.T * v if op.transpose else factor * v
-            acc = v
-        elif isinstance(op, BiasOp):
-            acc = acc + op.bias.load().float() * op.scale
-        elif isinstance(op, RowsOp):
-            stored = op.rows.load().float()
-            for j, index in enumerate(op.indices):
-                if rows is None:
-                    acc[index] = stored[j]
+                self.ops.append((op, op.rows.load().float(), None, None))
+
+    def rows(self, rows):
+        import torch
+
+        from tui_merger.core.plan import BiasOp, LoraOp
+
+        acc = (self.w if rows is None else self.w[rows]).float()
+        if acc.data_ptr() == self.w.data_ptr():
+            acc = acc.clone()  # fp32 input: never write into the memory-mapped file
+        for op, x, y, mag in self.ops:
+            if isinstance(op, LoraOp):
+                a, b = x, y
+                if op.transpose:
+                    v = acc + (b @ (a if rows is None else a[:, rows])).T * op.scale
+                else:  # one fused pass: acc + s * (B @ A)
+                    v = torch.addmm(acc, b if rows is None else b[rows], a, alpha=op.scale)
+                if mag is not None:
+                    v_rows = v.T if op.transpose else v
+                    m = mag[rows] if rows is not None and not op.transpose else mag
+                    factor = (m / torch.linalg.vector_norm(v_rows, dim=1)).view(-1, 1)
+                    v = factor.T * v if op.transpose else factor * v
+                acc = v
+            elif isinstance(op, BiasOp):
+                acc = acc + x * op.scale
+            else:
+                index = torch.arange(self.w.shape[0])[rows] if rows is not None else None
+                for j, target in enumerate(op.indices):
+                    if index is None:
+                        acc[target] = x[j]
+                    else:
+                        hit = (index == target).nonzero()
+                        if len(hit):
+                            acc[hit[0, 0]] = x[j]
+        return acc
+
+    def magnitude(self, rows):
+        """What fp32 rounding of the recomputation scales with, per value: |W| + sum of s * (|B| @ |A|)
+        of the LoRA ops, times (terms + 2) (the classic bound of a dot product's rounding error)."""
+        from tui_merger.core.plan import LoraOp
+
+        mag = (self.w if rows is None else self.w[rows]).float().abs()
+        terms = 0
+        for op, a, b, _ in self.ops:
+            if isinstance(op, LoraOp) and len(self.t.shape) == 2:
+                a, b = a.abs(), b.abs()
+                if op.transpose:
+                    delta = (b @ (a if rows is None else a[:, rows])).T
                 else:
-                    hit = (rows == index).nonzero()
-                    if len(hit):
-                        acc[hit[0, 0]] = stored[j]
-    return acc
+                    delta = (b if rows is None else b[rows]) @ a
+                mag = mag + delta * abs(op.scale)
+                terms += a.shape[0]
+        return mag * (terms + 2)
+
+    def release(self) -> None:
+        for ref in self.t.inputs():
+            ref.release()
 
 
-def _needs_all_rows(t) -> bool:
+def _reference(t, rows):
+    """fp32 recomputation of output tensor ``t`` (only ``rows`` when given)."""
+    r = _Recomputation(t)
+    try:
+        return r.rows(rows)
+    finally:
+        r.release()
+
+
+def _sampled(t) -> bool:
+    """Whether only a sample of rows is recomputed: a product of high-rank adapters costs more than
+    reading the tensor (every row is recomputed up to a summed rank of FULL_RANK)."""
     from tui_merger.core.plan import BiasOp, LoraOp
 
     if len(t.shape) < 2 or math.prod(t.shape) <= SAMPLE_LIMIT:
-        return True
-    return any(isinstance(op, BiasOp) or (isinstance(op, LoraOp) and op.magnitude is not None and op.transpose) for op in t.ops)
+        return False
+    if any(isinstance(op, BiasOp) or (isinstance(op, LoraOp) and op.magnitude is not None and op.transpose) for op in t.ops):
+        return False  # needs whole columns
+    rank = sum(op.A.shape[0] for op in t.ops if isinstance(op, LoraOp))
+    return rank > FULL_RANK
 
 
-def _mismatches(got, want) -> int:
-    """Elements of ``got`` further than one unit in the last place of its dtype from ``want`` (fp32,
-    already rounded to that dtype). Equal elements, the common case, cost one comparison."""
+def _whole(t) -> bool:
+    """DoRA on a transposed (fan_in_fan_out) weight normalises columns: recomputed in one piece."""
+    from tui_merger.core.plan import LoraOp
+
+    return any(isinstance(op, LoraOp) and op.magnitude is not None and op.transpose for op in t.ops)
+
+
+def _bits_equal(a, b) -> bool:
+    """Same bytes (as integers: twice as fast as a float comparison)."""
     import torch
 
-    differ = got != want.to(got.dtype)
-    if not differ.any():
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or a.dtype != b.dtype or not a.is_contiguous() or not b.is_contiguous():
+        return torch.equal(a, b)
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+def _mismatches(got, want, magnitude=None) -> int:
+    """Elements of ``got`` further from ``want`` (fp32) than rounding explains: one unit in the last
+    place of got's dtype, or, where terms nearly cancel, the fp32 rounding of the sum (2^-24 of
+    ``magnitude()``: the engine may add in another order or block the product otherwise). Equal
+    elements, the common case, cost one comparison."""
+    import torch
+
+    rounded = want.to(got.dtype)
+    if _bits_equal(got, rounded):
         return 0
-    g, w = got[differ].float(), want[differ]
+    differ = got != rounded
+    g, w = got[differ].float(), rounded[differ].float()
     bits = _MANTISSA_BITS.get(str(got.dtype).removeprefix("torch."))
     if bits is None:
         return int(differ.sum())
@@ -336,92 +411,107 @@ def _mismatches(got, want) -> int:
     ulp = torch.ldexp(torch.ones_like(w), exp - 1 - bits)
     tiny = 2.0**-24 if got.dtype == torch.float16 else 2.0**-126
     tol = torch.clamp(ulp, min=tiny) * (4 if got.dtype == torch.float32 else 1)  # fp32 sums differ in order
+    if magnitude is not None:
+        tol = torch.maximum(tol, magnitude()[differ] * 2.0**-24)
     return int(((g - w).abs() > tol).sum())
 
 
-def _blocks(t):
-    """Row ranges of about BLOCK_VALUES values each."""
-    if not t.shape:
+def _row_blocks(shape, values: int = BLOCK_VALUES):
+    """Row slices of about ``values`` values each (None for a 0-d tensor)."""
+    if not shape:
         return [None]
-    row = max(1, math.prod(t.shape[1:]))
-    step = max(1, BLOCK_VALUES // row)
-    return [(a, min(a + step, t.shape[0])) for a in range(0, t.shape[0], step)]
+    row = max(1, math.prod(shape[1:]))
+    step = max(1, values // row)
+    return [slice(a, min(a + step, shape[0])) for a in range(0, shape[0], step)] or [slice(0, 0)]
 
 
-def _read(f, name: str, block):
-    return f.get_tensor(name) if block is None else f.get_slice(name)[block[0] : block[1]]
-
-
-def _finite(f, t) -> bool:
-    """No NaN or Inf in the stored tensor."""
+def _finite(x) -> bool:
+    """No NaN or Inf: min and max propagate both (50x faster than isfinite on bf16)."""
     import torch
 
-    for block in _blocks(t):
-        part = _read(f, t.name, block)
-        if part.is_floating_point() and not torch.isfinite(part).all():
-            return False
-    return True
-
-
-def _equal_blocks(f, t) -> bool:
-    import torch
-
-    src = t.source.load()
-    return all(
-        torch.equal(_read(f, t.name, block), src if block is None else src[block[0] : block[1]])
-        for block in _blocks(t)
-    )
+    if not x.is_floating_point() or not x.numel():
+        return True
+    low, high = torch.aminmax(x)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: CancelToken, clamp: bool = False) -> Check:
+    """Every output tensor against its recomputation, a cache-sized block of rows at a time: the
+    output is read through memory maps whose pages are handed back after each tensor, so memory
+    stays at a few blocks whatever the model's size."""
     import torch
-    from safetensors import safe_open
 
-    problems, sampled, nonfinite = [], [], []
+    from tui_merger.core.sources import TensorSource
+
+    problems, sampled, nonfinite, unchanged = [], [], [], []
     total = len(plan.tensors)
     total_bytes = sum(t.nbytes for t in plan.tensors)
     done_bytes = 0
-    for i, t in enumerate(plan.tensors, start=1):
-        cancel.raise_if_cancelled()
-        if t.name not in files:
-            continue
-        # opened per tensor (closing unmaps the file) and read in row blocks: memory stays at one block
-        # for copied tensors and at one merged tensor (or its sampled rows) for the others
-        with safe_open(str(out / files[t.name]), framework="pt") as f:
-            raw = not t.ops and t.dtype == t.source.dtype
-            if not _finite(f, t):
-                nonfinite.append(t.name)
-            if raw:
-                if not _equal_blocks(f, t):
+    stored = TensorSource(out, sorted(set(files.values())))
+    try:
+        for i, t in enumerate(plan.tensors, start=1):
+            cancel.raise_if_cancelled()
+            if t.name not in files:
+                continue
+            ref = stored.tensors[t.name]
+            got_all = ref.load()
+            finite = True
+            if t.raw_copy:
+                src = t.source.load()
+                equal = True
+                for rows in _row_blocks(t.shape, BLOCK_VALUES * 16):
+                    got = got_all if rows is None else got_all[rows]
+                    finite = finite and _finite(got)
+                    equal = equal and _bits_equal(got, src if rows is None else src[rows])
+                if not equal:
                     problems.append(f"{t.name}: differs from the input it was copied from")
+                for x in t.inputs():
+                    x.release()
             else:
-                rows = None if _needs_all_rows(t) else _sample_rows(t.name, t.shape[0])
-                if rows is None:
-                    got = f.get_tensor(t.name)
-                else:
+                r = _Recomputation(t)
+                bad, diff = 0, 0.0
+                if _sampled(t):
                     sampled.append(t.name)
-                    sl = f.get_slice(t.name)
-                    got = torch.cat([sl[r : r + 1] for r in rows.tolist()])
-                want = _reference(t, rows)
-                if clamp:  # --force: values beyond fp16's range were clamped on purpose
-                    want = want.clamp(-65504.0, 65504.0)
-                want = want.to(got.dtype).float()
-                bad = _mismatches(got, want)
+                    blocks = [_sample_rows(t.name, t.shape[0])]
+                else:
+                    blocks = [None] if _whole(t) else _row_blocks(t.shape)
+                for rows in blocks:
+                    got = got_all if rows is None else got_all[rows]
+                    finite = finite and _finite(got)
+                    want = r.rows(rows)
+                    if clamp:  # --force: values beyond fp16's range were clamped on purpose
+                        want = want.clamp(-65504.0, 65504.0)
+                    n = _mismatches(got, want, lambda: r.magnitude(rows))
+                    if n:
+                        bad += n
+                        diff = max(diff, (got.float() - want.to(got.dtype).float()).abs().max().item())
+                r.release()
                 if bad:
-                    diff = (got.float() - want).abs().max().item()
-                    problems.append(
-                        f"{t.name}: {bad} of {want.numel()} values differ from the recomputation (max {diff:.3g})"
-                    )
-                del got, want
-        for ref in t.inputs():
+                    problems.append(f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the recomputation (max {diff:.3g})")
+                    if t.ops and _bits_equal(got_all, t.source.load().to(got_all.dtype).contiguous()):
+                        unchanged.append(t.name)
+            if not finite:
+                nonfinite.append(t.name)
+            del got_all
             ref.release()
-        done_bytes += t.nbytes
-        on_event(TensorProgress(t.name, i, total, done_bytes, total_bytes))
+            done_bytes += t.nbytes
+            on_event(TensorProgress(t.name, i, total, done_bytes, total_bytes))
+    finally:
+        stored.close()
     details = problems[:50] + [f"{n}: holds NaN or Inf" for n in nonfinite[:20]]
-    metrics = {"tensors": total, "sampled_tensors": len(sampled), "sample_rows": SAMPLE_ROWS, "sample_limit": SAMPLE_LIMIT}
+    if unchanged:
+        details.append(
+            f"{len(unchanged)} tensor(s) the adapter changes hold the base's values unchanged ({unchanged[0]}, ...): "
+            "the adapter looks not (or wrongly) applied"
+        )
+    metrics = {"tensors": total, "sampled_tensors": len(sampled), "sample_rows": SAMPLE_ROWS, "full_rank": FULL_RANK,
+               "unchanged_by_adapter": len(unchanged)}
     if problems or nonfinite:
         return Check("recompute", "fail", f"{len(problems) + len(nonfinite)} of {total} tensors are wrong", details, metrics)
-    how = f"; {len(sampled)} large tensors on {SAMPLE_ROWS} random rows each" if sampled else ""
+    how = (
+        f"; {len(sampled)} tensors of adapters above rank {FULL_RANK} on {SAMPLE_ROWS} random rows each"
+        if sampled else ", every value"
+    )
     return Check("recompute", "pass", f"all {total} tensors equal the recomputation from the inputs{how}", [], metrics)
 
 
@@ -454,18 +544,6 @@ def probe_ids(config: dict, plan):
     return torch.randint(0, vocab, PROBE_SHAPE, generator=g)
 
 
-def _compute_dtype(n_values: int, stored: str):
-    """fp32 (the most exact comparison) when loading the model in fp32 fits: transformers' load peaks
-    at about twice the fp32 size, which must stay under 60 % of the available memory. Else the stored
-    dtype: then the weights stay memory-mapped from the files and hardly count as process memory."""
-    import torch
-
-    available = _available_memory()
-    if available is None or n_values * 4 * 2 <= 0.6 * available:
-        return torch.float32
-    return getattr(torch, stored)
-
-
 def _available_memory() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -495,7 +573,13 @@ def quiet_transformers():
 
 
 def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, text: Path | None, on_event) -> list[Check]:
-    import torch
+    """Merged model and unmerged reference, layer by layer (``behaviour.py``)."""
+    import gc
+
+    import transformers
+
+    from tui_merger.core import behaviour as bh
+    from tui_merger.core.sources import open_model
 
     cls = model_class(config)
     archs = config.get("architectures") or ["(none)"]
@@ -505,50 +589,52 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
             f"skipped: {archs[0]} is not a transformers class (custom code); tui-merger never runs model code",
         )]
     quiet_transformers()
+    bh.quiet()
     stored = options.dtype or inputs.dtype or config_dtype(config) or "float32"
-    stored = stored if stored in KL_LIMIT else "float32"
-    cdtype = _compute_dtype(sum(math.prod(t.shape) for t in plan.tensors), stored)
+    stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
     probes = probe_ids(config, plan)
     tokens = _perplexity_tokens(out, text) if text else None
-
-    def run(model) -> tuple:
-        model.eval()
-        with torch.no_grad():
-            logits = model(probes).logits.float()
-            ppl = _perplexity(model, tokens, config) if tokens is not None else None
-        return logits, ppl
-
-    # 1. the merged model, as users will load it
-    on_event(Notice("info", f"Loading the merged model with transformers ({cls.__name__}, {str(cdtype)[6:]})"))
+    out_config = transformers.AutoConfig.from_pretrained(out)
+    written = open_model(out)
     try:
-        model, info = cls.from_pretrained(out, dtype=cdtype, output_loading_info=True, local_files_only=True)
-    except Exception as err:
-        return [Check("behaviour", "fail", f"transformers cannot load the output: {str(err).splitlines()[0][:200]}")]
-    missing = [k for k in info.get("missing_keys", [])]
-    if options.export_adapter:
-        from peft import PeftModel
+        with bh.temporary_folder() as tmp:
+            # 1. the merged model, as users will load it
+            on_event(Notice("info", f"Running the merged model layer by layer ({cls.__name__}, fp32)"))
+            try:
+                if options.export_adapter:
+                    merged_model, missing = bh.streamer_with_adapter(
+                        cls, out_config, written.tensors, [(out / "lora_adapter", None)], "merged model", on_event)
+                else:
+                    merged_model, missing = bh.streamer_for_files(cls, out_config, written.tensors, "merged model", on_event)
+            except (bh.NoReference, MergeError) as why:
+                return [Check("behaviour", "fail", f"transformers cannot build the output as {cls.__name__}: {why}")]
+            if missing:
+                return [Check(
+                    "behaviour", "fail", f"{cls.__name__} does not find {len(missing)} of its weights in the files",
+                    [f"missing from the files (transformers starts them random): {', '.join(missing[:10])}"],
+                )]
+            merged, merged_hidden = bh.run(merged_model, probes)
+            ppl_merged = _perplexity(merged_model, tokens, config) if tokens is not None else None
+            peak = merged_model.stats.peak_live_values
+            del merged_model
+            gc.collect()
+            written.close()
 
-        model = PeftModel.from_pretrained(model, out / "lora_adapter")
-    merged, ppl_merged = run(model)
-    del model
-    gc.collect()
-
-    # 2. the unmerged reference, and the base without the adapter
-    on_event(Notice("info", "Loading the unmerged reference (base + adapter through peft)" if inputs.adapter.lora
-                    else "Loading the reference (the checkpoint's own weights)"))
-    try:
-        model = _reference_model(cls, out, options, inputs, cdtype)
-    except _NoReference as why:
-        return [Check("behaviour", "skip", str(why))]
-    reference, ppl_ref = run(model)
-    base_logits = None
-    if hasattr(model, "disable_adapter"):
-        with model.disable_adapter():
-            base_logits, _ = run(model)
-    del model
-    gc.collect()
-
-    checks = [compare_logits(merged, reference, base_logits, stored, missing, cls.__name__, str(cdtype)[6:])]
+            # 2. the unmerged reference
+            try:
+                reference_model = _reference_streamer(cls, out, out_config, options, inputs, tmp, on_event)
+            except bh.NoReference as why:
+                return [Check("behaviour", "skip", f"skipped: {why}; not fully verified", metrics={"probes": list(PROBE_SHAPE)})]
+            if reference_model is None:  # a conversion: the tensors are the checkpoint's (recompute)
+                return [_loads_check(cls.__name__, merged, peak)]
+            reference, ref_hidden = bh.run(reference_model, probes)
+            ppl_ref = _perplexity(reference_model, tokens, config) if tokens is not None else None
+            peak = max(peak, reference_model.stats.peak_live_values)
+            del reference_model
+            gc.collect()
+    finally:
+        written.close()
+    checks = [_layer_check(cls.__name__, plan, stored, merged, reference, merged_hidden, ref_hidden, peak)]
     if tokens is not None:
         delta = abs(ppl_merged - ppl_ref)
         status = "pass" if delta <= PPL_TOLERANCE else "fail"
@@ -561,103 +647,94 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
     return checks
 
 
-def _reference_model(cls, out: Path, options: MergeOptions, inputs, cdtype):
-    """base + adapter through peft: from the folders for a PEFT pair, else from the checkpoint's
-    reassembled tensors and its adapter saved in peft's format to a temporary folder."""
-    import tempfile
-
-    from peft import PeftModel
-
-    if options.checkpoint is None:
-        model = cls.from_pretrained(options.base, dtype=cdtype, local_files_only=True)
-        if options.base_roundtrip:
-            _load_round_trip(model, inputs.base)  # --qlora-base: the weights the adapter was trained against
-        vocab = transformers_vocab(out)
-        if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
-            model.resize_token_embeddings(vocab, mean_resizing=False)  # as the adapter's training did
-        if options.weighted:
-            model = _weighted_reference(model, inputs)
-        elif options.adapter is not None and not inputs.adapter.folder.is_file():
-            model = PeftModel.from_pretrained(model, inputs.adapter.folder)
-        elif options.adapter is not None and inputs.adapter.lora:  # a kohya file: through peft's format
-            from tui_merger.core.adapter import export_peft_adapter
-
-            with tempfile.TemporaryDirectory(prefix="tui-merger-verify-") as tmp:
-                export_peft_adapter(inputs.adapter, Path(tmp) / "adapter", fsync=False)
-                model = PeftModel.from_pretrained(model, Path(tmp) / "adapter")
-        return model
+def _reference_streamer(cls, out: Path, out_config, options: MergeOptions, inputs, tmp, on_event):
+    """base + adapter(s) through peft, the base streamed from the inputs as the merge read them;
+    None for a checkpoint without an adapter (a conversion: no second model is needed)."""
     import transformers
 
-    from tui_merger.core.adapter import export_peft_adapter
+    from tui_merger.core import behaviour as bh
 
-    cfg_obj = transformers.AutoConfig.from_pretrained(out)  # the checkpoint's config with our changes
-    state = {}
-    for name, ref in inputs.base.tensors.items():
-        state[name] = ref.load().to(cdtype)
-        ref.release()
-    model = cls.from_pretrained(None, config=cfg_obj, state_dict=state, dtype=cdtype)
-    del state
-    if inputs.adapter.lora:
-        with tempfile.TemporaryDirectory(prefix="tui-merger-verify-") as tmp:
-            export_peft_adapter(inputs.adapter, Path(tmp) / "adapter", fsync=False)
-            model = PeftModel.from_pretrained(model, Path(tmp) / "adapter")  # reads the weights in; the folder may go
-    return model
-
-
-def _weighted_reference(model, inputs):
-    """Several weighted adapters through peft: each loaded as peft loads it, then combined by peft's own
-    add_weighted_adapter with the exact "cat" combination (concatenated ranks, no cross terms)."""
-    import tempfile
-
-    from peft import PeftModel
-
-    from tui_merger.core.adapter import export_peft_adapter
-
-    names, weights = [], []
-    with tempfile.TemporaryDirectory(prefix="tui-merger-verify-") as tmp:
-        for index, (part, weight, _path) in enumerate(inputs.parts):
-            folder = part.folder
-            if folder.is_file():  # a kohya file: through peft's format
-                folder = Path(tmp) / f"adapter{index}"
-                export_peft_adapter(part, folder, fsync=False)
-            name = f"a{index}"
-            if index == 0:
-                model = PeftModel.from_pretrained(model, folder, adapter_name=name)
-            else:
-                model.load_adapter(folder, adapter_name=name)
-            names.append(name)
-            weights.append(weight)
-        model.add_weighted_adapter(names, weights, "weighted", combination_type="cat")
-        model.set_adapter("weighted")
-    return model
+    if options.checkpoint is not None:
+        if not inputs.adapter.lora:
+            return None
+        folder = bh.export_to_tmp(inputs.adapter, tmp, "adapter")
+        streamer, missing = bh.streamer_with_adapter(
+            cls, out_config, inputs.base.tensors, [(folder, None)], "unmerged reference", on_event)
+    else:
+        config = transformers.AutoConfig.from_pretrained(options.base)
+        vocab = transformers_vocab(out)
+        text = getattr(config, "text_config", None) if not hasattr(config, "vocab_size") else None
+        holder = text if text is not None else config
+        if vocab and getattr(holder, "vocab_size", vocab) != vocab:
+            holder.vocab_size = vocab  # as the adapter's training resized it; its saved rows replace the base's
+        if options.weighted:
+            adapters = []
+            for index, (part, weight, _path) in enumerate(inputs.parts):
+                folder = part.folder if not part.folder.is_file() else bh.export_to_tmp(part, tmp, f"adapter{index}")
+                adapters.append((folder, weight))
+        elif inputs.adapter.folder.is_file():  # a kohya file: through peft's format
+            adapters = [(bh.export_to_tmp(inputs.adapter, tmp, "adapter"), None)]
+        else:
+            adapters = [(inputs.adapter.folder, None)]
+        streamer, missing = bh.streamer_with_adapter(
+            cls, config, inputs.base.tensors, adapters, "unmerged reference", on_event)
+    if missing:
+        raise bh.NoReference(
+            f"the unmerged reference lacks {len(missing)} weight(s) transformers expects ({', '.join(missing[:3])})"
+        )
+    return streamer
 
 
-class _NoReference(Exception):
-    """The unmerged reference cannot be built; the message says why (the behaviour check is skipped)."""
-
-
-def _load_round_trip(model, base) -> None:
-    """Replace the round-tripped weights of a model loaded from the 16-bit base by dequant(quant(W)),
-    as the merge read them (one tensor at a time), found by their names in the files."""
+def _loads_check(cls_name: str, logits, peak: int) -> Check:
     import torch
 
-    state = model.state_dict()  # shares storage with the parameters
-    unplaced = []
-    with torch.no_grad():
-        for name in base.round_tripped:
-            key = name if name in state else next((k for k in state if k.endswith("." + name)), None)
-            ref = base.tensors[name]
-            if key is None or tuple(state[key].shape) != tuple(ref.shape):
-                unplaced.append(name)
-                continue
-            state[key].copy_(ref.load())
-            ref.release()
-    if unplaced:
-        raise _NoReference(
-            f"skipped: the --qlora-base round-tripped weights could not be put into the {type(model).__name__} "
-            f"transformers builds ({unplaced[0]} has no parameter of that name and shape); the recompute check "
-            "covers them"
-        )
+    metrics = {"probes": list(PROBE_SHAPE), "peak_live_values": peak}
+    if not bool(torch.isfinite(logits).all()):
+        return Check("behaviour", "fail", f"{cls_name} loads but its outputs hold NaN or Inf", [], metrics)
+    return Check(
+        "behaviour", "pass",
+        f"{cls_name} loads every weight and runs: finite outputs (a conversion: the tensors equal the checkpoint's, "
+        "see recompute; no second model is built)", [], metrics,
+    )
+
+
+def _layer_check(cls_name: str, plan, stored: str, merged, reference, merged_hidden, ref_hidden, peak: int) -> Check:
+    from tui_merger.core import behaviour as bh
+
+    details: list[str] = []
+    layers = []
+    if merged_hidden is not None and ref_hidden is not None and len(merged_hidden) == len(ref_hidden):
+        counts = bh.rounded_by_depth(plan, len(ref_hidden))
+        for i, (m, r) in enumerate(zip(merged_hidden, ref_hidden)):
+            rel = bh.relative(m.float(), r.float(), centre=False)
+            layers.append((i, rel, bh.limit(stored, counts[i])))
+    total_rounded = sum(1 for t in plan.tensors if not t.raw_copy)
+    centre = merged.shape[-1] > 1
+    out_rel = bh.relative(merged, reference, centre=centre)
+    out_limit = bh.limit(stored, total_rounded)
+    first = next(((i, rel, lim) for i, rel, lim in layers if not rel <= lim), None)
+    worst = max([rel / lim for _, rel, lim in layers] + [out_rel / out_limit])
+    metrics = {
+        "dtype": stored, "compute_dtype": "float32", "probes": list(PROBE_SHAPE),
+        "output_rel_diff": out_rel, "output_limit": out_limit, "worst_ratio": worst,
+        "layers": [[i, rel, lim] for i, rel, lim in layers], "max_abs_diff": (merged - reference).abs().max().item(),
+        "peak_live_values": peak,
+    }
+    if centre:
+        metrics["kl"] = bh.kl(reference, merged)
+    ok = first is None and out_rel <= out_limit
+    if first is not None:
+        i, rel, lim = first
+        where = "the embeddings' output" if i == 0 else f"layer {i - 1}'s output"
+        details.append(f"{where} differs from the unmerged model by {rel:.2e} (limit {lim:.2e}): the first place it diverges")
+        metrics["first_divergent"] = i
+    what = f"{'logits' if centre else 'outputs'} {out_rel:.2e} apart (limit {out_limit:.2e})"
+    if layers:
+        what = f"{len(layers)} hidden states and {what}; worst {worst:.0%} of its limit"
+    lead = "matches the unmerged model layer by layer" if ok else "differs from the unmerged model"
+    if not ok and first is not None:
+        lead += f" from {details[0].split(' differs')[0]} on"
+    return Check("behaviour", "pass" if ok else "fail", f"{cls_name} {lead}: {what}", details, metrics)
 
 
 def transformers_vocab(out: Path) -> int | None:
@@ -733,7 +810,7 @@ def _perplexity(model, ids, config: dict) -> float:
         chunk = ids[start : start + window + 1]
         if chunk.numel() < 2:
             break
-        logits = model(chunk[None, :-1]).logits.float()[0]
+        logits = model(input_ids=chunk[None, :-1]).logits.float()[0]
         nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
         count += chunk.numel() - 1
     return math.exp(nll / count)
