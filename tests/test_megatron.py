@@ -118,6 +118,11 @@ def test_swapping_k_and_v_would_not_match(converted, tmp_path, name):
     ref = _reference(name)
     diff = (_logits(bad, ref["input_ids"], "critic" in name) - ref["logits"]).abs().max().item()
     assert diff > 100 * REL_TOL * ref["logits"].abs().max().item(), diff
+    from tui_merger.core.verify import verify_merge
+
+    report = verify_merge(bad, MergeOptions(checkpoint=FIXTURES / name, out=bad))  # and verification says so
+    assert not report.passed and report.checks[1].status == "fail"
+    assert any("k_proj" in d for d in report.checks[1].details)
 
 
 @pytest.mark.parametrize("name", list(CASES))

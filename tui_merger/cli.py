@@ -267,8 +267,13 @@ def run_with_progress(options, plain: bool = False, verify: bool = True, perplex
     from tui_merger.core.provenance import finish_merge
 
     progress = PlainProgress() if plain or not _is_tty(sys.stderr) else RichProgress()
+    sink = progress
+    if verify and behaviour:
+        from tui_merger.core.verify import prewarming
+
+        sink = prewarming(options, progress)
     with progress if isinstance(progress, RichProgress) else nullcontext():
-        result = run_merge(options, progress)
+        result = run_merge(options, sink)
         _, report = finish_merge(
             options, result, verify=verify, behaviour=behaviour, perplexity_text=perplexity, on_event=progress
         )

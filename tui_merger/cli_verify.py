@@ -81,3 +81,6 @@ def print_report(report, stream=None) -> None:
             "Do not ship it.",
             file=stream,
         )
+    elif any(c.status == "skip" for c in report.checks):
+        skipped = ", ".join(c.name for c in report.checks if c.status == "skip")
+        print(f"  Not fully verified: the {skipped} check did not run (the reason is above).", file=stream)

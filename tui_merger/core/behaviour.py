@@ -32,6 +32,25 @@ SAFETY = 8.0
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
+# the verification's cost on this project's 2-core benchmark machine (benchmarks/bench_verify.py, 3B shapes)
+RECOMPUTE_S_PER_VALUE = 1.0e-9  # every value read twice (input, output) and recomputed in cache-sized blocks
+PASS_S_PER_VALUE = 1.2e-9  # one streamed pass: upcast into a reused buffer, 16 probe tokens
+BASE_MEMORY = 520 << 20  # python, torch, transformers and peft imported
+
+
+def estimate(tplan, passes: int, adapter) -> tuple[float, int]:
+    """(seconds, bytes of memory) the default verification of ``tplan`` takes, about."""
+    values = sum(math.prod(t.shape) for t in tplan.tensors)
+    changed = sum(math.prod(t.shape) for t in tplan.tensors if not t.raw_copy)
+    seconds = 2.0 + changed * RECOMPUTE_S_PER_VALUE + passes * values * PASS_S_PER_VALUE
+    from tui_merger.core.streaming import BIG_VALUES, BLOCK_VALUES
+
+    unit = max([math.prod(t.shape) for t in tplan.tensors if math.prod(t.shape) < BIG_VALUES] + [BLOCK_VALUES])
+    held = sum(r.nbytes for m in adapter.lora.values() for r in (m.A, m.B, m.emb_A, m.emb_B, m.magnitude) if r is not None)
+    held += sum(r.nbytes for r in adapter.replacements.values())
+    return round(seconds, 1), BASE_MEMORY + 3 * unit * 4 + 2 * held
+
+
 class NoReference(Exception):
     """A model cannot be built for the check; the message says which and why."""
 

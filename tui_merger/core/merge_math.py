@@ -38,6 +38,13 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[str, object] = {}
+        self._partner: Workspace | None = None
+
+    def partner(self) -> "Workspace":
+        """A second workspace kept with this one (the writer's other turn)."""
+        if self._partner is None:
+            self._partner = Workspace()
+        return self._partner
 
     def get(self, key: str, shape, dtype):
         import torch

@@ -52,6 +52,8 @@ class MergePlan:
     shards: int = 0
     output_bytes: int = 0
     estimated_seconds: float = 0.0
+    verify_seconds: float = 0.0  # the default verification, estimated
+    verify_bytes: int = 0  # its peak memory, estimated
     adapter: dict | None = None
     findings: list[Finding] = field(default_factory=list)
     suggested_base: str | None = None  # a local 16-bit model to use instead of a quantized base
@@ -116,6 +118,10 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             plan.shards = len(tplan.shards)
             plan.output_bytes = tplan.total_bytes
             plan.estimated_seconds = round(1.0 + tplan.total_bytes / MERGE_BYTES_PER_S, 1)
+            from tui_merger.core.behaviour import estimate
+
+            passes = 1 if (options.checkpoint is not None and not inputs.adapter.lora) else 2
+            plan.verify_seconds, plan.verify_bytes = estimate(tplan, passes, inputs.adapter)
             _check_tied(config, inputs.config, tplan, add)
             _check_fp16(tplan, options, add)
             _check_memory(tplan, add)
@@ -683,6 +689,11 @@ def describe(plan: MergePlan) -> list[str]:
             f"  {'writes':10} {plan.tensors} tensors ({plan.merged_tensors} merged), {human_bytes(plan.output_bytes)} "
             f"in {plan.shards} shard(s), dtype {plan.dtype or 'as the base'}, about {plan.estimated_seconds:.0f} s"
         )
+        if plan.verify_seconds:
+            lines.append(
+                f"  {'verify':10} about {plan.verify_seconds:.0f} s and {human_bytes(plan.verify_bytes)} of memory "
+                "(every value recomputed; the models run layer by layer)"
+            )
         tok = {"adapter": "from the adapter folder", "base": "from the base", None: "none found"}[plan.tokenizer_source]
         lines.append(f"  {'tokenizer':10} {tok}")
     return lines

@@ -159,6 +159,10 @@ class SafetensorsFile(MappedFile):
         info = self.tensors[name]
         return self.view(info.dtype, info.numel, info.start).view(info.shape)
 
+    def prefetch_tensor(self, name: str) -> None:
+        info = self.tensors[name]
+        self.populate(info.start, info.end)
+
     def release_tensor(self, name: str) -> None:
         info = self.tensors[name]
         self.release(info.start, info.end)

@@ -37,6 +37,12 @@ class TensorRef:
     def release(self) -> None:
         self.source.release(self)
 
+    def prefetch(self) -> None:
+        """About to be read whole: map its bytes at once (a no-op for sources that are not mapped files)."""
+        prefetch = getattr(self.source, "prefetch", None)
+        if prefetch is not None:
+            prefetch(self)
+
 
 class TensorSource:
     """A set of weight files in one folder."""
@@ -121,6 +127,11 @@ class TensorSource:
             return None
         info = st.tensors[ref.name]
         return [(st.fileno(), info.start, info.nbytes)]
+
+    def prefetch(self, ref: TensorRef) -> None:
+        st = self._st.get(ref.file)
+        if st is not None:
+            st.prefetch_tensor(ref.name)
 
     def release(self, ref: TensorRef) -> None:
         st = self._st.get(ref.file)

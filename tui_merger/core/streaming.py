@@ -98,6 +98,7 @@ class Streamer:
                 raise StreamError(f"{name} converts to shape {list(value.shape)}, the model wants {list(w.shape)}.")
             return value
         buf = self.pool.take(w.shape)
+        w.ref.prefetch()
         buf.copy_(w.ref.load())
         w.ref.release()
         return buf
@@ -174,6 +175,13 @@ class Streamer:
         if self.cancel is not None:
             self.cancel.raise_if_cancelled()
 
+    def close(self) -> None:
+        """Drop the buffers and the model now (hooks and model refer to each other: a cycle)."""
+        self.pool = Pool()
+        self.weights = {}
+        self._converted.clear()
+        self.model = None
+
     def __call__(self, *args, **kwargs):
         import torch
 
@@ -191,13 +199,13 @@ def _units(model):
     """The modules that load their weights together: peft's tuner layers whole (their forward reads
     the base layer's weight directly, e.g. DoRA's norm), else every module with tensors of its own."""
     units = []
-    taken: list[str] = []
+    inside: set[int] = set()  # ids of the modules within a tuner layer already taken whole
     for name, module in model.named_modules():
-        if any(name == t or name.startswith(t + ".") for t in taken):
+        if id(module) in inside:
             continue
         if _is_tuner_layer(module):
             units.append((name, module))
-            taken.append(name)
+            inside.update(id(m) for m in module.modules())
         elif any(True for _ in module.named_parameters(recurse=False)):
             units.append((name, module))
     return units
