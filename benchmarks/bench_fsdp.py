@@ -437,6 +437,7 @@ CP = "cp -r actor/"
 READ = "read once (8 MiB reads)"
 CAT = "cat rank files > /dev/null"
 CLI = "ours (CLI, fsync)"
+DEFAULT = "ours (CLI, verified: as a user runs it)"
 INPROC = "ours (run_merge fsync=False)"
 REF = "load-everything (verl-style)"
 
@@ -448,6 +449,7 @@ def make_cases(actor: Path, with_cat: bool = True) -> dict:
         READ: lambda out: py("_read", *files),
         CAT: lambda out: ["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files)],
         CLI: lambda out: ours_cli(actor, out),
+        DEFAULT: lambda out: [a for a in ours_cli(actor, out) if a != "--no-verify"],
         INPROC: lambda out: py("_ours", actor, out, 0),
         REF: lambda out: py("_reference", actor, out),
     }
@@ -619,6 +621,7 @@ def main(argv=None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per case (default 3)")
+    ap.add_argument("--world", type=int, default=8, help="FSDP ranks of the checkpoint (default 8)")
     ap.add_argument("--scaling", action="store_true", help="time and peak RSS across model sizes")
     ap.add_argument("--layers", default="6,12,24", help="layer counts for --scaling (default 6,12,24)")
     ap.add_argument("--profile", action="store_true", help="cProfile one run_merge(fsync=False)")
@@ -636,6 +639,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clean", action="store_true", help="delete this benchmark's cached checkpoints and exit")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="default: benchmarks/.cache")
     args = ap.parse_args(argv)
+    global WORLD
+    WORLD = args.world
     cache = args.cache_dir.resolve()
     if args.clean:
         clean(cache)

@@ -37,6 +37,12 @@ class TensorRef:
     def release(self) -> None:
         self.source.release(self)
 
+    def release_rows(self, start: int, stop: int) -> None:
+        """Hand back the pages of some rows (sources that are not mapped files: nothing to do)."""
+        release_rows = getattr(self.source, "release_rows", None)
+        if release_rows is not None:
+            release_rows(self, start, stop)
+
     def prefetch(self) -> None:
         """About to be read whole: map its bytes at once (a no-op for sources that are not mapped files)."""
         prefetch = getattr(self.source, "prefetch", None)
@@ -132,6 +138,14 @@ class TensorSource:
         st = self._st.get(ref.file)
         if st is not None:
             st.prefetch_tensor(ref.name)
+
+    def release_rows(self, ref: TensorRef, start: int, stop: int) -> None:
+        """Hand back the pages of rows [start, stop) of a tensor read in row blocks."""
+        st = self._st.get(ref.file)
+        if st is not None and ref.shape:
+            info = st.tensors[ref.name]
+            row = info.nbytes // max(1, ref.shape[0])
+            st.release(info.start + start * row, info.start + stop * row)
 
     def release(self, ref: TensorRef) -> None:
         st = self._st.get(ref.file)

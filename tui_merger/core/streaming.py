@@ -127,6 +127,7 @@ class Streamer:
             b = min(a + step, rows)
             buf = self.pool.take((b - a, *w.shape[1:]))
             buf.copy_(view[a:b])
+            w.ref.release_rows(a, b)  # an output head is GBs: its pages go back block by block
             yield a, b, buf
             self.pool.give(buf)
         w.ref.release()

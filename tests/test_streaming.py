@@ -1,0 +1,84 @@
+"""The streamed model (one module's weights in memory at a time) computes what transformers' own
+from_pretrained model computes, family by family: dense, tied, GPT-2's Conv1D, Llama, a Qwen3-MoE
+whose experts are one tensor per expert on disk and packed in memory, a value model; and with the
+vocabulary-sized layers computed piecewise. The reference is transformers loading the folder itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from factory import gpt2_config, qwen_config, save_base
+
+from tui_merger.core.engine import run_merge
+from tui_merger.core.options import MergeOptions
+from tui_merger.core.sources import open_model
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
+
+
+def _llama(path: Path) -> Path:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+    return save_base(path, cfg)
+
+
+def _from_megatron(name: str, path: Path) -> Path:
+    run_merge(MergeOptions(checkpoint=FIXTURES / name, out=path), fsync=False)
+    return path
+
+
+MODELS = {
+    "qwen2-untied": lambda p: save_base(p, qwen_config(tie_word_embeddings=False)),
+    "qwen2-tied-bf16": lambda p: save_base(p, qwen_config(tie_word_embeddings=True), dtype=torch.bfloat16),
+    "gpt2": lambda p: save_base(p, gpt2_config()),
+    "llama": _llama,
+    "qwen3-moe": lambda p: _from_megatron("qwen3moe_ep2", p),
+    "qwen2-critic": lambda p: _from_megatron("qwen2_critic_tp2", p),
+}
+
+
+def _streamed(folder: Path, probes):
+    import transformers
+
+    from tui_merger.core import behaviour
+    from tui_merger.core.verify import model_class
+
+    config = json.loads((folder / "config.json").read_text())
+    cls = model_class(config)
+    source = open_model(folder)
+    try:
+        streamer, missing = behaviour.streamer_for_files(
+            cls, transformers.AutoConfig.from_pretrained(folder), source.tensors, "model")
+        assert missing == []
+        logits, hidden = behaviour.run(streamer, probes)
+        return cls, logits, hidden, streamer.stats
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("piecewise", [False, True], ids=["whole", "piecewise"])
+@pytest.mark.parametrize("family", list(MODELS))
+def test_streamed_model_equals_transformers_own(tmp_path, family, piecewise, monkeypatch):
+    import tui_merger.core.streaming as streaming
+
+    folder = MODELS[family](tmp_path / family)
+    if piecewise:  # every embedding and linear layer above 1000 values read in pieces of 700 values
+        monkeypatch.setattr(streaming, "BIG_VALUES", 1000)
+        monkeypatch.setattr(streaming, "BLOCK_VALUES", 700)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    probes = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(3))
+    cls, logits, hidden, stats = _streamed(folder, probes)
+    model = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(input_ids=probes, output_hidden_states=True)
+    torch.testing.assert_close(logits, want.logits.float(), atol=1e-5, rtol=1e-5)
+    assert len(hidden) == len(want.hidden_states)
+    for got, expected in zip(hidden, want.hidden_states):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    whole = sum(p.numel() for p in model.parameters())
+    assert 0 < stats.peak_live_values < whole / 2  # never the whole model at once
