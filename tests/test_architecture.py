@@ -51,3 +51,74 @@ def test_cli_start_up_does_not_load_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """tui_merger's modules and the tui_merger modules each imports, at any level (function-level
+    imports included; imports only for type checkers, under ``if TYPE_CHECKING:``, left out)."""
+    package = ROOT / "tui_merger"
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skipped = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+        edges = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    edges.add(sub if sub in modules else node.module)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = _import_graph()
+    assert len(graph) > 40 and graph["tui_merger.cli"]  # the graph was read
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

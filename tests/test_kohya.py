@@ -16,7 +16,7 @@ import torch
 from factory import ALL_LINEAR, load_base, qwen_config, read_output, reference, save_adapter, save_base
 from safetensors.torch import load_file, save_file
 
-from tui_merger.core.adapter import open_any_adapter
+from tui_merger.core.kohya import open_any_adapter
 from tui_merger.core.engine import run_merge
 from tui_merger.core.errors import MergeError
 from tui_merger.core.kohya import kohya_to_peft, match_modules

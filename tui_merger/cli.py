@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tui_merger import __version__
+from tui_merger.cli_common import preflight, print_result, report_verification, run_with_progress, terminal
 
 
 
@@ -26,13 +27,6 @@ def _finite_number(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
     return value
-
-
-def _is_tty(stream) -> bool:
-    try:
-        return stream.isatty() and os.environ.get("TERM", "") not in ("", "dumb")
-    except (AttributeError, ValueError):
-        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from tui_merger.demo import cmd_demo
 
-            return cmd_demo(args)
+            return cmd_demo(args, launch)
     except MergeCancelled as err:
         print(str(err), file=sys.stderr)
         return 130
@@ -214,15 +208,6 @@ def _interrupt_on_signals() -> None:
             pass
 
 
-def _terminal() -> tuple[bool, bool]:
-    """(interactive, dumb): stdin and stderr are terminals (Textual draws on stderr); the terminal
-    cannot take a full-screen app or questionary's escape codes (TERM empty or dumb, not UTF-8)."""
-    interactive = sys.stdin.isatty() and sys.stderr.isatty()
-    encoding = (getattr(sys.stderr, "encoding", None) or "").lower().replace("-", "").replace("_", "")
-    dumb = os.environ.get("TERM", "") in ("", "dumb") or encoding != "utf8"
-    return interactive, dumb
-
-
 def launch(path: Path, plain: bool = False) -> int:
     """The interactive assistant on ``path``: the Textual app, or the plain question flow when the
     terminal cannot take it or --plain asks; with no terminal at all, say what to run instead."""
@@ -231,7 +216,7 @@ def launch(path: Path, plain: bool = False) -> int:
     path = Path(path).expanduser()
     if not path.exists():
         raise MergeError(f"{path} does not exist; give a folder that holds your training run or checkpoint.")
-    interactive, dumb = _terminal()
+    interactive, dumb = terminal()
     if not interactive and not plain:
         from tui_merger.plain import explain_no_terminal
 
@@ -255,45 +240,6 @@ def entry() -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
-
-
-def run_with_progress(options, plain: bool = False, verify: bool = True, perplexity=None, behaviour: bool = True):
-    """Merge, record the manifest, verify, with the right progress display.
-    Returns (MergeResult, VerifyReport or None)."""
-    from contextlib import nullcontext
-
-    from tui_merger.console import PlainProgress, RichProgress
-    from tui_merger.core.engine import run_merge
-    from tui_merger.core.provenance import finish_merge
-
-    progress = PlainProgress() if plain or not _is_tty(sys.stderr) else RichProgress()
-    sink = progress
-    if verify and behaviour:
-        from tui_merger.core.verify import prewarming
-
-        sink = prewarming(options, progress)
-    with progress if isinstance(progress, RichProgress) else nullcontext():
-        result = run_merge(options, sink)
-        _, report = finish_merge(
-            options, result, verify=verify, behaviour=behaviour, perplexity_text=perplexity, on_event=progress
-        )
-    return result, report
-
-
-def print_result(result, stream=None) -> None:
-    from tui_merger.core.options import human_bytes
-
-    stream = stream or sys.stdout
-    print(f"Merged model written to {result.out}", file=stream)
-    print(
-        f"  {result.tensors_text()}, "
-        f"{human_bytes(result.bytes_written)} in {len(result.shards)} shard(s), {result.seconds:.1f} s",
-        file=stream,
-    )
-    tok = {"adapter": "from the adapter folder", "base": "from the base model", None: "none found"}
-    print(f"  tokenizer: {tok[result.tokenizer_source]}", file=stream)
-    for key, value in result.config_changes.items():
-        print(f"  config.json: {key} set to {value}", file=stream)
 
 
 def cmd_merge(args) -> int:
@@ -329,7 +275,7 @@ def cmd_merge(args) -> int:
         export_adapter=args.export_adapter,
         **_read_options(args),
     )
-    if not _preflight(options, args.dry_run):
+    if not preflight(options, args.dry_run):
         return 1
     if args.dry_run:
         return 0
@@ -341,54 +287,15 @@ def cmd_merge(args) -> int:
         options, plain=args.plain, verify=args.verify, perplexity=args.perplexity, behaviour=args.behaviour
     )
     print_result(result)
-    code = _report_verification(report)
+    code = report_verification(report)
     if args.hf_upload_path:
         if code != 0:
             raise MergeError(f"Nothing was uploaded to {args.hf_upload_path}: the merged model failed verification.")
-        from tui_merger.cli_upload import upload_after_merge
+        from tui_merger.cli_common import upload_after_merge  # noqa: F811
 
         uploaded = upload_after_merge(result.out, args.hf_upload_path, private=not args.public, plain=args.plain)
         print(f"  uploaded: {uploaded.commit_url}")
     return code
-
-
-def _preflight(options, dry_run: bool) -> bool:
-    """Check everything before writing. A dry run prints the plan and every finding; a merge prints the
-    warnings and stops on errors (the first as the error sentence). Returns whether the merge may go on."""
-    from tui_merger.core.errors import MergeError
-    from tui_merger.core.preflight import ENGINE_SAYS, ERROR, describe, make_plan
-
-    plan = make_plan(options)
-    if dry_run:
-        print("Merge plan (nothing is written):")
-        for line in describe(plan):
-            print(line)
-        for f in plan.findings:
-            print(f"  {f.severity.upper():7} {f.text()}")
-        if not plan.findings:
-            print("  every check passed")
-        if plan.blocked:
-            print(f"error: {len(plan.of(ERROR))} problem(s) would stop this merge.", file=sys.stderr)
-        return not plan.blocked
-    for f in plan.findings:
-        if f.severity != ERROR and f.id not in ENGINE_SAYS:
-            print(f"{f.severity}: {f.text()}", file=sys.stderr)
-    errors = plan.of(ERROR)
-    if errors:
-        for f in errors[1:]:
-            print(f"  also: {f.text()}", file=sys.stderr)
-        raise MergeError(errors[0].text())
-    return True
-
-
-def _report_verification(report) -> int:
-    from tui_merger.cli_verify import VERIFY_FAILED, print_report
-
-    if report is None:
-        print("  not verified (--no-verify): run tui-merger verify on the folder before shipping it")
-        return 0
-    print_report(report)
-    return 0 if report.passed else VERIFY_FAILED
 
 
 def _checkpoint(args) -> Path | None:

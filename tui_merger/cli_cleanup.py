@@ -36,9 +36,9 @@ def add_parser(sub) -> None:
 
 
 def _interactive() -> bool:
-    from tui_merger.cli import _is_tty
+    from tui_merger.cli_common import is_tty
 
-    return _is_tty(sys.stdin) and _is_tty(sys.stdout)
+    return is_tty(sys.stdin) and is_tty(sys.stdout)
 
 
 def cmd_cleanup(args) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
-from pathlib import Path
+
+from tui_merger.cli_common import next_step
 
 MAX_TARGETS = 8
 
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from tui_merger.cli import _is_tty
+    from tui_merger.cli_common import is_tty
     from tui_merger.core.inspect import scan
 
     result = scan(args.path, max_depth=args.depth)
@@ -36,7 +36,7 @@ def cmd_inspect(args) -> int:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     lines = render(result, args.path)
-    if _is_tty(sys.stdout):
+    if is_tty(sys.stdout):
         from rich.console import Console
         from rich.text import Text
 
@@ -135,36 +135,3 @@ def _lora_line(lora: dict) -> str:
     return "; ".join(parts)
 
 
-def next_step(result, where) -> str | None:
-    """What to run for the newest latest-marked checkpoint (else the newest one)."""
-    from tui_merger.core.inspect import shown
-
-    pool = [c for c in result.candidates if c.latest] or result.candidates
-    if not pool:
-        return None
-
-    def mtime(c) -> float:
-        try:
-            return os.stat(c.path).st_mtime
-        except OSError:
-            return 0.0
-
-    c = max(pool, key=mtime)
-    path = where(c.path)
-    q = shlex.quote
-    if c.kind == "verl-megatron" and (Path(c.path) / "adapter_checkpoint").is_dir():
-        return f"{path} holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet."
-    if c.kind in ("hf-model", "trainer-checkpoint") and not c.needs_base:
-        return f"{path} is a full model, not an adapter: nothing to merge; load it as it is."
-    base_arg = q(shown(c.base_path)) if c.base_resolves in ("path", "hf-cache") else "BASE_MODEL"
-    if c.run is not None:  # beside the run's checkpoints
-        out = os.path.join(where(c.run), f"merged-step-{c.step}" + ("-critic" if c.role == "critic" else ""))
-    else:
-        out = f"{path}-merged"
-    if c.kind == "verl-megatron":
-        return f"tui-merger merge --backend megatron --local_dir {q(path)} --target_dir {q(out)}"
-    if c.kind == "verl-fsdp":
-        base = f" --base {base_arg}" if c.needs_base else ""
-        alpha = " --lora-alpha ALPHA" if c.lora is not None and not c.lora["alpha"] else ""
-        return f"tui-merger merge {q(path)}{base}{alpha} --out {q(out)}"
-    return f"tui-merger merge --base {base_arg} --adapter {q(path)} --out {q(out)}"

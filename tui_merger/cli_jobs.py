@@ -111,7 +111,7 @@ def cmd_run_job(args) -> int:
     import signal
     import traceback
 
-    from tui_merger.cli import _preflight, _report_verification, print_result
+    from tui_merger.cli_common import preflight, print_result, report_verification
     from tui_merger.console import PlainProgress
     from tui_merger.core.engine import run_merge
     from tui_merger.core.errors import MergeCancelled, MergeError
@@ -133,7 +133,7 @@ def cmd_run_job(args) -> int:
     state, code, verified, result = FAILED, 3, None, None
     try:
         options = MergeOptions(**request["options"])
-        _preflight(options, dry_run=False)
+        preflight(options, dry_run=False)
         result = run_merge(options, on_event)
         perplexity = Path(request["perplexity"]) if request["perplexity"] else None
         _, report = finish_merge(
@@ -141,7 +141,7 @@ def cmd_run_job(args) -> int:
             perplexity_text=perplexity, on_event=on_event,
         )
         print_result(result)
-        code = _report_verification(report)
+        code = report_verification(report)
         verified = None if report is None else report.passed
         message = {
             True: f"the merged model in {job.out} passed verification",
@@ -151,7 +151,7 @@ def cmd_run_job(args) -> int:
         if request["upload_to"]:
             if code != 0:
                 raise MergeError(f"Nothing was uploaded to {request['upload_to']}: the merged model failed verification.")
-            from tui_merger.cli_upload import upload_after_merge
+            from tui_merger.cli_common import upload_after_merge
 
             uploaded = upload_after_merge(result.out, request["upload_to"], private=not request["public"], plain=True)
             print(f"  uploaded: {uploaded.commit_url}")

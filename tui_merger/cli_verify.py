@@ -7,8 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-VERIFY_FAILED = 4  # exit code: the model was written but does not match its inputs
-
+from tui_merger.cli_common import VERIFY_FAILED, print_report  # noqa: F401  (VERIFY_FAILED: the exit code)
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -66,21 +65,3 @@ def cmd_verify(args) -> int:
     return 0 if report.passed else VERIFY_FAILED
 
 
-def print_report(report, stream=None) -> None:
-    stream = stream or sys.stdout
-    print(f"Verification of {report.out}: {'PASSED' if report.passed else 'FAILED'} ({report.seconds:.1f} s)", file=stream)
-    for check in report.checks:
-        print(f"  {check.status.upper():4}  {check.name}: {check.summary}", file=stream)
-        for line in check.details[:10]:
-            print(f"          {line}", file=stream)
-        if len(check.details) > 10:
-            print(f"          ... and {len(check.details) - 10} more", file=stream)
-    if not report.passed:
-        print(
-            "  The model was written but does not match its inputs; it is kept for inspection. "
-            "Do not ship it.",
-            file=stream,
-        )
-    elif any(c.status == "skip" for c in report.checks):
-        skipped = ", ".join(c.name for c in report.checks if c.status == "skip")
-        print(f"  Not fully verified: the {skipped} check did not run (the reason is above).", file=stream)

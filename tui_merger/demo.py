@@ -90,22 +90,21 @@ def build_demo(workspace: Path, seed: int = 0) -> tuple[Path, Path]:
     return base, adapter
 
 
-def cmd_demo(args) -> int:
-    from tui_merger.cli import _report_verification, print_result, run_with_progress
+def cmd_demo(args, launch) -> int:
+    """``launch``: how the command line opens the assistant on a folder (cli.launch)."""
+    from tui_merger.cli_common import print_result, report_verification, run_with_progress, terminal
     from tui_merger.core.options import MergeOptions
-
-    from tui_merger.cli import _terminal, launch
 
     workspace = Path(args.workspace)
     print(f"Building a tiny demo model and LoRA adapter in {workspace} ...", file=sys.stderr)
     base, adapter = build_demo(workspace)
-    interactive, dumb = _terminal()
+    interactive, dumb = terminal()
     if interactive and not args.no_ui:  # a person at a terminal: the assistant takes it from here
         return launch(workspace, plain=dumb)
     out = workspace / "merged"
     result, report = run_with_progress(MergeOptions(base=base, adapter=adapter, out=out, overwrite=True))
     print_result(result)
-    code = _report_verification(report)
+    code = report_verification(report)
     print(
         f"\nTry it:  python -c \"from transformers import AutoModelForCausalLM; "
         f"AutoModelForCausalLM.from_pretrained('{out}')\"",

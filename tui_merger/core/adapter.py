@@ -370,33 +370,3 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
     }
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [f"{dest.name}/adapter_config.json", f"{dest.name}/{ADAPTER_WEIGHTS[0]}"]
-
-
-def open_any_adapter(path: Path, base_names=None) -> PeftAdapter:
-    """What --adapter names: a PEFT adapter folder, the adapter_model file inside one, or a kohya-style
-    LoRA ``.safetensors`` file (mapped onto ``base_names``, the base's tensor names)."""
-    path = Path(path)
-    if path.is_dir() or not path.exists():
-        return open_adapter(path)  # says what is wrong with a missing folder
-    if path.name in ADAPTER_WEIGHTS and (path.parent / "adapter_config.json").is_file():
-        return open_adapter(path.parent)
-    if path.name.endswith(".safetensors"):
-        from tui_merger.core.kohya import file_kind, open_kohya
-
-        kind = file_kind(path)
-        if kind == "kohya":
-            if base_names is None:
-                raise MergeError(
-                    f"{path} is a kohya-style LoRA file, whose module names can only be read against the base "
-                    "model; give the base model as well."
-                )
-            return open_kohya(path, base_names)
-        if kind == "peft":
-            raise MergeError(
-                f"{path} holds peft LoRA tensors (lora_A / lora_B) but has no adapter_config.json beside it; "
-                "point --adapter at the folder peft's save_pretrained wrote, with its adapter_config.json."
-            )
-    raise MergeError(
-        f"{path} is neither a PEFT adapter folder nor a kohya-style LoRA .safetensors file; point --adapter "
-        "at the folder holding adapter_config.json, or at a .safetensors file with lora_down / lora_up tensors."
-    )

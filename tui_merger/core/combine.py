@@ -32,7 +32,7 @@ def _same_local_base(first: str, other: str) -> bool:
     """Two base names that differ but lead to one model here: the same folder (a symlink, a copy in the
     HF cache), or a folder whose config or cache path carries the other name."""
     from tui_merger.core.files import json_object_or_none
-    from tui_merger.core.preflight import names_of_base, resolve_model_reference
+    from tui_merger.core.hf_refs import names_of_base, resolve_model_reference
 
     folders = [resolve_model_reference(n) for n in (first, other)]
     if folders[0] is not None and folders[1] is not None and folders[0].resolve() == folders[1].resolve():

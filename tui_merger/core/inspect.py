@@ -36,10 +36,11 @@ from pathlib import Path
 
 from tui_merger.core.adapter import ADAPTER_WEIGHTS
 from tui_merger.core.cleanup import OPTIMIZER_FILE
+from tui_merger.core.hf_refs import cached_snapshot, hub_cache
 from tui_merger.core.errors import MergeError
 from tui_merger.core.files import TOKENIZER_MARKERS, config_dtype
 from tui_merger.core.fsdp import RANK_FILE, STEP_DIR
-from tui_merger.core.options import human_bytes
+from tui_merger.core.options import common_and_exceptions, human_bytes, plain_number
 from tui_merger.core.safetensors_io import SafetensorsFile
 from tui_merger.core.sources import BIN_INDEX, SAFE_INDEX
 
@@ -152,34 +153,6 @@ def scan(path, max_depth: int = 4) -> ScanResult:
     return result
 
 
-def hub_cache() -> Path:
-    """The Hugging Face hub cache folder, found as huggingface_hub finds it (without importing it)."""
-    env = os.environ
-    explicit = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
-def cached_snapshot(repo_id: str) -> Path | None:
-    """The cached snapshot of a Hub model (refs/main first) holding config.json, by the cache's path
-    convention; None when the model is not in the cache."""
-    repo = hub_cache() / ("models--" + repo_id.replace("/", "--"))
-    try:
-        main = (repo / "refs" / "main").read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        main = ""
-    try:
-        others = sorted((repo / "snapshots").iterdir(), reverse=True)
-    except OSError:
-        others = []
-    for snap in ([repo / "snapshots" / main] if main else []) + others:
-        if (snap / "config.json").is_file():
-            return snap
-    return None
-
-
 def _reason(err: OSError) -> str:
     return err.strerror or str(err)
 
@@ -199,19 +172,6 @@ def _dominant_dtype(infos) -> str | None:
     for info in infos:
         count[info.dtype] += max(info.nbytes, 1)
     return count.most_common(1)[0][0] if count else None
-
-
-def plain_number(value):
-    """2.0 -> 2 (how ranks and alphas are shown and stored), other values unchanged."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def common_and_exceptions(values: dict) -> tuple[object, dict]:
-    """(the most common value, {key: value} for the keys that differ from it)."""
-    if not values:
-        return None, {}
-    common = Counter(values.values()).most_common(1)[0][0]
-    return common, {k: v for k, v in values.items() if v != common}
 
 
 def _kohya_target(module: str) -> str:

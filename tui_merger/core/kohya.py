@@ -18,11 +18,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tui_merger.core.adapter import PEFT_PREFIX, PeftAdapter, adapter_from_source, export_peft_adapter
+from tui_merger.core.adapter import (
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    PeftAdapter,
+    adapter_from_source,
+    export_peft_adapter,
+    open_adapter,
+)
 from tui_merger.core.errors import MergeError
 from tui_merger.core.fsdp import RenamedSource
-from tui_merger.core.inspect import common_and_exceptions, plain_number
-from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
+from tui_merger.core.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
+from tui_merger.core.options import common_and_exceptions, plain_number
 from tui_merger.core.safetensors_io import SafetensorsFile
 from tui_merger.core.sources import TensorSource
 
@@ -279,3 +286,31 @@ def kohya_to_peft(path: Path, base_names, dest: Path, base_model: str | None = N
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return written
+
+
+def open_any_adapter(path: Path, base_names=None) -> PeftAdapter:
+    """What --adapter names: a PEFT adapter folder, the adapter_model file inside one, or a kohya-style
+    LoRA ``.safetensors`` file (mapped onto ``base_names``, the base's tensor names)."""
+    path = Path(path)
+    if path.is_dir() or not path.exists():
+        return open_adapter(path)  # says what is wrong with a missing folder
+    if path.name in ADAPTER_WEIGHTS and (path.parent / "adapter_config.json").is_file():
+        return open_adapter(path.parent)
+    if path.name.endswith(".safetensors"):
+        kind = file_kind(path)
+        if kind == "kohya":
+            if base_names is None:
+                raise MergeError(
+                    f"{path} is a kohya-style LoRA file, whose module names can only be read against the base "
+                    "model; give the base model as well."
+                )
+            return open_kohya(path, base_names)
+        if kind == "peft":
+            raise MergeError(
+                f"{path} holds peft LoRA tensors (lora_A / lora_B) but has no adapter_config.json beside it; "
+                "point --adapter at the folder peft's save_pretrained wrote, with its adapter_config.json."
+            )
+    raise MergeError(
+        f"{path} is neither a PEFT adapter folder nor a kohya-style LoRA .safetensors file; point --adapter "
+        "at the folder holding adapter_config.json, or at a .safetensors file with lora_down / lora_up tensors."
+    )

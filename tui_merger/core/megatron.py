@@ -825,7 +825,7 @@ def open_megatron_inputs(options):
     with Hugging Face names, no adapter, the checkpoint's config and files."""
     from tui_merger.core.adapter import empty_adapter
     from tui_merger.core.files import FilePlan, config_dtype, plan_files, read_config
-    from tui_merger.core.inputs import Inputs, _value_model, paths_of
+    from tui_merger.core.input_types import Inputs, _value_model, paths_of
     from tui_merger.core.safetensors_io import FLOAT_DTYPES
     from tui_merger.core.sources import open_model
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -243,3 +244,16 @@ class MergeResult:
             return f"{self.tensors_total} tensors (converted from the checkpoint, no adapter)"
         several = len((self.adapter_info or {}).get("adapters") or []) > 1
         return f"{self.tensors_total} tensors ({self.tensors_merged} changed by the adapter{'s' if several else ''})"
+
+
+def plain_number(value):
+    """2.0 -> 2 (how ranks and alphas are shown and stored), other values unchanged."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def common_and_exceptions(values: dict) -> tuple[object, dict]:
+    """(the most common value, {key: value} for the keys that differ from it)."""
+    if not values:
+        return None, {}
+    common = Counter(values.values()).most_common(1)[0][0]
+    return common, {k: v for k, v in values.items() if v != common}

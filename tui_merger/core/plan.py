@@ -10,17 +10,10 @@ from dataclasses import dataclass, field
 
 from tui_merger.core.adapter import LoraModule, PeftAdapter
 from tui_merger.core.errors import MergeError
+from tui_merger.core.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
 from tui_merger.core.safetensors_io import FLOAT_DTYPES, itemsize, nbytes_of
 from tui_merger.core.sources import TensorRef, TensorSource
 
-INPUT_EMBEDDING_SUFFIXES = (
-    "embed_tokens.weight",
-    "wte.weight",
-    "word_embeddings.weight",
-    "tok_embeddings.weight",
-    "embed_in.weight",
-)
-OUTPUT_EMBEDDING = "lm_head.weight"
 
 
 @dataclass(frozen=True)

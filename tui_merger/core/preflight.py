@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.hf_refs import names_of_base, resolve_model_reference
 from tui_merger.core.files import json_object_or_none
 from tui_merger.core.options import MergeOptions, human_bytes
 
@@ -292,31 +293,6 @@ def _adapter_side_config(folder: Path) -> tuple[dict | None, str]:
         return None, ""
     return json_object_or_none(path / "config.json"), str(path / "config.json")
 
-
-
-def resolve_model_reference(name) -> Path | None:
-    """A model reference (a path or an ORG/NAME Hub id) to a local folder with config.json: the path
-    itself, or its snapshot in the Hugging Face cache. None when it would need a download."""
-    from tui_merger.core.inspect import cached_snapshot
-
-    if not name or not isinstance(name, str):
-        return None
-    path = Path(name).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) and ".." not in name:
-        return cached_snapshot(name)
-    return None
-
-
-def names_of_base(base: Path, config: dict) -> set[str]:
-    names = {str(base), str(base.resolve()), base.name, base.resolve().name}
-    if config.get("_name_or_path"):
-        names.add(str(config["_name_or_path"]))
-    for part in base.resolve().parts:  # .../models--Org--Name/snapshots/<sha>
-        if part.startswith("models--"):
-            names.add(part[len("models--"):].replace("--", "/"))
-    return names
 
 
 def _check_against_adapter_side(adapter: Path, who: str, base: Path, base_config: dict, add) -> None:

@@ -325,7 +325,7 @@ def find_unquantized_base(config: dict, base_path) -> Path | None:
     """The local 16-bit model a quantized model was made from: the name its config (``_name_or_path``),
     model card (``base_model``) or its own name without the quantization suffix gives, when that is a
     folder or in the Hugging Face cache, is not quantized itself and is the same kind of model."""
-    from tui_merger.core.preflight import resolve_model_reference
+    from tui_merger.core.hf_refs import resolve_model_reference
     from tui_merger.core.sources import find_weight_files
 
     folder = Path(base_path)
@@ -589,7 +589,7 @@ def fp4_roundtrip(w, blocksize: int = 64, double_quant: bool = False, out_dtype=
 def _is_linear_name(module: str) -> bool:
     """Whether a module name looks like a Linear layer bitsandbytes would replace: not an embedding,
     not an output head (transformers keeps lm_head and the model's last module in 16 bits)."""
-    from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES
+    from tui_merger.core.names import INPUT_EMBEDDING_SUFFIXES
 
     leaf = module.rsplit(".", 1)[-1]
     if (module + ".weight").endswith(INPUT_EMBEDDING_SUFFIXES) or "embed" in leaf or leaf in _EMBEDDING_LEAVES:

@@ -283,7 +283,7 @@ def _dtype_name(st_dtype: str) -> str:
 
 
 def _config_problems(config: dict, shapes: dict) -> list[str]:
-    from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING, _has_lm_head
+    from tui_merger.core.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING, _has_lm_head
 
     problems = []
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
@@ -512,7 +512,24 @@ def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: Cancel
                     x.prefetch()
             got_all = ref.load()
             finite = True
-            if t.raw_copy:  # compared a block at a time, each block's pages handed back (an embedding is GBs)
+            pieces = None if t.ops else t.source.source.row_blocks(t.source)
+            if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
+                bad, diff, start = 0, 0.0, 0
+                for piece, release in pieces:
+                    stop = start + (piece.shape[0] if piece.dim() else 1)
+                    got = got_all[start:stop] if piece.dim() else got_all
+                    finite = finite and _finite(got)
+                    want = piece.float().clamp(-65504.0, 65504.0) if clamp else piece
+                    n = _mismatches(got, want) if piece.dtype != got.dtype or clamp else (0 if _bits_equal(got, piece) else 1)
+                    if n:
+                        bad += n
+                        diff = max(diff, (got.float() - want.float()).abs().max().item())
+                    release()
+                    ref.release_rows(start, stop)
+                    start = stop
+                if bad or start != (t.shape[0] if t.shape else 1):
+                    problems.append(f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the checkpoint (max {diff:.3g})")
+            elif t.raw_copy:  # compared a block at a time, each block's pages handed back (an embedding is GBs)
                 src = t.source.load()
                 equal = True
                 for rows in _row_blocks(t.shape, BLOCK_VALUES * 16):
@@ -595,7 +612,7 @@ def probe_ids(config: dict, plan):
     """Fixed token ids within both the config's vocabulary and the model's input embedding rows."""
     import torch
 
-    from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES
+    from tui_merger.core.names import INPUT_EMBEDDING_SUFFIXES
 
     rows = next((t.shape[0] for t in plan.tensors if t.name.endswith(INPUT_EMBEDDING_SUFFIXES)), None)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
