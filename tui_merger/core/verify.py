@@ -110,10 +110,21 @@ def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
     def sink(event) -> None:
         if isinstance(event, TensorProgress) and not started.is_set():
             started.set()
-            threading.Thread(target=load, name="tui-merger-prewarm", daemon=True).start()
+            thread = threading.Thread(target=load, name="tui-merger-prewarm", daemon=True)
+            _PREWARMING.append(thread)
+            thread.start()
         on_event(event)
 
     return sink
+
+
+_PREWARMING: list = []  # prewarm threads; the behaviour check waits for them (a half-imported
+# transformers seen from another thread lacks attributes)
+
+
+def _prewarmed() -> None:
+    while _PREWARMING:
+        _PREWARMING.pop().join()
 
 
 def options_from_manifest(out: Path) -> MergeOptions:
@@ -283,7 +294,7 @@ def _dtype_name(st_dtype: str) -> str:
 
 
 def _config_problems(config: dict, shapes: dict) -> list[str]:
-    from tui_merger.core.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING, _has_lm_head
+    from tui_merger.core.plan import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING, _has_lm_head
 
     problems = []
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
@@ -651,6 +662,7 @@ def quiet_transformers():
 
 def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, text: Path | None, on_event) -> list[Check]:
     """Merged model and unmerged reference, layer by layer (``behaviour.py``)."""
+    _prewarmed()
     import transformers
 
     from tui_merger.core import behaviour as bh
