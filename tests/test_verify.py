@@ -418,3 +418,23 @@ def test_verify_with_an_edited_manifest_asks_for_the_inputs(merged, tmp_path, ca
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and said in lines[0] and "--base and --adapter" in lines[0] and "Traceback" not in err, err
+
+
+def test_cancel_stops_the_behaviour_check_between_layers(merged):
+    """Cancel (the TUI's button, Ctrl-C in the CLI) is checked before every module's weights are read."""
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken, TensorProgress
+
+    options = merged[0]
+    cancel = CancelToken()
+    seen = []
+
+    def on_event(event):
+        if isinstance(event, TensorProgress) and event.name.startswith("merged model: "):
+            seen.append(event.name)
+            cancel.cancel()  # after the first module of the merged model has run
+
+    with pytest.raises(MergeCancelled):
+        verify_merge(Path(options.out), MergeOptions(base=options.base, adapter=options.adapter, out=options.out),
+                     on_event=on_event, cancel=cancel)
+    assert len(seen) == 1

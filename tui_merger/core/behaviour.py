@@ -112,7 +112,7 @@ def streamer_for_files(cls, config, tensors: dict, what: str, on_event=None, can
     return Streamer(model, weights, on_unit=_progress(on_event, what), cancel=cancel), missing
 
 
-def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str, on_event=None, cancel=None, weights_of=None):
+def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str, on_event=None, cancel=None):
     """The model of ``cls`` from file tensors, with peft adapters applied unmerged.
 
     ``adapters``: [(folder, weight)]; one adapter is loaded as peft loads it, several are combined

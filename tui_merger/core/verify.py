@@ -88,8 +88,9 @@ class VerifyReport:
 def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
     """``on_event``, which also starts importing what the behaviour check needs (transformers' model
     code, peft, accelerate: seconds of Python) in a background thread once the merge writes its first
-    tensor: the merge spends its time in torch and the kernel, and torch is imported by then (no two
-    threads import it at once). Never fails: an import error shows later, where it is handled."""
+    tensor (torch is imported by then): the merge spends its time in torch and the kernel. The check
+    waits for this thread before it imports anything itself. Never fails: an import error shows later,
+    where it is handled."""
     import threading
 
     started = threading.Event()
@@ -204,7 +205,7 @@ def verify_merge(
             if structure.status == "fail":
                 report.checks.append(Check("behaviour", "skip", "skipped: the structure check failed"))
             else:
-                checks = _behaviour(out, out_config, options, inputs, plan, perplexity_text, on_event)
+                checks = _behaviour(out, out_config, options, inputs, plan, perplexity_text, on_event, cancel)
                 for check in checks:
                     if clamp and check.status == "fail":  # the user chose to change those values
                         check.status = "warn"
@@ -660,7 +661,8 @@ def quiet_transformers():
     transformers.utils.logging.set_verbosity_error()
 
 
-def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, text: Path | None, on_event) -> list[Check]:
+def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, text: Path | None, on_event,
+               cancel: CancelToken | None = None) -> list[Check]:
     """Merged model and unmerged reference, layer by layer (``behaviour.py``)."""
     _prewarmed()
     import transformers
@@ -690,9 +692,10 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
             try:
                 if options.export_adapter:
                     merged_model, missing = bh.streamer_with_adapter(
-                        cls, out_config, written.tensors, [(out / "lora_adapter", None)], "merged model", on_event)
+                        cls, out_config, written.tensors, [(out / "lora_adapter", None)], "merged model", on_event, cancel)
                 else:
-                    merged_model, missing = bh.streamer_for_files(cls, out_config, written.tensors, "merged model", on_event)
+                    merged_model, missing = bh.streamer_for_files(
+                        cls, out_config, written.tensors, "merged model", on_event, cancel)
             except StreamError as why:
                 return [_cannot_stream("merged model", why)]
             except bh.NoReference as why:
@@ -719,7 +722,7 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
                 return [_loads_check(cls.__name__, merged, peak)]  # a conversion: the tensors are the checkpoint's
             on_event(PhaseStarted("behaviour", "Running the unmerged reference (base + adapter through peft) layer by layer"))
             try:
-                reference_model = _reference_streamer(cls, out, out_config, options, inputs, tmp, on_event)
+                reference_model = _reference_streamer(cls, out, out_config, options, inputs, tmp, on_event, cancel)
             except (bh.NoReference, StreamError) as why:
                 return [Check("behaviour", "skip", f"skipped: {why}; not fully verified", metrics={"probes": list(PROBE_SHAPE)})]
             if reference_model is None:  # a conversion: the tensors are the checkpoint's (recompute)
@@ -759,7 +762,7 @@ def _cannot_stream(what: str, why: Exception) -> Check:
     )
 
 
-def _reference_streamer(cls, out: Path, out_config, options: MergeOptions, inputs, tmp, on_event):
+def _reference_streamer(cls, out: Path, out_config, options: MergeOptions, inputs, tmp, on_event, cancel=None):
     """base + adapter(s) through peft, the base streamed from the inputs as the merge read them;
     None for a checkpoint without an adapter (a conversion: no second model is needed)."""
     import transformers
@@ -771,7 +774,7 @@ def _reference_streamer(cls, out: Path, out_config, options: MergeOptions, input
             return None
         folder = bh.export_to_tmp(inputs.adapter, tmp, "adapter")
         streamer, missing = bh.streamer_with_adapter(
-            cls, out_config, inputs.base.tensors, [(folder, None)], "unmerged reference", on_event)
+            cls, out_config, inputs.base.tensors, [(folder, None)], "unmerged reference", on_event, cancel)
     else:
         config = transformers.AutoConfig.from_pretrained(options.base)
         vocab = transformers_vocab(out)
@@ -789,7 +792,7 @@ def _reference_streamer(cls, out: Path, out_config, options: MergeOptions, input
         else:
             adapters = [(inputs.adapter.folder, None)]
         streamer, missing = bh.streamer_with_adapter(
-            cls, config, inputs.base.tensors, adapters, "unmerged reference", on_event)
+            cls, config, inputs.base.tensors, adapters, "unmerged reference", on_event, cancel)
     if missing:
         raise bh.NoReference(
             f"the unmerged reference lacks {len(missing)} weight(s) transformers expects ({', '.join(missing[:3])})"
