@@ -122,3 +122,15 @@ def test_the_import_graph_has_no_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_command_modules_import_only_the_shared_module():
+    """tui_merger/cli/: the dispatcher (__init__) imports the commands; a command imports common, never
+    another command (what two commands share lives in common)."""
+    graph = _import_graph()
+    commands = [m for m in graph if m.startswith("tui_merger.cli.") and m != "tui_merger.cli.common"]
+    assert len(commands) >= 6
+    for name in commands:
+        siblings = {m for m in graph[name] if m.startswith("tui_merger.cli")} - {"tui_merger.cli.common"}
+        assert not siblings, (name, siblings)
+    assert not {m for m in graph["tui_merger.cli.common"] if m.startswith("tui_merger.cli")}

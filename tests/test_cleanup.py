@@ -448,7 +448,7 @@ def test_interactive_pick_and_confirm(tmp_path, monkeypatch, capsys):
         confirm=lambda message, default: Prompt(answers["confirm"]),
     )
     monkeypatch.setitem(__import__("sys").modules, "questionary", fake)
-    monkeypatch.setattr("tui_merger.cli_cleanup._interactive", lambda: True)
+    monkeypatch.setattr("tui_merger.cli.cleanup._interactive", lambda: True)
     before = listing(run)
 
     answers.update(pick=MERGED_INPUTS, confirm=False)

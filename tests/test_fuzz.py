@@ -1120,7 +1120,7 @@ def test_config_and_adapter_config_of_wrong_types_are_one_sentence(lora_pair, tm
     """Cases the config fuzzers found: a list as model_type crashed the Megatron mapper (unhashable);
     r: null crashed the plan (int(None)); rank_pattern: 7 crashed inspect's rendering; a tokenizer.json
     whose vocab is a string crashed the plan's token count."""
-    from tui_merger.cli_inspect import render
+    from tui_merger.cli.inspect import render
     from tui_merger.core.files import read_config
     from tui_merger.core.inspect import scan
     from tui_merger.core.preflight import make_plan
@@ -1864,7 +1864,7 @@ def inspect_tree(lora_pair, tmp_path_factory, work):
 
 
 def _scan_and_render(root: Path):
-    from tui_merger.cli_inspect import render
+    from tui_merger.cli.inspect import render
     from tui_merger.core.inspect import scan
 
     result = scan(root)

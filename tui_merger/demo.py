@@ -92,7 +92,7 @@ def build_demo(workspace: Path, seed: int = 0) -> tuple[Path, Path]:
 
 def cmd_demo(args, launch) -> int:
     """``launch``: how the command line opens the assistant on a folder (cli.launch)."""
-    from tui_merger.cli_common import print_result, report_verification, run_with_progress, terminal
+    from tui_merger.cli.common import print_result, report_verification, run_with_progress, terminal
     from tui_merger.core.options import MergeOptions
 
     workspace = Path(args.workspace)

@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tui_merger.cli_common import VERIFY_FAILED, print_report
+from tui_merger.cli.common import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
 from tui_merger.core.choices import default_out_folder, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
 from tui_merger.core.errors import MergeError
@@ -386,7 +386,7 @@ class _Flow:
 
     # -- 5. Finish ----------------------------------------------------------------------------------
     def finish(self, result, report) -> int:
-        from tui_merger.cli_common import print_result
+        from tui_merger.cli.common import print_result
 
         self.step(5)
         print_result(result, stream=self.out)
@@ -577,7 +577,7 @@ def _check_size(text: str) -> str | None:
 def explain_no_terminal(path: Path) -> str:
     """What to run instead when there is no terminal to ask on: inspect, then the merge command of the
     latest checkpoint that can be merged, when there is one."""
-    from tui_merger.cli_common import next_step
+    from tui_merger.cli.common import next_step
 
     given = shown(path)
     text = (

@@ -8,7 +8,7 @@ A job is a folder ``state_dir()/jobs/ID/``:
     log.txt        everything the runner prints: plain progress lines, the result, any error
     progress.json  the current phase and its tensor progress, rewritten atomically at most every 0.5 s
 
-The runner (``tui-merger _job-run ID``, in cli_jobs) records the end in job.json after its last line of
+The runner (``tui-merger _job-run ID``, in cli/jobs.py) records the end in job.json after its last line of
 output. A job whose job.json still says running while its process is gone is reported as died (killed, or
 the machine restarted): running the same merge again resumes from its finished shards.
 """

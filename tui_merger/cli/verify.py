@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tui_merger.cli_common import VERIFY_FAILED, print_report  # noqa: F401  (VERIFY_FAILED: the exit code)
+from tui_merger.cli.common import VERIFY_FAILED, print_report  # noqa: F401  (VERIFY_FAILED: the exit code)
 
 def add_parser(sub) -> None:
     p = sub.add_parser(

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 
 def _interactive() -> bool:
-    from tui_merger.cli_common import is_tty
+    from tui_merger.cli.common import is_tty
 
     return is_tty(sys.stdin) and is_tty(sys.stdout)
 

@@ -111,7 +111,7 @@ def cmd_run_job(args) -> int:
     import signal
     import traceback
 
-    from tui_merger.cli_common import preflight, print_result, report_verification
+    from tui_merger.cli.common import preflight, print_result, report_verification
     from tui_merger.console import PlainProgress
     from tui_merger.core.engine import run_merge
     from tui_merger.core.errors import MergeCancelled, MergeError
@@ -151,7 +151,7 @@ def cmd_run_job(args) -> int:
         if request["upload_to"]:
             if code != 0:
                 raise MergeError(f"Nothing was uploaded to {request['upload_to']}: the merged model failed verification.")
-            from tui_merger.cli_common import upload_after_merge
+            from tui_merger.cli.common import upload_after_merge
 
             uploaded = upload_after_merge(result.out, request["upload_to"], private=not request["public"], plain=True)
             print(f"  uploaded: {uploaded.commit_url}")

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from tui_merger.cli_common import next_step
+from tui_merger.cli.common import next_step
 
 MAX_TARGETS = 8
 
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from tui_merger.cli_common import is_tty
+    from tui_merger.cli.common import is_tty
     from tui_merger.core.inspect import scan
 
     result = scan(args.path, max_depth=args.depth)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tui_merger.cli_common import print_plan, run_upload
+from tui_merger.cli.common import print_plan, run_upload
 
 
 def add_parser(sub) -> None:

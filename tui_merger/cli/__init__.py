@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from tui_merger import __version__
-from tui_merger.cli_common import preflight, print_result, report_verification, run_with_progress, terminal
+from tui_merger.cli.common import preflight, print_result, report_verification, run_with_progress, terminal
 
 
 
@@ -30,7 +30,12 @@ def _finite_number(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tui_merger import cli_cleanup, cli_convert, cli_inspect, cli_jobs, cli_upload, cli_verify  # each adds its command (cheap imports)
+    from tui_merger.cli import cleanup as cli_cleanup  # each adds its command (cheap imports)
+    from tui_merger.cli import convert as cli_convert
+    from tui_merger.cli import inspect as cli_inspect
+    from tui_merger.cli import jobs as cli_jobs
+    from tui_merger.cli import upload as cli_upload
+    from tui_merger.cli import verify as cli_verify
 
     parser = argparse.ArgumentParser(
         prog="tui-merger",
@@ -279,8 +284,8 @@ def cmd_merge(args) -> int:
         return 1
     if args.dry_run:
         return 0
-    if args.detach:  # the checks passed here; the merge runs on in its own session (cli_jobs)
-        from tui_merger.cli_jobs import detach
+    if args.detach:  # the checks passed here; the merge runs on in its own session (cli/jobs.py)
+        from tui_merger.cli.jobs import detach
 
         return detach(args, options)
     result, report = run_with_progress(
@@ -291,7 +296,7 @@ def cmd_merge(args) -> int:
     if args.hf_upload_path:
         if code != 0:
             raise MergeError(f"Nothing was uploaded to {args.hf_upload_path}: the merged model failed verification.")
-        from tui_merger.cli_common import upload_after_merge  # noqa: F811
+        from tui_merger.cli.common import upload_after_merge  # noqa: F811
 
         uploaded = upload_after_merge(result.out, args.hf_upload_path, private=not args.public, plain=args.plain)
         print(f"  uploaded: {uploaded.commit_url}")
