@@ -643,14 +643,6 @@ def _available_memory() -> int | None:
     return None
 
 
-def _kl(ref, other) -> float:
-    import torch
-
-    p = torch.log_softmax(ref.double(), dim=-1)
-    q = torch.log_softmax(other.double(), dim=-1)
-    return (p.exp() * (p - q)).sum(-1).mean().item()
-
-
 def quiet_transformers():
     import warnings
 
@@ -863,13 +855,15 @@ def compare_logits(merged, reference, base, stored: str, missing: list, cls_name
     diff = (merged - reference).abs().max().item()
     metrics = {"max_abs_diff": diff, "dtype": stored, "compute_dtype": cdtype, "probes": list(PROBE_SHAPE)}
     if merged.shape[-1] > 1:
-        kl = _kl(reference, merged)
+        from tui_merger.core.behaviour import kl as kl_of
+
+        kl = kl_of(reference, merged)
         metrics["kl"] = kl
         limit = KL_LIMIT[stored]
         ok = kl <= limit
         what = f"KL {kl:.2e} (limit {limit:.0e}), max |logit diff| {diff:.3g}"
         if base is not None:
-            effect = _kl(reference, base)
+            effect = kl_of(reference, base)
             metrics["adapter_effect_kl"] = effect
             what += f"; the adapter itself moves them by KL {effect:.2e}"
             # rounding noise of a large model may pass the absolute limit yet stay tiny next to the
