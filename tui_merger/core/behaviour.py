@@ -174,8 +174,8 @@ def _progress(on_event, what: str):
     if on_event is None:
         return None
 
-    def report(name: str, done: int, total: int) -> None:
-        on_event(TensorProgress(f"{what}: {name}", done, max(total, done), done, max(total, done)))
+    def report(name: str, done: int, total: int, bytes_done: int, bytes_total: int) -> None:
+        on_event(TensorProgress(f"{what}: {name}", done, max(total, done), bytes_done, max(bytes_total, bytes_done)))
 
     return report
 

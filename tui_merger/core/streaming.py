@@ -87,7 +87,9 @@ class Streamer:
         self.weights = weights
         self.pool = Pool()
         self.stats = StreamStats()
-        self.on_unit = on_unit or (lambda name, done, total: None)
+        self.on_unit = on_unit or (lambda name, done, total, bytes_done, bytes_total: None)
+        self._unit_bytes: dict[str, int] = {}
+        self._bytes_done = 0
         self.cancel = cancel
         self._converted: dict[str, object] = {}
         self._units: list[str] = []
@@ -174,6 +176,7 @@ class Streamer:
             else:
                 add_hook_to_module(unit, _StreamHook(self, unit_name, params))
             self._units.append(unit_name)
+            self._unit_bytes[unit_name] = sum(_stored_bytes(self.weights[full]) for full in params)
         missing = [n for n in names if n not in owned and n in self.weights]
         if missing:  # parameters of modules that never run their own forward (should not happen)
             raise StreamError(f"{missing[0]} belongs to no module that runs; this model cannot be streamed.")
@@ -181,7 +184,8 @@ class Streamer:
 
     def unit_done(self, name: str) -> None:
         self.stats.units += 1
-        self.on_unit(name, self.stats.units, len(self._units))
+        self._bytes_done += self._unit_bytes.get(name, 0)
+        self.on_unit(name, self.stats.units, len(self._units), self._bytes_done, sum(self._unit_bytes.values()))
 
     def check_cancel(self) -> None:
         if self.cancel is not None:
@@ -198,8 +202,18 @@ class Streamer:
         import torch
 
         self.stats.units = 0
+        self._bytes_done = 0
         with torch.no_grad():
             return self.model(*args, **kwargs)
+
+
+def _stored_bytes(w: Weight) -> int:
+    """How many bytes of the files (or of memory) one parameter's weights are, for progress."""
+    if w.nbytes:
+        return w.nbytes
+    if w.held is not None:
+        return w.held.numel() * w.held.element_size()
+    return 4 * math.prod(w.shape)
 
 
 def _named_tensors(module):
