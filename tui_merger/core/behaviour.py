@@ -107,7 +107,7 @@ def streamer_for_files(cls, config, tensors: dict, what: str, on_event=None, can
     from tui_merger.core.streaming import Streamer, meta_model, weights_from_files
 
     model = meta_model(cls, config)
-    weights, missing, _ = weights_from_files(model, tensors, context=what)
+    weights, missing, _ = weights_from_files(model, tensors)
     _check_shapes(model, weights, what)
     return Streamer(model, weights, on_unit=_progress(on_event, what), cancel=cancel), missing
 
@@ -123,7 +123,7 @@ def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str,
     from tui_merger.core.streaming import Streamer, Weight, meta_model, weights_from_files
 
     base = meta_model(cls, config)
-    base_weights, missing, _ = weights_from_files(base, tensors, context=what)
+    base_weights, missing, _ = weights_from_files(base, tensors)
     first_name = {}
     for name, p in base.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(p), name)

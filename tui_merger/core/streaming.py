@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tui_merger.core.errors import MergeError
 
@@ -48,7 +48,6 @@ class StreamStats:
     peak_live_values: int = 0  # most parameter values materialized at one time
     units: int = 0
     live_values: int = 0
-    loaded: list = field(default_factory=list)
 
 
 class Pool:
@@ -152,13 +151,9 @@ class Streamer:
 
     # -- hooks -------------------------------------------------------------------------------
     def _attach(self) -> None:
-        import torch
-
         from accelerate.hooks import add_hook_to_module
 
-        names = {}  # module -> {attr path within it: full parameter name}
-        for full, _ in _named_tensors(self.model):
-            names[full] = full
+        names = [full for full, _ in _named_tensors(self.model)]
         units = _units(self.model)
         owned = set()
         for unit_name, unit in units:
@@ -180,7 +175,6 @@ class Streamer:
         missing = [n for n in names if n not in owned and n in self.weights]
         if missing:  # parameters of modules that never run their own forward (should not happen)
             raise StreamError(f"{missing[0]} belongs to no module that runs; this model cannot be streamed.")
-        del torch
 
     def unit_done(self, name: str) -> None:
         self.stats.units += 1
@@ -356,7 +350,7 @@ def meta_model(cls, config):
     return model
 
 
-def weights_from_files(model, tensors: dict, *, context: str) -> tuple[dict[str, Weight], list[str], list[str]]:
+def weights_from_files(model, tensors: dict) -> tuple[dict[str, Weight], list[str], list[str]]:
     """Join the model's in-memory parameter names to file tensors ``{on-disk name: TensorRef}``.
 
     Returns (weights map, in-memory names with no tensor in the files, file names the model has no
