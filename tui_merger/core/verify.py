@@ -98,8 +98,10 @@ def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
     def load() -> None:
         try:
             import accelerate.hooks  # noqa: F401
-            import peft  # noqa: F401
             import transformers  # noqa: F401
+
+            if options.checkpoint is None:  # an adapter merge builds its reference with peft
+                import peft  # noqa: F401
 
             for folder in (options.checkpoint and Path(options.checkpoint) / "huggingface", options.base):
                 if folder and (Path(folder) / "config.json").is_file():
