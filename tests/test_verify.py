@@ -438,3 +438,20 @@ def test_cancel_stops_the_behaviour_check_between_layers(merged):
         verify_merge(Path(options.out), MergeOptions(base=options.base, adapter=options.adapter, out=options.out),
                      on_event=on_event, cancel=cancel)
     assert len(seen) == 1
+
+
+def test_custom_model_code_skips_the_behaviour_check_and_says_not_fully_verified(merged, tmp_path, capsys):
+    """An architecture that is not a transformers class (custom code, which tui-merger never runs): the
+    behaviour check is skipped with its reason, the report says so, and the files and tensors still count."""
+    folder = shutil.copytree(merged[0].out, tmp_path / "custom")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["TinyCustomForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    options = merged[0]
+    report = verify_merge(folder, MergeOptions(base=options.base, adapter=options.adapter, out=folder))
+    assert _statuses(report) == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}
+    assert "custom code" in report.checks[2].summary
+    assert report.passed and "not fully verified (behaviour skipped)" in report.summary
+    assert cli_main(["verify", str(folder), "--base", str(options.base), "--adapter", str(options.adapter)]) == 0
+    said = capsys.readouterr().out
+    assert "SKIP  behaviour" in said and "Not fully verified: the behaviour check did not run" in said
