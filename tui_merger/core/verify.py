@@ -514,7 +514,10 @@ def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: Cancel
     total = len(plan.tensors)
     total_bytes = sum(t.nbytes for t in plan.tensors)
     done_bytes = 0
-    stored = TensorSource(out, sorted(set(files.values())))
+    try:
+        stored = TensorSource(out, sorted(set(files.values())))
+    except MergeError as err:  # the library read the headers; ours is stricter
+        return Check("recompute", "fail", f"the weight files cannot be read for recomputation: {err}")
     try:
         for i, t in enumerate(plan.tensors, start=1):
             cancel.raise_if_cancelled()
@@ -677,8 +680,15 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
     stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
     probes = probe_ids(config, plan)
     tokens = _perplexity_tokens(out, text) if text else None
-    out_config = transformers.AutoConfig.from_pretrained(out)
-    written = open_model(out)
+    try:
+        out_config = transformers.AutoConfig.from_pretrained(out)
+    except Exception as err:  # noqa: BLE001 - transformers' own refusal of the file, said as it is
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        return [Check("behaviour", "fail", f"transformers cannot read the merged model's config.json: {first}")]
+    try:
+        written = open_model(out)
+    except MergeError as err:
+        return [Check("behaviour", "fail", f"the merged model's weights cannot be read: {err}")]
     try:
         with bh.temporary_folder() as tmp:
             # 1. the merged model, as users will load it
