@@ -123,7 +123,7 @@ def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str,
     from tui_merger.core.streaming import Streamer, Weight, meta_model, weights_from_files
 
     base = meta_model(cls, config)
-    base_weights, missing, _ = weights_from_files(base, tensors)
+    base_weights, _, _ = weights_from_files(base, tensors)
     first_name = {}
     for name, p in base.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(p), name)
@@ -144,7 +144,7 @@ def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str,
                 model.add_weighted_adapter(names, weights, "weighted", combination_type="cat")
                 model.set_adapter("weighted")
         except Exception as err:  # peft's own refusals: say them, skip the check
-            raise NoReference(f"peft cannot apply the adapter to the {what} ({_first_line(err)})") from None
+            raise NoReference(f"peft cannot apply the adapter to the {what} ({first_line(err)})") from None
     model.eval()
     weights = {}
     missing = []
@@ -180,7 +180,8 @@ def _progress(on_event, what: str):
     return report
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: Exception) -> str:
+    """The first line of an error's message (its type when it has none), at most 200 characters."""
     text = str(err).strip().splitlines()
     return (text[0] if text else type(err).__name__)[:200]
 

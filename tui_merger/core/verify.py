@@ -14,7 +14,6 @@ behave like the unmerged model?
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.streaming import StreamError
-from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted, TensorProgress, ignore_event
+from tui_merger.core.events import CancelToken, EventSink, PhaseStarted, TensorProgress, ignore_event
 from tui_merger.core.files import config_dtype, read_json_object
 from tui_merger.core.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions, check_option_types
@@ -401,15 +400,6 @@ class _Recomputation:
             ref.release()
 
 
-def _reference(t, rows):
-    """fp32 recomputation of output tensor ``t`` (only ``rows`` when given)."""
-    r = _Recomputation(t)
-    try:
-        return r.rows(rows)
-    finally:
-        r.release()
-
-
 def _sampled(t) -> bool:
     """Whether only a sample of rows is recomputed: a product of high-rank adapters costs more than
     reading the tensor (every row is recomputed up to a summed rank of FULL_RANK)."""
@@ -506,8 +496,6 @@ def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: Cancel
     """Every output tensor against its recomputation, a cache-sized block of rows at a time: the
     output is read through memory maps whose pages are handed back after each tensor, so memory
     stays at a few blocks whatever the model's size."""
-    import torch
-
     from tui_merger.core.sources import TensorSource
 
     problems, sampled, nonfinite, unchanged = [], [], [], []
@@ -683,8 +671,7 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
     try:
         out_config = transformers.AutoConfig.from_pretrained(out)
     except Exception as err:  # noqa: BLE001 - transformers' own refusal of the file, said as it is
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        return [Check("behaviour", "fail", f"transformers cannot read the merged model's config.json: {first}")]
+        return [Check("behaviour", "fail", f"transformers cannot read the merged model's config.json: {bh.first_line(err)}")]
     try:
         written = open_model(out)
     except MergeError as err:
@@ -729,8 +716,6 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
                 reference_model = _reference_streamer(cls, out, out_config, options, inputs, tmp, on_event, cancel)
             except (bh.NoReference, StreamError) as why:
                 return [Check("behaviour", "skip", f"skipped: {why}; not fully verified", metrics={"probes": list(PROBE_SHAPE)})]
-            if reference_model is None:  # a conversion: the tensors are the checkpoint's (recompute)
-                return [_loads_check(cls.__name__, merged, peak)]
             try:
                 reference, ref_hidden = bh.run(reference_model, probes)
                 ppl_ref = _perplexity(reference_model, tokens, config) if tokens is not None else None
@@ -756,8 +741,9 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
 
 
 def _cannot_stream(what: str, why: Exception) -> Check:
-    text = str(why).strip().splitlines()
-    reason = (text[0] if text else type(why).__name__)[:200]
+    from tui_merger.core.behaviour import first_line
+
+    reason = first_line(why)
     return Check(
         "behaviour", "skip",
         f"skipped: the {what} could not be run layer by layer ({reason}); not fully verified: structure and "
@@ -767,15 +753,13 @@ def _cannot_stream(what: str, why: Exception) -> Check:
 
 
 def _reference_streamer(cls, out: Path, out_config, options: MergeOptions, inputs, tmp, on_event, cancel=None):
-    """base + adapter(s) through peft, the base streamed from the inputs as the merge read them;
-    None for a checkpoint without an adapter (a conversion: no second model is needed)."""
+    """base + adapter(s) through peft, the base streamed from the inputs as the merge read them (a
+    checkpoint without an adapter, a conversion, needs none: the caller does not ask)."""
     import transformers
 
     from tui_merger.core import behaviour as bh
 
     if options.checkpoint is not None:
-        if not inputs.adapter.lora:
-            return None
         folder = bh.export_to_tmp(inputs.adapter, tmp, "adapter")
         streamer, missing = bh.streamer_with_adapter(
             cls, out_config, inputs.base.tensors, [(folder, None)], "unmerged reference", on_event, cancel)
