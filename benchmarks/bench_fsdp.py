@@ -186,7 +186,7 @@ def child_read(*files: str) -> None:
 def child_ours(actor: str, out: str, fsync: str) -> None:
     """run_merge in-process (lets us pass fsync=False) and report where the time went, by phase."""
     t0 = time.perf_counter()
-    import tui_merger.core.engine as engine
+    import tui_merger.core.merge.engine as engine
     from tui_merger.core.events import PhaseStarted
     from tui_merger.core.options import MergeOptions
 
@@ -475,8 +475,8 @@ def main_bench(args, cache: Path) -> int:
         floor = rss_floor({
             "python -c pass": [sys.executable, "-c", "pass"],
             "python -c 'import torch'": [sys.executable, "-c", "import torch"],
-            "python -c 'import tui_merger.core.engine, torch'": [sys.executable, "-c",
-                                                                   "import tui_merger.core.engine, torch"],
+            "python -c 'import tui_merger.core.merge.engine, torch'": [sys.executable, "-c",
+                                                                   "import tui_merger.core.merge.engine, torch"],
         })
 
         kept = warm_up(runner, cases, (INPROC, REF))

@@ -222,7 +222,7 @@ def main() -> None:
     args = ap.parse_args()
 
     build(args.cache)
-    from tui_merger.core.inspect import scan
+    from tui_merger.core.formats.scan import scan
     from tui_merger.core.options import human_bytes
 
     result = scan(args.cache)

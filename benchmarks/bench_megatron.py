@@ -183,7 +183,7 @@ def child_read(*files: str) -> None:
 def child_ours(actor: str, out: str) -> None:
     import torch  # noqa: F401  (not part of the timing)
 
-    from tui_merger.core.engine import run_merge
+    from tui_merger.core.merge.engine import run_merge
     from tui_merger.core.options import MergeOptions
 
     t0 = time.perf_counter()

@@ -156,7 +156,7 @@ def child_peft(base: str, adapter: str, out: str) -> None:
 def child_ours(base: str, adapter: str, out: str, fsync: str) -> None:
     """run_merge in-process (lets us pass fsync=False) and report where the time went, by phase."""
     t0 = time.perf_counter()
-    from tui_merger.core.engine import run_merge
+    from tui_merger.core.merge.engine import run_merge
     from tui_merger.core.events import PhaseStarted
     from tui_merger.core.options import MergeOptions
 
@@ -311,8 +311,8 @@ def main_bench(args, cache: Path) -> int:
         floor = rss_floor({
             "true": ["true"],
             "python -c 'import torch'": [sys.executable, "-c", "import torch"],
-            "python -c 'import tui_merger.core.engine, torch'": [sys.executable, "-c",
-                                                                   "import tui_merger.core.engine, torch"],
+            "python -c 'import tui_merger.core.merge.engine, torch'": [sys.executable, "-c",
+                                                                   "import tui_merger.core.merge.engine, torch"],
         })
 
         kept = warm_up(runner, cases, ("ours (run_merge fsync=False)", "peft", "ours q,v (run_merge fsync=False)"))

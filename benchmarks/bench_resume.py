@@ -35,7 +35,7 @@ SHARD = "100MB"
 def child(base: str, adapter: str, out: str, stop_at: str) -> None:
     import torch  # noqa: F401  (imported before the clock, as in the other benchmarks)
 
-    from tui_merger.core.engine import run_merge
+    from tui_merger.core.merge.engine import run_merge
     from tui_merger.core.errors import MergeCancelled
     from tui_merger.core.events import TensorProgress
     from tui_merger.core.options import MergeOptions

@@ -90,7 +90,7 @@ def profile_run_merge(opts, top: str) -> None:
     import cProfile
     import pstats
 
-    from tui_merger.core.engine import run_merge
+    from tui_merger.core.merge.engine import run_merge
 
     prof = cProfile.Profile()
     t0 = time.perf_counter()

@@ -46,7 +46,7 @@ def test_no_module_imports_torch_at_top_level():
 
 def test_cli_start_up_does_not_load_torch():
     code = (
-        "import sys, tui_merger.cli, tui_merger.core.engine;"
+        "import sys, tui_merger.cli, tui_merger.core.merge.engine;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in %r))" % (HEAVY | {"textual"},)
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)

@@ -31,7 +31,7 @@ peft = pytest.importorskip("peft")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tui_merger.cli import main as cli_main  # noqa: E402
-from tui_merger.core.engine import run_merge  # noqa: E402
+from tui_merger.core.merge.engine import run_merge  # noqa: E402
 from tui_merger.core.errors import MergeError  # noqa: E402
 from tui_merger.core.events import PhaseStarted  # noqa: E402
 from tui_merger.core.options import MergeOptions  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tui_merger.cli import main
-from tui_merger.core.cleanup import (
+from tui_merger.core.ship.cleanup import (
     CACHE,
     CHECKPOINT,
     KINDS,
@@ -23,7 +23,7 @@ from tui_merger.core.cleanup import (
     find_cleanup,
 )
 from tui_merger.core.errors import MergeError
-from tui_merger.core.manifest import FORMAT, describe_files, now_iso, record_history, write_manifest
+from tui_merger.core.record.manifest import FORMAT, describe_files, now_iso, record_history, write_manifest
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +75,7 @@ def make_trainer_run(run: Path, steps=(10, 20)) -> Path:
 
 
 def make_merge(out: Path, inputs, passed: bool | None = True, history: bool = False) -> Path:
-    """A merged model folder with a manifest that follows tui_merger.core.manifest's schema.
+    """A merged model folder with a manifest that follows tui_merger.core.record.manifest's schema.
     ``inputs``: [(role, folder, [file names relative to folder])]."""
     out.mkdir(parents=True)
     (out / "model.safetensors").write_bytes(os.urandom(256))

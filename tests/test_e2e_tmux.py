@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from tui_merger.core.manifest import read_manifest
+from tui_merger.core.record.manifest import read_manifest
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 

@@ -18,8 +18,8 @@ from tui_merger.core import (
     PhaseStarted,
     TensorProgress,
 )
-from tui_merger.core.engine import run_merge
-from tui_merger.core.output import PARTIAL_TAG
+from tui_merger.core.merge.engine import run_merge
+from tui_merger.core.merge.output import PARTIAL_TAG
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def test_opening_inputs_pauses_the_cycle_collector_and_gives_it_back(pair, tmp_p
     off keeps it off."""
     import gc
 
-    from tui_merger.core.inputs import open_inputs
+    from tui_merger.core.formats.inputs import open_inputs
     from tui_merger.core.options import MergeOptions
 
     base, adapter = pair

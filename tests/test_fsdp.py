@@ -14,7 +14,7 @@ from factory import logits_of, read_output
 from fsdp_factory import cached_fsdp_checkpoint
 
 from tui_merger.cli import main as cli_main
-from tui_merger.core.engine import run_merge
+from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.options import MergeOptions
 
 CONFIGS = {

@@ -57,9 +57,9 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from tui_merger.core.errors import MergeError  # noqa: E402
-from tui_merger.core.safetensors_io import DTYPES, MAX_HEADER, SafetensorsFile  # noqa: E402
-from tui_merger.core.sources import open_model  # noqa: E402
-from tui_merger.core.torch_pickle import Record, TorchFile, load_state_dict  # noqa: E402
+from tui_merger.core.io.safetensors_io import DTYPES, MAX_HEADER, SafetensorsFile  # noqa: E402
+from tui_merger.core.formats.hf_model import open_model  # noqa: E402
+from tui_merger.core.io.torch_pickle import Record, TorchFile, load_state_dict  # noqa: E402
 
 HEADROOM = 1 << 30  # what a fuzzed input may make us allocate beyond what is mapped when the test starts
 WATCHDOG_S = 300  # a fuzz test still running after this long has hung: dump the stacks and exit
@@ -684,7 +684,7 @@ def test_open_model_on_a_damaged_sharded_folder(data, real_shards, work, guarded
 
 
 # Values an index may hold that open_model does not refuse with MergeError yet (found by fuzzing the
-# index; the fix belongs to tui_merger/core/sources.py `_index_files`): non-string file names raise
+# index; the fix belongs to tui_merger/core/formats/hf_model.py `_index_files`): non-string file names raise
 # TypeError in Path joining, an over-long name raises OSError(ENAMETOOLONG) from is_file().
 
 @pytest.mark.parametrize("value", [1, None, 1.5, True, "x" * 300], ids=["int", "null", "float", "bool", "too-long"])
@@ -1035,7 +1035,7 @@ def test_zip_extra_field_running_past_the_end(small_torch_file, tmp_path):
 def test_dtensor_whose_dtype_is_not_a_dtype(fsdp_ckpt, tmp_path):
     """A renamed global made a DTensor's dtype a function: it was listed as a tensor of dtype
     "<function _rebuild_parameter ...>". Now: one sentence."""
-    from tui_merger.core.fsdp import FsdpSource, find_fsdp_checkpoint
+    from tui_merger.core.formats.verl_fsdp import FsdpSource, find_fsdp_checkpoint
 
     actor = tmp_path / "fsdp"
     shutil.copytree(fsdp_ckpt["checkpoint_dir"], actor)
@@ -1052,8 +1052,8 @@ def test_dtensor_whose_dtype_is_not_a_dtype(fsdp_ckpt, tmp_path):
 def test_dtensor_with_damaged_placement_records(damage):
     """A memo index pointing elsewhere made a DTensor's spec a list: AttributeError escaped. Every part
     of the placement records is now checked before use."""
-    from tui_merger.core.fsdp import _placement_dims, _wrapper_meta
-    from tui_merger.core.torch_pickle import WrapperTensor, _record_class
+    from tui_merger.core.formats.verl_fsdp import _placement_dims, _wrapper_meta
+    from tui_merger.core.io.torch_pickle import WrapperTensor, _record_class
 
     Spec, Mesh, Shard = (_record_class(f"torch.distributed.tensor.{n}") for n in ("DTensorSpec", "DeviceMesh", "Shard"))
     shard = Shard(0)
@@ -1109,7 +1109,7 @@ def test_negative_storage_offset_is_refused(small_torch_file, tmp_path):
 
 def test_tensor_subclass_record_never_formats_its_class():
     """A damaged pickle can hand a tensor where the DTensor class belongs: it is named by its type only."""
-    from tui_merger.core.torch_pickle import WrapperTensor
+    from tui_merger.core.io.torch_pickle import WrapperTensor
 
     with no_code_runs():
         value = WrapperTensor(torch.zeros(16, 64), torch.float32, (4,), (1,), 0, None, "cpu", False)
@@ -1121,9 +1121,9 @@ def test_config_and_adapter_config_of_wrong_types_are_one_sentence(lora_pair, tm
     r: null crashed the plan (int(None)); rank_pattern: 7 crashed inspect's rendering; a tokenizer.json
     whose vocab is a string crashed the plan's token count."""
     from tui_merger.cli.inspect import render
-    from tui_merger.core.files import read_config
-    from tui_merger.core.inspect import scan
-    from tui_merger.core.preflight import make_plan
+    from tui_merger.core.io.files import read_config
+    from tui_merger.core.formats.scan import scan
+    from tui_merger.core.plan.preflight import make_plan
 
     base, adapter = lora_pair
     (tmp_path / "cfg").mkdir()
@@ -1151,8 +1151,8 @@ def test_sharded_tensor_whose_local_shard_is_not_a_record():
     records raised AttributeError; now one sentence."""
     from types import SimpleNamespace
 
-    from tui_merger.core.fsdp import FsdpSource
-    from tui_merger.core.torch_pickle import WrapperTensor, _record_class
+    from tui_merger.core.formats.verl_fsdp import FsdpSource
+    from tui_merger.core.io.torch_pickle import WrapperTensor, _record_class
 
     value = WrapperTensor(_record_class("torch.distributed._shard.sharded_tensor.api.ShardedTensor"),
                           torch.float32, (4, 4), (4, 1), 0, None, "cpu", False)
@@ -1227,14 +1227,14 @@ def test_a_huge_memo_index_is_refused_without_allocating(small_torch_file, tmp_p
 # whose DTensor sizes disagree are accepted by FsdpSource: a global size that differs from the local
 # shards on a dimension that is not sharded (e.g. embed_tokens [1001, 64] -> [1001, 0]) loads with the
 # wrong shape, and local shards of different widths crash torch.cat with a RuntimeError. The fix
-# belongs to tui_merger/core/fsdp.py (`_sharded` / `_sharded_tensor`: compare every non-sharded
+# belongs to tui_merger/core/formats/verl_fsdp.py (`_sharded` / `_sharded_tensor`: compare every non-sharded
 # dimension of each local shard with the global size, and a Replicate shard's whole shape). Without
 # shrinking: the failing input is not needed here, only that there is one.
 
 @settings(fuzz_settings(600), phases=[Phase.explicit, Phase.generate])
 @given(data=st.data())
 def test_fsdp_source_over_a_mutated_rank_file(data, fsdp_ckpt, work, guarded):
-    from tui_merger.core.fsdp import FsdpSource, find_fsdp_checkpoint
+    from tui_merger.core.formats.verl_fsdp import FsdpSource, find_fsdp_checkpoint
 
     actor = work / "fsdp"
     if not actor.is_dir():
@@ -1414,7 +1414,7 @@ def test_code_running_pytorch_model_bin_is_refused_as_base(kind, small_torch_fil
 # Found by this fuzz: torch's weights-only unpickler raises IndexError ("pop from empty list"),
 # TypeError and AttributeError on damaged pickles, and sources._load_bin turns only UnpicklingError,
 # RuntimeError, EOFError, ValueError and OSError into MergeError; the fix belongs to
-# tui_merger/core/sources.py (catch Exception around torch.load: no code runs there either way).
+# tui_merger/core/formats/hf_model.py (catch Exception around torch.load: no code runs there either way).
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 @settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
@@ -1490,7 +1490,7 @@ def _warm_up(load) -> None:
 
 
 def _convert(checkpoint: Path) -> None:
-    from tui_merger.core.inputs import open_inputs
+    from tui_merger.core.formats.inputs import open_inputs
     from tui_merger.core.options import MergeOptions
 
     inputs = open_inputs(MergeOptions(checkpoint=checkpoint))
@@ -1621,8 +1621,8 @@ def lora_pair(tmp_path_factory):
 
 
 def _plan_and_open(options) -> None:
-    from tui_merger.core.inputs import open_inputs
-    from tui_merger.core.preflight import make_plan
+    from tui_merger.core.formats.inputs import open_inputs
+    from tui_merger.core.plan.preflight import make_plan
 
     plan = make_plan(options)
     assert all(f.message.strip() for f in plan.findings)
@@ -1656,8 +1656,8 @@ def kohya_base(lora_pair, tmp_path_factory):
     """The tiny base, its module names in kohya's flattened form, and one merge run outside the audit."""
     from safetensors.torch import save_file as save
 
-    from tui_merger.core.kohya import module_names
-    from tui_merger.core.sources import open_model
+    from tui_merger.core.formats.kohya import module_names
+    from tui_merger.core.formats.hf_model import open_model
 
     base, _ = lora_pair
     source = open_model(base)
@@ -1736,8 +1736,8 @@ def _plan_then_merge(options, out: Path, what) -> bool:
     the merged model must be finite. Returns True when merged."""
     from safetensors.torch import load_file
 
-    from tui_merger.core.engine import run_merge
-    from tui_merger.core.preflight import make_plan
+    from tui_merger.core.merge.engine import run_merge
+    from tui_merger.core.plan.preflight import make_plan
 
     plan = make_plan(options)
     if plan.blocked:
@@ -1865,7 +1865,7 @@ def inspect_tree(lora_pair, tmp_path_factory, work):
 
 def _scan_and_render(root: Path):
     from tui_merger.cli.inspect import render
-    from tui_merger.core.inspect import scan
+    from tui_merger.core.formats.scan import scan
 
     result = scan(root)
     json.dumps(result.to_dict())  # what --json prints
@@ -1898,8 +1898,8 @@ def test_inspect_over_odd_metadata(data, inspect_tree, guarded):
 @pytest.fixture(scope="module")
 def merged_model(lora_pair, tmp_path_factory):
     """A verified merge (manifest, model card) to damage the manifest of."""
-    from tui_merger.core.engine import run_merge
-    from tui_merger.core.provenance import finish_merge
+    from tui_merger.core.merge.engine import run_merge
+    from tui_merger.core.record.provenance import finish_merge
 
     base, adapter = lora_pair
     out = tmp_path_factory.mktemp("merged") / "out"
@@ -1924,11 +1924,11 @@ def _paths(value, prefix=()):
 def _manifest_consumers(out: Path, root: Path) -> None:
     """What reads a merged model's manifest: verify's options, the model card, cleanup's plan, the
     output check of a second merge into the same folder."""
-    from tui_merger.core.card import render_model_card
-    from tui_merger.core.cleanup import find_cleanup
-    from tui_merger.core.manifest import read_manifest, verification_passed
-    from tui_merger.core.output import check_target
-    from tui_merger.core.verify import options_from_manifest
+    from tui_merger.core.record.card import render_model_card
+    from tui_merger.core.ship.cleanup import find_cleanup
+    from tui_merger.core.record.manifest import read_manifest, verification_passed
+    from tui_merger.core.merge.output import check_target
+    from tui_merger.core.verify.checks import options_from_manifest
 
     manifest = read_manifest(out)
     if manifest is not None:
@@ -1984,7 +1984,7 @@ def test_job_records_with_odd_values(data, tmp_path_factory, guarded):
     import io
 
     from tui_merger.cli import main as cli_main
-    from tui_merger.core import jobs
+    from tui_merger.core.merge import jobs
 
     state = tmp_path_factory.mktemp("state")
     victim = state / "victim"
@@ -2027,7 +2027,7 @@ def test_job_records_with_odd_values(data, tmp_path_factory, guarded):
 def test_plan_with_odd_tokenizer_json(data, lora_pair, work, guarded):
     """A tokenizer.json beside the adapter (the plan counts its tokens against the embedding rows) with
     odd structure: the plan is made (problems are findings), never an exception."""
-    from tui_merger.core.preflight import make_plan
+    from tui_merger.core.plan.preflight import make_plan
 
     base, adapter = lora_pair
     folder = work / "tokenizer-adapter"

@@ -21,8 +21,8 @@ from factory import ALL_LINEAR, edit_adapter_config, qwen_config, save_adapter, 
 from fsdp_factory import REFERENCE_DIRNAME, cached_fsdp_checkpoint, copy_fsdp_checkpoint
 
 from tui_merger.cli import main
-from tui_merger.core import inspect as inspect_mod
-from tui_merger.core.inspect import scan
+from tui_merger.core.formats import scan as inspect_mod
+from tui_merger.core.formats.scan import scan
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_REPO, HUB_REV = "acme/tiny-qwen", "0123abcd"
@@ -478,7 +478,7 @@ def test_config_dtype_as_transformers_writes_it(tmp_path):
     """transformers writes dtype as a name, as "torch.float16" in old files, or as a map of sub-configs
     to names for composite models; all are read, and the map is not taken for a damaged field."""
     from tui_merger.core.errors import MergeError
-    from tui_merger.core.files import config_dtype, read_config
+    from tui_merger.core.io.files import config_dtype, read_config
 
     assert config_dtype({"dtype": "bfloat16"}) == "bfloat16"
     assert config_dtype({"torch_dtype": "torch.float16"}) == "float16"

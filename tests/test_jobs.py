@@ -24,9 +24,9 @@ from factory import qwen_config, save_adapter, save_base
 from hub_server import HubServer
 
 from tui_merger.core.errors import MergeError
-from tui_merger.core.jobs import DIED, FINISHED, RUNNING, find_job, follow, read_job
-from tui_merger.core.journal import JOURNAL_NAME
-from tui_merger.core.manifest import read_manifest
+from tui_merger.core.merge.jobs import DIED, FINISHED, RUNNING, find_job, follow, read_job
+from tui_merger.core.merge.journal import JOURNAL_NAME
+from tui_merger.core.record.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = shlex.quote(sys.executable)
@@ -37,7 +37,7 @@ SHARD = "1MB"
 # for the killed job only: a pause after each shard (test-side, through sitecustomize: the product has no hook)
 SLOW_SHARDS = """
 import time
-import tui_merger.core.engine as engine
+import tui_merger.core.merge.engine as engine
 real = engine._write_shard
 def paused(*args, **kwargs):
     real(*args, **kwargs)
@@ -236,7 +236,7 @@ def test_prune_removes_old_ended_job_records_only(tmp_path, env, capsys):
     import time
 
     from tui_merger.cli import main
-    from tui_merger.core.jobs import jobs_dir
+    from tui_merger.core.merge.jobs import jobs_dir
 
     model = tmp_path / "merged-model"
     model.mkdir()
@@ -277,7 +277,7 @@ def test_prune_never_follows_an_id_out_of_the_jobs_folder(tmp_path, env, capsys)
     import time
 
     from tui_merger.cli import main
-    from tui_merger.core.jobs import jobs_dir
+    from tui_merger.core.merge.jobs import jobs_dir
 
     victim = jobs_dir().parent / "victim"
     victim.mkdir(parents=True)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from tui_merger.cli import main as cli_main
-from tui_merger.core.engine import run_merge
+from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.options import MergeOptions
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
@@ -118,7 +118,7 @@ def test_swapping_k_and_v_would_not_match(converted, tmp_path, name):
     ref = _reference(name)
     diff = (_logits(bad, ref["input_ids"], "critic" in name) - ref["logits"]).abs().max().item()
     assert diff > 100 * REL_TOL * ref["logits"].abs().max().item(), diff
-    from tui_merger.core.verify import verify_merge
+    from tui_merger.core.verify.checks import verify_merge
 
     report = verify_merge(bad, MergeOptions(checkpoint=FIXTURES / name, out=bad))  # and verification says so
     assert not report.passed and report.checks[1].status == "fail"
@@ -127,7 +127,7 @@ def test_swapping_k_and_v_would_not_match(converted, tmp_path, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_verify_passes_on_every_result(converted, name):
-    from tui_merger.core.verify import verify_merge
+    from tui_merger.core.verify.checks import verify_merge
 
     _case(name)
     out, _ = converted[name]
@@ -174,7 +174,7 @@ def test_hugging_face_names_and_config(converted):
 
 def test_every_chunk_is_decoded_once(converted):
     """q, k and v (and gate and up) come from the same chunks: the one-group cache reads them once."""
-    from tui_merger.core.inputs import open_inputs
+    from tui_merger.core.formats.inputs import open_inputs
 
     name = next(n for n in ("qwen2_tp2pp2", "qwen2_tp2") if n in converted)
     inputs = open_inputs(MergeOptions(checkpoint=FIXTURES / name, out=Path("unused")))
@@ -277,7 +277,7 @@ def test_legacy_virtual_pipeline_chunks_are_numbered_across_stages(converted, tm
 
 @pytest.mark.parametrize("where", ["run", "step", "actor", "dist_ckpt"])
 def test_run_step_actor_or_dist_ckpt_folder(where):
-    from tui_merger.core.inputs import open_inputs
+    from tui_merger.core.formats.inputs import open_inputs
 
     run = _case("qwen2_tp2pp2")
     path = {
@@ -349,7 +349,7 @@ def test_is_value_model_on_an_actor_is_refused(tmp_path, capsys):
 
 def test_hf_weights_in_model_huggingface_are_copied(converted, tmp_path):
     """mbridge saves plain HF safetensors in model/huggingface: copied and verified, nothing to convert."""
-    from tui_merger.core.verify import verify_merge
+    from tui_merger.core.verify.checks import verify_merge
 
     src, _ = converted["qwen2_tp2"] if "qwen2_tp2" in converted else pytest.skip("no qwen2_tp2 fixture")
     actor = tmp_path / "run" / "global_step_1" / "actor"
@@ -403,8 +403,8 @@ def test_test_command_against_a_reference(converted, tmp_path, capsys):
 
 
 def test_inspect_and_the_assistant_offer_megatron_checkpoints():
-    from tui_merger.core.choices import needs_base, options_for, why_not_mergeable
-    from tui_merger.core.inspect import scan
+    from tui_merger.core.plan.choices import needs_base, options_for, why_not_mergeable
+    from tui_merger.core.formats.scan import scan
 
     _case("qwen2_tp2")
     found = [c for c in scan(FIXTURES).candidates if c.kind == "verl-megatron"]

@@ -19,9 +19,9 @@ from factory import (
     save_base,
 )
 
-from tui_merger.core.engine import run_merge
+from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.options import MergeOptions
-from tui_merger.core.verify import verify_merge
+from tui_merger.core.verify.checks import verify_merge
 
 
 def assert_verified(base, adapter, out, **options):
@@ -108,7 +108,7 @@ def test_merge_equals_peft(tmp_path, case):
 
 
 def read_base(base):
-    from tui_merger.core.sources import open_model
+    from tui_merger.core.formats.hf_model import open_model
 
     src = open_model(base)
     try:

@@ -16,7 +16,7 @@ from prompt_toolkit.output import DummyOutput
 
 from tui_merger import plain
 from tui_merger.core.events import TensorProgress
-from tui_merger.core.manifest import MANIFEST_NAME
+from tui_merger.core.record.manifest import MANIFEST_NAME
 from tui_merger.demo import build_demo
 from tui_merger.plain import explain_no_terminal, run_plain
 

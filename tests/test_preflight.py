@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from tui_merger.cli import main as cli_main
 from tui_merger.core.options import MergeOptions
-from tui_merger.core.preflight import make_plan, resolve_model_reference, suggest_name
+from tui_merger.core.plan.preflight import make_plan, resolve_model_reference, suggest_name
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +213,7 @@ def test_custom_code_is_info(demo, tmp_path):
 
 
 def test_output_exists_and_not_enough_memory(demo, tmp_path, monkeypatch):
-    import tui_merger.core.verify as verify
+    import tui_merger.core.verify.checks as verify
 
     base, adapter = demo
     out = tmp_path / "out"

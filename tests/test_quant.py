@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 
 from tui_merger.cli import build_parser
 from tui_merger.cli import main as cli_main
-from tui_merger.core import quant
-from tui_merger.core.engine import run_merge
+from tui_merger.core.formats import quant
+from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.errors import MergeError
 from tui_merger.core.options import MergeOptions
-from tui_merger.core.preflight import make_plan
-from tui_merger.core.provenance import finish_merge
-from tui_merger.core.quant import (
+from tui_merger.core.plan.preflight import make_plan
+from tui_merger.core.record.provenance import finish_merge
+from tui_merger.core.formats.quant import (
     QuantInfo,
     RoundTripSource,
     find_unquantized_base,
@@ -32,8 +32,8 @@ from tui_merger.core.quant import (
     quantization_info,
     roundtrip_4bit,
 )
-from tui_merger.core.sources import open_model
-from tui_merger.core.verify import verify_merge
+from tui_merger.core.formats.hf_model import open_model
+from tui_merger.core.verify.checks import verify_merge
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nf4_reference.safetensors"
 BNB_NF4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
@@ -485,7 +485,7 @@ def test_quant_info_is_plain_data():
 def test_packed_kinds_from_names_and_dtypes():
     from types import SimpleNamespace
 
-    from tui_merger.core.sources import TensorRef
+    from tui_merger.core.formats.hf_model import TensorRef
 
     def source(**tensors):
         return SimpleNamespace(tensors={n: TensorRef(None, "f", n, d, (4, 4)) for n, d in tensors.items()})

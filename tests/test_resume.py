@@ -16,8 +16,8 @@ import pytest
 import torch
 from factory import qwen_config, save_adapter, save_base
 
-from tui_merger.core.engine import run_merge
-from tui_merger.core.journal import JOURNAL_NAME
+from tui_merger.core.merge.engine import run_merge
+from tui_merger.core.merge.journal import JOURNAL_NAME
 from tui_merger.core.options import MergeOptions
 
 SHARD = "1MB"
@@ -25,7 +25,7 @@ SHARD = "1MB"
 # can stop the process at a shard boundary it chooses (gated by these lines, not by timing)
 SLOW_CLI = """
 import sys, time
-import tui_merger.core.engine as engine
+import tui_merger.core.merge.engine as engine
 real = engine._write_shard
 def announced(path, *args, **kwargs):
     real(path, *args, **kwargs)
@@ -225,8 +225,8 @@ def test_sigkill_at_random_moments_then_rerun_gives_the_same_bytes(inputs, tmp_p
 
 GATED = """
 import sys, time
-import tui_merger.core.provenance as provenance
-import tui_merger.core.verify as verify
+import tui_merger.core.record.provenance as provenance
+import tui_merger.core.verify.checks as verify
 
 def gate(module, name):
     real = getattr(module, name)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from factory import gpt2_config, qwen_config, save_base
 
-from tui_merger.core.engine import run_merge
+from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.options import MergeOptions
-from tui_merger.core.sources import open_model
+from tui_merger.core.formats.hf_model import open_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
 
@@ -45,8 +45,8 @@ MODELS = {
 def _streamed(folder: Path, probes):
     import transformers
 
-    from tui_merger.core import behaviour
-    from tui_merger.core.verify import model_class
+    from tui_merger.core.verify import behaviour
+    from tui_merger.core.verify.checks import model_class
 
     config = json.loads((folder / "config.json").read_text())
     cls = model_class(config)
@@ -64,7 +64,7 @@ def _streamed(folder: Path, probes):
 @pytest.mark.parametrize("piecewise", [False, True], ids=["whole", "piecewise"])
 @pytest.mark.parametrize("family", list(MODELS))
 def test_streamed_model_equals_transformers_own(tmp_path, family, piecewise, monkeypatch):
-    import tui_merger.core.streaming as streaming
+    import tui_merger.core.verify.streaming as streaming
 
     folder = MODELS[family](tmp_path / family)
     if piecewise:  # every embedding and linear layer above 1000 values read in pieces of 700 values

@@ -13,7 +13,7 @@ import pytest
 from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, Select, Static
 
 from tui_merger.core.events import TensorProgress
-from tui_merger.core.manifest import read_manifest
+from tui_merger.core.record.manifest import read_manifest
 from tui_merger.tui.app import MergeApp
 
 
@@ -279,7 +279,7 @@ async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
 async def test_keep_running_if_i_disconnect_runs_a_background_job(workspace, tmp_path):
     """Ticked in Review, the merge runs as a detached job (its own process session); the wizard
     follows it to the verified result, read from the job's manifest."""
-    from tui_merger.core.jobs import FINISHED, list_jobs
+    from tui_merger.core.merge.jobs import FINISHED, list_jobs
 
     app = MergeApp(workspace)
     out = tmp_path / "bg"
@@ -301,7 +301,7 @@ async def test_keep_running_if_i_disconnect_runs_a_background_job(workspace, tmp
 
 
 async def test_reopening_the_app_follows_a_running_job(workspace, tmp_path):
-    from tui_merger.core.jobs import start_detached
+    from tui_merger.core.merge.jobs import start_detached
     from tui_merger.core.options import MergeOptions
 
     out = tmp_path / "bg2"

@@ -19,8 +19,8 @@ import pytest
 
 from hub_server import HubServer
 from tui_merger.cli import main
-from tui_merger.core import hub as hub_module
-from tui_merger.core.manifest import FORMAT, write_manifest
+from tui_merger.core.ship import hub as hub_module
+from tui_merger.core.record.manifest import FORMAT, write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITE, READ, SCOPED = "hf_alice_write_5ecret", "hf_alice_read_5ecret", "hf_alice_scoped_5ecret"
@@ -28,7 +28,7 @@ TOKENIZER_SIZE = 10_500_000  # a text file over the Hub's 10 MB line: LFS becaus
 CLI = "import sys; from tui_merger.cli import main; sys.exit(main(sys.argv[1:]))"
 # huggingface_hub retries uploads 5 times with 1+2+4+8+8 s pauses; tests that exhaust them skip the pauses
 CLI_NO_PAUSES = "import time; time.sleep = lambda s: None; " + CLI
-CLI_1S_TIMEOUT = "import tui_merger.core.hub as h; h.TIMEOUT_S = 1; " + CLI
+CLI_1S_TIMEOUT = "import tui_merger.core.ship.hub as h; h.TIMEOUT_S = 1; " + CLI
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def merged(tmp_path_factory) -> Path:
     """A real merge (three safetensors shards), its manifest, and a 10.5 MB tokenizer.json."""
     from factory import qwen_config, save_adapter, save_base
 
-    from tui_merger.core.engine import run_merge
+    from tui_merger.core.merge.engine import run_merge
     from tui_merger.core.options import MergeOptions
 
     root = tmp_path_factory.mktemp("merged")

@@ -16,11 +16,11 @@ from fsdp_factory import cached_fsdp_checkpoint
 from safetensors.torch import load_file, save_file
 
 from tui_merger.cli import main as cli_main
-from tui_merger.core.engine import run_merge
-from tui_merger.core.manifest import MANIFEST_NAME, read_manifest
+from tui_merger.core.merge.engine import run_merge
+from tui_merger.core.record.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions
-from tui_merger.core.provenance import finish_merge
-from tui_merger.core.verify import verify_merge
+from tui_merger.core.record.provenance import finish_merge
+from tui_merger.core.verify.checks import verify_merge
 
 Q = "model.layers.1.self_attn.q_proj.weight"
 
@@ -166,7 +166,7 @@ def test_nan_in_the_output_is_caught(merged, tmp_path):
 
 def test_sampled_rows_still_catch_a_fault(merged, pair, tmp_path, monkeypatch):
     """Above the size limit only a sample of rows is recomputed; an unmerged layer changes every row."""
-    import tui_merger.core.verify as verify
+    import tui_merger.core.verify.checks as verify
 
     monkeypatch.setattr(verify, "SAMPLE_LIMIT", 100)
     monkeypatch.setattr(verify, "FULL_RANK", 1)  # the adapter's rank 4 counts as high
@@ -204,7 +204,7 @@ def test_manifest_records_inputs_outputs_and_settings(merged, pair):
 
 
 def test_model_card_front_matter_and_summary(merged):
-    from tui_merger.core.card import render_model_card
+    from tui_merger.core.record.card import render_model_card
 
     options, manifest, _ = merged
     card = (Path(options.out) / "README.md").read_text()
@@ -221,7 +221,7 @@ def test_model_card_front_matter_and_summary(merged):
 
 
 def test_an_existing_readme_is_kept(pair, tmp_path):
-    from tui_merger.core.card import write_model_card
+    from tui_merger.core.record.card import write_model_card
 
     folder = tmp_path / "m"
     folder.mkdir()
@@ -323,7 +323,7 @@ def test_perplexity_on_a_text_file(tmp_path, capsys):
 def test_the_behaviour_check_holds_at_most_two_layers_of_weights(merged, monkeypatch):
     """Counted by a global forward hook of torch, not by the streaming code: at every module call the
     parameter values present (not on the meta device) in the running models are summed."""
-    import tui_merger.core.streaming as streaming
+    import tui_merger.core.verify.streaming as streaming
 
     models, peak = [], [0]
     original_call = streaming.Streamer.__call__
@@ -357,7 +357,7 @@ def _name_of(model, param) -> str:
 
 
 def test_hash_cache_reuses_unchanged_files_and_notices_changes(tmp_path):
-    from tui_merger.core.manifest import describe_files
+    from tui_merger.core.record.manifest import describe_files
 
     folder = tmp_path / "f"
     folder.mkdir()

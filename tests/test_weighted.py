@@ -14,13 +14,13 @@ import torch
 from factory import ALL_LINEAR, edit_adapter_config, load_base, qwen_config, read_output, save_adapter, save_base
 from safetensors.torch import load_file
 
-from tui_merger.core.engine import run_merge
+from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.errors import MergeError
-from tui_merger.core.manifest import read_manifest
+from tui_merger.core.record.manifest import read_manifest
 from tui_merger.core.options import MergeOptions, parse_adapter_spec
-from tui_merger.core.preflight import describe, make_plan
-from tui_merger.core.provenance import finish_merge
-from tui_merger.core.verify import verify_merge
+from tui_merger.core.plan.preflight import describe, make_plan
+from tui_merger.core.record.provenance import finish_merge
+from tui_merger.core.verify.checks import verify_merge
 
 PREFIX = "base_model.model."
 
@@ -205,9 +205,9 @@ def test_refusals_write_nothing(models, tmp_path, case):
 
 def test_changed_weights_never_resume_old_shards(models, tmp_path):
     """Kept shards of an interrupted merge are reused only when the weights are the same."""
-    from tui_merger.core.inputs import open_inputs
-    from tui_merger.core.journal import fingerprint
-    from tui_merger.core.plan import build_plan
+    from tui_merger.core.formats.inputs import open_inputs
+    from tui_merger.core.merge.journal import fingerprint
+    from tui_merger.core.plan.plan import build_plan
 
     root, base, a1, a2, _ = models
     prints = []

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from tui_merger.cli.common import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
-from tui_merger.core.choices import default_out_folder, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
+from tui_merger.core.plan.choices import default_out_folder, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
 from tui_merger.core.errors import MergeError
 from tui_merger.core.events import Notice
-from tui_merger.core.inspect import scan, shown
+from tui_merger.core.formats.scan import scan, shown
 from tui_merger.core.options import MergeOptions, human_bytes, parse_size, parse_weight
-from tui_merger.core.preflight import ERROR, WARNING, describe, make_plan
+from tui_merger.core.plan.preflight import ERROR, WARNING, describe, make_plan
 
 STEPS = ("Find", "Review", "Merge", "Verify", "Finish")
 TYPE_PATH = "type a path"
@@ -356,7 +356,7 @@ class _Flow:
     # -- 3. Merge and 4. Verify ---------------------------------------------------------------------
     def merge(self):
         """The MergeResult, or None when the merge failed or was cancelled (nothing is left behind)."""
-        from tui_merger.core.engine import run_merge
+        from tui_merger.core.merge.engine import run_merge
 
         self.step(3)
         self.say("Press Ctrl-C to cancel.")
@@ -370,7 +370,7 @@ class _Flow:
 
     def verify(self, result):
         """The VerifyReport, or None when verification could not run."""
-        from tui_merger.core.provenance import finish_merge
+        from tui_merger.core.record.provenance import finish_merge
 
         self.step(4)
         try:
@@ -420,7 +420,7 @@ class _Flow:
                 uploaded = self.upload(Path(result.out))
 
     def cleanup_plan(self, result):
-        from tui_merger.core.cleanup import find_cleanup
+        from tui_merger.core.ship.cleanup import find_cleanup
 
         training = Path(self.candidate.run or self.candidate.path)
         try:
@@ -432,7 +432,7 @@ class _Flow:
 
     def clean(self, plan) -> bool:
         """Let the user pick and confirm, then delete; whether anything was deleted."""
-        from tui_merger.core.cleanup import delete_items
+        from tui_merger.core.ship.cleanup import delete_items
 
         choices = [
             (f"{human_bytes(i.size):>9}  {i.kind:<13}  {i.label}  ({i.reason})", i, i.selected_by_default)
@@ -456,7 +456,7 @@ class _Flow:
 
     def upload(self, folder: Path) -> bool:
         """Ask, plan, confirm and upload; whether the model was uploaded."""
-        from tui_merger.core.hub import UploadProgress, plan_upload, upload
+        from tui_merger.core.ship.hub import UploadProgress, plan_upload, upload
 
         repo = self.ask.text("Hub repository (ORG/NAME, or NAME for your account):", validate=_not_empty)
         private = self.ask.confirm("Make it private?", default=True)

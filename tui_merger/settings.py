@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from tui_merger.core.manifest import config_dir
+from tui_merger.core.record.manifest import config_dir
 
 
 @dataclass

@@ -267,7 +267,7 @@ def cmd_merge(args) -> int:
             raise MergeError("--public and --private contradict each other; give one.")
         if not args.verify:
             raise MergeError("--hf_upload_path uploads only a verified model; leave out --no-verify.")
-        from tui_merger.core.hub import check_token
+        from tui_merger.core.ship.hub import check_token
 
         check_token(args.hf_upload_path)  # a bad token is found now, not after the merge
     options = MergeOptions(
@@ -326,14 +326,14 @@ def _read_options(args) -> dict:
 
 def _check_backend(checkpoint: Path, backend: str) -> None:
     """--backend fsdp on a Megatron folder (or the reverse) is said in one sentence; auto detects."""
-    from tui_merger.core.megatron import check_backend
+    from tui_merger.core.formats.verl_megatron import check_backend
 
     check_backend(checkpoint, backend)
 
 
 def cmd_test(args) -> int:
     from tui_merger.console import PlainProgress
-    from tui_merger.core.compare import compare_with_reference
+    from tui_merger.core.verify.compare import compare_with_reference
     from tui_merger.core.errors import MergeError
     from tui_merger.core.options import MergeOptions
 

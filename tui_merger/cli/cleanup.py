@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from tui_merger.core.cleanup import KINDS
+    from tui_merger.core.ship.cleanup import KINDS
 
     p = sub.add_parser(
         "cleanup",
@@ -42,7 +42,7 @@ def _interactive() -> bool:
 
 
 def cmd_cleanup(args) -> int:
-    from tui_merger.core.cleanup import ItemDeleted, delete_items, find_cleanup
+    from tui_merger.core.ship.cleanup import ItemDeleted, delete_items, find_cleanup
     from tui_merger.core.errors import MergeError
     from tui_merger.core.options import human_bytes
 

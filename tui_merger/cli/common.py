@@ -33,13 +33,13 @@ def run_with_progress(options, plain: bool = False, verify: bool = True, perplex
     from contextlib import nullcontext
 
     from tui_merger.console import PlainProgress, RichProgress
-    from tui_merger.core.engine import run_merge
-    from tui_merger.core.provenance import finish_merge
+    from tui_merger.core.merge.engine import run_merge
+    from tui_merger.core.record.provenance import finish_merge
 
     progress = PlainProgress() if plain or not is_tty(sys.stderr) else RichProgress()
     sink = progress
     if verify and behaviour:
-        from tui_merger.core.verify import prewarming
+        from tui_merger.core.verify.checks import prewarming
 
         sink = prewarming(options, progress)
     with progress if isinstance(progress, RichProgress) else nullcontext():
@@ -70,7 +70,7 @@ def preflight(options, dry_run: bool) -> bool:
     """Check everything before writing. A dry run prints the plan and every finding; a merge prints the
     warnings and stops on errors (the first as the error sentence). Returns whether the merge may go on."""
     from tui_merger.core.errors import MergeError
-    from tui_merger.core.preflight import ENGINE_SAYS, ERROR, describe, make_plan
+    from tui_merger.core.plan.preflight import ENGINE_SAYS, ERROR, describe, make_plan
 
     plan = make_plan(options)
     if dry_run:
@@ -126,7 +126,7 @@ def print_report(report, stream=None) -> None:
 def upload_after_merge(out: Path, repo_id: str, private: bool = True, on_event=None, plain: bool = False):
     """Upload a folder the merge just wrote; progress goes to ``on_event`` (default: stderr).
     Returns the UploadResult (its commit_url is what to show); raises MergeError."""
-    from tui_merger.core.hub import plan_upload, upload
+    from tui_merger.core.ship.hub import plan_upload, upload
 
     plan = plan_upload(out, repo_id, private=private)
     if on_event is not None:
@@ -136,7 +136,7 @@ def upload_after_merge(out: Path, repo_id: str, private: bool = True, on_event=N
 
 def run_upload(plan, message: str | None = None, plain: bool = False):
     """Upload with a rich bar on a terminal, plain lines elsewhere; a summary line on stderr."""
-    from tui_merger.core.hub import upload
+    from tui_merger.core.ship.hub import upload
     from tui_merger.core.options import human_bytes
 
     if plain or not is_tty(sys.stderr):
@@ -178,7 +178,7 @@ def print_plan(plan, stream=None) -> None:
 
 def _plain_lines():
     from tui_merger.console import PlainProgress
-    from tui_merger.core.hub import UploadProgress
+    from tui_merger.core.ship.hub import UploadProgress
     from tui_merger.core.options import human_bytes
 
     class PlainUpload(PlainProgress):
@@ -197,7 +197,7 @@ def _plain_lines():
 
 def _rich_bar():
     from tui_merger.console import RichProgress
-    from tui_merger.core.hub import UploadProgress
+    from tui_merger.core.ship.hub import UploadProgress
 
     class RichUpload(RichProgress):
         bar = None  # one bar for the whole upload, across phases
@@ -216,7 +216,7 @@ def _rich_bar():
 
 def next_step(result, where) -> str | None:
     """What to run for the newest latest-marked checkpoint (else the newest one)."""
-    from tui_merger.core.inspect import shown
+    from tui_merger.core.formats.scan import shown
 
     pool = [c for c in result.candidates if c.latest] or result.candidates
     if not pool:

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 def cmd_inspect(args) -> int:
     from tui_merger.cli.common import is_tty
-    from tui_merger.core.inspect import scan
+    from tui_merger.core.formats.scan import scan
 
     result = scan(args.path, max_depth=args.depth)
     if args.json:
@@ -51,7 +51,7 @@ def cmd_inspect(args) -> int:
 
 def render(result, given: str) -> list[tuple[str, str | None]]:
     """(line, rich style) pairs: one block per candidate, the problems, then what to run next."""
-    from tui_merger.core.inspect import shown
+    from tui_merger.core.formats.scan import shown
     from tui_merger.core.options import human_bytes
 
     def where(path: str) -> str:

@@ -1,6 +1,6 @@
 """``tui-merger merge --detach``, ``tui-merger jobs`` and ``tui-merger attach [ID]``: a merge that runs in
 its own process session, keeps running when the terminal closes, and is followed from any terminal later
-(the jobs themselves live in core/jobs.py)."""
+(the jobs themselves live in core/merge/jobs.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
 
 def detach(args, options) -> int:
     """``merge --detach`` once the foreground checks passed: start the job and say how to follow it."""
-    from tui_merger.core.jobs import start_detached
+    from tui_merger.core.merge.jobs import start_detached
 
     job = start_detached(
         options, verify=args.verify, behaviour=args.behaviour, perplexity=args.perplexity,
@@ -64,7 +64,7 @@ def detach(args, options) -> int:
 
 def cmd_jobs(args) -> int:
     from tui_merger.core.errors import MergeError
-    from tui_merger.core.jobs import DIED, list_jobs, prune_jobs
+    from tui_merger.core.merge.jobs import DIED, list_jobs, prune_jobs
 
     if args.prune is not None:
         if not args.prune >= 0:
@@ -89,7 +89,7 @@ def cmd_jobs(args) -> int:
 
 
 def cmd_attach(args) -> int:
-    from tui_merger.core.jobs import DIED, find_job, follow
+    from tui_merger.core.merge.jobs import DIED, find_job, follow
 
     job = find_job(args.job)
     try:
@@ -113,11 +113,11 @@ def cmd_run_job(args) -> int:
 
     from tui_merger.cli.common import preflight, print_result, report_verification
     from tui_merger.console import PlainProgress
-    from tui_merger.core.engine import run_merge
+    from tui_merger.core.merge.engine import run_merge
     from tui_merger.core.errors import MergeCancelled, MergeError
-    from tui_merger.core.jobs import CANCELLED, FAILED, FINISHED, ProgressWriter, finish_job, read_job
+    from tui_merger.core.merge.jobs import CANCELLED, FAILED, FINISHED, ProgressWriter, finish_job, read_job
     from tui_merger.core.options import MergeOptions
-    from tui_merger.core.provenance import finish_merge
+    from tui_merger.core.record.provenance import finish_merge
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # SIGTERM (kill PID) still stops it, keeping finished shards
     sys.stdout.reconfigure(line_buffering=True)  # the log keeps stdout's and stderr's lines in order
@@ -183,7 +183,7 @@ def cmd_run_job(args) -> int:
 
 def _progress(job) -> str:
     """What the PROGRESS column says: the result of a finished job, else the phase and how far it got."""
-    from tui_merger.core.jobs import FINISHED, RUNNING
+    from tui_merger.core.merge.jobs import FINISHED, RUNNING
 
     verified = (job.result or {}).get("verified")
     if job.state == FINISHED:

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_upload(args) -> int:
-    from tui_merger.core.hub import plan_upload
+    from tui_merger.core.ship.hub import plan_upload
 
     plan = plan_upload(args.folder, args.repo_id, private=not args.public, revision=args.revision)
     if args.dry_run:

@@ -38,8 +38,8 @@ def cmd_verify(args) -> int:
     from tui_merger.console import PlainProgress
     from tui_merger.core.errors import MergeError
     from tui_merger.core.options import MergeOptions
-    from tui_merger.core.provenance import record_verification
-    from tui_merger.core.verify import options_from_manifest, verify_merge
+    from tui_merger.core.record.provenance import record_verification
+    from tui_merger.core.verify.checks import options_from_manifest, verify_merge
 
     given = {"base": args.base, "adapter": args.adapter, "checkpoint": args.against}
     if any(given.values()):

@@ -108,7 +108,7 @@ class MergeOptions:
         self.dtype = normalize_dtype(self.dtype)
         self.shard_size = parse_size(self.shard_size)
         if self.base_roundtrip is not None:
-            from tui_merger.core.quant import parse_roundtrip
+            from tui_merger.core.formats.quant import parse_roundtrip
 
             parse_roundtrip(self.base_roundtrip)  # a bad value is said now, in one sentence
             if self.checkpoint is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from textual.color import Color, ColorParseError
 from textual.theme import BUILTIN_THEMES, Theme
 
-from tui_merger.core.manifest import config_dir
+from tui_merger.core.record.manifest import config_dir
 
 DEFAULT_THEME = "harbor-night"
 SHIPPED_DIR = Path(__file__).with_name("themes")

@@ -178,7 +178,7 @@ class Wizard(Screen):
             )
 
     def _running_job(self):
-        from tui_merger.core.jobs import RUNNING, list_jobs
+        from tui_merger.core.merge.jobs import RUNNING, list_jobs
 
         return next((j for j in list_jobs() if j.state == RUNNING), None)
 
@@ -261,9 +261,9 @@ class Wizard(Screen):
 
     # -- Find ---------------------------------------------------------------------------------
     def rescan(self, path: Path) -> None:
-        from tui_merger.core.choices import describe_candidate, why_not_mergeable
+        from tui_merger.core.plan.choices import describe_candidate, why_not_mergeable
         from tui_merger.core.errors import MergeError
-        from tui_merger.core.inspect import scan
+        from tui_merger.core.formats.scan import scan
 
         status = self.query_one("#path-status", Static)
         try:
@@ -293,7 +293,7 @@ class Wizard(Screen):
     @on(OptionList.OptionHighlighted, "#candidates")
     @on(OptionList.OptionSelected, "#candidates")
     def _pick(self, event) -> None:
-        from tui_merger.core.choices import why_not_mergeable
+        from tui_merger.core.plan.choices import why_not_mergeable
 
         c = self.candidates[int(event.option.id)]
         problem = why_not_mergeable(c)
@@ -337,7 +337,7 @@ class Wizard(Screen):
 
     # -- Review -------------------------------------------------------------------------------
     def enter_review(self) -> None:
-        from tui_merger.core.choices import can_weight, needs_alpha, needs_base
+        from tui_merger.core.plan.choices import can_weight, needs_alpha, needs_base
 
         c = self.candidate
         for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
@@ -361,7 +361,7 @@ class Wizard(Screen):
         self.replan()
 
     def _options(self):
-        from tui_merger.core.choices import options_for
+        from tui_merger.core.plan.choices import options_for
 
         out = self.query_one("#out", Input).value.strip()
         alpha = self.query_one("#alpha", Input).value.strip()
@@ -398,7 +398,7 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="plan", exit_on_error=False)
     def _plan_worker(self, options) -> None:
-        from tui_merger.core.preflight import make_plan
+        from tui_merger.core.plan.preflight import make_plan
 
         try:
             done = _Done((options, make_plan(options, today=self.today)))
@@ -407,8 +407,8 @@ class Wizard(Screen):
         self.post_message(WorkDone("plan", done))
 
     def _show_plan(self, options, plan) -> None:
-        from tui_merger.core.choices import default_out_folder
-        from tui_merger.core.preflight import describe
+        from tui_merger.core.plan.choices import default_out_folder
+        from tui_merger.core.plan.preflight import describe
 
         out_input = self.query_one("#out", Input)
         if options.out is None:  # first plan: propose the suggested name, then plan again with it
@@ -517,7 +517,7 @@ class Wizard(Screen):
     @work(thread=True, exclusive=True, group="merge", exit_on_error=False)
     def _job_worker(self, options, job, stop) -> None:
         from tui_merger.core.errors import MergeError
-        from tui_merger.core.jobs import follow, start_detached
+        from tui_merger.core.merge.jobs import follow, start_detached
 
         try:
             if job is None:
@@ -557,7 +557,7 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="merge", exit_on_error=False)
     def _merge_worker(self, options, cancel) -> None:
-        from tui_merger.core.engine import run_merge
+        from tui_merger.core.merge.engine import run_merge
         from tui_merger.core.errors import MergeCancelled, MergeError
 
         try:
@@ -620,8 +620,8 @@ class Wizard(Screen):
 
     def _job_ended(self, done: _Done) -> None:
         """A followed job ended (or following stopped): its verification is read from its manifest."""
-        from tui_merger.core.jobs import FINISHED
-        from tui_merger.core.manifest import read_manifest
+        from tui_merger.core.merge.jobs import FINISHED
+        from tui_merger.core.record.manifest import read_manifest
 
         status = self.query_one("#merge-status", Static)
         if done.error:
@@ -655,7 +655,7 @@ class Wizard(Screen):
     @work(thread=True, exclusive=True, group="verify", exit_on_error=False)
     def _verify_worker(self, options, result) -> None:
         from tui_merger.core.errors import MergeError
-        from tui_merger.core.provenance import finish_merge
+        from tui_merger.core.record.provenance import finish_merge
 
         try:
             done = _Done(finish_merge(options, result, on_event=self._forward)[1])
@@ -688,7 +688,7 @@ class Wizard(Screen):
         return Path(self.result.out if self.result is not None else self.job.out)
 
     def enter_finish(self) -> None:
-        from tui_merger.core.manifest import read_manifest
+        from tui_merger.core.record.manifest import read_manifest
         from tui_merger.core.options import human_bytes
 
         if self.result is not None:
@@ -721,7 +721,7 @@ class Wizard(Screen):
 
     @on(Button.Pressed, "#cleanup")
     def _cleanup(self) -> None:
-        from tui_merger.core.cleanup import find_cleanup
+        from tui_merger.core.ship.cleanup import find_cleanup
         from tui_merger.core.errors import MergeError
 
         if self.candidate is not None:
@@ -749,7 +749,7 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="cleanup", exit_on_error=False)
     def _cleanup_worker(self, plan, items) -> None:
-        from tui_merger.core.cleanup import delete_items
+        from tui_merger.core.ship.cleanup import delete_items
 
         errors = []
         freed = delete_items(plan, items, lambda ev: ev.error and errors.append(ev.error))
@@ -769,7 +769,7 @@ class Wizard(Screen):
     @work(thread=True, exclusive=True, group="upload", exit_on_error=False)
     def _upload_worker(self, repo_id: str, private: bool) -> None:
         from tui_merger.core.errors import MergeError
-        from tui_merger.core.hub import plan_upload, upload
+        from tui_merger.core.ship.hub import plan_upload, upload
 
         try:
             done = _Done(upload(plan_upload(self.out_path, repo_id, private=private), on_event=self._forward))

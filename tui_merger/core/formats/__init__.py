@@ -1,0 +1,1 @@
+"""One module per checkpoint kind behind one protocol (formats/base.py) and one registry (formats/registry.py)."""

@@ -1,0 +1,437 @@
+"""verl FSDP checkpoints: find the rank files, read them safely, reassemble full tensors one at a time.
+
+Layout (verl): ``<run>/latest_checkpointed_iteration.txt``, ``<run>/global_step_N/{actor,critic}/``
+(the SFT trainer writes straight into ``global_step_N/``) holding ``model_world_size_W_rank_R.pt``,
+``optim_...``, ``extra_state_...``, ``fsdp_config.json``, ``huggingface/`` and, for LoRA runs,
+``lora_train_meta.json`` or ``lora_adapter/adapter_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+from tui_merger.core.formats.hf_model import TensorRef, not_a_folder
+from tui_merger.core.io.torch_pickle import Record, TorchFile, WrapperTensor, load_state_dict
+
+RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class FsdpLayout:
+    folder: Path  # the folder holding the rank files
+    world_size: int
+    rank_files: list[Path]
+    role: str  # "actor", "critic" or "sft"
+    step: int | None = None
+    fsdp_version: int | None = None
+    hf_dir: Path | None = None
+    notices: list[str] = field(default_factory=list)
+
+
+def _rank_files(folder: Path) -> dict[int, dict[int, Path]]:
+    found: dict[int, dict[int, Path]] = {}
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return found
+    for p in entries:
+        m = RANK_FILE.match(p.name)
+        if m:
+            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
+    return found
+
+
+def _step_of(path: Path) -> int | None:
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def find_fsdp_checkpoint(path: Path) -> FsdpLayout:
+    """Resolve a run folder, a global_step folder or an actor/critic folder to its rank files."""
+    path = Path(path)
+    if not path.is_dir():
+        raise not_a_folder(path, "--local_dir", "checkpoint")
+    folder = path
+    notices = []
+    if not _rank_files(folder):
+        latest = folder / "latest_checkpointed_iteration.txt"
+        steps = sorted((s, p) for p in folder.iterdir() if p.is_dir() and (s := _step_of(p)) is not None)
+        if latest.is_file():
+            try:
+                n = int(latest.read_text().strip())
+            except ValueError:
+                raise MergeError(f"{latest} does not hold a step number; point at a global_step_N folder.") from None
+            folder = folder / f"global_step_{n}"
+            if not folder.is_dir():
+                raise MergeError(f"{latest} names step {n} but {folder} does not exist; point at an existing step.")
+        elif steps:
+            folder = steps[-1][1]
+            notices.append(f"Using the newest checkpoint, {folder.name}.")
+        if not _rank_files(folder):
+            for role in ("actor", "critic"):
+                if _rank_files(folder / role):
+                    if role == "actor" and _rank_files(folder / "critic"):
+                        notices.append(f"{folder} also has a critic; merging the actor (point at critic/ for it).")
+                    folder = folder / role
+                    break
+    groups = _rank_files(folder)
+    if not groups:
+        raise MergeError(
+            f"No verl FSDP model files (model_world_size_W_rank_R.pt) under {path}; "
+            "point at a run folder, a global_step_N folder or its actor/ folder."
+        )
+    if len(groups) > 1:
+        sizes = " and ".join(str(w) for w in sorted(groups))
+        raise MergeError(
+            f"{folder} mixes rank files of world sizes {sizes}; remove the files of the run that is not wanted."
+        )
+    (world, ranks), = groups.items()
+    missing = sorted(set(range(world)) - set(ranks))
+    if missing:
+        names = ", ".join(f"model_world_size_{world}_rank_{r}.pt" for r in missing[:3])
+        raise MergeError(f"{folder} is missing {names} of a {world}-rank checkpoint; copy the whole folder again.")
+    fsdp_version = None
+    cfg = folder / "fsdp_config.json"
+    if cfg.is_file():
+        try:
+            data = json.loads(cfg.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            fsdp_version = data.get("FSDP_version")
+            if data.get("world_size") not in (None, world):
+                raise MergeError(
+                    f"{cfg} says world_size {data.get('world_size')} but the folder has {world} rank files; "
+                    "the folder mixes two runs."
+                )
+        except ValueError:
+            notices.append(f"{cfg} is not a valid JSON object; the world size was taken from the file names.")
+    role = folder.name if folder.name in ("actor", "critic") else "sft"
+    step = _step_of(folder.parent if role != "sft" else folder)
+    hf_dir = folder / "huggingface" if (folder / "huggingface").is_dir() else None
+    return FsdpLayout(folder, world, [ranks[r] for r in range(world)], role, step, fsdp_version, hf_dir, notices)
+
+
+@dataclass
+class _Part:
+    rank: int
+    local: object  # torch tensor (view on the rank file)
+    start: int | None = None  # its bytes in the rank file, when contiguous there
+    end: int | None = None
+
+
+@dataclass
+class _Entry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    dim: int | None  # concatenation dim, None for a single replicated copy
+    parts: list[_Part]
+
+
+def _placement_dims(value: WrapperTensor, path: Path, key: str):
+    spec = value.__dict__.get("_spec")
+    if not isinstance(spec, Record) or "_local_tensor" not in value.__dict__:
+        raise MergeError(f"{path}: {key} is a tensor subclass without its local shard; tui-merger cannot read it.")
+    damaged = MergeError(f"{path}: {key} does not record its place in the device mesh; tui-merger cannot reassemble it.")
+    mesh = spec.__dict__.get("mesh")
+    coords = getattr(mesh, "_coordinate_on_dim", None) if isinstance(mesh, Record) else None
+    placements = spec.__dict__.get("placements") or ()
+    if not isinstance(placements, (list, tuple)):
+        raise damaged
+    kinds = []
+    for p in placements:
+        if not isinstance(p, Record):
+            raise damaged
+        if p.kind == "Shard":
+            args = p.args if isinstance(p.args, tuple) else ()  # state may have replaced anything
+            dim = p.__dict__.get("dim", args[0] if args else 0)
+            if type(dim) is not int:
+                raise damaged
+            kinds.append(("Shard", dim))
+        elif p.kind == "Replicate":
+            kinds.append(("Replicate", None))
+        else:
+            raise MergeError(f"{path}: {key} is sharded as {p.kind}, which tui-merger does not support yet.")
+    if not isinstance(coords, (list, tuple)) or len(coords) != len(kinds) or not all(type(c) is int for c in coords):
+        raise damaged
+    return kinds, tuple(coords)
+
+
+def _wrapper_meta(path, key: str, value: WrapperTensor):
+    """(torch dtype, global shape) a DTensor or ShardedTensor claims, checked: a damaged pickle can put
+    any object in either place."""
+    import torch
+
+    dtype, shape = value.dtype, value.size
+    if not isinstance(dtype, torch.dtype) or not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
+        raise MergeError(f"{path}: {key} does not record a valid dtype and shape; the file is damaged.")
+    return dtype, shape
+
+
+def _local_piece(path, key: str, dtype, local):
+    """A rank's local shard: a tensor of the dtype its DTensor claims."""
+    import torch
+
+    if not isinstance(local, torch.Tensor) or local.dtype != dtype:
+        raise MergeError(f"{path}: a local shard of {key} is not a {str(dtype).removeprefix('torch.')} tensor; the file is damaged.")
+    return local
+
+
+def _check_local(path, key: str, shape: tuple, dim: int | None, local) -> None:
+    """A local shard must match the global shape it claims to be part of in every dimension but the
+    sharded one (all of them when the tensor is not sharded): else the pieces would not reassemble
+    into that shape (a damaged or forged file)."""
+    local_shape = tuple(local.shape)
+    fits = len(local_shape) == len(shape) and all(
+        a == b for d, (a, b) in enumerate(zip(local_shape, shape)) if d != dim
+    )
+    if not fits:
+        raise MergeError(
+            f"{path}: {key} claims the global shape {list(shape)} but a rank holds a piece of shape "
+            f"{list(local_shape)}; the file is damaged."
+        )
+
+
+def _is_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+class FsdpSource:
+    """A TensorSource over the rank files: lists full tensors from pickled metadata, loads one full
+    tensor on demand by concatenating the ranks' local shards (views on the mmap'd files)."""
+
+    def __init__(self, layout: FsdpLayout) -> None:
+        self.layout = layout
+        self.folder = layout.folder
+        self.files: list[TorchFile] = []
+        self.entries: dict[str, _Entry] = {}
+        self.tensors: dict[str, TensorRef] = {}
+        try:
+            states = []
+            for path in layout.rank_files:
+                tf, state = load_state_dict(path)
+                self.files.append(tf)
+                states.append(state)
+            self._index(states)
+        except BaseException:
+            self.close()
+            raise
+
+    def _index(self, states) -> None:
+        first = states[0]
+        if "state" in first and "param_groups" in first:
+            raise MergeError(f"{self.layout.rank_files[0]} holds optimizer state, not model weights.")
+        for rank, state in enumerate(states[1:], start=1):
+            if set(state) != set(first):
+                raise MergeError(
+                    f"{self.layout.rank_files[rank]} holds different parameters than rank 0; "
+                    "the rank files come from different runs."
+                )
+        for key, v0 in first.items():
+            if isinstance(v0, WrapperTensor) and v0.subclass.endswith("ShardedTensor"):
+                self.entries[key] = self._sharded_tensor(key, [s[key] for s in states])
+            elif isinstance(v0, WrapperTensor):
+                self.entries[key] = self._sharded(key, [s[key] for s in states])
+            elif isinstance(v0, Record):
+                raise MergeError(
+                    f"{self.layout.rank_files[0]}: {key} is a {v0.kind}, which tui-merger cannot read yet "
+                    "(only DTensor and plain tensors)."
+                )
+            elif _is_tensor(v0):
+                dtype = str(v0.dtype).removeprefix("torch.")
+                self.entries[key] = _Entry(key, dtype, tuple(v0.shape), None, [_Part(0, v0)])
+            # other values (step counters, strings) are not weights
+        for key, entry in self.entries.items():
+            self.tensors[key] = TensorRef(self, "", key, entry.dtype, entry.shape)
+            for part in entry.parts:
+                local = part.local
+                offset = self.files[part.rank].offset_of(local) if local.is_contiguous() else None
+                if offset is not None:
+                    part.start, part.end = offset, offset + local.numel() * local.element_size()
+
+    def _sharded(self, key: str, values) -> _Entry:
+        path = self.layout.rank_files[0]
+        torch_dtype, shape = _wrapper_meta(path, key, values[0])
+        dtype = str(torch_dtype).removeprefix("torch.")
+        shard_dims = None
+        chosen = []
+        for rank, v in enumerate(values):
+            kinds, coords = _placement_dims(v, self.layout.rank_files[rank], key)
+            dims = [d for kind, d in kinds if kind == "Shard"]
+            if len(set(dims)) > 1 or len(dims) > 1:
+                raise MergeError(f"{path}: {key} is sharded over several mesh dimensions; not supported yet.")
+            shard_dims = dims
+            # a replica: any Replicate mesh coordinate other than 0 holds a copy we do not need
+            if any(kind == "Replicate" and c != 0 for (kind, _), c in zip(kinds, coords)):
+                continue
+            order = next((c for (kind, _), c in zip(kinds, coords) if kind == "Shard"), 0)
+            chosen.append((order, rank, _local_piece(self.layout.rank_files[rank], key, torch_dtype, v.__dict__["_local_tensor"])))
+        chosen.sort()
+        if not shard_dims:
+            _check_local(path, key, shape, None, chosen[0][2])
+            return _Entry(key, dtype, shape, None, [_Part(chosen[0][1], chosen[0][2])])
+        dim = shard_dims[0]
+        if not 0 <= dim < len(shape):
+            raise MergeError(f"{path}: {key} is sharded along dim {dim} but has {len(shape)} dims; the file is damaged.")
+        for _, _, t in chosen:
+            _check_local(path, key, shape, dim, t)
+        if [o for o, _, _ in chosen] != list(range(len(chosen))):
+            raise MergeError(f"{path}: the shards of {key} do not cover the mesh; a rank file is missing or stale.")
+        total = sum(t.shape[dim] for _, _, t in chosen)
+        if total != shape[dim]:
+            raise MergeError(
+                f"{key}: the rank files hold {total} of its {shape[dim]} rows along dim {dim}; "
+                "the checkpoint is incomplete."
+            )
+        return _Entry(key, dtype, shape, dim, [_Part(r, t) for _, r, t in chosen])
+
+    def _sharded_tensor(self, key: str, values) -> _Entry:
+        """FSDP1 without a device mesh saves ShardedTensors: each rank's local shards carry their
+        offsets in the global tensor; they must tile it along one dimension."""
+        path = self.layout.rank_files[0]
+        torch_dtype, shape = _wrapper_meta(path, key, values[0])
+        dtype = str(torch_dtype).removeprefix("torch.")
+        pieces = []
+        for rank, v in enumerate(values):
+            state = v.__dict__.get("state")
+            local_shards = state[0] if isinstance(state, tuple) and state else None
+            if not isinstance(local_shards, list):
+                raise MergeError(f"{self.layout.rank_files[rank]}: {key} is a ShardedTensor without local shards.")
+            for shard in local_shards:
+                if not isinstance(shard, Record):
+                    raise MergeError(f"{path}: a shard of {key} lacks its data or offsets; the file is damaged.")
+                meta = shard.__dict__.get("metadata")
+                tensor = shard.__dict__.get("tensor")
+                raw = getattr(meta, "shard_offsets", ()) or ()
+                offsets = tuple(raw) if isinstance(raw, (list, tuple)) and all(type(o) is int for o in raw) else ()
+                if tensor is None or len(offsets) != len(shape):
+                    raise MergeError(f"{path}: a shard of {key} lacks its data or offsets; the file is damaged.")
+                tensor = _local_piece(self.layout.rank_files[rank], key, torch_dtype, tensor)
+                pieces.append((offsets, rank, tensor))
+        pieces.sort(key=lambda p: p[0])
+        varying = {d for d in range(len(shape)) if len({p[0][d] for p in pieces}) > 1}
+        if len(varying) > 1:
+            raise MergeError(f"{path}: {key} is sharded along several dimensions; not supported yet.")
+        dim = varying.pop() if varying else 0
+        expected = 0
+        for offsets, _, tensor in pieces:
+            if offsets[dim] != expected or any(offsets[d] for d in range(len(shape)) if d != dim):
+                raise MergeError(f"{path}: the shards of {key} leave a gap; a rank file is missing or stale.")
+            expected += tensor.shape[dim] if tensor.dim() else 1
+        if shape and expected != shape[dim]:
+            raise MergeError(f"{key}: the rank files hold {expected} of its {shape[dim]} rows; the checkpoint is incomplete.")
+        for _, _, tensor in pieces:
+            _check_local(path, key, shape, dim if len(pieces) > 1 else None, tensor)
+        if len(pieces) == 1:
+            return _Entry(key, dtype, shape, None, [_Part(pieces[0][1], pieces[0][2])])
+        return _Entry(key, dtype, shape, dim, [_Part(r, t) for _, r, t in pieces])
+
+    # -- TensorSource interface --------------------------------------------------------------------
+    def load(self, ref: TensorRef):
+        import torch
+
+        entry = self.entries[ref.name]
+        if entry.dim is None:
+            return entry.parts[0].local
+        return torch.cat([p.local for p in entry.parts], dim=entry.dim)
+
+    def load_into(self, ref: TensorRef, out) -> None:
+        """Copy each rank's shard straight into its slice of ``out`` (converting dtype on the way),
+        so no full-size intermediate is built; each shard's pages are handed back once copied."""
+        entry = self.entries[ref.name]
+        if entry.dim is None:
+            out.copy_(entry.parts[0].local)
+            return
+        offset = 0
+        for part in entry.parts:
+            n = part.local.shape[entry.dim]
+            if n:
+                out.narrow(entry.dim, offset, n).copy_(part.local)
+                self.release_part(part)
+            offset += n
+
+    def raw_ranges(self, ref: TensorRef):
+        """Shards along dim 0 that lie contiguously in their files are the tensor's bytes in order:
+        copied in the kernel when the output keeps the dtype (fp32 checkpoints written as fp32)."""
+        entry = self.entries[ref.name]
+        if entry.dim not in (None, 0):
+            return None
+        parts = entry.parts[:1] if entry.dim is None else entry.parts
+        if any(p.start is None for p in parts):
+            return None
+        return [(self.files[p.rank].fileno(), p.start, p.end - p.start) for p in parts if p.end > p.start]
+
+    def row_blocks(self, ref: TensorRef):
+        """The tensor as consecutive row blocks (its dim-0 shards, in order) with a callback that
+        hands each block's pages back: written one by one, a converted tensor never exists whole."""
+        entry = self.entries[ref.name]
+        if entry.dim not in (None, 0):
+            return None
+        parts = entry.parts[:1] if entry.dim is None else [p for p in entry.parts if p.local.numel()]
+        return [(p.local, lambda p=p: self.release_part(p)) for p in parts]
+
+    def release_part(self, part: _Part) -> None:
+        if part.start is not None:
+            self.files[part.rank].release(part.start, part.end)
+        else:
+            self.files[part.rank].release()
+
+    def release_key(self, key: str) -> None:
+        for part in self.entries[key].parts:
+            self.release_part(part)
+
+    def release(self, ref: TensorRef) -> None:
+        self.release_key(ref.name)
+
+    def close(self) -> None:
+        for tf in self.files:
+            tf.close()
+        self.files = []
+
+
+class RenamedSource:
+    """A view of another source under other names (PEFT keys -> plain model names)."""
+
+    def __init__(self, inner, mapping: dict[str, str]) -> None:
+        self.inner = inner
+        self.folder = getattr(inner, "folder", None)
+        self.tensors = {new: inner.tensors[old] for new, old in mapping.items()}
+
+    def load(self, ref):
+        return self.inner.load(ref)
+
+    def load_into(self, ref, out) -> None:
+        self.inner.load_into(ref, out)
+
+    def raw_ranges(self, ref):
+        return self.inner.raw_ranges(ref)
+
+    def row_blocks(self, ref):
+        return self.inner.row_blocks(ref)
+
+    def release(self, ref) -> None:
+        self.inner.release(ref)
+
+    def close(self) -> None:
+        pass  # the inner source is closed by its owner
+
+
+def split_peft_keys(names) -> tuple[dict[str, str], dict[str, str]]:
+    """(base name -> key, adapter key -> key) for a PeftModel's state dict; plain names pass through."""
+    base, adapter = {}, {}
+    for key in names:
+        if ".lora_" in key:
+            adapter[key] = key
+            continue
+        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        name = name.replace(".base_layer.", ".")
+        base[name] = key
+    return base, adapter

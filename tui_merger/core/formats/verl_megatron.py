@@ -1,0 +1,908 @@
+"""verl Megatron checkpoints -> Hugging Face names, without megatron-core.
+
+Layouts (verl; see docs/checkpoint-formats.md section 2):
+
+- v2 (0.9+): ``actor/model/dist_ckpt`` + ``actor/model/huggingface`` (+ ``ckpt_contents.json``); when
+  ``model/huggingface`` already holds the weights (mbridge), it is a Hugging Face model to copy;
+- v1 (0.4.1-0.8): ``actor/dist_ckpt`` + ``actor/huggingface``;
+- legacy (<= 0.4.0): ``actor/model/mp_rank_XX[_YYY]/model.pt``, a list of per-virtual-pipeline-chunk
+  state dicts per tensor/pipeline rank, config in ``actor/hf_config_and_tokenizer``.
+
+A dist checkpoint is a PyTorch DCP folder read by :mod:`tui_merger.core.io.dcp`; its tensors have their
+global shapes whatever the training's parallelism. The legacy rank files are reassembled into the same
+form (TP shards placed by the rules Megatron splits them with, layers numbered across pipeline and
+virtual-pipeline chunks). Every Hugging Face tensor is then a list of regions of those tensors (q, k
+and v are row ranges of ``linear_qkv`` per KV group; gate and up the two halves of ``linear_fc1``),
+read chunk by chunk when it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, DcpStore, check_coverage
+from tui_merger.core.errors import MergeError
+from tui_merger.core.formats.verl_fsdp import STEP_DIR, _rank_files
+from tui_merger.core.formats.hf_model import TensorRef, find_weight_files, not_a_folder
+
+MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE"
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+_ARCH_FAMILY = {
+    "Llama": "llama", "Qwen2": "qwen2", "Qwen3": "qwen3", "Qwen2Moe": "qwen2_moe", "Qwen3Moe": "qwen3_moe",
+}
+_ROLES = ("actor", "critic")
+BLOCK_BYTES = 16 << 20  # the largest row block converted at once
+
+
+# -- finding the checkpoint ---------------------------------------------------------------------------
+
+
+@dataclass
+class MegatronLayout:
+    kind: str  # "v1", "v2", "legacy", or "hf" (model/huggingface already holds the weights)
+    folder: Path  # the actor / critic folder
+    model_dir: Path  # the dist_ckpt folder, the folder of mp_rank_* folders, or the HF weights folder
+    hf_dir: Path | None  # config.json (+ tokenizer)
+    role: str = "actor"
+    step: int | None = None
+    notices: list[str] = field(default_factory=list)
+
+
+def _mp_rank_dirs(folder: Path) -> list[Path]:
+    try:
+        return sorted(p for p in folder.iterdir() if MP_RANK.match(p.name) and p.is_dir())
+    except OSError:
+        return []
+
+
+def _layout_here(folder: Path) -> tuple[str, Path, Path | None] | None:
+    """(kind, model folder, config folder) when ``folder`` is a verl Megatron actor/critic folder."""
+    model = folder / "model"
+    if (model / "dist_ckpt").is_dir() or (folder / "ckpt_contents.json").is_file():
+        hf = model / "huggingface"
+        if hf.is_dir() and (hf / "config.json").is_file() and _has_weights(hf):
+            return "hf", hf, hf
+        if not hf.is_dir() and (folder / "huggingface").is_dir():
+            hf = folder / "huggingface"
+        return "v2", model / "dist_ckpt", hf
+    if (folder / "dist_ckpt").is_dir():
+        return "v1", folder / "dist_ckpt", folder / "huggingface"
+    if model.is_dir() and _mp_rank_dirs(model):
+        hf = folder / "hf_config_and_tokenizer"
+        if not hf.is_dir() and (folder / "huggingface").is_dir():
+            hf = folder / "huggingface"
+        return "legacy", model, hf
+    return None
+
+
+def _has_weights(folder: Path) -> bool:
+    try:
+        return bool(find_weight_files(folder))
+    except MergeError:  # a damaged index: weights were meant to be there (opening them says what is wrong)
+        return True
+
+
+def _step_of(path: Path) -> int | None:
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _resolve(path: Path) -> tuple[Path | None, list[str]]:
+    """The actor/critic folder a run, step, actor or dist_ckpt path points at (None: not Megatron)."""
+    notices: list[str] = []
+    # inside the checkpoint: actor/dist_ckpt, actor/model, actor/model/dist_ckpt
+    for up in (path, path.parent, path.parent.parent):
+        if up == path or path.name in ("dist_ckpt", "model", "huggingface"):
+            if _layout_here(up) and not _rank_files(up):
+                if up != path:
+                    notices.append(f"Reading the whole checkpoint in {up}.")
+                return up, notices
+    folder = path
+    latest = folder / "latest_checkpointed_iteration.txt"
+    if latest.is_file():
+        try:
+            n = int(latest.read_text().strip())
+        except (OSError, ValueError):
+            n = None
+        if n is not None and (folder / f"global_step_{n}").is_dir():
+            folder = folder / f"global_step_{n}"
+    elif _step_of(folder) is None:
+        try:
+            steps = sorted((s, p) for p in folder.iterdir() if p.is_dir() and (s := _step_of(p)) is not None)
+        except OSError:
+            steps = []
+        if steps:
+            folder = steps[-1][1]
+            notices.append(f"Using the newest checkpoint, {folder.name}.")
+    if _layout_here(folder) and not _rank_files(folder):
+        return folder, notices
+    found = [folder / r for r in _ROLES if _layout_here(folder / r) and not _rank_files(folder / r)]
+    if not found:
+        return None, notices
+    if len(found) > 1:
+        notices.append(f"{folder} also has a critic; converting the actor (point at critic/ for it).")
+    return found[0], notices
+
+
+def is_megatron_checkpoint(path) -> bool:
+    """Cheap (names and stat only): whether ``path`` points at a verl Megatron checkpoint."""
+    try:
+        return _resolve(Path(path))[0] is not None
+    except (OSError, MergeError):
+        return False
+
+
+def find_megatron_checkpoint(path) -> MegatronLayout:
+    path = Path(path)
+    if not path.is_dir():
+        raise not_a_folder(path, "--local_dir", "checkpoint")
+    folder, notices = _resolve(path)
+    if folder is None:
+        latest = path / "latest_checkpointed_iteration.txt"
+        try:
+            n = int(latest.read_text().strip()) if latest.is_file() else None
+        except (OSError, ValueError):
+            raise MergeError(f"{latest} does not hold a step number; point at a global_step_N folder.") from None
+        if n is not None and not (path / f"global_step_{n}").is_dir():
+            raise MergeError(
+                f"{latest} names step {n} but {path / f'global_step_{n}'} does not exist; point at an existing step."
+            )
+        raise MergeError(
+            f"No verl Megatron checkpoint (dist_ckpt/, model/dist_ckpt/ or model/mp_rank_*/) under {path}; "
+            "point at a run folder, a global_step_N folder or its actor/ folder."
+        )
+    kind, model_dir, hf_dir = _layout_here(folder)
+    role = folder.name if folder.name in _ROLES else _contents_role(folder)
+    step = _step_of(folder.parent) if folder.name in _ROLES else _step_of(folder)
+    layout = MegatronLayout(kind, folder, model_dir, hf_dir if hf_dir and hf_dir.is_dir() else None, role, step, notices)
+    if kind == "hf":
+        layout.notices.append(
+            f"{model_dir} already holds the model in Hugging Face format (saved by mbridge): it is copied and "
+            "verified, there is nothing to convert."
+        )
+    elif (folder / "adapter_checkpoint").is_dir():
+        raise MergeError(
+            f"{folder} holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet; "
+            "merge it with verl's model_merger."
+        )
+    return layout
+
+
+def _contents_role(folder: Path) -> str:
+    try:
+        role = json.loads((folder / "ckpt_contents.json").read_text()).get("role")
+    except (OSError, ValueError, AttributeError):
+        return "actor"
+    return role if role in _ROLES else "actor"
+
+
+def check_backend(path, backend: str) -> None:
+    """``--backend`` against what the folder is: one sentence when they disagree."""
+    path = Path(path)
+    megatron = is_megatron_checkpoint(path)
+    if backend == "fsdp" and megatron:
+        raise MergeError(
+            f"{path} is a Megatron checkpoint, not an FSDP one; use --backend megatron (or leave --backend out)."
+        )
+    if backend == "megatron" and not megatron:
+        from tui_merger.core.formats.verl_fsdp import find_fsdp_checkpoint
+
+        try:
+            find_fsdp_checkpoint(path)
+        except MergeError:
+            find_megatron_checkpoint(path)  # raises its own sentence (no such folder, no checkpoint)
+        else:
+            raise MergeError(
+                f"{path} is a verl FSDP checkpoint, not a Megatron one; use --backend fsdp (or leave --backend out)."
+            )
+
+
+# -- keys -------------------------------------------------------------------------------------------
+
+
+def skip_key(key: str) -> bool:
+    """What a model conversion never reads: optimizer state, RNG state, Transformer Engine extra state."""
+    return key.startswith(("optimizer.", "optimizer/", "rng_state")) or "_extra_state" in key
+
+
+def canonical(key: str) -> str:
+    """The name without verl's virtual-pipeline (``model0.``) or wrapper (``module.``) prefixes."""
+    return re.sub(r"^(?:model\d*\.|module\.)+", "", key)
+
+
+# -- legacy mp_rank files ---------------------------------------------------------------------------
+
+_DIM1 = ("linear_proj.weight", "linear_fc2.weight")
+_DIM0 = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+_GLU = ("linear_fc1.weight", "linear_fc1.bias")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class LegacyStore(ChunkStore):
+    """The legacy per-rank ``model.pt`` files as global tensors: TP shards placed where Megatron
+    took them from (dim 1 for linear_proj / linear_fc2; dim 0 otherwise, fc1's gate and up halves
+    of every rank apart), norms from TP rank 0, layers numbered across pipeline and virtual chunks."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.files = []
+        self.data_files: list[str] = []
+        try:
+            grid = self._grid()
+            tensors = self._assemble(grid)
+            check_coverage(tensors, self.model_dir)
+        except BaseException:
+            self.close()
+            raise
+        super().__init__(tensors)
+
+    def _grid(self) -> dict[tuple[int, int], Path]:
+        ranks: dict[tuple[int, int], Path] = {}
+        for d in _mp_rank_dirs(self.model_dir):
+            m = MP_RANK.match(d.name)
+            tp, pp, ep = int(m.group(1)), int(m.group(2) or 0), m.group(3)
+            if ep is not None:
+                raise MergeError(
+                    f"{d} is an expert-parallel rank of a legacy Megatron checkpoint, which tui-merger cannot "
+                    "convert yet; convert it with verl's model_merger."
+                )
+            ranks[(tp, pp)] = d
+        tps = 1 + max(t for t, _ in ranks)
+        pps = 1 + max(p for _, p in ranks)
+        for tp in range(tps):
+            for pp in range(pps):
+                name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pps > 1 else "")
+                d = ranks.get((tp, pp))
+                if d is None or not (d / "model.pt").is_file():
+                    where = d or self.model_dir / name
+                    raise MergeError(
+                        f"{where / 'model.pt'} is missing from this {tps}x{pps} (tensor x pipeline) legacy Megatron "
+                        "checkpoint; copy the whole model/ folder again."
+                    )
+        return {k: v / "model.pt" for k, v in ranks.items()}
+
+    def _load(self, path: Path) -> list[dict]:
+        from tui_merger.core.io.torch_pickle import TorchFile, require_names
+
+        tf = TorchFile(path)
+        self.files.append(tf)
+        self.data_files.append(str(path.relative_to(self.model_dir)))
+        obj = tf.obj
+        if isinstance(obj, dict) and obj and all(isinstance(k, str) and re.fullmatch(r"model\d*", k) for k in obj):
+            obj = [obj[k] for k in sorted(obj, key=lambda k: int(k[5:] or 0))]
+        if isinstance(obj, dict):
+            obj = [obj]
+        if not isinstance(obj, list) or not all(isinstance(c, dict) for c in obj):
+            raise MergeError(f"{path} does not hold Megatron model state dicts; it is not a verl checkpoint file.")
+        for chunk in obj:
+            require_names(path, chunk)
+        return [(tf, c) for c in obj]
+
+    def _assemble(self, grid) -> dict[str, ChunkedTensor]:
+        tps = 1 + max(t for t, _ in grid)
+        pps = 1 + max(p for _, p in grid)
+        loaded = {k: self._load(p) for k, p in sorted(grid.items())}
+        vpps = {len(v) for v in loaded.values()}
+        if len(vpps) != 1:
+            raise MergeError(
+                f"The rank files in {self.model_dir} hold different numbers of model chunks; they come from different runs."
+            )
+        vpp = vpps.pop()
+        tensors: dict[str, ChunkedTensor] = {}
+        offset = 0
+        for v in range(vpp):
+            for pp in range(pps):
+                shards = [loaded[(tp, pp)][v] for tp in range(tps)]
+                keys0 = [k for k, t in shards[0][1].items() if not skip_key(k) and hasattr(t, "shape")]
+                for tp, (_, sd) in enumerate(shards[1:], start=1):
+                    if {k for k, t in sd.items() if not skip_key(k) and hasattr(t, "shape")} != set(keys0):
+                        raise MergeError(
+                            f"{grid[(tp, pp)]} holds different parameters than {grid[(0, pp)]}; the rank files come "
+                            "from different runs."
+                        )
+                local_layers = sorted({int(m.group(1)) for k in keys0 if (m := _LAYER.match(k))})
+                if local_layers and local_layers != list(range(len(local_layers))):
+                    raise MergeError(
+                        f"{grid[(0, pp)]}: its layers are numbered {local_layers[:6]}, not from 0; the file is damaged."
+                    )
+                for key in keys0:
+                    m = _LAYER.match(key)
+                    name = f"decoder.layers.{offset + int(m.group(1))}.{m.group(2)}" if m else key
+                    if name in tensors:
+                        raise MergeError(
+                            f"{key} appears in two pipeline chunks of {self.model_dir}; the rank files are inconsistent."
+                        )
+                    tensors[name] = self._place(name, [(tf, sd[key]) for tf, sd in shards], grid[(0, pp)])
+                offset += len(local_layers)
+        return tensors
+
+    def _place(self, name: str, parts, where: Path) -> ChunkedTensor:
+        tf0, t0 = parts[0]
+        dtype = str(t0.dtype).removeprefix("torch.")
+        shapes = {tuple(t.shape) for _, t in parts}
+        if name.endswith(_GLU) and len(parts) > 1:
+            halves = [t.shape[0] // 2 for _, t in parts]
+            if any(t.shape[0] % 2 for _, t in parts) or len(shapes) != 1:
+                raise MergeError(
+                    f"{where}: the tensor-parallel shards of {name} do not split into gate and up halves; "
+                    "the file is damaged."
+                )
+            total = sum(halves)
+            rest = tuple(t0.shape[1:])
+            chunks, at = [], 0
+            for (tf, t), h in zip(parts, halves):
+                chunks.append(self._piece(tf, t.narrow(0, 0, h), (at,) + (0,) * len(rest)))
+                chunks.append(self._piece(tf, t.narrow(0, h, h), (total + at,) + (0,) * len(rest)))
+                at += h
+            return ChunkedTensor(name, dtype, (2 * total,) + rest, chunks)
+        dim = None
+        if len(parts) > 1:
+            if name.endswith(_DIM1):
+                dim = 1
+            elif name.endswith(_DIM0) and not (name.startswith("output_layer.") and t0.shape[0] == 1):
+                dim = 0  # a value head (one row) is the same on every rank
+        if dim is None:
+            return ChunkedTensor(name, dtype, tuple(t0.shape), [self._piece(tf0, t0, (0,) * t0.dim())])
+        if any(len(s) <= dim for s in shapes) or len({s[:dim] + s[dim + 1 :] for s in shapes}) != 1:
+            raise MergeError(
+                f"{where}: the tensor-parallel shards of {name} have shapes {sorted(shapes)} that do not fit "
+                "together; the file is damaged."
+            )
+        chunks, at = [], 0
+        for tf, t in parts:
+            chunks.append(self._piece(tf, t, tuple(at if d == dim else 0 for d in range(t.dim()))))
+            at += t.shape[dim]
+        shape = list(t0.shape)
+        shape[dim] = at
+        return ChunkedTensor(name, dtype, tuple(shape), chunks)
+
+    @staticmethod
+    def _piece(tf, t, offsets) -> Chunk:
+        start = tf.offset_of(t) if t.is_contiguous() else None
+        length = t.numel() * t.element_size() if start is not None else 0
+        return Chunk(tuple(offsets), tuple(t.shape), tf, start or 0, length, local=t)
+
+    def fetch(self, entry: ChunkedTensor, chunk: Chunk):
+        return chunk.local
+
+    def file_of(self, chunk: Chunk):
+        return chunk.file
+
+    def release_chunk(self, chunk: Chunk) -> None:
+        if chunk.length:
+            chunk.file.release(chunk.start, chunk.start + chunk.length)
+
+    def close(self) -> None:
+        if hasattr(self, "_cached"):
+            super().close()
+        for tf in self.files:
+            tf.close()
+        self.files = []
+
+
+# -- mcore names -> Hugging Face names ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``rows`` (None: all) of ``key[index]``, written at row ``at`` of the output tensor."""
+
+    key: str
+    index: tuple[int, ...]
+    rows: tuple[int, int] | None
+    at: int = 0
+
+
+@dataclass
+class Spec:
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: list[Piece]
+
+
+def _cfg(config: dict, key: str, default=None):
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if key in text and text[key] is not None:
+        return text[key]
+    value = config.get(key)
+    return default if value is None else value
+
+
+def model_family(config: dict, config_path) -> str:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for mt in (config.get("model_type"), text.get("model_type")):
+        if mt in FAMILIES:
+            return mt
+    for arch in config.get("architectures") or []:
+        m = re.match(r"^([A-Za-z0-9]+?)For[A-Z]", str(arch))
+        if m and m.group(1) in _ARCH_FAMILY:
+            return _ARCH_FAMILY[m.group(1)]
+    named = (config.get("architectures") or [None])[0] or config.get("model_type") or "unnamed"
+    raise MergeError(
+        f"{config_path} describes a {named} model; tui-merger converts Megatron checkpoints of {SUPPORTED} "
+        "models only."
+    )
+
+
+# (pattern on the key after "decoder.layers.[i.]", kind, HF name after "model.layers.{i}.")
+_LAYER_KEYS = [
+    (r"input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight", "copy", "input_layernorm.weight"),
+    (r"self_attention\.linear_qkv\.(weight|bias)", "qkv", "self_attn.{}_proj.{1}"),
+    (r"self_attention\.q_layernorm\.weight", "copy", "self_attn.q_norm.weight"),
+    (r"self_attention\.k_layernorm\.weight", "copy", "self_attn.k_norm.weight"),
+    (r"self_attention\.linear_proj\.(weight|bias)", "copy", "self_attn.o_proj.{1}"),
+    (r"pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight", "copy", "post_attention_layernorm.weight"),
+    (r"mlp\.linear_fc1\.(weight|bias)", "glu", "mlp.{}_proj.{1}"),
+    (r"mlp\.linear_fc2\.(weight|bias)", "copy", "mlp.down_proj.{1}"),
+    (r"mlp\.router\.weight", "copy", "mlp.gate.weight"),
+    (r"mlp\.experts\.experts\.linear_fc1\.weight", "experts_glu", "mlp.experts.{e}.{}_proj.weight"),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", "glu", "mlp.experts.{1}.{}_proj.weight"),
+    (r"mlp\.experts\.linear_fc1\.weight(\d+)", "glu", "mlp.experts.{1}.{}_proj.weight"),
+    (r"mlp\.experts\.experts\.linear_fc2\.weight", "experts", "mlp.experts.{e}.down_proj.weight"),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", "copy", "mlp.experts.{1}.down_proj.weight"),
+    (r"mlp\.experts\.linear_fc2\.weight(\d+)", "copy", "mlp.experts.{1}.down_proj.weight"),
+    (r"mlp\.shared_experts\.linear_fc1\.weight", "glu", "mlp.shared_expert.{}_proj.weight"),
+    (r"mlp\.shared_experts\.linear_fc2\.weight", "copy", "mlp.shared_expert.down_proj.weight"),
+    (r"mlp\.shared_experts\.gate_weight", "copy", "mlp.shared_expert_gate.weight"),
+]
+_LAYER_PATTERNS = [(re.compile(f"(?:{p})$"), kind, name) for p, kind, name in _LAYER_KEYS]
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass
+class _Mapping:
+    specs: dict[str, Spec]
+    notices: list[str]
+    head: str | None  # the HF name the output layer got (lm_head.weight / score.weight), None: absent
+
+
+class _Mapper:
+    def __init__(self, tensors: dict[str, ChunkedTensor], config: dict, config_path: Path) -> None:
+        self.tensors = tensors
+        self.config = config
+        self.path = config_path
+        self.family = model_family(config, config_path)
+        self.name = FAMILIES[self.family]
+        self.layers = _cfg(config, "num_hidden_layers")
+        self.heads = _cfg(config, "num_attention_heads")
+        self.kv = _cfg(config, "num_key_value_heads") or self.heads
+        self.hidden = _cfg(config, "hidden_size")
+        for what, value in (("num_hidden_layers", self.layers), ("num_attention_heads", self.heads),
+                            ("hidden_size", self.hidden), ("num_key_value_heads", self.kv)):
+            if not isinstance(value, int) or value <= 0:
+                raise MergeError(f"{config_path} has no valid {what}; copy the config saved with the checkpoint.")
+        self.head_dim = _cfg(config, "head_dim") or self.hidden // self.heads
+        if self.heads % self.kv:
+            raise MergeError(
+                f"{config_path} says {self.heads} attention heads in {self.kv} key-value groups, which do not divide; "
+                "the config is damaged."
+            )
+        self.vocab = _cfg(config, "vocab_size")
+        self.specs: dict[str, Spec] = {}
+        self.notices: list[str] = []
+
+    def fail(self, text: str) -> MergeError:
+        return MergeError(
+            f"{self.path} does not match the checkpoint: {text}; copy the config.json saved with this checkpoint "
+            "(or pass --base with the model it was trained from)."
+        )
+
+    def add(self, name: str, key: str, index: tuple, shape: tuple, rows=None, pieces=None) -> None:
+        entry = self.tensors[key]
+        pieces = pieces or [Piece(key, tuple(index), rows)]
+        self.specs[name] = Spec(tuple(shape), entry.dtype, pieces)
+
+    # -- the whole model --------------------------------------------------------------------------
+    def run(self) -> _Mapping:
+        per_layer: dict[int, list] = {}
+        top: dict[str, str] = {}
+        for key, entry in self.tensors.items():
+            if key in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",
+                       "output_layer.bias"):
+                top[key] = key
+                continue
+            m = _PER_LAYER.match(key)
+            if m:
+                per_layer.setdefault(int(m.group(1)), []).append((m.group(2), key, ()))
+                continue
+            if key.startswith("decoder.layers."):
+                rest = key[len("decoder.layers."):]
+                n = entry.shape[0] if entry.shape else 0
+                if n != self.layers:
+                    raise self.fail(
+                        f"it says {self.layers} layers (num_hidden_layers) but {key} holds {n}"
+                    )
+                for i in range(n):
+                    per_layer.setdefault(i, []).append((rest, key, (i,)))
+                continue
+            raise MergeError(
+                f"The checkpoint holds {key}, which has no counterpart in a Hugging Face {self.name} model; "
+                f"tui-merger converts Megatron checkpoints of {SUPPORTED} models only."
+            )
+        found = sorted(per_layer)
+        if found != list(range(self.layers)):
+            have = f"layers 0..{found[-1]}" if found and found == list(range(len(found))) else f"layers {found[:8]}"
+            raise self.fail(f"it says {self.layers} layers (num_hidden_layers) but the checkpoint holds {have}")
+        if "embedding.word_embeddings.weight" not in top:
+            raise MergeError(
+                "The checkpoint has no embedding.word_embeddings.weight; it is incomplete (a pipeline stage is missing)."
+            )
+        if "decoder.final_layernorm.weight" not in top:
+            raise MergeError(
+                "The checkpoint has no decoder.final_layernorm.weight; it is incomplete (the last pipeline stage is "
+                "missing)."
+            )
+        embed_key = "embedding.word_embeddings.weight"
+        self._vocab_matrix("model.embed_tokens.weight", embed_key)
+        self._features()
+        for i in found:
+            self._layer(i, per_layer[i])
+        final = "decoder.final_layernorm.weight"
+        self.add("model.norm.weight", final, (), self.tensors[final].shape)
+        head = None
+        if "output_layer.weight" in top:
+            out = self.tensors["output_layer.weight"]
+            if len(out.shape) == 2 and out.shape[0] == 1:
+                head = "score.weight"
+                self.add(head, "output_layer.weight", (), out.shape)
+                if "output_layer.bias" in top:
+                    self.add("score.bias", "output_layer.bias", (), self.tensors["output_layer.bias"].shape)
+                else:  # transformers' TokenClassification head has a bias; this value head has none
+                    self.specs["score.bias"] = Spec((1,), out.dtype, [])
+                    self.notices.append("The value head has no bias; score.bias is written as 0, which is what it computes.")
+            elif "output_layer.bias" in top:
+                raise MergeError(
+                    f"The checkpoint's output layer has a bias, which a Hugging Face {self.name} model's lm_head "
+                    "does not have; tui-merger cannot convert it."
+                )
+            else:
+                head = "lm_head.weight"
+                self._vocab_matrix(head, "output_layer.weight")
+        return _Mapping(self.specs, self.notices, head)
+
+    def _vocab_matrix(self, name: str, key: str) -> None:
+        entry = self.tensors[key]
+        if len(entry.shape) != 2 or entry.shape[1] != self.hidden:
+            raise self.fail(f"it says hidden_size {self.hidden} but {key} has shape {list(entry.shape)}")
+        rows = entry.shape[0]
+        vocab = self.vocab if isinstance(self.vocab, int) and self.vocab > 0 else rows
+        if vocab > rows:
+            raise self.fail(f"it says vocab_size {vocab} but {key} has only {rows} rows")
+        if vocab < rows and name == "model.embed_tokens.weight":
+            self.notices.append(
+                f"The embedding has {rows} rows, {rows - vocab} of them Megatron's padding beyond vocab_size "
+                f"{vocab}; the padding rows are left out."
+            )
+        self.add(name, key, (), (vocab, entry.shape[1]), rows=(0, vocab) if vocab < rows else None)
+
+    def _features(self) -> None:
+        """Which optional tensors the config implies, against what the checkpoint holds."""
+        keys = " ".join(self.tensors)
+        features = [  # (in the checkpoint, implied by the config, what the config says, what the tensors are)
+            ("linear_qkv.bias" in keys,
+             self.family in ("qwen2", "qwen2_moe") or bool(_cfg(self.config, "attention_bias", False)),
+             (" (q/k/v projections without biases)", " (q/k/v projections with biases)"), "linear_qkv biases"),
+            ("q_layernorm" in keys, self.family in ("qwen3", "qwen3_moe"),
+             (" (without q/k norms)", " (with q/k norms)"), "q_layernorm/k_layernorm"),
+            ("mlp.router.weight" in keys, self.family in ("qwen2_moe", "qwen3_moe"), ("", ""), "MoE routers"),
+        ]
+        for held, wanted, said, what in features:
+            if held != wanted:
+                raise self.fail(
+                    f"it describes a {self.name} model{said[wanted]} but the checkpoint {'has' if held else 'has no'} {what}"
+                )
+        if "shared_experts" in keys and self.family != "qwen2_moe":
+            raise self.fail(f"it describes a {self.name} model, which has no shared experts, but the checkpoint has them")
+
+    # -- one layer ----------------------------------------------------------------------------------
+    def _layer(self, i: int, entries) -> None:
+        prefix = f"model.layers.{i}."
+        matched = []
+        for rest, key, index in entries:
+            for order, (pattern, kind, name) in enumerate(_LAYER_PATTERNS):
+                m = pattern.match(rest)
+                if m:
+                    matched.append((order, rest, key, index, kind, name, m))
+                    break
+            else:
+                raise MergeError(
+                    f"The checkpoint holds {key}, which has no counterpart in a Hugging Face {self.name} model; "
+                    f"tui-merger converts Megatron checkpoints of {SUPPORTED} models only."
+                )
+        matched.sort(key=lambda x: (x[0], x[1].endswith("bias"), x[1]))  # weights before biases
+        if not any(kind == "qkv" and rest.endswith("weight") for _, rest, _, _, kind, _, _ in matched):
+            raise MergeError(f"Layer {i} has no attention weights (linear_qkv) in the checkpoint; it is incomplete.")
+        sparse = any(rest == "mlp.router.weight" for _, rest, *_ in matched)
+        if self.family in ("qwen2_moe", "qwen3_moe") and sparse != self._hf_sparse(i):
+            raise self.fail(
+                f"layer {i} is {'an MoE' if sparse else 'a dense'} layer in the checkpoint but "
+                f"{'dense' if sparse else 'MoE'} by its mlp_only_layers / decoder_sparse_step"
+            )
+        for _, rest, key, index, kind, name, m in matched:
+            entry = self.tensors[key]
+            param = entry.shape[len(index):]
+            groups = [g or "" for g in m.groups()]
+            hf = prefix + name.replace("{1}", groups[0] if groups else "")
+            if kind == "copy":
+                self._check_copy(hf, key, param)
+                self.add(hf, key, index, param)
+            elif kind == "qkv":
+                self._qkv(hf, key, index, param)
+            elif kind == "glu":
+                self._glu(hf, key, index, param)
+            elif kind in ("experts", "experts_glu"):
+                if not param:
+                    raise MergeError(f"{key} has no expert dimension; the checkpoint is damaged.")
+                n = param[0]
+                want = self._experts()
+                if isinstance(want, int) and want != n:
+                    raise self.fail(f"it says {want} experts (num_experts) but {key} holds {n}")
+                for e in range(n):
+                    name_e = hf.replace("{e}", str(e))
+                    if kind == "experts":
+                        self._check_copy(name_e, key, param[1:])
+                        self.add(name_e, key, index + (e,), param[1:])
+                    else:
+                        self._glu(name_e, key, index + (e,), param[1:])
+
+    def _hf_sparse(self, i: int) -> bool:
+        if i in (_cfg(self.config, "mlp_only_layers") or []):
+            return False
+        step = _cfg(self.config, "decoder_sparse_step", 1) or 1
+        return (self._experts() or 0) > 0 and (i + 1) % step == 0
+
+    def _experts(self):
+        """transformers 5 saves num_experts as num_local_experts."""
+        return _cfg(self.config, "num_experts") or _cfg(self.config, "num_local_experts")
+
+    def _check_copy(self, hf: str, key: str, param: tuple) -> None:
+        if hf.endswith("o_proj.weight") and tuple(param) != (self.hidden, self.heads * self.head_dim):
+            raise self.fail(
+                f"{self.heads} heads of dim {self.head_dim} and hidden_size {self.hidden} make o_proj "
+                f"[{self.hidden}, {self.heads * self.head_dim}], but {key} is {list(param)} per layer"
+            )
+        if hf.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) and len(param) != 1:
+            raise MergeError(f"{key} is not a norm weight vector (shape {list(param)}); the checkpoint is damaged.")
+
+    def _qkv(self, hf: str, key: str, index: tuple, param: tuple) -> None:
+        per = self.heads // self.kv
+        d = self.head_dim
+        rows = (self.heads + 2 * self.kv) * d
+        if not param or param[0] != rows or (len(param) == 2 and param[1] != self.hidden):
+            raise self.fail(
+                f"{self.heads} attention heads and {self.kv} key-value heads of dim {d} make "
+                f"[{rows}, {self.hidden}] for linear_qkv, but {key} is {list(param)} per layer"
+            )
+        rest = tuple(param[1:])
+        group = (per + 2) * d
+        q = [Piece(key, index, (g * group, g * group + per * d), g * per * d) for g in range(self.kv)]
+        k = [Piece(key, index, (g * group + per * d, g * group + (per + 1) * d), g * d) for g in range(self.kv)]
+        v = [Piece(key, index, (g * group + (per + 1) * d, (g + 1) * group), g * d) for g in range(self.kv)]
+        for part, pieces, n in (("q", q, self.heads * d), ("k", k, self.kv * d), ("v", v, self.kv * d)):
+            self.add(hf.replace("{}", part), key, index, (n,) + rest, pieces=pieces)
+
+    def _glu(self, hf: str, key: str, index: tuple, param: tuple) -> None:
+        if not param or param[0] % 2:
+            raise MergeError(
+                f"{key} has {param[0] if param else 0} rows, not gate and up halves; the checkpoint is damaged."
+            )
+        half = param[0] // 2
+        if ".experts." in hf:
+            want, what = _cfg(self.config, "moe_intermediate_size"), "moe_intermediate_size"
+        elif ".shared_expert." in hf:
+            want, what = _cfg(self.config, "shared_expert_intermediate_size"), "shared_expert_intermediate_size"
+        else:
+            want, what = _cfg(self.config, "intermediate_size"), "intermediate_size"
+        if isinstance(want, int) and want != half:
+            raise self.fail(f"it says {what} {want} but {key} holds gate and up halves of {half} rows")
+        rest = tuple(param[1:])
+        for part, r in (("gate", (0, half)), ("up", (half, 2 * half))):
+            self.add(hf.replace("{}", part), key, index, (half,) + rest, rows=r)
+
+
+# -- the tensor source ------------------------------------------------------------------------------
+
+
+class MegatronSource:
+    """A TensorSource of Hugging Face names over a chunk store: each tensor is read region by region
+    from the chunks that hold it, which stay cached only while the tensors of their group are written."""
+
+    def __init__(self, store: ChunkStore, specs: dict[str, Spec], folder: Path, files: list[str]) -> None:
+        self.store = store
+        self.specs = specs
+        self.folder = folder
+        self.files = files
+        self.tensors = {name: TensorRef(self, "", name, s.dtype, s.shape) for name, s in specs.items()}
+        self.groups = {name: {(p.key, p.index) for p in s.pieces} for name, s in specs.items()}
+        users: dict = {}
+        for name, groups in self.groups.items():
+            for g in groups:
+                users.setdefault(g, set()).add(name)
+        store.users_of = users
+
+    def load(self, ref: TensorRef):
+        import torch
+
+        out = torch.empty(ref.shape, dtype=getattr(torch, ref.dtype))
+        self.load_into(ref, out)
+        return out
+
+    def load_into(self, ref: TensorRef, out) -> None:
+        spec = self.specs[ref.name]
+        if not spec.pieces:  # a tensor the checkpoint implies but does not store (a zero bias)
+            out.zero_()
+        for p in spec.pieces:
+            if p.rows is None and len(spec.pieces) == 1:
+                dst = out
+            else:
+                n = p.rows[1] - p.rows[0] if p.rows else spec.shape[0]
+                dst = out.narrow(0, p.at, n)
+            self.store.read_region(p.key, p.index, p.rows, dst, group=(p.key, p.index))
+
+    def _views(self, ref: TensorRef, max_bytes: int | None):
+        """The tensor as row views on the files, in order (None: its rows are not contiguous there)."""
+        spec = self.specs.get(ref.name)
+        if spec is None or not spec.pieces or not math.prod(spec.shape):
+            return None
+        views = []
+        for p in sorted(spec.pieces, key=lambda p: p.at):
+            got = self.store.row_views(p.key, p.index, p.rows, max_bytes)
+            if got is None:
+                return None
+            views += got
+        return views
+
+    def raw_ranges(self, ref: TensorRef):
+        """Where the tensor's rows lie in the files, in order, when they are stored contiguously (every
+        tensor but a row-parallel weight): copied in the kernel when the dtype stays."""
+        views = self._views(ref, None)
+        if views is None:
+            return None
+        ranges = []
+        for view, chunk in views:
+            f = self.store.file_of(chunk)
+            start = f.offset_of(view) if view.is_contiguous() else None
+            if start is None:
+                return None
+            ranges.append((f.fileno(), start, view.numel() * view.element_size()))
+        return ranges
+
+    def row_blocks(self, ref: TensorRef):
+        """The tensor as row blocks of at most BLOCK_BYTES (views on the files, handed back once
+        written): a dtype change goes block by block, never through a whole-tensor buffer."""
+        views = self._views(ref, BLOCK_BYTES)
+        if views is None:
+            return None
+        return [(view, lambda v=view, c=chunk: self.store.release_view(c, v)) for view, chunk in views]
+
+    def release(self, ref: TensorRef) -> None:
+        self.store.done(ref.name, self.groups.get(ref.name, ()))
+
+    def same_rows(self, a: str, b: str, block: int = 4096) -> bool:
+        """Whether two tensors hold equal values, compared ``block`` rows at a time."""
+        import torch
+
+        sa, sb = self.specs[a], self.specs[b]
+        if sa.shape != sb.shape:
+            return False
+        (pa,), (pb,) = sa.pieces, sb.pieces
+        rows = sa.shape[0]
+        for r in range(0, rows, block):
+            n = min(block, rows - r)
+            x = torch.empty((n,) + sa.shape[1:], dtype=getattr(torch, sa.dtype))
+            y = torch.empty((n,) + sb.shape[1:], dtype=getattr(torch, sb.dtype))
+            self.store.read_region(pa.key, pa.index, (r, r + n), x, group=(pa.key, "cmp"))
+            self.store.read_region(pb.key, pb.index, (r, r + n), y, group=(pb.key, "cmp"))
+            if not torch.equal(x, y):
+                self.store.drop()
+                return False
+        self.store.drop()
+        return True
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# -- Inputs -----------------------------------------------------------------------------------------
+
+
+def open_store(layout: MegatronLayout) -> ChunkStore:
+    if layout.kind == "legacy":
+        return LegacyStore(layout.model_dir)
+    if not layout.model_dir.is_dir():
+        raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
+    return DcpStore(layout.model_dir, skip_key, canonical)
+
+
+def open_megatron_inputs(options):
+    """Inputs (see inputs.py) for a verl Megatron checkpoint: the converted model as a tensor source
+    with Hugging Face names, no adapter, the checkpoint's config and files."""
+    from tui_merger.core.formats.peft_adapter import empty_adapter
+    from tui_merger.core.io.files import FilePlan, config_dtype, plan_files, read_config
+    from tui_merger.core.formats.input_types import Inputs, _value_model, paths_of
+    from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
+    from tui_merger.core.formats.hf_model import open_model
+
+    layout = find_megatron_checkpoint(options.checkpoint)
+    config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
+    if config_dir is None:
+        where = "hf_config_and_tokenizer/" if layout.kind == "legacy" else "huggingface/"
+        raise MergeError(
+            f"{layout.folder} has no {where} folder with config.json; copy the model's config.json and tokenizer "
+            "into it, or pass --base with the original model."
+        )
+    config = read_config(config_dir)
+    inputs = Inputs(None, empty_adapter(layout.folder), config, FilePlan(), paths_of(options))
+    inputs.notices = list(layout.notices)
+    try:
+        if layout.kind == "hf":
+            inputs.base = open_model(layout.model_dir)
+            inputs.closers.append(inputs.base)
+            weights = [layout.model_dir / f for f in inputs.base.files]
+        else:
+            model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
+            store = open_store(layout)
+            inputs.closers.append(store)
+            mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
+            source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
+            inputs.base = source
+            inputs.notices += mapping.notices
+            _tie(inputs, options, source, mapping)
+            if layout.kind == "legacy":
+                weights = [layout.model_dir / f for f in store.data_files]
+            else:
+                weights = [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
+        score = "score.weight" in inputs.base.tensors and inputs.base.tensors["score.weight"].shape[0] == 1
+        _value_model(inputs, options, SimpleNamespace(role="critic" if score else layout.role))
+        dtype = config_dtype(config)
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        if inputs.dtype == "float32" and options.dtype is None and layout.kind != "hf":
+            inputs.notices.append(
+                "The checkpoint's config says float32, so the model is written in float32 (twice the size "
+                "of bf16); pass --dtype bf16 for the half-size model verl's merger writes."
+            )
+        inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
+        inputs.notices += inputs.files.notices
+        inputs.read_files = weights + [config_dir / "config.json"] + [src for src, _ in inputs.files.copies]
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
+def _tie(inputs, options, source: MegatronSource, mapping: _Mapping) -> None:
+    """Megatron saves no output layer when it shares the embedding: the model ties them. A real output
+    layer is never dropped, whatever --tie-word-embedding says, unless it equals the embedding."""
+    config = inputs.config
+    tied = bool(_cfg(config, "tie_word_embeddings", False))
+    head = mapping.head
+    if head == "score.weight":
+        return
+    if head is None:
+        if not tied:
+            inputs.config_changes["tie_word_embeddings"] = True
+            inputs.notices.append(
+                "The checkpoint has no output layer (Megatron shared it with the embedding), so the model ties "
+                "them: tie_word_embeddings is set to true."
+            )
+        return
+    if tied:
+        if source.same_rows("model.embed_tokens.weight", head):
+            del source.tensors[head]
+            return
+        inputs.config_changes["tie_word_embeddings"] = False
+        inputs.notices.append(
+            "The config ties the output layer to the embedding, but the checkpoint's output layer differs from it, "
+            "so both are kept and tie_word_embeddings is set to false."
+        )
+    elif options.tie_word_embedding:
+        inputs.notices.append(
+            "--tie-word-embedding was given, but the checkpoint has its own output layer and its config is untied: "
+            "lm_head.weight is kept (dropping it would change the model) and tie_word_embeddings stays false."
+        )

@@ -1,0 +1,133 @@
+"""Resume: the journal of an output being written, kept in its hidden partial folder.
+
+A merge interrupted by Ctrl-C, SIGTERM, SIGHUP, kill -9, a power loss or a full disk leaves the
+shards it had finished in ``.NAME.tui-merger-partial/`` with this journal: the fingerprint of the
+merge (inputs' identity, the options that shape the output, the shard layout) and, per finished
+shard, its size and sha256. Running the same merge again keeps the shards that still match and
+writes only the rest; a different fingerprint (changed inputs or options) starts over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+from tui_merger import __version__
+from tui_merger.core.record.manifest import remember_hash, sha256_file
+
+JOURNAL_NAME = ".tui-merger-journal.json"
+_SHAPING = ("base", "adapter", "checkpoint", "dtype", "shard_size", "force_fp16_overflow", "lora_alpha",
+            "is_value_model", "tie_word_embedding", "export_adapter", "base_roundtrip", "adapters")
+
+
+def fingerprint(options, read_files, plan) -> str:
+    """What must be equal for finished shards to be reused."""
+    stats = []
+    for path in sorted({str(p) for p in read_files}):
+        st = os.stat(path)
+        stats.append((path, st.st_size, st.st_mtime_ns, st.st_ino))
+    opts = options.to_dict()
+    opts["adapters"] = [[str(p), w] for p, w in options.adapter_weights()]  # --adapter A is the list [A, 1]
+    data = {
+        "tool": __version__,
+        "options": {k: opts.get(k) for k in _SHAPING},
+        "inputs": stats,
+        "shards": [(name, [(t.name, t.dtype, list(t.shape)) for t in tensors]) for name, tensors in plan.shards],
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Journal:
+    def __init__(self, folder: Path, print_: str, fsync: bool = True) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / JOURNAL_NAME
+        self.fingerprint = print_
+        self.fsync = fsync
+        self.shards: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def resume(self) -> tuple[list[str], str | None]:
+        """The finished shards that can be kept, and a notice for the user (None: a fresh start).
+        Anything in the folder that cannot be kept is removed."""
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            data = None
+        kept, notice = [], None
+        if isinstance(data, dict) and data.get("fingerprint") == self.fingerprint:
+            for name, entry in (data.get("shards") or {}).items():
+                if self._intact(name, entry):
+                    self.shards[name] = entry
+                    kept.append(name)
+            notice = (
+                f"Resuming an interrupted merge: {len(kept)} finished shard(s) kept, checked against the journal."
+                if kept else None
+            )
+        elif data is not None:
+            notice = "The inputs or options changed since the interrupted merge, so it starts over."
+        for entry in os.scandir(self.folder):  # everything not kept goes: partial shards, old files
+            if entry.name not in self.shards:
+                if entry.is_dir(follow_symlinks=False):
+                    import shutil
+
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+        self._save()
+        return kept, notice
+
+    def _intact(self, name: str, entry) -> bool:
+        path = self.folder / name
+        if not isinstance(entry, dict) or not path.is_file() or path.stat().st_size != entry.get("size"):
+            return False
+        digest = sha256_file(path)
+        if digest != entry.get("sha256"):
+            return False
+        remember_hash(path, digest)
+        return True
+
+    def finished(self, name: str) -> None:
+        """A shard is complete (closed and synced): hash it in the background and record it."""
+
+        def work() -> None:
+            path = self.folder / name
+            digest = sha256_file(path)
+            remember_hash(path, digest)  # the manifest takes it from there
+            with self._lock:
+                self.shards[name] = {"size": path.stat().st_size, "sha256": digest}
+                self._save()
+
+        thread = threading.Thread(target=work, name=f"hash {name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def wait(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+
+    @property
+    def kept(self) -> int:
+        with self._lock:
+            return len(self.shards)
+
+    def _save(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"fingerprint": self.fingerprint, "shards": self.shards}, f)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.wait()
+        for p in (self.path, self.path.with_name(self.path.name + ".tmp")):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass

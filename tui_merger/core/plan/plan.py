@@ -1,0 +1,304 @@
+"""The tensor plan: every output tensor, where its bytes come from, and what the adapter does to it.
+
+Built from headers and the adapter config only (no tensor data is read), so every shape problem and
+every unconsumed adapter key is found before anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tui_merger.core.formats.peft_adapter import LoraModule, PeftAdapter
+from tui_merger.core.errors import MergeError
+from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
+from tui_merger.core.io.safetensors_io import FLOAT_DTYPES, itemsize, nbytes_of
+from tui_merger.core.formats.hf_model import TensorRef, TensorSource
+
+
+
+@dataclass(frozen=True)
+class LoraOp:
+    """W += scale * (B @ A) (transposed for fan_in_fan_out and embeddings), then DoRA if magnitude."""
+
+    module: str
+    A: TensorRef
+    B: TensorRef
+    scale: float
+    transpose: bool
+    magnitude: TensorRef | None = None
+
+
+@dataclass(frozen=True)
+class BiasOp:
+    """b += scale * lora_B.bias"""
+
+    module: str
+    bias: TensorRef
+    scale: float
+
+
+@dataclass(frozen=True)
+class RowsOp:
+    """Replace rows (trainable_token_indices)."""
+
+    module: str
+    indices: tuple[int, ...]
+    rows: TensorRef
+
+
+@dataclass
+class OutputTensor:
+    name: str
+    source: TensorRef
+    dtype: str  # output torch dtype name
+    shape: tuple[int, ...]
+    ops: list = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.dtype, self.shape)
+
+    @property
+    def raw_copy(self) -> bool:
+        """Untouched and same dtype: bytes are copied as they are."""
+        return not self.ops and self.dtype == self.source.dtype
+
+    def inputs(self) -> list[TensorRef]:
+        """Every tensor read to make this one."""
+        refs = [self.source]
+        for op in self.ops:
+            refs.extend(getattr(op, f) for f in ("A", "B", "magnitude", "bias", "rows") if getattr(op, f, None))
+        return refs
+
+
+@dataclass
+class TensorPlan:
+    tensors: list[OutputTensor]
+    shards: list[tuple[str, list[OutputTensor]]]
+    config_changes: dict
+    merged_modules: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _find_input_embedding(names: dict[str, TensorRef], vocab_size) -> str | None:
+    found = [n for n in names if n.endswith(INPUT_EMBEDDING_SUFFIXES) and len(names[n].shape) == 2]
+    if len(found) > 1 and vocab_size:
+        found = [n for n in found if names[n].shape[0] == vocab_size] or found
+    return found[0] if found else None
+
+
+LM_HEAD_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM", "ForImageTextToText")
+
+
+def _has_lm_head(config: dict) -> bool:
+    """Whether the model class has an output embedding that can be tied (a classifier or reward
+    model built on a tied LM keeps tie_word_embeddings in its config but has no lm_head)."""
+    archs = config.get("architectures") or []
+    return not archs or any(str(a).endswith(LM_HEAD_ARCHITECTURES) for a in archs)
+
+
+class _Resolver:
+    """Maps adapter module names onto base tensor names, tolerating a leading prefix difference
+    (e.g. ``transformer.h.0`` in the adapter and ``h.0`` in an old GPT-2 checkpoint)."""
+
+    def __init__(self, names) -> None:
+        self.names = names
+        self.prefixes = sorted({n.split(".", 1)[0] + "." for n in names if "." in n})
+
+    def find(self, module: str, param: str) -> str | None:
+        key = f"{module}.{param}"
+        if key in self.names:
+            return key
+        rest = key.partition(".")[2]
+        if rest in self.names:
+            return rest
+        for prefix in self.prefixes:
+            if prefix + key in self.names:
+                return prefix + key
+        return None
+
+
+def build_plan(
+    base: TensorSource,
+    adapter: PeftAdapter,
+    base_config: dict,
+    out_dtype: str | None,
+    shard_size: int,
+) -> TensorPlan:
+    text_cfg = base_config.get("text_config") if isinstance(base_config.get("text_config"), dict) else {}
+    vocab_size = base_config.get("vocab_size", text_cfg.get("vocab_size"))
+    names: dict[str, TensorRef] = dict(base.tensors)
+    order = list(names)
+
+    # Tied embeddings: lm_head may be absent from the files; give it a virtual entry backed by the
+    # input embedding so that an adapter touching only one side can be planned, and drop it again
+    # if both sides end up identical.
+    tie = base_config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings"))
+    embed_name = _find_input_embedding(names, vocab_size)
+    virtual_head = False
+    if embed_name and OUTPUT_EMBEDDING not in names and tie is not False and _has_lm_head(base_config):
+        names[OUTPUT_EMBEDDING] = names[embed_name]
+        order.append(OUTPUT_EMBEDDING)
+        virtual_head = True
+        tie = True
+
+    resolver = _Resolver(names)
+    sources: dict[str, TensorRef] = {n: names[n] for n in order}
+    ops: dict[str, list] = {n: [] for n in order}
+    leftovers: list[str] = []
+
+    def resolve(module: str, param: str, what: str) -> str:
+        name = resolver.find(module, param)
+        if name is None:
+            leftovers.append(f"{what} for {module}")
+        return name
+
+    # 1. saved base layers (embedding layers saved with the adapter, e.g. after a vocabulary resize)
+    for pname, ref in adapter.base_overrides.items():
+        module, _, param = pname.rpartition(".")
+        name = resolve(module, param, "saved base layer")
+        if name:
+            sources[name] = ref
+            if tie and name == embed_name and virtual_head:
+                sources[OUTPUT_EMBEDDING] = ref  # the shared parameter itself was replaced
+
+    # 2. modules_to_save: the trained copy replaces the base module
+    for pname, ref in adapter.replacements.items():
+        module, _, param = pname.rpartition(".")
+        name = resolve(module, param, "modules_to_save tensor")
+        if name:
+            sources[name] = ref
+
+    # 3. LoRA deltas (one op per adapter touching the module in a weighted merge)
+    for mod, entry in [(m, term) for m, first in adapter.lora.items() for term in [first, *first.terms]]:
+        name = resolve(mod, "weight", "LoRA pair")
+        if not name:
+            continue
+        _check_lora_shapes(entry, sources[name], adapter.fan_in_fan_out, name)
+        if entry.is_embedding:
+            ops[name].append(LoraOp(mod, entry.emb_A, entry.emb_B, entry.scale, True, None))
+        else:
+            ops[name].append(
+                LoraOp(mod, entry.A, entry.B, entry.scale, adapter.fan_in_fan_out, entry.magnitude)
+            )
+        if entry.B_bias is not None:
+            bname = resolve(mod, "bias", "LoRA bias (lora_bias=True)")
+            if bname:
+                if tuple(sources[bname].shape) != tuple(entry.B_bias.shape):
+                    raise _shape_error(entry.B_bias, sources[bname], bname)
+                ops[bname].append(BiasOp(mod, entry.B_bias, entry.scale))
+
+    # 4. trainable token rows; peft ties them to a tied output embedding as well
+    for mod, (indices, ref) in adapter.token_rows.items():
+        name = resolve(mod, "weight", "trainable token rows")
+        if not name:
+            continue
+        targets = [name]
+        if tie and name == embed_name and OUTPUT_EMBEDDING in sources:
+            head_mod_has_own = any(m.endswith("lm_head") for m in adapter.token_rows if m != mod)
+            if not head_mod_has_own:
+                targets.append(OUTPUT_EMBEDDING)
+        for target in targets:
+            rows_n, width = sources[target].shape[0], sources[target].shape[-1]
+            if ref.shape[1] != width or max(indices, default=-1) >= rows_n or min(indices, default=0) < 0:
+                raise MergeError(
+                    f"Trainable token rows for {mod} (shape {list(ref.shape)}, indices up to "
+                    f"{max(indices, default=0)}) do not fit {target} of shape {list(sources[target].shape)}; "
+                    "the adapter was trained on a different model."
+                )
+            ops[target].append(RowsOp(mod, tuple(indices), ref))
+
+    if leftovers:
+        shown = "; ".join(leftovers[:4]) + (f" and {len(leftovers) - 4} more" if len(leftovers) > 4 else "")
+        raise MergeError(
+            f"The adapter targets modules the base model does not have ({shown}); nothing was written. "
+            "Is the base the model the adapter was trained on?"
+        )
+
+    config_changes: dict = {}
+    if virtual_head:
+        head_sig = (sources[OUTPUT_EMBEDDING].file, sources[OUTPUT_EMBEDDING].name, tuple(ops[OUTPUT_EMBEDDING]))
+        emb_sig = (sources[embed_name].file, sources[embed_name].name, tuple(ops[embed_name]))
+        if head_sig == emb_sig:
+            order.remove(OUTPUT_EMBEDDING)
+        else:
+            config_changes["tie_word_embeddings"] = False
+    elif tie and embed_name and OUTPUT_EMBEDDING in sources:
+        changed = (sources[embed_name] is not base.tensors.get(embed_name)) or ops[embed_name]
+        changed_head = (sources[OUTPUT_EMBEDDING] is not base.tensors.get(OUTPUT_EMBEDDING)) or ops[
+            OUTPUT_EMBEDDING
+        ]
+        if changed or changed_head:
+            config_changes["tie_word_embeddings"] = False
+
+    def out_dtype_for(name: str, src: TensorRef) -> str:
+        if src.dtype not in FLOAT_DTYPES:
+            return src.dtype
+        if out_dtype:
+            return out_dtype
+        # replacements from the adapter (often fp32) take the dtype of the base tensor they replace
+        base_ref = base.tensors.get(name) or base.tensors.get(embed_name or "")
+        return base_ref.dtype if base_ref is not None and base_ref.dtype in FLOAT_DTYPES else src.dtype
+
+    tensors = []
+    for name in order:
+        src = sources[name]
+        tensors.append(OutputTensor(name, src, out_dtype_for(name, src), tuple(src.shape), ops[name]))
+    merged = sum(1 for t in tensors if t.ops or base.tensors.get(t.name) is not t.source)
+
+    # a resized vocabulary (modules_to_save or saved embedding layers) must reach config.json
+    final = {t.name: t for t in tensors}
+    if embed_name in final and vocab_size and final[embed_name].shape[0] != vocab_size:
+        config_changes["vocab_size"] = final[embed_name].shape[0]
+    return TensorPlan(tensors, _shard(tensors, shard_size), config_changes, merged)
+
+
+def _shape_error(adapter_ref: TensorRef, base_ref: TensorRef, base_name: str) -> MergeError:
+    return MergeError(
+        f"Adapter tensor {adapter_ref.name} has shape {list(adapter_ref.shape)} but base tensor "
+        f"{base_name} has shape {list(base_ref.shape)}; the adapter was trained on a different model "
+        "(architecture or size)."
+    )
+
+
+def _check_lora_shapes(entry: LoraModule, base_ref: TensorRef, fan_in_fan_out: bool, name: str) -> None:
+    shape = tuple(base_ref.shape)
+    if len(shape) != 2:
+        raise MergeError(
+            f"Base tensor {name} has shape {list(shape)}; LoRA on non-matrix weights (e.g. convolutions) "
+            "is not supported yet."
+        )
+    if entry.is_embedding:
+        rows, cols = shape  # [vocab, hidden]; A: [r, vocab], B: [hidden, r]
+        if entry.emb_A.shape[1] != rows:
+            raise _shape_error(entry.emb_A, base_ref, name)
+        if entry.emb_B.shape[0] != cols:
+            raise _shape_error(entry.emb_B, base_ref, name)
+        return
+    out_f, in_f = (shape[1], shape[0]) if fan_in_fan_out else shape
+    if entry.A.shape[1] != in_f:
+        raise _shape_error(entry.A, base_ref, name)
+    if entry.B.shape[0] != out_f:
+        raise _shape_error(entry.B, base_ref, name)
+    if entry.magnitude is not None and tuple(entry.magnitude.shape) != (out_f,):
+        raise _shape_error(entry.magnitude, base_ref, name)
+
+
+def _shard(tensors: list[OutputTensor], shard_size: int) -> list[tuple[str, list[OutputTensor]]]:
+    groups: list[list[OutputTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    # wider dtypes first inside a shard keeps every tensor aligned to its element size
+    groups = [sorted(g, key=lambda t: -itemsize(t.dtype)) for g in groups]
+    n = len(groups)
+    if n == 1:
+        return [("model.safetensors", groups[0])]
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]

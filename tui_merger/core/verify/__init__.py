@@ -1,0 +1,1 @@
+"""Verification: structure, recompute of every value, the behaviour check layer by layer."""

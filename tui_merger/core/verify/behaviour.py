@@ -1,0 +1,224 @@
+"""The behaviour check: the merged model and its unmerged reference run on the same probe tokens,
+one module's weights in memory at a time (``streaming``), and their hidden states are compared
+after every layer, then their logits.
+
+The reference is the base (as the merge read it: a Hugging Face folder, a checkpoint's reassembled
+weights, a --qlora-base round trip) with the adapter applied by peft, unmerged. Both run in fp32, so
+the only difference a correct merge leaves is the rounding of the weights the merge changed into the
+output dtype. From that the limits follow (see ``limit``): each such weight is off by at most one
+unit roundoff u of the output dtype, relatively; a matrix product with them is off by about u; n
+independent roundings add up in quadrature, to about u * sqrt(n) after a depth that holds n rounded
+tensors. The limit is SAFETY times that, so that rounding alone stays far below it; a fault (an
+adapter not applied, a wrong base, a name transformers does not load) moves hidden states by the
+adapter's whole effect and is named by the first layer where it shows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+from tui_merger.core.events import TensorProgress
+
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+# fp32 compute itself: the unmerged model sums base and adapter products in another order; a dot
+# product of k terms rounds by up to about sqrt(k) units, k a few thousand
+COMPUTE_ROUNDOFF = 2.0**-24 * 64
+SAFETY = 8.0
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+# the verification's cost on this project's 2-core benchmark machine (benchmarks/bench_verify.py, 3B shapes)
+RECOMPUTE_S_PER_VALUE = 1.0e-9  # every value read twice (input, output) and recomputed in cache-sized blocks
+PASS_S_PER_VALUE = 1.2e-9  # one streamed pass: upcast into a reused buffer, 16 probe tokens
+BASE_MEMORY = 520 << 20  # python, torch, transformers and peft imported
+
+
+def estimate(tplan, passes: int, adapter) -> tuple[float, int]:
+    """(seconds, bytes of memory) the default verification of ``tplan`` takes, about."""
+    values = sum(math.prod(t.shape) for t in tplan.tensors)
+    changed = sum(math.prod(t.shape) for t in tplan.tensors if not t.raw_copy)
+    seconds = 2.0 + changed * RECOMPUTE_S_PER_VALUE + passes * values * PASS_S_PER_VALUE
+    from tui_merger.core.verify.streaming import BIG_VALUES, BLOCK_VALUES
+
+    unit = max([math.prod(t.shape) for t in tplan.tensors if math.prod(t.shape) < BIG_VALUES] + [BLOCK_VALUES])
+    held = sum(r.nbytes for m in adapter.lora.values() for r in (m.A, m.B, m.emb_A, m.emb_B, m.magnitude) if r is not None)
+    held += sum(r.nbytes for r in adapter.replacements.values())
+    return round(seconds, 1), BASE_MEMORY + 3 * unit * 4 + 2 * held
+
+
+class NoReference(Exception):
+    """A model cannot be built for the check; the message says which and why."""
+
+
+def limit(stored: str, rounded: int) -> float:
+    """Largest relative difference rounding explains after ``rounded`` tensors rounded to ``stored``."""
+    u = max(UNIT_ROUNDOFF.get(stored, UNIT_ROUNDOFF["float32"]), COMPUTE_ROUNDOFF)
+    return SAFETY * u * math.sqrt(max(rounded, 1))
+
+
+def rounded_by_depth(plan, n_states: int) -> list[int]:
+    """For each hidden state (0: the embeddings' output, i: after layer i-1), how many tensors
+    rounded by the merge lie before it. Tensors outside the numbered layers count everywhere."""
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for t in plan.tensors:
+        if t.raw_copy:
+            continue
+        m = _LAYER.search(t.name)
+        if m:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + 1
+        else:
+            outside += 1
+    counts, acc = [], 0
+    for i in range(n_states):
+        if i > 0:
+            acc += per_layer.get(i - 1, 0)
+        counts.append(acc + outside)
+    return counts
+
+
+@contextmanager
+def adapters_stay_on_cpu():
+    """peft moves adapter weights to the device of the layer they wrap; here that is the meta device
+    (no weights), so they are kept where peft loaded them while the reference is built."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    original = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = original
+
+
+def quiet():
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+
+
+def streamer_for_files(cls, config, tensors: dict, what: str, on_event=None, cancel=None):
+    """A streamed model of ``cls`` whose weights are the file tensors ``tensors`` (on-disk names).
+    Returns (streamer, names transformers would start random)."""
+    from tui_merger.core.verify.streaming import Streamer, meta_model, weights_from_files
+
+    model = meta_model(cls, config)
+    weights, missing, _ = weights_from_files(model, tensors)
+    _check_shapes(model, weights, what)
+    return Streamer(model, weights, on_unit=_progress(on_event, what), cancel=cancel), missing
+
+
+def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str, on_event=None, cancel=None):
+    """The model of ``cls`` from file tensors, with peft adapters applied unmerged.
+
+    ``adapters``: [(folder, weight)]; one adapter is loaded as peft loads it, several are combined
+    with peft's add_weighted_adapter ("cat": concatenated ranks, exact). The adapter weights peft
+    loads stay in memory (small); the base weights stream from the files."""
+    from peft import PeftModel
+
+    from tui_merger.core.verify.streaming import Streamer, Weight, meta_model, weights_from_files
+
+    base = meta_model(cls, config)
+    base_weights, _, _ = weights_from_files(base, tensors)
+    first_name = {}
+    for name, p in base.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(p), name)
+    with adapters_stay_on_cpu():
+        try:
+            if len(adapters) == 1 and adapters[0][1] is None:
+                model = PeftModel.from_pretrained(base, adapters[0][0], low_cpu_mem_usage=True)
+            else:
+                names, weights = [], []
+                for index, (folder, weight) in enumerate(adapters):
+                    name = f"a{index}"
+                    if index == 0:
+                        model = PeftModel.from_pretrained(base, folder, adapter_name=name, low_cpu_mem_usage=True)
+                    else:
+                        model.load_adapter(folder, adapter_name=name, low_cpu_mem_usage=True)
+                    names.append(name)
+                    weights.append(weight)
+                model.add_weighted_adapter(names, weights, "weighted", combination_type="cat")
+                model.set_adapter("weighted")
+        except Exception as err:  # peft's own refusals: say them, skip the check
+            raise NoReference(f"peft cannot apply the adapter to the {what} ({first_line(err)})") from None
+    model.eval()
+    weights = {}
+    missing = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.device.type != "meta":
+            weights[name] = Weight(tuple(p.shape), held=p.detach())
+            continue
+        source = base_weights.get(first_name.get(id(p), ""))
+        if source is None:
+            missing.append(name)
+        else:
+            weights[name] = source
+    _check_shapes(model, weights, what)
+    return Streamer(model, weights, on_unit=_progress(on_event, what), cancel=cancel), missing
+
+
+def _check_shapes(model, weights: dict, what: str) -> None:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        w = weights.get(name)
+        if w is not None and w.ref is not None and tuple(w.ref.shape) != tuple(p.shape):
+            raise NoReference(
+                f"the {what}'s {w.ref.name} has shape {list(w.ref.shape)} where transformers builds {list(p.shape)}"
+            )
+
+
+def _progress(on_event, what: str):
+    if on_event is None:
+        return None
+
+    def report(name: str, done: int, total: int, bytes_done: int, bytes_total: int) -> None:
+        on_event(TensorProgress(f"{what}: {name}", done, max(total, done), bytes_done, max(bytes_total, bytes_done)))
+
+    return report
+
+
+def first_line(err: Exception) -> str:
+    """The first line of an error's message (its type when it has none), at most 200 characters."""
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:200]
+
+
+def run(streamer, probes):
+    """(logits fp32, [hidden states] or None) of one pass over the probes."""
+    out = streamer(input_ids=probes, output_hidden_states=True)
+    hidden = getattr(out, "hidden_states", None)
+    return out.logits.float(), (list(hidden) if hidden is not None else None)
+
+
+def relative(a, b, centre: bool) -> float:
+    """|a - b| / |b| over all values (logits centred per token first: softmax ignores a shift)."""
+    if centre:
+        a = a - a.mean(-1, keepdim=True)
+        b = b - b.mean(-1, keepdim=True)
+    scale = b.double().norm().item()
+    diff = (a.double() - b.double()).norm().item()
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def kl(ref, other) -> float:
+    import torch
+
+    p = torch.log_softmax(ref.double(), dim=-1)
+    q = torch.log_softmax(other.double(), dim=-1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def export_to_tmp(adapter, tmp: Path, name: str) -> Path:
+    """An adapter we read from a checkpoint or a kohya file, written in peft's format for peft."""
+    from tui_merger.core.formats.peft_adapter import export_peft_adapter
+
+    folder = Path(tmp) / name
+    export_peft_adapter(adapter, folder, fsync=False)
+    return folder
+
+
+def temporary_folder():
+    return tempfile.TemporaryDirectory(prefix="tui-merger-verify-")

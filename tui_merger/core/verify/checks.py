@@ -1,0 +1,921 @@
+"""Verification of a merged model: does the folder hold what the inputs say it should, and does it
+behave like the unmerged model?
+
+- structure: every weight file reads (with the safetensors library, not our reader), the index covers
+  every tensor, names / shapes / dtypes are the planned ones, config consistent (tie, vocab), no NaN/Inf;
+- recompute: every output tensor equals an independent fp32 recomputation from the inputs, rounded once,
+  within one unit in the last place of the output dtype (all rows of small tensors; a seeded random
+  sample of rows above ``SAMPLE_LIMIT`` values, stated in the report);
+- behaviour: the output loads with transformers' class for its architecture and its logits on fixed
+  probes match the unmerged reference (base + adapter through peft, or the checkpoint's reassembled
+  weights + its adapter); the models are loaded one after the other, so memory peaks at one model;
+- perplexity (optional): on a user's text, merged vs reference, flagged if it moves by more than 0.5.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from tui_merger.core.errors import MergeCancelled, MergeError
+from tui_merger.core.verify.streaming import StreamError
+from tui_merger.core.events import CancelToken, EventSink, PhaseStarted, TensorProgress, ignore_event
+from tui_merger.core.io.files import config_dtype, read_json_object
+from tui_merger.core.record.manifest import MANIFEST_NAME, read_manifest
+from tui_merger.core.options import MergeOptions, check_option_types
+
+SAMPLE_LIMIT = 1 << 24  # values in a tensor above which adapters of rank > FULL_RANK are sampled
+FULL_RANK = 256  # summed LoRA rank up to which every row is recomputed (the product costs less than the read)
+SAMPLE_ROWS = 64
+BLOCK_VALUES = 1 << 18  # values recomputed at a time: a block stays in the CPU cache
+PROBE_SEED = 20261130
+PROBE_SHAPE = (1, 12)  # sequences x tokens: every pass costs two multiply-adds per weight and token
+PPL_TOLERANCE = 0.5
+PPL_MAX_TOKENS = 2048
+# mean KL(reference || merged) per token allowed, by the dtype the weights are stored in: rounding
+# every merged weight once to that dtype moves the logits by about this much at most
+KL_LIMIT = {"float32": 1e-6, "bfloat16": 2e-3, "float16": 1e-4}
+# for one-output models (value heads): max |diff| / max |reference|
+REL_LIMIT = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+# a correct merge is far closer to the reference than the base model without the adapter is
+ADAPTER_EFFECT_RATIO = 0.1
+RESCUE_RATIO = 0.01
+_MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10}
+
+
+@dataclass
+class Check:
+    name: str  # structure, recompute, behaviour, perplexity
+    status: str  # pass, fail, warn (a difference the user chose), skip
+    summary: str
+    details: list[str] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class VerifyReport:
+    out: Path
+    checks: list[Check] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.status != "fail" for c in self.checks) and any(c.status == "pass" for c in self.checks)
+
+    @property
+    def summary(self) -> str:
+        failed = [c.name for c in self.checks if c.status == "fail"]
+        if failed:
+            return f"failed: {', '.join(failed)}"
+        done = [c.name for c in self.checks if c.status == "pass"]
+        skipped = [c.name for c in self.checks if c.status == "skip"]
+        if skipped:
+            return f"passed: {', '.join(done)}; not fully verified ({', '.join(skipped)} skipped)"
+        return f"passed: {', '.join(done)}"
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "summary": self.summary,
+            "seconds": round(self.seconds, 3),
+            "checks": [asdict(c) for c in self.checks],
+        }
+
+
+def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
+    """``on_event``, which also starts importing what the behaviour check needs (transformers' model
+    code, peft, accelerate: seconds of Python) in a background thread once the merge writes its first
+    tensor (torch is imported by then): the merge spends its time in torch and the kernel. The check
+    waits for this thread before it imports anything itself. Never fails: an import error shows later,
+    where it is handled."""
+    import threading
+
+    started = threading.Event()
+
+    def load() -> None:
+        try:
+            import accelerate.hooks  # noqa: F401
+            import transformers  # noqa: F401
+
+            if options.checkpoint is None:  # an adapter merge builds its reference with peft
+                import peft  # noqa: F401
+
+            for folder in (options.checkpoint and Path(options.checkpoint) / "huggingface", options.base):
+                if folder and (Path(folder) / "config.json").is_file():
+                    model_class(read_json_object(Path(folder) / "config.json", ""))
+                    break
+        except Exception:  # noqa: BLE001 - a best effort; the real import reports
+            pass
+
+    def sink(event) -> None:
+        if isinstance(event, TensorProgress) and not started.is_set():
+            started.set()
+            thread = threading.Thread(target=load, name="tui-merger-prewarm", daemon=True)
+            _PREWARMING.append(thread)
+            thread.start()
+        on_event(event)
+
+    return sink
+
+
+_PREWARMING: list = []  # prewarm threads; the behaviour check waits for them (a half-imported
+# transformers seen from another thread lacks attributes)
+
+
+def _prewarmed() -> None:
+    while _PREWARMING:
+        _PREWARMING.pop().join()
+
+
+def options_from_manifest(out: Path) -> MergeOptions:
+    manifest = read_manifest(out)
+    if manifest is None:
+        raise MergeError(
+            f"{out} has no readable merge_manifest.json, so tui-merger does not know what it was merged from; "
+            "say it with --base and --adapter, or --against CHECKPOINT."
+        )
+    names = {f.name for f in fields(MergeOptions)}
+    saved = {k: v for k, v in (manifest.get("options") or {}).items() if k in names}
+    saved["out"] = out
+    try:
+        check_option_types(saved)
+    except MergeError as err:
+        raise _unusable(out, err) from None
+    for key in ("base", "adapter", "checkpoint"):
+        if saved.get(key) and not Path(saved[key]).exists():
+            raise MergeError(
+                f"The {key} this model was merged from, {saved[key]}, is no longer there; "
+                f"pass its new place with --{key if key != 'checkpoint' else 'against'}."
+            )
+    for item in saved.get("adapters") or []:
+        if isinstance(item, list) and item and not Path(str(item[0])).exists():
+            raise MergeError(f"The adapter this model was merged from, {item[0]}, is no longer there; move it back.")
+    try:
+        return MergeOptions(**saved)
+    except MergeError as err:
+        raise _unusable(out, err) from None
+
+
+def _unusable(out: Path, err: MergeError) -> MergeError:
+    return MergeError(
+        f"{out / MANIFEST_NAME} records options tui-merger cannot use ({str(err).rstrip('.')}); it was edited "
+        "or damaged: say what the model was merged from with --base and --adapter, or --against CHECKPOINT."
+    )
+
+
+def verify_merge(
+    out: Path,
+    options: MergeOptions | None = None,
+    *,
+    behaviour: bool = True,
+    perplexity_text: Path | None = None,
+    on_event: EventSink = ignore_event,
+    cancel: CancelToken | None = None,
+) -> VerifyReport:
+    """Verify the model in ``out`` against the inputs in ``options`` (default: its manifest's)."""
+    from tui_merger.core.formats.peft_adapter import empty_adapter
+    from tui_merger.core.formats.inputs import open_inputs
+    from tui_merger.core.plan.plan import build_plan
+
+    started = time.perf_counter()
+    out = Path(out)
+    cancel = cancel or CancelToken()
+    if not (out / "config.json").is_file():
+        raise MergeError(f"{out} has no config.json; point verify at a merged model folder.")
+    options = options or options_from_manifest(out)
+    report = VerifyReport(out)
+    on_event(PhaseStarted("verify", f"Verifying {out}"))
+    out_config = read_json_object(out / "config.json", "the merged model's config is damaged")
+    inputs = open_inputs(options)
+    try:
+        config = {**inputs.config, **inputs.config_changes}
+        adapter = empty_adapter(inputs.adapter.folder) if options.export_adapter else inputs.adapter
+        dtype = options.dtype or inputs.dtype
+        plan = build_plan(inputs.base, adapter, config, dtype, options.shard_size)
+        clamp = options.force_fp16_overflow and any(t.dtype == "float16" for t in plan.tensors)
+        structure, files = _structure(out, plan, out_config)
+        report.checks.append(structure)
+        if files is not None:
+            report.checks.append(_recompute(out, plan, files, on_event, cancel, clamp))
+        else:
+            report.checks.append(Check("recompute", "skip", "skipped: the weight files cannot be read"))
+        cancel.raise_if_cancelled()
+        if behaviour or perplexity_text:
+            if structure.status == "fail":
+                report.checks.append(Check("behaviour", "skip", "skipped: the structure check failed"))
+            else:
+                checks = _behaviour(out, out_config, options, inputs, plan, perplexity_text, on_event, cancel)
+                for check in checks:
+                    if clamp and check.status == "fail":  # the user chose to change those values
+                        check.status = "warn"
+                        check.summary += " (expected: values beyond float16's range were clamped, --force)"
+                report.checks.extend(checks)
+    finally:
+        inputs.close()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+# -- structure ---------------------------------------------------------------------------------
+
+
+def _weight_files(out: Path) -> tuple[list[str], dict | None]:
+    index_path = out / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = read_json_object(index_path, "the merged model's index is damaged")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise MergeError(f"{index_path} has no weight_map; the merged model's index is damaged.")
+        return sorted(set(weight_map.values())), weight_map
+    return sorted(p.name for p in out.glob("*.safetensors")), None
+
+
+def _structure(out: Path, plan, config: dict) -> tuple[Check, dict | None]:
+    """Returns the check and {tensor name: safetensors file} when every file could be read."""
+    from safetensors import safe_open
+
+    problems: list[str] = []
+    names, weight_map = _weight_files(out)
+    located: dict[str, str] = {}
+    readable = True
+    for fname in names:
+        path = out / fname
+        if not path.is_file():
+            problems.append(f"{fname} is named in the index but missing")
+            readable = False
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys = list(f.keys())
+        except Exception as err:  # the library's own error types differ between versions
+            problems.append(f"{fname} cannot be read ({str(err).splitlines()[0][:120]}): truncated or corrupt")
+            readable = False
+            continue
+        for k in keys:
+            if k in located:
+                problems.append(f"{k} is stored twice ({located[k]} and {fname})")
+            located[k] = fname
+    if weight_map is not None:
+        for k, f in weight_map.items():
+            if k not in located and (out / f).is_file() and readable:
+                problems.append(f"the index says {k} is in {f}, but it is not there")
+        for k, f in located.items():
+            if weight_map.get(k) != f:
+                problems.append(f"{k} is in {f} but the index says {weight_map.get(k)}")
+    expected = {t.name: t for t in plan.tensors}
+    if readable:
+        for k in sorted(set(expected) - set(located)):
+            problems.append(f"{k} is missing")
+        for k in sorted(set(located) - set(expected)):
+            problems.append(f"{k} is not expected")
+        common = sorted(set(expected) & set(located))
+        for fname in sorted({located[k] for k in common}):
+            with safe_open(str(out / fname), framework="pt") as f:
+                for k in (k for k in common if located[k] == fname):
+                    sl = f.get_slice(k)
+                    shape, dtype = tuple(sl.get_shape()), _dtype_name(sl.get_dtype())
+                    t = expected[k]
+                    if shape != tuple(t.shape) or dtype != t.dtype:
+                        problems.append(f"{k} is {dtype}{list(shape)}, expected {t.dtype}{list(t.shape)}")
+    problems += _config_problems(config, {k: expected[k].shape for k in expected})
+    n = len(located)
+    if problems:
+        return Check("structure", "fail", f"{len(problems)} problem(s) in the files", problems[:50]), (
+            located if readable else None
+        )
+    files = f"{len(names)} file(s)" if names else "no weight files"
+    return Check("structure", "pass", f"{n} tensors in {files}; names, shapes, dtypes and index as planned"), located
+
+
+def _dtype_name(st_dtype: str) -> str:
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
+            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(st_dtype, st_dtype.lower())
+
+
+def _config_problems(config: dict, shapes: dict) -> list[str]:
+    from tui_merger.core.plan.plan import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING, _has_lm_head
+
+    problems = []
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab = config.get("vocab_size", text.get("vocab_size"))
+    tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    embeds = [k for k in shapes if k.endswith(INPUT_EMBEDDING_SUFFIXES) and len(shapes[k]) == 2]
+    if vocab and embeds and all(shapes[k][0] != vocab for k in embeds):
+        problems.append(f"config.json says vocab_size {vocab} but the embedding has {shapes[embeds[0]][0]} rows")
+    head = [k for k in shapes if k.endswith(OUTPUT_EMBEDDING)]
+    if _has_lm_head(config) and embeds and not head and tie is False:
+        problems.append(
+            "tie_word_embeddings is false but there is no lm_head.weight: transformers would start it random"
+        )
+    return problems
+
+
+# -- recompute ---------------------------------------------------------------------------------
+
+
+def _sample_rows(name: str, n_rows: int):
+    import torch
+
+    g = torch.Generator().manual_seed(PROBE_SEED + sum(name.encode()))
+    return torch.randperm(n_rows, generator=g)[: min(SAMPLE_ROWS, n_rows)].sort().values
+
+
+class _Recomputation:
+    """fp32 recomputation of one output tensor from its inputs, independent of the engine's fast
+    paths: float(W) + s * (B @ A) per op, in order, as peft defines the merge. The inputs are read
+    once; ``rows`` (a slice or an index tensor) gives any part of the result."""
+
+    def __init__(self, t) -> None:
+        from tui_merger.core.plan.plan import BiasOp, LoraOp
+
+        self.t = t
+        self.w = t.source.load()
+        self.ops = []
+        for op in t.ops:
+            if isinstance(op, LoraOp):
+                mag = op.magnitude.load().float().reshape(-1) if op.magnitude is not None else None
+                self.ops.append((op, op.A.load().float(), op.B.load().float(), mag))
+            elif isinstance(op, BiasOp):
+                self.ops.append((op, op.bias.load().float(), None, None))
+            else:
+                self.ops.append((op, op.rows.load().float(), None, None))
+
+    def rows(self, rows):
+        import torch
+
+        from tui_merger.core.plan.plan import BiasOp, LoraOp
+
+        acc = (self.w if rows is None else self.w[rows]).float()
+        if acc.data_ptr() == self.w.data_ptr():
+            acc = acc.clone()  # fp32 input: never write into the memory-mapped file
+        for op, x, y, mag in self.ops:
+            if isinstance(op, LoraOp):
+                a, b = x, y
+                if op.transpose:
+                    v = acc + (b @ (a if rows is None else a[:, rows])).T * op.scale
+                else:  # one fused pass: acc + s * (B @ A)
+                    v = torch.addmm(acc, b if rows is None else b[rows], a, alpha=op.scale)
+                if mag is not None:
+                    v_rows = v.T if op.transpose else v
+                    m = mag[rows] if rows is not None and not op.transpose else mag
+                    factor = (m / torch.linalg.vector_norm(v_rows, dim=1)).view(-1, 1)
+                    v = factor.T * v if op.transpose else factor * v
+                acc = v
+            elif isinstance(op, BiasOp):
+                acc = acc + x * op.scale
+            else:
+                index = torch.arange(self.w.shape[0])[rows] if rows is not None else None
+                for j, target in enumerate(op.indices):
+                    if index is None:
+                        acc[target] = x[j]
+                    else:
+                        hit = (index == target).nonzero()
+                        if len(hit):
+                            acc[hit[0, 0]] = x[j]
+        return acc
+
+    def magnitude(self, rows):
+        """What fp32 rounding of the recomputation scales with, per value: |W| + sum of s * (|B| @ |A|)
+        of the LoRA ops, times (terms + 2) (the classic bound of a dot product's rounding error)."""
+        from tui_merger.core.plan.plan import LoraOp
+
+        mag = (self.w if rows is None else self.w[rows]).float().abs()
+        terms = 0
+        for op, a, b, _ in self.ops:
+            if isinstance(op, LoraOp) and len(self.t.shape) == 2:
+                a, b = a.abs(), b.abs()
+                if op.transpose:
+                    delta = (b @ (a if rows is None else a[:, rows])).T
+                else:
+                    delta = (b if rows is None else b[rows]) @ a
+                mag = mag + delta * abs(op.scale)
+                terms += a.shape[0]
+        return mag * (terms + 2)
+
+    def release(self) -> None:
+        for ref in self.t.inputs():
+            ref.release()
+
+
+def _sampled(t) -> bool:
+    """Whether only a sample of rows is recomputed: a product of high-rank adapters costs more than
+    reading the tensor (every row is recomputed up to a summed rank of FULL_RANK)."""
+    from tui_merger.core.plan.plan import BiasOp, LoraOp
+
+    if len(t.shape) < 2 or math.prod(t.shape) <= SAMPLE_LIMIT:
+        return False
+    if any(isinstance(op, BiasOp) or (isinstance(op, LoraOp) and op.magnitude is not None and op.transpose) for op in t.ops):
+        return False  # needs whole columns
+    rank = sum(op.A.shape[0] for op in t.ops if isinstance(op, LoraOp))
+    return rank > FULL_RANK
+
+
+def _whole(t) -> bool:
+    """DoRA on a transposed (fan_in_fan_out) weight normalises columns: recomputed in one piece."""
+    from tui_merger.core.plan.plan import LoraOp
+
+    return any(isinstance(op, LoraOp) and op.magnitude is not None and op.transpose for op in t.ops)
+
+
+def _bits_equal(a, b) -> bool:
+    """Same bytes (as integers: twice as fast as a float comparison)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or a.dtype != b.dtype or not a.is_contiguous() or not b.is_contiguous():
+        return torch.equal(a, b)
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps the small blocks of a pass in its arenas:
+    300-500 MB after recomputing a 3B model); a no-op where there is no glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = False
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            pass
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
+def _mismatches(got, want, magnitude=None) -> int:
+    """Elements of ``got`` further from ``want`` (fp32) than rounding explains: one unit in the last
+    place of got's dtype, or, where terms nearly cancel, the fp32 rounding of the sum (2^-24 of
+    ``magnitude()``: the engine may add in another order or block the product otherwise). Equal
+    elements, the common case, cost one comparison."""
+    import torch
+
+    rounded = want.to(got.dtype)
+    if _bits_equal(got, rounded):
+        return 0
+    differ = got != rounded
+    g, w = got[differ].float(), rounded[differ].float()
+    bits = _MANTISSA_BITS.get(str(got.dtype).removeprefix("torch."))
+    if bits is None:
+        return int(differ.sum())
+    _, exp = torch.frexp(w)
+    ulp = torch.ldexp(torch.ones_like(w), exp - 1 - bits)
+    tiny = 2.0**-24 if got.dtype == torch.float16 else 2.0**-126
+    tol = torch.clamp(ulp, min=tiny) * (4 if got.dtype == torch.float32 else 1)  # fp32 sums differ in order
+    if magnitude is not None:
+        tol = torch.maximum(tol, magnitude()[differ] * 2.0**-24)
+    return int(((g - w).abs() > tol).sum())
+
+
+def _row_blocks(shape, values: int = BLOCK_VALUES):
+    """Row slices of about ``values`` values each (None for a 0-d tensor)."""
+    if not shape:
+        return [None]
+    row = max(1, math.prod(shape[1:]))
+    step = max(1, values // row)
+    return [slice(a, min(a + step, shape[0])) for a in range(0, shape[0], step)] or [slice(0, 0)]
+
+
+def _finite(x) -> bool:
+    """No NaN or Inf: min and max propagate both (50x faster than isfinite on bf16)."""
+    import torch
+
+    if not x.is_floating_point() or not x.numel():
+        return True
+    low, high = torch.aminmax(x)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
+
+
+def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: CancelToken, clamp: bool = False) -> Check:
+    """Every output tensor against its recomputation, a cache-sized block of rows at a time: the
+    output is read through memory maps whose pages are handed back after each tensor, so memory
+    stays at a few blocks whatever the model's size."""
+    from tui_merger.core.formats.hf_model import TensorSource
+
+    problems, sampled, nonfinite, unchanged = [], [], [], []
+    total = len(plan.tensors)
+    total_bytes = sum(t.nbytes for t in plan.tensors)
+    done_bytes = 0
+    try:
+        stored = TensorSource(out, sorted(set(files.values())))
+    except MergeError as err:  # the library read the headers; ours is stricter
+        return Check("recompute", "fail", f"the weight files cannot be read for recomputation: {err}")
+    try:
+        for i, t in enumerate(plan.tensors, start=1):
+            cancel.raise_if_cancelled()
+            if t.name not in files:
+                continue
+            ref = stored.tensors[t.name]
+            if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
+                for x in (ref, *t.inputs()):
+                    x.prefetch()
+            got_all = ref.load()
+            finite = True
+            pieces = None if t.ops else t.source.source.row_blocks(t.source)
+            if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
+                bad, diff, start = 0, 0.0, 0
+                for piece, release in pieces:
+                    stop = start + (piece.shape[0] if piece.dim() else 1)
+                    got = got_all[start:stop] if piece.dim() else got_all
+                    finite = finite and _finite(got)
+                    want = piece.float().clamp(-65504.0, 65504.0) if clamp else piece
+                    n = _mismatches(got, want) if piece.dtype != got.dtype or clamp else (0 if _bits_equal(got, piece) else 1)
+                    if n:
+                        bad += n
+                        diff = max(diff, (got.float() - want.float()).abs().max().item())
+                    release()
+                    ref.release_rows(start, stop)
+                    start = stop
+                if bad or start != (t.shape[0] if t.shape else 1):
+                    problems.append(f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the checkpoint (max {diff:.3g})")
+            elif t.raw_copy:  # compared a block at a time, each block's pages handed back (an embedding is GBs)
+                src = t.source.load()
+                equal = True
+                for rows in _row_blocks(t.shape, BLOCK_VALUES * 16):
+                    got = got_all if rows is None else got_all[rows]
+                    finite = finite and _finite(got)
+                    equal = equal and _bits_equal(got, src if rows is None else src[rows])
+                    if rows is not None:
+                        ref.release_rows(rows.start, rows.stop)
+                        t.source.release_rows(rows.start, rows.stop)
+                if not equal:
+                    problems.append(f"{t.name}: differs from the input it was copied from")
+                for x in t.inputs():
+                    x.release()
+            else:
+                r = _Recomputation(t)
+                bad, diff = 0, 0.0
+                if _sampled(t):
+                    sampled.append(t.name)
+                    blocks = [_sample_rows(t.name, t.shape[0])]
+                else:
+                    blocks = [None] if _whole(t) else _row_blocks(t.shape)
+                for rows in blocks:
+                    got = got_all if rows is None else got_all[rows]
+                    finite = finite and _finite(got)
+                    want = r.rows(rows)
+                    if clamp:  # --force: values beyond fp16's range were clamped on purpose
+                        want = want.clamp(-65504.0, 65504.0)
+                    n = _mismatches(got, want, lambda: r.magnitude(rows))
+                    if n:
+                        bad += n
+                        diff = max(diff, (got.float() - want.to(got.dtype).float()).abs().max().item())
+                r.release()
+                if bad:
+                    problems.append(f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the recomputation (max {diff:.3g})")
+                    if t.ops and _bits_equal(got_all, t.source.load().to(got_all.dtype).contiguous()):
+                        unchanged.append(t.name)
+            if not finite:
+                nonfinite.append(t.name)
+            del got_all
+            ref.release()
+            done_bytes += t.nbytes
+            on_event(TensorProgress(t.name, i, total, done_bytes, total_bytes))
+    finally:
+        stored.close()
+        release_memory()
+    details = problems[:50] + [f"{n}: holds NaN or Inf" for n in nonfinite[:20]]
+    if unchanged:
+        details.append(
+            f"{len(unchanged)} tensor(s) the adapter changes hold the base's values unchanged ({unchanged[0]}, ...): "
+            "the adapter looks not (or wrongly) applied"
+        )
+    metrics = {"tensors": total, "sampled_tensors": len(sampled), "sample_rows": SAMPLE_ROWS, "full_rank": FULL_RANK,
+               "unchanged_by_adapter": len(unchanged)}
+    if problems or nonfinite:
+        return Check("recompute", "fail", f"{len(problems) + len(nonfinite)} of {total} tensors are wrong", details, metrics)
+    how = (
+        f"; {len(sampled)} tensors of adapters above rank {FULL_RANK} on {SAMPLE_ROWS} random rows each"
+        if sampled else ", every value"
+    )
+    return Check("recompute", "pass", f"all {total} tensors equal the recomputation from the inputs{how}", [], metrics)
+
+
+# -- behaviour ---------------------------------------------------------------------------------
+
+
+def model_class(config: dict):
+    import transformers
+
+    archs = config.get("architectures") or []
+    if archs:
+        return getattr(transformers, str(archs[0]), None)
+    # no architectures in config.json (old or hand-written configs): a causal LM when its type is one
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
+    return getattr(transformers, name, None) if isinstance(name, str) else None
+
+
+def probe_ids(config: dict, plan):
+    """Fixed token ids within both the config's vocabulary and the model's input embedding rows."""
+    import torch
+
+    from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES
+
+    rows = next((t.shape[0] for t in plan.tensors if t.name.endswith(INPUT_EMBEDDING_SUFFIXES)), None)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab = min(v for v in (config.get("vocab_size", text.get("vocab_size")), rows, 1 << 30) if v)
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(0, vocab, PROBE_SHAPE, generator=g)
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def quiet_transformers():
+    import warnings
+
+    import transformers
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, text: Path | None, on_event,
+               cancel: CancelToken | None = None) -> list[Check]:
+    """Merged model and unmerged reference, layer by layer (``behaviour.py``)."""
+    _prewarmed()
+    import transformers
+
+    from tui_merger.core.verify import behaviour as bh
+    from tui_merger.core.formats.hf_model import open_model
+
+    cls = model_class(config)
+    archs = config.get("architectures") or ["(none)"]
+    if cls is None:
+        return [Check(
+            "behaviour", "skip",
+            f"skipped: {archs[0]} is not a transformers class (custom code); tui-merger never runs model code",
+        )]
+    quiet_transformers()
+    bh.quiet()
+    stored = options.dtype or inputs.dtype or config_dtype(config) or "float32"
+    stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
+    probes = probe_ids(config, plan)
+    tokens = _perplexity_tokens(out, text) if text else None
+    try:
+        out_config = transformers.AutoConfig.from_pretrained(out)
+    except Exception as err:  # noqa: BLE001 - transformers' own refusal of the file, said as it is
+        return [Check("behaviour", "fail", f"transformers cannot read the merged model's config.json: {bh.first_line(err)}")]
+    try:
+        written = open_model(out)
+    except MergeError as err:
+        return [Check("behaviour", "fail", f"the merged model's weights cannot be read: {err}")]
+    try:
+        with bh.temporary_folder() as tmp:
+            # 1. the merged model, as users will load it
+            on_event(PhaseStarted("behaviour", f"Running the merged model layer by layer ({cls.__name__}, fp32)"))
+            try:
+                if options.export_adapter:
+                    merged_model, missing = bh.streamer_with_adapter(
+                        cls, out_config, written.tensors, [(out / "lora_adapter", None)], "merged model", on_event, cancel)
+                else:
+                    merged_model, missing = bh.streamer_for_files(
+                        cls, out_config, written.tensors, "merged model", on_event, cancel)
+            except StreamError as why:
+                return [_cannot_stream("merged model", why)]
+            except bh.NoReference as why:
+                return [Check("behaviour", "fail", f"transformers cannot build the output as {cls.__name__}: {why}")]
+            if missing:
+                return [Check(
+                    "behaviour", "fail", f"{cls.__name__} does not find {len(missing)} of its weights in the files",
+                    [f"missing from the files (transformers starts them random): {', '.join(missing[:10])}"],
+                )]
+            try:
+                merged, merged_hidden = bh.run(merged_model, probes)
+                ppl_merged = _perplexity(merged_model, tokens, config) if tokens is not None else None
+            except (MergeCancelled, KeyboardInterrupt):
+                raise
+            except Exception as why:  # noqa: BLE001 - transformers' forward over streamed weights
+                return [_cannot_stream("merged model", why)]
+            peak = merged_model.stats.peak_live_values
+            merged_model.close()
+            written.close()
+            release_memory()
+
+            # 2. the unmerged reference
+            if options.checkpoint is not None and not inputs.adapter.lora:
+                return [_loads_check(cls.__name__, merged, peak)]  # a conversion: the tensors are the checkpoint's
+            on_event(PhaseStarted("behaviour", "Running the unmerged reference (base + adapter through peft) layer by layer"))
+            try:
+                reference_model = _reference_streamer(cls, out, out_config, options, inputs, tmp, on_event, cancel)
+            except (bh.NoReference, StreamError) as why:
+                return [Check("behaviour", "skip", f"skipped: {why}; not fully verified", metrics={"probes": list(PROBE_SHAPE)})]
+            try:
+                reference, ref_hidden = bh.run(reference_model, probes)
+                ppl_ref = _perplexity(reference_model, tokens, config) if tokens is not None else None
+            except (MergeCancelled, KeyboardInterrupt):
+                raise
+            except Exception as why:  # noqa: BLE001
+                return [_cannot_stream("unmerged reference", why)]
+            peak = max(peak, reference_model.stats.peak_live_values)
+            reference_model.close()
+    finally:
+        written.close()
+    checks = [_layer_check(cls.__name__, plan, stored, merged, reference, merged_hidden, ref_hidden, peak)]
+    if tokens is not None:
+        delta = abs(ppl_merged - ppl_ref)
+        status = "pass" if delta <= PPL_TOLERANCE else "fail"
+        checks.append(Check(
+            "perplexity", status,
+            f"perplexity {ppl_merged:.3f} merged vs {ppl_ref:.3f} unmerged on {tokens.numel()} tokens of {text.name}"
+            + ("" if status == "pass" else f": moved by {delta:.3f} (> {PPL_TOLERANCE})"),
+            metrics={"merged": ppl_merged, "reference": ppl_ref, "tokens": tokens.numel()},
+        ))
+    return checks
+
+
+def _cannot_stream(what: str, why: Exception) -> Check:
+    from tui_merger.core.verify.behaviour import first_line
+
+    reason = first_line(why)
+    return Check(
+        "behaviour", "skip",
+        f"skipped: the {what} could not be run layer by layer ({reason}); not fully verified: structure and "
+        "recompute still hold",
+        metrics={"probes": list(PROBE_SHAPE)},
+    )
+
+
+def _reference_streamer(cls, out: Path, out_config, options: MergeOptions, inputs, tmp, on_event, cancel=None):
+    """base + adapter(s) through peft, the base streamed from the inputs as the merge read them (a
+    checkpoint without an adapter, a conversion, needs none: the caller does not ask)."""
+    import transformers
+
+    from tui_merger.core.verify import behaviour as bh
+
+    if options.checkpoint is not None:
+        folder = bh.export_to_tmp(inputs.adapter, tmp, "adapter")
+        streamer, missing = bh.streamer_with_adapter(
+            cls, out_config, inputs.base.tensors, [(folder, None)], "unmerged reference", on_event, cancel)
+    else:
+        config = transformers.AutoConfig.from_pretrained(options.base)
+        vocab = transformers_vocab(out)
+        text = getattr(config, "text_config", None) if not hasattr(config, "vocab_size") else None
+        holder = text if text is not None else config
+        if vocab and getattr(holder, "vocab_size", vocab) != vocab:
+            holder.vocab_size = vocab  # as the adapter's training resized it; its saved rows replace the base's
+        if options.weighted:
+            adapters = []
+            for index, (part, weight, _path) in enumerate(inputs.parts):
+                folder = part.folder if not part.folder.is_file() else bh.export_to_tmp(part, tmp, f"adapter{index}")
+                adapters.append((folder, weight))
+        elif inputs.adapter.folder.is_file():  # a kohya file: through peft's format
+            adapters = [(bh.export_to_tmp(inputs.adapter, tmp, "adapter"), None)]
+        else:
+            adapters = [(inputs.adapter.folder, None)]
+        streamer, missing = bh.streamer_with_adapter(
+            cls, config, inputs.base.tensors, adapters, "unmerged reference", on_event, cancel)
+    if missing:
+        raise bh.NoReference(
+            f"the unmerged reference lacks {len(missing)} weight(s) transformers expects ({', '.join(missing[:3])})"
+        )
+    return streamer
+
+
+def _loads_check(cls_name: str, logits, peak: int) -> Check:
+    import torch
+
+    metrics = {"probes": list(PROBE_SHAPE), "peak_live_values": peak}
+    if not bool(torch.isfinite(logits).all()):
+        return Check("behaviour", "fail", f"{cls_name} loads but its outputs hold NaN or Inf", [], metrics)
+    return Check(
+        "behaviour", "pass",
+        f"{cls_name} loads every weight and runs: finite outputs (a conversion: the tensors equal the checkpoint's, "
+        "see recompute; no second model is built)", [], metrics,
+    )
+
+
+def _layer_check(cls_name: str, plan, stored: str, merged, reference, merged_hidden, ref_hidden, peak: int) -> Check:
+    from tui_merger.core.verify import behaviour as bh
+
+    details: list[str] = []
+    layers = []
+    if merged_hidden is not None and ref_hidden is not None and len(merged_hidden) == len(ref_hidden):
+        counts = bh.rounded_by_depth(plan, len(ref_hidden))
+        for i, (m, r) in enumerate(zip(merged_hidden, ref_hidden)):
+            rel = bh.relative(m.float(), r.float(), centre=False)
+            layers.append((i, rel, bh.limit(stored, counts[i])))
+    total_rounded = sum(1 for t in plan.tensors if not t.raw_copy)
+    centre = merged.shape[-1] > 1
+    out_rel = bh.relative(merged, reference, centre=centre)
+    out_limit = bh.limit(stored, total_rounded)
+    first = next(((i, rel, lim) for i, rel, lim in layers if not rel <= lim), None)
+    worst = max([rel / lim for _, rel, lim in layers] + [out_rel / out_limit])
+    metrics = {
+        "dtype": stored, "compute_dtype": "float32", "probes": list(PROBE_SHAPE),
+        "output_rel_diff": out_rel, "output_limit": out_limit, "worst_ratio": worst,
+        "layers": [[i, rel, lim] for i, rel, lim in layers], "max_abs_diff": (merged - reference).abs().max().item(),
+        "peak_live_values": peak,
+    }
+    if centre:
+        metrics["kl"] = bh.kl(reference, merged)
+    ok = first is None and out_rel <= out_limit
+    if first is not None:
+        i, rel, lim = first
+        where = "the embeddings' output" if i == 0 else f"layer {i - 1}'s output"
+        details.append(f"{where} differs from the unmerged model by {rel:.2e} (limit {lim:.2e}): the first place it diverges")
+        metrics["first_divergent"] = i
+    what = f"{'logits' if centre else 'outputs'} {out_rel:.2e} apart (limit {out_limit:.2e})"
+    if layers:
+        what = f"{len(layers)} hidden states and {what}; worst {worst:.0%} of its limit"
+    lead = "matches the unmerged model layer by layer" if ok else "differs from the unmerged model"
+    if not ok and first is not None:
+        lead += f" from {details[0].split(' differs')[0]} on"
+    return Check("behaviour", "pass" if ok else "fail", f"{cls_name} {lead}: {what}", details, metrics)
+
+
+def transformers_vocab(out: Path) -> int | None:
+    config = read_json_object(out / "config.json", "the merged model's config is damaged")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return config.get("vocab_size", text.get("vocab_size"))
+
+
+def compare_logits(merged, reference, base, stored: str, missing: list, cls_name: str, cdtype: str) -> Check:
+    details = [f"missing from the files (transformers starts them random): {', '.join(missing[:10])}"] if missing else []
+    diff = (merged - reference).abs().max().item()
+    metrics = {"max_abs_diff": diff, "dtype": stored, "compute_dtype": cdtype, "probes": list(PROBE_SHAPE)}
+    if merged.shape[-1] > 1:
+        from tui_merger.core.verify.behaviour import kl as kl_of
+
+        kl = kl_of(reference, merged)
+        metrics["kl"] = kl
+        limit = KL_LIMIT[stored]
+        ok = kl <= limit
+        what = f"KL {kl:.2e} (limit {limit:.0e}), max |logit diff| {diff:.3g}"
+        if base is not None:
+            effect = kl_of(reference, base)
+            metrics["adapter_effect_kl"] = effect
+            what += f"; the adapter itself moves them by KL {effect:.2e}"
+            # rounding noise of a large model may pass the absolute limit yet stay tiny next to the
+            # adapter's own effect; a merge no closer to base+adapter than the base alone fails
+            ok = ok or kl <= RESCUE_RATIO * effect
+            if effect > limit and kl > ADAPTER_EFFECT_RATIO * effect:
+                ok = False
+                details.append(
+                    f"the merged model is not much closer to base+adapter than the base alone is "
+                    f"(KL {kl:.2e} vs {effect:.2e}): the adapter looks not (or wrongly) applied"
+                )
+    else:
+        scale = reference.abs().max().item() or 1.0
+        rel = diff / scale
+        metrics["rel_diff"] = rel
+        ok = rel <= REL_LIMIT[stored]
+        what = f"relative output difference {rel:.2e} (limit {REL_LIMIT[stored]:.0e})"
+    if missing:
+        ok = False
+    status = "pass" if ok else "fail"
+    lead = "logits match the unmerged model" if ok else "logits differ from the unmerged model"
+    return Check("behaviour", status, f"{cls_name} loads; {lead}: {what}", details, metrics)
+
+
+def _perplexity_tokens(out: Path, text: Path):
+    import torch
+
+    try:
+        content = Path(text).read_text(errors="replace")
+    except OSError as err:
+        raise MergeError(f"Cannot read the perplexity text {text} ({err.strerror}).") from None
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(out)
+    except Exception:
+        raise MergeError(
+            f"{out} has no tokenizer that loads, so perplexity cannot be measured; copy the tokenizer in "
+            "or leave out --perplexity."
+        ) from None
+    ids = tok(content, return_tensors="pt", add_special_tokens=False)["input_ids"][0][:PPL_MAX_TOKENS]
+    if ids.numel() < 2:
+        raise MergeError(f"{text} is too short to measure perplexity; give a few paragraphs of text.")
+    return ids.to(torch.long)
+
+
+def _perplexity(model, ids, config: dict) -> float:
+    import torch
+
+    window = min(512, int(config.get("max_position_embeddings") or 512))
+    nll, count = 0.0, 0
+    for start in range(0, ids.numel() - 1, window):
+        chunk = ids[start : start + window + 1]
+        if chunk.numel() < 2:
+            break
+        logits = model(input_ids=chunk[None, :-1]).logits.float()[0]
+        nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+        count += chunk.numel() - 1
+    return math.exp(nll / count)
