@@ -58,7 +58,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from tui_merger.core.errors import MergeError  # noqa: E402
 from tui_merger.core.io.safetensors_io import DTYPES, MAX_HEADER, SafetensorsFile  # noqa: E402
-from tui_merger.core.formats.hf_model import open_model  # noqa: E402
+from tui_merger.core.io.sources import open_model  # noqa: E402
 from tui_merger.core.io.torch_pickle import Record, TorchFile, load_state_dict  # noqa: E402
 
 HEADROOM = 1 << 30  # what a fuzzed input may make us allocate beyond what is mapped when the test starts
@@ -684,7 +684,7 @@ def test_open_model_on_a_damaged_sharded_folder(data, real_shards, work, guarded
 
 
 # Values an index may hold that open_model does not refuse with MergeError yet (found by fuzzing the
-# index; the fix belongs to tui_merger/core/formats/hf_model.py `_index_files`): non-string file names raise
+# index; the fix belongs to tui_merger/core/io/sources.py `_index_files`): non-string file names raise
 # TypeError in Path joining, an over-long name raises OSError(ENAMETOOLONG) from is_file().
 
 @pytest.mark.parametrize("value", [1, None, 1.5, True, "x" * 300], ids=["int", "null", "float", "bool", "too-long"])
@@ -1414,7 +1414,7 @@ def test_code_running_pytorch_model_bin_is_refused_as_base(kind, small_torch_fil
 # Found by this fuzz: torch's weights-only unpickler raises IndexError ("pop from empty list"),
 # TypeError and AttributeError on damaged pickles, and sources._load_bin turns only UnpicklingError,
 # RuntimeError, EOFError, ValueError and OSError into MergeError; the fix belongs to
-# tui_merger/core/formats/hf_model.py (catch Exception around torch.load: no code runs there either way).
+# tui_merger/core/io/sources.py (catch Exception around torch.load: no code runs there either way).
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 @settings(fuzz_settings(150), phases=[Phase.explicit, Phase.generate])
@@ -1657,7 +1657,7 @@ def kohya_base(lora_pair, tmp_path_factory):
     from safetensors.torch import save_file as save
 
     from tui_merger.core.formats.kohya import module_names
-    from tui_merger.core.formats.hf_model import open_model
+    from tui_merger.core.io.sources import open_model
 
     base, _ = lora_pair
     source = open_model(base)

@@ -16,13 +16,13 @@ import torch
 from factory import ALL_LINEAR, load_base, qwen_config, read_output, reference, save_adapter, save_base
 from safetensors.torch import load_file, save_file
 
-from tui_merger.core.formats.kohya import open_any_adapter
+from tui_merger.core.formats.registry import open_adapter as open_any_adapter
 from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.kohya import kohya_to_peft, match_modules
 from tui_merger.core.options import MergeOptions
 from tui_merger.core.record.provenance import record_merge
-from tui_merger.core.formats.hf_model import open_model
+from tui_merger.core.io.sources import open_model
 from tui_merger.core.verify.checks import verify_merge
 
 ROOT = Path(__file__).resolve().parents[1]

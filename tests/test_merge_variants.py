@@ -108,7 +108,7 @@ def test_merge_equals_peft(tmp_path, case):
 
 
 def read_base(base):
-    from tui_merger.core.formats.hf_model import open_model
+    from tui_merger.core.io.sources import open_model
 
     src = open_model(base)
     try:

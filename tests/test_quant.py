@@ -32,7 +32,7 @@ from tui_merger.core.formats.quant import (
     quantization_info,
     roundtrip_4bit,
 )
-from tui_merger.core.formats.hf_model import open_model
+from tui_merger.core.io.sources import open_model
 from tui_merger.core.verify.checks import verify_merge
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nf4_reference.safetensors"
@@ -485,7 +485,7 @@ def test_quant_info_is_plain_data():
 def test_packed_kinds_from_names_and_dtypes():
     from types import SimpleNamespace
 
-    from tui_merger.core.formats.hf_model import TensorRef
+    from tui_merger.core.io.sources import TensorRef
 
     def source(**tensors):
         return SimpleNamespace(tensors={n: TensorRef(None, "f", n, d, (4, 4)) for n, d in tensors.items()})

@@ -14,7 +14,7 @@ from factory import gpt2_config, qwen_config, save_base
 
 from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.options import MergeOptions
-from tui_merger.core.formats.hf_model import open_model
+from tui_merger.core.io.sources import open_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
 

@@ -115,9 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
     """What says which model to read: a checkpoint (verl's flags as users type them) or a base."""
+    from tui_merger.core.formats.registry import BACKENDS  # names and stat only: no heavy imports
+
     p.add_argument("checkpoint", nargs="?", type=Path, help="a verl checkpoint: run, global_step_N or actor folder")
     p.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
-    p.add_argument("--backend", choices=["auto", "fsdp", "megatron"], default="auto", help="checkpoint format")
+    p.add_argument("--backend", choices=["auto", *BACKENDS], default="auto", help="checkpoint format")
     p.add_argument("--base", type=Path, help="base model folder (config.json + weights)")
     p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=_finite_number, help="LoRA alpha when the checkpoint does not record it")
     p.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic: a TokenClassification model")
@@ -326,7 +328,7 @@ def _read_options(args) -> dict:
 
 def _check_backend(checkpoint: Path, backend: str) -> None:
     """--backend fsdp on a Megatron folder (or the reverse) is said in one sentence; auto detects."""
-    from tui_merger.core.formats.verl_megatron import check_backend
+    from tui_merger.core.formats.registry import check_backend
 
     check_backend(checkpoint, backend)
 

@@ -216,7 +216,8 @@ def _rich_bar():
 
 def next_step(result, where) -> str | None:
     """What to run for the newest latest-marked checkpoint (else the newest one)."""
-    from tui_merger.core.formats.scan import shown
+    from tui_merger.core.formats.base import shown
+    from tui_merger.core.formats.registry import format_of
 
     pool = [c for c in result.candidates if c.latest] or result.candidates
     if not pool:
@@ -231,19 +232,9 @@ def next_step(result, where) -> str | None:
     c = max(pool, key=mtime)
     path = where(c.path)
     q = shlex.quote
-    if c.kind == "verl-megatron" and (Path(c.path) / "adapter_checkpoint").is_dir():
-        return f"{path} holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet."
-    if c.kind in ("hf-model", "trainer-checkpoint") and not c.needs_base:
-        return f"{path} is a full model, not an adapter: nothing to merge; load it as it is."
     base_arg = q(shown(c.base_path)) if c.base_resolves in ("path", "hf-cache") else "BASE_MODEL"
     if c.run is not None:  # beside the run's checkpoints
         out = os.path.join(where(c.run), f"merged-step-{c.step}" + ("-critic" if c.role == "critic" else ""))
     else:
         out = f"{path}-merged"
-    if c.kind == "verl-megatron":
-        return f"tui-merger merge --backend megatron --local_dir {q(path)} --target_dir {q(out)}"
-    if c.kind == "verl-fsdp":
-        base = f" --base {base_arg}" if c.needs_base else ""
-        alpha = " --lora-alpha ALPHA" if c.lora is not None and not c.lora["alpha"] else ""
-        return f"tui-merger merge {q(path)}{base}{alpha} --out {q(out)}"
-    return f"tui-merger merge --base {base_arg} --adapter {q(path)} --out {q(out)}"
+    return format_of(c).next_step(c, path, base_arg, out)

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 def cmd_convert_kohya(args) -> int:
     from tui_merger.core.errors import MergeError
     from tui_merger.core.formats.kohya import file_kind, kohya_to_peft
-    from tui_merger.core.formats.hf_model import open_model
+    from tui_merger.core.io.sources import open_model
 
     if not args.file.is_file():
         raise MergeError(f"{args.file} is not a file; give the kohya-style LoRA .safetensors file.")

@@ -438,7 +438,9 @@ class Wizard(Screen):
             ])
             roundtrip.value = options.base_roundtrip or ""
             self._planned = self._fields()
-        if any(f.id == "quantized" for f in plan.findings) and self.candidate.kind != "verl-fsdp":
+        from tui_merger.core.plan.choices import is_checkpoint
+
+        if any(f.id == "quantized" for f in plan.findings) and not is_checkpoint(self.candidate):
             # a quantized base: ask for the 16-bit one, filled in when it was found on this machine
             for w in self.query(".base-field"):
                 w.display = True

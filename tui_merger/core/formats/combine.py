@@ -13,7 +13,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from tui_merger.core.formats.peft_adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, LoraModule, PeftAdapter
+from tui_merger.core.formats.adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, LoraModule, PeftAdapter
 from tui_merger.core.errors import MergeError
 
 
@@ -200,7 +200,7 @@ def export_combined_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True
 
 def export_adapter_folder(adapter: PeftAdapter, dest: Path, fsync: bool = True) -> list[str]:
     """The adapter as a PEFT folder: combined adapters as one exact adapter, others as they are."""
-    from tui_merger.core.formats.peft_adapter import export_peft_adapter
+    from tui_merger.core.formats.adapter import export_peft_adapter
 
     if adapter.config.get("combined"):
         return export_combined_adapter(adapter, dest, fsync)

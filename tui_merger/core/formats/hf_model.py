@@ -1,238 +1,71 @@
-"""Read-only, lazy tensor sources. A source lists tensors from headers (no data read) and loads one
-tensor on demand. Safetensors are mmap'd; ``.bin`` files go through ``torch.load(weights_only=True)``.
+"""A Hugging Face model folder (``config.json`` + ``model*.safetensors`` or ``pytorch_model*.bin``), as
+``save_pretrained`` writes it; also a trainer's ``checkpoint-N`` folder with full weights.
+
+Detect: a folder with config.json and weight files (their index read, the dtype from the headers); a
+``checkpoint-N`` folder with weights or ``trainer_state.json``. Nothing to merge: it is what adapters are
+merged into. Open: ``io.sources.open_model`` (the base of an adapter merge).
 """
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
-from tui_merger.core.errors import MergeError
-from tui_merger.core.io.safetensors_io import SafetensorsFile, nbytes_of
+from tui_merger.core.formats.base import ALL, TRAINER_STEP, Candidate, Format, Found, step_of
+from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
+from tui_merger.core.io.sources import BIN_INDEX, SAFE_INDEX, open_model
 
 
-@dataclass(frozen=True)
-class TensorRef:
-    """Where one tensor lives: a file and the name inside it, plus what its header says."""
+class HfModelFormat(Format):
+    kind = "hf-model"
+    role = "model"
+    label = "a Hugging Face model folder"
 
-    source: "TensorSource"
-    file: str
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes_of(self.dtype, self.shape)
-
-    def load(self):
-        return self.source.load(self)
-
-    def load_into(self, out) -> None:
-        """Fill ``out`` (this tensor's shape, any dtype) without an intermediate full copy."""
-        self.source.load_into(self, out)
-
-    def release(self) -> None:
-        self.source.release(self)
-
-    def release_rows(self, start: int, stop: int) -> None:
-        """Hand back the pages of some rows (sources that are not mapped files: nothing to do)."""
-        release_rows = getattr(self.source, "release_rows", None)
-        if release_rows is not None:
-            release_rows(self, start, stop)
-
-    def prefetch(self) -> None:
-        """About to be read whole: map its bytes at once (a no-op for sources that are not mapped files)."""
-        prefetch = getattr(self.source, "prefetch", None)
-        if prefetch is not None:
-            prefetch(self)
-
-
-class TensorSource:
-    """A set of weight files in one folder."""
-
-    def __init__(self, folder: Path, files: list[str]) -> None:
-        self.folder = Path(folder)
-        self.files = files
-        self.tensors: dict[str, TensorRef] = {}
-        self._st: dict[str, SafetensorsFile] = {}
-        self._bin: dict[str, dict] = {}
-        for fname in files:
-            self._index_file(fname)
-
-    def _index_file(self, fname: str) -> None:
-        path = self.folder / fname
-        if not path.is_file():
-            raise MergeError(
-                f"{path} is missing; the weights in {self.folder} are incomplete: copy the whole folder again."
-            )
-        if fname.endswith(".safetensors"):
-            st = SafetensorsFile(path)
-            self._st[fname] = st
-            # in file order, so that reading and copying run forward through each file
-            for name, info in sorted(st.tensors.items(), key=lambda kv: kv[1].start):
-                self._add(TensorRef(self, fname, name, info.dtype, info.shape))
-        else:
-            for name, tensor in self._load_bin(fname).items():
-                dtype = str(tensor.dtype).removeprefix("torch.")
-                self._add(TensorRef(self, fname, name, dtype, tuple(tensor.shape)))
-
-    def _add(self, ref: TensorRef) -> None:
-        if ref.name in self.tensors:
-            raise MergeError(
-                f"Tensor {ref.name} appears in both {self.tensors[ref.name].file} and {ref.file} "
-                f"in {self.folder}; remove the stale file."
-            )
-        self.tensors[ref.name] = ref
-
-    def _load_bin(self, fname: str) -> dict:
-        if fname not in self._bin:
-            import zipfile
-
-            import torch
-
-            path = self.folder / fname
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-            except Exception as err:  # a damaged file can make torch.load raise anything; no code runs here
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise MergeError(
-                    f"{path} could not be read as a PyTorch weights file ({first[:200]}); "
-                    "it may be truncated, corrupt, or need code to load, which tui-merger never runs."
-                ) from None
-            if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-                state = state["state_dict"]
-            if not isinstance(state, dict):
-                raise MergeError(f"{path} does not hold a dictionary of tensors.")
-            from tui_merger.core.io.torch_pickle import require_names
-
-            require_names(path, state)
-            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-            self._bin[fname] = tensors
-        return self._bin[fname]
-
-    # -- data ----------------------------------------------------------------------------------
-    def load(self, ref: TensorRef):
-        if ref.file in self._st:
-            return self._st[ref.file].tensor(ref.name)
-        return self._load_bin(ref.file)[ref.name]
-
-    def load_into(self, ref: TensorRef, out) -> None:
-        out.copy_(self.load(ref))
-
-    def row_blocks(self, ref: TensorRef):
-        """[(row block, release)] for sources that hold a tensor in pieces; None: load it whole."""
+    def detect(self, s, folder: Path, names: dict) -> Found | None:
+        step = step_of(folder.name, TRAINER_STEP)
+        weights = s.weight_files(folder, names)
+        if step is not None and (weights or "trainer_state.json" in names):
+            return Found(self._candidate(s, folder, names, weights, step), ALL)
+        if "config.json" in names and weights:
+            return Found(self._candidate(s, folder, names, weights, None), {*weights, SAFE_INDEX, BIN_INDEX})
         return None
 
-    def raw_ranges(self, ref: TensorRef) -> list[tuple[int, int, int]] | None:
-        """[(fd, offset, length)] when the tensor's bytes can be copied as they are, else None."""
-        st = self._st.get(ref.file)
-        if st is None:
-            return None
-        info = st.tensors[ref.name]
-        return [(st.fileno(), info.start, info.nbytes)]
-
-    def prefetch(self, ref: TensorRef) -> None:
-        st = self._st.get(ref.file)
-        if st is not None:
-            st.prefetch_tensor(ref.name)
-
-    def release_rows(self, ref: TensorRef, start: int, stop: int) -> None:
-        """Hand back the pages of rows [start, stop) of a tensor read in row blocks."""
-        st = self._st.get(ref.file)
-        if st is not None and ref.shape:
-            info = st.tensors[ref.name]
-            row = info.nbytes // max(1, ref.shape[0])
-            st.release(info.start + start * row, info.start + stop * row)
-
-    def release(self, ref: TensorRef) -> None:
-        st = self._st.get(ref.file)
-        if st is not None:
-            st.release_tensor(ref.name)
-
-    def close(self) -> None:
-        for st in self._st.values():
-            st.close()
-        self._bin.clear()
-
-
-SAFE_INDEX = "model.safetensors.index.json"
-BIN_INDEX = "pytorch_model.bin.index.json"
-
-
-def _index_files(path: Path) -> list[str]:
-    try:
-        data = json.loads(path.read_text())
-        files = list(dict.fromkeys(data["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        raise MergeError(f"{path} is not a valid weights index; copy it again from the original model.") from None
-    for name in files:  # plain file names in the model folder: never a path out of it
-        if not isinstance(name, str) or not name or len(name) > 255 or Path(name).name != name or name in (".", ".."):
-            raise MergeError(
-                f"{path} names {name!r} as a weights file, which is not a file name in that folder; "
-                "the index is damaged: copy it again from the original model."
-            )
-    return files
-
-
-def find_weight_files(folder: Path) -> list[str]:
-    """The weight files of a Hugging Face model folder, safetensors preferred."""
-    if (folder / SAFE_INDEX).is_file():
-        return _index_files(folder / SAFE_INDEX)
-    if (folder / "model.safetensors").is_file():
-        return ["model.safetensors"]
-    shards = sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("adapter_"))
-    if shards:
-        _check_shard_set(folder, shards)
-        return shards
-    if (folder / BIN_INDEX).is_file():
-        return _index_files(folder / BIN_INDEX)
-    if (folder / "pytorch_model.bin").is_file():
-        return ["pytorch_model.bin"]
-    return []
-
-
-_SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
-
-
-def _check_shard_set(folder: Path, shards: list[str]) -> None:
-    """Without an index, shard names like model-00002-of-00003 still say how many there must be."""
-    counts = {}
-    for name in shards:
-        m = _SHARD_NAME.search(name)
-        if m:
-            counts.setdefault((name[: m.start()], int(m.group(2))), set()).add(int(m.group(1)))
-    for (stem, total), present in counts.items():
-        missing = sorted(set(range(1, total + 1)) - present)
+    def _candidate(self, s, folder: Path, names: dict, weights: list[str], step: int | None) -> Candidate:
+        kind = "trainer-checkpoint" if step is not None else self.kind
+        c = Candidate(kind, str(folder), step=step, run=str(folder.parent) if step is not None else None)
+        config = s.json(folder / "config.json")
+        present = [w for w in weights if w in names]
+        header_dtype, _ = s.headers_dtype(folder, present)
+        said_dtype = config_dtype(config)
+        c.dtype = header_dtype or said_dtype
+        if header_dtype and said_dtype and header_dtype != said_dtype:
+            c.notes.append(f"config.json says {said_dtype} but the weights are stored in {header_dtype}.")
+        missing = [w for w in weights if w not in names]
         if missing:
-            width = len(_SHARD_NAME.search(shards[0]).group(2))
-            names = ", ".join(f"{stem}-{i:0{width}d}-of-{total:0{width}d}.safetensors" for i in missing[:3])
-            raise MergeError(
-                f"{folder} is missing shard(s) {names} (and has no index file); "
-                "the weights are incomplete: copy the whole folder again."
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            c.notes.append(f"the weight index names missing files ({', '.join(missing[:3])}{more}): the weights are incomplete.")
+        if not weights:
+            zero = "zero_to_fp32.py" in names or any(n.startswith("global_step") for n in names)
+            c.notes.append(
+                "no model weights: only DeepSpeed ZeRO shards (run its zero_to_fp32.py to get them)."
+                if zero else "no model weights or adapter: only trainer state."
             )
+        c.tokenizer = any(m in names for m in TOKENIZER_MARKERS)
+        s.sized(c, names.values(), recursive=step is not None)
+        return c
 
+    def recognizes(self, path: Path) -> bool:
+        return (path / "config.json").is_file()
 
-def not_a_folder(path: Path, flag: str, what: str) -> MergeError:
-    if path.is_file():
-        return MergeError(f"{path} is a file; {flag} wants the {what} folder that holds it ({path.parent}).")
-    return MergeError(f"The {what} folder {path} does not exist; check the path.")
+    def why_not_mergeable(self, c: Candidate) -> str | None:
+        if c.step is not None:
+            return "This checkpoint holds full weights, already a model: there is nothing to merge."
+        return "This is already a complete Hugging Face model: there is nothing to merge."
 
+    def needs_base(self, c: Candidate) -> bool:
+        return False
 
-def open_model(folder: Path) -> TensorSource:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise not_a_folder(folder, "--base", "base model")
-    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
-        raise MergeError(
-            f"{folder} is a LoRA adapter, not a base model; pass the full model it was trained on as the base."
-        )
-    files = find_weight_files(folder)
-    if not files:
-        raise MergeError(
-            f"No model weights (*.safetensors or pytorch_model.bin) in {folder}; "
-            "point the base at a Hugging Face model folder."
-        )
-    return TensorSource(folder, files)
+    def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
+        return f"{path} is a full model, not an adapter: nothing to merge; load it as it is."
+
+    def open_base(self, path: Path):
+        return open_model(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tui_merger.core.formats.peft_adapter import PeftAdapter
+from tui_merger.core.formats.adapter import PeftAdapter
 from tui_merger.core.errors import MergeError
 from tui_merger.core.io.files import FilePlan
 from tui_merger.core.options import MergeOptions
@@ -25,6 +25,7 @@ class Inputs:
     read_files: list[Path] = field(default_factory=list)  # every input file the output depends on
     base_weights: dict = field(default_factory=lambda: {"weights": "as stored"})  # or the --qlora-base round trip
     parts: list = field(default_factory=list)  # a weighted merge: [(PeftAdapter, weight, path), ...]
+    format: object = None  # the checkpoint kind (a Format) that opened these; None: a base with adapters
 
     def close(self) -> None:
         for item in self.closers:

@@ -14,24 +14,25 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
+from shlex import quote
 
-from tui_merger.core.formats.peft_adapter import (
-    ADAPTER_WEIGHTS,
+from tui_merger.core.formats.adapter import (
     PEFT_PREFIX,
     PeftAdapter,
     adapter_from_source,
     export_peft_adapter,
-    open_adapter,
 )
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.verl_fsdp import RenamedSource
+from tui_merger.core.formats.base import Candidate, Format, dominant_dtype
+from tui_merger.core.io.sources import RenamedSource
 from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
 from tui_merger.core.options import common_and_exceptions, plain_number
 from tui_merger.core.io.safetensors_io import SafetensorsFile
-from tui_merger.core.formats.hf_model import TensorSource
+from tui_merger.core.io.sources import TensorSource
 
 # longest first: "lora_te1_" must be tried before "lora_te_" and plain "lora_"
 PREFIXES = ("lora_transformer_", "lora_unet_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_te_", "lora_")
@@ -288,29 +289,80 @@ def kohya_to_peft(path: Path, base_names, dest: Path, base_model: str | None = N
     return written
 
 
-def open_any_adapter(path: Path, base_names=None) -> PeftAdapter:
-    """What --adapter names: a PEFT adapter folder, the adapter_model file inside one, or a kohya-style
-    LoRA ``.safetensors`` file (mapped onto ``base_names``, the base's tensor names)."""
-    path = Path(path)
-    if path.is_dir() or not path.exists():
-        return open_adapter(path)  # says what is wrong with a missing folder
-    if path.name in ADAPTER_WEIGHTS and (path.parent / "adapter_config.json").is_file():
-        return open_adapter(path.parent)
-    if path.name.endswith(".safetensors"):
-        kind = file_kind(path)
-        if kind == "kohya":
-            if base_names is None:
-                raise MergeError(
-                    f"{path} is a kohya-style LoRA file, whose module names can only be read against the base "
-                    "model; give the base model as well."
-                )
-            return open_kohya(path, base_names)
-        if kind == "peft":
+def _target(module: str) -> str:
+    """The module kind of a kohya name: the part after its last layer index
+    (``lora_unet_..._attentions_0_proj_in`` -> ``proj_in``, ``lora_te_..._layers_0_mlp_fc1`` -> ``mlp_fc1``)."""
+    return re.split(r"_\d+_", module.removeprefix("lora_"))[-1]
+
+
+class KohyaFormat(Format):
+    """Detect: a loose ``.safetensors`` file with kohya LoRA keys (ranks from the headers, alphas from
+    their few bytes). Open: ``open_kohya`` against the base's names. Reference: the same adapter written
+    in peft's format, which peft then loads."""
+
+    kind = "kohya-lora"
+    role = "adapter"
+    label = "a kohya-style LoRA file"
+
+    def detect_file(self, s, path: Path) -> Candidate | None:
+        """A ``.safetensors`` file whose header has lora_down / lora_up keys."""
+        st = s.header(path)
+        if st is None:
+            return None
+        downs, ups, alphas, dora = {}, set(), {}, False
+        for name, info in st.tensors.items():
+            if name.endswith(".lora_down.weight"):
+                downs[name[: -len(".lora_down.weight")]] = info
+            elif name.endswith(".lora_up.weight"):
+                ups.add(name[: -len(".lora_up.weight")])
+            elif name.endswith(".alpha"):
+                alphas[name[: -len(".alpha")]] = info
+            dora = dora or "dora_scale" in name
+        if not downs and not ups:
+            return None
+        c = Candidate(self.kind, str(path), needs_base=True)
+        c.dtype = dominant_dtype(i for n, i in st.tensors.items() if ".lora_" in n)
+        ranks = {m: i.shape[0] for m, i in downs.items() if len(i.shape) >= 2}
+        r, rank_pattern = common_and_exceptions(ranks)
+        alpha, alpha_pattern = common_and_exceptions(s.scalars(path, {m: alphas[m] for m in downs if m in alphas}))
+        c.lora = {
+            "r": r, "alpha": alpha, "rslora": False, "dora": dora,
+            "target_modules": sorted({_target(m) for m in downs}),
+            "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+            "modules_to_save": [], "n_modules": len(downs),
+        }
+        if alpha is None:
+            c.notes.append("no .alpha entries: kohya's scripts then use alpha = rank.")
+        unpaired = set(downs) ^ ups
+        if unpaired:
+            c.notes.append(f"{len(unpaired)} module(s) have only one of lora_down/lora_up: the file is incomplete.")
+        base = st.metadata.get("ss_sd_model_name") or st.metadata.get("ss_base_model_version")
+        c.base_model = base if isinstance(base, str) and base else None
+        s.resolve_base(c, path.parent)
+        try:
+            c.size_bytes = os.stat(path).st_size
+        except OSError as err:
+            s.bad_entry(path, err)
+        return c
+
+    def recognizes(self, path: Path) -> bool:
+        return path.is_file() and path.name.endswith(".safetensors") and file_kind(path) == "kohya"
+
+    def can_weight(self, c: Candidate) -> bool:
+        return True
+
+    def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
+        return f"tui-merger merge --base {base_arg} --adapter {quote(path)} --out {quote(out)}"
+
+    def open_adapter(self, path: Path, base_names):
+        if base_names is None:
             raise MergeError(
-                f"{path} holds peft LoRA tensors (lora_A / lora_B) but has no adapter_config.json beside it; "
-                "point --adapter at the folder peft's save_pretrained wrote, with its adapter_config.json."
+                f"{path} is a kohya-style LoRA file, whose module names can only be read against the base "
+                "model; give the base model as well."
             )
-    raise MergeError(
-        f"{path} is neither a PEFT adapter folder nor a kohya-style LoRA .safetensors file; point --adapter "
-        "at the folder holding adapter_config.json, or at a .safetensors file with lora_down / lora_up tensors."
-    )
+        return open_kohya(path, base_names)
+
+    def reference_folder(self, adapter, tmp: Path, name: str) -> Path:
+        folder = Path(tmp) / name
+        export_peft_adapter(adapter, folder, fsync=False)
+        return folder

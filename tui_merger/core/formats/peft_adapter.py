@@ -1,372 +1,84 @@
-"""A PEFT LoRA adapter folder: its config, and its tensors grouped by the module they belong to."""
+"""The PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``/``.bin``), as peft's
+``save_pretrained`` writes it; also a trainer's ``checkpoint-N`` folder that holds one.
+
+Detect: a folder with ``adapter_config.json`` (r, alpha, targets from it; the LoRA modules counted from
+the safetensors header). Open: ``adapter.open_adapter`` (config checked, tensors grouped by module).
+Reference: peft loads the folder itself.
+"""
 
 from __future__ import annotations
 
-import json
-import math
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
+from shlex import quote
 
-from tui_merger.core.errors import MergeError
-from tui_merger.core.io.files import read_json_object
-from tui_merger.core.options import is_finite_number
-from tui_merger.core.formats.hf_model import TensorRef, TensorSource, not_a_folder
+from tui_merger.core.formats.adapter import ADAPTER_WEIGHTS, open_adapter
+from tui_merger.core.formats.base import ALL, TRAINER_STEP, Candidate, Format, Found, lora_info, step_of
+from tui_merger.core.io.files import TOKENIZER_MARKERS
 
-PEFT_PREFIX = "base_model.model."
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-
-# (regex on the key without the PEFT prefix, role). Group "mod" is the module path. An optional
-# ".<adapter name>" infix is accepted: peft strips it when saving, other trainers do not always.
-_NAME = r"(?:\.[A-Za-z0-9_\-]+)?"
-_PATTERNS = [
-    (re.compile(rf"^(?P<mod>.+)\.lora_A{_NAME}\.weight$"), "A"),
-    (re.compile(rf"^(?P<mod>.+)\.lora_B{_NAME}\.weight$"), "B"),
-    (re.compile(rf"^(?P<mod>.+)\.lora_B{_NAME}\.bias$"), "B_bias"),
-    (re.compile(rf"^(?P<mod>.+)\.lora_embedding_A{_NAME}$"), "emb_A"),
-    (re.compile(rf"^(?P<mod>.+)\.lora_embedding_B{_NAME}$"), "emb_B"),
-    (re.compile(rf"^(?P<mod>.+)\.lora_magnitude_vector{_NAME}(?:\.weight)?$"), "magnitude"),
-    (re.compile(r"^(?P<mod>.+)\.(?:base_layer|original_module)\.(?P<param>weight|bias)$"), "base_override"),
-    (re.compile(rf"^(?P<mod>.+)\.modules_to_save{_NAME}\.(?P<param>weight|bias)$"), "replacement"),
-    (re.compile(rf"^(?P<mod>.+)\.token_adapter\.trainable_tokens_delta{_NAME}$"), "token_rows"),
-]
+_LORA_A = re.compile(r"^(.+)\.lora_(?:embedding_)?A\b")
 
 
-def pattern_key(patterns, module: str) -> str | None:
-    """The first rank/alpha pattern that matches a module name, matched as peft matches it:
-    the pattern must match a dotted suffix of the name (``(.*\\.)?(pattern)$``)."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return None
+class PeftAdapterFormat(Format):
+    kind = "peft-adapter"
+    role = "adapter"
+    label = "a PEFT adapter folder"
 
-
-@dataclass
-class LoraModule:
-    """The LoRA tensors of one module (e.g. ``model.layers.0.self_attn.q_proj``)."""
-
-    module: str
-    A: TensorRef | None = None
-    B: TensorRef | None = None
-    B_bias: TensorRef | None = None
-    emb_A: TensorRef | None = None
-    emb_B: TensorRef | None = None
-    magnitude: TensorRef | None = None
-    r: int = 0
-    alpha: float = 0.0
-    scale: float = 0.0  # alpha / r (or / sqrt(r)), times the adapter's weight in a weighted merge
-    origin: int = 0  # which adapter of a weighted merge (index into config["adapters"])
-    terms: list["LoraModule"] = field(default_factory=list)  # the same module in the other adapters
-
-    @property
-    def is_embedding(self) -> bool:
-        return self.emb_A is not None or self.emb_B is not None
-
-
-@dataclass
-class PeftAdapter:
-    folder: Path
-    config: dict
-    source: TensorSource | None
-    lora: dict[str, LoraModule] = field(default_factory=dict)
-    # full replacement tensors (modules_to_save, saved embedding base layers): param name -> ref
-    replacements: dict[str, TensorRef] = field(default_factory=dict)
-    base_overrides: dict[str, TensorRef] = field(default_factory=dict)
-    # trainable_token_indices: module -> (row indices, ref of the stored rows)
-    token_rows: dict[str, tuple[list[int], TensorRef]] = field(default_factory=dict)
-    notices: list[str] = field(default_factory=list)
-
-    @property
-    def fan_in_fan_out(self) -> bool:
-        return bool(self.config.get("fan_in_fan_out", False))
-
-    @property
-    def use_dora(self) -> bool:
-        return bool(self.config.get("use_dora", False))
-
-    def close(self) -> None:
-        if self.source is not None:
-            self.source.close()
-
-
-def empty_adapter(folder: Path) -> PeftAdapter:
-    """No adapter: a full-weights checkpoint is converted as it is."""
-    return PeftAdapter(folder=Path(folder), config={}, source=None)
-
-
-def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
-    """An adapter whose LoRA tensors live in another container (e.g. a verl FSDP checkpoint)."""
-    adapter = PeftAdapter(folder=Path(folder), config=config, source=source)
-    _group(adapter)
-    _resolve_scales(adapter)
-    return adapter
-
-
-def _is_names(value) -> bool:
-    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
-
-
-def _is_patterns(value, ok) -> bool:
-    if not isinstance(value, dict):
-        return False
-    for key, v in value.items():
-        try:
-            re.compile(key)
-        except re.error:
-            return False
-        if not ok(v):
-            return False
-    return True
-
-
-def _is_indices(value) -> bool:
-    ints = lambda v: isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)  # noqa: E731
-    return ints(value) or (isinstance(value, dict) and all(ints(v) for v in value.values()))
-
-
-# field -> (check of a present, non-null value, what it should be)
-_CONFIG_FIELDS = {
-    "peft_type": (lambda v: isinstance(v, str), "a name such as LORA"),
-    "r": (lambda v: type(v) is int and v >= 1, "a whole number of at least 1"),
-    "lora_alpha": (is_finite_number, "a number"),
-    "rank_pattern": (lambda v: _is_patterns(v, lambda r: type(r) is int and r >= 1), "a map of module patterns to ranks"),
-    "alpha_pattern": (lambda v: _is_patterns(v, is_finite_number), "a map of module patterns to numbers"),
-    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
-    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
-    "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
-    "lora_bias": (lambda v: isinstance(v, bool), "true or false"),
-    "target_modules": (_is_names, "a module name or a list of them"),
-    "modules_to_save": (_is_names, "a list of module names"),
-    "exclude_modules": (_is_names, "a module name or a list of them"),
-    "base_model_name_or_path": (lambda v: isinstance(v, str), "a model name or path"),
-    "task_type": (lambda v: isinstance(v, str), "a task name such as CAUSAL_LM"),
-    "trainable_token_indices": (_is_indices, "a list of token ids (or a map of modules to lists)"),
-}
-
-
-def adapter_config_problems(config: dict) -> dict[str, str]:
-    """{field: what is wrong with it} for the fields tui-merger reads that lack the types peft writes."""
-    problems = {}
-    for key, (ok, what) in _CONFIG_FIELDS.items():
-        value = config.get(key)
-        if value is not None and not ok(value):
-            problems[key] = f"{key} is {json.dumps(value)[:40]}, not {what}"
-    return problems
-
-
-def check_adapter_config(config: dict, path: Path) -> None:
-    """A damaged or hand-edited adapter_config.json is named in one sentence instead of failing
-    somewhere in the merge."""
-    for problem in adapter_config_problems(config).values():
-        raise MergeError(f"{path}: {problem}; fix adapter_config.json or save the adapter again with peft.")
-
-
-def _read_config(folder: Path) -> dict:
-    path = folder / "adapter_config.json"
-    if not folder.is_dir():
-        raise not_a_folder(folder, "--adapter", "adapter")
-    if not path.is_file():
-        hint = ""
-        if (folder / "config.json").is_file():
-            hint = " It looks like a full model, not an adapter."
-        raise MergeError(
-            f"{folder} has no adapter_config.json, so it is not a PEFT adapter folder.{hint} "
-            "Point --adapter at the folder that peft's save_pretrained wrote."
+    def detect(self, s, folder: Path, names: dict) -> Found | None:
+        if "adapter_config.json" not in names:
+            return None
+        step = step_of(folder.name, TRAINER_STEP)
+        c = Candidate(
+            "trainer-checkpoint" if step is not None else self.kind,
+            str(folder), step=step, run=str(folder.parent) if step is not None else None, needs_base=True,
         )
-    config = read_json_object(path, "fix or re-save the adapter")
-    check_adapter_config(config, path)
-    peft_type = str(config.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise MergeError(
-            f"{folder} is a {peft_type} adapter; tui-merger merges LoRA adapters only (peft_type LORA)."
-        )
-    return config
-
-
-def _module_names_to_save(config: dict) -> list[str]:
-    names = list(config.get("modules_to_save") or [])
-    return [n for n in names if isinstance(n, str)]
-
-
-def open_adapter(folder: Path) -> PeftAdapter:
-    folder = Path(folder)
-    config = _read_config(folder)
-    files = [f for f in ADAPTER_WEIGHTS if (folder / f).is_file()]
-    if not files:
-        raise MergeError(
-            f"{folder} has adapter_config.json but no adapter_model.safetensors or adapter_model.bin; "
-            "the adapter weights were not saved or not copied."
-        )
-    source = TensorSource(folder, files[:1])
-    adapter = PeftAdapter(folder=folder, config=config, source=source)
-    try:
-        _group(adapter)
-        _resolve_scales(adapter)
-    except BaseException:
-        source.close()
-        raise
-    return adapter
-
-
-def _group(adapter: PeftAdapter) -> None:
-    save_names = _module_names_to_save(adapter.config)
-    leftovers = []
-    for key, ref in adapter.source.tensors.items():
-        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-        for regex, role in _PATTERNS:
-            m = regex.match(name)
-            if not m:
-                continue
-            mod = m.group("mod")
-            if role == "base_override":
-                adapter.base_overrides[f"{mod}.{m.group('param')}"] = ref
-            elif role == "replacement":
-                adapter.replacements[f"{mod}.{m.group('param')}"] = ref
-            elif role == "token_rows":
-                adapter.token_rows[mod] = ([], ref)
+        cfg = s.json(folder / "adapter_config.json", quiet_missing=False)
+        weights = next((w for w in ADAPTER_WEIGHTS if w in names), None)
+        n_modules = None
+        if weights is None:
+            c.notes.append("no adapter_model.safetensors or adapter_model.bin: the adapter weights are missing.")
+        elif weights.endswith(".safetensors"):
+            c.dtype, infos = s.headers_dtype(folder, [weights])
+            n_modules = len({m.group(1) for i in infos if (m := _LORA_A.match(i.name))}) if infos else None
+        if cfg is not None:
+            peft_type = str(cfg.get("peft_type", "LORA")).upper()
+            if peft_type == "LORA":
+                c.lora = lora_info(cfg, n_modules)
+                if c.lora["alpha"] is None:
+                    c.notes.append("adapter_config.json has no lora_alpha: peft, and the merge, would use 8.")
+                elif not c.lora["alpha"]:
+                    c.notes.append("lora_alpha is 0, so the adapter changes nothing: set the training value (the merge refuses 0).")
             else:
-                entry = adapter.lora.setdefault(mod, LoraModule(mod))
-                setattr(entry, role, ref)
-            break
-        else:
-            # modules_to_save copies are usually saved as plain "<module>.<param>"
-            mod, _, _param = name.rpartition(".")
-            # with ensure_weight_tying peft also saves the output embedding tied to a trained input one
-            tied_head = bool(adapter.config.get("ensure_weight_tying")) and mod.endswith("lm_head")
-            if mod and (tied_head or any(mod == s or mod.endswith("." + s) for s in save_names)):
-                adapter.replacements[name] = ref
-            else:
-                leftovers.append(key)
-    if leftovers:
-        shown = ", ".join(leftovers[:5]) + (f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else "")
-        raise MergeError(
-            f"The adapter holds tensors tui-merger does not know how to merge ({shown}); "
-            "nothing was written. Is it a LoRA adapter saved by peft?"
-        )
-    _resolve_token_rows(adapter)
+                c.notes.append(f"a {peft_type} adapter: tui-merger merges LoRA adapters only.")
+            base = cfg.get("base_model_name_or_path")
+            c.base_model = base if isinstance(base, str) and base else None
+            if c.base_model is None:
+                c.notes.append("adapter_config.json names no base model: pass --base with the model it was trained on.")
+            s.resolve_base(c, folder)
+        c.tokenizer = any(m in names for m in TOKENIZER_MARKERS)
+        s.sized(c, names.values(), recursive=step is not None)
+        return Found(c, ALL if step is not None else {"adapter_config.json", *ADAPTER_WEIGHTS})
 
+    def recognizes(self, path: Path) -> bool:
+        """A folder (a missing one too: opening it says what is wrong), or the adapter_model file in
+        a folder with adapter_config.json."""
+        if path.is_dir() or not path.exists():
+            return True
+        return path.name in ADAPTER_WEIGHTS and (path.parent / "adapter_config.json").is_file()
 
-def _resolve_token_rows(adapter: PeftAdapter) -> None:
-    if not adapter.token_rows:
-        return
-    spec = adapter.config.get("trainable_token_indices")
-    for mod in list(adapter.token_rows):
-        indices = None
-        if isinstance(spec, dict):
-            for key, value in spec.items():
-                if mod == key or mod.endswith("." + key):
-                    indices = value
-                    break
-        elif isinstance(spec, list):
-            indices = spec  # a plain list means the input embedding
-        if indices is None:
-            raise MergeError(
-                f"The adapter stores trainable token rows for {mod} but trainable_token_indices in "
-                "adapter_config.json does not say which rows; the adapter config is incomplete."
-            )
-        ref = adapter.token_rows[mod][1]
-        if len(ref.shape) != 2 or ref.shape[0] != len(indices):
-            raise MergeError(
-                f"{mod}: {len(indices)} trainable token indices but {ref.shape[0]} stored rows; "
-                "adapter_config.json does not match the adapter weights."
-            )
-        adapter.token_rows[mod] = ([int(i) for i in indices], ref)
+    def why_not_mergeable(self, c: Candidate) -> str | None:
+        if c.step is not None and not c.lora:
+            return "This checkpoint holds full weights, already a model: there is nothing to merge."
+        return None
 
+    def can_weight(self, c: Candidate) -> bool:
+        return True
 
-def _resolve_scales(adapter: PeftAdapter) -> None:
-    cfg = adapter.config
-    if "lora_alpha" not in cfg or cfg.get("lora_alpha") is None:
-        cfg_alpha = 8  # peft's LoraConfig default
-        if adapter.lora:
-            adapter.notices.append(
-                "adapter_config.json has no lora_alpha; using peft's default of 8 as peft would."
-            )
-    else:
-        cfg_alpha = cfg["lora_alpha"]
-    cfg_r = cfg.get("r") or 8  # peft's default; null counts as not given
-    rank_pattern = cfg.get("rank_pattern") or {}
-    alpha_pattern = cfg.get("alpha_pattern") or {}
-    rslora = bool(cfg.get("use_rslora", False))
-    for mod, entry in adapter.lora.items():
-        a_ref, b_ref = (entry.emb_A, entry.emb_B) if entry.is_embedding else (entry.A, entry.B)
-        if a_ref is None or b_ref is None:
-            half = "A" if a_ref is None else "B"
-            raise MergeError(
-                f"The adapter has only half of the LoRA pair for {mod} (lora_{half} is missing); "
-                "the adapter file is incomplete."
-            )
-        if len(a_ref.shape) != 2 or len(b_ref.shape) != 2:
-            raise MergeError(
-                f"{mod}: LoRA tensors of shape {list(a_ref.shape)} / {list(b_ref.shape)} are not matrices; "
-                "convolution LoRA is not supported yet."
-            )
-        if a_ref.shape[0] != b_ref.shape[1]:
-            raise MergeError(
-                f"{mod}: lora_A has rank {a_ref.shape[0]} but lora_B has rank {b_ref.shape[1]}; "
-                "the adapter file is inconsistent."
-            )
-        key = pattern_key(rank_pattern, mod)
-        r = int(rank_pattern[key]) if key is not None else int(cfg_r)
-        key = pattern_key(alpha_pattern, mod)
-        alpha = alpha_pattern[key] if key is not None else cfg_alpha
-        if a_ref.shape[0] != r:
-            raise MergeError(
-                f"{mod}: adapter_config.json says r={r} but the saved tensors have rank {a_ref.shape[0]}; "
-                "the config does not belong to these weights."
-            )
-        if not alpha:
-            raise MergeError(
-                f"lora_alpha is 0 for {mod} in {adapter.folder / 'adapter_config.json'}, so the adapter "
-                "would change nothing; set lora_alpha to the value used in training and run again."
-            )
-        entry.r = r
-        entry.alpha = alpha
-        entry.scale = alpha / math.sqrt(r) if rslora else alpha / r
-        if entry.magnitude is not None and entry.is_embedding:
-            raise MergeError(f"{mod}: DoRA on embedding layers is not supported yet.")
+    def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
+        return f"tui-merger merge --base {base_arg} --adapter {quote(path)} --out {quote(out)}"
 
+    def open_adapter(self, path: Path, base_names):
+        return open_adapter(path if path.is_dir() or not path.exists() else path.parent)
 
-_ADAPTER_NAME = re.compile(
-    r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.(?!weight$|bias$)[A-Za-z0-9_\-]+(?=\.weight$|\.bias$|$)"
-)
-
-
-def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) -> list[str]:
-    """Write the adapter's LoRA tensors as a PEFT adapter folder (adapter_config.json +
-    adapter_model.safetensors, peft's key names) that peft and vLLM load. Returns the files written."""
-    from tui_merger.core.io.safetensors_io import SafetensorsWriter
-
-    dest.mkdir(parents=True)
-    entries = []
-    for key, ref in adapter.source.tensors.items():
-        name = key if key.startswith(PEFT_PREFIX) else PEFT_PREFIX + key
-        name = _ADAPTER_NAME.sub(r".\1", name)  # peft saves keys without the adapter name
-        entries.append((name, ref))
-    writer = SafetensorsWriter(dest / ADAPTER_WEIGHTS[0], [(n, r.dtype, r.shape) for n, r in entries], early_writeback=False)
-    try:
-        for name, ref in entries:
-            writer.write_tensor(name, ref.load())
-            ref.release()
-        writer.close(fsync=fsync)
-    except BaseException:
-        writer.abort()
-        raise
-    cfg = adapter.config
-    targets = sorted({mod.rsplit(".", 1)[-1] for mod in adapter.lora})
-    config = {
-        "peft_type": "LORA",
-        "task_type": cfg.get("task_type", "CAUSAL_LM"),
-        "r": int(cfg.get("r", next(iter(adapter.lora.values())).r if adapter.lora else 8)),
-        "lora_alpha": cfg.get("lora_alpha"),
-        "rank_pattern": cfg.get("rank_pattern") or {},
-        "alpha_pattern": cfg.get("alpha_pattern") or {},
-        "target_modules": targets,
-        "use_rslora": bool(cfg.get("use_rslora", False)),
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": bool(cfg.get("fan_in_fan_out", False)),
-        "base_model_name_or_path": "..",
-        "inference_mode": True,
-    }
-    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return [f"{dest.name}/adapter_config.json", f"{dest.name}/{ADAPTER_WEIGHTS[0]}"]
+    def reference_folder(self, adapter, tmp: Path, name: str) -> Path:
+        return adapter.folder

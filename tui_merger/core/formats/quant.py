@@ -326,7 +326,7 @@ def find_unquantized_base(config: dict, base_path) -> Path | None:
     model card (``base_model``) or its own name without the quantization suffix gives, when that is a
     folder or in the Hugging Face cache, is not quantized itself and is the same kind of model."""
     from tui_merger.core.io.hf_refs import resolve_model_reference
-    from tui_merger.core.formats.hf_model import find_weight_files
+    from tui_merger.core.io.sources import find_weight_files
 
     folder = Path(base_path)
     try:
@@ -362,7 +362,7 @@ def find_unquantized_base(config: dict, base_path) -> Path | None:
 def _header_names(folder: Path) -> list[str]:
     """Tensor names of a model folder from its safetensors headers (index first), without reading data."""
     from tui_merger.core.io.safetensors_io import SafetensorsFile
-    from tui_merger.core.formats.hf_model import SAFE_INDEX, find_weight_files
+    from tui_merger.core.io.sources import SAFE_INDEX, find_weight_files
 
     index = folder / SAFE_INDEX
     if index.is_file():
@@ -632,7 +632,7 @@ class RoundTripSource:
     time, on demand) and whose other tensors pass through as stored."""
 
     def __init__(self, inner, info: QuantInfo, config: dict | None = None, transposed: bool | None = None) -> None:
-        from tui_merger.core.formats.hf_model import TensorRef
+        from tui_merger.core.io.sources import TensorRef
 
         if not info.can_roundtrip:
             raise MergeError(f"{info.label} weights cannot be round-tripped; only bitsandbytes 4-bit nf4 and fp4 can.")

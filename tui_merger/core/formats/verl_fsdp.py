@@ -12,13 +12,19 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from shlex import quote
 
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.hf_model import TensorRef, not_a_folder
+from tui_merger.core.formats.adapter import adapter_from_source, check_adapter_config, empty_adapter, export_peft_adapter
+from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, lora_info, step_of
+from tui_merger.core.formats.input_types import Inputs, _value_model, paths_of
+from tui_merger.core.io.files import TOKENIZER_MARKERS, FilePlan, config_dtype, plan_files, read_config
+from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
+from tui_merger.core.options import MergeOptions
+from tui_merger.core.io.sources import RenamedSource, TensorRef, not_a_folder, open_model
 from tui_merger.core.io.torch_pickle import Record, TorchFile, WrapperTensor, load_state_dict
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 PEFT_PREFIX = "base_model.model."
 
 
@@ -397,33 +403,6 @@ class FsdpSource:
         self.files = []
 
 
-class RenamedSource:
-    """A view of another source under other names (PEFT keys -> plain model names)."""
-
-    def __init__(self, inner, mapping: dict[str, str]) -> None:
-        self.inner = inner
-        self.folder = getattr(inner, "folder", None)
-        self.tensors = {new: inner.tensors[old] for new, old in mapping.items()}
-
-    def load(self, ref):
-        return self.inner.load(ref)
-
-    def load_into(self, ref, out) -> None:
-        self.inner.load_into(ref, out)
-
-    def raw_ranges(self, ref):
-        return self.inner.raw_ranges(ref)
-
-    def row_blocks(self, ref):
-        return self.inner.row_blocks(ref)
-
-    def release(self, ref) -> None:
-        self.inner.release(ref)
-
-    def close(self) -> None:
-        pass  # the inner source is closed by its owner
-
-
 def split_peft_keys(names) -> tuple[dict[str, str], dict[str, str]]:
     """(base name -> key, adapter key -> key) for a PeftModel's state dict; plain names pass through."""
     base, adapter = {}, {}
@@ -435,3 +414,248 @@ def split_peft_keys(names) -> tuple[dict[str, str], dict[str, str]]:
         name = name.replace(".base_layer.", ".")
         base[name] = key
     return base, adapter
+
+
+# -- the kind ------------------------------------------------------------------------------------
+
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+_PICKLED_LORA_A = re.compile(rb"([\w.]+)\.lora_(?:embedding_)?A\b")
+
+
+class VerlFsdpFormat(Format):
+    """Detect: ``model_world_size_W_rank_R.pt`` files (role from the folder name: actor/critic, else the
+    SFT layout; step from ``global_step_N``; LoRA modules from rank 0's pickled key list, r and alpha from
+    lora_train_meta.json or lora_adapter/). Open: the rank files reassembled tensor by tensor
+    (``FsdpSource``), LoRA keys split off into an adapter. Reference: the base tensors as read, with the
+    checkpoint's LoRA written in peft's format; a full-weights checkpoint is a conversion (no reference)."""
+
+    kind = "verl-fsdp"
+    role = "checkpoint"
+    backend = "fsdp"
+    label = "a verl FSDP checkpoint"
+    short = "an FSDP one"
+
+    def detect(self, s, folder: Path, names: dict) -> Found | None:
+        ranks = [n for n in names if RANK_FILE.match(n)]
+        if not ranks:
+            return None
+        role = folder.name if folder.name in ("actor", "critic") else "sft"
+        step_dir = folder if role == "sft" else folder.parent
+        step = step_of(step_dir.name, STEP_DIR)
+        c = Candidate(
+            self.kind, str(folder), step=step, run=str(step_dir.parent) if step is not None else None, role=role
+        )
+        by_world: dict[int, set[int]] = {}
+        for name in ranks:
+            m = RANK_FILE.match(name)
+            by_world.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+        world = max(by_world, key=lambda w: (len(by_world[w]), w))
+        if len(by_world) > 1:
+            sizes = " and ".join(str(w) for w in sorted(by_world))
+            c.notes.append(f"mixes rank files of world sizes {sizes}: remove the files of the run that is not wanted.")
+        missing = sorted(set(range(world)) - by_world[world])
+        if missing:
+            c.notes.append(f"rank file(s) {', '.join(map(str, missing[:5]))} of {world} are missing: the checkpoint is incomplete.")
+        fsdp_cfg = s.json(folder / "fsdp_config.json")
+        version = fsdp_cfg.get("FSDP_version") if fsdp_cfg else None
+        c.backend = f"fsdp{version}" if version in (1, 2) else "fsdp"
+        said = fsdp_cfg.get("world_size") if fsdp_cfg else None
+        c.world_size = said if isinstance(said, int) and said > 0 else world
+        if "fsdp_config.json" not in names:
+            c.notes.append("no fsdp_config.json (verl < 0.4.1): the world size comes from the rank file names.")
+        elif c.world_size != world:
+            c.notes.append(f"fsdp_config.json says world size {said} but the rank files are of world size {world}.")
+        hf = folder / "huggingface"
+        hf_names = s.names(hf)
+        config = s.json(hf / "config.json") if "config.json" in hf_names else None
+        c.dtype = config_dtype(config)
+        c.tokenizer = any(m in hf_names for m in TOKENIZER_MARKERS)
+        if "config.json" not in hf_names:
+            c.notes.append("no huggingface/config.json: the merge needs --base for the model's config.")
+        elif s.weight_files(hf, hf_names):
+            c.notes.append("huggingface/ also holds the full model weights: it can be used as it is.")
+        keys = None
+        rank0 = names.get(f"model_world_size_{world}_rank_0.pt")
+        if rank0 is not None:
+            keys = s.pickled_keys(Path(rank0.path))
+        self._lora(s, c, folder, names, keys, config)
+        if role == "critic":
+            c.notes.append("critic (value model): the merge writes a TokenClassification model with one label.")
+        s.sized(c, names.values(), recursive=True)
+        return Found(c, ALL)
+
+    def _lora(self, s, c: Candidate, folder: Path, names: dict, keys: bytes | None, config: dict | None) -> None:
+        """r and alpha from lora_train_meta.json (verl >= 0.8) or lora_adapter/adapter_config.json
+        (<= 0.7); the LoRA modules from the key names of rank 0. lora_alpha is never assumed."""
+        meta = s.json(folder / "lora_train_meta.json") if "lora_train_meta.json" in names else None
+        exported = s.json(folder / "lora_adapter" / "adapter_config.json") if "lora_adapter" in names else None
+        modules = sorted({m.group(1) for m in _PICKLED_LORA_A.finditer(keys)}) if keys else []
+        if meta is None and exported is None and not modules:
+            return
+        lora = lora_info(exported, len(modules) or None)
+        if meta is not None:
+            lora["r"] = meta.get("r", lora["r"])
+            lora["alpha"] = meta.get("lora_alpha", lora["alpha"])
+        if modules and not lora["target_modules"]:
+            lora["target_modules"] = sorted({m.rsplit(b".", 1)[-1].decode("ascii", "replace") for m in modules})
+        c.lora = lora
+        if lora["alpha"] is None:
+            c.notes.append("lora_alpha is not recorded in lora_train_meta.json or lora_adapter/: the merge needs --lora-alpha.")
+        elif not lora["alpha"]:
+            c.notes.append("lora_alpha is 0 (older verl wrote 0), so the adapter would change nothing: the merge needs --lora-alpha.")
+        if modules and b".base_layer." not in keys:
+            c.needs_base = True
+            c.notes.append("save_lora_only: the rank files hold only the LoRA weights, so the merge needs --base.")
+            base = (exported or {}).get("base_model_name_or_path") or (config or {}).get("_name_or_path")
+            c.base_model = base if isinstance(base, str) and base else None
+            s.resolve_base(c, folder)
+
+    def recognizes(self, path: Path) -> bool:
+        try:
+            find_fsdp_checkpoint(path)
+        except (OSError, MergeError):
+            return False
+        return True
+
+    def locate(self, path: Path):
+        return find_fsdp_checkpoint(path)
+
+    def needs_base(self, c: Candidate) -> bool:
+        return bool(c.needs_base)
+
+    def needs_alpha(self, c: Candidate) -> bool:
+        return bool(c.lora) and not c.lora.get("alpha")
+
+    def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
+        base = f" --base {base_arg}" if c.needs_base else ""
+        alpha = " --lora-alpha ALPHA" if c.lora is not None and not c.lora["alpha"] else ""
+        return f"tui-merger merge {quote(path)}{base}{alpha} --out {quote(out)}"
+
+    def open(self, options) -> Inputs:
+        return _open(options)
+
+    def reference(self, inputs, options, tmp: Path) -> Reference | None:
+        if not inputs.adapter.lora:
+            return None
+        folder = Path(tmp) / "adapter"
+        export_peft_adapter(inputs.adapter, folder, fsync=False)
+        return Reference([(folder, None)])
+
+
+def _lora_config(folder: Path, options: MergeOptions, ranks: set[int]) -> dict:
+    """r and alpha of a verl LoRA run: lora_train_meta.json (verl >= 0.8) or lora_adapter/ (<= 0.7)."""
+    cfg: dict = {}
+    for path in (folder / "lora_train_meta.json", folder / "lora_adapter" / "adapter_config.json"):
+        if path.is_file():
+            try:
+                cfg = json.loads(path.read_text())
+            except ValueError:
+                raise MergeError(f"{path} is not valid JSON; fix it or pass --lora-alpha.") from None
+            if not isinstance(cfg, dict):
+                raise MergeError(f"{path} does not hold a JSON object; fix it or pass --lora-alpha.")
+            check_adapter_config(cfg, path)
+            break
+    if options.lora_alpha is not None:
+        cfg["lora_alpha"] = options.lora_alpha
+    if not cfg.get("lora_alpha"):
+        said = "is 0" if "lora_alpha" in cfg else "is not recorded"
+        raise MergeError(
+            f"This LoRA checkpoint's lora_alpha {said} (looked in lora_train_meta.json and "
+            "lora_adapter/adapter_config.json); pass --lora-alpha with the value used in training."
+        )
+    if "r" not in cfg and len(ranks) == 1:
+        cfg["r"] = next(iter(ranks))
+    cfg.setdefault("peft_type", "LORA")
+    return cfg
+
+
+def _open(options) -> Inputs:
+    layout = find_fsdp_checkpoint(options.checkpoint)
+    source = FsdpSource(layout)
+    inputs = Inputs(None, empty_adapter(layout.folder), {}, FilePlan(), paths_of(options), closers=[source])
+    inputs.notices = list(layout.notices)
+    try:
+        hf_dir = layout.hf_dir
+        base_map, adapter_map = split_peft_keys(source.tensors)
+        config_dir = hf_dir if hf_dir is not None else options.base  # the trained model's own config first
+        if config_dir is None:
+            raise MergeError(
+                f"{layout.folder} has no huggingface/ folder with config.json; copy the model's config.json "
+                "and tokenizer into it, or pass --base with the original model."
+            )
+        inputs.config = read_config(config_dir)
+        if adapter_map:
+            ranks = {source.tensors[k].shape[0] for k in adapter_map if ".lora_A" in k}
+            cfg = _lora_config(layout.folder, options, ranks)
+            inputs.adapter = adapter_from_source(layout.folder, cfg, RenamedSource(source, adapter_map))
+        base_only_lora = not any(k.endswith((".weight", ".bias")) for k in base_map)
+        if base_only_lora:  # checkpoint.save_lora_only: the base weights are not in the files
+            if options.base is None:
+                raise MergeError(
+                    f"{layout.folder} holds only LoRA weights (save_lora_only); pass --base with the model "
+                    "the run started from."
+                )
+            base = open_model(options.base)
+            inputs.closers.append(base)
+            inputs.base = base
+        else:
+            inputs.base = RenamedSource(source, base_map)
+        _value_model(inputs, options, layout)
+        _tied(inputs, options, source, base_map)
+        dtype = config_dtype(inputs.config)
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        if inputs.dtype == "float32" and options.dtype is None:
+            inputs.notices.append(
+                "The checkpoint's config says float32, so the model is written in float32 (twice the size "
+                "of bf16); pass --dtype bf16 for the half-size model verl's merger writes."
+            )
+        files_dir = hf_dir if hf_dir is not None else config_dir
+        inputs.files = plan_files(files_dir, files_dir, inputs.config, options.tokenizer_from)
+        inputs.notices += inputs.files.notices
+        meta = [layout.folder / n for n in ("lora_train_meta.json", "lora_adapter/adapter_config.json")]
+        inputs.read_files = (
+            list(layout.rank_files)
+            + [config_dir / "config.json"]
+            + [p for p in meta if p.is_file()]
+            + ([options.base / f for f in inputs.base.files] if base_only_lora else [])
+            + [src for src, _ in inputs.files.copies]
+        )
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
+def _tied(inputs: Inputs, options: MergeOptions, source, base_map) -> None:
+    """Tied embeddings appear twice in an FSDP state dict: write one tensor and keep the tie, unless
+    the two differ, which is then said, and both are kept."""
+    import torch
+
+    names = inputs.base.tensors
+    tie = bool(inputs.config.get("tie_word_embeddings")) or options.tie_word_embedding
+    if not (tie and EMBED in names and HEAD in names):
+        if options.tie_word_embedding and HEAD not in names:
+            inputs.config_changes["tie_word_embeddings"] = True
+        return
+    emb = source.entries[base_map[EMBED]]
+    head = source.entries[base_map[HEAD]]
+    same = emb.shape == head.shape and len(emb.parts) == len(head.parts)
+    for a, b in zip(emb.parts, head.parts):
+        if not same:
+            break
+        # FSDP2 pickles the tied pair as one storage; FSDP1 as two equal ones, compared shard by shard
+        shared = a.local.data_ptr() == b.local.data_ptr() and a.local.shape == b.local.shape
+        same = shared or (a.local.shape == b.local.shape and torch.equal(a.local, b.local))
+        source.release_part(a)  # the comparison touched these pages: hand them back
+        source.release_part(b)
+    if same:
+        del names[HEAD]
+        if not inputs.config.get("tie_word_embeddings"):
+            inputs.config_changes["tie_word_embeddings"] = True
+    else:
+        inputs.notices.append(
+            "lm_head.weight differs from the input embedding, so both are kept and "
+            "tie_word_embeddings is set to false."
+        )
+        inputs.config_changes["tie_word_embeddings"] = False

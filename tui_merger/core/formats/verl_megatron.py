@@ -23,12 +23,15 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from shlex import quote
 from types import SimpleNamespace
 
 from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, DcpStore, check_coverage
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.verl_fsdp import STEP_DIR, _rank_files
-from tui_merger.core.formats.hf_model import TensorRef, find_weight_files, not_a_folder
+from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, is_dir, step_of
+from tui_merger.core.formats.verl_fsdp import _rank_files
+from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
+from tui_merger.core.io.sources import TensorRef, find_weight_files, not_a_folder
 
 MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE"
@@ -180,27 +183,6 @@ def _contents_role(folder: Path) -> str:
     except (OSError, ValueError, AttributeError):
         return "actor"
     return role if role in _ROLES else "actor"
-
-
-def check_backend(path, backend: str) -> None:
-    """``--backend`` against what the folder is: one sentence when they disagree."""
-    path = Path(path)
-    megatron = is_megatron_checkpoint(path)
-    if backend == "fsdp" and megatron:
-        raise MergeError(
-            f"{path} is a Megatron checkpoint, not an FSDP one; use --backend megatron (or leave --backend out)."
-        )
-    if backend == "megatron" and not megatron:
-        from tui_merger.core.formats.verl_fsdp import find_fsdp_checkpoint
-
-        try:
-            find_fsdp_checkpoint(path)
-        except MergeError:
-            find_megatron_checkpoint(path)  # raises its own sentence (no such folder, no checkpoint)
-        else:
-            raise MergeError(
-                f"{path} is a verl FSDP checkpoint, not a Megatron one; use --backend fsdp (or leave --backend out)."
-            )
 
 
 # -- keys -------------------------------------------------------------------------------------------
@@ -823,11 +805,11 @@ def open_store(layout: MegatronLayout) -> ChunkStore:
 def open_megatron_inputs(options):
     """Inputs (see inputs.py) for a verl Megatron checkpoint: the converted model as a tensor source
     with Hugging Face names, no adapter, the checkpoint's config and files."""
-    from tui_merger.core.formats.peft_adapter import empty_adapter
+    from tui_merger.core.formats.adapter import empty_adapter
     from tui_merger.core.io.files import FilePlan, config_dtype, plan_files, read_config
     from tui_merger.core.formats.input_types import Inputs, _value_model, paths_of
     from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
-    from tui_merger.core.formats.hf_model import open_model
+    from tui_merger.core.io.sources import open_model
 
     layout = find_megatron_checkpoint(options.checkpoint)
     config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
@@ -906,3 +888,81 @@ def _tie(inputs, options, source: MegatronSource, mapping: _Mapping) -> None:
             "--tie-word-embedding was given, but the checkpoint has its own output layer and its config is untied: "
             "lm_head.weight is kept (dropping it would change the model) and tie_word_embeddings stays false."
         )
+
+
+# -- the kind ---------------------------------------------------------------------------------------
+
+_DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+class VerlMegatronFormat(Format):
+    """Detect: ``dist_ckpt/`` beside ``huggingface/`` or ``transformer_config.json`` (v1);
+    ``model/dist_ckpt`` or ``ckpt_contents.json`` (v2); ``model/mp_rank_*`` (legacy). Open: the DCP or
+    rank files converted to Hugging Face names (``MegatronSource``). No adapter: a conversion, so no
+    reference (the recompute compares every tensor with the checkpoint's)."""
+
+    kind = "verl-megatron"
+    role = "checkpoint"
+    backend = "megatron"
+    label = "a Megatron checkpoint"
+    short = "a Megatron one"
+
+    def detect(self, s, folder: Path, names: dict) -> Found | None:
+        found = self._layout(s, folder, names)
+        if found is None:
+            return None
+        layout, model_dir, hf = found
+        role = folder.name if folder.name in ("actor", "critic") else None
+        step_dir = folder.parent if role else folder
+        step = step_of(step_dir.name, STEP_DIR)
+        c = Candidate(
+            self.kind, str(folder), step=step, run=str(step_dir.parent) if step is not None else None,
+            role=role, backend=f"megatron-{layout}",
+        )
+        model_names = s.names(model_dir)
+        if layout == "legacy":
+            c.world_size = sum(1 for n in model_names if n.startswith("mp_rank_")) or None
+        else:
+            c.world_size = len({m.group(1) for n in model_names if (m := _DISTCP.match(n))}) or None
+        hf_names = s.names(hf)
+        c.dtype = config_dtype(s.json(hf / "config.json") if "config.json" in hf_names else None)
+        c.tokenizer = any(m in hf_names for m in TOKENIZER_MARKERS)
+        if layout == "v2" and s.weight_files(hf, hf_names):
+            c.notes.append("model/huggingface holds the model in Hugging Face format (mbridge): nothing to merge.")
+        if is_dir(names.get("adapter_checkpoint")):
+            c.notes.append("holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet.")
+        s.sized(c, names.values(), recursive=True)
+        return Found(c, ALL)
+
+    def _layout(self, s, folder: Path, names: dict) -> tuple[str, Path, Path] | None:
+        """(layout, dist_ckpt or mp_rank folder, huggingface folder) of a verl Megatron checkpoint."""
+        if is_dir(names.get("dist_ckpt")) and ("huggingface" in names or "transformer_config.json" in names):
+            return "v1", folder / "dist_ckpt", folder / "huggingface"
+        sub = s.names(folder / "model") if is_dir(names.get("model")) else {}
+        if "dist_ckpt" in sub or "ckpt_contents.json" in names:
+            return "v2", folder / "model" / "dist_ckpt", folder / "model" / "huggingface"
+        if any(n.startswith("mp_rank_") for n in sub):
+            return "legacy", folder / "model", folder / "hf_config_and_tokenizer"
+        return None
+
+    def recognizes(self, path: Path) -> bool:
+        return is_megatron_checkpoint(path)
+
+    def locate(self, path: Path):
+        return find_megatron_checkpoint(path)
+
+    def why_not_mergeable(self, c: Candidate) -> str | None:
+        if (Path(c.path) / "adapter_checkpoint").is_dir():
+            return "Megatron PEFT adapters (adapter_checkpoint/) cannot be merged by tui-merger yet."
+        return None
+
+    def needs_base(self, c: Candidate) -> bool:
+        return False  # the checkpoint holds every weight and its config
+
+    def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
+        if (Path(c.path) / "adapter_checkpoint").is_dir():
+            return f"{path} holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet."
+        return f"tui-merger merge --backend megatron --local_dir {quote(path)} --target_dir {quote(out)}"
+
+    def open(self, options):
+        return open_megatron_inputs(options)

@@ -22,7 +22,7 @@ from tui_merger.core.events import (
     TensorProgress,
     ignore_event,
 )
-from tui_merger.core.formats.peft_adapter import empty_adapter
+from tui_merger.core.formats.adapter import empty_adapter
 from tui_merger.core.formats.combine import export_adapter_folder, overlap_summary
 from tui_merger.core.io.files import copy_files, edited_config
 from tui_merger.core.formats.inputs import open_inputs, paths_of

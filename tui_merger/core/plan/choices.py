@@ -8,38 +8,40 @@ from pathlib import Path
 from tui_merger.core.errors import MergeError
 from tui_merger.core.options import MergeOptions
 
-MERGEABLE = ("peft-adapter", "trainer-checkpoint", "verl-fsdp", "verl-megatron", "kohya-lora")
+
+
+def _format(c):
+    from tui_merger.core.formats.registry import format_of
+
+    return format_of(c)
 
 
 def why_not_mergeable(c) -> str | None:
     """None when tui-merger can merge this candidate, else one sentence why not."""
-    if c.kind == "verl-megatron" and (Path(c.path) / "adapter_checkpoint").is_dir():
-        return "Megatron PEFT adapters (adapter_checkpoint/) cannot be merged by tui-merger yet."
-    if c.kind == "hf-model":
-        return "This is already a complete Hugging Face model: there is nothing to merge."
-    if c.kind == "trainer-checkpoint" and not c.lora:
-        return "This checkpoint holds full weights, already a model: there is nothing to merge."
-    if c.kind not in MERGEABLE:
+    fmt = _format(c)
+    if fmt is None:
         return f"tui-merger cannot merge a {c.kind}."
-    return None
+    return fmt.why_not_mergeable(c)
 
 
 def needs_base(c) -> bool:
     """The user must give the base model folder (it is not named, or not on this machine)."""
-    if c.kind == "verl-fsdp":
-        return bool(c.needs_base)
-    if c.kind == "verl-megatron":
-        return False  # the checkpoint holds every weight and its config
-    return not c.base_path
+    return _format(c).needs_base(c)
 
 
 def needs_alpha(c) -> bool:
-    return c.kind == "verl-fsdp" and bool(c.lora) and not c.lora.get("alpha")
+    return _format(c).needs_alpha(c)
 
 
 def can_weight(c) -> bool:
     """An adapter the user may weight and blend with other adapters (not a checkpoint's own LoRA)."""
-    return c.kind != "verl-fsdp" and c.kind != "verl-megatron"
+    return _format(c).can_weight(c)
+
+
+def is_checkpoint(c) -> bool:
+    """A checkpoint that carries what the merge reads (opened as --checkpoint, not merged into --base)."""
+    fmt = _format(c)
+    return fmt is not None and fmt.role == "checkpoint"
 
 
 def parse_more_adapters(text: str) -> list:
@@ -66,8 +68,9 @@ def options_for(c, *, base=None, out=None, lora_alpha=None, weight="1", more="",
     problem = why_not_mergeable(c)
     if problem:
         raise MergeError(problem)
-    base = base or (c.base_path if c.kind not in ("verl-fsdp", "verl-megatron") else None)
-    if c.kind in ("verl-fsdp", "verl-megatron"):
+    checkpoint = is_checkpoint(c)
+    base = base or (c.base_path if not checkpoint else None)
+    if checkpoint:
         return MergeOptions(checkpoint=Path(c.path), base=base, out=out, lora_alpha=lora_alpha, **write_options)
     if not base:
         raise MergeError("Say which base model the adapter was trained on (a folder with config.json).")

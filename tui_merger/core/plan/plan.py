@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tui_merger.core.formats.peft_adapter import LoraModule, PeftAdapter
+from tui_merger.core.formats.adapter import LoraModule, PeftAdapter
 from tui_merger.core.errors import MergeError
 from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
 from tui_merger.core.io.safetensors_io import FLOAT_DTYPES, itemsize, nbytes_of
-from tui_merger.core.formats.hf_model import TensorRef, TensorSource
+from tui_merger.core.io.sources import TensorRef, TensorSource
 
 
 

@@ -98,7 +98,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         dtype = options.dtype or inputs.dtype
         merged_adapter = inputs.adapter
         if options.export_adapter:
-            from tui_merger.core.formats.peft_adapter import empty_adapter
+            from tui_merger.core.formats.adapter import empty_adapter
 
             merged_adapter = empty_adapter(inputs.adapter.folder)
         for note in inputs.notices:
@@ -161,7 +161,7 @@ def _raw_one(folder: Path, add) -> dict | None:
         return None  # the parser says what is wrong with it
     if not isinstance(cfg, dict):
         return None
-    from tui_merger.core.formats.peft_adapter import check_adapter_config
+    from tui_merger.core.formats.adapter import check_adapter_config
 
     try:
         check_adapter_config(cfg, path)
@@ -184,7 +184,7 @@ def _raw_one(folder: Path, add) -> dict | None:
 
 
 def _check_rank(folder: Path, cfg: dict, add) -> None:
-    from tui_merger.core.formats.peft_adapter import pattern_key
+    from tui_merger.core.formats.adapter import pattern_key
     from tui_merger.core.io.safetensors_io import SafetensorsFile
 
     path = Path(folder) / "adapter_model.safetensors"

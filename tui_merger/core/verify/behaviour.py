@@ -211,14 +211,5 @@ def kl(ref, other) -> float:
     return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
-def export_to_tmp(adapter, tmp: Path, name: str) -> Path:
-    """An adapter we read from a checkpoint or a kohya file, written in peft's format for peft."""
-    from tui_merger.core.formats.peft_adapter import export_peft_adapter
-
-    folder = Path(tmp) / name
-    export_peft_adapter(adapter, folder, fsync=False)
-    return folder
-
-
 def temporary_folder():
     return tempfile.TemporaryDirectory(prefix="tui-merger-verify-")

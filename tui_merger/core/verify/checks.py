@@ -175,7 +175,7 @@ def verify_merge(
     cancel: CancelToken | None = None,
 ) -> VerifyReport:
     """Verify the model in ``out`` against the inputs in ``options`` (default: its manifest's)."""
-    from tui_merger.core.formats.peft_adapter import empty_adapter
+    from tui_merger.core.formats.adapter import empty_adapter
     from tui_merger.core.formats.inputs import open_inputs
     from tui_merger.core.plan.plan import build_plan
 
@@ -496,7 +496,7 @@ def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: Cancel
     """Every output tensor against its recomputation, a cache-sized block of rows at a time: the
     output is read through memory maps whose pages are handed back after each tensor, so memory
     stays at a few blocks whatever the model's size."""
-    from tui_merger.core.formats.hf_model import TensorSource
+    from tui_merger.core.io.sources import TensorSource
 
     problems, sampled, nonfinite, unchanged = [], [], [], []
     total = len(plan.tensors)
@@ -653,7 +653,7 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
     import transformers
 
     from tui_merger.core.verify import behaviour as bh
-    from tui_merger.core.formats.hf_model import open_model
+    from tui_merger.core.io.sources import open_model
 
     cls = model_class(config)
     archs = config.get("architectures") or ["(none)"]
@@ -709,11 +709,14 @@ def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, tex
             release_memory()
 
             # 2. the unmerged reference
-            if options.checkpoint is not None and not inputs.adapter.lora:
+            from tui_merger.core.formats.inputs import reference as reference_of
+
+            spec = reference_of(inputs, options, tmp)  # the kind says what the reference is
+            if spec is None:
                 return [_loads_check(cls.__name__, merged, peak)]  # a conversion: the tensors are the checkpoint's
             on_event(PhaseStarted("behaviour", "Running the unmerged reference (base + adapter through peft) layer by layer"))
             try:
-                reference_model = _reference_streamer(cls, out, out_config, options, inputs, tmp, on_event, cancel)
+                reference_model = _reference_streamer(cls, out, out_config, spec, inputs, on_event, cancel)
             except (bh.NoReference, StreamError) as why:
                 return [Check("behaviour", "skip", f"skipped: {why}; not fully verified", metrics={"probes": list(PROBE_SHAPE)})]
             try:
@@ -752,35 +755,23 @@ def _cannot_stream(what: str, why: Exception) -> Check:
     )
 
 
-def _reference_streamer(cls, out: Path, out_config, options: MergeOptions, inputs, tmp, on_event, cancel=None):
-    """base + adapter(s) through peft, the base streamed from the inputs as the merge read them (a
-    checkpoint without an adapter, a conversion, needs none: the caller does not ask)."""
+def _reference_streamer(cls, out: Path, out_config, spec, inputs, on_event, cancel=None):
+    """The reference's adapters through peft on the base streamed from the inputs as the merge read
+    them, built from the base's config (the adapter's resized vocabulary kept) or the output's."""
     import transformers
 
     from tui_merger.core.verify import behaviour as bh
 
-    if options.checkpoint is not None:
-        folder = bh.export_to_tmp(inputs.adapter, tmp, "adapter")
-        streamer, missing = bh.streamer_with_adapter(
-            cls, out_config, inputs.base.tensors, [(folder, None)], "unmerged reference", on_event, cancel)
-    else:
-        config = transformers.AutoConfig.from_pretrained(options.base)
+    config = out_config
+    if spec.config_dir is not None:
+        config = transformers.AutoConfig.from_pretrained(spec.config_dir)
         vocab = transformers_vocab(out)
         text = getattr(config, "text_config", None) if not hasattr(config, "vocab_size") else None
         holder = text if text is not None else config
         if vocab and getattr(holder, "vocab_size", vocab) != vocab:
             holder.vocab_size = vocab  # as the adapter's training resized it; its saved rows replace the base's
-        if options.weighted:
-            adapters = []
-            for index, (part, weight, _path) in enumerate(inputs.parts):
-                folder = part.folder if not part.folder.is_file() else bh.export_to_tmp(part, tmp, f"adapter{index}")
-                adapters.append((folder, weight))
-        elif inputs.adapter.folder.is_file():  # a kohya file: through peft's format
-            adapters = [(bh.export_to_tmp(inputs.adapter, tmp, "adapter"), None)]
-        else:
-            adapters = [(inputs.adapter.folder, None)]
-        streamer, missing = bh.streamer_with_adapter(
-            cls, config, inputs.base.tensors, adapters, "unmerged reference", on_event, cancel)
+    streamer, missing = bh.streamer_with_adapter(
+        cls, config, inputs.base.tensors, spec.adapters, "unmerged reference", on_event, cancel)
     if missing:
         raise bh.NoReference(
             f"the unmerged reference lacks {len(missing)} weight(s) transformers expects ({', '.join(missing[:3])})"

@@ -11,7 +11,7 @@ from tui_merger.core.formats.inputs import open_inputs
 from tui_merger.core.merge.merge_math import compute
 from tui_merger.core.options import MergeOptions
 from tui_merger.core.plan.plan import build_plan
-from tui_merger.core.formats.hf_model import open_model
+from tui_merger.core.io.sources import open_model
 
 
 @dataclass
