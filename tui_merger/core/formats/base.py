@@ -188,8 +188,8 @@ class Format:
     def reference(self, inputs, options, tmp: Path) -> Reference | None:
         """Checkpoint kinds: the unmerged reference for the behaviour check; None when there is nothing
         to compare with (a conversion: the output is loaded once and its tensors were compared with the
-        checkpoint's by the recompute)."""
-        return None
+        checkpoint's by the recompute). Every checkpoint kind says which, explicitly."""
+        raise NotImplementedError
 
     def reference_folder(self, adapter, tmp: Path, name: str) -> Path:
         """Adapter kinds: a folder peft can load that holds this adapter."""
