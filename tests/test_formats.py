@@ -13,6 +13,8 @@ from tui_merger.core.formats import registry
 from tui_merger.core.formats.base import ALL, Candidate, Format, Found
 
 TOY = '''
+from pathlib import Path
+
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.base import ALL, Candidate, Format, Found
 

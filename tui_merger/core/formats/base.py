@@ -130,6 +130,7 @@ class Format:
     role: str = ""  # "checkpoint", "adapter" or "model"
     backend: str | None = None  # checkpoint kinds: the --backend name ("fsdp")
     label: str = ""  # in words, for sentences ("a verl FSDP checkpoint")
+    short: str = ""  # checkpoint kinds, after "not": "an FSDP one"
 
     # -- detection (cheap) -------------------------------------------------------------------------
     def detect(self, scan, folder: Path, names: dict) -> Found | None:
