@@ -71,11 +71,12 @@ def journaled(partial: Path) -> int:
         return 0
 
 
-def interrupt(base, adapter, out, tmp_path, after: int, sig) -> tuple[int, str]:
-    """Run the slowed CLI, send ``sig`` once ``after`` shards are finished (and all but the last are
-    journaled); returns the exit code and stderr."""
+def interrupt(base, adapter, out, tmp_path, after: int, sig, args: list[str] | None = None) -> tuple[int, str]:
+    """Run the slowed CLI (``args``, else ``cli(...)``), send ``sig`` once ``after`` shards are finished
+    (and all but the last are journaled); returns the exit code and stderr."""
     partial = out.parent / f".{out.name}.tui-merger-partial"
-    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
+    args = args if args is not None else cli(base, adapter, out)
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env(tmp_path))
     try:
         done = 0
@@ -195,6 +196,74 @@ def test_disk_full_keeps_finished_shards_and_resumes_once_space_is_freed(inputs,
         assert resumed.returncode == 0, resumed.stderr
         assert "Resuming an interrupted merge" in resumed.stderr
         same_model(out, reference)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+def test_after_a_full_disk_space_for_the_rest_is_enough_to_resume(inputs, tmp_path):
+    """The disk fills mid-merge; freeing space for the shards still to write plus the margin (not for
+    the whole model) is enough: --dry-run says what is kept and what is left to write, the same command
+    resumes and exits 0 with the same bytes. Other options do not match the partial folder: said, and
+    the whole model is needed again."""
+    import shutil
+
+    base, adapter, reference = inputs
+    shards = sorted(reference.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in shards)
+    margin = 64 << 20
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={total + margin + (6 << 20)}", "tmpfs", str(disk)], check=True)
+    try:
+        out = disk / "merged"
+        partial = disk / ".merged.tui-merger-partial"
+        filler = disk / "someone-elses-file"
+        child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+        done = 0
+        for line in child.stdout:
+            done += line.startswith("SHARD")
+            if done == 3:
+                with open(filler, "wb") as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * (1 << 20))
+                    except OSError:
+                        pass
+                break
+        _, err = child.communicate(timeout=60)
+        assert child.returncode == 1 and "ran out of space" in err, err
+        kept = json.loads((partial / JOURNAL_NAME).read_text())["shards"]
+        kept_bytes = sum((partial / n).stat().st_size for n in kept)
+        assert kept and kept_bytes < total
+        # free exactly what the rest needs plus the margin, and half a kept shard's worth: not the whole model
+        want = (total - kept_bytes) + margin + kept_bytes // 2
+        free = shutil.disk_usage(disk).free
+        os.truncate(filler, filler.stat().st_size - (want - free))
+        free = shutil.disk_usage(disk).free
+        assert total - kept_bytes + margin <= free < total + margin, (free, total, kept_bytes)
+
+        dry = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out), "--dry-run"],
+                             capture_output=True, text=True, env=env(tmp_path), timeout=120)
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        said = f"{len(kept)} of {len(shards)} shards kept"
+        assert f"Resuming: {said}" in dry.stdout and f"resuming   {said}" in dry.stdout, dry.stdout
+        assert "free space" not in dry.stdout
+
+        other = subprocess.run([sys.executable, "-m", "tui_merger", *cli(base, adapter, out)[:-4], "--shard-size", "2MB",
+                                "--plain", "--no-verify", "--dry-run"], capture_output=True, text=True, env=env(tmp_path),
+                               timeout=120)
+        assert other.returncode == 1
+        assert f"The partial folder {partial} does not match these inputs/options" in other.stdout, other.stdout
+        assert "needs" in other.stdout and "free space" in other.stdout  # the whole model again
+        assert sorted(json.loads((partial / JOURNAL_NAME).read_text())["shards"]) == sorted(kept)  # untouched
+
+        resumed = rerun(base, adapter, out, tmp_path)
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"Resuming an interrupted merge: {len(kept)} finished shard(s) kept" in resumed.stderr
+        same_model(out, reference)
+        assert not partial.exists()
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 

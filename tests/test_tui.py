@@ -396,3 +396,33 @@ async def test_weights_start_afresh_for_another_checkpoint(workspace):
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.plan is not None and wizard.running is None, "the plan")
         assert app.screen.query_one("#weight", Input).value == "1"
+
+
+async def test_review_says_what_a_resume_keeps(workspace, tmp_path):
+    """A merge of these very options was interrupted (a real CLI process, SIGINT after two shards):
+    Review says how many shards are kept and what is left to write; other options: the partial folder
+    will be replaced."""
+    import signal
+
+    from test_resume import interrupt
+
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        app.screen.query_one("#shard", Input).value = "300KB"
+        await recheck(pilot, app)
+        assert "Resuming" not in text(app, "#findings")
+        chosen = wizard.plan.options
+        args = ["merge", "--base", chosen["base"], "--adapter", chosen["adapter"], "--out", str(out),
+                "--shard-size", "300KB", "--plain", "--no-verify"]
+        code, err = interrupt(None, None, out, tmp_path, 2, signal.SIGINT, args=args)
+        assert code == 130 and "finished shard(s) are kept" in err, err
+        await recheck(pilot, app)
+        findings = text(app, "#findings")
+        assert "Resuming:" in findings and f"of {wizard.plan.shards} shards kept" in findings, findings
+        assert "to write" in findings
+        app.screen.query_one("#shard", Input).value = "200KB"
+        await recheck(pilot, app)
+        assert "does not match these inputs/options" in text(app, "#findings")

@@ -13,10 +13,11 @@ import hashlib
 import json
 import os
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tui_merger import __version__
-from tui_merger.core.record.manifest import remember_hash, sha256_file
+from tui_merger.core.record.manifest import cached_sha256, remember_hash, sha256_file
 
 JOURNAL_NAME = ".tui-merger-journal.json"
 _SHAPING = ("base", "adapter", "checkpoint", "dtype", "shard_size", "force_fp16_overflow", "lora_alpha",
@@ -40,6 +41,55 @@ def fingerprint(options, read_files, plan) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+@dataclass
+class Resumable:
+    """What running a merge now would keep of its partial folder: ``state`` is "none" (no partial
+    folder, or an empty one), "match" (the same inputs and options: ``kept`` shards still match their
+    recorded size and sha256) or "mismatch" (another merge's, or unreadable: it is replaced)."""
+
+    state: str
+    kept: list[str] = field(default_factory=list)
+    kept_bytes: int = 0
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _intact(folder: Path, shards) -> dict[str, dict]:
+    """The journaled shards whose file still has the recorded size and sha256 (hashes through the
+    user's hash cache: the merge that wrote a shard put its hash there, so checking it again is free)."""
+    candidates = {}
+    for name, entry in (shards if isinstance(shards, dict) else {}).items():
+        path = folder / name
+        if isinstance(entry, dict) and os.sep not in name and path.is_file() and not path.is_symlink() \
+                and path.stat().st_size == entry.get("size"):
+            candidates[name] = entry
+    digests = cached_sha256([folder / n for n in candidates])
+    return {n: e for (n, e), d in zip(candidates.items(), digests) if d == e.get("sha256")}
+
+
+def resumable(folder: Path, print_: str) -> Resumable:
+    """Read only: the check ``Journal.resume`` makes, for the free-space check and the plan shown
+    before a merge (``--dry-run``, the Review step, the plain flow, detached jobs)."""
+    folder = Path(folder)
+    try:
+        present = folder.is_dir() and any(os.scandir(folder))
+    except OSError:
+        present = False
+    if not present:
+        return Resumable("none")
+    data = _read(folder / JOURNAL_NAME)
+    if data is None or data.get("fingerprint") != print_:
+        return Resumable("mismatch")
+    kept = _intact(folder, data.get("shards"))
+    return Resumable("match", sorted(kept), sum((folder / n).stat().st_size for n in kept))
+
+
 class Journal:
     def __init__(self, folder: Path, print_: str, fsync: bool = True) -> None:
         self.folder = Path(folder)
@@ -53,16 +103,11 @@ class Journal:
     def resume(self) -> tuple[list[str], str | None]:
         """The finished shards that can be kept, and a notice for the user (None: a fresh start).
         Anything in the folder that cannot be kept is removed."""
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            data = None
+        data = _read(self.path)
         kept, notice = [], None
-        if isinstance(data, dict) and data.get("fingerprint") == self.fingerprint:
-            for name, entry in (data.get("shards") or {}).items():
-                if self._intact(name, entry):
-                    self.shards[name] = entry
-                    kept.append(name)
+        if data is not None and data.get("fingerprint") == self.fingerprint:
+            self.shards.update(_intact(self.folder, data.get("shards")))
+            kept = list(self.shards)
             notice = (
                 f"Resuming an interrupted merge: {len(kept)} finished shard(s) kept, checked against the journal."
                 if kept else None
@@ -79,16 +124,6 @@ class Journal:
                     os.unlink(entry.path)
         self._save()
         return kept, notice
-
-    def _intact(self, name: str, entry) -> bool:
-        path = self.folder / name
-        if not isinstance(entry, dict) or not path.is_file() or path.stat().st_size != entry.get("size"):
-            return False
-        digest = sha256_file(path)
-        if digest != entry.get("sha256"):
-            return False
-        remember_hash(path, digest)
-        return True
 
     def finished(self, name: str) -> None:
         """A shard is complete (closed and synced): hash it in the background and record it."""

@@ -59,6 +59,7 @@ class MergePlan:
     findings: list[Finding] = field(default_factory=list)
     suggested_base: str | None = None  # a local 16-bit model to use instead of a quantized base
     suggested_roundtrip: str | None = None  # the --qlora-base value that reproduces the training's rounding
+    resume: dict | None = None  # a partial folder of an earlier run: state, kept, kept_bytes (see journal.resumable)
 
     @property
     def blocked(self) -> bool:
@@ -123,6 +124,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
 
             passes = 1 if (options.checkpoint is not None and not inputs.adapter.lora) else 2
             plan.verify_seconds, plan.verify_bytes = estimate(tplan, passes, inputs.adapter)
+            plan.resume = _resumable(options, inputs, tplan, add)
             _check_tied(config, inputs.config, tplan, add)
             _check_fp16(tplan, options, add)
             _check_memory(tplan, add)
@@ -572,6 +574,38 @@ def _check_nan(adapter, add) -> None:
         ))
 
 
+def _resumable(options: MergeOptions, inputs, tplan, add) -> dict | None:
+    """What the merge will keep of the partial folder an earlier run of it left (the engine's own
+    journal check), said as a finding; the free-space check then counts only what is left to write."""
+    from tui_merger.core.merge.journal import fingerprint, resumable
+    from tui_merger.core.merge.output import OutputFolder
+
+    if options.out is None:
+        return None
+    tmp = OutputFolder(Path(options.out)).tmp
+    try:
+        found = resumable(tmp, fingerprint(options, inputs.read_files, tplan))
+    except OSError:
+        return None
+    if found.state == "none":
+        return None
+    shards = len(tplan.shards)
+    if found.state == "match" and found.kept:
+        left = max(tplan.total_bytes - found.kept_bytes, 0)
+        add(Finding(
+            "resume", INFO,
+            f"Resuming: {len(found.kept)} of {shards} shards kept ({human_bytes(found.kept_bytes)}), "
+            f"{human_bytes(left)} to write (the partial folder {tmp} of an earlier run of this merge).",
+        ))
+    else:
+        add(Finding(
+            "resume", INFO,
+            f"The partial folder {tmp} does not match these inputs/options (or holds no finished shard) and "
+            "will be replaced.",
+        ))
+    return {"state": found.state, "kept": len(found.kept), "shards": shards, "kept_bytes": found.kept_bytes}
+
+
 def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
     from tui_merger.core.merge.output import UnverifiedOutput, check_target
 
@@ -611,7 +645,8 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
         from tui_merger.core.merge.output import check_space
 
         try:
-            check_space(parent, plan.output_bytes)  # the engine's own check, with its sentence
+            kept = plan.resume["kept_bytes"] if plan.resume and plan.resume["state"] == "match" else 0
+            check_space(parent, max(plan.output_bytes - kept, 0))  # the engine's own check, with its sentence
         except MergeError as err:
             add(Finding("disk", ERROR, str(err)))
 
@@ -665,6 +700,12 @@ def describe(plan: MergePlan) -> list[str]:
             f"  {'writes':10} {plan.tensors} tensors ({plan.merged_tensors} merged), {human_bytes(plan.output_bytes)} "
             f"in {plan.shards} shard(s), dtype {plan.dtype or 'as the base'}, about {plan.estimated_seconds:.0f} s"
         )
+        resume = plan.resume
+        if resume and resume["state"] == "match" and resume["kept"]:
+            lines.append(
+                f"  {'resuming':10} {resume['kept']} of {resume['shards']} shards kept ({human_bytes(resume['kept_bytes'])}), "
+                f"{human_bytes(max(plan.output_bytes - resume['kept_bytes'], 0))} to write"
+            )
         if plan.verify_seconds:
             lines.append(
                 f"  {'verify':10} about {plan.verify_seconds:.0f} s and {human_bytes(plan.verify_bytes)} of memory "

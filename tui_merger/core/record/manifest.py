@@ -107,6 +107,15 @@ def remember_hash(path: Path, digest: str) -> None:
         cache.save()
 
 
+def cached_sha256(paths) -> list[str]:
+    """sha256 of each file, through the user's hash cache: a file hashed before and unchanged since
+    (same inode, size, mtime, ctime) is not read again."""
+    cache = _HashCache()
+    digests = [cache.sha256(Path(p)) for p in paths]
+    cache.save()
+    return digests
+
+
 class _HashCache:
     """sha256 of large files by identity (device, inode, size, mtime, ctime: a rename keeps it, any
     write changes it), in $XDG_STATE_HOME/tui-merger/hashes.json (best effort)."""
