@@ -41,7 +41,7 @@ import tui_merger.core.merge.engine as engine
 real = engine._write_shard
 def paused(*args, **kwargs):
     real(*args, **kwargs)
-    time.sleep(0.2)
+    time.sleep(0.6)  # room for the attach check below on a loaded 2-core machine
 engine._write_shard = paused
 """
 

@@ -46,7 +46,7 @@ def _streamed(folder: Path, probes):
     import transformers
 
     from tui_merger.core.verify import behaviour
-    from tui_merger.core.verify.checks import model_class
+    from tui_merger.core.formats.hf_names import model_class
 
     config = json.loads((folder / "config.json").read_text())
     cls = model_class(config)

@@ -411,12 +411,12 @@ async def test_review_says_what_a_resume_keeps(workspace, tmp_path):
         wizard = await to_review(pilot, app)
         out = tmp_path / "merged"
         app.screen.query_one("#out", Input).value = str(out)
-        app.screen.query_one("#shard", Input).value = "300KB"
+        app.screen.query_one("#shard", Input).value = "100KB"  # ~16 shards: room to stop it after 2
         await recheck(pilot, app)
         assert "Resuming" not in text(app, "#findings")
         chosen = wizard.plan.options
         args = ["merge", "--base", chosen["base"], "--adapter", chosen["adapter"], "--out", str(out),
-                "--shard-size", "300KB", "--plain", "--no-verify"]
+                "--shard-size", "100KB", "--plain", "--no-verify"]
         code, err = interrupt(None, None, out, tmp_path, 2, signal.SIGINT, args=args)
         assert code == 130 and "finished shard(s) are kept" in err, err
         await recheck(pilot, app)

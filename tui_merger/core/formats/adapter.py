@@ -102,6 +102,33 @@ def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
     return adapter
 
 
+def module_params(adapter: PeftAdapter) -> list[str]:
+    """The base parameters the adapter changes or replaces (``<module>.weight`` for a LoRA module)."""
+    names = [f"{m}.weight" for m in adapter.lora] + [f"{m}.weight" for m in adapter.token_rows]
+    return names + list(adapter.replacements) + list(adapter.base_overrides)
+
+
+def renamed(adapter: PeftAdapter, rename) -> PeftAdapter:
+    """The same adapter with its module and parameter names passed through ``rename`` (parameter name
+    -> parameter name; names it does not know come back unchanged): in-memory names -> on-disk ones."""
+    import dataclasses
+
+    def module(name: str) -> str:
+        return rename(f"{name}.weight").removesuffix(".weight")
+
+    lora = {}
+    for name, entry in adapter.lora.items():
+        entry.module = module(name)
+        lora[entry.module] = entry
+    return dataclasses.replace(
+        adapter,
+        lora=lora,
+        replacements={rename(n): r for n, r in adapter.replacements.items()},
+        base_overrides={rename(n): r for n, r in adapter.base_overrides.items()},
+        token_rows={module(n): v for n, v in adapter.token_rows.items()},
+    )
+
+
 def _is_names(value) -> bool:
     return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
 

@@ -48,14 +48,14 @@ def _open_inputs(options: MergeOptions) -> Inputs:
     base = model_format().open_base(options.base)
     inputs = Inputs(base, empty_adapter(options.adapter), {}, FilePlan(), paths_of(options), closers=[base])
     try:
+        inputs.config = read_config(options.base)
         parts = []
         for path, weight in options.adapter_weights():
             part = open_adapter(path, base.tensors)
             inputs.closers.append(part)
-            parts.append((part, weight, path))
+            parts.append((_on_disk_names(part, base, options.base), weight, path))
         inputs.parts = parts
         adapter = inputs.adapter = combine_adapters(parts)
-        inputs.config = read_config(options.base)
         _quantized_base(inputs, options)
         inputs.files = plan_files(options.base, options.adapter, inputs.config, options.tokenizer_from)
         inputs.notices = adapter.notices + inputs.files.notices
@@ -75,6 +75,23 @@ def _open_inputs(options: MergeOptions) -> Inputs:
         inputs.close()
         raise
     return inputs
+
+
+def _on_disk_names(adapter, base, base_dir: Path):
+    """An adapter saved with the names transformers keeps in memory (a vision-language model's
+    ``model.language_model.*``) given the names its base has on disk, by transformers' own rules; an
+    adapter whose names the base already has comes back as it is."""
+    from tui_merger.core.formats.adapter import module_params, renamed
+
+    wanted = module_params(adapter)
+    if all(name in base.tensors for name in wanted):
+        return adapter
+    from tui_merger.core.formats.hf_names import memory_to_disk
+
+    mapping = memory_to_disk(base_dir, base.tensors)
+    if not any(name in mapping for name in wanted):
+        return adapter  # the plan says which modules the base does not have
+    return renamed(adapter, lambda name: mapping.get(name, name))
 
 
 def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:

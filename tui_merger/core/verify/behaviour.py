@@ -104,7 +104,8 @@ def quiet():
 def streamer_for_files(cls, config, tensors: dict, what: str, on_event=None, cancel=None):
     """A streamed model of ``cls`` whose weights are the file tensors ``tensors`` (on-disk names).
     Returns (streamer, names transformers would start random)."""
-    from tui_merger.core.verify.streaming import Streamer, meta_model, weights_from_files
+    from tui_merger.core.formats.hf_names import meta_model
+    from tui_merger.core.verify.streaming import Streamer, weights_from_files
 
     model = meta_model(cls, config)
     weights, missing, _ = weights_from_files(model, tensors)
@@ -120,7 +121,8 @@ def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str,
     loads stay in memory (small); the base weights stream from the files."""
     from peft import PeftModel
 
-    from tui_merger.core.verify.streaming import Streamer, Weight, meta_model, weights_from_files
+    from tui_merger.core.formats.hf_names import meta_model
+    from tui_merger.core.verify.streaming import Streamer, Weight, weights_from_files
 
     base = meta_model(cls, config)
     base_weights, _, _ = weights_from_files(base, tensors)

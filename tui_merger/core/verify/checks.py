@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from tui_merger.core.formats.hf_names import model_class
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.verify.streaming import StreamError
 from tui_merger.core.events import CancelToken, EventSink, PhaseStarted, TensorProgress, ignore_event
@@ -598,19 +599,6 @@ def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: Cancel
 
 
 # -- behaviour ---------------------------------------------------------------------------------
-
-
-def model_class(config: dict):
-    import transformers
-
-    archs = config.get("architectures") or []
-    if archs:
-        return getattr(transformers, str(archs[0]), None)
-    # no architectures in config.json (old or hand-written configs): a causal LM when its type is one
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
-    return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
 def probe_ids(config: dict, plan):

@@ -81,7 +81,8 @@ def _compare_logits(plan, config: dict, reference: Path):
     import torch
     import transformers
 
-    from tui_merger.core.verify.checks import Check, model_class, probe_ids, quiet_transformers
+    from tui_merger.core.formats.hf_names import model_class
+    from tui_merger.core.verify.checks import Check, probe_ids, quiet_transformers
     from tui_merger.core.verify.checks import compare_logits as compare
 
     cls = model_class(config)

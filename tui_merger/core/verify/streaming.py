@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.formats.hf_names import renamer
 
 BIG_VALUES = 1 << 25  # an embedding or linear layer above this many values is computed piecewise
 BLOCK_VALUES = 1 << 23  # values of such a layer's weight upcast at a time
@@ -339,24 +340,13 @@ def _piecewise(streamer: Streamer, unit, weight: str) -> None:
 # -- building ---------------------------------------------------------------------------------
 
 
-def meta_model(cls, config):
-    """``cls`` built from ``config`` on the meta device, in fp32, buffers real (rotary tables)."""
-    import torch
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = cls._from_config(config, dtype=torch.float32)
-    model.eval()
-    return model
-
-
 def weights_from_files(model, tensors: dict) -> tuple[dict[str, Weight], list[str], list[str]]:
     """Join the model's in-memory parameter names to file tensors ``{on-disk name: TensorRef}``.
 
     Returns (weights map, in-memory names with no tensor in the files, file names the model has no
     parameter for). Tied parameters take the tensor of the name they are tied to."""
     state = {n: p for n, p in _named_tensors(model)}
-    renamed = _renamer(model, state)
+    renamed = renamer(model, state)
     weights: dict[str, Weight] = {}
     groups: dict[str, list] = {}  # converter targets: in-memory name -> [(pattern, on-disk name)]
     converters: dict[str, object] = {}
@@ -403,43 +393,6 @@ def _tied_pairs(model) -> dict[str, str]:
         else:
             by_id[id(p)] = name
     return pairs
-
-
-def _renamer(model, state: dict):
-    """on-disk name -> (in-memory name, converter source pattern, converter or None), by the rules
-    transformers' from_pretrained applies; without them (older transformers) names only change by
-    the base model prefix."""
-    prefix = getattr(model, "base_model_prefix", "") or None
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-        mapping = get_model_conversion_mapping(model)
-    except Exception:  # transformers without conversion rules, or rules this model cannot take
-        mapping = None
-    if mapping is None:
-
-        def plain(name: str):
-            if name in state:
-                return name, None, None
-            if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in state:
-                return name[len(prefix) + 1 :], None, None
-            if prefix and f"{prefix}.{name}" in state:
-                return f"{prefix}.{name}", None, None
-            return name, None, None
-
-        return plain
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    by_pattern = {p: c for c in converters for p in c.source_patterns}
-
-    def rename(name: str):
-        target, pattern = rename_source_key(name, renamings, converters, prefix, state)
-        if target not in state and name in state:
-            target, pattern = rename_source_key(name, [], [], prefix, state)
-        return target, pattern, (by_pattern.get(pattern) if pattern is not None else None)
-
-    return rename
 
 
 def _converter_call(converter, target: str, members: list, model):
