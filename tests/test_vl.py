@@ -97,3 +97,64 @@ def test_a_vl_lora_merges_to_what_save_pretrained_writes(kind, targets, tmp_path
     manifest = json.loads((out / "merge_manifest.json").read_text())
     checks = {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
     assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, checks
+
+
+def test_inspect_dry_run_and_a_missing_processor(tmp_path, capsys):
+    base, adapter = save_vl(tmp_path, "qwen2_5_vl", torch.bfloat16, ["q_proj", "v_proj"])
+    assert main(["inspect", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "vision-language model (Qwen2_5_VLForConditionalGeneration)" in shown
+    assert "for a vision-language model" in shown  # the adapter, whose base resolved
+    out = tmp_path / "merged"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--dry-run"]) == 0
+    plan = capsys.readouterr()
+    assert "4 merged" in plan.out and "will not take images" not in plan.out
+    assert "[transformers]" not in plan.out + plan.err
+    (base / "preprocessor_config.json").unlink()
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "WARNING" in plan and "will not take images until the processor files" in plan
+    assert not out.exists()
+
+
+def test_an_unmergeable_vision_module_is_named(tmp_path, capsys):
+    """LoRA on the vision tower's patch embedding (a Conv3d): refused in one sentence naming it."""
+    base, adapter = save_vl(tmp_path, "qwen2_5_vl", torch.float32, ["q_proj", "patch_embed.proj"])
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    assert code != 0 and "patch_embed" in said.out + said.err and "Traceback" not in said.err
+    assert not out.exists()
+
+
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_assistant_merges_and_verifies_a_vl_adapter(tmp_path, monkeypatch):
+    from test_tui import recheck, text, to_review, until
+    from textual.widgets import Checkbox, Input
+
+    from tui_merger.tui.app import MergeApp
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    save_vl(tmp_path / "run", "qwen2_5_vl", torch.bfloat16, ["q_proj", "v_proj"])
+    app = MergeApp(tmp_path / "run")
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert "4 merged" in text(app, "#plan-text")
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        assert "No tokenizer" in text(app, "#findings")  # the tiny model has none: a warning to tick
+        app.screen.query_one("#ack", Checkbox).value = True
+        await pilot.pause()
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
+    assert json.loads((out / "merge_manifest.json").read_text())["verification"]["passed"] is True

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tui_merger.core.formats.base import ALL, TRAINER_STEP, Candidate, Format, Found, step_of
-from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
+from tui_merger.core.io.files import PROCESSOR_FILES, TOKENIZER_MARKERS, architecture, config_dtype, is_vision_language
 from tui_merger.core.io.sources import BIN_INDEX, SAFE_INDEX, open_model
 
 
@@ -50,6 +50,8 @@ class HfModelFormat(Format):
                 if zero else "no model weights or adapter: only trainer state."
             )
         c.tokenizer = any(m in names for m in TOKENIZER_MARKERS)
+        if config and is_vision_language(config):
+            c.notes.append(vision_note(config, names))
         s.sized(c, names.values(), recursive=step is not None)
         return c
 
@@ -69,3 +71,11 @@ class HfModelFormat(Format):
 
     def open_base(self, path: Path):
         return open_model(path)
+
+
+def vision_note(config: dict, names) -> str:
+    """What inspect says of a vision-language model."""
+    note = f"vision-language model ({architecture(config)}): the vision tower is copied as it is unless an adapter targets it"
+    if not any(n in names for n in PROCESSOR_FILES):
+        note += "; no preprocessor_config.json here, so it will not take images until the processor files are added"
+    return note + "."

@@ -85,6 +85,9 @@ def memory_to_disk(config_dir: Path, disk_names) -> dict[str, str]:
 
     import transformers
 
+    logging = transformers.utils.logging
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its remarks on the config are not the user's business here
     try:
         config_dict = json.loads((Path(config_dir) / "config.json").read_text())
         cls = model_class(config_dict)
@@ -94,6 +97,8 @@ def memory_to_disk(config_dir: Path, disk_names) -> dict[str, str]:
         model = meta_model(cls, config)
     except Exception:  # noqa: BLE001 - custom code, a config transformers cannot build: no translation
         return {}
+    finally:
+        logging.set_verbosity(verbosity)
     state = dict(model.state_dict(keep_vars=True))
     rename = renamer(model, state)
     out = {}

@@ -14,7 +14,7 @@ from shlex import quote
 
 from tui_merger.core.formats.adapter import ADAPTER_WEIGHTS, open_adapter
 from tui_merger.core.formats.base import ALL, TRAINER_STEP, Candidate, Format, Found, lora_info, step_of
-from tui_merger.core.io.files import TOKENIZER_MARKERS
+from tui_merger.core.io.files import TOKENIZER_MARKERS, architecture, is_vision_language
 
 _LORA_A = re.compile(r"^(.+)\.lora_(?:embedding_)?A\b")
 
@@ -55,6 +55,9 @@ class PeftAdapterFormat(Format):
             if c.base_model is None:
                 c.notes.append("adapter_config.json names no base model: pass --base with the model it was trained on.")
             s.resolve_base(c, folder)
+            base_config = s.json(Path(c.base_path) / "config.json") if c.base_path else None
+            if base_config and is_vision_language(base_config):
+                c.notes.append(f"for a vision-language model ({architecture(base_config)}).")
         c.tokenizer = any(m in names for m in TOKENIZER_MARKERS)
         s.sized(c, names.values(), recursive=step is not None)
         return Found(c, ALL if step is not None else {"adapter_config.json", *ADAPTER_WEIGHTS})

@@ -176,6 +176,16 @@ class FilePlan:
     notices: list[str] = field(default_factory=list)
 
 
+def is_vision_language(config: dict) -> bool:
+    """A model with a vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, ...): its config has a vision_config."""
+    return isinstance(config.get("vision_config"), dict)
+
+
+def architecture(config: dict) -> str:
+    archs = config.get("architectures")
+    return str(archs[0]) if isinstance(archs, list) and archs else str(config.get("model_type") or "unknown")
+
+
 def plan_files(base: Path, adapter: Path, config: dict, tokenizer_from: str) -> FilePlan:
     plan = FilePlan()
     adapter_tok, base_tok = has_tokenizer(adapter), has_tokenizer(base)
@@ -213,6 +223,12 @@ def plan_files(base: Path, adapter: Path, config: dict, tokenizer_from: str) -> 
     for name in PROCESSOR_FILES:
         if (proc_dir / name).is_file():
             plan.copies.append((proc_dir / name, name))
+    if is_vision_language(config) and not any((proc_dir / name).is_file() for name in PROCESSOR_FILES):
+        where = str(base) if tok_dir in (None, base) else f"{base} or {tok_dir}"
+        plan.notices.append(
+            f"This is a vision-language model ({architecture(config)}) but {where} has no preprocessor_config.json: "
+            "the merged model will not take images until the processor files of the original model are copied in."
+        )
     gen = base / "generation_config.json"
     if not gen.is_file() and (adapter / "generation_config.json").is_file():
         gen = adapter / "generation_config.json"

@@ -226,6 +226,8 @@ def _check_rank(folder: Path, cfg: dict, add) -> None:
 def _notice_finding(note: str) -> Finding:
     if "No tokenizer" in note:
         return Finding("tokenizer", WARNING, note, "Copy the tokenizer files into the adapter or base folder.")
+    if "will not take images" in note:
+        return Finding("processor", WARNING, note, "Copy preprocessor_config.json (and the other processor files) from the original model.")
     return Finding("notice", WARNING if "differs" in note else INFO, note)
 
 
