@@ -105,7 +105,9 @@ _OPTION_DEFAULTS = dict(
     sft_layout=False,
     sharded_tensor=False,
     step=5,
+    family="qwen2",
 )
+FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe")  # a text model, a vision-language one, a MoE one
 
 
 def _normalise(opts: dict) -> dict:
@@ -114,7 +116,13 @@ def _normalise(opts: dict) -> dict:
         raise TypeError(f"unknown option(s): {sorted(unknown)}")
     o = {**_OPTION_DEFAULTS, **opts}
     for k in _OPTION_DEFAULTS:
+        if k == "family":
+            continue
         o[k] = int(o[k]) if k in ("fsdp_version", "world_size", "step") else bool(o[k])
+    if o["family"] not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}")
+    if o["critic"] and o["family"] != "qwen2":
+        raise ValueError("critic=True is a Qwen2 token classification model")
     if o["fsdp_version"] not in (1, 2):
         raise ValueError("fsdp_version must be 1 or 2")
     if o["hsdp"]:
@@ -161,6 +169,7 @@ def make_fsdp_checkpoint(
     sft_layout: bool = False,
     sharded_tensor: bool = False,
     step: int = 5,
+    family: str = "qwen2",
 ) -> dict:
     """Write one real verl FSDP checkpoint under ``root`` (the run dir) and return where things are.
 
@@ -197,6 +206,7 @@ def make_fsdp_checkpoint(
             sft_layout=sft_layout,
             sharded_tensor=sharded_tensor,
             step=step,
+            family=family,
         )
     )
     lay = _layout(root, opts)
@@ -232,6 +242,8 @@ def cached_fsdp_checkpoint(tmp_path_factory, **opts) -> dict:
             )
             if not o["write_fsdp_config"]:
                 slug += "_nocfg"
+            if o["family"] != "qwen2":
+                slug += "_" + o["family"]
             root = tmp_path_factory.mktemp(slug, numbered=True) / "run"
             info = make_fsdp_checkpoint(root, **o)
             _CACHE[key] = info
@@ -524,14 +536,44 @@ def _build_tokenizer():
     return tok
 
 
-def _write_pretrained(path: Path, tied: bool) -> None:
+def _family_class(family: str, critic: bool = False):
+    import transformers
+
+    if critic:
+        return transformers.Qwen2ForTokenClassification
+    return getattr(transformers, {"qwen2": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                  "qwen3_moe": "Qwen3MoeForCausalLM"}[family])
+
+
+def _family_config(family: str, tied: bool):
+    import transformers
+
+    ids = dict(tie_word_embeddings=tied, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**QWEN_FSDP, **ids)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**QWEN_FSDP, **ids, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)
+    # the vision tokens lie above the tokenizer's entries, so random text never holds one
+    vocab = QWEN_FSDP["vocab_size"] + 4
+    return transformers.Qwen2_5_VLConfig(
+        text_config=dict(QWEN_FSDP, vocab_size=vocab, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[1]),
+        image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1,
+        **ids,
+    )
+
+
+def _write_pretrained(path: Path, tied: bool, family: str = "qwen2") -> None:
     """The "hub model" verl starts from: bf16 weights, config, generation config, tokenizer."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
-    config = Qwen2Config(**QWEN_FSDP, tie_word_embeddings=tied, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    config = _family_config(family, tied)
     torch.manual_seed(SEED)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = _family_class(family)(config).to(torch.bfloat16)
     model.save_pretrained(path)
     GenerationConfig(**GENERATION_CONFIG).save_pretrained(path)
     _build_tokenizer().save_pretrained(path)
@@ -546,7 +588,6 @@ def _generate(rank: int, world: int, request: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerFast
-    from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
     warnings.filterwarnings("ignore")
     o = request["opts"]
@@ -559,7 +600,7 @@ def _generate(rank: int, world: int, request: dict) -> None:
 
     # --- the hub model (rank 0), then every rank loads it the way verl's workers do
     if rank == 0:
-        _write_pretrained(pretrained, o["tied"])
+        _write_pretrained(pretrained, o["tied"], o["family"])
     dist.barrier()
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(pretrained)
@@ -572,7 +613,7 @@ def _generate(rank: int, world: int, request: dict) -> None:
     )
     if o["critic"]:
         config.num_labels = 1  # verl's critic: AutoModelForTokenClassification, num_labels = 1
-    model_cls = Qwen2ForTokenClassification if o["critic"] else Qwen2ForCausalLM
+    model_cls = _family_class(o["family"], o["critic"])
     torch.manual_seed(SEED + 1)  # the critic's score head is newly initialised
     model = model_cls.from_pretrained(pretrained, dtype=torch.float32, config=config)
     # verl saves the *model's* config (unwrap_model.config): transformers copied ours and set dtype=float32
@@ -719,7 +760,10 @@ def _generate(rank: int, world: int, request: dict) -> None:
             "vocab_size": QWEN_FSDP["vocab_size"],
             "tokenizer_size": len(tokenizer),
             "local_shapes": [str(ref_dir / f"local_shapes_rank_{r}.json") for r in range(world)],
+            "family": o["family"],
         }
+        if not o["lora"] and not o["buffer"]:
+            info["reference_hf"] = str(ref_dir / "reference_hf")
         if o["lora"]:
             info.update(
                 lora_r=LORA_R,
@@ -737,7 +781,6 @@ def _wrap_fsdp1(model, mesh, o):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
     # verl's get_fsdp_wrap_policy: decoder layers, plus (LoRA) every leaf module with a trainable weight
     policies = []
@@ -751,7 +794,9 @@ def _wrap_fsdp1(model, mesh, o):
             )
 
         policies.append(ft.partial(lambda_auto_wrap_policy, lambda_fn=trainable_leaf))
-    policies.append(ft.partial(transformer_auto_wrap_policy, transformer_layer_cls={Qwen2DecoderLayer}))
+    no_split = set(getattr(model, "_no_split_modules", None) or ["Qwen2DecoderLayer"])
+    layers = {type(m) for m in model.modules() if type(m).__name__ in no_split}
+    policies.append(ft.partial(transformer_auto_wrap_policy, transformer_layer_cls=layers))
     return FSDP(
         model,
         auto_wrap_policy=ft.partial(_or_policy, policies=policies),
@@ -839,6 +884,12 @@ def _write_reference(full: dict, ref_dir: Path, model_cls, config, lora_config, 
         assert not hasattr(v, "to_local") and v.dtype == torch.float32, type(v)
     save_file(tensors, str(ref_dir / "reference.safetensors"), metadata={"format": "pt"})
     if lora_config is None:
+        if o["buffer"]:
+            return  # the extra buffers are not part of the model class: no save_pretrained reference
+        # what save_pretrained writes for the trained model (on-disk names, experts one by one)
+        model = model_cls(config)
+        model.load_state_dict(tensors, strict=True)
+        model.save_pretrained(ref_dir / "reference_hf")
         return
     from peft import LoraConfig, get_peft_model
 

@@ -380,6 +380,10 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
         raise
     cfg = adapter.config
     targets = sorted({mod.rsplit(".", 1)[-1] for mod in adapter.lora})
+    if any(name.isdigit() for name in targets):
+        # a module named by its index ("merger.mlp.0") would, as a suffix, also match other modules
+        # ("blocks.0", a whole vision block): name each module exactly (peft full-matches a string)
+        targets = "^(?:" + "|".join(re.escape(mod) for mod in sorted(adapter.lora)) + ")$"
     config = {
         "peft_type": "LORA",
         "task_type": cfg.get("task_type", "CAUSAL_LM"),

@@ -107,3 +107,106 @@ def memory_to_disk(config_dir: Path, disk_names) -> dict[str, str]:
         if converter is None and target in state and target != name:
             out.setdefault(target, name)
     return out
+
+
+class DiskLayout:
+    """How a model's in-memory tensors become the tensors ``save_pretrained`` writes: ``renames``
+    (in-memory name -> on-disk name, where they differ) and ``groups`` (in-memory name -> {on-disk
+    name: shape} for tensors transformers splits on saving, e.g. packed MoE experts). Read from a meta
+    model by transformers' own ``revert_weight_conversion``, one tensor at a time; no data read."""
+
+    def __init__(self, model, renames: dict[str, str], groups: dict[str, dict[str, tuple]]) -> None:
+        self.model = model
+        self.renames = renames
+        self.groups = groups
+
+    def convert(self, name: str, tensor) -> dict:
+        """{on-disk name: tensor} for one in-memory tensor, by transformers' reverse conversion."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, {name: tensor})
+
+
+def disk_layout(config_dir: Path) -> DiskLayout | None:
+    """The layout for the model whose config.json lies in ``config_dir``; None when transformers
+    cannot build it (custom code, an unknown architecture): names are then kept as they are."""
+    import json
+
+    import transformers
+
+    logging = transformers.utils.logging
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        cls = model_class(json.loads((Path(config_dir) / "config.json").read_text()))
+        if cls is None:
+            return None
+        model = meta_model(cls, transformers.AutoConfig.from_pretrained(config_dir))
+        from transformers.core_model_loading import revert_weight_conversion
+
+        renames, groups = {}, {}
+        for name, tensor in model.state_dict().items():
+            out = revert_weight_conversion(model, {name: tensor})
+            if len(out) == 1:
+                (disk,) = out
+                if disk != name:
+                    renames[name] = disk
+            elif out:
+                groups[name] = {disk: tuple(t.shape) for disk, t in out.items()}
+    except Exception:  # noqa: BLE001 - a model transformers cannot build or convert: names as they are
+        return None
+    finally:
+        logging.set_verbosity(verbosity)
+    return DiskLayout(model, renames, groups)
+
+
+class ConvertedSource:
+    """On-disk tensors made from in-memory ones that transformers splits when saving (packed experts
+    -> one tensor per expert). Loading one converts its whole group once and hands out the pieces;
+    the group is dropped when each piece was handed out (a second pass converts it again)."""
+
+    def __init__(self, inner: dict, layout: DiskLayout) -> None:
+        from tui_merger.core.io.sources import TensorRef
+
+        self.layout = layout
+        self.folder = None
+        self.files: list[str] = []
+        self.tensors = {}
+        self._group_of: dict[str, str] = {}
+        self._inner = inner  # in-memory name -> TensorRef of the tensor it is made from
+        self._cache: dict[str, dict] = {}
+        self._served: dict[str, set] = {}
+        for name, ref in inner.items():
+            for disk, shape in layout.groups[name].items():
+                self.tensors[disk] = TensorRef(self, "", disk, ref.dtype, shape)
+                self._group_of[disk] = name
+
+    def load(self, ref):
+        group = self._group_of[ref.name]
+        pieces = self._cache.get(group)
+        if pieces is None:
+            source = self._inner[group]
+            pieces = self._cache[group] = {k: v.contiguous() for k, v in self.layout.convert(group, source.load()).items()}
+            source.release()
+            self._served[group] = set()
+        tensor = pieces[ref.name]
+        served = self._served[group]
+        served.add(ref.name)
+        if len(served) == len(pieces):
+            del self._cache[group], self._served[group]
+        return tensor
+
+    def load_into(self, ref, out) -> None:
+        out.copy_(self.load(ref))
+
+    def raw_ranges(self, ref):
+        return None
+
+    def row_blocks(self, ref):
+        return None
+
+    def release(self, ref) -> None:
+        pass  # the pieces go with their group
+
+    def close(self) -> None:
+        self._cache.clear()

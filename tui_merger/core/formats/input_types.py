@@ -26,6 +26,7 @@ class Inputs:
     base_weights: dict = field(default_factory=lambda: {"weights": "as stored"})  # or the --qlora-base round trip
     parts: list = field(default_factory=list)  # a weighted merge: [(PeftAdapter, weight, path), ...]
     format: object = None  # the checkpoint kind (a Format) that opened these; None: a base with adapters
+    memory_adapter: object = None  # the adapter under the names transformers keeps in memory, where they differ (for peft)
 
     def close(self) -> None:
         for item in self.closers:

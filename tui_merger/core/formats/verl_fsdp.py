@@ -15,10 +15,10 @@ from pathlib import Path
 from shlex import quote
 
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.adapter import adapter_from_source, check_adapter_config, empty_adapter, export_peft_adapter
+from tui_merger.core.formats.adapter import adapter_from_source, check_adapter_config, empty_adapter, export_peft_adapter, renamed
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, lora_info, step_of
 from tui_merger.core.formats.input_types import Inputs, _value_model, paths_of
-from tui_merger.core.io.files import TOKENIZER_MARKERS, FilePlan, config_dtype, plan_files, read_config
+from tui_merger.core.io.files import TOKENIZER_MARKERS, FilePlan, architecture, config_dtype, is_vision_language, plan_files, read_config
 from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
 from tui_merger.core.options import MergeOptions
 from tui_merger.core.io.sources import RenamedSource, TensorRef, not_a_folder, open_model
@@ -480,6 +480,8 @@ class VerlFsdpFormat(Format):
         if rank0 is not None:
             keys = s.pickled_keys(Path(rank0.path))
         self._lora(s, c, folder, names, keys, config)
+        if config and is_vision_language(config):
+            c.notes.append(f"vision-language model ({architecture(config)}): written with the names save_pretrained uses.")
         if role == "critic":
             c.notes.append("critic (value model): the merge writes a TokenClassification model with one label.")
         s.sized(c, names.values(), recursive=True)
@@ -539,7 +541,7 @@ class VerlFsdpFormat(Format):
         if not inputs.adapter.lora:
             return None
         folder = Path(tmp) / "adapter"
-        export_peft_adapter(inputs.adapter, folder, fsync=False)
+        export_peft_adapter(inputs.memory_adapter or inputs.adapter, folder, fsync=False)
         return Reference([(folder, None)])
 
 
@@ -570,6 +572,19 @@ def _lora_config(folder: Path, options: MergeOptions, ranks: set[int]) -> dict:
     return cfg
 
 
+def _disk_layout(config_dir: Path, base_map: dict):
+    """transformers' save layout for this checkpoint's model, when its state dict holds names that
+    save_pretrained does not write (a vision-language model's ``model.language_model.*``, packed MoE
+    experts without a ``.weight`` suffix); None for the usual case, which then imports nothing."""
+    if not any(".language_model." in n or n.startswith("model.visual.") or not n.endswith((".weight", ".bias"))
+               for n in base_map):
+        return None
+    from tui_merger.core.formats.hf_names import disk_layout
+
+    found = disk_layout(config_dir)
+    return found if found is not None and (found.renames or found.groups) else None
+
+
 def _open(options) -> Inputs:
     layout = find_fsdp_checkpoint(options.checkpoint)
     source = FsdpSource(layout)
@@ -585,10 +600,21 @@ def _open(options) -> Inputs:
                 "and tokenizer into it, or pass --base with the original model."
             )
         inputs.config = read_config(config_dir)
+        names = _disk_layout(config_dir, base_map)  # in-memory names -> what save_pretrained writes
         if adapter_map:
             ranks = {source.tensors[k].shape[0] for k in adapter_map if ".lora_A" in k}
             cfg = _lora_config(layout.folder, options, ranks)
             inputs.adapter = adapter_from_source(layout.folder, cfg, RenamedSource(source, adapter_map))
+            if names is not None and names.renames:
+                inputs.memory_adapter = inputs.adapter  # peft, building the reference, wants these names
+                inputs.adapter = renamed(inputs.adapter, lambda n: names.renames.get(n, n))
+        converted = None
+        if names is not None:
+            from tui_merger.core.formats.hf_names import ConvertedSource
+
+            inner = {n: source.tensors[k] for n, k in base_map.items() if n in names.groups}
+            converted = ConvertedSource(inner, names) if inner else None
+            base_map = {names.renames.get(n, n): k for n, k in base_map.items() if n not in names.groups}
         base_only_lora = not any(k.endswith((".weight", ".bias")) for k in base_map)
         if base_only_lora:  # checkpoint.save_lora_only: the base weights are not in the files
             if options.base is None:
@@ -601,6 +627,9 @@ def _open(options) -> Inputs:
             inputs.base = base
         else:
             inputs.base = RenamedSource(source, base_map)
+            if converted is not None:  # packed experts: one tensor per expert, as save_pretrained writes
+                inputs.base.tensors.update(converted.tensors)
+                inputs.closers.append(converted)
         _value_model(inputs, options, layout)
         _tied(inputs, options, source, base_map)
         dtype = config_dtype(inputs.config)
