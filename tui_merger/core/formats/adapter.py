@@ -74,6 +74,9 @@ class PeftAdapter:
     base_overrides: dict[str, TensorRef] = field(default_factory=dict)
     # trainable_token_indices: module -> (row indices, ref of the stored rows)
     token_rows: dict[str, tuple[list[int], TensorRef]] = field(default_factory=dict)
+    # peft target_parameters (LoRA on a parameter, e.g. packed MoE experts): in-memory param name ->
+    # its LoRA pair (rank r x experts); made into per-tensor LoRA against the base (formats/hf_names.py)
+    param_lora: dict[str, LoraModule] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
 
     @property
@@ -105,7 +108,7 @@ def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
 def module_params(adapter: PeftAdapter) -> list[str]:
     """The base parameters the adapter changes or replaces (``<module>.weight`` for a LoRA module)."""
     names = [f"{m}.weight" for m in adapter.lora] + [f"{m}.weight" for m in adapter.token_rows]
-    return names + list(adapter.replacements) + list(adapter.base_overrides)
+    return names + list(adapter.replacements) + list(adapter.base_overrides) + list(adapter.param_lora)
 
 
 def renamed(adapter: PeftAdapter, rename) -> PeftAdapter:
@@ -228,11 +231,37 @@ def open_adapter(folder: Path) -> PeftAdapter:
     adapter = PeftAdapter(folder=folder, config=config, source=source)
     try:
         _group(adapter)
+        _param_loras(adapter)
         _resolve_scales(adapter)
     except BaseException:
         source.close()
         raise
     return adapter
+
+
+def _param_loras(adapter: PeftAdapter) -> None:
+    """peft ``target_parameters``: a parameter's LoRA is saved under its module (``mlp.experts.lora_A``);
+    several parameters of one module nest, the first listed innermost (``mlp.experts.base_layer.lora_A``).
+    Those pairs move to ``param_lora``, keyed by the parameter they change."""
+    targets = [str(t) for t in adapter.config.get("target_parameters") or []]
+    if not targets:
+        return
+    for mod in list(adapter.lora):
+        owner, depth = mod, 0
+        while owner.endswith(".base_layer"):
+            owner, depth = owner[: -len(".base_layer")], depth + 1
+        params = [t.rsplit(".", 1)[-1] for t in targets
+                  if "." in t and (owner == t.rsplit(".", 1)[0] or owner.endswith("." + t.rsplit(".", 1)[0]))]
+        if not params:
+            continue
+        if depth >= len(params):
+            raise MergeError(
+                f"{mod}: the adapter's LoRA pairs for {owner} do not fit its target_parameters ({', '.join(params)}); "
+                "the adapter file is inconsistent."
+            )
+        entry = adapter.lora.pop(mod)
+        entry.module = f"{owner}.{params[len(params) - 1 - depth]}"
+        adapter.param_lora[entry.module] = entry
 
 
 def _group(adapter: PeftAdapter) -> None:
@@ -351,6 +380,23 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
         entry.scale = alpha / math.sqrt(r) if rslora else alpha / r
         if entry.magnitude is not None and entry.is_embedding:
             raise MergeError(f"{mod}: DoRA on embedding layers is not supported yet.")
+    for name, entry in adapter.param_lora.items():  # rank r per expert: r x experts rows
+        key = pattern_key(rank_pattern, name)
+        r = int(rank_pattern[key]) if key is not None else int(cfg_r)
+        key = pattern_key(alpha_pattern, name)
+        alpha = alpha_pattern[key] if key is not None else cfg_alpha
+        a, b = entry.A, entry.B
+        if a is None or b is None or len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1] \
+                or a.shape[0] % r:
+            raise MergeError(
+                f"{name}: the LoRA pair for this parameter does not have rank {r} per expert "
+                f"(lora_A {list(a.shape) if a else None}, lora_B {list(b.shape) if b else None}); "
+                "the config does not belong to these weights."
+            )
+        if not alpha:
+            raise MergeError(f"lora_alpha is 0 for {name}, so the adapter would change nothing; set the training value.")
+        entry.r, entry.alpha = r, alpha
+        entry.scale = alpha / math.sqrt(r) if rslora else alpha / r
 
 
 _ADAPTER_NAME = re.compile(

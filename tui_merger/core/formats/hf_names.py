@@ -210,3 +210,111 @@ class ConvertedSource:
 
     def close(self) -> None:
         self._cache.clear()
+
+
+class SlicedSource:
+    """Small tensors that are parts of others (a LoRA factor's rows or strided columns): each part
+    is cut from its parent, which is read once and kept until each of its parts was handed out."""
+
+    def __init__(self) -> None:
+        self.folder = None
+        self.files: list[str] = []
+        self.tensors: dict = {}
+        self._parts: dict[str, tuple] = {}  # name -> (parent ref, rows, columns)
+        self._children: dict[int, set] = {}
+        self._cache: dict[int, object] = {}
+        self._served: dict[int, set] = {}
+
+    def add(self, name: str, parent, rows: tuple[int, int], columns: tuple[int, int] | None = None):
+        """``rows``: (start, stop); ``columns``: (first, step), every step-th column from first."""
+        from tui_merger.core.io.sources import TensorRef
+
+        n_rows = rows[1] - rows[0]
+        n_cols = parent.shape[1] if columns is None else len(range(columns[0], parent.shape[1], columns[1]))
+        ref = TensorRef(self, "", name, parent.dtype, (n_rows, n_cols))
+        self.tensors[name] = ref
+        self._parts[name] = (parent, rows, columns)
+        self._children.setdefault(id(parent), set()).add(name)
+        return ref
+
+    def load(self, ref):
+        parent, rows, columns = self._parts[ref.name]
+        key = id(parent)
+        whole = self._cache.get(key)
+        if whole is None:
+            whole = self._cache[key] = parent.load()
+            parent.release()
+            self._served[key] = set()
+        part = whole[rows[0]:rows[1]]
+        if columns is not None:
+            part = part[:, columns[0]::columns[1]]
+        self._served[key].add(ref.name)
+        if self._served[key] >= self._children[key]:
+            del self._cache[key], self._served[key]
+        return part.contiguous()
+
+    def load_into(self, ref, out) -> None:
+        out.copy_(self.load(ref))
+
+    def raw_ranges(self, ref):
+        return None
+
+    def row_blocks(self, ref):
+        return None
+
+    def release(self, ref) -> None:
+        pass
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+def expert_loras(layout: DiskLayout, adapter, sliced: SlicedSource) -> dict:
+    """peft ``target_parameters`` LoRA on packed experts as ordinary LoRA on the tensors
+    ``save_pretrained`` writes: {on-disk module: LoraModule}. peft's delta for expert e of a packed
+    ``[experts, out, in]`` parameter is ``B_e @ A_e`` with ``A_e`` rows e*r..(e+1)*r of lora_A and
+    ``B_e`` every experts-th column of lora_B from e; which rows of it each on-disk tensor takes is
+    found by converting an index tensor with transformers' own reverse conversion."""
+    import torch
+
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.formats.adapter import LoraModule
+
+    state = layout.model.state_dict()
+    out = {}
+    for name, entry in adapter.param_lora.items():
+        packed = state.get(name)
+        if packed is None:
+            raise MergeError(f"The adapter changes the parameter {name}, which the base model does not have.")
+        module = layout.model.get_submodule(name.rsplit(".", 1)[0])
+        experts = entry.A.shape[0] // entry.r
+        if packed.dim() != 3 or packed.shape[0] != experts or getattr(module, "is_transposed", False):
+            raise MergeError(
+                f"{name}: LoRA on a parameter of shape {list(packed.shape)} ({experts} experts of rank {entry.r}) "
+                "is not supported yet; only experts stored as [experts, out, in] are."
+            )
+        _, d_out, d_in = packed.shape
+        if entry.A.shape[1] != d_in or entry.B.shape[0] != d_out:
+            raise MergeError(
+                f"{name}: its LoRA pair (lora_A {list(entry.A.shape)}, lora_B {list(entry.B.shape)}) does not fit "
+                f"the parameter's shape {list(packed.shape)}; is the base the model the adapter was trained on?"
+            )
+        index = torch.arange(experts * d_out, dtype=torch.float64).reshape(experts, d_out, 1)
+        pieces = layout.convert(name, index)
+        if list(pieces) == [name]:
+            raise MergeError(
+                f"{name}: the base keeps these experts packed on disk; merging LoRA into packed experts is not "
+                "supported yet."
+            )
+        for disk, rows in pieces.items():
+            flat = rows.flatten().long()
+            expert, start = divmod(int(flat[0]), d_out)
+            stop = start + flat.numel()
+            if rows.dim() != 2 or rows.shape[1] != 1 or not torch.equal(flat, torch.arange(flat[0], flat[0] + flat.numel())) \
+                    or stop > d_out:
+                raise MergeError(f"{name}: transformers saves these experts in a layout tui-merger cannot merge LoRA into yet.")
+            mod = disk.removesuffix(".weight")
+            a = sliced.add(f"{mod}.lora_A", entry.A, (expert * entry.r, (expert + 1) * entry.r))
+            b = sliced.add(f"{mod}.lora_B", entry.B, (start, stop), (expert, experts))
+            out[mod] = LoraModule(mod, A=a, B=b, r=entry.r, alpha=entry.alpha, scale=entry.scale)
+    return out

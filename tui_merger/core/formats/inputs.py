@@ -53,7 +53,7 @@ def _open_inputs(options: MergeOptions) -> Inputs:
         for path, weight in options.adapter_weights():
             part = open_adapter(path, base.tensors)
             inputs.closers.append(part)
-            parts.append((_on_disk_names(part, base, options.base), weight, path))
+            parts.append((_on_disk_names(part, base, options.base, inputs.closers), weight, path))
         inputs.parts = parts
         adapter = inputs.adapter = combine_adapters(parts)
         _quantized_base(inputs, options)
@@ -77,7 +77,7 @@ def _open_inputs(options: MergeOptions) -> Inputs:
     return inputs
 
 
-def _on_disk_names(adapter, base, base_dir: Path):
+def _on_disk_names(adapter, base, base_dir: Path, closers: list):
     """An adapter saved with the names transformers keeps in memory (a vision-language model's
     ``model.language_model.*``) given the names its base has on disk, by transformers' own rules; an
     adapter whose names the base already has comes back as it is."""
@@ -89,9 +89,33 @@ def _on_disk_names(adapter, base, base_dir: Path):
     from tui_merger.core.formats.hf_names import memory_to_disk
 
     mapping = memory_to_disk(base_dir, base.tensors)
-    if not any(name in mapping for name in wanted):
-        return adapter  # the plan says which modules the base does not have
-    return renamed(adapter, lambda name: mapping.get(name, name))
+    if any(name in mapping for name in wanted):
+        adapter = renamed(adapter, lambda name: mapping.get(name, name))
+    if adapter.param_lora:
+        _expert_loras(adapter, base_dir, closers)
+    return adapter  # names the base still lacks: the plan says which
+
+
+def _expert_loras(adapter, base_dir: Path, closers: list) -> None:
+    """LoRA on packed expert parameters (peft target_parameters) as LoRA on each expert's tensors."""
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.formats.hf_names import SlicedSource, disk_layout, expert_loras
+
+    layout = disk_layout(base_dir)
+    if layout is None:
+        raise MergeError(
+            f"The adapter changes parameters ({', '.join(list(adapter.param_lora)[:3])}) of a model transformers "
+            "cannot build here, so where they lie in the base is unknown; nothing was written."
+        )
+    sliced = SlicedSource()
+    closers.append(sliced)
+    loras = expert_loras(layout, adapter, sliced)
+    adapter.notices.append(
+        f"LoRA on {len(adapter.param_lora)} expert parameter(s) (peft target_parameters) is merged into "
+        f"{len(loras)} per-expert tensors."
+    )
+    adapter.lora.update(loras)
+    adapter.param_lora = {}
 
 
 def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:

@@ -159,8 +159,34 @@ def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str,
             missing.append(name)
         else:
             weights[name] = source
+    if missing and len(adapters) == 1 and adapters[0][1] is None:
+        missing = _adapter_file_weights(model, Path(adapters[0][0]), missing, weights)
     _check_shapes(model, weights, what)
     return Streamer(model, weights, on_unit=_progress(on_event, what), cancel=cancel), missing
+
+
+def _adapter_file_weights(model, folder: Path, missing: list[str], weights: dict) -> list[str]:
+    """LoRA weights peft left on the meta device (its parameter LoRA, target_parameters, on a meta
+    base): read from the adapter file itself, under the name peft saved them with."""
+    import torch
+    from safetensors import safe_open
+
+    from tui_merger.core.verify.streaming import Weight
+
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        return missing
+    params = dict(model.named_parameters(remove_duplicate=False))
+    still = []
+    with safe_open(str(path), "pt") as f:
+        keys = set(f.keys())
+        for name in missing:
+            key = name.replace(".default.", ".", 1)
+            if ".lora_" in name and key in keys and tuple(f.get_slice(key).get_shape()) == tuple(params[name].shape):
+                weights[name] = Weight(tuple(params[name].shape), held=f.get_tensor(key).to(torch.float32))
+            else:
+                still.append(name)
+    return still
 
 
 def _check_shapes(model, weights: dict, what: str) -> None:

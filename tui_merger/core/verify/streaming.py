@@ -41,6 +41,7 @@ class Weight:
     convert: object = None  # callable -> dict[in-memory name, tensor]
     held: object = None  # torch.Tensor
     nbytes: int = 0
+    key: str | None = None  # the name ``convert`` gives it (the base's name; a peft model's differs)
 
 
 @dataclass
@@ -104,9 +105,10 @@ class Streamer:
         if w.held is not None:
             return w.held if w.held.dtype == torch.float32 else w.held.float()
         if w.convert is not None:
-            if name not in self._converted:
+            key = w.key or name
+            if key not in self._converted:
                 self._converted.update(w.convert())
-            value = self._converted.pop(name).float()
+            value = self._converted.pop(key).float()
             if tuple(value.shape) != tuple(w.shape):
                 raise StreamError(f"{name} converts to shape {list(value.shape)}, the model wants {list(w.shape)}.")
             return value
@@ -369,6 +371,7 @@ def weights_from_files(model, tensors: dict) -> tuple[dict[str, Weight], list[st
             tuple(state[target].shape),
             convert=_converter_call(converters[target], target, members, model),
             nbytes=sum(r.nbytes for _, r in members),
+            key=target,
         )
     for source, target in _tied_pairs(model).items():  # lm_head.weight -> model.embed_tokens.weight
         if source not in weights and target in weights:

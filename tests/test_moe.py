@@ -1,0 +1,88 @@
+"""MoE experts in transformers 5: Qwen3-MoE holds its experts packed (``mlp.experts.gate_up_proj``
+[experts, 2 x intermediate, hidden], ``down_proj`` [experts, hidden, intermediate]) and writes one tensor
+per expert. A peft LoRA on those parameters (``target_parameters``, rank r per expert) merges exactly as
+peft's ``merge_and_unload`` computes it, into the tensors ``save_pretrained`` writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from factory import read_output
+
+from tui_merger.cli import main
+
+MOE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+           vocab_size=320, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32)
+
+
+def save_moe(root, dtype, target_parameters, r=4):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**MOE)).to(dtype).save_pretrained(root / "base")
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+    torch.manual_seed(1)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj"], target_parameters=target_parameters,
+                        init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(root / "adapter")
+    return root / "base", root / "adapter"
+
+
+def peft_merged(base, adapter, out, dtype) -> dict:
+    from peft import PeftModel
+
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(base, dtype=torch.float32)
+    PeftModel.from_pretrained(model, adapter).merge_and_unload().to(dtype).save_pretrained(out)
+    return read_output(out)
+
+
+@pytest.mark.parametrize("targets", [
+    ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"],  # the other nesting order
+    ["mlp.experts.gate_up_proj"],
+], ids=["gate_up+down", "down+gate_up", "gate_up"])
+def test_target_parameters_lora_on_experts_merges_like_peft(targets, tmp_path, capsys):
+    base, adapter = save_moe(tmp_path, torch.float32, targets)
+    expected = peft_merged(base, adapter, tmp_path / "reference", torch.float32)
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    got = read_output(out)
+    assert sorted(got) == sorted(expected)
+    base_tensors = read_output(base)
+    for name, ref in expected.items():
+        assert got[name].dtype == ref.dtype and got[name].shape == ref.shape, name
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    changed = {n for n in expected if not torch.equal(expected[n], base_tensors[n])}
+    kinds = {n.rsplit(".", 2)[-2] for n in changed if ".experts." in n}
+    assert kinds == ({"gate_proj", "up_proj", "down_proj"} if len(targets) == 2 else {"gate_proj", "up_proj"})
+    assert len([n for n in changed if ".experts." in n]) == 2 * 4 * len(kinds)  # every expert of both layers
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    checks = {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
+    assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, checks
+
+
+def test_dry_run_reports_expert_lora_and_no_rank_mismatch(tmp_path, capsys):
+    base, adapter = save_moe(tmp_path, torch.bfloat16, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "m"), "--dry-run"])
+    plan = capsys.readouterr().out
+    assert code == 0, plan
+    assert "saved tensors have rank" not in plan
+    assert "LoRA on 4 expert parameter(s) (peft target_parameters) is merged into 24 per-expert tensors" in plan
+
+
+def test_bf16_experts_round_like_peft(tmp_path, capsys):
+    base, adapter = save_moe(tmp_path, torch.bfloat16, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    expected = peft_merged(base, adapter, tmp_path / "reference", torch.bfloat16)
+    out = tmp_path / "merged"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 0
+    capsys.readouterr()
+    got = read_output(out)
+    for name, ref in expected.items():
+        assert got[name].dtype == torch.bfloat16, name
+        # both compute W + s*B@A in fp32 and round once: equal, or one bf16 step apart where the sum ties
+        torch.testing.assert_close(got[name].float(), ref.float(), rtol=2 ** -7, atol=1e-6, msg=name)
