@@ -57,6 +57,9 @@ class LoraModule:
     scale: float = 0.0  # alpha / r (or / sqrt(r)), times the adapter's weight in a weighted merge
     origin: int = 0  # which adapter of a weighted merge (index into config["adapters"])
     terms: list["LoraModule"] = field(default_factory=list)  # the same module in the other adapters
+    experts: int = 0  # LoRA on packed experts kept packed (expert_lora): how many
+    candidates: tuple = ()  # parameter LoRA before it is placed: (nesting depth, parameter names)
+    transposed: bool = False  # those experts stored [experts, in, out]
 
     @property
     def is_embedding(self) -> bool:
@@ -77,6 +80,7 @@ class PeftAdapter:
     # peft target_parameters (LoRA on a parameter, e.g. packed MoE experts): in-memory param name ->
     # its LoRA pair (rank r x experts); made into per-tensor LoRA against the base (formats/hf_names.py)
     param_lora: dict[str, LoraModule] = field(default_factory=dict)
+    expert_lora: dict[str, LoraModule] = field(default_factory=dict)  # ... whose base keeps them packed on disk
     notices: list[str] = field(default_factory=list)
 
     @property
@@ -108,7 +112,7 @@ def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
 def module_params(adapter: PeftAdapter) -> list[str]:
     """The base parameters the adapter changes or replaces (``<module>.weight`` for a LoRA module)."""
     names = [f"{m}.weight" for m in adapter.lora] + [f"{m}.weight" for m in adapter.token_rows]
-    return names + list(adapter.replacements) + list(adapter.base_overrides) + list(adapter.param_lora)
+    return names + list(adapter.replacements) + list(adapter.base_overrides) + list(adapter.param_lora) + list(adapter.expert_lora)
 
 
 def renamed(adapter: PeftAdapter, rename) -> PeftAdapter:
@@ -241,8 +245,8 @@ def open_adapter(folder: Path) -> PeftAdapter:
 
 def _param_loras(adapter: PeftAdapter) -> None:
     """peft ``target_parameters``: a parameter's LoRA is saved under its module (``mlp.experts.lora_A``);
-    several parameters of one module nest, the first listed innermost (``mlp.experts.base_layer.lora_A``).
-    Those pairs move to ``param_lora``, keyed by the parameter they change."""
+    several parameters of one module nest, in the module's parameter order, the first innermost (``base_layer.lora_A``).
+    Those pairs move to ``param_lora`` (keyed by module and nesting); the base decides which parameter each changes."""
     targets = [str(t) for t in adapter.config.get("target_parameters") or []]
     if not targets:
         return
@@ -260,8 +264,11 @@ def _param_loras(adapter: PeftAdapter) -> None:
                 "the adapter file is inconsistent."
             )
         entry = adapter.lora.pop(mod)
-        entry.module = f"{owner}.{params[len(params) - 1 - depth]}"
-        adapter.param_lora[entry.module] = entry
+        # which parameter this pair belongs to is decided against the base (hf_names.expert_loras):
+        # by shape, else by nesting (peft wraps them in the module's parameter order, the first innermost)
+        entry.module = owner
+        entry.candidates = (depth, tuple(params))
+        adapter.param_lora[f"{owner}.{'base_layer.' * depth}lora"] = entry
 
 
 def _group(adapter: PeftAdapter) -> None:

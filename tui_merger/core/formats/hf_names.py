@@ -269,6 +269,29 @@ class SlicedSource:
         self._cache.clear()
 
 
+def _placed(model, state: dict, entry) -> str:
+    """The parameter a parameter-LoRA pair changes: the one of its module's targeted parameters whose
+    shape fits the pair; when several fit, by peft's nesting (module parameter order, first innermost)."""
+    from tui_merger.core.errors import MergeError
+
+    depth, params = entry.candidates
+    owner = entry.module
+    module = model.get_submodule(owner)
+    transposed = bool(getattr(module, "is_transposed", False))
+    order = [n for n, _ in module.named_parameters(recurse=False) if n in params]
+    if len(order) <= depth:
+        raise MergeError(f"{owner}: the adapter's LoRA pairs do not fit the parameters {', '.join(params)} of the base.")
+    fits = []
+    for pname in order:
+        shape = state[f"{owner}.{pname}"].shape
+        if len(shape) == 3:
+            d_out, d_in = (shape[2], shape[1]) if transposed else (shape[1], shape[2])
+            if entry.A.shape[1] == d_in and entry.B.shape[0] == d_out:
+                fits.append(pname)
+    chosen = fits[0] if len(fits) == 1 else order[len(order) - 1 - depth]
+    return f"{owner}.{chosen}"
+
+
 def expert_loras(layout: DiskLayout, adapter, sliced: SlicedSource) -> dict:
     """peft ``target_parameters`` LoRA on packed experts as ordinary LoRA on the tensors
     ``save_pretrained`` writes: {on-disk module: LoraModule}. peft's delta for expert e of a packed
@@ -282,30 +305,44 @@ def expert_loras(layout: DiskLayout, adapter, sliced: SlicedSource) -> dict:
 
     state = layout.model.state_dict()
     out = {}
-    for name, entry in adapter.param_lora.items():
+    placed = {}
+    for entry in adapter.param_lora.values():
+        name = _placed(layout.model, state, entry)
+        if name in placed:
+            raise MergeError(f"The adapter holds two LoRA pairs for {name}; the adapter file is inconsistent.")
+        placed[name] = entry
+    for name, entry in placed.items():
+        entry.module = name
         packed = state.get(name)
         if packed is None:
             raise MergeError(f"The adapter changes the parameter {name}, which the base model does not have.")
         module = layout.model.get_submodule(name.rsplit(".", 1)[0])
         experts = entry.A.shape[0] // entry.r
-        if packed.dim() != 3 or packed.shape[0] != experts or getattr(module, "is_transposed", False):
+        transposed = bool(getattr(module, "is_transposed", False))  # [experts, in, out] (GPT-OSS)
+        if packed.dim() != 3 or packed.shape[0] != experts:
             raise MergeError(
                 f"{name}: LoRA on a parameter of shape {list(packed.shape)} ({experts} experts of rank {entry.r}) "
-                "is not supported yet; only experts stored as [experts, out, in] are."
+                "is not supported yet; only packed experts are."
             )
         _, d_out, d_in = packed.shape
+        if transposed:
+            d_out, d_in = d_in, d_out
         if entry.A.shape[1] != d_in or entry.B.shape[0] != d_out:
             raise MergeError(
                 f"{name}: its LoRA pair (lora_A {list(entry.A.shape)}, lora_B {list(entry.B.shape)}) does not fit "
                 f"the parameter's shape {list(packed.shape)}; is the base the model the adapter was trained on?"
             )
+        pieces = layout.convert(name, torch.empty(tuple(packed.shape), device="meta"))  # names only
+        if list(pieces) == [name]:  # kept packed on disk too: one op on the packed tensor
+            entry.experts, entry.transposed = experts, transposed
+            adapter.expert_lora[name] = entry
+            continue
+        if transposed:
+            raise MergeError(
+                f"{name}: experts stored [experts, in, out] and split on saving are not supported yet."
+            )
         index = torch.arange(experts * d_out, dtype=torch.float64).reshape(experts, d_out, 1)
         pieces = layout.convert(name, index)
-        if list(pieces) == [name]:
-            raise MergeError(
-                f"{name}: the base keeps these experts packed on disk; merging LoRA into packed experts is not "
-                "supported yet."
-            )
         for disk, rows in pieces.items():
             flat = rows.flatten().long()
             expert, start = divmod(int(flat[0]), d_out)

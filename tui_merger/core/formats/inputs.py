@@ -84,7 +84,7 @@ def _on_disk_names(adapter, base, base_dir: Path, closers: list):
     from tui_merger.core.formats.adapter import module_params, renamed
 
     wanted = module_params(adapter)
-    if all(name in base.tensors for name in wanted):
+    if all(name in base.tensors for name in wanted) and not adapter.param_lora:
         return adapter
     from tui_merger.core.formats.hf_names import memory_to_disk
 
@@ -110,9 +110,13 @@ def _expert_loras(adapter, base_dir: Path, closers: list) -> None:
     sliced = SlicedSource()
     closers.append(sliced)
     loras = expert_loras(layout, adapter, sliced)
+    packed = len(adapter.expert_lora)
     adapter.notices.append(
         f"LoRA on {len(adapter.param_lora)} expert parameter(s) (peft target_parameters) is merged into "
-        f"{len(loras)} per-expert tensors."
+        + (f"{len(loras)} per-expert tensors" if loras else "")
+        + (" and " if loras and packed else "")
+        + (f"{packed} packed expert tensors" if packed else "")
+        + "."
     )
     adapter.lora.update(loras)
     adapter.param_lora = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from tui_merger.core.plan.plan import BiasOp, LoraOp, OutputTensor, RowsOp
+from tui_merger.core.plan.plan import BiasOp, ExpertsLoraOp, LoraOp, OutputTensor, RowsOp
 
 FP16_MAX = 65504.0
 
@@ -126,6 +126,9 @@ def compute(t: OutputTensor, clamp: bool = False, ws: Workspace | None = None):
                 factor = op.magnitude.load().float() / norm
                 factor = factor.view(-1, 1)
                 acc = (factor.T if op.transpose else factor) * v
+        elif isinstance(op, ExpertsLoraOp):
+            base = w if acc is None else acc
+            acc = op.delta(op.A.load().float(), op.B.load().float()).add_(base)
         elif isinstance(op, BiasOp):
             base = w if acc is None else acc
             acc = op.bias.load().float() * op.scale

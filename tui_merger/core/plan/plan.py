@@ -29,6 +29,30 @@ class LoraOp:
 
 
 @dataclass(frozen=True)
+class ExpertsLoraOp:
+    """Packed experts ``W[e] += scale * (B_e @ A_e)`` (peft target_parameters): lora_A holds r rows
+    per expert, lora_B r columns per expert interleaved (column j*experts + e); ``transposed`` for
+    experts stored [experts, in, out] (the delta is then (B_e @ A_e).T)."""
+
+    module: str
+    A: TensorRef
+    B: TensorRef
+    scale: float
+    experts: int
+    transposed: bool
+
+    def delta(self, a, b, experts=None):
+        """scale * delta in fp32 for the experts ``experts`` (a slice or index; None: all)."""
+        import torch
+
+        a = a.reshape(self.experts, -1, a.shape[-1])  # experts x r x in
+        b = b.reshape(b.shape[0], -1, self.experts)  # out x r x experts
+        if experts is not None:
+            a, b = a[experts], b[..., experts]
+        return torch.einsum("ore,eri->eio" if self.transposed else "ore,eri->eoi", b, a) * self.scale
+
+
+@dataclass(frozen=True)
 class BiasOp:
     """b += scale * lora_B.bias"""
 
@@ -190,6 +214,13 @@ def build_plan(
                 if tuple(sources[bname].shape) != tuple(entry.B_bias.shape):
                     raise _shape_error(entry.B_bias, sources[bname], bname)
                 ops[bname].append(BiasOp(mod, entry.B_bias, entry.scale))
+
+    # 3b. LoRA on packed experts kept packed on disk (peft target_parameters)
+    for pname, entry in getattr(adapter, "expert_lora", {}).items():
+        module, _, param = pname.rpartition(".")
+        name = resolve(module, param, "LoRA on experts")
+        if name:
+            ops[name].append(ExpertsLoraOp(pname, entry.A, entry.B, entry.scale, entry.experts, entry.transposed))
 
     # 4. trainable token rows; peft ties them to a tied output embedding as well
     for mod, (indices, ref) in adapter.token_rows.items():

@@ -330,13 +330,15 @@ class _Recomputation:
     once; ``rows`` (a slice or an index tensor) gives any part of the result."""
 
     def __init__(self, t) -> None:
-        from tui_merger.core.plan.plan import BiasOp, LoraOp
+        from tui_merger.core.plan.plan import BiasOp, ExpertsLoraOp, LoraOp
 
         self.t = t
         self.w = t.source.load()
         self.ops = []
         for op in t.ops:
-            if isinstance(op, LoraOp):
+            if isinstance(op, ExpertsLoraOp):
+                self.ops.append((op, op.A.load().float(), op.B.load().float(), None))
+            elif isinstance(op, LoraOp):
                 mag = op.magnitude.load().float().reshape(-1) if op.magnitude is not None else None
                 self.ops.append((op, op.A.load().float(), op.B.load().float(), mag))
             elif isinstance(op, BiasOp):
@@ -347,13 +349,15 @@ class _Recomputation:
     def rows(self, rows):
         import torch
 
-        from tui_merger.core.plan.plan import BiasOp, LoraOp
+        from tui_merger.core.plan.plan import BiasOp, ExpertsLoraOp, LoraOp
 
         acc = (self.w if rows is None else self.w[rows]).float()
         if acc.data_ptr() == self.w.data_ptr():
             acc = acc.clone()  # fp32 input: never write into the memory-mapped file
         for op, x, y, mag in self.ops:
-            if isinstance(op, LoraOp):
+            if isinstance(op, ExpertsLoraOp):  # rows are experts here
+                acc = acc + op.delta(x, y, rows)
+            elif isinstance(op, LoraOp):
                 a, b = x, y
                 if op.transpose:
                     v = acc + (b @ (a if rows is None else a[:, rows])).T * op.scale
@@ -381,12 +385,15 @@ class _Recomputation:
     def magnitude(self, rows):
         """What fp32 rounding of the recomputation scales with, per value: |W| + sum of s * (|B| @ |A|)
         of the LoRA ops, times (terms + 2) (the classic bound of a dot product's rounding error)."""
-        from tui_merger.core.plan.plan import LoraOp
+        from tui_merger.core.plan.plan import ExpertsLoraOp, LoraOp
 
         mag = (self.w if rows is None else self.w[rows]).float().abs()
         terms = 0
         for op, a, b, _ in self.ops:
-            if isinstance(op, LoraOp) and len(self.t.shape) == 2:
+            if isinstance(op, ExpertsLoraOp):
+                mag = mag + abs(op.delta(a.abs(), b.abs(), rows))
+                terms += a.shape[0] // op.experts
+            elif isinstance(op, LoraOp) and len(self.t.shape) == 2:
                 a, b = a.abs(), b.abs()
                 if op.transpose:
                     delta = (b @ (a if rows is None else a[:, rows])).T
