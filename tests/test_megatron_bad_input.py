@@ -225,3 +225,10 @@ def test_megatron_peft_adapter_is_named(tmp_path, capsys):
     run = _copy(tmp_path, "qwen2_pp2")
     (_actor(run) / "adapter_checkpoint").mkdir()
     _refused(capsys, tmp_path, run, "PEFT adapter", "cannot merge yet")
+
+
+def test_a_vision_language_config_is_named_as_such(tmp_path, capsys):
+    run = _copy(tmp_path, "qwen2_tp2")
+    _edit_config(run, model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"],
+                 vision_config={"depth": 2, "hidden_size": 32})
+    _refused(capsys, tmp_path, run, "vision-language model (Qwen2_5_VLForConditionalGeneration)", "model_merger")

@@ -406,6 +406,12 @@ def model_family(config: dict, config_path) -> str:
         if m and m.group(1) in _ARCH_FAMILY:
             return _ARCH_FAMILY[m.group(1)]
     named = (config.get("architectures") or [None])[0] or config.get("model_type") or "unnamed"
+    if isinstance(config.get("vision_config"), dict):
+        raise MergeError(
+            f"{config_path} describes a vision-language model ({named}); tui-merger cannot convert Megatron "
+            "checkpoints of vision-language models yet (the vision tower's Megatron names are not mapped): "
+            "convert it with verl's model_merger, or merge a run trained with FSDP."
+        )
     raise MergeError(
         f"{config_path} describes a {named} model; tui-merger converts Megatron checkpoints of {SUPPORTED} "
         "models only."
