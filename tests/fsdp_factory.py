@@ -107,7 +107,7 @@ _OPTION_DEFAULTS = dict(
     step=5,
     family="qwen2",
 )
-FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe")  # a text model, a vision-language one, a MoE one
+FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss")  # text, vision-language, MoE, hybrid attention, packed experts
 
 
 def _normalise(opts: dict) -> dict:
@@ -542,7 +542,8 @@ def _family_class(family: str, critic: bool = False):
     if critic:
         return transformers.Qwen2ForTokenClassification
     return getattr(transformers, {"qwen2": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                                  "qwen3_moe": "Qwen3MoeForCausalLM"}[family])
+                                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+                                  "gpt_oss": "GptOssForCausalLM"}[family])
 
 
 def _family_config(family: str, tied: bool):
@@ -551,6 +552,14 @@ def _family_config(family: str, tied: bool):
     ids = dict(tie_word_embeddings=tied, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     if family == "qwen2":
         return transformers.Qwen2Config(**QWEN_FSDP, **ids)
+    if family == "qwen3_5":  # linear-attention layers, then a full-attention one
+        return transformers.Qwen3_5TextConfig(**{**QWEN_FSDP, "num_hidden_layers": 2}, **ids, head_dim=16,
+                                              linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                                              linear_value_head_dim=16, full_attention_interval=2)
+    if family == "gpt_oss":  # experts packed [experts, in, out] with biases, attention sinks
+        return transformers.GptOssConfig(**{**QWEN_FSDP, "intermediate_size": 32}, **ids, head_dim=16,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         layer_types=["sliding_attention", "full_attention"])
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**QWEN_FSDP, **ids, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)

@@ -1,7 +1,8 @@
 """verl FSDP checkpoints of today's model families, written by torch.distributed (gloo, CPU) from
 transformers 5 models: a vision-language model (Qwen2.5-VL: ``model.language_model.*`` and
-``model.visual.*`` in the state dict) and a MoE model (Qwen3-MoE: experts packed as
-``mlp.experts.gate_up_proj`` / ``down_proj``). The output is what ``save_pretrained`` writes for the
+``model.visual.*`` in the state dict), MoE models (Qwen3-MoE: experts packed as
+``mlp.experts.gate_up_proj`` / ``down_proj``, split on saving; GPT-OSS: kept packed) and Qwen3.5
+(linear-attention layers). The output is what ``save_pretrained`` writes for the
 trained model: the same tensor names (experts one by one), shapes, dtypes and values."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def verified(out: Path) -> dict:
     return {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss"])
 def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, family, tmp_path, capsys):
     info = fsdp_checkpoint(family=family)
     out = tmp_path / "merged"
@@ -46,19 +47,20 @@ def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, f
     if family == "qwen3_moe":
         assert any(".mlp.experts.3.gate_proj.weight" in n for n in got)
         assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in got)
-    else:
+    elif family == "qwen2_5_vl":
         assert any(n.startswith("visual.") for n in got) and not any(".language_model." in n for n in got)
     assert verified(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
-def test_a_vl_lora_run_merges_like_peft(fsdp_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_a_lora_run_merges_like_peft(fsdp_checkpoint, family, tmp_path, capsys):
+    import transformers
     from peft import PeftModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
-    info = fsdp_checkpoint(family="qwen2_5_vl", lora=True)
+    info = fsdp_checkpoint(family=family, lora=True)
     out = tmp_path / "merged"
     merge(capsys, info["checkpoint_dir"], out)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(info["reference_base"], dtype=torch.float32)
+    model = getattr(transformers, info["architecture"]).from_pretrained(info["reference_base"], dtype=torch.float32)
     peft_merged = PeftModel.from_pretrained(model, info["reference_adapter"]).merge_and_unload()
     peft_merged.save_pretrained(tmp_path / "peft")
     got, expected = read_output(out), read_output(tmp_path / "peft")
