@@ -56,6 +56,12 @@ def families():
             transformers.Qwen3MoeForCausalLM,
             transformers.Qwen3MoeConfig(**TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
             dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+        "qwen3.5 (LoRA all-linear, linear attention)": (
+            transformers.Qwen3_5ForCausalLM,
+            transformers.Qwen3_5TextConfig(**{**TEXT, "num_hidden_layers": 4}, linear_num_value_heads=4,
+                                           linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+                                           full_attention_interval=2),
+            dict(target_modules="all-linear")),
         "gpt-oss (LoRA q,v + experts, target_parameters)": (
             transformers.GptOssForCausalLM,
             transformers.GptOssConfig(**{**TEXT, "intermediate_size": 128}, num_local_experts=4, num_experts_per_tok=2,
@@ -106,15 +112,23 @@ def generate(folder: str) -> dict:
     try:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True)
+        llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True)
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, detokenize=False, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         result["vllm"] = [list(o.outputs[0].token_ids) for o in outs]
     except Exception as err:  # noqa: BLE001 - the table says what happened
-        result["vllm_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        result["vllm_error"] = f"{type(cause).__name__}: {str(cause).splitlines()[0][:160]}"
+        if "torchvision" in str(cause) or "ModelConfig" in str(err):
+            try:
+                import torchvision  # noqa: F401
+            except ImportError:
+                result["vllm_error"] = "vLLM's code for this family imports torchvision, not installed (no CPU build here)"
     config = json.loads((Path(folder) / "config.json").read_text())
     cls = getattr(transformers, config["architectures"][0])
-    model = cls.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = cls.from_pretrained(folder, dtype=torch.float32).eval()
     tokens = []
     with torch.no_grad():
         for p in PROMPTS:
@@ -150,11 +164,15 @@ def main() -> int:
             continue
         got = json.loads(line[len("RESULT "):])
         if "vllm" in got:
-            same = sum(a == b for a, b in zip(got["vllm"], got["transformers"]))
-            rows.append((name, "yes", f"{same}/{len(PROMPTS)} prompts identical", f"{time.perf_counter() - t0:.0f} s"))
+            pairs = list(zip(got["vllm"], got["transformers"]))
+            same = sum(a == b for a, b in pairs)
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in pairs]
+            where = ", ".join(f"prompt {k + 1} from token {i + 1}" for k, i in enumerate(first) if i is not None)
+            note = f"{time.perf_counter() - t0:.0f} s" + (f"; differs at {where}" if where else "")
+            rows.append((name, "yes", f"{same}/{len(PROMPTS)} prompts identical", note))
         else:
             rows.append((name, "no", "-", got["vllm_error"]))
-    print("\n| family (tiny, bf16) | vLLM 0.32 loads it | greedy tokens vs transformers | note |")
+    print("\n| family (tiny, bf16 weights, run in fp32) | vLLM 0.32 loads it | greedy tokens vs transformers | note |")
     print("|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
