@@ -125,3 +125,14 @@ def test_a_vl_moe_with_experts_packed_on_disk_merges_like_peft(tmp_path, capsys)
     assert checks["structure"] == checks["recompute"] == "pass" and checks["behaviour"] in ("pass", "skip")
     if checks["behaviour"] == "skip":
         assert "not fully verified" in said.out.lower() or "not fully verified" in said.err.lower()
+
+
+def test_inspect_shows_the_expert_parameters(tmp_path, capsys):
+    save_moe(tmp_path, torch.bfloat16, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    assert main(["inspect", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "parameters mlp.experts.down_proj, mlp.experts.gate_up_proj (LoRA on experts" in shown
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    adapter = next(c for c in found["candidates"] if c["kind"] == "peft-adapter")
+    assert adapter["lora"]["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]

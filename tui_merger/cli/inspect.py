@@ -123,6 +123,8 @@ def _lora_line(lora: dict) -> str:
         targets = ", ".join(kinds[:MAX_TARGETS]) + more
     if targets:
         parts.append(f"targets {targets}")
+    if lora.get("target_parameters"):
+        parts.append(f"parameters {', '.join(lora['target_parameters'])} (LoRA on experts: rank r per expert)")
     if lora["n_modules"] is not None:
         parts.append(f"{lora['n_modules']} modules")
     for key, label in (("rank_pattern", "r"), ("alpha_pattern", "alpha")):

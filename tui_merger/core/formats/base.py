@@ -69,6 +69,8 @@ def lora_info(cfg: dict | None = None, n_modules: int | None = None) -> dict:
         "alpha_pattern": cfg.get("alpha_pattern") or {},
         "modules_to_save": cfg.get("modules_to_save") or [],
         "n_modules": n_modules,
+        # LoRA on parameters (MoE experts), listed only when there is some (older readers of --json)
+        **({"target_parameters": sorted(map(str, cfg["target_parameters"]))} if cfg.get("target_parameters") else {}),
     }
 
 

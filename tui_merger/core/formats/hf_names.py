@@ -160,7 +160,33 @@ def disk_layout(config_dir: Path) -> DiskLayout | None:
     return DiskLayout(model, renames, groups)
 
 
-class ConvertedSource:
+class _DerivedSource:
+    """A source whose tensors are computed from other sources' tensors: loaded whole, never copied as
+    raw file bytes nor in row blocks; its pieces go with the tensor they came from."""
+
+    folder = None
+    files: list[str] = []
+
+    def load(self, ref):
+        raise NotImplementedError
+
+    def load_into(self, ref, out) -> None:
+        out.copy_(self.load(ref))
+
+    def raw_ranges(self, ref):
+        return None
+
+    def row_blocks(self, ref):
+        return None
+
+    def release(self, ref) -> None:
+        pass
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+class ConvertedSource(_DerivedSource):
     """On-disk tensors made from in-memory ones that transformers splits when saving (packed experts
     -> one tensor per expert). Loading one converts its whole group once and hands out the pieces;
     the group is dropped when each piece was handed out (a second pass converts it again)."""
@@ -169,8 +195,6 @@ class ConvertedSource:
         from tui_merger.core.io.sources import TensorRef
 
         self.layout = layout
-        self.folder = None
-        self.files: list[str] = []
         self.tensors = {}
         self._group_of: dict[str, str] = {}
         self._inner = inner  # in-memory name -> TensorRef of the tensor it is made from
@@ -196,29 +220,12 @@ class ConvertedSource:
             del self._cache[group], self._served[group]
         return tensor
 
-    def load_into(self, ref, out) -> None:
-        out.copy_(self.load(ref))
 
-    def raw_ranges(self, ref):
-        return None
-
-    def row_blocks(self, ref):
-        return None
-
-    def release(self, ref) -> None:
-        pass  # the pieces go with their group
-
-    def close(self) -> None:
-        self._cache.clear()
-
-
-class SlicedSource:
+class SlicedSource(_DerivedSource):
     """Small tensors that are parts of others (a LoRA factor's rows or strided columns): each part
     is cut from its parent, which is read once and kept until each of its parts was handed out."""
 
     def __init__(self) -> None:
-        self.folder = None
-        self.files: list[str] = []
         self.tensors: dict = {}
         self._parts: dict[str, tuple] = {}  # name -> (parent ref, rows, columns)
         self._children: dict[int, set] = {}
@@ -252,21 +259,6 @@ class SlicedSource:
         if self._served[key] >= self._children[key]:
             del self._cache[key], self._served[key]
         return part.contiguous()
-
-    def load_into(self, ref, out) -> None:
-        out.copy_(self.load(ref))
-
-    def raw_ranges(self, ref):
-        return None
-
-    def row_blocks(self, ref):
-        return None
-
-    def release(self, ref) -> None:
-        pass
-
-    def close(self) -> None:
-        self._cache.clear()
 
 
 def _placed(model, state: dict, entry) -> str:
