@@ -1,4 +1,4 @@
-"""Qwen3.5 (linear-attention and full-attention layers) and GPT-OSS (experts kept packed and stored
+"""Qwen3.5 and Qwen3.5-MoE (linear-attention and full-attention layers; experts with a shared one) and GPT-OSS (experts kept packed and stored
 [experts, in, out], attention sinks): a peft LoRA merges into what ``save_pretrained`` of peft's
 ``merge_and_unload`` writes, and verification runs each model class."""
 
@@ -21,6 +21,14 @@ def qwen3_5():
         linear_value_head_dim=16, full_attention_interval=2)
 
 
+def qwen3_5_moe():
+    return transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=320,
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        full_attention_interval=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)
+
+
 def gpt_oss():
     return transformers.GptOssForCausalLM, transformers.GptOssConfig(
         hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -30,6 +38,8 @@ def gpt_oss():
 
 CASES = {
     "qwen3_5-all-linear": (qwen3_5, dict(target_modules="all-linear")),
+    "qwen3_5_moe-all-linear+experts": (qwen3_5_moe, dict(target_modules="all-linear", target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
     "gpt_oss-attention+experts": (gpt_oss, dict(target_modules=["q_proj", "v_proj"],
                                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
 }
@@ -64,6 +74,9 @@ def test_lora_merges_like_peft(case, tmp_path, capsys):
             f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
     else:
         assert any(".linear_attn." in n for n in changed) and any(".self_attn." in n for n in changed)
+    if "moe" in case:
+        assert any(".mlp.experts.3.down_proj.weight" in n for n in changed)  # each expert, on disk one by one
+        assert any(".shared_expert." in n for n in changed)
     manifest = json.loads((out / "merge_manifest.json").read_text())
     checks = {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
     assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, checks

@@ -136,3 +136,35 @@ def test_inspect_shows_the_expert_parameters(tmp_path, capsys):
     found = json.loads(capsys.readouterr().out)
     adapter = next(c for c in found["candidates"] if c["kind"] == "peft-adapter")
     assert adapter["lora"]["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_assistant_shows_and_merges_expert_lora(tmp_path, monkeypatch):
+    from test_tui import recheck, text, to_review, until
+    from textual.widgets import Checkbox, Input
+
+    from tui_merger.tui.app import MergeApp
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    (tmp_path / "run").mkdir()
+    save_moe(tmp_path / "run", torch.bfloat16, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    app = MergeApp(tmp_path / "run")
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        findings = text(app, "#findings")
+        assert "expert parameter(s) (peft target_parameters) is merged into 24 per-expert tensors" in findings
+        assert "saved tensors have rank" not in findings
+        app.screen.query_one("#ack", Checkbox).value = True  # the tiny model has no tokenizer: a warning
+        await pilot.pause()
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
