@@ -426,3 +426,47 @@ async def test_review_says_what_a_resume_keeps(workspace, tmp_path):
         app.screen.query_one("#shard", Input).value = "200KB"
         await recheck(pilot, app)
         assert "does not match these inputs/options" in text(app, "#findings")
+
+
+async def test_the_output_suggestion_never_collides_and_replace_is_a_switch(workspace, tmp_path):
+    """The suggested folder skips names an earlier run used (-2, -3 ...); typing a taken folder shows
+    the "Replace the existing folder" switch (not a command-line flag), and ticking it makes the merge
+    replace the folder once the new model is complete."""
+    from tui_merger.core.plan.choices import default_out_folder
+
+    app = MergeApp(workspace)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        first = Path(app.screen.query_one("#out", Input).value)
+        assert not first.exists()
+        folder = default_out_folder(wizard.candidate)[0]
+        assert first.parent == folder
+    first.mkdir()
+    (first / "model.safetensors").write_text("an earlier merge")
+    try:
+        app = MergeApp(workspace)
+        async with app.run_test(size=(100, 30)) as pilot:
+            wizard = await to_review(pilot, app)
+            second = Path(app.screen.query_one("#out", Input).value)
+            assert second.name == first.name + "-2" and not second.exists()
+            assert not app.screen.query_one("#replace", Checkbox).display
+            app.screen.query_one("#out", Input).value = str(first)
+            await recheck(pilot, app)
+            findings = text(app, "#findings")
+            assert "ERROR" in findings and "--overwrite" not in findings
+            assert 'tick "Replace the existing folder"' in findings
+            assert app.screen.query_one("#replace", Checkbox).display
+            app.screen.query_one("#replace", Checkbox).value = True
+            await until(pilot, lambda: wizard.running is None and not wizard.plan_stale and wizard.options.overwrite, "the plan again")
+            findings = text(app, "#findings")
+            assert "ERROR" not in findings and "will be replaced" in findings and "--overwrite" not in findings
+            app.screen.query_one("#ack", Checkbox).value = True
+            await pilot.pause()
+            await pilot.press("ctrl+n")
+            await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+            assert "PASSED" in text(app, "#verify-status")
+        assert (first / "config.json").is_file() and (first / "model.safetensors").stat().st_size > 1000
+    finally:
+        import shutil
+
+        shutil.rmtree(first, ignore_errors=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tui_merger.cli.common import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
-from tui_merger.core.plan.choices import default_out_folder, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
+from tui_merger.core.plan.choices import default_out_folder, free_output, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
 from tui_merger.core.errors import MergeError
 from tui_merger.core.events import Notice
 from tui_merger.core.formats.scan import scan, shown
@@ -250,7 +250,7 @@ class _Flow:
         options = options_for(c, base=base, lora_alpha=self.ask_alpha() if needs_alpha(c) else None)
         folder, where = default_out_folder(c)
         self.say(f"The merged model goes {where}; type another folder if you like.")
-        default = folder / make_plan(options).suggested_out
+        default = free_output(folder / make_plan(options).suggested_out)
         out = self.ask.text("Output folder:", default=str(default), validate=_not_empty)
         return dataclasses.replace(options, out=Path(out).expanduser().absolute())
 

@@ -135,6 +135,9 @@ class Wizard(Screen):
                 yield Select([("the 16-bit weights as stored (usual)", "")], value="", allow_blank=False, id="roundtrip", classes="qlora-field")
                 yield Label("Output folder", classes="field")
                 yield Input(id="out")
+                replace = Checkbox("Replace the existing folder (the old model stays until the new one is complete)", id="replace")
+                replace.display = False  # shown when the output folder holds files
+                yield replace
                 yield Label("Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)", classes="field")
                 with Horizontal(classes="row"):
                     yield Select(DTYPES, value="", allow_blank=False, id="dtype")
@@ -380,6 +383,7 @@ class Wizard(Screen):
             dtype=self.query_one("#dtype", Select).value or None,
             shard_size=self.query_one("#shard", Input).value.strip() or "5GB",
             tokenizer_from=self.query_one("#tokenizer", Select).value,
+            overwrite=self.query_one("#replace", Checkbox).value and self.query_one("#replace", Checkbox).display,
         )
 
     def replan(self) -> None:
@@ -407,20 +411,22 @@ class Wizard(Screen):
         self.post_message(WorkDone("plan", done))
 
     def _show_plan(self, options, plan) -> None:
-        from tui_merger.core.plan.choices import default_out_folder
+        from tui_merger.core.plan.choices import default_out_folder, free_output, holds_files
         from tui_merger.core.plan.preflight import describe
 
         out_input = self.query_one("#out", Input)
-        if options.out is None:  # first plan: propose the suggested name, then plan again with it
-            out_input.value = str(default_out_folder(self.candidate)[0] / plan.suggested_out)
+        if options.out is None:  # first plan: propose the suggested name (never a taken one), then plan again
+            out_input.value = str(free_output(default_out_folder(self.candidate)[0] / plan.suggested_out))
             self.replan()
             return
         self.options, self.plan, self.plan_stale = options, plan, False
         self._planned = self._fields()
         self.query_one("#plan-text", Static).update(_escape("\n".join(describe(plan))))
         colours = {"error": "red", "warning": "yellow", "info": "cyan"}
+        replace = self.query_one("#replace", Checkbox)
+        replace.display = options.out is not None and holds_files(options.out)
         lines = [
-            f"[b {colours[f.severity]}]{f.severity.upper():7}[/] {_escape(f.message)}"
+            f"[b {colours[f.severity]}]{f.severity.upper():7}[/] {_escape(_in_app(f.message))}"
             + (f"\n         [dim]{_escape(f.fix)}[/dim]" if f.fix else "")
             for f in plan.findings
         ] or ["[b green]every check passed[/]"]
@@ -450,7 +456,7 @@ class Wizard(Screen):
                 base.focus()
 
     def _fields(self) -> tuple:
-        return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer", "weight", "more", "roundtrip"))
+        return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer", "weight", "more", "roundtrip", "replace"))
 
     @on(Button.Pressed, "#add-adapter")
     def _add_adapter(self) -> None:
@@ -481,6 +487,11 @@ class Wizard(Screen):
     @on(Checkbox.Changed, "#ack")
     def _ack(self) -> None:
         self.refresh_nav()
+
+    @on(Checkbox.Changed, "#replace")
+    def _replace(self) -> None:
+        if self.step == "review" and self.plan is not None:
+            self.replan()  # the checks depend on it: check again at once
 
     # -- Merge --------------------------------------------------------------------------------
     def start_merge(self) -> None:
@@ -825,3 +836,9 @@ class Wizard(Screen):
             notes = self.query_one("#finish-notes", Static)
             notes.update(_escape(done.error) if done.error else f"Uploaded: {_escape(done.value.commit_url)}")
         self.refresh_nav()
+
+
+def _in_app(message: str) -> str:
+    """The engine's sentences name command-line flags; in the app the same choice is a switch."""
+    return message.replace("pass --overwrite", 'tick "Replace the existing folder" under the output folder').replace(
+        "(--overwrite)", '("Replace the existing folder")')

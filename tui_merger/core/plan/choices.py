@@ -62,6 +62,25 @@ def default_out_folder(c) -> tuple[Path, str]:
     return Path.cwd(), f"into the current folder, {Path.cwd()}, because {beside} is not writable"
 
 
+def holds_files(folder: Path) -> bool:
+    """A folder with something in it (merging into it needs --overwrite / "Replace")."""
+    try:
+        return Path(folder).is_dir() and any(Path(folder).iterdir())
+    except OSError:
+        return True  # unreadable: treat as taken
+
+
+def free_output(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``, ... : the first name that is not an existing folder with
+    files in it (nor a file), so a suggestion never collides with an earlier run's output."""
+    path = Path(path)
+    candidate, n = path, 1
+    while candidate.is_file() or holds_files(candidate):
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
 def options_for(c, *, base=None, out=None, lora_alpha=None, weight="1", more="", **write_options) -> MergeOptions:
     """MergeOptions for a candidate; ``write_options``: dtype, shard_size, tokenizer_from, overwrite.
     ``weight`` and ``more`` ('path:weight; ...') make a weighted merge of several adapters."""
