@@ -71,13 +71,20 @@ def journaled(partial: Path) -> int:
         return 0
 
 
+def default_sigint() -> None:
+    """A child started from a background shell inherits SIGINT ignored (and then Python installs no
+    KeyboardInterrupt handler): give it the default disposition, as a terminal's Ctrl-C finds it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(base, adapter, out, tmp_path, after: int, sig, args: list[str] | None = None) -> tuple[int, str]:
     """Run the slowed CLI (``args``, else ``cli(...)``), send ``sig`` once ``after`` shards are finished
     (and all but the last are journaled); returns the exit code and stderr."""
     partial = out.parent / f".{out.name}.tui-merger-partial"
     args = args if args is not None else cli(base, adapter, out)
     child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+                             stderr=subprocess.PIPE, text=True, env=env(tmp_path),
+                             preexec_fn=default_sigint)
     try:
         done = 0
         for line in child.stdout:
