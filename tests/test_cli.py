@@ -82,6 +82,10 @@ def test_help_and_version():
 def test_demo_builds_and_merges_offline(tmp_path):
     proc = run_cli("demo", "--workspace", tmp_path / "ws")
     assert proc.returncode == 0, proc.stderr
+    # a quiet start: the libraries' progress bars and warnings while building are not shown
+    before = proc.stderr.split("[plan]")[0]
+    assert before.strip() == f"Building a tiny demo model and LoRA adapter in {tmp_path / 'ws'} ...", before
+    assert "Writing model shards" not in proc.stdout + proc.stderr and "FutureWarning" not in before
     merged = tmp_path / "ws" / "merged"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
@@ -90,6 +91,40 @@ def build_demo(workspace: Path, seed: int = 0) -> tuple[Path, Path]:
     return base, adapter
 
 
+@contextmanager
+def _quiet():
+    """The libraries' own output while the demo is built (the tokenizer trainer's bars, written by
+    Rust straight to the terminal; transformers' "Writing model shards"; warnings) goes to a file; it
+    is shown only if building fails."""
+    import tempfile
+    import warnings
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        failed = False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            if failed:
+                log.seek(0)
+                sys.stderr.write(log.read().decode("utf-8", "replace"))
+
+
 def cmd_demo(args, launch) -> int:
     """``launch``: how the command line opens the assistant on a folder (cli.launch)."""
     from tui_merger.cli.common import print_result, report_verification, run_with_progress, terminal
@@ -97,7 +132,8 @@ def cmd_demo(args, launch) -> int:
 
     workspace = Path(args.workspace)
     print(f"Building a tiny demo model and LoRA adapter in {workspace} ...", file=sys.stderr)
-    base, adapter = build_demo(workspace)
+    with _quiet():
+        base, adapter = build_demo(workspace)
     interactive, dumb = terminal()
     if interactive and not args.no_ui:  # a person at a terminal: the assistant takes it from here
         return launch(workspace, plain=dumb)
