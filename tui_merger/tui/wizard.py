@@ -198,7 +198,7 @@ class Wizard(Screen):
         self.query_one("#steps", ContentSwitcher).current = step
         n = STEPS.index(step) + 1
         self.query_one("#title", Static).update(
-            f"[b]tui-merger[/b]  Step {n} of 5: {TITLES[step]}   [dim]{_escape(self.root)}[/dim]"
+            f"[b]tui-merger[/b] │ Step {n} of 5: {TITLES[step]} │ [dim]{_escape(self.root)}[/dim]"
         )
         self.refresh_nav()
         first = {"find": "#candidates", "review": "#out", "merge": "#cancel", "verify": "#checks", "finish": "#quit"}[step]
