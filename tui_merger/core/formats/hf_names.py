@@ -77,28 +77,46 @@ def renamer(model, state: dict):
 
 
 
-def memory_to_disk(config_dir: Path, disk_names) -> dict[str, str]:
-    """{in-memory parameter name: on-disk name} for the on-disk tensor names ``disk_names`` of the model
-    whose config.json lies in ``config_dir``, by transformers' own loading rules. Names only renamed
-    (not converted, like packed experts) are listed; an unknown architecture gives {}."""
+def _meta_of(config_dir: Path):
+    """The model whose config.json lies in ``config_dir``, built on the meta device (the last one is
+    kept: a merge asks for names and then for the layout of the same base); None when transformers
+    cannot build it (custom code, an unknown architecture). Its remarks on the config stay quiet."""
     import json
 
     import transformers
 
+    config_path = Path(config_dir) / "config.json"
+    try:
+        key = (str(config_path.resolve()), config_path.stat().st_mtime_ns)
+    except OSError:
+        return None
+    if _META and _META[0] == key:
+        return _META[1]
     logging = transformers.utils.logging
     verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # its remarks on the config are not the user's business here
+    logging.set_verbosity_error()
     try:
-        config_dict = json.loads((Path(config_dir) / "config.json").read_text())
-        cls = model_class(config_dict)
-        if cls is None:
-            return {}
-        config = transformers.AutoConfig.from_pretrained(config_dir)
-        model = meta_model(cls, config)
+        cls = model_class(json.loads(config_path.read_text()))
+        model = meta_model(cls, transformers.AutoConfig.from_pretrained(config_dir)) if cls is not None else None
     except Exception:  # noqa: BLE001 - custom code, a config transformers cannot build: no translation
-        return {}
+        model = None
     finally:
         logging.set_verbosity(verbosity)
+    _META[:] = [key, model]
+    return model
+
+
+_META: list = []
+
+
+def memory_to_disk(config_dir: Path, disk_names) -> dict[str, str]:
+    """{in-memory parameter name: on-disk name} for the on-disk tensor names ``disk_names`` of the model
+    whose config.json lies in ``config_dir``, by transformers' own loading rules (so a base saved with
+    older names is met where it is). Names only renamed (not converted, like packed experts) are
+    listed; an architecture transformers cannot build gives {}."""
+    model = _meta_of(config_dir)
+    if model is None:
+        return {}
     state = dict(model.state_dict(keep_vars=True))
     rename = renamer(model, state)
     out = {}
@@ -129,19 +147,11 @@ class DiskLayout:
 
 def disk_layout(config_dir: Path) -> DiskLayout | None:
     """The layout for the model whose config.json lies in ``config_dir``; None when transformers
-    cannot build it (custom code, an unknown architecture): names are then kept as they are."""
-    import json
-
-    import transformers
-
-    logging = transformers.utils.logging
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()
+    cannot build or convert it: names are then kept as they are."""
+    model = _meta_of(config_dir)
+    if model is None:
+        return None
     try:
-        cls = model_class(json.loads((Path(config_dir) / "config.json").read_text()))
-        if cls is None:
-            return None
-        model = meta_model(cls, transformers.AutoConfig.from_pretrained(config_dir))
         from transformers.core_model_loading import revert_weight_conversion
 
         renames, groups = {}, {}
@@ -153,10 +163,8 @@ def disk_layout(config_dir: Path) -> DiskLayout | None:
                     renames[name] = disk
             elif out:
                 groups[name] = {disk: tuple(t.shape) for disk, t in out.items()}
-    except Exception:  # noqa: BLE001 - a model transformers cannot build or convert: names as they are
+    except Exception:  # noqa: BLE001 - rules this model cannot take: names as they are
         return None
-    finally:
-        logging.set_verbosity(verbosity)
     return DiskLayout(model, renames, groups)
 
 
