@@ -79,3 +79,35 @@ def test_inspect_and_dry_run_show_the_family(fsdp_checkpoint, tmp_path, capsys):
     assert main(["merge", info["checkpoint_dir"], "--out", str(tmp_path / "m"), "--dry-run"]) == 0
     plan = capsys.readouterr().out
     assert "45 tensors" in plan or "writes     45" in plan, plan
+
+
+def test_an_exported_vl_adapter_loads_in_peft_as_peft_saves_it(fsdp_checkpoint, tmp_path, capsys):
+    """--export-adapter of a VL LoRA run: the base is written as save_pretrained writes it and the
+    adapter with the names peft itself saves (the in-memory ones), so peft loads it onto that base;
+    its merge equals peft's merge of the run's own adapter, and verification passes."""
+    import transformers
+    from peft import PeftModel
+
+    from tui_merger.core.merge.engine import ADAPTER_DIR
+
+    info = fsdp_checkpoint(family="qwen2_5_vl", lora=True)
+    out = tmp_path / "merged"
+    code = main(["merge", info["checkpoint_dir"], "--out", str(out), "--plain", "--export-adapter"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    assert verified(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    exported = out / ADAPTER_DIR
+    assert any(".language_model." in k for k in read_output(exported))
+    base = read_output(Path(info["reference_base"]))
+    written = read_output(out)
+    assert sorted(written) == sorted(base) and all(torch.equal(written[k], base[k]) for k in base)
+    cls = getattr(transformers, info["architecture"])
+
+    def merged_with(adapter, where):
+        model = cls.from_pretrained(out, dtype=torch.float32)
+        PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(where)
+        return read_output(where)
+
+    got, expected = merged_with(exported, tmp_path / "ours"), merged_with(info["reference_adapter"], tmp_path / "theirs")
+    for name, ref in expected.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)

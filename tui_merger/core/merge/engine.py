@@ -115,7 +115,7 @@ def run_merge(
                 check_space(folder.parent, max(plan.total_bytes - kept_bytes, 0))
                 _write(plan, tmp, options, result, on_event, notice, cancel, fsync, journal, set(kept))
                 cancel.raise_if_cancelled()
-                extra = export_adapter_folder(inputs.adapter, tmp / ADAPTER_DIR, fsync) if options.export_adapter else []
+                extra = export_adapter_folder(inputs.memory_adapter or inputs.adapter, tmp / ADAPTER_DIR, fsync) if options.export_adapter else []
                 on_event(PhaseStarted("files", "Writing config, tokenizer and the other files"))
                 out_config = edited_config(inputs.config, result.config_changes, dtype)
                 (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
