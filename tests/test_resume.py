@@ -171,6 +171,26 @@ def test_a_damaged_kept_shard_is_written_again(inputs, tmp_path):
     same_model(out, reference)
 
 
+def fill_disk_mid_merge(base, adapter, out, filler: Path, tmp_path, after: int = 3) -> tuple[int, str]:
+    """Run the slowed CLI; once ``after`` shards are written, another process fills the disk with
+    ``filler``. Returns the merge's exit code and stderr."""
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env(tmp_path))
+    done = 0
+    for line in child.stdout:
+        done += line.startswith("SHARD")
+        if done == after:
+            with open(filler, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                except OSError:
+                    pass
+            break
+    _, err = child.communicate(timeout=60)
+    return child.returncode, err
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
 def test_disk_full_keeps_finished_shards_and_resumes_once_space_is_freed(inputs, tmp_path):
     base, adapter, reference = inputs
@@ -181,21 +201,8 @@ def test_disk_full_keeps_finished_shards_and_resumes_once_space_is_freed(inputs,
     try:
         out = disk / "merged"
         filler = disk / "someone-elses-file"
-        child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env(tmp_path))
-        done = 0
-        for line in child.stdout:
-            done += line.startswith("SHARD")
-            if done == 3:  # another process fills the disk while the merge runs
-                with open(filler, "wb") as f:
-                    try:
-                        while True:
-                            f.write(b"\0" * (1 << 20))
-                    except OSError:
-                        pass
-                break
-        _, err = child.communicate(timeout=60)
-        assert child.returncode == 1, err
+        code, err = fill_disk_mid_merge(base, adapter, out, filler, tmp_path)
+        assert code == 1, err
         assert "ran out of space" in err and "run the same merge again to resume" in err
         assert not out.exists()
         filler.unlink()  # space freed
@@ -226,21 +233,8 @@ def test_after_a_full_disk_space_for_the_rest_is_enough_to_resume(inputs, tmp_pa
         out = disk / "merged"
         partial = disk / ".merged.tui-merger-partial"
         filler = disk / "someone-elses-file"
-        child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *cli(base, adapter, out)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env(tmp_path))
-        done = 0
-        for line in child.stdout:
-            done += line.startswith("SHARD")
-            if done == 3:
-                with open(filler, "wb") as f:
-                    try:
-                        while True:
-                            f.write(b"\0" * (1 << 20))
-                    except OSError:
-                        pass
-                break
-        _, err = child.communicate(timeout=60)
-        assert child.returncode == 1 and "ran out of space" in err, err
+        code, err = fill_disk_mid_merge(base, adapter, out, filler, tmp_path)
+        assert code == 1 and "ran out of space" in err, err
         kept = json.loads((partial / JOURNAL_NAME).read_text())["shards"]
         kept_bytes = sum((partial / n).stat().st_size for n in kept)
         assert kept and kept_bytes < total
