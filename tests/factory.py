@@ -118,6 +118,12 @@ def read_output(out_dir: Path) -> dict:
     return tensors
 
 
+def verification_checks(out_dir: Path) -> dict:
+    """{check name: status} as the merge recorded them in merge_manifest.json."""
+    manifest = json.loads((Path(out_dir) / "merge_manifest.json").read_text())
+    return {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
+
+
 def logits_of(model_dir: Path, probe, dtype=torch.float32):
     model = load_base(model_dir, dtype)
     model.eval()

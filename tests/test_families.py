@@ -4,12 +4,11 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 import transformers
-from factory import read_output
+from factory import read_output, verification_checks
 
 from tui_merger.cli import main
 
@@ -77,6 +76,5 @@ def test_lora_merges_like_peft(case, tmp_path, capsys):
     if "moe" in case:
         assert any(".mlp.experts.3.down_proj.weight" in n for n in changed)  # each expert, on disk one by one
         assert any(".shared_expert." in n for n in changed)
-    manifest = json.loads((out / "merge_manifest.json").read_text())
-    checks = {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
+    checks = verification_checks(out)
     assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, checks

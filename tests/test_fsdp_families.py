@@ -7,12 +7,11 @@ trained model: the same tensor names (experts one by one), shapes, dtypes and va
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from factory import read_output
+from factory import read_output, verification_checks
 from fsdp_factory import make_cached
 
 from tui_merger.cli import main
@@ -30,11 +29,6 @@ def merge(capsys, checkpoint: str, out: Path) -> str:
     return said.out + said.err
 
 
-def verified(out: Path) -> dict:
-    manifest = json.loads((out / "merge_manifest.json").read_text())
-    return {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
-
-
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss"])
 def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, family, tmp_path, capsys):
     info = fsdp_checkpoint(family=family)
@@ -49,7 +43,7 @@ def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, f
         assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in got)
     elif family == "qwen2_5_vl":
         assert any(n.startswith("visual.") for n in got) and not any(".language_model." in n for n in got)
-    assert verified(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
@@ -68,7 +62,7 @@ def test_a_lora_run_merges_like_peft(fsdp_checkpoint, family, tmp_path, capsys):
     for name, ref in expected.items():
         assert got[name].dtype == ref.dtype, name
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
-    assert verified(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
 def test_inspect_and_dry_run_show_the_family(fsdp_checkpoint, tmp_path, capsys):
@@ -95,7 +89,7 @@ def test_an_exported_vl_adapter_loads_in_peft_as_peft_saves_it(fsdp_checkpoint, 
     code = main(["merge", info["checkpoint_dir"], "--out", str(out), "--plain", "--export-adapter"])
     said = capsys.readouterr()
     assert code == 0, said.out + said.err
-    assert verified(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
     exported = out / ADAPTER_DIR
     assert any(".language_model." in k for k in read_output(exported))
     base = read_output(Path(info["reference_base"]))

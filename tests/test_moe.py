@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers
-from factory import read_output
+from factory import read_output, verification_checks
 
 from tui_merger.cli import main
 
@@ -61,8 +61,7 @@ def test_target_parameters_lora_on_experts_merges_like_peft(targets, tmp_path, c
     kinds = {n.rsplit(".", 2)[-2] for n in changed if ".experts." in n}
     assert kinds == ({"gate_proj", "up_proj", "down_proj"} if len(targets) == 2 else {"gate_proj", "up_proj"})
     assert len([n for n in changed if ".experts." in n]) == 2 * 4 * len(kinds)  # every expert of both layers
-    manifest = json.loads((out / "merge_manifest.json").read_text())
-    checks = {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
+    checks = verification_checks(out)
     assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, checks
 
 
@@ -121,7 +120,7 @@ def test_a_vl_moe_with_experts_packed_on_disk_merges_like_peft(tmp_path, capsys)
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(got["model.language_model.layers.0.mlp.experts.gate_up_proj"],
                            base["model.language_model.layers.0.mlp.experts.gate_up_proj"])
-    checks = {c["name"]: c["status"] for c in json.loads((out / "merge_manifest.json").read_text())["verification"]["checks"]}
+    checks = verification_checks(out)
     assert checks["structure"] == checks["recompute"] == "pass" and checks["behaviour"] in ("pass", "skip")
     if checks["behaviour"] == "skip":
         assert "not fully verified" in said.out.lower() or "not fully verified" in said.err.lower()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from factory import ALL_LINEAR, read_output
+from factory import ALL_LINEAR, read_output, verification_checks
 
 from tui_merger.cli import main
 
@@ -94,8 +94,7 @@ def test_a_vl_lora_merges_to_what_save_pretrained_writes(kind, targets, tmp_path
     assert any(".visual" in n or n.startswith("visual") for n in changed) == (targets == "vision-too")
     assert json.loads((out / "config.json").read_text())["architectures"] == [CLASSES[kind]]
     assert (out / "preprocessor_config.json").is_file()
-    manifest = json.loads((out / "merge_manifest.json").read_text())
-    checks = {c["name"]: c["status"] for c in manifest["verification"]["checks"]}
+    checks = verification_checks(out)
     assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, checks
 
 
