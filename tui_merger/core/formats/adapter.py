@@ -243,6 +243,21 @@ def open_adapter(folder: Path) -> PeftAdapter:
     return adapter
 
 
+def targeted_parameters(module: str, targets) -> tuple[str, int, list[str]]:
+    """For a LoRA pair saved under ``module`` (``mlp.experts`` or, nested, ``mlp.experts.base_layer``):
+    (the module owning the parameters, the nesting depth, the names of its parameters that
+    ``target_parameters`` lists, matched as peft matches them: by dotted suffix)."""
+    owner, depth = module, 0
+    while owner.endswith(".base_layer"):
+        owner, depth = owner[: -len(".base_layer")], depth + 1
+    params = []
+    for target in map(str, targets or []):
+        where, _, param = target.rpartition(".")
+        if where and (owner == where or owner.endswith("." + where)):
+            params.append(param)
+    return owner, depth, params
+
+
 def _param_loras(adapter: PeftAdapter) -> None:
     """peft ``target_parameters``: a parameter's LoRA is saved under its module (``mlp.experts.lora_A``);
     several parameters of one module nest, in the module's parameter order, the first innermost (``base_layer.lora_A``).
@@ -251,11 +266,7 @@ def _param_loras(adapter: PeftAdapter) -> None:
     if not targets:
         return
     for mod in list(adapter.lora):
-        owner, depth = mod, 0
-        while owner.endswith(".base_layer"):
-            owner, depth = owner[: -len(".base_layer")], depth + 1
-        params = [t.rsplit(".", 1)[-1] for t in targets
-                  if "." in t and (owner == t.rsplit(".", 1)[0] or owner.endswith("." + t.rsplit(".", 1)[0]))]
+        owner, depth, params = targeted_parameters(mod, targets)
         if not params:
             continue
         if depth >= len(params):

@@ -186,7 +186,7 @@ def _raw_one(folder: Path, add) -> dict | None:
 
 
 def _check_rank(folder: Path, cfg: dict, add) -> None:
-    from tui_merger.core.formats.adapter import pattern_key
+    from tui_merger.core.formats.adapter import pattern_key, targeted_parameters
     from tui_merger.core.io.safetensors_io import SafetensorsFile
 
     path = Path(folder) / "adapter_model.safetensors"
@@ -203,9 +203,7 @@ def _check_rank(folder: Path, cfg: dict, add) -> None:
             if not m or len(info.shape) != 2:
                 continue
             module = m.group(1)
-            owner = re.sub(r"(\.base_layer)+$", "", module)
-            owners = {str(tp).rsplit(".", 1)[0] for tp in cfg.get("target_parameters") or [] if "." in str(tp)}
-            if any(owner == o or owner.endswith("." + o) for o in owners):
+            if targeted_parameters(module, cfg.get("target_parameters"))[2]:
                 continue  # LoRA on parameters (experts): rank r per expert, checked when the adapter is read
             pattern = pattern_key(cfg.get("rank_pattern") or {}, module)
             r = int((cfg.get("rank_pattern") or {})[pattern]) if pattern else int(cfg.get("r") or 8)
