@@ -84,6 +84,7 @@ def test_questionary_flow_merges_verifies_and_survives_a_failed_upload(ws, capsy
         ENTER  # Find: the adapter, newest first
         + ENTER  # Review: the suggested output folder beside the adapter
         + ENTER  # Start the merge
+        + ENTER  # Try the merged model with a prompt? No (the default)
         + UP + UP + ENTER  # Finish: Upload (second to last)
         + "me/tiny-merged" + ENTER + ENTER  # repo id, private
         + UP + ENTER,  # Done
@@ -117,6 +118,7 @@ def test_dumb_flow_on_a_trainer_run_merges_then_cleans_up(ws, monkeypatch, capsy
         "",  # Find: checkpoint-20, the newest
         "",  # the suggested output folder, beside the run
         "",  # Start the merge
+        "",  # Try the merged model with a prompt? No (the default)
         "1",  # Finish: free space
         "",  # the default selection
         "y",  # delete it
@@ -248,6 +250,7 @@ def test_dumb_flow_weights_the_adapter_and_blends_in_another(ws, tmp_path):
         f"{tmp_path / 'nowhere'}:0.5",  # does not exist: said, asked again
         f"{other}:0.25",
         "1",  # Start the merge
+        "",  # Try the merged model with a prompt? No (the default)
         "3",  # Finish: Done
     )
     assert code == 0, out
@@ -257,3 +260,15 @@ def test_dumb_flow_weights_the_adapter_and_blends_in_another(ws, tmp_path):
     assert verification(merged)["passed"] is True
     manifest = json.loads((merged / MANIFEST_NAME).read_text())
     assert [p["weight"] for p in manifest["adapter"]["adapters"]] == [0.5, 0.25]
+
+
+def test_a_base_not_on_this_machine_is_proposed_and_enter_takes_it(ws, tmp_path, monkeypatch):
+    """The adapter names a base path that does not exist here; the model in the folder fits it, so the
+    base question proposes it (with why) and a bare Enter takes it."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing from the machine's cache
+    set_json(ws / "adapter" / "adapter_config.json", base_model_name_or_path="/home/someone/models/base")
+    code, out = lines(ws, "1", "", "", "9")  # the adapter, the proposed base, the output folder, Quit
+    assert code == 0, out
+    assert f"Proposed base model: {ws / 'base'}: named like the adapter's base; fits all 28 LoRA modules" in out
+    assert f"Base model folder (the model the adapter was trained on): [{ws / 'base'}]" in out
+    assert "Start the merge?" in out and "ERROR" not in out

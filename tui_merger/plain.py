@@ -180,7 +180,10 @@ class _Flow:
             while (choice := self.review()) == "start":
                 result = self.merge()
                 if result is not None:
-                    return self.finish(result, self.verify(result))
+                    report = self.verify(result)
+                    if report is not None and report.passed:
+                        self.try_it(Path(result.out))
+                    return self.finish(result, report)
                 if self.ask.select("What now?", [("Back to Review", "review"), ("Quit", "quit")]) == "quit":
                     return 1
                 self.step(2)
@@ -246,13 +249,30 @@ class _Flow:
                 base = Path(c.base_path)
                 self.say(f"Base model: {shown(base)} (named by the checkpoint).")
             else:
-                base = self.ask_base()
+                base = self.ask_base(self.propose_base(c))
         options = options_for(c, base=base, lora_alpha=self.ask_alpha() if needs_alpha(c) else None)
         folder, where = default_out_folder(c)
         self.say(f"The merged model goes {where}; type another folder if you like.")
         default = free_output(folder / make_plan(options).suggested_out)
         out = self.ask.text("Output folder:", default=str(default), validate=_not_empty)
         return dataclasses.replace(options, out=Path(out).expanduser().absolute())
+
+    def propose_base(self, c) -> Path | None:
+        """The model here (or in the Hugging Face cache) that fits the adapter best, said with why; the
+        default answer of the base question."""
+        from tui_merger.core.plan.choices import base_candidates, models_found
+
+        try:
+            found = scan(self.root).candidates
+        except MergeError:
+            found = []
+        proposals = base_candidates(c.path, models_found(found))
+        if not proposals:
+            return None
+        best, why = proposals[0]
+        others = f" ({len(proposals) - 1} more fit: {', '.join(shown(p) for p, _ in proposals[1:4])})" if len(proposals) > 1 else ""
+        self.say(f"Proposed base model: {shown(best)}: {why}{others}. Enter takes it.")
+        return best
 
     def ask_base(self, now: Path | None = None) -> Path:
         answer = self.ask.text(
@@ -383,6 +403,28 @@ class _Flow:
             return None
         print_report(report, stream=self.out)
         return report
+
+    def try_it(self, out: Path) -> None:
+        """Once verified, on request: one prompt, answered by the merged model and then by its base
+        (core/ship/trial.py), streamed."""
+        if not self.ask.confirm("Try the merged model with a prompt?", default=False):
+            return
+        from tui_merger.console import TrialPrinter
+        from tui_merger.core.ship.trial import STOPPED, plan_trial, run_trial
+
+        try:
+            plan = plan_trial(out)
+            for note in plan.notes:
+                self.say(note)
+            if not plan.fits:
+                return
+            prompt = self.ask.text("Prompt:", validate=_not_empty)
+            self.say("Press Ctrl-C to stop.")
+            run_trial(plan, prompt, on_event=TrialPrinter(self.out))
+        except MergeError as err:
+            self.say(f"error: {err}")
+        except KeyboardInterrupt:
+            self.say(STOPPED)
 
     # -- 5. Finish ----------------------------------------------------------------------------------
     def finish(self, result, report) -> int:

@@ -3,11 +3,12 @@ flow) ask the user, and what they fill in by themselves."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.options import MergeOptions
-
 
 
 def _format(c):
@@ -116,3 +117,268 @@ def describe_candidate(c, root: Path | None = None) -> str:
         alpha = c.lora.get("alpha")
         parts.append(f"LoRA r={c.lora.get('r')} alpha={'missing' if not alpha else alpha}")
     return "  ".join(parts)
+
+
+# -- the base model, when the adapter's own does not resolve ----------------------------------------
+
+
+def models_found(candidates) -> list[Path]:
+    """The complete models among the candidates of a scan (what an adapter could be merged into)."""
+    from tui_merger.core.formats.registry import format_of
+
+    return [Path(c.path) for c in candidates if (f := format_of(c)) is not None and f.role == "model" and c.step is None]
+
+
+def cached_models() -> list[Path]:
+    """The model snapshots in the local Hugging Face cache (read offline by huggingface_hub's
+    ``scan_cache_dir``; refs/main first, else the newest revision); none when there is no cache."""
+    from tui_merger.core.io.hf_refs import hub_cache
+
+    cache = hub_cache()
+    if not cache.is_dir():
+        return []
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir(cache)
+    except Exception:  # no cache, a damaged one, or no huggingface_hub: nothing proposed from there
+        return []
+    found = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        main = repo.refs.get("main")
+        revision = main or max(repo.revisions, key=lambda r: r.last_modified)
+        if (Path(revision.snapshot_path) / "config.json").is_file():
+            found.append(Path(revision.snapshot_path))
+    return found
+
+
+def base_candidates(adapter_path, found_models=(), *, cache: bool = True) -> list[tuple[Path, str]]:
+    """The models on this machine the adapter fits, best first, each with why in words: those given
+    (the scan's) and, with ``cache``, the Hugging Face cache's. A model fits when every LoRA module of
+    the adapter is a weight there whose shape its A/B pair matches (and its model type is the one a
+    config saved beside the adapter names). Reads configs and safetensors headers only; models stored
+    as .bin, quantized ones and unreadable ones are left out."""
+    from tui_merger.core.io.files import json_object_or_none
+
+    adapter_path = Path(adapter_path)
+    named = _named_base(adapter_path)
+    side = json_object_or_none(adapter_path / "config.json") if adapter_path.is_dir() else None
+    seen, ranked = set(), []
+    paths = [(Path(p), True) for p in found_models] + [(p, False) for p in (cached_models() if cache else [])]
+    for path, local in paths:
+        key = os.path.realpath(path)
+        if key in seen:
+            continue
+        seen.add(key)
+        fit = _fit(adapter_path, path, side)
+        if fit is None:
+            continue
+        modules, config = fit
+        by_name = bool(named) and (named in (path.name, str(path)) or Path(named).name == path.name
+                                   or _repo_of(path) in (named, Path(named).name))
+        same_arch = bool(side) and (side.get("architectures") or None) == (config.get("architectures") or None)
+        why = [f"fits all {modules} LoRA modules", _arch_words(config)]
+        if by_name:
+            why.insert(0, "named like the adapter's base")
+        why.append("found in the folder" if local else "in the Hugging Face cache")
+        score = (by_name, same_arch, local, _shared_parts(adapter_path, path))
+        ranked.append((score, path, "; ".join(w for w in why if w)))
+    ranked.sort(key=lambda item: item[0], reverse=True)
+    return [(path, why) for _, path, why in ranked]
+
+
+def _named_base(adapter_path: Path) -> str | None:
+    from tui_merger.core.io.files import json_object_or_none
+
+    if not adapter_path.is_dir():
+        return None
+    cfg = json_object_or_none(adapter_path / "adapter_config.json") or {}
+    named = cfg.get("base_model_name_or_path")
+    return named if isinstance(named, str) and named else None
+
+
+def _repo_of(path: Path) -> str | None:
+    """ORG/NAME of a snapshot in the Hugging Face cache (.../models--ORG--NAME/snapshots/SHA)."""
+    for part in path.parts:
+        if part.startswith("models--"):
+            return part[len("models--"):].replace("--", "/")
+    return None
+
+
+def _shared_parts(a: Path, b: Path) -> int:
+    """How many leading path parts two paths share (a model nearer the adapter ranks higher)."""
+    n = 0
+    for x, y in zip(Path(os.path.abspath(a)).parts, Path(os.path.abspath(b)).parts):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _arch_words(config: dict) -> str:
+    arch = config.get("architectures")
+    arch = arch[0] if isinstance(arch, list) and arch else config.get("model_type")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    return f"{arch}, {layers} layers" if arch and layers else str(arch or "")
+
+
+def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict] | None:
+    """(the adapter's LoRA modules, the model's config) when the adapter fits the model, else None."""
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.formats.registry import model_format, open_adapter
+    from tui_merger.core.io.files import json_object_or_none
+    from tui_merger.core.io.sources import find_weight_files
+
+    config = json_object_or_none(model / "config.json")
+    if not config or config.get("quantization_config"):
+        return None
+    if side and side.get("model_type") and config.get("model_type") and side["model_type"] != config["model_type"]:
+        return None
+    try:
+        files = find_weight_files(model)
+        if not files or not all(f.endswith(".safetensors") for f in files):
+            return None  # only safetensors headers are cheap to read
+        base = model_format().open_base(model)
+    except (MergeError, OSError, ValueError):
+        return None
+    try:
+        try:
+            adapter = open_adapter(adapter_path, base.tensors)
+        except (MergeError, OSError, ValueError):
+            return None  # a kohya file whose names fit none of this model's modules, or unreadable
+        try:
+            shapes = {name: tuple(ref.shape) for name, ref in base.tensors.items()}
+            return (len(adapter.lora), config) if adapter.lora and _shapes_fit(adapter, shapes) else None
+        finally:
+            adapter.close()
+    finally:
+        base.close()
+
+
+def _shapes_fit(adapter, shapes: dict) -> bool:
+    """Every LoRA module's A/B pair against the base weight it changes (names as the adapter saved
+    them, or the same module path under other leading parts, as vision-language models keep them)."""
+    by_tail: dict[str, list[str]] = {}
+    for name in shapes:
+        if name.endswith(".weight"):
+            parts = name[: -len(".weight")].split(".")
+            for i in range(1, len(parts) - 1):
+                by_tail.setdefault(".".join(parts[i:]), []).append(name)
+    flip = adapter.fan_in_fan_out
+    for mod, entry in adapter.lora.items():
+        name = f"{mod}.weight"
+        if name not in shapes:
+            parts = mod.split(".")
+            name = next((m[0] for i in range(1, len(parts) - 1) if len(m := by_tail.get(".".join(parts[i:]), ())) == 1), None)
+            if name is None:
+                return False
+        shape = shapes[name]
+        if len(shape) != 2:
+            return False
+        if entry.is_embedding:
+            a, b = entry.emb_A, entry.emb_B
+            if a is None or b is None or (a.shape[-1], b.shape[0]) != shape:
+                return False
+            continue
+        if entry.A is None or entry.B is None:
+            return False
+        want = (entry.B.shape[0], entry.A.shape[-1])
+        if want != tuple(shape) and not (flip and want[::-1] == tuple(shape)):
+            return False
+    return True
+
+
+# -- the base model's config, beside the adapter's ---------------------------------------------------
+
+
+@dataclass
+class ConfigField:
+    """One field of the base model's config, and what the adapter side says when it differs."""
+
+    name: str  # "layers", "vocab", ...
+    value: str  # as the base's config.json has it
+    other: str | None = None  # the adapter side's value, when it differs
+    where: str = ""  # where that other value comes from ("the adapter's base config", ...)
+
+
+def base_config_fields(base_dir, adapter_paths=()) -> list[ConfigField]:
+    """The base model's config in a few fields (architecture, layers, hidden size, heads / KV heads,
+    vocabulary, dtype, rope_theta, max positions), each marked where the first adapter folder's side
+    disagrees: the base config saved beside it (or the model its adapter_config.json names, when that is
+    on this machine), its saved embedding rows (a resized vocabulary), its tokenizer's size. Reads JSON
+    files and one safetensors header; empty when the base has no readable config.json."""
+    from tui_merger.core.io.files import config_dtype, json_object_or_none
+    from tui_merger.core.plan.preflight import _adapter_side_config, _field, _rope, _tokenizer_size
+
+    config = json_object_or_none(Path(base_dir) / "config.json") if base_dir else None
+    if not config:
+        return []
+    folder = next((Path(p) for p in adapter_paths if Path(p).is_dir()), None)
+    side, where = _adapter_side_config(folder) if folder is not None else (None, "")
+    side = side or {}
+    where = "the adapter's base config" if where else ""
+
+    def arch(cfg):
+        names = cfg.get("architectures")
+        return str(names[0]) if isinstance(names, list) and names else cfg.get("model_type")
+
+    def kv(cfg):
+        return _field(cfg, "num_key_value_heads") or _field(cfg, "num_attention_heads")
+
+    rope, side_rope = _rope(config), _rope(side)
+    rows = [
+        ("architecture", arch(config), arch(side)),
+        ("layers", _field(config, "num_hidden_layers"), _field(side, "num_hidden_layers")),
+        ("hidden", _field(config, "hidden_size"), _field(side, "hidden_size")),
+        ("heads", _field(config, "num_attention_heads"), _field(side, "num_attention_heads")),
+        ("KV heads", kv(config), kv(side) if side else None),
+        ("vocab", _field(config, "vocab_size"), _field(side, "vocab_size")),
+        ("dtype", config_dtype(config), None),  # a base stored in another dtype than training used is normal
+        ("rope_theta", rope.get("rope_theta"), side_rope.get("rope_theta")),
+        ("max positions", rope.get("max_position_embeddings"), side_rope.get("max_position_embeddings")),
+    ]
+    fields = []
+    for name, value, other in rows:
+        if value is None:
+            continue
+        differs = other is not None and str(other) != str(value)
+        fields.append(ConfigField(name, _plain(value), _plain(other) if differs else None, where if differs else ""))
+    vocab = next((f for f in fields if f.name == "vocab"), None)
+    if vocab is not None and folder is not None and vocab.other is None:
+        rows_saved = _saved_embedding_rows(folder)
+        tokens = _tokenizer_size(folder)
+        if rows_saved and str(rows_saved) != vocab.value:
+            vocab.other, vocab.where = str(rows_saved), "the adapter's saved embedding (a resized vocabulary)"
+        elif tokens and str(vocab.value).isdigit() and tokens > int(vocab.value):
+            vocab.other, vocab.where = f"{tokens} tokens", "the adapter's tokenizer"
+    return fields
+
+
+def _plain(value) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _saved_embedding_rows(folder: Path) -> int | None:
+    """Rows of an input embedding the adapter saves whole (modules_to_save after a resize)."""
+    from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES
+    from tui_merger.core.io.safetensors_io import SafetensorsFile
+
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        return None
+    try:
+        header = SafetensorsFile(path)
+    except Exception:
+        return None
+    try:
+        for name, info in header.tensors.items():
+            if ".lora_" not in name and name.endswith(INPUT_EMBEDDING_SUFFIXES) and len(info.shape) == 2:
+                return int(info.shape[0])
+    finally:
+        header.close()
+    return None
