@@ -44,6 +44,16 @@ def text(app, selector) -> str:
     return str(app.screen.query_one(selector, Static).content)
 
 
+def header(app) -> tuple[str, str]:
+    """(the header as plain text, the step it highlights)."""
+    from textual.content import Content
+
+    title = app.screen.query_one("#title", Static)
+    content = Content.from_markup(str(title.content))
+    current = [content.plain[span.start:span.end].strip() for span in content.spans if "reverse" in str(span.style)]
+    return content.plain, current[0] if current else ""
+
+
 async def until(pilot, condition, what: str, tries: int = 600):
     for _ in range(tries):
         if condition():
@@ -72,7 +82,8 @@ async def test_find_lists_checkpoints_and_picks_the_adapter(workspace):
     async with app.run_test(size=(100, 30)) as pilot:
         wizard = app.wizard
         await until(pilot, lambda: wizard.candidate is not None, "a candidate")
-        assert "Step 1 of 5: Find" in text(app, "#title")
+        plain, current = header(app)
+        assert "Find > Review > Merge > Verify >" in plain.replace("  ", " ") and current == "Find"
         kinds = [c.kind for c in wizard.candidates]
         assert "peft-adapter" in kinds and "hf-model" in kinds
         assert wizard.candidate.kind == "peft-adapter"  # the first mergeable one is chosen
@@ -107,7 +118,7 @@ async def test_review_shows_the_plan_and_back_returns_to_find(workspace):
     app = MergeApp(workspace)
     async with app.run_test(size=(100, 30)) as pilot:
         wizard = await to_review(pilot, app)
-        assert "Step 2 of 5: Review" in text(app, "#title")
+        assert header(app)[1] == "Review"
         assert "r=8 alpha=16" in text(app, "#plan-text")
         assert "every check passed" in text(app, "#findings")
         out = app.screen.query_one("#out", Input).value
@@ -130,7 +141,7 @@ async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
         await recheck(pilot, app)
         assert "ERROR" in text(app, "#findings") and "not empty" in text(app, "#findings")
         assert app.screen.query_one("#next", Button).disabled
-        assert "fix the errors" in text(app, "#nav-status")
+        assert "1 error to fix first" in text(app, "#nav-status")
         # a warning: the adapter config lost its lora_alpha (peft would use 8)
         app.screen.query_one("#out", Input).value = str(tmp_path / "fresh")
         cfg = workspace / "adapter" / "adapter_config.json"
@@ -470,3 +481,125 @@ async def test_the_output_suggestion_never_collides_and_replace_is_a_switch(work
         import shutil
 
         shutil.rmtree(first, ignore_errors=True)
+
+
+@pytest.fixture
+def unresolved(workspace, tmp_path, monkeypatch):
+    """A folder holding base/ (the demo's), narrow/ (a model whose shapes do not fit) and lora/, whose
+    adapter_config.json names a base path that does not exist on this machine."""
+    from factory import edit_adapter_config, qwen_config, save_base
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing proposed from the machine's cache
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace / "base", ws / "base")
+    shutil.copytree(workspace / "adapter", ws / "lora")
+    save_base(ws / "narrow", qwen_config())
+    edit_adapter_config(ws / "lora", base_model_name_or_path="/home/someone/models/Qwen2-tiny")
+    return ws
+
+
+async def test_a_base_not_on_this_machine_is_proposed_and_ctrl_n_accepts_it(unresolved):
+    """Review proposes the model of the folder that fits the adapter (not the one whose shapes differ),
+    fills the base field with it and says why; the adapter names another base (a warning), so ctrl+n
+    first accepts the proposal, then merges. At 80x24, the Verify table wraps its summaries."""
+    app = MergeApp(unresolved)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        await until(pilot, lambda: wizard.plan is not None and wizard.running is None and not wizard.plan_stale, "the plan")
+        base = app.screen.query_one("#base", Input)
+        assert base.display and base.value == str(unresolved / "base")
+        assert [p.name for p, _ in wizard._proposals] == ["base"]
+        note = text(app, "#base-note")
+        assert "Proposed" in note and "/home/someone/models/Qwen2-tiny is not on this machine" in note
+        assert "fits all 28 LoRA modules" in note and "ctrl+n accepts it" in note
+        assert wizard.options.base == unresolved / "base"
+        assert [f.id for f in wizard.plan.of("warning")] == ["base-name"] and not wizard.plan.blocked
+        nxt = app.screen.query_one("#next", Button)
+        assert not nxt.disabled and str(nxt.label) == "Use this base >"
+        await pilot.press("ctrl+n")  # accepts the proposal
+        assert app.screen.query_one("#ack", Checkbox).value and wizard.step == "review"
+        assert str(nxt.label) == "Merge >" and not nxt.disabled
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status") and header(app)[1] == "Verify"
+        table = app.screen.query_one("#checks", DataTable)
+        summaries = [str(table.get_row_at(i)[2]) for i in range(table.row_count)]
+        assert summaries == [c.summary for c in wizard.report.checks]  # whole, not cut at the width
+        assert table.virtual_size.width <= table.size.width  # nothing to scroll sideways to
+        assert max(row.height for row in table.rows.values()) > 1  # the long ones wrap
+    assert read_manifest(wizard.options.out)["verification"]["passed"] is True
+
+
+async def test_a_kohya_file_gets_the_model_that_fits_as_its_base(unresolved):
+    from test_base_candidates import kohya_file
+
+    ws = unresolved
+    kohya_file(ws / "lora", ws / "style.safetensors")
+    shutil.rmtree(ws / "lora")
+    app = MergeApp(ws)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert wizard.candidate.path == str(ws / "style.safetensors")
+        await until(pilot, lambda: wizard.plan is not None and wizard.running is None and not wizard.plan_stale, "the plan")
+        assert app.screen.query_one("#base", Input).value == str(ws / "base")
+        assert "does not say which base" in text(app, "#base-note") and "fits all 28 LoRA modules" in text(app, "#base-note")
+        assert not wizard.plan.blocked, text(app, "#findings")
+        assert not app.screen.query_one("#next", Button).disabled
+
+
+async def test_nothing_fits_says_so_and_asks_for_the_base(unresolved):
+    shutil.rmtree(unresolved / "base")
+    app = MergeApp(unresolved)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidate is not None, "a candidate")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard._searched and wizard.running is None, "the search")
+        assert "no model in this folder or in the Hugging Face cache fits it" in text(app, "#base-note")
+        assert "Say which base model" in text(app, "#findings")
+        assert app.screen.query_one("#base", Input).value == "" and app.screen.query_one("#base", Input).has_focus
+        assert "1 error to fix first" in text(app, "#nav-status")
+
+
+async def test_problems_stay_in_sight_when_the_form_scrolls_and_ctrl_n_says_why(workspace, tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("x")
+    app = MergeApp(workspace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(taken)
+        await recheck(pilot, app)
+        assert wizard.plan.blocked
+        form = app.screen.query_one("#review-form")
+        form.scroll_end(animate=False)
+        await pilot.pause()
+        assert form.scroll_y > 0 and form.max_scroll_y > 0  # the form is taller than the screen: it scrolled
+        findings = app.screen.query_one("#findings", Static)
+        screen = app.screen.region
+        assert findings.region.height > 0 and screen.contains_region(findings.region)
+        assert findings.region.y >= form.region.bottom  # below the form, not inside it
+        assert "ERROR" in text(app, "#findings") and "not empty" in text(app, "#findings")
+        assert "1 error" in str(app.screen.query_one("#problems").border_title)
+        nxt = app.screen.query_one("#next", Button)
+        assert nxt.disabled and nxt.tooltip == "1 error to fix first (under Checks)"
+        await pilot.press("ctrl+n")
+        assert wizard.step == "review"
+        assert any("Not yet: 1 error to fix first" in str(n.message) for n in app._notifications)
+        assert "1 error to fix first" in text(app, "#nav-status")
+
+
+async def test_review_shows_the_base_config_and_marks_what_the_adapter_side_disagrees_with(workspace, tmp_path):
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace / "base", ws / "base")
+    shutil.copytree(workspace / "adapter", ws / "adapter")
+    config = json.loads((ws / "base" / "config.json").read_text())
+    config["max_position_embeddings"] = 4096  # what the adapter was trained against, saved beside it
+    (ws / "adapter" / "config.json").write_text(json.dumps(config))
+    app = MergeApp(ws / "adapter")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await to_review(pilot, app)
+        plan = text(app, "#plan-text")
+        [line] = [line for line in plan.splitlines() if line.startswith("  base cfg")]
+        assert "Qwen2ForCausalLM, 4 layers, hidden 128, heads 4 / KV 2, vocab 512, bfloat16, rope_theta 10000" in line
+        assert "max positions 512 (≠ 4096 in the adapter's base config)[/]" in line and "[b yellow]" in line

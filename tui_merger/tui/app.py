@@ -25,13 +25,21 @@ Wizard { layout: vertical; }
 .row { height: auto; }
 #path, #more { width: 1fr; }
 #path-status { height: auto; min-height: 1; color: $text-muted; }
-#plan-text, #findings { height: auto; margin-bottom: 1; }
+#review { height: 1fr; }
+#review-form { height: 1fr; }
+#plan-text { height: auto; margin-bottom: 1; }
+#problems { height: auto; max-height: 40%; min-height: 2; border-top: solid $primary; border-title-align: left; }
+#problems.has-errors { border-top: solid $error; }
+#findings { height: auto; }
+#ack { height: 1; border: none; padding: 0; margin: 0; background: transparent; }
+#base-note { height: auto; color: $text-muted; }
+#base-choice { width: 1fr; }
 .field { margin-top: 1; }
 #dtype, #tokenizer { width: 1fr; }
 #shard { width: 14; }
 #merge-progress, #verify-progress { margin: 1 0; }
 #merge-detail, #merge-notes, #merge-status, #verify-status { height: auto; }
-#checks { height: auto; max-height: 8; }
+#checks { height: auto; max-height: 12; }
 #check-detail { height: auto; margin-top: 1; }
 #summary, #finish-notes { height: auto; margin-bottom: 1; }
 .dialog { width: 90%; max-width: 100; height: auto; max-height: 90%; padding: 1 2; border: round $primary; background: $surface; }

@@ -35,7 +35,8 @@ from textual.widgets.option_list import Option
 from tui_merger.tui.widgets import CleanupDialog, Confirm, FolderPicker, UploadDialog
 
 STEPS = ("find", "review", "merge", "verify", "finish")
-TITLES = {"find": "Find", "review": "Review", "merge": "Merge", "verify": "Verify", "finish": "Finish"}
+INDICATOR = STEPS  # the steps the header names
+TITLES = {"find": "Find", "review": "Review", "merge": "Merge", "verify": "Verify", "try": "Try", "finish": "Finish"}
 PROGRESS_EVERY = 0.1  # seconds between progress updates sent to the UI
 DTYPES = [("dtype: as the base", ""), ("dtype: bf16", "bf16"), ("dtype: fp16", "fp16"), ("dtype: fp32", "fp32")]
 TOKENIZERS = [("tokenizer: auto", "auto"), ("tokenizer: base", "base"), ("tokenizer: adapter", "adapter")]
@@ -105,6 +106,9 @@ class Wizard(Screen):
         self.job = None  # the background job being followed (core.jobs.Job), when the merge runs detached
         self._roundtrip_offer = None  # the --qlora-base value the Review step offers
         self._reviewed = None  # the checkpoint the Review fields were last filled for
+        self._proposals: list = []  # [(path, why)]: the models here that fit an adapter whose base is not here
+        self._searched = False  # the proposals were looked for (none found: the note says so)
+        self._check_rows: list = []  # the Verify table's rows (status, name, summary), refilled on resize
 
     # -- layout -------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -117,34 +121,40 @@ class Wizard(Screen):
                     yield Input(placeholder="or type a path to a checkpoint or a folder", id="path")
                     yield Button("Browse...", id="browse")
                 yield Static(id="path-status")
-            with VerticalScroll(id="review"):
-                yield Static(id="plan-text")
-                yield Static(id="findings")
-                yield Checkbox("I have read the warnings and want to go on", id="ack")
-                yield Label("Base model folder", classes="field base-field")
-                yield Input(id="base", classes="base-field")
-                yield Label("LoRA alpha used in training (the checkpoint does not record it)", classes="field alpha-field")
-                yield Input(id="alpha", type="number", classes="alpha-field")
-                yield Label("Weight of this adapter (1 = as trained; e.g. 0.7 to blend it with others)", classes="field weight-field")
-                yield Input("1", id="weight", classes="weight-field")
-                yield Label("More adapters to blend in, as PATH:WEIGHT separated by ;", classes="field weight-field")
-                with Horizontal(classes="row weight-field"):
-                    yield Input(id="more", placeholder="e.g. ../pixel-art-lora:0.3")
-                    yield Button("Add adapter...", id="add-adapter")
-                yield Label("Base weights (the adapter was trained with QLoRA on a quantized copy of the base)", classes="field qlora-field")
-                yield Select([("the 16-bit weights as stored (usual)", "")], value="", allow_blank=False, id="roundtrip", classes="qlora-field")
-                yield Label("Output folder", classes="field")
-                yield Input(id="out")
-                replace = Checkbox("Replace the existing folder (the old model stays until the new one is complete)", id="replace")
-                replace.display = False  # shown when the output folder holds files
-                yield replace
-                yield Label("Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)", classes="field")
-                with Horizontal(classes="row"):
-                    yield Select(DTYPES, value="", allow_blank=False, id="dtype")
-                    yield Input("5GB", id="shard", placeholder="shard size")
-                    yield Select(TOKENIZERS, value="auto", allow_blank=False, id="tokenizer")
-                yield Checkbox("Keep running if I disconnect (a background job; tui-merger attach follows it)", id="detach")
-                yield Button("Check again", id="recheck")
+            with Vertical(id="review"):
+                with VerticalScroll(id="review-form"):
+                    yield Label("Base model folder", classes="base-field")
+                    yield Input(id="base", classes="base-field")
+                    proposals = Select([], prompt="other models here that fit the adapter", id="base-choice", classes="base-field")
+                    proposals.display = False  # shown when the base had to be proposed
+                    yield proposals
+                    yield Static(id="base-note", classes="base-field")
+                    yield Static(id="plan-text")
+                    yield Label("LoRA alpha used in training (the checkpoint does not record it)", classes="field alpha-field")
+                    yield Input(id="alpha", type="number", classes="alpha-field")
+                    yield Label("Weight of this adapter (1 = as trained; e.g. 0.7 to blend it with others)", classes="field weight-field")
+                    yield Input("1", id="weight", classes="weight-field")
+                    yield Label("More adapters to blend in, as PATH:WEIGHT separated by ;", classes="field weight-field")
+                    with Horizontal(classes="row weight-field"):
+                        yield Input(id="more", placeholder="e.g. ../pixel-art-lora:0.3")
+                        yield Button("Add adapter...", id="add-adapter")
+                    yield Label("Base weights (the adapter was trained with QLoRA on a quantized copy of the base)", classes="field qlora-field")
+                    yield Select([("the 16-bit weights as stored (usual)", "")], value="", allow_blank=False, id="roundtrip", classes="qlora-field")
+                    yield Label("Output folder", classes="field")
+                    yield Input(id="out")
+                    replace = Checkbox("Replace the existing folder (the old model stays until the new one is complete)", id="replace")
+                    replace.display = False  # shown when the output folder holds files
+                    yield replace
+                    yield Label("Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)", classes="field")
+                    with Horizontal(classes="row"):
+                        yield Select(DTYPES, value="", allow_blank=False, id="dtype")
+                        yield Input("5GB", id="shard", placeholder="shard size")
+                        yield Select(TOKENIZERS, value="auto", allow_blank=False, id="tokenizer")
+                    yield Checkbox("Keep running if I disconnect (a background job; tui-merger attach follows it)", id="detach")
+                    yield Button("Check again", id="recheck")
+                with VerticalScroll(id="problems"):  # pinned below the form: the checks stay in sight
+                    yield Static(id="findings")
+                    yield Checkbox("I have read the warnings and want to go on", id="ack")
             with Vertical(id="merge"):
                 yield Static(id="merge-status")
                 yield ProgressBar(show_eta=False, id="merge-progress")
@@ -170,7 +180,6 @@ class Wizard(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#checks", DataTable).add_columns("result", "check", "summary")
         self.rescan(self.root)
         self.show("find")
         running = self._running_job()
@@ -196,13 +205,64 @@ class Wizard(Screen):
     def show(self, step: str) -> None:
         self.step = step
         self.query_one("#steps", ContentSwitcher).current = step
-        n = STEPS.index(step) + 1
-        self.query_one("#title", Static).update(
-            f"[b]tui-merger[/b] │ Step {n} of 5: {TITLES[step]} │ [dim]{_escape(self.root)}[/dim]"
-        )
+        self._title()
         self.refresh_nav()
         first = {"find": "#candidates", "review": "#out", "merge": "#cancel", "verify": "#checks", "finish": "#quit"}[step]
         self.query_one(first).focus()
+
+    def _title(self) -> None:
+        """tui-merger │ Find > Review > Merge > ... │ folder: the steps, the current one highlighted
+        (the ones before it plain, the ones after it dim), then as much of the folder as fits."""
+        now = INDICATOR.index(self.step) if self.step in INDICATOR else 0
+        parts = []
+        for n, step in enumerate(INDICATOR):
+            name = TITLES[step]
+            parts.append(f"[reverse b] {name} [/]" if n == now else name if n < now else f"[dim]{name}[/dim]")
+        steps = " > ".join(parts)
+        used = len("tui-merger │ ") + len(" > ".join(TITLES[s] for s in INDICATOR)) + 2 + len(" │ ") + 2
+        room = max(self.app.size.width - used, 8)
+        folder = str(self.root)
+        if len(folder) > room:
+            folder = "…" + folder[-(room - 1):]
+        self.query_one("#title", Static).update(f"[b]tui-merger[/b] │ {steps} │ [dim]{_escape(folder)}[/dim]")
+
+    def on_resize(self) -> None:
+        self._title()
+        if self.step == "verify":
+            self._fill_checks(self._check_rows)
+
+    def blocked_reason(self) -> str:
+        """Why "Merge >" is disabled, in a few words (empty when it is not)."""
+        if self.running == "bases":
+            return "looking for a base model that fits..."
+        if self.running == "plan":
+            return "checking..."
+        if self.running is not None:
+            return "busy..."
+        if self.plan is None:
+            return "1 error to fix first (under Checks)"
+        if self.plan_stale:
+            return "changed: press enter or Check again"
+        errors = len(self.plan.of("error"))
+        if errors:
+            return f"{errors} error{'s' * (errors != 1)} to fix first (under Checks)"
+        warnings = len(self.plan.of("warning"))
+        if warnings and not self.query_one("#ack", Checkbox).value:
+            if self._accepts_proposal():
+                return ""
+            return f"{warnings} warning{'s' * (warnings != 1)}: tick the box under Checks to go on"
+        return ""
+
+    def _accepts_proposal(self) -> bool:
+        """The base field holds the proposed base and the only warning is that the adapter names
+        another one: "Use this base >" (ctrl+n) accepts it, ticking the box, before "Merge >"."""
+        base = self.query_one("#base", Input)
+        return (
+            self.step == "review" and self.plan is not None and not self.plan_stale and self.running is None
+            and base.display and base.value in [str(p) for p, _ in self._proposals]
+            and not self.query_one("#ack", Checkbox).value
+            and {f.id for f in self.plan.of("warning")} == {"base-name"}
+        )
 
     def refresh_nav(self) -> None:
         back, nxt = self.query_one("#back", Button), self.query_one("#next", Button)
@@ -213,16 +273,11 @@ class Wizard(Screen):
             nxt.label = "Review >"
         elif self.step == "review":
             back.disabled = self.running is not None
-            blocked = self.plan is None or self.plan.blocked or self.plan_stale or self.running is not None
-            warned = self.plan is not None and bool(self.plan.of("warning"))
-            nxt.disabled = blocked or (warned and not self.query_one("#ack", Checkbox).value)
-            nxt.label = "Merge >"
-            if self.running == "plan":
-                status = "checking..."
-            elif self.plan is not None and self.plan.blocked:
-                status = "fix the errors to go on"
-            elif warned and not self.query_one("#ack", Checkbox).value:
-                status = "tick the box to accept the warnings"
+            status = self.blocked_reason()
+            nxt.disabled = bool(status)
+            nxt.label = "Use this base >" if self._accepts_proposal() else "Merge >"
+            if self._accepts_proposal():
+                status = "accept the proposed base?"
         elif self.step == "merge":
             back.disabled = self.running is not None or self.result is not None
             nxt.disabled = True
@@ -235,13 +290,20 @@ class Wizard(Screen):
             back.disabled = self.running is not None
             nxt.disabled = True
             nxt.label = "Next >"
-        self.query_one("#nav-status", Static).update(status)
+        nxt.tooltip = status or None
+        self.query_one("#nav-status", Static).update(_escape(status))
 
     def action_next(self) -> None:
         if self.query_one("#next", Button).disabled:
+            if self.step == "review" and self.blocked_reason():  # say why nothing happens
+                self.app.notify(f"Not yet: {self.blocked_reason()}.", severity="warning", timeout=4)
+                self.query_one("#problems").scroll_home(animate=False)
             return
         if self.step == "find":
             self.enter_review()
+        elif self.step == "review" and self._accepts_proposal():
+            self.query_one("#ack", Checkbox).value = True  # refresh_nav follows from Checkbox.Changed
+            self.app.notify(f"Base accepted: {self.query_one('#base', Input).value}. ctrl+n again starts the merge.", timeout=5)
         elif self.step == "review":
             self.start_merge()
         elif self.step == "verify":
@@ -340,28 +402,96 @@ class Wizard(Screen):
 
     # -- Review -------------------------------------------------------------------------------
     def enter_review(self) -> None:
-        from tui_merger.core.plan.choices import can_weight, needs_alpha, needs_base
+        from tui_merger.core.plan.choices import can_weight, models_found, needs_alpha, needs_base
 
         c = self.candidate
         for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
             for w in self.query(cls):
                 w.display = shown
-        if needs_base(c) and not self.query_one("#base", Input).value and c.base_path:
-            self.query_one("#base", Input).value = c.base_path
-        self.query_one("#out", Input).value = ""  # filled with the suggested name by the plan
-        self.query_one("#ack", Checkbox).value = False
+        base = self.query_one("#base", Input)
         if c.path != self._reviewed:  # another checkpoint: its own weights, no adapters blended in yet
             self._reviewed = c.path
             self.query_one("#weight", Input).value = "1"
             self.query_one("#more", Input).value = ""
+            base.value = ""
+            self._proposals, self._searched = [], False
+        if needs_base(c) and not base.value and c.base_path:
+            base.value = c.base_path
+        self._show_proposals()
+        self.query_one("#out", Input).value = ""  # filled with the suggested name by the plan
+        self.query_one("#ack", Checkbox).value = False
         for w in self.query(".qlora-field"):
             w.display = False
         self._roundtrip_offer = None
         self.query_one("#roundtrip", Select).set_options([("the 16-bit weights as stored (usual)", "")])
         self.query_one("#roundtrip", Select).value = ""
         self.plan = None
+        self.query_one("#plan-text", Static).update("")
         self.show("review")
+        if needs_base(c):
+            base.focus()  # the question this checkpoint raises, at the top of the form
+        if needs_base(c) and not base.value.strip():
+            # the adapter's base is not here: propose the models of this folder (and the HF cache) that fit it
+            self.running = "bases"
+            self._show_checks("[dim]Looking for a model on this machine that the adapter fits...[/dim]", "checking...")
+            self.refresh_nav()
+            self._bases_worker(c.path, models_found(self.candidates))
+            return
         self.replan()
+
+    @work(thread=True, exclusive=True, group="plan", exit_on_error=False)
+    def _bases_worker(self, adapter, models) -> None:
+        from tui_merger.core.plan.choices import base_candidates
+
+        try:
+            done = _Done(base_candidates(adapter, models))
+        except Exception as err:  # a bug in the proposal must not kill the app: the user types the base
+            done = _Done([], error=f"{type(err).__name__}: {err}")
+        self.post_message(WorkDone("bases", done))
+
+    def _proposed(self, proposals) -> None:
+        """The base candidates arrived: the best one goes into the base field, the others in the list."""
+        self._proposals, self._searched = list(proposals), True
+        if self._proposals:
+            self.query_one("#base", Input).value = str(self._proposals[0][0])
+        self._show_proposals()
+        self.replan()
+
+    def _show_proposals(self) -> None:
+        """The line under the base field: what was proposed and why (or that nothing here fits), and
+        the list of the other models that fit."""
+        base = self.query_one("#base", Input)
+        choice, note = self.query_one("#base-choice", Select), self.query_one("#base-note", Static)
+        c = self.candidate
+        choice.display = base.display and len(self._proposals) > 1
+        note.display = base.display and (bool(self._proposals) or not c.base_path)
+        if not note.display:
+            return
+        named = (
+            f"the adapter's base {_escape(c.base_model)} is not on this machine" if c.base_model
+            else "the adapter does not say which base model it was trained on"
+        )
+        if not self._proposals:
+            searched = "; no model in this folder or in the Hugging Face cache fits it" if self._searched else ""
+            note.update(f"[dim]{named[0].upper()}{named[1:]}{searched}: type the folder of the model it was trained on.[/dim]")
+            return
+        paths = [str(p) for p, _ in self._proposals]
+        with choice.prevent(Select.Changed):
+            choice.set_options([(f"{p.name}: {why}", str(p)) for p, why in self._proposals])
+            choice.value = base.value if base.value in paths else Select.BLANK
+        why = dict(zip(paths, (w for _, w in self._proposals))).get(base.value)
+        more = f" ({len(paths) - 1} more in the list below)" if len(paths) > 1 else ""
+        note.update(
+            f"[b]Proposed[/b] ({named}): {_escape(why) if why else 'pick one of the models that fit'}{more}. "
+            "ctrl+n accepts it; or type another folder."
+        )
+
+    @on(Select.Changed, "#base-choice")
+    def _base_picked(self, event: Select.Changed) -> None:
+        if event.value is not Select.BLANK and self.step == "review":
+            self.query_one("#base", Input).value = str(event.value)
+            self._show_proposals()
+            self.replan()
 
     def _options(self):
         from tui_merger.core.plan.choices import options_for
@@ -393,7 +523,7 @@ class Wizard(Screen):
             options = self._options()
         except (MergeError, ValueError) as err:
             self.plan, self.plan_stale = None, True
-            self.query_one("#findings", Static).update(f"[b red]ERROR[/]  {_escape(err)}")
+            self._show_checks(f"[b red]ERROR[/]   {_escape(err)}", "[b red]1 error[/]")
             self.refresh_nav()
             return
         self.running = "plan"
@@ -402,15 +532,28 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="plan", exit_on_error=False)
     def _plan_worker(self, options) -> None:
+        from tui_merger.core.plan.choices import base_config_fields
         from tui_merger.core.plan.preflight import make_plan
 
         try:
-            done = _Done((options, make_plan(options, today=self.today)))
+            plan = make_plan(options, today=self.today)
+            try:
+                fields = base_config_fields(options.base, [p for p, _ in options.adapter_weights()]) if options.base else []
+            except Exception:  # the config summary is for reading: never a reason to stop
+                fields = []
+            done = _Done((options, plan, fields))
         except Exception as err:  # a bug in a check must not kill the app
             done = _Done(error=f"The checks failed unexpectedly ({type(err).__name__}: {err}).")
         self.post_message(WorkDone("plan", done))
 
-    def _show_plan(self, options, plan) -> None:
+    def _show_checks(self, text: str, title: str) -> None:
+        """The pinned panel under the form: every finding, errors first, whatever the form shows."""
+        self.query_one("#findings", Static).update(text)
+        panel = self.query_one("#problems")
+        panel.border_title = f"Checks: {title}" if title else "Checks"
+        panel.set_class("error" in title, "has-errors")
+
+    def _show_plan(self, options, plan, fields=()) -> None:
         from tui_merger.core.plan.choices import default_out_folder, free_output, holds_files
         from tui_merger.core.plan.preflight import describe
 
@@ -421,16 +564,22 @@ class Wizard(Screen):
             return
         self.options, self.plan, self.plan_stale = options, plan, False
         self._planned = self._fields()
-        self.query_one("#plan-text", Static).update(_escape("\n".join(describe(plan))))
+        lines = [_escape(line) for line in describe(plan)]
+        at = next((n + 1 for n, line in enumerate(lines) if line.startswith("  LoRA")), min(len(lines), 3))
+        lines[at:at] = _config_lines(fields)
+        self.query_one("#plan-text", Static).update("\n".join(lines))
         colours = {"error": "red", "warning": "yellow", "info": "cyan"}
         replace = self.query_one("#replace", Checkbox)
         replace.display = options.out is not None and holds_files(options.out)
+        order = {"error": 0, "warning": 1, "info": 2}
         lines = [
             f"[b {colours[f.severity]}]{f.severity.upper():7}[/] {_escape(_in_app(f.message))}"
-            + (f"\n         [dim]{_escape(f.fix)}[/dim]" if f.fix else "")
-            for f in plan.findings
+            + (f"\n        [dim]{_escape(f.fix)}[/dim]" if f.fix else "")
+            for f in sorted(plan.findings, key=lambda f: order.get(f.severity, 3))
         ] or ["[b green]every check passed[/]"]
-        self.query_one("#findings", Static).update("\n".join(lines))
+        counts = [f"{n} {sev}{'s' * (n != 1)}" for sev in ("error", "warning") if (n := len(plan.of(sev)))]
+        title = ", ".join(counts) or ("" if not plan.findings else f"{len(plan.findings)} note{'s' * (len(plan.findings) != 1)}")
+        self._show_checks("\n".join(lines), f"[b red]{title}[/]" if plan.blocked else title)
         self.query_one("#ack", Checkbox).display = bool(plan.of("warning"))
         roundtrip = self.query_one("#roundtrip", Select)
         offer = plan.suggested_roundtrip or options.base_roundtrip
@@ -450,6 +599,7 @@ class Wizard(Screen):
             # a quantized base: ask for the 16-bit one, filled in when it was found on this machine
             for w in self.query(".base-field"):
                 w.display = True
+            self._show_proposals()
             base = self.query_one("#base", Input)
             if plan.suggested_base and base.value.strip() != plan.suggested_base:
                 base.value = plan.suggested_base
@@ -647,10 +797,7 @@ class Wizard(Screen):
             return
         manifest = read_manifest(Path(job.out)) or {}
         checks = (manifest.get("verification") or {}).get("checks") or []
-        table = self.query_one("#checks", DataTable)
-        table.clear()
-        for check in checks:
-            table.add_row(str(check.get("status", "")).upper(), check.get("name", ""), check.get("summary", ""))
+        self._fill_checks([(str(c.get("status", "")).upper(), c.get("name", ""), c.get("summary", "")) for c in checks])
         verified = (job.result or {}).get("verified")
         verdict = "[b green]PASSED[/]" if verified else "[b red]not passed[/]"
         self.query_one("#verify-status", Static).update(f"Job {job.id}: verification {verdict}. {_escape(message)}")
@@ -660,7 +807,7 @@ class Wizard(Screen):
     # -- Verify -------------------------------------------------------------------------------
     def start_verify(self) -> None:
         self.report = None
-        self.query_one("#checks", DataTable).clear()
+        self._fill_checks([])
         self.running = "verify"
         self.show("verify")
         self._verify_worker(self.options, self.result)
@@ -679,13 +826,29 @@ class Wizard(Screen):
         self.post_message(WorkDone("verify", done))
 
     def show_report(self) -> None:
-        table = self.query_one("#checks", DataTable)
-        table.clear()
-        for check in self.report.checks:
-            table.add_row(check.status.upper(), check.name, check.summary)
+        self._fill_checks([(c.status.upper(), c.name, c.summary) for c in self.report.checks])
         verdict = "[b green]PASSED[/]" if self.report.passed else "[b red]FAILED: the model does not match its inputs[/]"
         self.query_one("#verify-status", Static).update(f"Verification {verdict} ({self.report.seconds:.1f} s)")
         self.query_one("#verify-progress", ProgressBar).update(total=1, progress=1)
+
+    def _fill_checks(self, rows) -> None:
+        """The checks table, its summaries wrapped in the width left by the other columns (not cut)."""
+        from rich.text import Text
+
+        self._check_rows = list(rows)
+        table = self.query_one("#checks", DataTable)
+        row = table.cursor_row
+        table.clear(columns=True)
+        widths = [max([len(r[i]) for r in rows] + [len(label)]) for i, label in enumerate(("result", "check"))]
+        width = self.app.size.width - 2 * 1 - 2 * table.cell_padding * 3 - sum(widths) - 2  # steps' padding, scrollbar
+        table.add_column("result", width=widths[0])
+        table.add_column("check", width=widths[1])
+        table.add_column("summary", width=max(width, 20))
+        for status, name, summary in rows:
+            colour = {"PASS": "green", "FAIL": "red"}.get(status, "yellow")
+            table.add_row(Text(status, style=f"bold {colour}"), name, Text(summary), height=None)
+        if rows:
+            table.move_cursor(row=min(row, len(rows) - 1))
 
     @on(DataTable.RowHighlighted, "#checks")
     def _check_detail(self, event: DataTable.RowHighlighted) -> None:
@@ -796,9 +959,12 @@ class Wizard(Screen):
         self.running = None
         if kind == "plan":
             if done.error:
-                self.query_one("#findings", Static).update(f"[b red]ERROR[/]  {_escape(done.error)}")
+                self._show_checks(f"[b red]ERROR[/]   {_escape(done.error)}", "[b red]1 error[/]")
             else:
                 self._show_plan(*done.value)
+        elif kind == "bases":
+            self._proposed(done.value)
+            return
         elif kind == "merge":
             self.query_one("#cancel", Button).disabled = True
             status = self.query_one("#merge-status", Static)
@@ -836,6 +1002,20 @@ class Wizard(Screen):
             notes = self.query_one("#finish-notes", Static)
             notes.update(_escape(done.error) if done.error else f"Uploaded: {_escape(done.value.commit_url)}")
         self.refresh_nav()
+
+
+def _config_lines(fields) -> list[str]:
+    """The base model's config under the adapter's line ("base cfg  Qwen2ForCausalLM, 4 layers, ..."); a
+    field the adapter side disagrees with in yellow, that value beside it."""
+    words = {"architecture": "{}", "layers": "{} layers", "hidden": "hidden {}", "heads": "heads {}", "KV heads": "KV {}",
+             "vocab": "vocab {}", "dtype": "{}", "rope_theta": "rope_theta {}", "max positions": "max positions {}"}
+    text = ""
+    for f in fields:
+        part = _escape(words.get(f.name, f.name + " {}").format(f.value))
+        if f.other is not None:
+            part = f"[b yellow]{part} (≠ {_escape(f.other)} in {_escape(f.where)})[/]"
+        text += (" / " if f.name == "KV heads" and text else ", " if text else "") + part
+    return [f"  {'base cfg':10} {text}"] if text else []
 
 
 def _in_app(message: str) -> str:
