@@ -54,15 +54,17 @@ def test_demo_in_a_real_terminal_to_a_verified_merge(tmp_path):
     env = f"XDG_CONFIG_HOME={shlex.quote(str(tmp_path / 'config'))} XDG_STATE_HOME={shlex.quote(str(tmp_path / 'state'))} HF_HUB_OFFLINE=1 TERM=xterm-256color"
     try:
         tmux.start(f"env {env} {shlex.quote(sys.executable)} -m tui_merger demo --workspace ws", tmp_path)
-        tmux.wait_for("Step 1 of 5: Find")
+        screen = tmux.wait_for("Checkpoints found")
+        assert "tui-merger │  Find  > Review > Merge > Verify > " in screen  # the steps, the current one padded (and highlighted)
         tmux.wait_for("LoRA rank 8, alpha 16")
         tmux.keys("C-n")
         tmux.wait_for("every check passed")
-        tmux.wait_for("Step 2 of 5: Review")
+        assert "Find >  Review  > Merge" in tmux.screen()
         tmux.keys("C-n")
         tmux.wait_for("Verification PASSED")
         tmux.keys("C-n")
-        tmux.wait_for("Step 5 of 5: Finish")
+        tmux.wait_for("The merged model is in")
+        assert "Verify >  Finish  │" in tmux.screen()
         tmux.keys("C-q")
         tmux.wait_for("EXIT=0")
     finally:
