@@ -66,3 +66,29 @@ class CancelToken:
     def raise_if_cancelled(self) -> None:
         if self._event.is_set():
             raise MergeCancelled()
+
+
+# -- Try it (core/ship/trial.py): the models answering a prompt ---------------------------------------
+
+
+@dataclass(frozen=True)
+class TrialStarted(Event):
+    side: str  # the side's label: "merged model", "base model", "unmerged adapter"
+    message: str  # "Loading the merged model from ... (bfloat16)"
+
+
+@dataclass(frozen=True)
+class TrialToken(Event):
+    side: str
+    text: str  # the answer so far, decoded
+    tokens: int  # tokens generated so far
+    tokens_per_s: float  # since generation started (the prompt's processing included)
+
+
+@dataclass(frozen=True)
+class TrialFinished(Event):
+    side: str
+    text: str  # the whole answer, decoded
+    token_ids: tuple[int, ...]  # the answer's tokens (the prompt's left out)
+    seconds: float  # generation time (loading left out)
+    tokens_per_s: float
