@@ -91,3 +91,47 @@ class RichProgress:
                 self.task = self.progress.add_task(self.phase, total=event.bytes_total, tensor="")
             short = event.name if len(event.name) <= 40 else "..." + event.name[-37:]
             self.progress.update(self.task, completed=event.bytes_done, tensor=short)
+
+
+class TrialPrinter:
+    """Try it on a console: each side's answer streamed as its tokens come (``TrialToken`` carries the
+    answer so far; the new part is printed), then its token count and speed. ``out`` gets the answers,
+    ``err`` the loading lines (default: ``out``). Styles only on a terminal (rich decides)."""
+
+    def __init__(self, out=None, err=None) -> None:
+        from rich.console import Console
+
+        self.out = Console(file=out or sys.stdout, highlight=False, soft_wrap=True)
+        self.err = Console(file=err, highlight=False, soft_wrap=True) if err is not None else self.out
+        self.shown: dict[str, str] = {}
+
+    def __call__(self, event: Event) -> None:
+        from tui_merger.core.events import TrialFinished, TrialStarted, TrialToken
+
+        if isinstance(event, TrialStarted):
+            self.err.print(f"[dim]{event.message}[/dim]")
+        elif isinstance(event, TrialToken):
+            self._show(event.side, event.text)
+        elif isinstance(event, TrialFinished):
+            self._show(event.side, event.text)
+            if not event.text.strip():
+                self.out.print("(no readable text)", end="", style="dim")
+            n = len(event.token_ids)
+            self.out.print()
+            self.out.print(
+                f"  {n} token{'s' * (n != 1)} in {event.seconds:.1f} s, {event.tokens_per_s:.1f} tokens/s",
+                style="dim",
+            )
+
+    def _show(self, side: str, text: str) -> None:
+        if side not in self.shown:
+            self.out.print()
+            self.out.print(f"[bold]{side}:[/bold]")
+            self.shown[side] = ""
+        before = self.shown[side]
+        if text.startswith(before):
+            self.out.print(text[len(before):], end="", markup=False)
+        else:  # the decoded text changed behind the end (a character completed differently): print it again
+            self.out.print()
+            self.out.print(text, end="", markup=False)
+        self.shown[side] = text

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tui_merger.cli import convert as cli_convert
     from tui_merger.cli import inspect as cli_inspect
     from tui_merger.cli import jobs as cli_jobs
+    from tui_merger.cli import trial as cli_trial
     from tui_merger.cli import upload as cli_upload
     from tui_merger.cli import verify as cli_verify
 
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_inspect.add_parser(sub)
     cli_jobs.add_parser(sub)
     cli_convert.add_parser(sub)
+    cli_trial.add_parser(sub)
     return parser
 
 
