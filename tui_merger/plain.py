@@ -24,6 +24,7 @@ from tui_merger.core.options import MergeOptions, human_bytes, parse_size, parse
 from tui_merger.core.plan.preflight import ERROR, WARNING, describe, make_plan
 
 STEPS = ("Find", "Review", "Merge", "Verify", "Finish")
+TRY_TOKENS = 64  # the longest answer of "Try the merged model with a prompt?"
 TYPE_PATH = "type a path"
 DTYPES = (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"), ("as the base", None))
 TOKENIZER_FROM = (
@@ -420,7 +421,7 @@ class _Flow:
                 return
             prompt = self.ask.text("Prompt:", validate=_not_empty)
             self.say("Press Ctrl-C to stop.")
-            run_trial(plan, prompt, on_event=TrialPrinter(self.out))
+            run_trial(plan, prompt, max_new_tokens=TRY_TOKENS, on_event=TrialPrinter(self.out))
         except MergeError as err:
             self.say(f"error: {err}")
         except KeyboardInterrupt:
