@@ -454,10 +454,13 @@ def _generate(model, tokenizer, label, inputs, settings, on_event, cancel, load_
 
     stream = Stream()
     started = time.monotonic()
-    with torch.inference_mode():
-        output = model.generate(
-            **inputs, generation_config=settings, streamer=stream, stopping_criteria=StoppingCriteriaList([Cancelled()])
-        )
+    try:
+        with torch.inference_mode():
+            output = model.generate(
+                **inputs, generation_config=settings, streamer=stream, stopping_criteria=StoppingCriteriaList([Cancelled()])
+            )
+    except (IndexError, RuntimeError, ValueError) as err:  # e.g. a prompt token beyond this model's vocabulary
+        raise MergeError(f"The {label} could not answer ({_first_line(err)}).") from None
     seconds = time.monotonic() - started
     _check(cancel)
     ids = output[0, inputs["input_ids"].shape[1]:].tolist()
