@@ -4,6 +4,7 @@ and a full run to a verified model."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import threading
@@ -41,7 +42,15 @@ def workspace(tmp_path_factory):
 
 
 def text(app, selector) -> str:
-    return str(app.screen.query_one(selector, Static).content)
+    """A Static's text: its markup, or a Rich renderable (the plan's grid) rendered as plain text."""
+    content = app.screen.query_one(selector, Static).content
+    if isinstance(content, str) or not hasattr(content, "__rich_console__"):
+        return str(content)
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(content)
+    return console.export_text()
 
 
 def header(app) -> tuple[str, str]:
@@ -600,6 +609,11 @@ async def test_review_shows_the_base_config_and_marks_what_the_adapter_side_disa
     async with app.run_test(size=(80, 24)) as pilot:
         await to_review(pilot, app)
         plan = text(app, "#plan-text")
-        [line] = [line for line in plan.splitlines() if line.startswith("  base cfg")]
+        [line] = [line for line in plan.splitlines() if line.startswith("base cfg")]
         assert "Qwen2ForCausalLM, 4 layers, hidden 128, heads 4 / KV 2, vocab 512, bfloat16, rope_theta 10000" in line
-        assert "max positions 512 (≠ 4096 in the adapter's base config)[/]" in line and "[b yellow]" in line
+        assert "max positions 512 (≠ 4096 in the adapter's base config)" in line
+        from tui_merger.core.plan.choices import base_config_fields
+        from tui_merger.tui.wizard import _config_text
+
+        marked = _config_text(base_config_fields(ws / "base", [ws / "adapter"]))
+        assert "[b yellow]max positions 512 (≠ 4096 in the adapter's base config)[/]" in marked  # in yellow

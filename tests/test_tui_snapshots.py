@@ -1,5 +1,5 @@
-"""Snapshots of every step at 80x24 (look at snapshot_report.html before accepting a new baseline with
---snapshot-update). The workspace lives at a fixed path and the date is fixed, so the pictures only
+"""Snapshots of every step at 80x24 and 120x40 (look at snapshot_report.html before accepting a new
+baseline with --snapshot-update, and at the pictures: rsvg-convert -o x.png file.svg). The workspace lives at a fixed path and the date is fixed, so the pictures only
 change when the screens do; times shown on screen are set to fixed values before the picture."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tui_merger.tui.app import MergeApp
 
 WORKSPACE = Path("/tmp/tui-merger-snapshots/ws")
 TODAY = datetime.date(2026, 11, 30)
-SIZE = (80, 24)
+SIZES = pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,21 @@ def workspace():
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no user themes, no saved theme
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # no base proposed from the machine's cache
+
+
+@pytest.fixture(scope="module")
+def unresolved(workspace):
+    """The demo's base and adapter in a folder whose adapter_config.json names a base that is not here."""
+    import json
+
+    ws = WORKSPACE.parent / "unresolved"
+    shutil.copytree(workspace / "base", ws / "base")
+    shutil.copytree(workspace / "adapter", ws / "lora")
+    cfg = json.loads((ws / "lora" / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = "/home/someone/models/Qwen2-tiny"
+    (ws / "lora" / "adapter_config.json").write_text(json.dumps(cfg))
+    return ws
 
 
 async def until(pilot, condition, tries: int = 1200):
@@ -64,18 +79,21 @@ def app() -> MergeApp:
     return MergeApp(WORKSPACE, today=TODAY)
 
 
-def test_find(snap_compare, workspace):
+@SIZES
+def test_find(snap_compare, workspace, size):
     async def ready(pilot):
         await until(pilot, lambda: pilot.app.wizard.candidate is not None)
 
-    assert snap_compare(app(), terminal_size=SIZE, run_before=ready)
+    assert snap_compare(app(), terminal_size=size, run_before=ready)
 
 
-def test_review(snap_compare, workspace):
-    assert snap_compare(app(), terminal_size=SIZE, run_before=review)
+@SIZES
+def test_review(snap_compare, workspace, size):
+    assert snap_compare(app(), terminal_size=size, run_before=review)
 
 
-def test_merge_failed(snap_compare, workspace):
+@SIZES
+def test_merge_failed(snap_compare, workspace, size):
     async def failed(pilot):
         wizard = pilot.app.wizard
         await review(pilot)
@@ -89,21 +107,50 @@ def test_merge_failed(snap_compare, workspace):
             shutil.move(moved, weights)
         await pilot.pause()
 
-    assert snap_compare(app(), terminal_size=SIZE, run_before=failed)
+    assert snap_compare(app(), terminal_size=size, run_before=failed)
 
 
-def test_verify(snap_compare, workspace):
-    assert snap_compare(app(), terminal_size=SIZE, run_before=merged)
+@SIZES
+def test_verify(snap_compare, workspace, size):
+    assert snap_compare(app(), terminal_size=size, run_before=merged)
 
 
-def test_finish(snap_compare, workspace):
+@SIZES
+def test_finish(snap_compare, workspace, size):
     async def finish(pilot):
         await merged(pilot)
         await pilot.press("ctrl+n")
         await pilot.pause()
 
-    assert snap_compare(app(), terminal_size=SIZE, run_before=finish)
+    assert snap_compare(app(), terminal_size=size, run_before=finish)
 
 
-def test_help(snap_compare, workspace):
-    assert snap_compare(app(), terminal_size=SIZE, press=["f1"])
+@SIZES
+def test_help(snap_compare, workspace, size):
+    assert snap_compare(app(), terminal_size=size, press=["f1"])
+
+
+@SIZES
+def test_review_blocked_scrolled(snap_compare, workspace, size):
+    """An error, the form scrolled to its end: the checks stay in sight below it."""
+
+    async def blocked(pilot):
+        from textual.widgets import Input
+
+        wizard = pilot.app.wizard
+        await review(pilot)
+        taken = WORKSPACE / "base"  # a folder with files: the merge would need "Replace"
+        pilot.app.screen.query_one("#out", Input).value = str(taken)
+        pilot.app.screen.query_one("#out", Input).focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: wizard.running is None and not wizard.plan_stale)
+        pilot.app.screen.query_one("#review-form").scroll_end(animate=False)
+        await pilot.pause()
+
+    assert snap_compare(app(), terminal_size=size, run_before=blocked)
+
+
+@SIZES
+def test_review_proposed_base(snap_compare, unresolved, size):
+    """The adapter's base is not here: the model of the folder that fits is proposed."""
+    assert snap_compare(MergeApp(unresolved, today=TODAY), terminal_size=size, run_before=review)

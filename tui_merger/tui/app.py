@@ -32,9 +32,12 @@ Wizard { layout: vertical; }
 #problems.has-errors { border-top: solid $error; }
 #findings { height: auto; }
 #ack { height: 1; border: none; padding: 0; margin: 0; background: transparent; }
-#base-note { height: auto; color: $text-muted; }
+#base-note { height: auto; color: $text-muted; margin-bottom: 1; }
 #base-choice { width: 1fr; }
 .field { margin-top: 1; }
+#review-form Label { width: 1fr; }
+#replace, #detach { width: 1fr; height: auto; }
+#next { width: auto; min-width: 16; padding: 0 2; }
 #dtype, #tokenizer { width: 1fr; }
 #shard { width: 14; }
 #merge-progress, #verify-progress { margin: 1 0; }

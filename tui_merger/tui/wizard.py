@@ -142,7 +142,7 @@ class Wizard(Screen):
                     yield Select([("the 16-bit weights as stored (usual)", "")], value="", allow_blank=False, id="roundtrip", classes="qlora-field")
                     yield Label("Output folder", classes="field")
                     yield Input(id="out")
-                    replace = Checkbox("Replace the existing folder (the old model stays until the new one is complete)", id="replace")
+                    replace = Checkbox("Replace the existing folder (kept until the new model is complete)", id="replace")
                     replace.display = False  # shown when the output folder holds files
                     yield replace
                     yield Label("Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)", classes="field")
@@ -150,7 +150,7 @@ class Wizard(Screen):
                         yield Select(DTYPES, value="", allow_blank=False, id="dtype")
                         yield Input("5GB", id="shard", placeholder="shard size")
                         yield Select(TOKENIZERS, value="auto", allow_blank=False, id="tokenizer")
-                    yield Checkbox("Keep running if I disconnect (a background job; tui-merger attach follows it)", id="detach")
+                    yield Checkbox("Keep running if I disconnect (a background job: tui-merger attach)", id="detach")
                     yield Button("Check again", id="recheck")
                 with VerticalScroll(id="problems"):  # pinned below the form: the checks stay in sight
                     yield Static(id="findings")
@@ -564,10 +564,7 @@ class Wizard(Screen):
             return
         self.options, self.plan, self.plan_stale = options, plan, False
         self._planned = self._fields()
-        lines = [_escape(line) for line in describe(plan)]
-        at = next((n + 1 for n, line in enumerate(lines) if line.startswith("  LoRA")), min(len(lines), 3))
-        lines[at:at] = _config_lines(fields)
-        self.query_one("#plan-text", Static).update("\n".join(lines))
+        self.query_one("#plan-text", Static).update(_plan_grid(describe(plan), fields))
         colours = {"error": "red", "warning": "yellow", "info": "cyan"}
         replace = self.query_one("#replace", Checkbox)
         replace.display = options.out is not None and holds_files(options.out)
@@ -846,7 +843,7 @@ class Wizard(Screen):
         table.add_column("summary", width=max(width, 20))
         for status, name, summary in rows:
             colour = {"PASS": "green", "FAIL": "red"}.get(status, "yellow")
-            table.add_row(Text(status, style=f"bold {colour}"), name, Text(summary), height=None)
+            table.add_row(f"[b {colour}]{_escape(status)}[/]", name, Text(summary, end=""), height=None)
         if rows:
             table.move_cursor(row=min(row, len(rows) - 1))
 
@@ -1004,9 +1001,31 @@ class Wizard(Screen):
         self.refresh_nav()
 
 
-def _config_lines(fields) -> list[str]:
-    """The base model's config under the adapter's line ("base cfg  Qwen2ForCausalLM, 4 layers, ..."); a
-    field the adapter side disagrees with in yellow, that value beside it."""
+def _plan_grid(lines: list[str], fields):
+    """The plan's lines ("  role       value") as two columns, values wrapping under themselves, with the
+    base model's config ("base cfg") under the adapter's line."""
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True, min_width=10, style="bold")
+    grid.add_column(ratio=1, overflow="fold")  # long paths fold instead of being cut
+    rows = []
+    for line in lines:
+        role, value = (line[2:12].strip(), line[13:]) if line[12:13] == " " else (line.strip().partition(" ")[::2])
+        rows.append((role, Text(value)))
+    config = _config_text(fields)
+    if config:
+        at = next((n + 1 for n, (role, _) in enumerate(rows) if role == "LoRA"), min(len(rows), 3))
+        rows.insert(at, ("base cfg", Text.from_markup(config)))
+    for role, value in rows:
+        grid.add_row(role, value)
+    return grid
+
+
+def _config_text(fields) -> str:
+    """The base model's config in words ("Qwen2ForCausalLM, 4 layers, ..."), as markup: a field the
+    adapter side disagrees with in yellow, that value beside it."""
     words = {"architecture": "{}", "layers": "{} layers", "hidden": "hidden {}", "heads": "heads {}", "KV heads": "KV {}",
              "vocab": "vocab {}", "dtype": "{}", "rope_theta": "rope_theta {}", "max positions": "max positions {}"}
     text = ""
@@ -1015,7 +1034,7 @@ def _config_lines(fields) -> list[str]:
         if f.other is not None:
             part = f"[b yellow]{part} (≠ {_escape(f.other)} in {_escape(f.where)})[/]"
         text += (" / " if f.name == "KV heads" and text else ", " if text else "") + part
-    return [f"  {'base cfg':10} {text}"] if text else []
+    return text
 
 
 def _in_app(message: str) -> str:
