@@ -1,5 +1,5 @@
 """End to end in a real terminal: README's first command (`tui-merger demo`) in tmux, driven with keys to
-a finished, verified merge; then the files are checked."""
+a finished, verified merge, through Try it (both models answer the prompt); then the files are checked."""
 
 from __future__ import annotations
 
@@ -62,9 +62,18 @@ def test_demo_in_a_real_terminal_to_a_verified_merge(tmp_path):
         assert "Find >  Review  > Merge" in tmux.screen()
         tmux.keys("C-n")
         tmux.wait_for("Verification PASSED")
+        tmux.keys("C-n")  # Try it: the memory said first, then both answers to the prompt box's question
+        tmux.wait_for("Needs about")
+        screen = tmux.wait_for("compare with the base model")
+        assert "merged model" in screen and "base model" in screen
+        tmux.keys("Enter")  # the prompt box holds a question: ask it
+        end = time.monotonic() + 90
+        while not (tmux.screen().count(" tokens/s ") == 2 and "tokens/s..." not in tmux.screen()) and time.monotonic() < end:
+            time.sleep(0.2)  # both answers streamed in, each with its speed
+        assert tmux.screen().count("64 tokens, ") == 2, tmux.screen()
         tmux.keys("C-n")
         tmux.wait_for("The merged model is in")
-        assert "Verify >  Finish  │" in tmux.screen()
+        assert "Verify > Try >  Finish  │" in tmux.screen()
         tmux.keys("C-q")
         tmux.wait_for("EXIT=0")
     finally:

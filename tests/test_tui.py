@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, Select, Static
 
-from tui_merger.core.events import TensorProgress
+from tui_merger.core.events import TensorProgress, TrialToken
 from tui_merger.core.record.manifest import read_manifest
 from tui_merger.tui.app import MergeApp
 
@@ -182,6 +182,8 @@ async def test_full_run_to_a_verified_model(workspace, tmp_path):
         table = app.screen.query_one("#checks", DataTable)
         assert [table.get_row_at(i)[1] for i in range(table.row_count)] == ["structure", "recompute", "behaviour"]
         await pilot.press("ctrl+n")
+        assert wizard.step == "try"  # Try it, skipped
+        await pilot.press("ctrl+n")
         assert wizard.step == "finish" and "verified" in text(app, "#summary")
         assert not app.screen.query_one("#cleanup", Button).disabled
     manifest = read_manifest(out)
@@ -285,7 +287,7 @@ async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
         assert wizard.candidate.path.endswith("checkpoint-20")  # newest first
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         await pilot.click("#cleanup")
         await pilot.pause()
         assert type(app.screen).__name__ == "CleanupDialog"
@@ -313,7 +315,7 @@ async def test_keep_running_if_i_disconnect_runs_a_background_job(workspace, tmp
         assert "verification" in text(app, "#verify-status") and "PASSED" in text(app, "#verify-status")
         table = app.screen.query_one("#checks", DataTable)
         assert [table.get_row_at(i)[1] for i in range(table.row_count)] == ["structure", "recompute", "behaviour"]
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         assert "verified" in text(app, "#summary") and "written by job" in text(app, "#summary")
     [job] = list_jobs()
     assert job.state == FINISHED and job.out == str(out)
@@ -617,3 +619,81 @@ async def test_review_shows_the_base_config_and_marks_what_the_adapter_side_disa
 
         marked = _config_text(base_config_fields(ws / "base", [ws / "adapter"]))
         assert "[b yellow]max positions 512 (≠ 4096 in the adapter's base config)[/]" in marked  # in yellow
+
+
+def plain(app, selector) -> str:
+    """A Static's markup as the text it shows."""
+    from textual.content import Content
+
+    return Content.from_markup(text(app, selector)).plain
+
+
+async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_path):
+    """After Verify, Try it: the memory is said first; the merged model's answer (streamed into its
+    column) equals transformers' own greedy generate for the prompt, and so does the base's beside it
+    (stacked at 80 columns). Asked again, the engine thread is held at the merged model's 3rd token until
+    Stop is pressed: the answer ends there and the base is not asked; Finish is one key away."""
+    from test_try import reference
+    from transformers import AutoTokenizer
+
+    from tui_merger.tui.wizard import visible
+
+    prompt_text = "the adapter"  # the tiny random model's answer starts with whole characters
+    reached, release, armed = threading.Event(), threading.Event(), threading.Event()
+
+    def hook(event):
+        if armed.is_set() and isinstance(event, TrialToken) and event.tokens == 3 and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    app = MergeApp(workspace, engine_hook=hook)
+    out = tmp_path / "merged"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await pilot.press("ctrl+n")
+        assert wizard.step == "try" and header(app)[1] == "Try"
+        await until(pilot, lambda: wizard.trial_plan is not None, "the trial plan")
+        status = text(app, "#try-status")
+        assert status.startswith("Needs about ") and "(one model at a time), in bfloat16; " in status
+        assert [s.label for s in wizard.trial_plan.sides] == ["merged model", "base model"]
+        assert app.screen.query_one("#answers").has_class("stacked")  # 80 columns: one above the other
+        wizard.try_tokens = 12
+        prompt = app.screen.query_one("#prompt", Input)
+        prompt.value = prompt_text
+        prompt.focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: wizard.running is None, "both answers")
+        tok = AutoTokenizer.from_pretrained(out)
+        merged_ids = reference(out, prompt_text, 12)
+        base_ids = reference(workspace / "base", prompt_text, 12, tokenizer_dir=out)
+        assert merged_ids != base_ids
+        assert plain(app, "#answer-merged-text") == visible(tok.decode(merged_ids, skip_special_tokens=True))
+        assert plain(app, "#answer-other-text") == visible(tok.decode(base_ids, skip_special_tokens=True))
+        for side in ("merged", "other"):
+            subtitle = str(app.screen.query_one(f"#answer-{side}").border_subtitle)
+            assert subtitle.startswith("12 tokens, ") and subtitle.endswith(" tokens/s")
+
+        armed.set()
+        await pilot.click("#ask")
+        await until(pilot, reached.is_set, "the 3rd token")
+        assert wizard.running == "trial" and app.screen.query_one("#next", Button).disabled
+        assert "answering" in text(app, "#nav-status")
+        await pilot.click("#try-cancel")
+        assert wizard.trial_cancel.cancelled
+        release.set()
+        await until(pilot, lambda: wizard.running is None, "the trial thread to stop")
+        assert "Stopped." in text(app, "#try-status")
+        shown = visible(tok.decode(merged_ids[:3], skip_special_tokens=True))
+        assert shown.strip() and "\ufffd" not in shown  # this prompt's first 3 tokens are whole characters
+        assert plain(app, "#answer-merged-text") == shown
+        assert app.screen.query_one("#answer-merged").border_subtitle == "stopped after 3 tokens"
+        assert "not asked" in text(app, "#answer-other-text")
+        assert not app.screen.query_one("#next", Button).disabled
+        await pilot.press("ctrl+n")
+        assert wizard.step == "finish" and "verified" in text(app, "#summary")
+        await pilot.press("ctrl+b")
+        assert wizard.step == "try"

@@ -119,7 +119,7 @@ def test_verify(snap_compare, workspace, size):
 def test_finish(snap_compare, workspace, size):
     async def finish(pilot):
         await merged(pilot)
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it, skipped
         await pilot.pause()
 
     assert snap_compare(app(), terminal_size=size, run_before=finish)
@@ -154,3 +154,35 @@ def test_review_blocked_scrolled(snap_compare, workspace, size):
 def test_review_proposed_base(snap_compare, unresolved, size):
     """The adapter's base is not here: the model of the folder that fits is proposed."""
     assert snap_compare(MergeApp(unresolved, today=TODAY), terminal_size=size, run_before=review)
+
+
+@SIZES
+def test_try_it(snap_compare, workspace, size):
+    """Both answers, side by side at 120 columns and stacked at 80; the machine's free memory and the
+    speeds are set to fixed values before the picture."""
+    import dataclasses
+    import re
+
+    from textual.widgets import Input
+
+    async def tried(pilot):
+        wizard = pilot.app.wizard
+        await merged(pilot)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.trial_plan is not None)
+        wizard.try_tokens = 12
+        pilot.app.screen.query_one("#prompt", Input).value = "the adapter"
+        await pilot.click("#ask")
+        await until(pilot, lambda: wizard.running is None and len(wizard.trial_answers) == 2)
+        plan = wizard.trial_plan
+        plan.notes[0] = re.sub(r"; .* is available", "; 16 GB is available", plan.notes[0])
+        wizard.show_trial_plan()
+        for label, answer in wizard.trial_answers.items():
+            wizard.trial_answers[label] = dataclasses.replace(answer, seconds=0.5, tokens_per_s=24.0)
+            wizard.show_answer(label)
+        prompt = pilot.app.screen.query_one("#prompt", Input)
+        prompt.cursor_blink = False  # a blinking cursor would make the picture differ from run to run
+        prompt.focus()
+        await pilot.pause()
+
+    assert snap_compare(app(), terminal_size=size, run_before=tried)

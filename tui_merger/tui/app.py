@@ -45,6 +45,15 @@ Wizard { layout: vertical; }
 #checks { height: auto; max-height: 12; }
 #check-detail { height: auto; margin-top: 1; }
 #summary, #finish-notes { height: auto; margin-bottom: 1; }
+#try { height: 1fr; }
+#try-status { height: auto; }
+#prompt { width: 1fr; }
+#ask, #try-cancel { min-width: 8; }
+#against { width: 1fr; max-width: 60; }
+#answers { height: 1fr; min-height: 6; }
+#answers.stacked { layout: vertical; }
+.answer { width: 1fr; height: 1fr; border: round $primary; border-title-align: left; border-subtitle-align: right; padding: 0 1; }
+#answer-other { border: round $secondary; }
 .dialog { width: 90%; max-width: 100; height: auto; max-height: 90%; padding: 1 2; border: round $primary; background: $surface; }
 .dialog.wide { height: 90%; }
 .dialog #tree { height: 1fr; min-height: 8; }
@@ -100,6 +109,10 @@ class MergeApp(App):
     async def action_quit(self) -> None:
         """Quitting during a merge asks first, then stops the merge thread before leaving."""
         wizard = self.wizard
+        if wizard is not None and wizard.running == "trial":  # Try it: stop the answer, then leave
+            wizard.trial_cancel.cancel()
+            self.exit(0)
+            return
         if wizard is None or wizard.running != "merge":
             self.exit(0)
             return

@@ -14,13 +14,16 @@ from textual.widgets import Button, DirectoryTree, Input, Label, Markdown, Selec
 HELP = """\
 # tui-merger
 
-Turn a training checkpoint into a plain Hugging Face model, in five steps:
+Turn a training checkpoint into a plain Hugging Face model, in six steps:
 
 1. **Find** - pick a detected checkpoint, type a path, or browse for a folder.
-2. **Review** - read the plan and every check. Errors must be fixed; warnings need a tick.
+2. **Review** - read the plan; the checks stay in sight under the form. Errors must be fixed;
+   warnings need a tick. When the adapter's base is not here, a model that fits it is proposed.
 3. **Merge** - runs in the background; *Cancel* stops it and removes the partial output.
 4. **Verify** - the result is read back, recomputed and compared with the unmerged model.
-5. **Finish** - where the model is; clean up the training folder or upload to the Hub.
+5. **Try it** - type a prompt: the merged model answers, and beside it the base (or the
+   unmerged adapter), greedy, so you see what the training changed. *Stop* ends it; skip it freely.
+6. **Finish** - where the model is; clean up the training folder or upload to the Hub.
 
 ## Keys
 

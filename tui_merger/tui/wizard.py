@@ -1,4 +1,4 @@
-"""The merge assistant: one screen, five steps (Find, Review, Merge, Verify, Finish) in a ContentSwitcher.
+"""The merge assistant: one screen, six steps (Find, Review, Merge, Verify, Try it, Finish) in a ContentSwitcher.
 
 The screen holds no merge logic: it scans with ``core.inspect``, plans with ``core.preflight``, merges
 with ``core.engine`` and verifies with ``core.provenance`` in thread workers, and renders the engine's
@@ -34,10 +34,13 @@ from textual.widgets.option_list import Option
 
 from tui_merger.tui.widgets import CleanupDialog, Confirm, FolderPicker, UploadDialog
 
-STEPS = ("find", "review", "merge", "verify", "finish")
+STEPS = ("find", "review", "merge", "verify", "try", "finish")
 INDICATOR = STEPS  # the steps the header names
 TITLES = {"find": "Find", "review": "Review", "merge": "Merge", "verify": "Verify", "try": "Try", "finish": "Finish"}
 PROGRESS_EVERY = 0.1  # seconds between progress updates sent to the UI
+TRY_TOKENS = 64  # the most tokens each model answers in Try it
+TRY_PROMPT = "Explain in two sentences what you can help me with."
+NARROW = 100  # below this many columns the two answers are stacked, not side by side
 DTYPES = [("dtype: as the base", ""), ("dtype: bf16", "bf16"), ("dtype: fp16", "fp16"), ("dtype: fp32", "fp32")]
 TOKENIZERS = [("tokenizer: auto", "auto"), ("tokenizer: base", "base"), ("tokenizer: adapter", "adapter")]
 
@@ -76,6 +79,12 @@ def _escape(text: str) -> str:
     return str(text).replace("[", r"\[")
 
 
+def visible(text: str) -> str:
+    """A model's answer as shown: control characters other than newline and tab written as \\xNN (a
+    terminal would act on them, or show nothing)."""
+    return "".join(c if c in "\n\t" or (ord(c) >= 32 and not 127 <= ord(c) < 160) else f"\\x{ord(c):02x}" for c in text)
+
+
 class Wizard(Screen):
     AUTO_FOCUS = ""
     BINDINGS = [
@@ -109,6 +118,13 @@ class Wizard(Screen):
         self._proposals: list = []  # [(path, why)]: the models here that fit an adapter whose base is not here
         self._searched = False  # the proposals were looked for (none found: the note says so)
         self._check_rows: list = []  # the Verify table's rows (status, name, summary), refilled on resize
+        self.trial_plan = None  # Try it: core.ship.trial.TrialPlan of the merged model (and what it is compared with)
+        self.trial_answers: dict = {}  # side label -> the latest TrialToken / TrialFinished shown
+        self.trial_cancel = None
+        self.try_tokens = TRY_TOKENS
+        self._planned_against = None  # the Compare with value the trial plan was made for
+        self._against_choices = [("compare with the base model", "base")]
+        self._trial_planning = False
 
     # -- layout -------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -166,6 +182,18 @@ class Wizard(Screen):
                 yield ProgressBar(show_eta=False, id="verify-progress")
                 yield DataTable(id="checks", cursor_type="row")
                 yield Static(id="check-detail")
+            with Vertical(id="try"):
+                yield Static(id="try-status")
+                with Horizontal(classes="row"):
+                    yield Input(TRY_PROMPT, placeholder="type a prompt, then enter", id="prompt")
+                    yield Button("Ask", variant="primary", id="ask")
+                    yield Button("Stop", variant="error", id="try-cancel", disabled=True)
+                yield Select([("compare with the base model", "base")], value="base", allow_blank=False, id="against")
+                with Horizontal(id="answers"):
+                    with VerticalScroll(id="answer-merged", classes="answer"):
+                        yield Static(id="answer-merged-text")
+                    with VerticalScroll(id="answer-other", classes="answer"):
+                        yield Static(id="answer-other-text")
             with VerticalScroll(id="finish"):
                 yield Static(id="summary")
                 with Horizontal(classes="row"):
@@ -207,7 +235,7 @@ class Wizard(Screen):
         self.query_one("#steps", ContentSwitcher).current = step
         self._title()
         self.refresh_nav()
-        first = {"find": "#candidates", "review": "#out", "merge": "#cancel", "verify": "#checks", "finish": "#quit"}[step]
+        first = {"find": "#candidates", "review": "#out", "merge": "#cancel", "verify": "#checks", "try": "#prompt", "finish": "#quit"}[step]
         self.query_one(first).focus()
 
     def _title(self) -> None:
@@ -228,6 +256,7 @@ class Wizard(Screen):
 
     def on_resize(self) -> None:
         self._title()
+        self.query_one("#answers").set_class(self.app.size.width < NARROW, "stacked")
         if self.step == "verify":
             self._fill_checks(self._check_rows)
 
@@ -285,7 +314,15 @@ class Wizard(Screen):
         elif self.step == "verify":
             back.disabled = True
             nxt.disabled = self.running is not None or (self.result is None and self.job is None)
+            nxt.label = "Try it >"
+        elif self.step == "try":
+            back.disabled = self.running is not None
+            nxt.disabled = self.running is not None
             nxt.label = "Finish >"
+            if self.running == "trial":
+                status = "answering... (Stop ends it)"
+            elif self._trial_planning:
+                status = "reading the models... (Finish > skips Try it)"
         else:
             back.disabled = self.running is not None
             nxt.disabled = True
@@ -307,12 +344,14 @@ class Wizard(Screen):
         elif self.step == "review":
             self.start_merge()
         elif self.step == "verify":
+            self.enter_try()
+        elif self.step == "try":
             self.enter_finish()
 
     def action_back(self) -> None:
         if self.query_one("#back", Button).disabled:
             return
-        target = {"review": "find", "merge": "review", "finish": "verify"}.get(self.step)
+        target = {"review": "find", "merge": "review", "try": "verify", "finish": "try"}.get(self.step)
         if target:
             self.show(target)
 
@@ -645,6 +684,7 @@ class Wizard(Screen):
         from tui_merger.core.events import CancelToken
 
         self.result = None
+        self.trial_plan = None  # a new model: Try it plans again
         self.cancel_token = CancelToken()
         self.query_one("#merge-status", Static).update(f"Merging into {_escape(self.options.out)}")
         self.query_one("#merge-detail", Static).update("")
@@ -752,10 +792,15 @@ class Wizard(Screen):
         )
 
     def on_engine_event(self, message: EngineEvent) -> None:
-        from tui_merger.core.events import Notice, PhaseStarted, TensorProgress
+        from tui_merger.core.events import Notice, PhaseStarted, TensorProgress, TrialFinished, TrialStarted, TrialToken
         from tui_merger.core.options import human_bytes
 
         ev = message.event
+        if isinstance(ev, (TrialStarted, TrialToken, TrialFinished)):
+            if self.running == "trial":  # a token sent before Stop may land after it: not shown then
+                self.trial_answers[ev.side] = ev
+                self.show_answer(ev.side)
+            return
         target = "verify" if self.running == "verify" else "merge"
         if isinstance(ev, PhaseStarted):
             self.query_one(f"#{target}-status", Static).update(f"[b]{ev.phase}[/b]  {_escape(ev.message)}")
@@ -855,6 +900,164 @@ class Wizard(Screen):
         lines = [f"[b]{check.name}[/b]: {_escape(check.summary)}"] + [f"  {_escape(d)}" for d in check.details[:8]]
         self.query_one("#check-detail", Static).update("\n".join(lines))
 
+    # -- Try it -------------------------------------------------------------------------------
+    def enter_try(self) -> None:
+        """The merged model answers a prompt, beside the model it was made from; the memory both need
+        is said first (core.ship.trial plans it, in a worker: it reads the tokenizer)."""
+        against = self.query_one("#against", Select)
+        if self.options is not None and self.options.adapter is not None and Path(self.options.adapter).is_dir():
+            choices = [("compare with the base model", "base"), ("compare with the unmerged adapter (peft)", str(self.options.adapter))]
+        else:
+            choices = [("compare with the base model", "base")]
+        if choices != self._against_choices:
+            self._against_choices = choices
+            with against.prevent(Select.Changed):
+                against.set_options(choices)
+                against.value = "base"
+        self.show("try")
+        self.query_one("#answers").set_class(self.app.size.width < NARROW, "stacked")
+        if self.trial_plan is None or self._planned_against != against.value:
+            self.plan_trial()
+
+    def plan_trial(self) -> None:
+        against = self.query_one("#against", Select).value
+        self.trial_plan, self._planned_against = None, against
+        self.trial_answers = {}
+        for side in ("merged", "other"):
+            self.query_one(f"#answer-{side}-text", Static).update("")
+            self.query_one(f"#answer-{side}").border_title = ""
+            self.query_one(f"#answer-{side}").border_subtitle = ""
+        self.query_one("#try-status", Static).update("[dim]Reading the models...[/dim]")
+        self.query_one("#ask", Button).disabled = True
+        self._trial_planning = True  # not self.running: Finish stays one key away
+        self.refresh_nav()
+        self._trial_plan_worker(self.out_path, None if against == "base" else Path(against))
+
+    @work(thread=True, exclusive=True, group="trial", exit_on_error=False)
+    def _trial_plan_worker(self, model_dir, against) -> None:
+        from tui_merger.core.errors import MergeError
+        from tui_merger.core.ship.trial import plan_trial
+
+        try:
+            done = _Done(plan_trial(model_dir, against))
+        except MergeError as err:
+            done = _Done(error=str(err))
+        except Exception as err:
+            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
+        self.post_message(WorkDone("trial-plan", done))
+
+    def show_trial_plan(self) -> None:
+        plan = self.trial_plan
+        labels = [s.label for s in plan.sides]
+        for side, label in zip(("merged", "other"), labels + [None]):
+            panel = self.query_one(f"#answer-{side}")
+            panel.display = label is not None
+            panel.border_title = label or ""
+        notes = [_escape(n) for n in plan.notes]
+        if not plan.fits:
+            notes[0] = f"[b red]{notes[0]}[/]"
+        how = "as one user message through the chat template" if plan.chat_template else "as plain text (no chat template)"
+        self.query_one("#try-status", Static).update(
+            "\n".join(notes) + f"\n[dim]Greedy, at most {self.try_tokens} tokens; the prompt goes in {how}.[/dim]"
+        )
+        self.query_one("#ask", Button).disabled = not plan.fits
+
+    @on(Select.Changed, "#against")
+    def _against(self) -> None:
+        if self.step == "try" and self.running is None and not self._trial_planning and self._planned_against != self.query_one("#against", Select).value:
+            self.plan_trial()
+
+    @on(Input.Submitted, "#prompt")
+    @on(Button.Pressed, "#ask")
+    def ask(self) -> None:
+        from tui_merger.core.events import CancelToken
+
+        prompt = self.query_one("#prompt", Input).value
+        if self.running is not None or self.trial_plan is None or not self.trial_plan.fits or self._trial_planning:
+            return
+        if not prompt.strip():
+            self.query_one("#try-status", Static).update("[b red]Type a prompt first.[/]")
+            return
+        self.trial_answers = {}
+        for side in ("merged", "other"):
+            self.query_one(f"#answer-{side}-text", Static).update("[dim]waiting...[/dim]")
+            self.query_one(f"#answer-{side}").border_subtitle = ""
+        self.show_trial_plan()
+        self.trial_cancel = CancelToken()
+        self.running = "trial"
+        self.query_one("#ask", Button).disabled = True
+        self.query_one("#try-cancel", Button).disabled = False
+        self.refresh_nav()
+        self._trial_worker(self.trial_plan, prompt, self.try_tokens, self.trial_cancel)
+
+    @work(thread=True, exclusive=True, group="trial", exit_on_error=False)
+    def _trial_worker(self, plan, prompt, tokens, cancel) -> None:
+        from tui_merger.core.errors import MergeCancelled, MergeError
+        from tui_merger.core.ship.trial import run_trial
+
+        try:
+            done = _Done(run_trial(plan, prompt, max_new_tokens=tokens, on_event=self._forward, cancel=cancel))
+        except MergeCancelled:
+            done = _Done(cancelled=True)
+        except MergeError as err:
+            done = _Done(error=str(err))
+        except Exception as err:
+            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
+        self.post_message(WorkDone("trial", done))  # posted last: the thread has finished its work
+
+    @on(Button.Pressed, "#try-cancel")
+    def stop_trial(self) -> None:
+        if self.running == "trial" and self.trial_cancel is not None:
+            self.trial_cancel.cancel()
+            self.query_one("#try-cancel", Button).disabled = True
+            self.query_one("#try-status", Static).update("Stopping after the current token...")
+
+    def show_answer(self, label: str) -> None:
+        """One side's answer so far (or whole), with its pace, in its column."""
+        from tui_merger.core.events import TrialFinished, TrialStarted
+
+        ev = self.trial_answers.get(label)
+        labels = [s.label for s in self.trial_plan.sides] if self.trial_plan else [label]
+        side = "merged" if label == labels[0] else "other"
+        text, panel = self.query_one(f"#answer-{side}-text", Static), self.query_one(f"#answer-{side}")
+        if isinstance(ev, TrialStarted):
+            text.update(f"[dim]{_escape(ev.message)}[/dim]")
+            panel.border_subtitle = "loading..."
+            return
+        tokens = len(ev.token_ids) if isinstance(ev, TrialFinished) else ev.tokens
+        shown = visible(ev.text)
+        if shown.strip():
+            text.update(_escape(shown))
+        elif isinstance(ev, TrialFinished):
+            text.update(f"[dim](no text: {tokens} token(s) that decode to nothing, such as special tokens)[/dim]")
+        else:
+            text.update(f"[dim]({tokens} token(s), no whole character yet)[/dim]")
+        if isinstance(ev, TrialFinished):
+            panel.border_subtitle = f"{len(ev.token_ids)} tokens, {ev.tokens_per_s:.1f} tokens/s"
+        else:
+            panel.border_subtitle = f"{ev.tokens} tokens, {ev.tokens_per_s:.1f} tokens/s..."
+
+    def _trial_ended(self, done: _Done) -> None:
+        self.query_one("#try-cancel", Button).disabled = True
+        self.query_one("#ask", Button).disabled = self.trial_plan is None or not self.trial_plan.fits
+        status = self.query_one("#try-status", Static)
+        if done.cancelled:
+            from tui_merger.core.events import TrialFinished
+
+            status.update("[b yellow]Stopped.[/] Ask again, or go on to Finish.")
+            labels = [s.label for s in self.trial_plan.sides]
+            for side, label in zip(("merged", "other"), labels):
+                ev = self.trial_answers.get(label)
+                if not isinstance(ev, TrialFinished):
+                    tokens = getattr(ev, "tokens", 0)
+                    self.query_one(f"#answer-{side}").border_subtitle = f"stopped after {tokens} tokens" if tokens else "stopped"
+                    if ev is None:
+                        self.query_one(f"#answer-{side}-text", Static).update("[dim](not asked: stopped before)[/dim]")
+        elif done.error:
+            status.update(f"[b red]Try it failed:[/] {_escape(done.error)}")
+        else:
+            self.show_trial_plan()
+
     # -- Finish -------------------------------------------------------------------------------
     @property
     def out_path(self) -> Path:
@@ -953,6 +1156,17 @@ class Wizard(Screen):
     # -- workers report here --------------------------------------------------------------------
     def on_work_done(self, message: WorkDone) -> None:
         done, kind = message.done, message.kind
+        if kind == "trial-plan":  # read while the user may have gone on: touches Try it's widgets only
+            self._trial_planning = False
+            if done.error:
+                self.query_one("#try-status", Static).update(f"[b red]Try it cannot start:[/] {_escape(done.error)}")
+            else:
+                self.trial_plan = done.value
+                self.show_trial_plan()
+            if self.step == "try" and self._planned_against != self.query_one("#against", Select).value:
+                self.plan_trial()  # changed while the models were read
+            self.refresh_nav()
+            return
         self.running = None
         if kind == "plan":
             if done.error:
@@ -962,6 +1176,8 @@ class Wizard(Screen):
         elif kind == "bases":
             self._proposed(done.value)
             return
+        elif kind == "trial":
+            self._trial_ended(done)
         elif kind == "merge":
             self.query_one("#cancel", Button).disabled = True
             status = self.query_one("#merge-status", Static)
