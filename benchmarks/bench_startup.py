@@ -9,7 +9,7 @@ Timed, each in a fresh process:
 - ``tui-merger --help`` (the console script, interpreter start included);
 - ``python -c "import tui_merger.cli"``;
 - the first screen of the assistant: ``tui-merger DEMO`` runs in a detached 100x30 tmux session on a
-  private tmux server, and the pane is captured every ~10 ms until "Step 1 of 5" shows. DEMO is a folder
+  private tmux server, and the pane is captured every ~10 ms until the header's "Find > Review" shows. DEMO is a folder
   that ``python -m tui_merger demo --workspace DEMO`` builds first (untimed).
 
 Also reported: whether ``from tui_merger.tui.app import MergeApp`` imports torch or transformers
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import REPO, code_state, fmt_table, loadavg, med  # noqa: E402
 
-FIRST_SCREEN = "Step 1 of 5"
+FIRST_SCREEN = "Find  > Review"  # the header's step indicator, the current step padded
 FIRST_SCREEN_TIMEOUT_S = 20.0
 HEAVY = ("torch", "transformers")
 
