@@ -321,20 +321,34 @@ def test_perplexity_on_a_text_file(tmp_path, capsys):
 
 
 def test_the_behaviour_check_holds_at_most_two_layers_of_weights(merged, monkeypatch):
-    """Counted by a global forward hook of torch, not by the streaming code: at every module call the
-    parameter values present (not on the meta device) in the running models are summed."""
+    """Counted by torch, not by the streaming code: at every module call and at every torch
+    function call (a TorchFunctionMode) the parameter values present (not on the meta device) in the
+    running models are summed, plus the weight tensors the call itself is given (its tensor arguments
+    after the input: a layer computed piecewise passes its weight block by block)."""
+    from torch.overrides import TorchFunctionMode
+
     import tui_merger.core.verify.streaming as streaming
 
     models, peak = [], [0]
     original_call = streaming.Streamer.__call__
 
+    def present() -> int:
+        return sum(p.numel() for m in models for p in m.parameters() if p.device.type != "meta" and "lora_" not in _name_of(m, p))
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.nn.functional.linear, torch.nn.functional.embedding):
+                given = sum(a.numel() for a in args[1:] if isinstance(a, torch.Tensor) and a.dim() >= 1)
+                peak[0] = max(peak[0], present() + given)
+            return func(*args, **(kwargs or {}))
+
     def call(self, *args, **kwargs):
         models.append(self.model)
-        return original_call(self, *args, **kwargs)
+        with Count():
+            return original_call(self, *args, **kwargs)
 
     def count(module, args):
-        held = sum(p.numel() for m in models for p in m.parameters() if p.device.type != "meta" and "lora_" not in _name_of(m, p))
-        peak[0] = max(peak[0], held)
+        peak[0] = max(peak[0], present())
 
     monkeypatch.setattr(streaming.Streamer, "__call__", call)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(count)

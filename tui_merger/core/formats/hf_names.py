@@ -11,6 +11,7 @@ a table of ours. transformers is imported only when a translation is needed.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 
@@ -168,6 +169,9 @@ def disk_layout(config_dir: Path) -> DiskLayout | None:
     return DiskLayout(model, renames, groups)
 
 
+_DERIVED_LOCK = threading.RLock()
+
+
 class _DerivedSource:
     """A source whose tensors are computed from other sources' tensors: loaded whole, never copied as
     raw file bytes nor in row blocks; its pieces go with the tensor they came from."""
@@ -214,19 +218,20 @@ class ConvertedSource(_DerivedSource):
                 self._group_of[disk] = name
 
     def load(self, ref):
-        group = self._group_of[ref.name]
-        pieces = self._cache.get(group)
-        if pieces is None:
-            source = self._inner[group]
-            pieces = self._cache[group] = {k: v.contiguous() for k, v in self.layout.convert(group, source.load()).items()}
-            source.release()
-            self._served[group] = set()
-        tensor = pieces[ref.name]
-        served = self._served[group]
-        served.add(ref.name)
-        if len(served) == len(pieces):
-            del self._cache[group], self._served[group]
-        return tensor
+        with _DERIVED_LOCK:  # the recompute and the reference pass read side by side
+            group = self._group_of[ref.name]
+            pieces = self._cache.get(group)
+            if pieces is None:
+                source = self._inner[group]
+                pieces = self._cache[group] = {k: v.contiguous() for k, v in self.layout.convert(group, source.load()).items()}
+                source.release()
+                self._served[group] = set()
+            tensor = pieces[ref.name]
+            served = self._served[group]
+            served.add(ref.name)
+            if len(served) == len(pieces):
+                del self._cache[group], self._served[group]
+            return tensor
 
 
 class SlicedSource(_DerivedSource):
@@ -253,20 +258,21 @@ class SlicedSource(_DerivedSource):
         return ref
 
     def load(self, ref):
-        parent, rows, columns = self._parts[ref.name]
-        key = id(parent)
-        whole = self._cache.get(key)
-        if whole is None:
-            whole = self._cache[key] = parent.load()
-            parent.release()
-            self._served[key] = set()
-        part = whole[rows[0]:rows[1]]
-        if columns is not None:
-            part = part[:, columns[0]::columns[1]]
-        self._served[key].add(ref.name)
-        if self._served[key] >= self._children[key]:
-            del self._cache[key], self._served[key]
-        return part.contiguous()
+        with _DERIVED_LOCK:  # the recompute and the reference pass read side by side
+            parent, rows, columns = self._parts[ref.name]
+            key = id(parent)
+            whole = self._cache.get(key)
+            if whole is None:
+                whole = self._cache[key] = parent.load()
+                parent.release()
+                self._served[key] = set()
+            part = whole[rows[0]:rows[1]]
+            if columns is not None:
+                part = part[:, columns[0]::columns[1]]
+            self._served[key].add(ref.name)
+            if self._served[key] >= self._children[key]:
+                del self._cache[key], self._served[key]
+            return part.contiguous()
 
 
 def _placed(model, state: dict, entry) -> str:

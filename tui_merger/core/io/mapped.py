@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from pathlib import Path
 
 RELEASE_MARGIN = 2 << 20
 RELEASE_BATCH = 16 << 20  # neighbouring releases are merged and handed back in one call of this size
 _POPULATE = getattr(mmap, "MADV_POPULATE_READ", 22 if hasattr(mmap, "MADV_DONTNEED") else 0)  # Linux 5.14+
+_LOCK = threading.RLock()  # the verification's checks read the same files from two threads
 
 
 class MappedFile:
@@ -21,12 +23,16 @@ class MappedFile:
 
     def fileno(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            with _LOCK:
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY)
         return self._fd
 
     def mapping(self) -> mmap.mmap:
         if self._mmap is None:
-            self._mmap = mmap.mmap(self.fileno(), 0, access=mmap.ACCESS_READ)
+            with _LOCK:
+                if self._mmap is None:
+                    self._mmap = mmap.mmap(self.fileno(), 0, access=mmap.ACCESS_READ)
         return self._mmap
 
     def view(self, dtype: str, numel: int, offset: int):
@@ -48,9 +54,10 @@ class MappedFile:
 
             import torch
 
-            with warnings.catch_warnings():  # frombuffer warns about read-only buffers, once per file here
+            with _LOCK, warnings.catch_warnings():  # frombuffer warns about read-only buffers, once per file here
                 warnings.simplefilter("ignore", UserWarning)
-                self._bytes = torch.frombuffer(self.mapping(), dtype=torch.uint8)
+                if self._bytes is None:
+                    self._bytes = torch.frombuffer(self.mapping(), dtype=torch.uint8)
         return self._bytes
 
     def offset_of(self, tensor) -> int | None:
@@ -92,6 +99,10 @@ class MappedFile:
         cost 0.18 s per 2 GB read."""
         if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
+        with _LOCK:
+            self._release(start, end)
+
+    def _release(self, start: int, end: int | None) -> None:
         size = len(self._mmap)
         whole = end is None and start == 0
         end = size if end is None else end
@@ -108,6 +119,10 @@ class MappedFile:
 
     def flush(self) -> None:
         """Hand back the pages of released ranges still pending."""
+        with _LOCK:
+            self._flush()
+
+    def _flush(self) -> None:
         if self._pending is None or self._mmap is None:
             self._pending = None
             return

@@ -8,7 +8,8 @@ behave like the unmerged model?
   sample of rows above ``SAMPLE_LIMIT`` values, stated in the report);
 - behaviour: the output loads with transformers' class for its architecture and its logits on fixed
   probes match the unmerged reference (base + adapter through peft, or the checkpoint's reassembled
-  weights + its adapter); the models are loaded one after the other, so memory peaks at one model;
+  weights + its adapter); both stream one module's weights at a time (``streaming.py``);
+- the recompute and the behaviour check run side by side, each on one core (``parallel.py``);
 - perplexity (optional): on a user's text, merged vs reference, flagged if it moves by more than 0.5.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from tui_merger.core.formats.hf_names import model_class
 from tui_merger.core.errors import MergeCancelled, MergeError
+from tui_merger.core.verify.parallel import Shares, run_side_by_side
 from tui_merger.core.verify.streaming import StreamError
 from tui_merger.core.events import CancelToken, EventSink, PhaseStarted, TensorProgress, ignore_event
 from tui_merger.core.io.files import config_dtype, read_json_object
@@ -198,25 +200,57 @@ def verify_merge(
         clamp = options.force_fp16_overflow and any(t.dtype == "float16" for t in plan.tensors)
         structure, files = _structure(out, plan, out_config)
         report.checks.append(structure)
-        if files is not None:
-            report.checks.append(_recompute(out, plan, files, on_event, cancel, clamp))
-        else:
-            report.checks.append(Check("recompute", "skip", "skipped: the weight files cannot be read"))
-        cancel.raise_if_cancelled()
-        if behaviour or perplexity_text:
-            if structure.status == "fail":
-                report.checks.append(Check("behaviour", "skip", "skipped: the structure check failed"))
-            else:
-                checks = _behaviour(out, out_config, options, inputs, plan, perplexity_text, on_event, cancel)
-                for check in checks:
-                    if clamp and check.status == "fail":  # the user chose to change those values
-                        check.status = "warn"
-                        check.summary += " (expected: values beyond float16's range were clamped, --force)"
-                report.checks.extend(checks)
+        run_models = bool(behaviour or perplexity_text) and structure.status != "fail"
+        # the recompute and the two models side by side, one core each (parallel.py)
+        shares = Shares(on_event)
+        size = sum(t.nbytes for t in plan.tensors)
+        recompute = _Recompute(out, plan, files, shares.add("recompute", size), clamp) if files is not None else None
+        jobs = {}
+        if recompute is not None:
+            jobs["recompute"] = recompute.work
+        if run_models:
+            models = shares.add("behaviour", 2 * size, parts=2)
+
+            def models_then_recompute(token):
+                checks = _behaviour(out, out_config, options, inputs, plan, perplexity_text, models, token)
+                shares.finish("behaviour")
+                if recompute is not None:
+                    recompute.work(token)  # the tensors the other thread has not reached yet
+                return checks
+
+            jobs["behaviour"] = models_then_recompute
+        if jobs:
+            on_event(PhaseStarted("verify", _what_runs(jobs, plan)))
+        try:
+            results = run_side_by_side(jobs, cancel)
+        finally:
+            if recompute is not None:
+                recompute.close()
+        shares.close()
+        report.checks.append(
+            recompute.check() if recompute is not None else Check("recompute", "skip", "skipped: the weight files cannot be read"))
+        if run_models:
+            checks = results["behaviour"]
+            for check in checks:
+                if clamp and check.status == "fail":  # the user chose to change those values
+                    check.status = "warn"
+                    check.summary += " (expected: values beyond float16's range were clamped, --force)"
+            report.checks.extend(checks)
+        elif behaviour or perplexity_text:
+            report.checks.append(Check("behaviour", "skip", "skipped: the structure check failed"))
     finally:
         inputs.close()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _what_runs(jobs: dict, plan) -> str:
+    what = []
+    if "recompute" in jobs:
+        what.append(f"recomputing {len(plan.tensors)} tensors from the inputs")
+    if "behaviour" in jobs:
+        what.append("running the merged model and the unmerged one layer by layer")
+    return "; ".join(what).capitalize() + (" (side by side)" if len(jobs) > 1 else "")
 
 
 # -- structure ---------------------------------------------------------------------------------
@@ -500,109 +534,147 @@ def _finite(x) -> bool:
     return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
-def _recompute(out: Path, plan, files: dict, on_event: EventSink, cancel: CancelToken, clamp: bool = False) -> Check:
+class _Recompute:
     """Every output tensor against its recomputation, a cache-sized block of rows at a time: the
     output is read through memory maps whose pages are handed back after each tensor, so memory
-    stays at a few blocks whatever the model's size."""
-    from tui_merger.core.io.sources import TensorSource
+    stays at a few blocks whatever the model's size. The tensors are a queue that any number of
+    threads take from (``work``); ``check()`` sums up what they found."""
 
-    problems, sampled, nonfinite, unchanged = [], [], [], []
-    total = len(plan.tensors)
-    total_bytes = sum(t.nbytes for t in plan.tensors)
-    done_bytes = 0
-    try:
-        stored = TensorSource(out, sorted(set(files.values())))
-    except MergeError as err:  # the library read the headers; ours is stricter
-        return Check("recompute", "fail", f"the weight files cannot be read for recomputation: {err}")
-    try:
-        for i, t in enumerate(plan.tensors, start=1):
+    def __init__(self, out: Path, plan, files: dict, on_event: EventSink, clamp: bool = False) -> None:
+        import threading
+
+        from tui_merger.core.io.sources import TensorSource
+
+        self.plan, self.files, self.on_event, self.clamp = plan, files, on_event, clamp
+        self.total = len(plan.tensors)
+        self.total_bytes = sum(t.nbytes for t in plan.tensors)
+        self.done, self.done_bytes = 0, 0
+        self.found: dict[int, tuple] = {}  # index -> (problem, sampled, nonfinite, unchanged)
+        self.unreadable: str | None = None
+        self._next = 0
+        self._lock = threading.Lock()
+        try:
+            self.stored = TensorSource(out, sorted(set(files.values())))
+        except MergeError as err:  # the library read the headers; ours is stricter
+            self.stored = None
+            self.unreadable = f"the weight files cannot be read for recomputation: {err}"
+
+    def work(self, cancel: CancelToken) -> None:
+        """Check tensors from the queue until it is empty (several threads may call this)."""
+        if self.stored is None:
+            return
+        while True:
             cancel.raise_if_cancelled()
-            if t.name not in files:
-                continue
-            ref = stored.tensors[t.name]
-            if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
-                for x in (ref, *t.inputs()):
-                    x.prefetch()
-            got_all = ref.load()
-            finite = True
-            pieces = None if t.ops else t.source.source.row_blocks(t.source)
-            if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
-                bad, diff, start = 0, 0.0, 0
-                for piece, release in pieces:
-                    stop = start + (piece.shape[0] if piece.dim() else 1)
-                    got = got_all[start:stop] if piece.dim() else got_all
-                    finite = finite and _finite(got)
-                    want = piece.float().clamp(-65504.0, 65504.0) if clamp else piece
-                    n = _mismatches(got, want) if piece.dtype != got.dtype or clamp else (0 if _bits_equal(got, piece) else 1)
-                    if n:
-                        bad += n
-                        diff = max(diff, (got.float() - want.float()).abs().max().item())
-                    release()
-                    ref.release_rows(start, stop)
-                    start = stop
-                if bad or start != (t.shape[0] if t.shape else 1):
-                    problems.append(f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the checkpoint (max {diff:.3g})")
-            elif t.raw_copy:  # compared a block at a time, each block's pages handed back (an embedding is GBs)
-                src = t.source.load()
-                equal = True
-                for rows in _row_blocks(t.shape, BLOCK_VALUES * 16):
-                    got = got_all if rows is None else got_all[rows]
-                    finite = finite and _finite(got)
-                    equal = equal and _bits_equal(got, src if rows is None else src[rows])
-                    if rows is not None:
-                        ref.release_rows(rows.start, rows.stop)
-                        t.source.release_rows(rows.start, rows.stop)
-                if not equal:
-                    problems.append(f"{t.name}: differs from the input it was copied from")
-                for x in t.inputs():
-                    x.release()
-            else:
-                r = _Recomputation(t)
-                bad, diff = 0, 0.0
-                if _sampled(t):
-                    sampled.append(t.name)
-                    blocks = [_sample_rows(t.name, t.shape[0])]
-                else:
-                    blocks = [None] if _whole(t) else _row_blocks(t.shape)
-                for rows in blocks:
-                    got = got_all if rows is None else got_all[rows]
-                    finite = finite and _finite(got)
-                    want = r.rows(rows)
-                    if clamp:  # --force: values beyond fp16's range were clamped on purpose
-                        want = want.clamp(-65504.0, 65504.0)
-                    n = _mismatches(got, want, lambda: r.magnitude(rows))
-                    if n:
-                        bad += n
-                        diff = max(diff, (got.float() - want.to(got.dtype).float()).abs().max().item())
-                r.release()
-                if bad:
-                    problems.append(f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the recomputation (max {diff:.3g})")
-                    if t.ops and _bits_equal(got_all, t.source.load().to(got_all.dtype).contiguous()):
-                        unchanged.append(t.name)
-            if not finite:
-                nonfinite.append(t.name)
-            del got_all
-            ref.release()
-            done_bytes += t.nbytes
-            on_event(TensorProgress(t.name, i, total, done_bytes, total_bytes))
-    finally:
-        stored.close()
+            with self._lock:
+                i = self._next
+                self._next += 1
+            if i >= self.total:
+                return
+            t = self.plan.tensors[i]
+            if t.name in self.files:
+                self.found[i] = _check_tensor(t, self.stored.tensors[t.name], self.clamp)
+            with self._lock:
+                self.done += 1
+                self.done_bytes += t.nbytes
+                progress = TensorProgress(t.name, min(self.done, self.total), self.total, self.done_bytes, self.total_bytes)
+            self.on_event(progress)
+
+    def close(self) -> None:
+        if self.stored is not None:
+            self.stored.close()
         release_memory()
-    details = problems[:50] + [f"{n}: holds NaN or Inf" for n in nonfinite[:20]]
-    if unchanged:
-        details.append(
-            f"{len(unchanged)} tensor(s) the adapter changes hold the base's values unchanged ({unchanged[0]}, ...): "
-            "the adapter looks not (or wrongly) applied"
+
+    def check(self) -> Check:
+        if self.unreadable:
+            return Check("recompute", "fail", self.unreadable)
+        found = [self.found[i] for i in sorted(self.found)]
+        problems = [f[0] for f in found if f[0]]
+        sampled = [f[1] for f in found if f[1]]
+        nonfinite = [f[2] for f in found if f[2]]
+        unchanged = [f[3] for f in found if f[3]]
+        total = self.total
+        details = problems[:50] + [f"{n}: holds NaN or Inf" for n in nonfinite[:20]]
+        if unchanged:
+            details.append(
+                f"{len(unchanged)} tensor(s) the adapter changes hold the base's values unchanged ({unchanged[0]}, ...): "
+                "the adapter looks not (or wrongly) applied"
+            )
+        metrics = {"tensors": total, "sampled_tensors": len(sampled), "sample_rows": SAMPLE_ROWS, "full_rank": FULL_RANK,
+                   "unchanged_by_adapter": len(unchanged)}
+        if problems or nonfinite:
+            return Check("recompute", "fail", f"{len(problems) + len(nonfinite)} of {total} tensors are wrong", details, metrics)
+        how = (
+            f"; {len(sampled)} tensors of adapters above rank {FULL_RANK} on {SAMPLE_ROWS} random rows each"
+            if sampled else ", every value"
         )
-    metrics = {"tensors": total, "sampled_tensors": len(sampled), "sample_rows": SAMPLE_ROWS, "full_rank": FULL_RANK,
-               "unchanged_by_adapter": len(unchanged)}
-    if problems or nonfinite:
-        return Check("recompute", "fail", f"{len(problems) + len(nonfinite)} of {total} tensors are wrong", details, metrics)
-    how = (
-        f"; {len(sampled)} tensors of adapters above rank {FULL_RANK} on {SAMPLE_ROWS} random rows each"
-        if sampled else ", every value"
-    )
-    return Check("recompute", "pass", f"all {total} tensors equal the recomputation from the inputs{how}", [], metrics)
+        return Check("recompute", "pass", f"all {total} tensors equal the recomputation from the inputs{how}", [], metrics)
+
+
+def _check_tensor(t, ref, clamp: bool) -> tuple:
+    """(problem or None, name if sampled, name if NaN/Inf, name if the adapter left it unchanged)."""
+    problem = sampled = unchanged = None
+    if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
+        for x in (ref, *t.inputs()):
+            x.prefetch()
+    got_all = ref.load()
+    finite = True
+    pieces = None if t.ops else t.source.source.row_blocks(t.source)
+    if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
+        bad, diff, start = 0, 0.0, 0
+        for piece, release in pieces:
+            stop = start + (piece.shape[0] if piece.dim() else 1)
+            got = got_all[start:stop] if piece.dim() else got_all
+            finite = finite and _finite(got)
+            want = piece.float().clamp(-65504.0, 65504.0) if clamp else piece
+            n = _mismatches(got, want) if piece.dtype != got.dtype or clamp else (0 if _bits_equal(got, piece) else 1)
+            if n:
+                bad += n
+                diff = max(diff, (got.float() - want.float()).abs().max().item())
+            release()
+            ref.release_rows(start, stop)
+            start = stop
+        if bad or start != (t.shape[0] if t.shape else 1):
+            problem = f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the checkpoint (max {diff:.3g})"
+    elif t.raw_copy:  # compared a block at a time, each block's pages handed back (an embedding is GBs)
+        src = t.source.load()
+        equal = True
+        for rows in _row_blocks(t.shape, BLOCK_VALUES * 16):
+            got = got_all if rows is None else got_all[rows]
+            finite = finite and _finite(got)
+            equal = equal and _bits_equal(got, src if rows is None else src[rows])
+            if rows is not None:
+                ref.release_rows(rows.start, rows.stop)
+                t.source.release_rows(rows.start, rows.stop)
+        if not equal:
+            problem = f"{t.name}: differs from the input it was copied from"
+        for x in t.inputs():
+            x.release()
+    else:
+        r = _Recomputation(t)
+        bad, diff = 0, 0.0
+        if _sampled(t):
+            sampled = t.name
+            blocks = [_sample_rows(t.name, t.shape[0])]
+        else:
+            blocks = [None] if _whole(t) else _row_blocks(t.shape)
+        for rows in blocks:
+            got = got_all if rows is None else got_all[rows]
+            finite = finite and _finite(got)
+            want = r.rows(rows)
+            if clamp:  # --force: values beyond fp16's range were clamped on purpose
+                want = want.clamp(-65504.0, 65504.0)
+            n = _mismatches(got, want, lambda: r.magnitude(rows))
+            if n:
+                bad += n
+                diff = max(diff, (got.float() - want.to(got.dtype).float()).abs().max().item())
+        r.release()
+        if bad:
+            problem = f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the recomputation (max {diff:.3g})"
+            if t.ops and _bits_equal(got_all, t.source.load().to(got_all.dtype).contiguous()):
+                unchanged = t.name
+    del got_all
+    ref.release()
+    return problem, sampled, None if finite else t.name, unchanged
 
 
 # -- behaviour ---------------------------------------------------------------------------------
