@@ -306,13 +306,14 @@ def gate(module, name):
         return real(*args, **kwargs)
     setattr(module, name, gated)
 
-gate(provenance if sys.argv[1] == "record_merge" else verify, sys.argv[1])
+owner, _, name = sys.argv[1].rpartition(".")
+gate(provenance if name == "record_merge" else getattr(verify, owner) if owner else verify, name)
 from tui_merger.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("stage", ["record_merge", "_check_tensor", "_behaviour"])
+@pytest.mark.parametrize("stage", ["record_merge", "_check_tensor", "_Models.merged"])
 def test_killed_while_recording_or_verifying_the_same_command_finishes(inputs, tmp_path, stage):
     """kill -9 after the model is in place (while hashing it, recomputing, or running the models), then
     the same command: it keeps the model, records and verifies it, exits 0."""

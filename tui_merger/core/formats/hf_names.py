@@ -28,12 +28,16 @@ def model_class(config: dict):
     return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
+BUILD_LOCK = threading.RLock()  # held while a meta model is built: accelerate's init_empty_weights
+# patches torch.nn.Module for every thread, so a module built meanwhile elsewhere would be empty too
+
+
 def meta_model(cls, config):
     """``cls`` built from ``config`` on the meta device, in fp32, buffers real (rotary tables)."""
     import torch
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
+    with BUILD_LOCK, init_empty_weights(include_buffers=False):
         model = cls._from_config(config, dtype=torch.float32)
     model.eval()
     return model

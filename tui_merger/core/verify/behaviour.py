@@ -107,7 +107,7 @@ def streamer_for_files(cls, config, tensors: dict, what: str, on_event=None, can
     from tui_merger.core.formats.hf_names import meta_model
     from tui_merger.core.verify.streaming import Streamer, weights_from_files
 
-    model = meta_model(cls, config)
+    model = meta_model(cls, config)  # (built under hf_names.BUILD_LOCK)
     weights, missing, _ = weights_from_files(model, tensors)
     _check_shapes(model, weights, what)
     return Streamer(model, weights, on_unit=_progress(on_event, what), cancel=cancel), missing
@@ -119,6 +119,13 @@ def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str,
     ``adapters``: [(folder, weight)]; one adapter is loaded as peft loads it, several are combined
     with peft's add_weighted_adapter ("cat": concatenated ranks, exact). The adapter weights peft
     loads stay in memory (small); the base weights stream from the files."""
+    from tui_merger.core.formats.hf_names import BUILD_LOCK
+
+    with BUILD_LOCK:  # peft builds its layers while the base's modules are patched elsewhere otherwise
+        return _streamer_with_adapter(cls, config, tensors, adapters, what, on_event, cancel)
+
+
+def _streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str, on_event=None, cancel=None):
     from peft import PeftModel
 
     from tui_merger.core.formats.hf_names import meta_model

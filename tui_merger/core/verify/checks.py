@@ -205,24 +205,15 @@ def verify_merge(
         shares = Shares(on_event)
         size = sum(t.nbytes for t in plan.tensors)
         recompute = _Recompute(out, plan, files, shares.add("recompute", size), clamp) if files is not None else None
-        jobs = {}
-        if recompute is not None:
-            jobs["recompute"] = recompute.work
+        models = None
         if run_models:
-            models = shares.add("behaviour", 2 * size, parts=2)
-
-            def models_then_recompute(token):
-                checks = _behaviour(out, out_config, options, inputs, plan, perplexity_text, models, token)
-                shares.finish("behaviour")
-                if recompute is not None:
-                    recompute.work(token)  # the tensors the other thread has not reached yet
-                return checks
-
-            jobs["behaviour"] = models_then_recompute
+            models = _Models(out, out_config, options, inputs, plan, perplexity_text,
+                             shares.add("merged", size), shares.add("reference", size))
+        jobs = _verify_jobs(recompute, models, shares)
         if jobs:
-            on_event(PhaseStarted("verify", _what_runs(jobs, plan)))
+            on_event(PhaseStarted("verify", _what_runs(recompute, models, plan)))
         try:
-            results = run_side_by_side(jobs, cancel)
+            run_side_by_side(jobs, cancel)
         finally:
             if recompute is not None:
                 recompute.close()
@@ -230,7 +221,7 @@ def verify_merge(
         report.checks.append(
             recompute.check() if recompute is not None else Check("recompute", "skip", "skipped: the weight files cannot be read"))
         if run_models:
-            checks = results["behaviour"]
+            checks = models.checks()
             for check in checks:
                 if clamp and check.status == "fail":  # the user chose to change those values
                     check.status = "warn"
@@ -244,13 +235,46 @@ def verify_merge(
     return report
 
 
-def _what_runs(jobs: dict, plan) -> str:
+def _verify_jobs(recompute, models, shares) -> dict:
+    """Two threads: one prepares the models and runs the merged one, the other recomputes tensors and
+    takes the unmerged model's run as soon as the models are prepared; then both take tensors from
+    the recompute's queue until it is empty."""
+    def recompute_all(token) -> None:
+        if recompute is not None:
+            recompute.work(token)
+
+    if models is None:
+        return {"recompute": recompute_all} if recompute is not None else {}
+
+    def reference_once(token) -> None:
+        if models.claimed.acquire(blocking=False):
+            models.ready.wait()
+            models.reference(token)
+            shares.finish("reference")
+
+    def first(token) -> None:
+        models.prepare()
+        models.merged(token)
+        shares.finish("merged")
+        reference_once(token)  # when the other thread had no time for it
+        recompute_all(token)
+
+    def second(token) -> None:
+        if recompute is not None:
+            recompute.work(token, until=models.ready)
+        reference_once(token)
+        recompute_all(token)
+
+    return {"merged model": first, "recompute": second}
+
+
+def _what_runs(recompute, models, plan) -> str:
     what = []
-    if "recompute" in jobs:
+    if recompute is not None:
         what.append(f"recomputing {len(plan.tensors)} tensors from the inputs")
-    if "behaviour" in jobs:
+    if models is not None:
         what.append("running the merged model and the unmerged one layer by layer")
-    return "; ".join(what).capitalize() + (" (side by side)" if len(jobs) > 1 else "")
+    return "; ".join(what).capitalize() + (" (side by side)" if len(what) > 1 else "")
 
 
 # -- structure ---------------------------------------------------------------------------------
@@ -559,11 +583,12 @@ class _Recompute:
             self.stored = None
             self.unreadable = f"the weight files cannot be read for recomputation: {err}"
 
-    def work(self, cancel: CancelToken) -> None:
-        """Check tensors from the queue until it is empty (several threads may call this)."""
+    def work(self, cancel: CancelToken, until=None) -> None:
+        """Check tensors from the queue until it is empty, or ``until`` (a threading.Event) is set
+        (several threads may call this)."""
         if self.stored is None:
             return
-        while True:
+        while until is None or not until.is_set():
             cancel.raise_if_cancelled()
             with self._lock:
                 i = self._next
@@ -713,101 +738,155 @@ def quiet_transformers():
     transformers.utils.logging.set_verbosity_error()
 
 
-def _behaviour(out: Path, config: dict, options: MergeOptions, inputs, plan, text: Path | None, on_event,
-               cancel: CancelToken | None = None) -> list[Check]:
-    """Merged model and unmerged reference, layer by layer (``behaviour.py``)."""
-    _prewarmed()
-    import transformers
+class _Models:
+    """The behaviour check in three steps that may run on different threads: ``prepare`` (imports,
+    probes: once), ``merged`` (the merged model, as users will load it) and ``reference`` (the
+    unmerged one, from the inputs); ``checks()`` compares them. A step that cannot run leaves the
+    check to report (``early``) and the others are then not needed."""
 
-    from tui_merger.core.verify import behaviour as bh
-    from tui_merger.core.io.sources import open_model
+    def __init__(self, out: Path, config: dict, options: MergeOptions, inputs, plan, text: Path | None,
+                 merged_sink, reference_sink) -> None:
+        import threading
 
-    cls = model_class(config)
-    archs = config.get("architectures") or ["(none)"]
-    if cls is None:
-        return [Check(
-            "behaviour", "skip",
-            f"skipped: {archs[0]} is not a transformers class (custom code); tui-merger never runs model code",
-        )]
-    quiet_transformers()
-    bh.quiet()
-    stored = options.dtype or inputs.dtype or config_dtype(config) or "float32"
-    stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
-    probes = probe_ids(config, plan)
-    tokens = _perplexity_tokens(out, text) if text else None
-    try:
-        out_config = transformers.AutoConfig.from_pretrained(out)
-    except Exception as err:  # noqa: BLE001 - transformers' own refusal of the file, said as it is
-        return [Check("behaviour", "fail", f"transformers cannot read the merged model's config.json: {bh.first_line(err)}")]
-    try:
-        written = open_model(out)
-    except MergeError as err:
-        return [Check("behaviour", "fail", f"the merged model's weights cannot be read: {err}")]
-    try:
-        with bh.temporary_folder() as tmp:
-            # 1. the merged model, as users will load it
+        self.out, self.config, self.options, self.inputs, self.plan, self.text = out, config, options, inputs, plan, text
+        self.merged_sink, self.reference_sink = merged_sink, reference_sink
+        self.early: list[Check] | None = None  # the check's result without (both) runs
+        self.ready = threading.Event()  # prepare() is done
+        self.claimed = threading.Lock()  # whoever takes it runs the reference pass
+        self.merged_out = self.reference_out = None
+        self.peak = 0
+        self.conversion = False
+
+    def _stop(self, checks: list[Check]) -> None:
+        if self.early is None:
+            self.early = checks
+
+    def prepare(self) -> None:
+        _prewarmed()
+        try:
+            self._prepare()
+        finally:
+            self.ready.set()
+
+    def _prepare(self) -> None:
+        import transformers
+
+        from tui_merger.core.verify import behaviour as bh
+
+        self.cls = model_class(self.config)
+        if self.cls is None:
+            archs = self.config.get("architectures") or ["(none)"]
+            return self._stop([Check(
+                "behaviour", "skip",
+                f"skipped: {archs[0]} is not a transformers class (custom code); tui-merger never runs model code",
+            )])
+        quiet_transformers()
+        bh.quiet()
+        stored = self.options.dtype or self.inputs.dtype or config_dtype(self.config) or "float32"
+        self.stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
+        self.probes = probe_ids(self.config, self.plan)
+        self.tokens = _perplexity_tokens(self.out, self.text) if self.text else None
+        try:
+            self.out_config = transformers.AutoConfig.from_pretrained(self.out)
+        except Exception as err:  # noqa: BLE001 - transformers' own refusal of the file, said as it is
+            return self._stop([Check("behaviour", "fail", f"transformers cannot read the merged model's config.json: {bh.first_line(err)}")])
+
+    def merged(self, cancel: CancelToken) -> None:
+        """1. the merged model, as users will load it"""
+        from tui_merger.core.io.sources import open_model
+        from tui_merger.core.verify import behaviour as bh
+
+        if self.early is not None:
+            return
+        cls, out, on_event = self.cls, self.out, self.merged_sink
+        try:
+            written = open_model(out)
+        except MergeError as err:
+            return self._stop([Check("behaviour", "fail", f"the merged model's weights cannot be read: {err}")])
+        try:
             on_event(PhaseStarted("behaviour", f"Running the merged model layer by layer ({cls.__name__}, fp32)"))
             try:
-                if options.export_adapter:
-                    merged_model, missing = bh.streamer_with_adapter(
-                        cls, out_config, written.tensors, [(out / "lora_adapter", None)], "merged model", on_event, cancel)
+                if self.options.export_adapter:
+                    model, missing = bh.streamer_with_adapter(
+                        cls, self.out_config, written.tensors, [(out / "lora_adapter", None)], "merged model", on_event, cancel)
                 else:
-                    merged_model, missing = bh.streamer_for_files(
-                        cls, out_config, written.tensors, "merged model", on_event, cancel)
+                    model, missing = bh.streamer_for_files(cls, self.out_config, written.tensors, "merged model", on_event, cancel)
             except StreamError as why:
-                return [_cannot_stream("merged model", why)]
+                return self._stop([_cannot_stream("merged model", why)])
             except bh.NoReference as why:
-                return [Check("behaviour", "fail", f"transformers cannot build the output as {cls.__name__}: {why}")]
+                return self._stop([Check("behaviour", "fail", f"transformers cannot build the output as {cls.__name__}: {why}")])
             if missing:
-                return [Check(
+                return self._stop([Check(
                     "behaviour", "fail", f"{cls.__name__} does not find {len(missing)} of its weights in the files",
                     [f"missing from the files (transformers starts them random): {', '.join(missing[:10])}"],
-                )]
+                )])
             try:
-                merged, merged_hidden = bh.run(merged_model, probes)
-                ppl_merged = _perplexity(merged_model, tokens, config) if tokens is not None else None
+                logits, hidden = bh.run(model, self.probes)
+                ppl = _perplexity(model, self.tokens, self.config) if self.tokens is not None else None
             except (MergeCancelled, KeyboardInterrupt):
                 raise
             except Exception as why:  # noqa: BLE001 - transformers' forward over streamed weights
-                return [_cannot_stream("merged model", why)]
-            peak = merged_model.stats.peak_live_values
-            merged_model.close()
+                return self._stop([_cannot_stream("merged model", why)])
+            self.peak = max(self.peak, model.stats.peak_live_values)
+            self.merged_out = (logits, hidden, ppl)
+            model.close()
+        finally:
             written.close()
             release_memory()
 
-            # 2. the unmerged reference
-            from tui_merger.core.formats.inputs import reference as reference_of
+    def reference(self, cancel: CancelToken) -> None:
+        """2. the unmerged reference (what it is, the checkpoint's kind says)"""
+        from tui_merger.core.formats.inputs import reference as reference_of
+        from tui_merger.core.verify import behaviour as bh
 
-            spec = reference_of(inputs, options, tmp)  # the kind says what the reference is
-            if spec is None:
-                return [_loads_check(cls.__name__, merged, peak)]  # a conversion: the tensors are the checkpoint's
+        if self.early is not None:
+            return
+        on_event = self.reference_sink
+        with bh.temporary_folder() as tmp:
+            spec = reference_of(self.inputs, self.options, tmp)
+            if spec is None:  # a conversion: the tensors are the checkpoint's
+                self.conversion = True
+                return
             on_event(PhaseStarted("behaviour", "Running the unmerged reference (base + adapter through peft) layer by layer"))
             try:
-                reference_model = _reference_streamer(cls, out, out_config, spec, inputs, on_event, cancel)
+                model = _reference_streamer(self.cls, self.out, self.out_config, spec, self.inputs, on_event, cancel)
             except (bh.NoReference, StreamError) as why:
-                return [Check("behaviour", "skip", f"skipped: {why}; not fully verified", metrics={"probes": list(PROBE_SHAPE)})]
+                self.reference_out = Check("behaviour", "skip", f"skipped: {why}; not fully verified",
+                                           metrics={"probes": list(PROBE_SHAPE)})
+                return
             try:
-                reference, ref_hidden = bh.run(reference_model, probes)
-                ppl_ref = _perplexity(reference_model, tokens, config) if tokens is not None else None
+                logits, hidden = bh.run(model, self.probes)
+                ppl = _perplexity(model, self.tokens, self.config) if self.tokens is not None else None
             except (MergeCancelled, KeyboardInterrupt):
                 raise
             except Exception as why:  # noqa: BLE001
-                return [_cannot_stream("unmerged reference", why)]
-            peak = max(peak, reference_model.stats.peak_live_values)
-            reference_model.close()
-    finally:
-        written.close()
-    checks = [_layer_check(cls.__name__, plan, stored, merged, reference, merged_hidden, ref_hidden, peak)]
-    if tokens is not None:
-        delta = abs(ppl_merged - ppl_ref)
-        status = "pass" if delta <= PPL_TOLERANCE else "fail"
-        checks.append(Check(
-            "perplexity", status,
-            f"perplexity {ppl_merged:.3f} merged vs {ppl_ref:.3f} unmerged on {tokens.numel()} tokens of {text.name}"
-            + ("" if status == "pass" else f": moved by {delta:.3f} (> {PPL_TOLERANCE})"),
-            metrics={"merged": ppl_merged, "reference": ppl_ref, "tokens": tokens.numel()},
-        ))
-    return checks
+                self.reference_out = _cannot_stream("unmerged reference", why)
+                return
+            self.peak = max(self.peak, model.stats.peak_live_values)
+            self.reference_out = (logits, hidden, ppl)
+            model.close()
+            release_memory()
+
+    def checks(self) -> list[Check]:
+        if self.early is not None:
+            return self.early
+        merged, merged_hidden, ppl_merged = self.merged_out
+        if self.conversion:
+            return [_loads_check(self.cls.__name__, merged, self.peak)]
+        if isinstance(self.reference_out, Check):
+            return [self.reference_out]
+        reference, ref_hidden, ppl_ref = self.reference_out
+        checks = [_layer_check(self.cls.__name__, self.plan, self.stored, merged, reference, merged_hidden, ref_hidden, self.peak)]
+        if self.tokens is not None:
+            delta = abs(ppl_merged - ppl_ref)
+            status = "pass" if delta <= PPL_TOLERANCE else "fail"
+            checks.append(Check(
+                "perplexity", status,
+                f"perplexity {ppl_merged:.3f} merged vs {ppl_ref:.3f} unmerged on {self.tokens.numel()} tokens of {self.text.name}"
+                + ("" if status == "pass" else f": moved by {delta:.3f} (> {PPL_TOLERANCE})"),
+                metrics={"merged": ppl_merged, "reference": ppl_ref, "tokens": self.tokens.numel()},
+            ))
+        return checks
 
 
 def _cannot_stream(what: str, why: Exception) -> Check:
