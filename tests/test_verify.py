@@ -84,6 +84,34 @@ def _faulty_copy(merged, tmp_path, change) -> Path:
     return bad
 
 
+def test_the_unmerged_run_made_while_merging_is_the_one_verification_uses(pair, tmp_path, monkeypatch):
+    """The default merge runs the unmerged reference while it writes (it needs nothing the merge
+    writes); verification takes that run instead of a second one, and finds what a verification run
+    afterwards finds, which builds the reference itself."""
+    import threading
+
+    import tui_merger.core.verify.checks as checks
+
+    base, _, adapter = pair
+    built = []
+    real = checks._reference_streamer
+
+    def spy(*args, **kwargs):
+        built.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checks, "_reference_streamer", spy)
+    out = tmp_path / "m"
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 0
+    assert built == ["tui-merger-prewarm"]
+    during = next(c for c in read_manifest(out)["verification"]["checks"] if c["name"] == "behaviour")
+    after = verify_merge(out).checks[2]
+    assert len(built) == 2 and built[1].startswith("verify ")
+    assert during["status"] == after.status == "pass"
+    assert during["metrics"]["layers"] == after.metrics["layers"]
+    assert during["metrics"]["output_rel_diff"] == after.metrics["output_rel_diff"]
+
+
 def _verify_against(options, out):
     return verify_merge(out, MergeOptions(base=options.base, adapter=options.adapter, out=out))
 

@@ -125,6 +125,11 @@ def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str,
         return _streamer_with_adapter(cls, config, tensors, adapters, what, on_event, cancel)
 
 
+# adapter weights kept in the dtype they were saved in (peft would upcast 16-bit ones to fp32: twice
+# the memory, the same values); each is upcast when its layer runs
+_AS_SAVED = {"low_cpu_mem_usage": True, "autocast_adapter_dtype": False}
+
+
 def _streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str, on_event=None, cancel=None):
     from peft import PeftModel
 
@@ -139,15 +144,15 @@ def _streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str
     with adapters_stay_on_cpu():
         try:
             if len(adapters) == 1 and adapters[0][1] is None:
-                model = PeftModel.from_pretrained(base, adapters[0][0], low_cpu_mem_usage=True)
+                model = PeftModel.from_pretrained(base, adapters[0][0], **_AS_SAVED)
             else:
                 names, weights = [], []
                 for index, (folder, weight) in enumerate(adapters):
                     name = f"a{index}"
                     if index == 0:
-                        model = PeftModel.from_pretrained(base, folder, adapter_name=name, low_cpu_mem_usage=True)
+                        model = PeftModel.from_pretrained(base, folder, adapter_name=name, **_AS_SAVED)
                     else:
-                        model.load_adapter(folder, adapter_name=name, low_cpu_mem_usage=True)
+                        model.load_adapter(folder, adapter_name=name, **_AS_SAVED)
                     names.append(name)
                     weights.append(weight)
                 model.add_weighted_adapter(names, weights, "weighted", combination_type="cat")

@@ -109,6 +109,8 @@ def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
                 if folder and (Path(folder) / "config.json").is_file():
                     model_class(read_json_object(Path(folder) / "config.json", ""))
                     break
+            if options.checkpoint is None and options.base is not None:
+                _reference_ahead(options)
         except Exception:  # noqa: BLE001 - a best effort; the real import reports
             pass
 
@@ -125,6 +127,60 @@ def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
 
 _PREWARMING: list = []  # prewarm threads; the behaviour check waits for them (a half-imported
 # transformers seen from another thread lacks attributes)
+_AHEAD: dict = {}  # the unmerged reference's run, made while the merge wrote: key -> (logits, hidden, peak)
+
+
+def _ahead_key(options: MergeOptions, config: dict, probes) -> str:
+    """What the reference's run depends on: the options (the inputs), the output's config, the probes."""
+    import json
+
+    return json.dumps([asdict(options), config, probes.tolist()], sort_keys=True, default=str)
+
+
+def _reference_ahead(options: MergeOptions) -> None:
+    """The unmerged reference of an adapter merge needs nothing the merge writes: run it while the
+    merge writes (on one torch thread: the merge's work is mostly the kernel's, writing files), with
+    the output's config as the merge will write it. The behaviour check takes the result if the
+    options, the written config and the probes are the same; otherwise it runs it again."""
+    import json
+
+    import torch
+    import transformers
+
+    from tui_merger.core.formats.adapter import empty_adapter
+    from tui_merger.core.formats.inputs import open_inputs
+    from tui_merger.core.formats.inputs import reference as reference_of
+    from tui_merger.core.io.files import edited_config
+    from tui_merger.core.plan.plan import build_plan
+    from tui_merger.core.verify import behaviour as bh
+
+    torch.set_num_threads(1)
+    inputs = open_inputs(options)
+    try:
+        dtype = options.dtype or inputs.dtype
+        adapter = empty_adapter(inputs.adapter.folder) if options.export_adapter else inputs.adapter
+        plan = build_plan(inputs.base, adapter, {**inputs.config, **inputs.config_changes}, dtype, options.shard_size)
+        config = json.loads(json.dumps(edited_config(inputs.config, {**inputs.config_changes, **plan.config_changes}, dtype)))
+        cls = model_class(config)
+        if cls is None:
+            return
+        quiet_transformers()
+        bh.quiet()
+        probes = probe_ids(config, plan)
+        with bh.temporary_folder() as tmp:
+            folder = Path(tmp) / "config"
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(config))
+            spec = reference_of(inputs, options, Path(tmp))
+            if spec is None:
+                return
+            model = _reference_streamer(cls, config, transformers.AutoConfig.from_pretrained(folder), spec, inputs, None)
+            logits, hidden = bh.run(model, probes)
+            _AHEAD[_ahead_key(options, config, probes)] = (logits, hidden, model.stats.peak_live_values)
+            model.close()
+    finally:
+        inputs.close()
+        release_memory()
 
 
 def _prewarmed() -> None:
@@ -841,6 +897,12 @@ class _Models:
 
         if self.early is not None:
             return
+        ahead = _AHEAD.pop(_ahead_key(self.options, self.config, self.probes), None) if self.tokens is None else None
+        if ahead is not None:  # run while the merge was writing (prewarming)
+            logits, hidden, peak = ahead
+            self.peak = max(self.peak, peak)
+            self.reference_out = (logits, hidden, None)
+            return
         on_event = self.reference_sink
         with bh.temporary_folder() as tmp:
             spec = reference_of(self.inputs, self.options, tmp)
@@ -849,7 +911,7 @@ class _Models:
                 return
             on_event(PhaseStarted("behaviour", "Running the unmerged reference (base + adapter through peft) layer by layer"))
             try:
-                model = _reference_streamer(self.cls, self.out, self.out_config, spec, self.inputs, on_event, cancel)
+                model = _reference_streamer(self.cls, self.config, self.out_config, spec, self.inputs, on_event, cancel)
             except (bh.NoReference, StreamError) as why:
                 self.reference_out = Check("behaviour", "skip", f"skipped: {why}; not fully verified",
                                            metrics={"probes": list(PROBE_SHAPE)})
@@ -901,9 +963,10 @@ def _cannot_stream(what: str, why: Exception) -> Check:
     )
 
 
-def _reference_streamer(cls, out: Path, out_config, spec, inputs, on_event, cancel=None):
+def _reference_streamer(cls, config_dict: dict, out_config, spec, inputs, on_event, cancel=None):
     """The reference's adapters through peft on the base streamed from the inputs as the merge read
-    them, built from the base's config (the adapter's resized vocabulary kept) or the output's."""
+    them, built from the base's config (the adapter's resized vocabulary kept) or the output's
+    (``config_dict``: its config.json, ``out_config``: as transformers reads it)."""
     import transformers
 
     from tui_merger.core.verify import behaviour as bh
@@ -911,7 +974,7 @@ def _reference_streamer(cls, out: Path, out_config, spec, inputs, on_event, canc
     config = out_config
     if spec.config_dir is not None:
         config = transformers.AutoConfig.from_pretrained(spec.config_dir)
-        vocab = transformers_vocab(out)
+        vocab = _vocab_of(config_dict)
         text = getattr(config, "text_config", None) if not hasattr(config, "vocab_size") else None
         holder = text if text is not None else config
         if vocab and getattr(holder, "vocab_size", vocab) != vocab:
@@ -977,8 +1040,7 @@ def _layer_check(cls_name: str, plan, stored: str, merged, reference, merged_hid
     return Check("behaviour", "pass" if ok else "fail", f"{cls_name} {lead}: {what}", details, metrics)
 
 
-def transformers_vocab(out: Path) -> int | None:
-    config = read_json_object(out / "config.json", "the merged model's config is damaged")
+def _vocab_of(config: dict) -> int | None:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     return config.get("vocab_size", text.get("vocab_size"))
 
