@@ -32,6 +32,7 @@ def _finite_number(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     from tui_merger.cli import cleanup as cli_cleanup  # each adds its command (cheap imports)
     from tui_merger.cli import convert as cli_convert
+    from tui_merger.cli import gguf as cli_gguf
     from tui_merger.cli import inspect as cli_inspect
     from tui_merger.cli import jobs as cli_jobs
     from tui_merger.cli import trial as cli_trial
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_jobs.add_parser(sub)
     cli_convert.add_parser(sub)
     cli_trial.add_parser(sub)
+    cli_gguf.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,54 @@
+"""``tui-merger gguf MODEL_DIR [--type f16|bf16|q8_0] [--out FILE.gguf]``: the model as one GGUF file for
+llama.cpp, Ollama and LM Studio (core/ship/gguf.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tui_merger.cli.common import is_tty
+
+
+def add_parser(sub) -> None:
+    from tui_merger.core.ship.gguf import DEFAULT_TYPE, FAMILY_NAMES, TYPES  # names only: no heavy imports
+
+    p = sub.add_parser(
+        "gguf",
+        help="write a model folder as one GGUF file for llama.cpp, Ollama and LM Studio",
+        description=f"Write a Hugging Face model folder ({FAMILY_NAMES}) as one GGUF file with llama.cpp's own gguf "
+        "library: weights streamed one tensor at a time, the tokenizer, chat template and model settings in the "
+        "file's metadata. Written under a temporary name and renamed when complete; recorded (type, size, sha256) "
+        "in the folder's merge_manifest.json, and uploaded with the folder by `tui-merger upload`.",
+    )
+    p.add_argument("model", type=Path, help="the model folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument(
+        "--type", dest="gguf_type", choices=TYPES, default=DEFAULT_TYPE,
+        help="how the weights are stored: f16, bf16 (bf16 weights exactly as they are), or q8_0 (8-bit, about half "
+        "the size; llama.cpp's own near-lossless quantization); norms and biases stay float32 (default: %(default)s)",
+    )
+    p.add_argument("--out", type=Path, metavar="FILE.gguf",
+                   help="where to write it, a .gguf file or a folder (default: MODEL/<name>-<TYPE>.gguf, inside the model folder)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file (only once the new one is complete)")
+    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(run=cmd_gguf)
+
+
+def cmd_gguf(args) -> int:
+    from contextlib import nullcontext
+
+    from tui_merger.console import PlainProgress, RichProgress
+    from tui_merger.core.options import human_bytes
+    from tui_merger.core.ship.gguf import export_gguf
+
+    progress = PlainProgress() if args.plain or not is_tty(sys.stderr) else RichProgress()
+    with progress if isinstance(progress, RichProgress) else nullcontext():
+        result = export_gguf(args.model, args.gguf_type, args.out, overwrite=args.overwrite, on_event=progress)
+    print(f"GGUF written to {result.path}")
+    print(f"  {result.arch}, {result.type.upper()}, {human_bytes(result.size)}, {result.tensors} tensors, {result.seconds:.1f} s")
+    print(f"  sha256 {result.sha256}")
+    if result.recorded:
+        print(f"  recorded in {Path(args.model) / 'merge_manifest.json'}")
+    print(f"  run it: llama-cli -m {result.path}")
+    return 0

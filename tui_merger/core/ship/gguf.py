@@ -1,0 +1,818 @@
+"""GGUF export: a Hugging Face model folder as one ``.gguf`` file for llama.cpp, Ollama and LM Studio.
+
+The file is written with llama.cpp's own Python library (``gguf``): its writer, its tensor-name maps
+(``get_tensor_name_map``), its key names and its quantization (``gguf.quants``, bit-exact with ggml).
+What is ours is only which HF config field and tensor goes where, for the families whose layout
+llama.cpp defines and transformers' GGUF reader reads back (Llama, Qwen2, Qwen3, Qwen3-MoE).
+
+``plan_gguf`` checks everything from ``config.json``, the tokenizer files and the safetensors headers
+(no tensor data): a family, a rope scaling, a tokenizer or a tensor that a GGUF cannot express is one
+sentence, and nothing is written. ``write_gguf`` then streams: one tensor at a time is read (mapped
+from its file), converted and written, its pages handed back (Qwen3-MoE: one layer's experts of one
+kind, stacked as llama.cpp wants them). The file goes to a hidden temporary name beside the target,
+is fsynced and renamed; an error or a cancel leaves nothing behind. ``export_gguf`` does both and
+records the file (path, type, size, sha256) in the folder's ``merge_manifest.json``.
+
+gguf, numpy and torch are imported inside functions only: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tui_merger.core.errors import MergeCancelled, MergeError
+from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted, TensorProgress, ignore_event
+from tui_merger.core.options import human_bytes
+
+TYPES = ("f16", "bf16", "q8_0")
+DEFAULT_TYPE = "f16"
+# model_type in config.json -> llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES)
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+FAMILY_NAMES = "Llama, Qwen2, Qwen3 and Qwen3-MoE"
+CANCELLED = "GGUF export cancelled; nothing was written."
+_Q8_BLOCK_BYTES = 8 << 20  # float32 rows quantized at a time (a vocabulary-sized embedding is not upcast whole)
+_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
+_SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer older checkpoints saved; llama.cpp computes it
+
+# The pre-tokenizers llama.cpp knows by name (tokenizer.ggml.pre) that a Hugging Face tokenizer.json
+# spells as one split regex before the byte-level alphabet (or GPT-2's ByteLevel with its own regex).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of the file: its GGUF name, the HF tensors it is made of (several: stacked experts),
+    its shape (numpy order), the ggml type it is stored as and its bytes there."""
+
+    name: str
+    sources: tuple  # TensorRef, in stacking order; empty for a computed tensor
+    shape: tuple[int, ...]
+    qtype: int  # gguf.GGMLQuantizationType
+    nbytes: int
+    permute_heads: int | None = None  # Llama's q/k: rows reordered for llama.cpp's rope (heads)
+    computed: object = None  # a numpy array written as is (llama3's rope_freqs)
+
+    @property
+    def hf_name(self) -> str:
+        return self.sources[0].name if self.sources else self.name
+
+
+@dataclass
+class GgufPlan:
+    folder: Path
+    out: Path
+    type: str  # f16, bf16, q8_0
+    arch: str  # llama.cpp's architecture name
+    name: str  # general.name
+    tensors: tuple[GgufTensor, ...]
+    notices: tuple[str, ...]
+    vocab: int
+    _writer: object = field(default=None, repr=False)  # a GGUFWriter with every key and tensor info, no file yet
+    _source: object = field(default=None, repr=False)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class GgufResult:
+    path: Path
+    type: str
+    arch: str
+    name: str
+    size: int
+    sha256: str
+    tensors: int
+    seconds: float
+    recorded: bool  # the folder's merge_manifest.json lists it
+
+
+def default_out(folder: Path, type_: str) -> Path:
+    """MODEL_DIR/<folder name>-<TYPE>.gguf: inside the model folder, so an upload of the folder carries it."""
+    folder = Path(folder).absolute()
+    return folder / f"{folder.name}-{type_.upper()}.gguf"
+
+
+def plan_gguf(folder: Path, type_: str = DEFAULT_TYPE, out: Path | None = None, overwrite: bool = False) -> GgufPlan:
+    """Check the model folder, its config, tokenizer and tensors, and the target; write nothing.
+    Raises MergeError with one sentence for anything a GGUF of it cannot say."""
+    import gguf
+
+    folder = Path(folder).expanduser().absolute()
+    if type_ not in TYPES:
+        raise MergeError(f"{type_!r} is not a GGUF type tui-merger writes; choose one of {', '.join(TYPES)}.")
+    config = _read_config(folder)
+    model_type = config.get("model_type")
+    arch = FAMILIES[model_type]
+    target = _target(folder, type_, out, overwrite)
+    hp = _hyperparameters(folder, config)
+    source = _open_source(folder)
+    notices: list[str] = []
+    try:
+        tensors = _plan_tensors(folder, source, config, hp, arch, type_, notices)
+        writer = gguf.GGUFWriter(None, arch)
+        vocab = _add_tokenizer(writer, folder, hp["vocab_size"])
+        name = _add_general(writer, folder, type_, tensors)
+        _add_hyperparameters(writer, hp, arch, model_type)
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.shape, _np_float32(), t.nbytes, raw_dtype=gguf.GGMLQuantizationType(t.qtype))
+        plan = GgufPlan(folder, target, type_, arch, name, tuple(tensors), tuple(notices), vocab, writer, source)
+        _check_space(target.parent, plan.tensor_bytes)
+    except BaseException:
+        source.close()
+        raise
+    return plan
+
+
+def write_gguf(plan: GgufPlan, on_event: EventSink = ignore_event, cancel: CancelToken | None = None) -> GgufResult:
+    """Stream the planned tensors into ``plan.out`` (temporary name, fsync, rename). A plan is written once."""
+    from tui_merger.core.record.manifest import remember_hash, sha256_file
+
+    writer, source = plan._writer, plan._source
+    if writer is None:
+        raise MergeError("This GGUF plan was already written; plan it again.")
+    plan._writer = None
+    started = time.perf_counter()
+    out = plan.out
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    total, done_bytes = plan.tensor_bytes, 0
+    on_event(PhaseStarted(
+        "gguf",
+        f"Writing {out.name}: {plan.arch}, {plan.type.upper()}, {len(plan.tensors)} tensors, about {human_bytes(total)}",
+    ))
+    for text in plan.notices:
+        on_event(Notice("info", text))
+    try:
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for n, t in enumerate(plan.tensors, 1):
+            _check(cancel)
+            data = _tensor_data(t, cancel)
+            writer.write_tensor_data(data)
+            del data
+            for ref in t.sources:
+                ref.release()
+            done_bytes += t.nbytes
+            on_event(TensorProgress(t.name, n, len(plan.tensors), done_bytes, total))
+        handle = writer.fout[0]
+        handle.flush()
+        os.fsync(handle.fileno())
+        writer.close()
+        _check(cancel)
+        on_event(PhaseStarted("hash", f"sha256 of {out.name} for merge_manifest.json"))
+        digest = sha256_file(tmp)
+        _check(cancel)
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except BaseException as err:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise _os_error(err, out) from None
+        raise
+    finally:
+        source.close()
+    remember_hash(out, digest)
+    size = out.stat().st_size
+    return GgufResult(out, plan.type, plan.arch, plan.name, size, digest, len(plan.tensors),
+                      time.perf_counter() - started, recorded=False)
+
+
+def export_gguf(
+    folder: Path,
+    type_: str = DEFAULT_TYPE,
+    out: Path | None = None,
+    overwrite: bool = False,
+    on_event: EventSink = ignore_event,
+    cancel: CancelToken | None = None,
+) -> GgufResult:
+    """Plan, write, and record the GGUF in the folder's merge_manifest.json (when it has one)."""
+    from dataclasses import replace
+
+    on_event(PhaseStarted("plan", f"Reading {Path(folder).name}: config, tokenizer, tensor headers"))
+    plan = plan_gguf(folder, type_, out, overwrite)
+    result = write_gguf(plan, on_event, cancel)
+    recorded = record_gguf(plan.folder, result)
+    if not recorded:
+        on_event(Notice("info", f"{plan.folder} has no merge_manifest.json (it was not made by tui-merger): the GGUF is not recorded there."))
+    return replace(result, recorded=recorded)
+
+
+def record_gguf(folder: Path, result: GgufResult) -> bool:
+    """Add (or replace) the GGUF's entry in the folder's manifest; False when the folder has none."""
+    from tui_merger import __version__
+    from tui_merger.core.record.manifest import now_iso, read_manifest, write_manifest
+
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return False
+    path = Path(result.path).absolute()
+    shown = path.relative_to(folder).as_posix() if path.is_relative_to(folder) else str(path)
+    entry = {
+        "path": shown,
+        "size": result.size,
+        "sha256": result.sha256,
+        "type": result.type,
+        "architecture": result.arch,
+        "name": result.name,
+        "made_at": now_iso(),
+        "tool": {"name": "tui-merger", "version": __version__},
+        "seconds": round(result.seconds, 3),
+    }
+    entries = [e for e in manifest.get("gguf") or [] if isinstance(e, dict) and e.get("path") != shown]
+    manifest["gguf"] = entries + [entry]
+    write_manifest(folder, manifest)
+    return True
+
+
+# -- the folder and its config ---------------------------------------------------------------------
+
+
+def _read_config(folder: Path) -> dict:
+    if not folder.is_dir():
+        if folder.is_file():
+            raise MergeError(f"{folder} is a file; give the model folder that holds it ({folder.parent}).")
+        raise MergeError(f"The model folder {folder} does not exist; check the path.")
+    path = folder / "config.json"
+    if not path.is_file():
+        if (folder / "adapter_config.json").is_file():
+            raise MergeError(
+                f"{folder} is a LoRA adapter, not a model; merge it into its base first (tui-merger merge), "
+                "then make the GGUF of the merged folder."
+            )
+        raise MergeError(f"{folder} has no config.json; give a Hugging Face model folder (for example the merged one).")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        raise MergeError(f"{path} is not valid JSON; copy it again from the original model.") from None
+    if not isinstance(config, dict):
+        raise MergeError(f"{path} does not hold a JSON object; copy it again from the original model.")
+    model_type = config.get("model_type")
+    if "text_config" in config or "vision_config" in config:
+        raise MergeError(
+            f"{folder} is a vision-language model ({model_type}); GGUF export writes text models only "
+            f"({FAMILY_NAMES}), and llama.cpp keeps a vision tower in a separate mmproj file."
+        )
+    if model_type not in FAMILIES:
+        raise MergeError(
+            f"{folder} is a {model_type or 'model of unknown type'} model; GGUF export writes {FAMILY_NAMES} "
+            "models (the families whose GGUF layout llama.cpp defines and transformers reads back)."
+        )
+    if config.get("quantization_config"):
+        method = (config["quantization_config"] or {}).get("quant_method", "quantized") if isinstance(config["quantization_config"], dict) else "quantized"
+        raise MergeError(
+            f"{folder} holds {method} weights; make the GGUF from the 16-bit model (llama.cpp quantizes from there)."
+        )
+    archs = config.get("architectures") or []
+    if archs and not all(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs):
+        raise MergeError(
+            f"{folder} is a {', '.join(map(str, archs))}, not a language model with its output head "
+            "(...ForCausalLM); llama.cpp runs causal language models."
+        )
+    return config
+
+
+def _hyperparameters(folder: Path, raw: dict) -> dict:
+    """The config fields a GGUF states, with transformers' own defaults (AutoConfig, local files)."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as err:  # a config transformers cannot build: say it in one sentence
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MergeError(f"transformers cannot read {folder / 'config.json'} ({first[:200]}); fix or replace it.") from None
+
+    def need(name: str):
+        value = getattr(config, name, None)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise MergeError(f"{folder / 'config.json'} has no valid {name} ({value!r}); a GGUF must state it.")
+        return value
+
+    heads, hidden = int(need("num_attention_heads")), int(need("hidden_size"))
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    hp = {
+        "context_length": int(need("max_position_embeddings")),
+        "hidden_size": hidden,
+        "layers": int(need("num_hidden_layers")),
+        "intermediate_size": int(need("intermediate_size")),
+        "heads": heads,
+        "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(need("rms_norm_eps")),
+        "vocab_size": int(need("vocab_size")),
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "rope": _rope(folder, config),
+    }
+    if raw.get("model_type") == "qwen3_moe":
+        hp["experts"] = int(need("num_experts"))
+        hp["experts_used"] = int(need("num_experts_per_tok"))
+        hp["expert_ff"] = int(need("moe_intermediate_size"))
+        if getattr(config, "norm_topk_prob", True) is not True:
+            raise MergeError(
+                f"{folder} routes with norm_topk_prob false; llama.cpp's qwen3moe always renormalizes the chosen "
+                "experts' weights, so a GGUF of it would compute another model."
+            )
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise MergeError(
+                f"{folder} has dense layers between its expert layers (mlp_only_layers / decoder_sparse_step); "
+                "llama.cpp's qwen3moe layout has experts in every layer."
+            )
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise MergeError(
+            f"{folder} uses sliding-window attention (use_sliding_window true), which llama.cpp's "
+            f"{FAMILIES[raw['model_type']]} layout does not describe; a GGUF of it would attend differently."
+        )
+    if heads % hp["kv_heads"]:
+        raise MergeError(f"{folder / 'config.json'}: {heads} attention heads are not a multiple of {hp['kv_heads']} KV heads.")
+    return hp
+
+
+def _rope(folder: Path, config) -> dict:
+    """{'theta', 'type', ...}: the rope base and scaling, from rope_parameters (transformers 5) or the
+    older rope_theta + rope_scaling. A scaling llama.cpp cannot express is refused."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        params = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    params = dict(params)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise MergeError(f"{folder / 'config.json'} has no valid rope_theta ({theta!r}); a GGUF must state the rope base.")
+    rope = {"theta": float(theta), "type": kind}
+    if getattr(config, "partial_rotary_factor", None) not in (None, 1, 1.0) or params.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise MergeError(f"{folder} rotates only part of each head (partial_rotary_factor); its family's GGUF layout rotates whole heads.")
+    if kind == "default":
+        return rope
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        raise MergeError(f"{folder / 'config.json'} has rope scaling {kind} without a valid factor ({factor!r}).")
+    rope["factor"] = float(factor)
+    original = params.get("original_max_position_embeddings")
+    if kind == "linear":
+        return rope
+    if kind == "yarn":
+        unknown = sorted(set(params) - {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+                                        "beta_fast", "beta_slow"})
+        if any(params.get(k) is not None for k in unknown):
+            raise MergeError(
+                f"{folder} uses YaRN rope scaling with {', '.join(k for k in unknown if params.get(k) is not None)}, "
+                "which tui-merger does not write into a GGUF yet."
+            )
+        rope["original"] = int(original or getattr(config, "max_position_embeddings") / factor)
+        for key in ("beta_fast", "beta_slow"):
+            if params.get(key) is not None:
+                rope[key] = float(params[key])
+        return rope
+    if kind == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if not isinstance(params.get(key), (int, float)):
+                raise MergeError(f"{folder / 'config.json'} has llama3 rope scaling without {key}.")
+        rope.update(low=float(params["low_freq_factor"]), high=float(params["high_freq_factor"]), original=int(original))
+        return rope
+    raise MergeError(
+        f"{folder} uses {kind} rope scaling, which has no GGUF equivalent for its family (GGUF export writes "
+        "default, linear, yarn and llama3 rope)."
+    )
+
+
+def _target(folder: Path, type_: str, out: Path | None, overwrite: bool) -> Path:
+    target = default_out(folder, type_) if out is None else Path(out).expanduser().absolute()
+    if target.is_dir():
+        target = target / default_out(folder, type_).name
+    if target.suffix.lower() != ".gguf":
+        raise MergeError(f"{target} does not end in .gguf; name the file to write, e.g. {target.with_suffix('.gguf').name}.")
+    parent = target.parent
+    if not parent.is_dir():
+        raise MergeError(f"The folder {parent} for the GGUF does not exist; create it or choose another --out.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MergeError(f"{parent} is not writable; choose another --out.")
+    if target.exists() and not overwrite:
+        raise MergeError(f"{target} exists; choose another --out, or pass --overwrite to replace it (only once the new file is complete).")
+    return target
+
+
+def _check_space(parent: Path, needed: int) -> None:
+    free = shutil.disk_usage(parent).free
+    margin = max(64 << 20, needed // 100)
+    if free < needed + margin:
+        raise MergeError(
+            f"The GGUF needs about {human_bytes(needed + margin)} of free space but {parent} has "
+            f"{human_bytes(free)} free; free some space or choose an --out on another disk."
+        )
+
+
+def _open_source(folder: Path):
+    from tui_merger.core.io.sources import open_model
+
+    source = open_model(folder)
+    if any(not f.endswith(".safetensors") for f in source.files):
+        source.close()
+        raise MergeError(
+            f"{folder} keeps its weights in PyTorch .bin files; GGUF export streams safetensors (merge or "
+            "save the model again with save_pretrained to get them)."
+        )
+    return source
+
+
+# -- tensors ---------------------------------------------------------------------------------------
+
+
+def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list[GgufTensor]:
+    import gguf
+
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    allowed = set(gguf.MODEL_TENSORS[arch])
+    names = gguf.get_tensor_name_map(arch, hp["layers"])
+    out: list[GgufTensor] = []
+    experts: dict[str, dict[int, object]] = {}  # GGUF name -> expert index -> TensorRef
+    order: list[str | GgufTensor] = []
+    fallback: list[str] = []
+    for ref in source.tensors.values():
+        if _SKIPPED.search(ref.name):
+            continue
+        if ref.name == "lm_head.weight" and hp["tie_word_embeddings"]:
+            continue  # tied: llama.cpp uses token_embd, as transformers does
+        if ref.dtype not in ("float32", "float16", "bfloat16"):
+            raise MergeError(f"{ref.name} in {folder} is {ref.dtype}; GGUF export reads float32, float16 and bfloat16 weights.")
+        m = _EXPERT.match(ref.name)
+        key = f"{m['layer']}.{m['kind']}" if m else ref.name.removesuffix(".weight").removesuffix(".bias")
+        found = names.get_type_and_name(key)
+        if found is None or found[0] not in allowed:
+            raise MergeError(
+                f"{ref.name} in {folder} has no place in llama.cpp's {arch_name} layout; the model is not a plain "
+                f"{arch_name} (extra modules?), so a GGUF of it cannot be written."
+            )
+        kind, base = found
+        if m:
+            slot = experts.setdefault(f"{base}.weight", {})
+            if not slot:
+                order.append(f"{base}.weight")
+            slot[int(m["e"])] = ref
+            continue
+        suffix = ref.name[len(key):]
+        permute = None
+        if arch_name == "llama" and kind in (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K):
+            permute = hp["heads"] if kind == gguf.MODEL_TENSOR.ATTN_Q else hp["kv_heads"]
+            if ref.shape[0] != permute * hp["head_dim"] or hp["head_dim"] % 2:
+                raise MergeError(f"{ref.name} has {ref.shape[0]} rows, not {permute} heads of {hp['head_dim']} (config.json).")
+        router = kind == gguf.MODEL_TENSOR.FFN_GATE_INP
+        qtype = _qtype(type_, ref.shape, router, ref.name, fallback)
+        order.append(GgufTensor(base + suffix, (ref,), ref.shape, int(qtype), _nbytes(ref.shape, qtype), permute))
+    for item in order:
+        if isinstance(item, GgufTensor):
+            out.append(item)
+            continue
+        slot = experts[item]
+        refs = [slot.get(e) for e in range(hp.get("experts", 0))]
+        if any(r is None for r in refs) or len(slot) != len(refs):
+            raise MergeError(
+                f"{folder} lacks some experts of {item} (it has {sorted(slot)[:8]}, config.json says "
+                f"{hp.get('experts', 0)}); the weights are incomplete: copy the whole folder again."
+            )
+        shapes = {r.shape for r in refs}
+        if len(shapes) != 1:
+            raise MergeError(f"The experts of {item} in {folder} differ in shape ({sorted(shapes)}).")
+        shape = (len(refs), *refs[0].shape)
+        qtype = _qtype(type_, shape, False, refs[0].name, fallback)
+        out.append(GgufTensor(item, tuple(refs), shape, int(qtype), _nbytes(shape, qtype)))
+    if fallback:
+        notices.append(
+            f"{len(fallback)} tensor(s) have rows that are not a multiple of 32 values ({fallback[0]}...), which "
+            "Q8_0 needs: they are stored as F16, as llama.cpp's converter does."
+        )
+    present = {t.name for t in out}
+    if "token_embd.weight" not in present:
+        raise MergeError(f"{folder} has no model.embed_tokens.weight; the weights are incomplete.")
+    if "output.weight" not in present and not hp["tie_word_embeddings"]:
+        raise MergeError(f"{folder} has no lm_head.weight and config.json does not tie it to the embedding; the weights are incomplete.")
+    missing = [f"blk.{i}" for i in range(hp["layers"]) if f"blk.{i}.attn_q.weight" not in present]
+    if missing:
+        raise MergeError(f"{folder} lacks the weights of {len(missing)} layer(s) ({missing[0]}...) that config.json says it has.")
+    if hp["rope"]["type"] == "llama3":
+        freqs = _llama3_rope_factors(hp)
+        out.insert(0, GgufTensor("rope_freqs.weight", (), freqs.shape, int(gguf.GGMLQuantizationType.F32), freqs.nbytes, computed=freqs))
+    return out
+
+
+def _qtype(type_: str, shape, router: bool, name: str, fallback: list):
+    """How a tensor is stored: 1-D tensors (norms, biases) and the MoE router in F32, as llama.cpp does;
+    the rest in the chosen type (Q8_0 needs rows of a multiple of 32 values, else F16)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if len(shape) <= 1 or router:
+        return T.F32
+    if type_ == "bf16":
+        return T.BF16
+    if type_ == "q8_0":
+        if shape[-1] % gguf.GGML_QUANT_SIZES[T.Q8_0][0] == 0:
+            return T.Q8_0
+        fallback.append(name)
+    return T.F16
+
+
+def _nbytes(shape, qtype) -> int:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n * (shape[-1] // block) * size
+
+
+def _np_float32():
+    import numpy as np
+
+    return np.dtype(np.float32)
+
+
+def _llama3_rope_factors(hp: dict):
+    """llama3 rope scaling as llama.cpp takes it: one divisor per rotated frequency (rope_freqs), Meta's
+    formula (low frequencies divided by the factor, high ones kept, a smooth ramp between)."""
+    import math
+
+    import numpy as np
+
+    rope, dim = hp["rope"], hp["head_dim"]
+    low_wavelen = rope["original"] / rope["low"]
+    high_wavelen = rope["original"] / rope["high"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi / (1.0 / rope["theta"] ** (i / dim))
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (rope["original"] / wavelen - rope["low"]) / (rope["high"] - rope["low"])
+            factors.append(1.0 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _tensor_data(t: GgufTensor, cancel):
+    """The tensor's bytes as stored in the file (a numpy array of exactly ``t.nbytes``)."""
+    import numpy as np
+
+    if t.computed is not None:
+        return t.computed
+    if len(t.sources) == 1:
+        return _convert(t.sources[0].load(), t)
+    parts = None
+    for e, ref in enumerate(t.sources):  # stacked experts: each written into its slot, one at a time
+        _check(cancel)
+        data = _convert(ref.load(), t)
+        if parts is None:
+            parts = np.empty((len(t.sources), *data.shape), dtype=data.dtype)
+        parts[e] = data
+        del data
+        ref.release()
+    return parts
+
+
+def _convert(w, t: GgufTensor):
+    import gguf
+    import numpy as np
+    import torch
+
+    T = gguf.GGMLQuantizationType
+    if t.permute_heads:  # HF's rotate-half order -> llama.cpp's interleaved pairs, per head
+        n = t.permute_heads
+        w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    qtype = T(t.qtype)
+    if qtype == T.F32:
+        return w.to(torch.float32).contiguous().numpy()
+    if qtype == T.BF16:
+        return w.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+    if qtype == T.F16:
+        half = w.to(torch.float16)
+        if w.dtype != torch.float16 and torch.isinf(half).any() and not torch.isinf(w).any():
+            raise MergeError(
+                f"{t.hf_name} holds values beyond float16's range (±65504), which F16 cannot store; "
+                "choose --type bf16 (or q8_0)."
+            )
+        return half.contiguous().numpy()
+    # Q8_0: gguf's own quantization (bit-exact with ggml), on float32 row blocks
+    rows = w.reshape(-1, w.shape[-1])
+    block_bytes = _nbytes((1, w.shape[-1]), qtype)
+    out = np.empty((rows.shape[0], block_bytes), dtype=np.uint8)
+    step = max(1, _Q8_BLOCK_BYTES // (4 * w.shape[-1]))
+    for start in range(0, rows.shape[0], step):
+        block = rows[start:start + step].to(torch.float32).numpy()
+        out[start:start + step] = gguf.quants.quantize(block, qtype)
+    return out.reshape(*w.shape[:-1], block_bytes)
+
+
+# -- metadata --------------------------------------------------------------------------------------
+
+
+def _add_hyperparameters(writer, hp: dict, arch: str, model_type: str) -> None:
+    import gguf
+
+    writer.add_context_length(hp["context_length"])
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_block_count(hp["layers"])
+    writer.add_feed_forward_length(hp["intermediate_size"])
+    writer.add_head_count(hp["heads"])
+    writer.add_head_count_kv(hp["kv_heads"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer.add_vocab_size(hp["vocab_size"])
+    rope = hp["rope"]
+    writer.add_rope_freq_base(rope["theta"])
+    writer.add_rope_dimension_count(hp["head_dim"])
+    if model_type in ("qwen3", "qwen3_moe") or hp["head_dim"] != hp["hidden_size"] // hp["heads"]:
+        writer.add_key_length(hp["head_dim"])
+        writer.add_value_length(hp["head_dim"])
+    if "experts" in hp:
+        writer.add_expert_count(hp["experts"])
+        writer.add_expert_used_count(hp["experts_used"])
+        writer.add_expert_feed_forward_length(hp["expert_ff"])
+    if rope["type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope["type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original"])
+        if "beta_fast" in rope:
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if "beta_slow" in rope:
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    # llama3: the divisors travel as the rope_freqs tensor (see _plan_tensors), no scaling keys
+
+
+def _add_general(writer, folder: Path, type_: str, tensors) -> str:
+    """general.*: the type, file type, and who the model is (llama.cpp's own Metadata heuristics over
+    the model card, config.json and the folder name), named from the model card or the folder."""
+    import gguf
+
+    total = shared = expert = count = 0
+    for t in tensors:
+        if t.computed is not None:
+            continue
+        n = 1
+        for d in t.shape:
+            n *= d
+        total += n
+        if len(t.sources) > 1:
+            expert += n // len(t.sources)
+            count = len(t.sources)
+        else:
+            shared += n
+    card = {}
+    try:
+        card = gguf.Metadata.load_model_card(folder)
+    except Exception:  # a model card whose front matter is not YAML: no name from it
+        pass
+    name = card.get("model_name") or card.get("name")
+    name = name if isinstance(name, str) and name.strip() else folder.name
+    try:
+        meta = gguf.Metadata.load(None, folder, name, total)
+    except Exception:  # broken front matter or config: the name alone
+        meta = gguf.Metadata(name=name)
+    if meta.size_label is None and total:
+        meta.size_label = gguf.size_label(total, shared, expert, count)
+    writer.add_type(gguf.GGUFType.MODEL)
+    meta.set_gguf_meta_model(writer)
+    ftype = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[type_]
+    writer.add_file_type(int(ftype))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return meta.name
+
+
+def _add_tokenizer(writer, folder: Path, n_vocab: int) -> int:
+    """tokenizer.ggml.*: a byte-level BPE tokenizer.json (GPT-2, Qwen2, Llama 3 style) as llama.cpp's
+    "gpt2" model: every id's token (padding ids as [PADn], unused), its type, the merges, the special
+    token ids, add_bos/add_eos and the chat template (gguf's SpecialVocab reads those). Anything else is
+    refused by name."""
+    import gguf
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        what = "only a SentencePiece tokenizer.model" if (folder / "tokenizer.model").is_file() else "no tokenizer"
+        raise MergeError(
+            f"{folder} has {what} (no tokenizer.json); a GGUF carries the tokenizer, and tui-merger writes it "
+            "from a tokenizer.json (save the tokenizer with transformers to get one)."
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        model = data["model"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise MergeError(f"{path} is not a valid tokenizer.json; copy it again from the original model.") from None
+    pre = _pre_tokenizer(path, data)
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise MergeError(f"{path} has no token vocabulary; copy it again from the original model.")
+    added = [a for a in data.get("added_tokens") or [] if isinstance(a, dict)]
+    by_id: dict[int, str] = {i: tok for tok, i in vocab.items()}
+    types: dict[int, int] = {}
+    for a in added:
+        i, text = a.get("id"), a.get("content")
+        if not isinstance(i, int) or not isinstance(text, str):
+            raise MergeError(f"{path} has an added token without an id or text; copy it again from the original model.")
+        by_id[i] = text
+        types[i] = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
+    top = max(by_id, default=-1)
+    if top >= n_vocab:
+        raise MergeError(
+            f"The tokenizer of {folder} has token id {top}, beyond the model's {n_vocab} embedding rows "
+            "(config.json vocab_size); the tokenizer does not belong to these weights."
+        )
+    tokens, kinds = [], []
+    for i in range(n_vocab):
+        if i in by_id:
+            tokens.append(by_id[i])
+            kinds.append(int(types.get(i, gguf.TokenType.NORMAL)))
+        else:  # ids the embedding has and the tokenizer never produces (vocabularies padded to a multiple)
+            tokens.append(f"[PAD{i}]")
+            kinds.append(int(gguf.TokenType.UNUSED))
+    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
+    if not special.merges:
+        raise MergeError(f"{path} has no BPE merges; a byte-level BPE tokenizer needs them.")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(kinds)
+    special.add_to_gguf(writer, quiet=True)
+    return n_vocab
+
+
+def _pre_tokenizer(path: Path, data: dict) -> str:
+    """llama.cpp's name for how the tokenizer splits text before BPE (tokenizer.ggml.pre)."""
+    model, pre, norm, dec = data.get("model") or {}, data.get("pre_tokenizer"), data.get("normalizer"), data.get("decoder")
+    what = f"The tokenizer in {path}"
+    if model.get("type") != "BPE":
+        raise MergeError(f"{what} is a {model.get('type')} tokenizer; GGUF export writes byte-level BPE tokenizers (GPT-2, Qwen2, Llama 3 style).")
+    if model.get("byte_fallback"):
+        raise MergeError(
+            f"{what} is a SentencePiece-style BPE (byte fallback, as Llama 2 and Mistral use), which GGUF "
+            "export does not write yet; it writes byte-level BPE tokenizers (GPT-2, Qwen2, Llama 3 style)."
+        )
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise MergeError(f"{what} uses subword prefixes or suffixes, which llama.cpp's byte-level BPE does not.")
+    if not (isinstance(dec, dict) and dec.get("type") == "ByteLevel"):
+        raise MergeError(f"{what} does not decode byte-level tokens (its decoder is {(dec or {}).get('type')}); GGUF export writes byte-level BPE tokenizers.")
+    if norm is not None and not (isinstance(norm, dict) and norm.get("type") == "NFC"):
+        raise MergeError(f"{what} normalizes text ({(norm or {}).get('type')}) in a way llama.cpp does not.")
+    if isinstance(pre, dict) and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return "gpt-2"
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else None
+    if isinstance(steps, list) and len(steps) == 2 and all(isinstance(s, dict) for s in steps):
+        split, byte_level = steps
+        pattern = (split.get("pattern") or {}).get("Regex") if isinstance(split.get("pattern"), dict) else None
+        if (split.get("type") == "Split" and str(split.get("behavior", "")).lower() == "isolated" and not split.get("invert")
+                and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex", True)
+                and not byte_level.get("add_prefix_space") and pattern in PRE_TOKENIZERS):
+            return PRE_TOKENIZERS[pattern]
+    raise MergeError(
+        f"{what} splits text with a pre-tokenizer llama.cpp does not know by name (GGUF export recognises "
+        "GPT-2's, Qwen2's and Llama 3's); a GGUF of it would tokenize differently."
+    )
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def _check(cancel: CancelToken | None) -> None:
+    if cancel is not None and cancel.cancelled:
+        raise MergeCancelled(CANCELLED)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _os_error(err: OSError, out: Path) -> MergeError:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return MergeError(
+            f"The disk ran out of space while writing {out} ({err.strerror}); the partial file was removed: "
+            "free some space or choose an --out on another disk, then run it again."
+        )
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return MergeError(f"Permission denied while writing {out} ({err.strerror}); choose another --out.")
+    return MergeError(f"Writing {out} failed: {err.strerror or err}; the partial file was removed.")
