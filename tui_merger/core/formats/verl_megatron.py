@@ -5,8 +5,8 @@ Layouts (verl; see docs/checkpoint-formats.md section 2):
 - v2 (0.9+): ``actor/model/dist_ckpt`` + ``actor/model/huggingface`` (+ ``ckpt_contents.json``); when
   ``model/huggingface`` already holds the weights (mbridge), it is a Hugging Face model to copy;
 - v1 (0.4.1-0.8): ``actor/dist_ckpt`` + ``actor/huggingface``;
-- legacy (<= 0.4.0): ``actor/model/mp_rank_XX[_YYY]/model.pt``, a list of per-virtual-pipeline-chunk
-  state dicts per tensor/pipeline rank, config in ``actor/hf_config_and_tokenizer``.
+- legacy (<= 0.4.0): ``actor/model/mp_rank_XX[_YYY][_ZZZ]/model.pt``, a list of per-virtual-pipeline-chunk
+  state dicts per tensor/pipeline/expert rank, config in ``actor/hf_config_and_tokenizer``.
 
 A dist checkpoint is a PyTorch DCP folder read by :mod:`tui_merger.core.io.dcp`; its tensors have their
 global shapes whatever the training's parallelism. The legacy rank files are reassembled into the same
@@ -206,48 +206,108 @@ _GLU = ("linear_fc1.weight", "linear_fc1.bias")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
+_EXPERT = re.compile(
+    r"^(?P<pre>decoder\.layers\.\d+\.mlp\.experts\.)"
+    r"(?:weight(?P<grouped>[12])|linear_fc(?P<fc>[12])\.(?P<what>weight|bias)(?P<te>\d+)"
+    r"|local_experts\.(?P<local>\d+)\.(?P<rest>.+))$"
+)
+
+
 class LegacyStore(ChunkStore):
     """The legacy per-rank ``model.pt`` files as global tensors: TP shards placed where Megatron
     took them from (dim 1 for linear_proj / linear_fc2; dim 0 otherwise, fc1's gate and up halves
-    of every rank apart), norms from TP rank 0, layers numbered across pipeline and virtual chunks."""
+    of every rank apart), norms from TP rank 0, layers numbered across pipeline and virtual chunks,
+    experts numbered across expert-parallel ranks.
 
-    def __init__(self, model_dir: Path) -> None:
+    Rank folders are ``mp_rank_{tp:02d}``, then ``_{pp:03d}`` when pipeline-parallel, then
+    ``_{ep:03d}`` when expert-parallel (Megatron-LM's ``get_checkpoint_name``, which verl <= 0.4.0
+    copied): a second number alone is a pipeline stage unless every rank holds the embedding (only
+    the first stage does), and then an expert-parallel rank. Each rank's experts, whichever module
+    held them, become ``mlp.experts.local_experts.{global expert}.linear_fc{1,2}.*`` (the
+    SequentialMLP names): SequentialMLP's ``local_experts.{e}``, TEGroupedMLP's
+    ``linear_fc1.weight{e}``, and the legacy GroupedMLP's ``weight1`` [hidden, E_local * fc1 rows]
+    / ``weight2`` [E_local * fc2 columns, hidden], which Megatron views as (E_local, hidden, rows)
+    / (E_local, columns, hidden) and multiplies untransposed (``experts`` says how many experts the
+    config has: the only place the grouped tensors' expert count is said)."""
+
+    def __init__(self, model_dir: Path, experts: int | None = None, expert_ffn: int | None = None) -> None:
         self.model_dir = Path(model_dir)
+        self.experts = experts if isinstance(experts, int) and experts > 0 else None
+        self.expert_ffn = expert_ffn if isinstance(expert_ffn, int) and expert_ffn > 0 else None
         self.files = []
         self.data_files: list[str] = []
         try:
-            grid = self._grid()
-            tensors = self._assemble(grid)
+            tensors = self._assemble(self._grid())
             check_coverage(tensors, self.model_dir)
         except BaseException:
             self.close()
             raise
         super().__init__(tensors)
 
-    def _grid(self) -> dict[tuple[int, int], Path]:
-        ranks: dict[tuple[int, int], Path] = {}
+    def _grid(self) -> dict[tuple[int, int, int], Path]:
+        """(tp, pp, ep) -> model.pt of every rank, checked complete."""
+        found: dict[tuple[int, ...], Path] = {}
         for d in _mp_rank_dirs(self.model_dir):
-            m = MP_RANK.match(d.name)
-            tp, pp, ep = int(m.group(1)), int(m.group(2) or 0), m.group(3)
-            if ep is not None:
+            found[tuple(int(g) for g in MP_RANK.match(d.name).groups() if g is not None)] = d
+        if len({len(k) for k in found}) > 1:
+            names = sorted(d.name for d in found.values())
+            raise MergeError(
+                f"{self.model_dir} mixes rank folders named in different ways ({names[0]}, {names[-1]}); they come "
+                "from different runs: keep the folders of one run only."
+            )
+        for d in found.values():
+            if not (d / "model.pt").is_file():
                 raise MergeError(
-                    f"{d} is an expert-parallel rank of a legacy Megatron checkpoint, which tui-merger cannot "
-                    "convert yet; convert it with verl's model_merger."
+                    f"{d / 'model.pt'} is missing from this legacy Megatron checkpoint; copy the whole model/ folder "
+                    "again."
                 )
-            ranks[(tp, pp)] = d
-        tps = 1 + max(t for t, _ in ranks)
-        pps = 1 + max(p for _, p in ranks)
+        width = len(next(iter(found)))
+        if width == 3:
+            grid = {k: found[k] for k in found}
+        elif width == 2 and self._second_is_expert_rank(found):
+            grid = {(tp, 0, ep): d for (tp, ep), d in found.items()}
+        else:
+            grid = {(k[0], k[1] if width == 2 else 0, 0): d for k, d in found.items()}
+        tps, pps, eps = (1 + max(k[i] for k in grid) for i in range(3))
         for tp in range(tps):
             for pp in range(pps):
-                name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pps > 1 else "")
-                d = ranks.get((tp, pp))
-                if d is None or not (d / "model.pt").is_file():
-                    where = d or self.model_dir / name
-                    raise MergeError(
-                        f"{where / 'model.pt'} is missing from this {tps}x{pps} (tensor x pipeline) legacy Megatron "
-                        "checkpoint; copy the whole model/ folder again."
-                    )
-        return {k: v / "model.pt" for k, v in ranks.items()}
+                for ep in range(eps):
+                    if (tp, pp, ep) not in grid:
+                        name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pps > 1 else "") + (f"_{ep:03d}" if eps > 1 else "")
+                        what = "tensor x pipeline" + (" x expert" if eps > 1 else "")
+                        size = f"{tps}x{pps}" + (f"x{eps}" if eps > 1 else "")
+                        raise MergeError(
+                            f"{self.model_dir / name / 'model.pt'} is missing from this {size} ({what}) legacy Megatron "
+                            "checkpoint; copy the whole model/ folder again."
+                        )
+        return {k: v / "model.pt" for k, v in grid.items()}
+
+    def _second_is_expert_rank(self, found) -> bool:
+        """mp_rank_XX_YYY: YYY is an expert-parallel rank when every rank file holds the embedding (no
+        pipeline: one stage holds everything), a pipeline stage otherwise."""
+        if len({k[1] for k in found}) < 2:
+            return False
+        from tui_merger.core.io.torch_pickle import TorchFile
+
+        for d in found.values():
+            tf = TorchFile(d / "model.pt")
+            try:
+                chunks = self._chunks(d / "model.pt", tf.obj)
+                if not chunks or "embedding.word_embeddings.weight" not in chunks[0]:
+                    return False
+            finally:
+                tf.close()
+        return True
+
+    @staticmethod
+    def _chunks(path: Path, obj) -> list[dict]:
+        if isinstance(obj, dict) and obj and all(isinstance(k, str) and re.fullmatch(r"model\d*", k) for k in obj):
+            obj = [obj[k] for k in sorted(obj, key=lambda k: int(k[5:] or 0))]
+        if isinstance(obj, dict):
+            obj = [obj]
+        if not isinstance(obj, list) or not all(isinstance(c, dict) for c in obj):
+            raise MergeError(f"{path} does not hold Megatron model state dicts; it is not a verl checkpoint file.")
+        return obj
 
     def _load(self, path: Path) -> list[dict]:
         from tui_merger.core.io.torch_pickle import TorchFile, require_names
@@ -255,20 +315,73 @@ class LegacyStore(ChunkStore):
         tf = TorchFile(path)
         self.files.append(tf)
         self.data_files.append(str(path.relative_to(self.model_dir)))
-        obj = tf.obj
-        if isinstance(obj, dict) and obj and all(isinstance(k, str) and re.fullmatch(r"model\d*", k) for k in obj):
-            obj = [obj[k] for k in sorted(obj, key=lambda k: int(k[5:] or 0))]
-        if isinstance(obj, dict):
-            obj = [obj]
-        if not isinstance(obj, list) or not all(isinstance(c, dict) for c in obj):
-            raise MergeError(f"{path} does not hold Megatron model state dicts; it is not a verl checkpoint file.")
+        obj = self._chunks(path, tf.obj)
         for chunk in obj:
             require_names(path, chunk)
         return [(tf, c) for c in obj]
 
+    def _tensors_of(self, sd: dict, ep: int, eps: int, tps: int, path: Path) -> dict:
+        """A rank's tensors with its experts under global SequentialMLP names (see the class)."""
+        out, local = {}, {}
+        for key, t in sd.items():
+            if skip_key(key) or not hasattr(t, "shape"):
+                continue
+            m = _EXPERT.match(key)
+            if m is None:
+                out[key] = t
+            else:
+                local.setdefault(m.group("pre"), []).append((m, t))
+        for pre, entries in local.items():
+            numbered = [int(m.group("te") or m.group("local")) for m, _ in entries if not m.group("grouped")]
+            grouped = [(m, t) for m, t in entries if m.group("grouped")]
+            if grouped:
+                if self.experts is None:
+                    raise MergeError(
+                        f"{path} holds grouped experts ({pre}weight1), whose number only the model's config says, "
+                        "and the config names none (num_experts); copy the config.json saved with the checkpoint."
+                    )
+                if self.experts % eps:
+                    raise MergeError(
+                        f"The config says {self.experts} experts, which do not split over the {eps} expert-parallel "
+                        f"ranks of {self.model_dir}; copy the config.json saved with the checkpoint."
+                    )
+            if grouped and numbered:
+                raise MergeError(
+                    f"{path} holds both grouped ({pre}weight1) and per-expert tensors for one layer; the file is damaged."
+                )
+            n_local = self.experts // eps if grouped else 1 + max(numbered)
+            if numbered and sorted(set(numbered)) != list(range(n_local)):
+                raise MergeError(
+                    f"{path}: the experts of {pre[:-len('mlp.experts.')]} are numbered {sorted(set(numbered))[:8]}, "
+                    "not from 0; the file is damaged."
+                )
+            for m, t in entries:
+                base = f"{pre}local_experts."
+                if m.group("grouped"):
+                    which = m.group("grouped")
+                    hidden = t.shape[0] if which == "1" else t.shape[-1]
+                    rows = t.numel() // (n_local * hidden) if len(t.shape) == 2 else 0
+                    want = None if self.expert_ffn is None else self.expert_ffn * (2 if which == "1" else 1) // tps
+                    if len(t.shape) != 2 or not t.is_contiguous() or t.numel() % (n_local * hidden) or (
+                        want is not None and rows != want
+                    ):
+                        raise MergeError(
+                            f"{path}: {m.group(0)} of shape {list(t.shape)} does not hold {n_local} experts per rank "
+                            f"(the config says {self.experts} experts over {eps} expert-parallel ranks"
+                            + (f", moe_intermediate_size {self.expert_ffn}" if self.expert_ffn else "")
+                            + "); copy the config.json saved with the checkpoint."
+                        )
+                    view = t.view(n_local, hidden, -1) if which == "1" else t.view(n_local, -1, hidden)
+                    for le in range(n_local):
+                        out[f"{base}{ep * n_local + le}.linear_fc{which}.weight"] = view[le].t()
+                elif m.group("te"):
+                    out[f"{base}{ep * n_local + int(m.group('te'))}.linear_fc{m.group('fc')}.{m.group('what')}"] = t
+                else:
+                    out[f"{base}{ep * n_local + int(m.group('local'))}.{m.group('rest')}"] = t
+        return out
+
     def _assemble(self, grid) -> dict[str, ChunkedTensor]:
-        tps = 1 + max(t for t, _ in grid)
-        pps = 1 + max(p for _, p in grid)
+        tps, pps, eps = (1 + max(k[i] for k in grid) for i in range(3))
         loaded = {k: self._load(p) for k, p in sorted(grid.items())}
         vpps = {len(v) for v in loaded.values()}
         if len(vpps) != 1:
@@ -280,27 +393,50 @@ class LegacyStore(ChunkStore):
         offset = 0
         for v in range(vpp):
             for pp in range(pps):
-                shards = [loaded[(tp, pp)][v] for tp in range(tps)]
-                keys0 = [k for k, t in shards[0][1].items() if not skip_key(k) and hasattr(t, "shape")]
-                for tp, (_, sd) in enumerate(shards[1:], start=1):
-                    if {k for k, t in sd.items() if not skip_key(k) and hasattr(t, "shape")} != set(keys0):
+                ranks: dict[int, list] = {}  # ep -> [(file, tensors) per TP rank]
+                for ep in range(eps):
+                    ranks[ep] = [
+                        (tf, self._tensors_of(sd, ep, eps, tps, grid[(tp, pp, ep)]))
+                        for tp in range(tps)
+                        for tf, sd in [loaded[(tp, pp, ep)][v]]
+                    ]
+                    keys = set(ranks[ep][0][1])
+                    for tp in range(1, tps):
+                        if set(ranks[ep][tp][1]) != keys:
+                            raise MergeError(
+                                f"{grid[(tp, pp, ep)]} holds different parameters than {grid[(0, pp, ep)]}; the rank "
+                                "files come from different runs."
+                            )
+                shared = [k for k in ranks[0][0][1] if ".mlp.experts.local_experts." not in k]
+                owner = {k: 0 for k in shared}
+                for ep in range(eps):
+                    keys = ranks[ep][0][1]
+                    if ep and {k for k in keys if ".mlp.experts.local_experts." not in k} != set(shared):
                         raise MergeError(
-                            f"{grid[(tp, pp)]} holds different parameters than {grid[(0, pp)]}; the rank files come "
-                            "from different runs."
+                            f"{grid[(0, pp, ep)]} holds different parameters than {grid[(0, pp, 0)]}; the rank files "
+                            "come from different runs."
                         )
-                local_layers = sorted({int(m.group(1)) for k in keys0 if (m := _LAYER.match(k))})
+                    for k in keys:
+                        if ".mlp.experts.local_experts." in k:
+                            if k in owner:
+                                raise MergeError(
+                                    f"{k} appears in two expert-parallel ranks of {self.model_dir}; the rank files "
+                                    "are inconsistent."
+                                )
+                            owner[k] = ep
+                local_layers = sorted({int(m.group(1)) for k in owner if (m := _LAYER.match(k))})
                 if local_layers and local_layers != list(range(len(local_layers))):
                     raise MergeError(
-                        f"{grid[(0, pp)]}: its layers are numbered {local_layers[:6]}, not from 0; the file is damaged."
+                        f"{grid[(0, pp, 0)]}: its layers are numbered {local_layers[:6]}, not from 0; the file is damaged."
                     )
-                for key in keys0:
+                for key, ep in owner.items():
                     m = _LAYER.match(key)
                     name = f"decoder.layers.{offset + int(m.group(1))}.{m.group(2)}" if m else key
                     if name in tensors:
                         raise MergeError(
                             f"{key} appears in two pipeline chunks of {self.model_dir}; the rank files are inconsistent."
                         )
-                    tensors[name] = self._place(name, [(tf, sd[key]) for tf, sd in shards], grid[(0, pp)])
+                    tensors[name] = self._place(name, [(tf, t[key]) for tf, t in ranks[ep]], grid[(0, pp, ep)])
                 offset += len(local_layers)
         return tensors
 
@@ -441,6 +577,18 @@ _LAYER_KEYS = [
 ]
 _LAYER_PATTERNS = [(re.compile(f"(?:{p})$"), kind, name) for p, kind, name in _LAYER_KEYS]
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+_EXPERT_ID = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.(?:weight|bias)(\d+)$)")
+
+
+def _expert_ids(rest: str) -> list[str]:
+    m = _EXPERT_ID.match(rest)
+    return [g for g in m.groups() if g is not None] if m else []
+
+
+def _ranges(ids: list[int]) -> str:
+    return f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ", ".join(map(str, ids[:8]))
 
 
 @dataclass
@@ -638,6 +786,10 @@ class _Mapper:
                         self.add(name_e, key, index + (e,), param[1:])
                     else:
                         self._glu(name_e, key, index + (e,), param[1:])
+        ids = sorted({int(g) for _, rest, *_ in matched for g in _expert_ids(rest)})
+        want = self._experts()
+        if ids and isinstance(want, int) and ids != list(range(want)):
+            raise self.fail(f"it says {want} experts (num_experts) but layer {i} holds experts {_ranges(ids)}")
 
     def _hf_sparse(self, i: int) -> bool:
         if i in (_cfg(self.config, "mlp_only_layers") or []):
@@ -800,9 +952,11 @@ class MegatronSource:
 # -- Inputs -----------------------------------------------------------------------------------------
 
 
-def open_store(layout: MegatronLayout) -> ChunkStore:
+def open_store(layout: MegatronLayout, experts: int | None = None, expert_ffn: int | None = None) -> ChunkStore:
+    """experts, expert_ffn: the config's expert count and size (what a legacy GroupedMLP's tensors are
+    split by)."""
     if layout.kind == "legacy":
-        return LegacyStore(layout.model_dir)
+        return LegacyStore(layout.model_dir, experts, expert_ffn)
     if not layout.model_dir.is_dir():
         raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
     return DcpStore(layout.model_dir, skip_key, canonical)
@@ -835,7 +989,10 @@ def open_megatron_inputs(options):
             weights = [layout.model_dir / f for f in inputs.base.files]
         else:
             model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
-            store = open_store(layout)
+            store = open_store(
+                layout, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
+                _cfg(config, "moe_intermediate_size"),
+            )
             inputs.closers.append(store)
             mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
             source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
