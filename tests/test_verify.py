@@ -394,6 +394,30 @@ def test_the_behaviour_check_holds_at_most_two_layers_of_weights(merged, monkeyp
     assert peak[0] < whole / 2 and cfg.num_hidden_layers >= 2
 
 
+def test_the_unmerged_reference_holds_no_adapter_weight_in_memory(pair):
+    """A plain LoRA's weights stream from the adapter file like the base's (peft builds its layers on
+    the meta device); the reference still equals peft's own: see the behaviour checks above."""
+    import transformers
+
+    from tui_merger.core.formats.hf_names import model_class
+    from tui_merger.core.io.sources import open_model
+    from tui_merger.core.verify import behaviour
+
+    base, _, adapter = pair
+    config = json.loads((base / "config.json").read_text())
+    source = open_model(base)
+    try:
+        streamer, missing = behaviour.streamer_with_adapter(
+            model_class(config), transformers.AutoConfig.from_pretrained(base), source.tensors, [(adapter, None)], "reference")
+        lora = {n: w for n, w in streamer.weights.items() if ".lora_" in n}
+        assert missing == [] and len(lora) == 2 * 7 * 2  # A and B of 7 modules in 2 layers
+        assert all(w.held is None and w.ref is not None for w in lora.values())
+        assert all(p.device.type == "meta" for p in streamer.model.parameters())
+        streamer.close()
+    finally:
+        source.close()
+
+
 def _name_of(model, param) -> str:
     return next((n for n, p in model.named_parameters() if p is param), "")
 

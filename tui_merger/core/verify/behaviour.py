@@ -136,6 +136,10 @@ def _streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str
     from tui_merger.core.formats.hf_names import meta_model
     from tui_merger.core.verify.streaming import Streamer, Weight, weights_from_files
 
+    if len(adapters) == 1 and adapters[0][1] is None:
+        lazy = _lazy_adapter(cls, config, tensors, Path(adapters[0][0]), what, on_event, cancel)
+        if lazy is not None:
+            return lazy
     base = meta_model(cls, config)
     base_weights, _, _ = weights_from_files(base, tensors)
     first_name = {}
@@ -175,6 +179,66 @@ def _streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str
         missing = _adapter_file_weights(model, Path(adapters[0][0]), missing, weights)
     _check_shapes(model, weights, what)
     return Streamer(model, weights, on_unit=_progress(on_event, what), cancel=cancel), missing
+
+
+def _lazy_adapter(cls, config, tensors: dict, folder: Path, what: str, on_event=None, cancel=None):
+    """One plain adapter: peft builds its layers on the meta device (``get_peft_model`` with
+    ``low_cpu_mem_usage``) and each adapter weight streams from the adapter file under the name peft
+    saved it with, like the base's; memory holds no adapter weight (a 7B r=64 adapter is 300 MB).
+    None when an adapter tensor has no such counterpart (DoRA's magnitudes, embeddings,
+    modules_to_save, ...): then peft loads the adapter as usual."""
+    from peft import PeftConfig, get_peft_model
+
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.formats.hf_names import meta_model
+    from tui_merger.core.io.sources import TensorSource
+    from tui_merger.core.verify.streaming import Streamer, Weight, weights_from_files
+
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        return None
+    try:
+        source = TensorSource(folder, [path.name])
+    except MergeError:
+        return None
+    if not all(_PLAIN_LORA.search(key) for key in source.tensors):
+        source.close()  # other saved tensors (modules_to_save, embeddings, magnitudes) are peft's to load
+        return None
+    try:
+        peft_config = PeftConfig.from_pretrained(str(folder))
+        peft_config.inference_mode = True
+        base = meta_model(cls, config)
+        base_weights, _, _ = weights_from_files(base, tensors)
+        first_name = {}
+        for name, p in base.named_parameters(remove_duplicate=False):
+            first_name.setdefault(id(p), name)
+        model = get_peft_model(base, peft_config, low_cpu_mem_usage=True)
+    except Exception:  # noqa: BLE001 - peft's refusals are said by the usual path
+        source.close()
+        return None
+    model.eval()
+    weights = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        base_source = base_weights.get(first_name.get(id(p), ""))
+        if base_source is not None:
+            weights[name] = base_source
+            continue
+        ref = source.tensors.get(name.replace(".default.", ".", 1)) if ".default." in name else None
+        if ref is None or tuple(ref.shape) != tuple(p.shape) or p.device.type != "meta":
+            source.close()
+            return None
+        weights[name] = Weight(tuple(p.shape), ref=ref, nbytes=ref.nbytes)
+    try:
+        _check_shapes(model, weights, what)
+    except NoReference:
+        source.close()
+        return None  # said by the usual path
+    streamer = Streamer(model, weights, on_unit=_progress(on_event, what), cancel=cancel)
+    streamer.sources.append(source)
+    return streamer, []
+
+
+_PLAIN_LORA = re.compile(r"\.lora_[AB]\.weight$")
 
 
 def _adapter_file_weights(model, folder: Path, missing: list[str], weights: dict) -> list[str]:

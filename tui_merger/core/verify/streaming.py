@@ -98,6 +98,7 @@ class Streamer:
         self.cancel = cancel
         self._converted: dict[str, object] = {}
         self._units: list[str] = []
+        self.sources: list = []  # files it reads that it owns (closed with it)
         self._attach()
 
     # -- loading -----------------------------------------------------------------------------
@@ -209,6 +210,9 @@ class Streamer:
         self.weights = {}
         self._converted.clear()
         self.model = None
+        for source in self.sources:
+            source.close()
+        self.sources = []
 
     def __call__(self, *args, **kwargs):
         import torch
