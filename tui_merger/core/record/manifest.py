@@ -19,7 +19,9 @@ Schema (``format: tui-merger-manifest/1``)::
       "options": {...MergeOptions.to_dict()},
       "outputs": [{"path": "model.safetensors", "size": 123, "sha256": "..."}],
       "timings": {"merge_s": 1.2, "hash_s": 0.4, "verify_s": 3.1},
-      "verification": null | {"passed": true, "summary": "...", "checks": [...]}
+      "verification": null | {"passed": true, "summary": "...", "checks": [...]},
+      "gguf": [{"path": "merged-Q8_0.gguf" | "/abs/file.gguf", "size": 123, "sha256": "...", "type": "q8_0",
+                "architecture": "qwen2", "name": "...", "made_at": "...", "tool": {...}}]  (tui-merger gguf; optional)
     }
 """
 
@@ -194,6 +196,7 @@ def _well_formed(data: dict) -> bool:
         and all(isinstance(i, dict) and isinstance(i.get("role"), str) and isinstance(i.get("path"), str)
                 and _files_ok(i.get("files", [])) for i in inputs)
         and _files_ok(data.get("outputs", []))
+        and _files_ok(data.get("gguf", []))
         and (adapter is None or (isinstance(adapter, dict) and isinstance(adapter.get("adapters", []), list)
                                  and all(isinstance(a, dict) for a in adapter.get("adapters", []))))
         and (ver is None or (isinstance(ver, dict) and isinstance(ver.get("passed"), bool)

@@ -495,9 +495,15 @@ def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list
             f"{len(fallback)} tensor(s) have rows that are not a multiple of 32 values ({fallback[0]}...), which "
             "Q8_0 needs: they are stored as F16, as llama.cpp's converter does."
         )
-    present = {t.name for t in out}
+    present = {t.name: t for t in out}
     if "token_embd.weight" not in present:
         raise MergeError(f"{folder} has no model.embed_tokens.weight; the weights are incomplete.")
+    rows = present["token_embd.weight"].shape[0]
+    if rows != hp["vocab_size"]:
+        raise MergeError(
+            f"The embedding of {folder} has {rows} rows but config.json says vocab_size {hp['vocab_size']}; "
+            "fix config.json (llama.cpp takes one token per row)."
+        )
     if "output.weight" not in present and not hp["tie_word_embeddings"]:
         raise MergeError(f"{folder} has no lm_head.weight and config.json does not tie it to the embedding; the weights are incomplete.")
     missing = [f"blk.{i}" for i in range(hp["layers"]) if f"blk.{i}.attn_q.weight" not in present]

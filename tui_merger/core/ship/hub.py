@@ -42,6 +42,7 @@ class PlannedFile:
     path: str  # relative to the folder, '/'-separated: the path in the repo
     size: int
     lfs: bool  # as the Hub will store it: LFS from 10 MB up or when binary
+    source: str | None = None  # where the file is when not at folder/path (a GGUF written outside the folder)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ def plan_upload(
     files, left_out = _list_files(folder)
     if left_out:
         notices.append(f"Left out (hidden, often partial downloads or caches): {', '.join(left_out)}.")
+    outside, said = _recorded_outside(folder, {f.path for f in files})
+    files += outside
+    notices += said
 
     from huggingface_hub.errors import RepositoryNotFoundError
 
@@ -176,7 +180,10 @@ def upload(
         f"{len(plan.files)} file(s), {human_bytes(plan.total_bytes)}",
     ))
     api = _api(plan.endpoint, plan.token)
-    ops = {f.path: CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(plan.folder / f.path)) for f in plan.files}
+    ops = {
+        f.path: CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=f.source or str(plan.folder / f.path))
+        for f in plan.files
+    }
     large = [f for f in plan.files if f.lfs]
     total = len(plan.files)
     done = done_bytes = sent_bytes = skipped = 0
@@ -259,6 +266,32 @@ def _list_files(folder: Path) -> tuple[list[PlannedFile], list[str]]:
             size = (folder / rel).stat().st_size
             files.append(PlannedFile(rel, size, size >= LFS_MIN_SIZE or _is_binary(folder / rel)))
     return files, left_out
+
+
+def _recorded_outside(folder: Path, taken: set[str]) -> tuple[list[PlannedFile], list[str]]:
+    """GGUF files that ``tui-merger gguf`` wrote outside the folder and recorded in its manifest: uploaded
+    beside the model under their file name. One that is gone or has changed since is said, not sent."""
+    from tui_merger.core.record.manifest import read_manifest
+
+    files, notices = [], []
+    for entry in (read_manifest(folder) or {}).get("gguf") or []:
+        path = Path(entry["path"])
+        if not path.is_absolute():
+            continue  # inside the folder: listed with every other file
+        try:
+            size = path.stat().st_size
+        except OSError:
+            notices.append(f"The GGUF {path} recorded in merge_manifest.json is gone: it is not uploaded.")
+            continue
+        if size != entry["size"]:
+            notices.append(f"The GGUF {path} changed since tui-merger wrote it: it is not uploaded (make it again with tui-merger gguf).")
+        elif path.name in taken:
+            notices.append(f"The GGUF {path} is not uploaded: the folder has a file named {path.name} already.")
+        else:
+            taken.add(path.name)
+            files.append(PlannedFile(path.name, size, True, source=str(path)))
+            notices.append(f"Uploading the GGUF {path} (recorded in merge_manifest.json) as {path.name}.")
+    return files, notices
 
 
 def _is_binary(path: Path) -> bool:
