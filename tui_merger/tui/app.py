@@ -61,7 +61,8 @@ Wizard { layout: vertical; }
 .buttons { height: auto; align-horizontal: right; margin-top: 1; }
 .buttons Button { margin-left: 1; }
 .dim { color: $text-muted; }
-Confirm, HelpScreen, FolderPicker, CleanupDialog, UploadDialog { align: center middle; }
+#gguf-progress { margin-bottom: 1; }
+Confirm, HelpScreen, FolderPicker, CleanupDialog, UploadDialog, GgufDialog { align: center middle; }
 """
 
 

@@ -1,5 +1,5 @@
 """Small widgets and modal screens of the wizard: a plain-ASCII folder picker, a yes/no confirmation,
-the help screen, and the cleanup and upload dialogs."""
+the help screen, and the cleanup, upload and GGUF dialogs."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ Turn a training checkpoint into a plain Hugging Face model, in six steps:
 4. **Verify** - the result is read back, recomputed and compared with the unmerged model.
 5. **Try it** - type a prompt: the merged model answers, and beside it the base (or the
    unmerged adapter), greedy, so you see what the training changed. *Stop* ends it; skip it freely.
-6. **Finish** - where the model is; clean up the training folder or upload to the Hub.
+6. **Finish** - where the model is; clean up the training folder, upload to the Hub, or make a
+   GGUF file for llama.cpp, Ollama and LM Studio.
 
 ## Keys
 
@@ -187,6 +188,57 @@ class UploadDialog(ModalScreen[tuple | None]):
             if repo:
                 self.dismiss((repo, not self.query_one("#public", Checkbox).value))
                 return
+        self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+GGUF_TYPES = [
+    ("f16: 16-bit, the model as it is (for bf16 models: bf16)", "f16"),
+    ("bf16: 16-bit, bf16 weights exactly as they are", "bf16"),
+    ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
+]
+
+
+class GgufDialog(ModalScreen[tuple | None]):
+    """Asks the GGUF type and file; returns (type, path) or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def compose(self) -> ComposeResult:
+        from textual.widgets import Select
+
+        from tui_merger.core.ship.gguf import default_out
+
+        with Vertical(classes="dialog"):
+            yield Label("A GGUF file for llama.cpp, Ollama and LM Studio. Type:")
+            yield Select(GGUF_TYPES, value="q8_0", allow_blank=False, id="gguf-type")
+            yield Label("File (in the model folder, an upload of the folder includes it):")
+            yield Input(str(default_out(self.folder, "q8_0")), id="gguf-out")
+            with Horizontal(classes="buttons"):
+                yield Button("Make the GGUF", variant="primary", id="make")
+                yield Button("Cancel", id="cancel")
+
+    def on_select_changed(self, event) -> None:
+        from tui_merger.core.ship.gguf import TYPES, default_out
+
+        out = self.query_one("#gguf-out", Input)
+        suggested = {str(default_out(self.folder, t)) for t in TYPES}
+        if out.value in suggested:  # still the suggestion: follow the type
+            out.value = str(default_out(self.folder, event.value))
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        from textual.widgets import Select
+
+        if event.button.id == "make":
+            out = self.query_one("#gguf-out", Input).value.strip()
+            self.dismiss((self.query_one("#gguf-type", Select).value, Path(out).expanduser() if out else None))
+            return
         self.dismiss(None)
 
     def action_cancel(self) -> None:

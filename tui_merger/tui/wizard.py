@@ -32,7 +32,7 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option
 
-from tui_merger.tui.widgets import CleanupDialog, Confirm, FolderPicker, UploadDialog
+from tui_merger.tui.widgets import CleanupDialog, Confirm, FolderPicker, GgufDialog, UploadDialog
 
 STEPS = ("find", "review", "merge", "verify", "try", "finish")
 INDICATOR = STEPS  # the steps the header names
@@ -121,6 +121,7 @@ class Wizard(Screen):
         self.trial_plan = None  # Try it: core.ship.trial.TrialPlan of the merged model (and what it is compared with)
         self.trial_answers: dict = {}  # side label -> the latest TrialToken / TrialFinished shown
         self.trial_cancel = None
+        self.gguf_cancel = None  # the CancelToken of the GGUF being written (Finish step)
         self.try_tokens = TRY_TOKENS
         self._planned_against = None  # the Compare with value the trial plan was made for
         self._against_choices = [("compare with the base model", "base")]
@@ -199,7 +200,11 @@ class Wizard(Screen):
                 with Horizontal(classes="row"):
                     yield Button("Clean up...", id="cleanup")
                     yield Button("Upload...", id="upload")
+                    yield Button("Make a GGUF...", id="gguf")
                     yield Button("Quit", variant="primary", id="quit")
+                gguf_bar = ProgressBar(show_eta=False, id="gguf-progress")
+                gguf_bar.display = False  # shown while a GGUF is written
+                yield gguf_bar
                 yield Static(id="finish-notes")
         with Horizontal(id="nav"):
             yield Button("< Back", id="back")
@@ -796,6 +801,9 @@ class Wizard(Screen):
         from tui_merger.core.options import human_bytes
 
         ev = message.event
+        if self.running == "gguf":
+            self.show_gguf_event(ev)
+            return
         if isinstance(ev, (TrialStarted, TrialToken, TrialFinished)):
             if self.running == "trial":  # a token sent before Stop may land after it: not shown then
                 self.trial_answers[ev.side] = ev
@@ -1089,6 +1097,7 @@ class Wizard(Screen):
         )
         self.query_one("#cleanup", Button).disabled = not verified
         self.query_one("#upload", Button).disabled = not verified
+        self.query_one("#gguf", Button).disabled = not verified
         self.show("finish")
 
     @on(Button.Pressed, "#quit")
@@ -1153,6 +1162,71 @@ class Wizard(Screen):
             done = _Done(error=str(err))
         self.post_message(WorkDone("upload", done))
 
+    @on(Button.Pressed, "#gguf")
+    def _gguf(self) -> None:
+        if self.running == "gguf":  # the button is "Stop the GGUF" while one is written
+            self.gguf_cancel.cancel()
+            self.query_one("#gguf", Button).disabled = True
+            return
+
+        def chosen(answer) -> None:
+            from tui_merger.core.events import CancelToken
+
+            if answer:
+                self.running, self.gguf_cancel = "gguf", CancelToken()
+                button = self.query_one("#gguf", Button)
+                button.label, button.variant = "Stop the GGUF", "error"
+                for other in ("#cleanup", "#upload"):  # one thing at a time on the folder
+                    self.query_one(other, Button).disabled = True
+                self.query_one("#gguf-progress", ProgressBar).display = True
+                self.query_one("#gguf-progress", ProgressBar).update(total=None, progress=0)
+                self.refresh_nav()
+                self._gguf_worker(*answer, self.gguf_cancel)
+
+        self.app.push_screen(GgufDialog(self.out_path), chosen)
+
+    @work(thread=True, exclusive=True, group="gguf", exit_on_error=False)
+    def _gguf_worker(self, type_: str, out, cancel) -> None:
+        from tui_merger.core.errors import MergeCancelled, MergeError
+        from tui_merger.core.ship.gguf import export_gguf
+
+        try:
+            done = _Done(export_gguf(self.out_path, type_, out, on_event=self._forward, cancel=cancel))
+        except MergeCancelled as err:
+            done = _Done(error=str(err), cancelled=True)
+        except MergeError as err:
+            done = _Done(error=str(err))
+        except Exception as err:
+            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
+        self.post_message(WorkDone("gguf", done))
+
+    def show_gguf_event(self, ev) -> None:
+        from tui_merger.core.events import PhaseStarted, TensorProgress
+
+        if isinstance(ev, PhaseStarted):
+            self.query_one("#finish-notes", Static).update(f"[b]{ev.phase}[/b]  {_escape(ev.message)}")
+        elif isinstance(ev, TensorProgress):
+            self.query_one("#gguf-progress", ProgressBar).update(total=max(ev.bytes_total, 1), progress=ev.bytes_done)
+
+    def _gguf_ended(self, done: _Done) -> None:
+        from tui_merger.core.options import human_bytes
+
+        button = self.query_one("#gguf", Button)
+        button.label, button.variant, button.disabled = "Make a GGUF...", "default", False
+        for other in ("#cleanup", "#upload"):  # the GGUF was offered for a verified model only
+            self.query_one(other, Button).disabled = False
+        self.query_one("#gguf-progress", ProgressBar).display = False
+        notes = self.query_one("#finish-notes", Static)
+        if done.error:
+            notes.update(("[b yellow]Stopped.[/] " if done.cancelled else "[b red]No GGUF:[/] ") + _escape(done.error))
+            return
+        r = done.value
+        where = "recorded in merge_manifest.json; Upload... includes it" if r.recorded else "not recorded (no merge_manifest.json)"
+        notes.update(
+            f"GGUF written: [b]{_escape(r.path)}[/b] ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; "
+            f"{where}).\nRun it with llama-cli -m {_escape(r.path)}, or FROM it in an Ollama Modelfile."
+        )
+
     # -- workers report here --------------------------------------------------------------------
     def on_work_done(self, message: WorkDone) -> None:
         done, kind = message.done, message.kind
@@ -1211,6 +1285,8 @@ class Wizard(Screen):
             if errors:
                 text += " Not deleted: " + "; ".join(errors[:3])
             self.query_one("#finish-notes", Static).update(_escape(text))
+        elif kind == "gguf":
+            self._gguf_ended(done)
         elif kind == "upload":
             notes = self.query_one("#finish-notes", Static)
             notes.update(_escape(done.error) if done.error else f"Uploaded: {_escape(done.value.commit_url)}")
