@@ -28,7 +28,8 @@ from types import SimpleNamespace
 
 from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, DcpStore, check_coverage
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, is_dir, step_of
+from tui_merger.core.formats.adapter import export_peft_adapter
+from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
 from tui_merger.core.formats.verl_fsdp import _rank_files
 from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
 from tui_merger.core.io.sources import TensorRef, find_weight_files, not_a_folder
@@ -55,6 +56,55 @@ class MegatronLayout:
     role: str = "actor"
     step: int | None = None
     notices: list[str] = field(default_factory=list)
+    lora: "LoraRun | None" = None  # a LoRA run (Megatron-Bridge PEFT): its adapter, not the model
+
+
+@dataclass
+class LoraRun:
+    """A verl Megatron LoRA run: the base weights are not in it. ``export``: the Hugging Face PEFT export
+    of the adapter (``model/huggingface/adapter/``, Megatron-Bridge's), None when the run has none;
+    ``shards``: where its Megatron-side adapter shards are, in words (None: none seen)."""
+
+    export: Path | None
+    shards: str | None
+
+
+def _lora_run(folder: Path) -> LoraRun | None:
+    """Cheap (names and the small ckpt_contents.json): whether ``folder`` is a LoRA run, and its adapter."""
+    export = next(
+        (d for d in (folder / "model" / "huggingface" / "adapter", folder / "huggingface" / "adapter")
+         if (d / "adapter_config.json").is_file()),
+        None,
+    )
+    shards = None
+    if (folder / "adapter_checkpoint").is_dir():
+        shards = "adapter_checkpoint/"
+    manifest = {}
+    try:
+        manifest = json.loads((folder / "ckpt_contents.json").read_text())
+    except (OSError, ValueError):
+        pass
+    if not isinstance(manifest, dict):
+        manifest = {}
+    backend = manifest.get("backend") if isinstance(manifest.get("backend"), dict) else {}
+    contents = manifest.get("contents") if isinstance(manifest.get("contents"), dict) else {}
+    peft = bool(backend.get("peft")) or "peft_adapters" in contents or bool(manifest.get("peft_adapter_path"))
+    if peft and shards is None:
+        where = contents.get("peft_adapters", {}).get("path") if isinstance(contents.get("peft_adapters"), dict) else None
+        shards = f"{str(where or 'model/dist_ckpt').rstrip('/')}/"
+    if export is None and shards is None:
+        return None
+    return LoraRun(export, shards)
+
+
+def lora_refusal(folder: Path, lora: LoraRun) -> str:
+    """The sentence for a LoRA run without its Hugging Face adapter export."""
+    return (
+        f"{folder} holds a Megatron PEFT adapter only as Megatron-Bridge shards in {lora.shards}, which tui-merger "
+        "cannot merge yet: export the adapter in Hugging Face PEFT format into model/huggingface/adapter/ "
+        "(adapter_config.json + adapter_model.safetensors) and merge it with --base, or merge with verl's "
+        "scripts/megatron_merge_lora.py."
+    )
 
 
 def _mp_rank_dirs(folder: Path) -> list[Path]:
@@ -169,11 +219,10 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
             f"{model_dir} already holds the model in Hugging Face format (saved by mbridge): it is copied and "
             "verified, there is nothing to convert."
         )
-    elif (folder / "adapter_checkpoint").is_dir():
-        raise MergeError(
-            f"{folder} holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet; "
-            "merge it with verl's model_merger."
-        )
+    else:
+        layout.lora = _lora_run(folder)
+        if layout.lora is not None and layout.lora.export is None:
+            raise MergeError(lora_refusal(folder, layout.lora))
     return layout
 
 
@@ -972,6 +1021,8 @@ def open_megatron_inputs(options):
     from tui_merger.core.io.sources import open_model
 
     layout = find_megatron_checkpoint(options.checkpoint)
+    if layout.lora is not None:
+        return open_lora_export(layout, options)
     config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
     if config_dir is None:
         where = "hf_config_and_tokenizer/" if layout.kind == "legacy" else "huggingface/"
@@ -1015,6 +1066,101 @@ def open_megatron_inputs(options):
         inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
         inputs.notices += inputs.files.notices
         inputs.read_files = weights + [config_dir / "config.json"] + [src for src, _ in inputs.files.copies]
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
+def lora_base_named(layout: MegatronLayout, adapter_config: dict | None) -> str | None:
+    """The base model a LoRA run names: its adapter export's base_model_name_or_path, else the run's
+    config's _name_or_path."""
+    named = (adapter_config or {}).get("base_model_name_or_path")
+    if not (isinstance(named, str) and named) and layout.hf_dir is not None:
+        try:
+            named = json.loads((layout.hf_dir / "config.json").read_text()).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            named = None
+    return named if isinstance(named, str) and named else None
+
+
+def _lora_base(layout: MegatronLayout, options, adapter_config: dict) -> Path:
+    from tui_merger.core.io.hf_refs import resolve_model_reference
+
+    if options.base is not None:
+        return Path(options.base)
+    named = lora_base_named(layout, adapter_config)
+    found = None
+    if named:
+        p = Path(named).expanduser()
+        near = [p] if p.is_absolute() else [layout.lora.export / p, Path.cwd() / p]
+        found = next((d for d in near if (d / "config.json").is_file()), None) or resolve_model_reference(named)
+    if found is None:
+        said = f"names {named}, which is not on this machine" if named else "names no base model"
+        raise MergeError(
+            f"{layout.folder} is a Megatron LoRA run: it holds the adapter, not the base weights, and its "
+            f"adapter export {said}; pass --base with the model the run started from."
+        )
+    return found
+
+
+def open_lora_export(layout: MegatronLayout, options):
+    """Inputs of a verl Megatron LoRA run with its Hugging Face PEFT export (model/huggingface/adapter/):
+    the base model (``--base``, else the one the export or the run's config names) with that adapter, the
+    base's config, the run's tokenizer. ``--lora-alpha`` replaces a recorded alpha, and is needed when the
+    export records none (peft would silently use 8)."""
+    from tui_merger.core.formats.adapter import ADAPTER_WEIGHTS, adapter_from_source, empty_adapter, open_adapter
+    from tui_merger.core.formats.input_types import Inputs, paths_of
+    from tui_merger.core.io.files import FilePlan, plan_files, read_config, read_json_object
+    from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
+    from tui_merger.core.io.sources import TensorSource, open_model
+
+    export = layout.lora.export
+    said = read_json_object(export / "adapter_config.json", "fix or re-export the adapter")
+    alpha = said.get("lora_alpha")
+    if options.lora_alpha is None and not alpha:
+        what = "is 0" if "lora_alpha" in said else "is not recorded"
+        raise MergeError(
+            f"The lora_alpha of {export / 'adapter_config.json'} {what}; pass --lora-alpha with the value used in "
+            "training (the run's actor_rollout_ref.model.lora.alpha)."
+        )
+    base_dir = _lora_base(layout, options, said)
+    base = open_model(base_dir)
+    inputs = Inputs(base, empty_adapter(export), {}, FilePlan(), paths_of(options), closers=[base])
+    inputs.notices = list(layout.notices)
+    try:
+        inputs.config = read_config(base_dir)
+        if options.lora_alpha is not None and options.lora_alpha != alpha:
+            files = [f for f in ADAPTER_WEIGHTS if (export / f).is_file()]
+            if not files:
+                raise MergeError(
+                    f"{export} has adapter_config.json but no adapter_model.safetensors or adapter_model.bin; "
+                    "the adapter export is incomplete: copy it again."
+                )
+            adapter = adapter_from_source(export, {**said, "lora_alpha": options.lora_alpha}, TensorSource(export, files[:1]))
+            inputs.notices.append(
+                f"lora_alpha {options.lora_alpha:g} (--lora-alpha) is used"
+                + (f" instead of the {alpha} recorded in the adapter export." if alpha else ".")
+            )
+        else:
+            adapter = open_adapter(export)
+        inputs.closers.append(adapter)
+        inputs.adapter = adapter
+        inputs.notices.append(
+            f"A Megatron LoRA run: its Hugging Face adapter export ({export}) is merged into {base_dir}"
+            + (f"; the Megatron-side adapter shards ({layout.lora.shards}) are not read." if layout.lora.shards else ".")
+        )
+        dtype = config_dtype(inputs.config)
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        tokenizer_dir = layout.hf_dir if layout.hf_dir is not None else export
+        inputs.files = plan_files(base_dir, tokenizer_dir, inputs.config, options.tokenizer_from)
+        inputs.notices += adapter.notices + inputs.files.notices
+        inputs.read_files = (
+            [base_dir / f for f in base.files]
+            + [base_dir / "config.json", export / "adapter_config.json"]
+            + [export / f for f in adapter.source.files]
+            + [src for src, _ in inputs.files.copies]
+        )
     except BaseException:
         inputs.close()
         raise
@@ -1092,10 +1238,36 @@ class VerlMegatronFormat(Format):
         c.tokenizer = any(m in hf_names for m in TOKENIZER_MARKERS)
         if layout == "v2" and s.weight_files(hf, hf_names):
             c.notes.append("model/huggingface holds the model in Hugging Face format (mbridge): nothing to merge.")
-        if is_dir(names.get("adapter_checkpoint")):
-            c.notes.append("holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet.")
+        lora = _lora_run(folder) if layout != "v2" or not s.weight_files(hf, hf_names) else None
+        if lora is not None:
+            self._lora(s, c, folder, lora)
         s.sized(c, names.values(), recursive=True)
         return Found(c, ALL)
+
+    def _lora(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
+        """A LoRA run: r, alpha and targets from its Hugging Face adapter export (the base it names
+        resolved as a PEFT adapter's is); without the export, what is missing."""
+        if lora.export is None:
+            c.lora = lora_info(None)
+            c.notes.append(f"a LoRA run whose adapter is only in Megatron-Bridge shards in {lora.shards}: "
+                           "tui-merger needs its Hugging Face adapter export in model/huggingface/adapter/.")
+            return
+        cfg = s.json(lora.export / "adapter_config.json", quiet_missing=False)
+        _, infos = s.headers_dtype(lora.export, [n for n in s.names(lora.export) if n == "adapter_model.safetensors"])
+        modules = {i.name.split(".lora_A")[0] for i in infos if ".lora_A" in i.name}
+        c.lora = lora_info(cfg, len(modules) or None)
+        c.needs_base = True
+        c.notes.append(f"a LoRA run: its Hugging Face adapter export ({lora.export.relative_to(folder)}/) is "
+                       "merged into the base model the run started from.")
+        if cfg is not None and not cfg.get("lora_alpha"):
+            c.notes.append("the adapter export records no lora_alpha (or 0): the merge needs --lora-alpha.")
+        named = (cfg or {}).get("base_model_name_or_path")
+        if not (isinstance(named, str) and named):
+            named = (s.json(folder / "model" / "huggingface" / "config.json") or {}).get("_name_or_path")
+        c.base_model = named if isinstance(named, str) and named else None
+        if c.base_model is None:
+            c.notes.append("the run names no base model: pass --base with the model it started from.")
+        s.resolve_base(c, lora.export)
 
     def _layout(self, s, folder: Path, names: dict) -> tuple[str, Path, Path] | None:
         """(layout, dist_ckpt or mp_rank folder, huggingface folder) of a verl Megatron checkpoint."""
@@ -1115,20 +1287,35 @@ class VerlMegatronFormat(Format):
         return find_megatron_checkpoint(path)
 
     def why_not_mergeable(self, c: Candidate) -> str | None:
-        if (Path(c.path) / "adapter_checkpoint").is_dir():
-            return "Megatron PEFT adapters (adapter_checkpoint/) cannot be merged by tui-merger yet."
+        lora = _lora_run(Path(c.path)) if c.lora is not None else None
+        if lora is not None and lora.export is None:
+            return lora_refusal(Path(c.path), lora)
         return None
 
     def needs_base(self, c: Candidate) -> bool:
-        return False  # the checkpoint holds every weight and its config
+        # a LoRA run holds the adapter, not the base; any other checkpoint holds every weight and its config
+        return c.lora is not None and not c.base_path
+
+    def needs_alpha(self, c: Candidate) -> bool:
+        return c.lora is not None and not c.lora.get("alpha")
 
     def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
-        if (Path(c.path) / "adapter_checkpoint").is_dir():
-            return f"{path} holds a Megatron PEFT adapter (adapter_checkpoint/), which tui-merger cannot merge yet."
-        return f"tui-merger merge --backend megatron --local_dir {quote(path)} --target_dir {quote(out)}"
+        problem = self.why_not_mergeable(c)
+        if problem:
+            return problem
+        base = f" --base {base_arg}" if c.lora is not None and c.needs_base else ""
+        alpha = " --lora-alpha ALPHA" if self.needs_alpha(c) else ""
+        return f"tui-merger merge --backend megatron --local_dir {quote(path)}{base}{alpha} --target_dir {quote(out)}"
 
     def open(self, options):
         return open_megatron_inputs(options)
 
-    def reference(self, inputs, options, tmp: Path) -> None:
-        return None  # a conversion: the output is loaded once; the recompute compared every tensor
+    def reference(self, inputs, options, tmp: Path) -> Reference | None:
+        if not inputs.adapter.lora:
+            return None  # a conversion: the output is loaded once; the recompute compared every tensor
+        # a LoRA run: peft applies the export (as read, --lora-alpha included) to the base as the merge read it
+        folder = inputs.adapter.folder
+        if options.lora_alpha is not None:
+            folder = Path(tmp) / "adapter"
+            export_peft_adapter(inputs.adapter, folder, fsync=False)
+        return Reference([(folder, None)])
