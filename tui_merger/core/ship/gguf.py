@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,11 @@ def default_out(folder: Path, type_: str) -> Path:
 def plan_gguf(folder: Path, type_: str = DEFAULT_TYPE, out: Path | None = None, overwrite: bool = False) -> GgufPlan:
     """Check the model folder, its config, tokenizer and tensors, and the target; write nothing.
     Raises MergeError with one sentence for anything a GGUF of it cannot say."""
+    with _quiet_library_logs():
+        return _plan_gguf(folder, type_, out, overwrite)
+
+
+def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> GgufPlan:
     import gguf
 
     folder = Path(folder).expanduser().absolute()
@@ -207,7 +213,11 @@ def export_gguf(
     on_event(PhaseStarted("plan", f"Reading {Path(folder).name}: config, tokenizer, tensor headers"))
     plan = plan_gguf(folder, type_, out, overwrite)
     result = write_gguf(plan, on_event, cancel)
-    recorded = record_gguf(plan.folder, result)
+    try:
+        recorded = record_gguf(plan.folder, result)
+    except OSError as err:  # a read-only model folder, the GGUF written elsewhere: the file stands
+        on_event(Notice("warning", f"The GGUF is written, but {plan.folder / 'merge_manifest.json'} could not be updated ({err.strerror or err})."))
+        return replace(result, recorded=False)
     if not recorded:
         on_event(Notice("info", f"{plan.folder} has no merge_manifest.json (it was not made by tui-merger): the GGUF is not recorded there."))
     return replace(result, recorded=recorded)
@@ -793,6 +803,24 @@ def _pre_tokenizer(path: Path, data: dict) -> str:
 
 
 # -- helpers -----------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _quiet_library_logs():
+    """gguf's readers log what llama.cpp's converter prints as it goes ("Unknown separator token ... in
+    TemplateProcessing<pair>", "Adding 151387 merge(s)"); here a problem is a MergeError sentence, so
+    those stay out of the user's terminal."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("gguf", "metadata")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _check(cancel: CancelToken | None) -> None:
