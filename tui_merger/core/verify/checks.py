@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tui_merger.core.formats.hf_names import model_class
 from tui_merger.core.errors import MergeCancelled, MergeError
-from tui_merger.core.verify.parallel import Shares, run_side_by_side
+from tui_merger.core.verify.parallel import Shares, run_side_by_side, threads_per_job
 from tui_merger.core.verify.streaming import StreamError
 from tui_merger.core.events import CancelToken, EventSink, PhaseStarted, TensorProgress, ignore_event
 from tui_merger.core.io.files import config_dtype, read_json_object
@@ -139,7 +139,7 @@ def _ahead_key(options: MergeOptions, config: dict, probes) -> str:
 
 def _reference_ahead(options: MergeOptions) -> None:
     """The unmerged reference of an adapter merge needs nothing the merge writes: run it while the
-    merge writes (on one torch thread: the merge's work is mostly the kernel's, writing files), with
+    merge writes (on half the cores: the merge's work is mostly the kernel's, writing files), with
     the output's config as the merge will write it. The behaviour check takes the result if the
     options, the written config and the probes are the same; otherwise it runs it again."""
     import json
@@ -154,7 +154,8 @@ def _reference_ahead(options: MergeOptions) -> None:
     from tui_merger.core.plan.plan import build_plan
     from tui_merger.core.verify import behaviour as bh
 
-    torch.set_num_threads(1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads_per_job(2))  # the merge keeps the other half of the cores
     inputs = open_inputs(options)
     try:
         dtype = options.dtype or inputs.dtype
@@ -181,6 +182,7 @@ def _reference_ahead(options: MergeOptions) -> None:
     finally:
         inputs.close()
         release_memory()
+        torch.set_num_threads(previous)
 
 
 def _prewarmed() -> None:

@@ -1,9 +1,10 @@
 """The verification's checks side by side: the recompute and the behaviour check read different
 things (inputs + output, block by block; the two models, layer by layer) and each runs in its own
-thread with torch on one thread, so the two cores work on two checks instead of splitting every
-small operation of one. Small operations split across threads wait on each other at every one
-of them, and on a busy machine (another process on a core) such a wait lasts a scheduler tick:
-the recompute of a 3B model took 79 s with torch's two threads on a loaded box and 12 s on one.
+thread with half the cores for torch (one each on 2 cores), so the cores work on two checks instead
+of splitting every small operation of one. Small operations split across threads wait on each other
+at every one of them, and on a busy machine (another process on a core) such a wait lasts a
+scheduler tick: the recompute of a 3B model took 79 s with torch's two threads on a loaded 2-core
+box and 12 s on one.
 
 The progress of both is reported as one: each check has a share of the bytes to go through, and
 the events the consumers see are the sum (one bar, never going back)."""
@@ -98,19 +99,32 @@ class _Linked(CancelToken):
             raise MergeCancelled()
 
 
+def threads_per_job(jobs: int) -> int:
+    """torch threads for each of ``jobs`` running at once: the cores shared out (one each on 2 cores)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(jobs, 1))
+
+
 def run_side_by_side(jobs: dict, cancel: CancelToken) -> dict:
-    """Run ``{name: job}`` each in its own thread, torch on one thread in each; ``job(token)`` gets a
+    """Run ``{name: job}`` each in its own thread, the cores shared out between them (torch on one
+    thread in each on 2 cores); ``job(token)`` gets a
     cancel token of its own, set when ``cancel`` is, on Ctrl-C, or when another job fails. Returns
     ``{name: result}``; the first error a job raised is raised here once all have stopped."""
     import torch
 
     previous = torch.get_num_threads()
+    threads_each = threads_per_job(len(jobs))
     local = _Linked(cancel)
     results: dict = {}
     errors: list[BaseException] = []
 
     def run(name, job) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads_each)
         try:
             results[name] = job(local)
         except BaseException as err:  # noqa: BLE001 - handed to the calling thread
