@@ -32,17 +32,18 @@ SAFETY = 8.0
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
-# the verification's cost on this project's 2-core benchmark machine (benchmarks/bench_verify.py, 3B shapes)
-RECOMPUTE_S_PER_VALUE = 1.0e-9  # every value read twice (input, output) and recomputed in cache-sized blocks
-PASS_S_PER_VALUE = 1.2e-9  # one streamed pass: upcast into a reused buffer, 16 probe tokens
+# the verification's cost on one core of this project's 2-core benchmark machine (3B shapes)
+RECOMPUTE_S_PER_VALUE = 2.2e-9  # every value read twice (input, output) and recomputed in cache-sized blocks
+PASS_S_PER_VALUE = 1.1e-9  # one streamed pass: each weight block upcast in cache, 12 probe tokens
 BASE_MEMORY = 520 << 20  # python, torch, transformers and peft imported
 
 
 def estimate(tplan, passes: int, adapter) -> tuple[float, int]:
-    """(seconds, bytes of memory) the default verification of ``tplan`` takes, about."""
+    """(seconds, bytes of memory) the default verification of ``tplan`` takes, about: the recompute
+    and the passes share two threads (parallel.py)."""
     values = sum(math.prod(t.shape) for t in tplan.tensors)
     changed = sum(math.prod(t.shape) for t in tplan.tensors if not t.raw_copy)
-    seconds = 2.0 + changed * RECOMPUTE_S_PER_VALUE + passes * values * PASS_S_PER_VALUE
+    seconds = 2.0 + (changed * RECOMPUTE_S_PER_VALUE + passes * values * PASS_S_PER_VALUE) / 2
     from tui_merger.core.verify.streaming import BIG_VALUES, BLOCK_VALUES
 
     unit = max([math.prod(t.shape) for t in tplan.tensors if math.prod(t.shape) < BIG_VALUES] + [BLOCK_VALUES])
