@@ -269,6 +269,31 @@ def test_the_metadata_is_what_llama_cpp_reads(models, exported):
     assert "output.weight" not in {t.name for t in gguf.GGUFReader(exported["qwen3"]).tensors}  # tied
 
 
+def test_the_file_is_byte_for_byte_what_gguf_writers_own_tensor_writing_makes(models, tmp_path):
+    """The tensor data is streamed a row block at a time at the offsets GGUFWriter declared: the file
+    equals the one GGUFWriter.write_tensor_data writes from whole tensors (Llama: permuted q/k;
+    Qwen3-MoE: stacked experts), and the sha256 taken on the way is the file's."""
+    import hashlib
+
+    import numpy as np
+
+    from tui_merger.core.ship.gguf import _pieces
+
+    for family, type_ in (("llama-f32", "q8_0"), ("qwen3_moe", "f16")):
+        ours = export_gguf(models[family], type_, tmp_path / f"{family}-ours.gguf")
+        theirs = tmp_path / f"{family}-writer.gguf"
+        plan = plan_gguf(models[family], type_, theirs)
+        writer = plan._writer
+        writer.write_header_to_file(theirs)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in plan.tensors:
+            writer.write_tensor_data(np.concatenate([p.reshape(-1).view(np.uint8) for p in _pieces(t, None, [])]))
+        writer.close()
+        assert theirs.read_bytes() == ours.path.read_bytes(), family
+        assert ours.sha256 == hashlib.sha256(theirs.read_bytes()).hexdigest()
+
+
 def test_q8_0_stores_matrices_quantized_and_norms_in_float32(models, tmp_path):
     import gguf
 

@@ -38,7 +38,7 @@ DEFAULT_TYPE = "f16"
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 FAMILY_NAMES = "Llama, Qwen2, Qwen3 and Qwen3-MoE"
 CANCELLED = "GGUF export cancelled; nothing was written."
-_Q8_BLOCK_BYTES = 8 << 20  # float32 rows quantized at a time (a vocabulary-sized embedding is not upcast whole)
+_BLOCK_BYTES = 8 << 20  # source bytes read and converted at a time (a vocabulary-sized embedding is never held whole)
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer older checkpoints saved; llama.cpp computes it
 
@@ -145,8 +145,13 @@ def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> G
 
 
 def write_gguf(plan: GgufPlan, on_event: EventSink = ignore_event, cancel: CancelToken | None = None) -> GgufResult:
-    """Stream the planned tensors into ``plan.out`` (temporary name, fsync, rename). A plan is written once."""
-    from tui_merger.core.record.manifest import remember_hash, sha256_file
+    """Stream the planned tensors into ``plan.out`` (temporary name, fsync, rename). A plan is written once.
+
+    GGUFWriter writes the header, the metadata and the tensor infos (names, shapes, types, offsets);
+    the tensor data then goes to the offsets it declared (each tensor at the writer's alignment, zero
+    padding after), a row block at a time, so that no tensor is ever held whole; the sha256 is taken
+    on the way."""
+    from tui_merger.core.record.manifest import remember_hash
 
     writer, source = plan._writer, plan._source
     if writer is None:
@@ -166,22 +171,22 @@ def write_gguf(plan: GgufPlan, on_event: EventSink = ignore_event, cancel: Cance
         writer.write_header_to_file(tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        handle = writer.fout[0]
+        handle.flush()
+        stream = _DataStream(handle.fileno(), handle.tell(), writer.data_alignment, tmp)
+        scratch: list = []  # the read buffer, reused by every tensor
         for n, t in enumerate(plan.tensors, 1):
             _check(cancel)
-            data = _tensor_data(t, cancel)
-            writer.write_tensor_data(data)
-            del data
+            stream.begin(t)
+            for piece in _pieces(t, cancel, scratch):
+                stream.write(piece)
+            stream.end(t)
             for ref in t.sources:
                 ref.release()
             done_bytes += t.nbytes
             on_event(TensorProgress(t.name, n, len(plan.tensors), done_bytes, total))
-        handle = writer.fout[0]
-        handle.flush()
-        os.fsync(handle.fileno())
+        digest = stream.finish()
         writer.close()
-        _check(cancel)
-        on_event(PhaseStarted("hash", f"sha256 of {out.name} for merge_manifest.json"))
-        digest = sha256_file(tmp)
         _check(cancel)
         os.replace(tmp, out)
         _fsync_dir(out.parent)
@@ -581,57 +586,139 @@ def _llama3_rope_factors(hp: dict):
     return np.array(factors, dtype=np.float32)
 
 
-def _tensor_data(t: GgufTensor, cancel):
-    """The tensor's bytes as stored in the file (a numpy array of exactly ``t.nbytes``)."""
-    import numpy as np
+def _pieces(t: GgufTensor, cancel, scratch: list):
+    """The tensor's bytes as stored in the file, in order, as numpy arrays of a row block at a time.
+    Source rows are read with pread into one reused buffer (no page faults on a mapping, nothing held
+    once written) and converted, or written from the buffer as they are when the type is the same.
+    Llama's q/k (small) are read mapped, as their rows are reordered."""
+    import gguf
+    import torch
 
     if t.computed is not None:
-        return t.computed
-    if len(t.sources) == 1:
-        return _convert(t.sources[0].load(), t)
-    parts = None
-    for e, ref in enumerate(t.sources):  # stacked experts: each written into its slot, one at a time
+        yield t.computed
+        return
+    qtype = gguf.GGMLQuantizationType(t.qtype)
+    for ref in t.sources:  # stacked experts: one expert after the other
         _check(cancel)
-        data = _convert(ref.load(), t)
-        if parts is None:
-            parts = np.empty((len(t.sources), *data.shape), dtype=data.dtype)
-        parts[e] = data
-        del data
-        ref.release()
-    return parts
+        raw = None if t.permute_heads else ref.source.raw_ranges(ref)
+        if raw is None or len(raw) != 1:
+            yield from _mapped_pieces(ref, qtype, t, cancel)
+            continue
+        fd, offset, length = raw[0]
+        dtype = getattr(torch, ref.dtype)
+        cols = ref.shape[-1] if ref.shape else 1
+        n_rows = max(1, length // (cols * torch.empty(0, dtype=dtype).element_size()))
+        row_bytes = length // n_rows
+        step = max(1, _BLOCK_BYTES // row_bytes)
+        if not scratch or len(scratch[0]) < step * row_bytes:  # one buffer for the whole file
+            scratch[:] = [bytearray(max(step * row_bytes, _BLOCK_BYTES))]
+        for start in range(0, n_rows, step):
+            rows = min(step, n_rows - start)
+            view = memoryview(scratch[0])[: rows * row_bytes]
+            _pread_into(fd, view, offset + start * row_bytes)
+            block = torch.frombuffer(view, dtype=dtype).reshape(rows, -1)
+            yield _convert(block, qtype, t)
+            _check(cancel)
 
 
-def _convert(w, t: GgufTensor):
+def _mapped_pieces(ref, qtype, t: GgufTensor, cancel):
+    import torch
+
+    w = ref.load()
+    rows = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w.reshape(-1, 1) if t.permute_heads else w.reshape(1, -1)
+    order = None
+    if t.permute_heads:  # HF's rotate-half order -> llama.cpp's interleaved pairs, per head
+        n = t.permute_heads
+        order = torch.arange(rows.shape[0]).reshape(n, 2, rows.shape[0] // n // 2).transpose(1, 2).reshape(-1)
+    step = max(1, _BLOCK_BYTES // (rows.shape[1] * rows.element_size()))
+    for start in range(0, rows.shape[0], step):
+        stop = min(start + step, rows.shape[0])
+        block = rows[start:stop] if order is None else rows.index_select(0, order[start:stop])
+        yield _convert(block, qtype, t)
+        _check(cancel)
+    ref.release()
+
+
+def _pread_into(fd: int, view, offset: int) -> None:
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "a weights file ended before its tensor did (was it changed while reading?)")
+        view, offset = view[n:], offset + n
+
+
+def _convert(block, qtype, t: GgufTensor):
+    """One row block (a torch tensor) as the ggml type stores it (a numpy array)."""
     import gguf
-    import numpy as np
     import torch
 
     T = gguf.GGMLQuantizationType
-    if t.permute_heads:  # HF's rotate-half order -> llama.cpp's interleaved pairs, per head
-        n = t.permute_heads
-        w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-    qtype = T(t.qtype)
     if qtype == T.F32:
-        return w.to(torch.float32).contiguous().numpy()
+        return block.to(torch.float32).contiguous().numpy()
     if qtype == T.BF16:
-        return w.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+        return block.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
     if qtype == T.F16:
-        half = w.to(torch.float16)
-        if w.dtype != torch.float16 and torch.isinf(half).any() and not torch.isinf(w).any():
+        half = block.to(torch.float16).contiguous()
+        if block.dtype != torch.float16 and torch.isinf(half).any() and not torch.isinf(block).any():
             raise MergeError(
                 f"{t.hf_name} holds values beyond float16's range (±65504), which F16 cannot store; "
                 "choose --type bf16 (or q8_0)."
             )
-        return half.contiguous().numpy()
-    # Q8_0: gguf's own quantization (bit-exact with ggml), on float32 row blocks
-    rows = w.reshape(-1, w.shape[-1])
-    block_bytes = _nbytes((1, w.shape[-1]), qtype)
-    out = np.empty((rows.shape[0], block_bytes), dtype=np.uint8)
-    step = max(1, _Q8_BLOCK_BYTES // (4 * w.shape[-1]))
-    for start in range(0, rows.shape[0], step):
-        block = rows[start:start + step].to(torch.float32).numpy()
-        out[start:start + step] = gguf.quants.quantize(block, qtype)
-    return out.reshape(*w.shape[:-1], block_bytes)
+        return half.numpy()
+    # Q8_0: gguf's own quantization (bit-exact with ggml's reference), on float32 rows
+    return gguf.quants.quantize(block.to(torch.float32).numpy(), qtype)
+
+
+class _DataStream:
+    """The tensor data section of the file being written: each tensor at the offset GGUFWriter declared
+    for it (aligned to ``align``, zero padding after, as GGUFWriter.write_tensor_data lays it out),
+    written with pwrite at offsets of our own (no Python file buffer in between). The file's sha256 is
+    taken on the way: the writer's header read back once, then every byte as it is written."""
+
+    def __init__(self, fd: int, end_of_infos: int, align: int, path: Path) -> None:
+        import hashlib
+
+        self.fd, self.align = fd, align
+        self.digest = hashlib.sha256()
+        head = bytearray(end_of_infos)
+        reader = os.open(path, os.O_RDONLY)  # the writer's file is open for writing only
+        try:
+            _pread_into(reader, memoryview(head), 0)
+        finally:
+            os.close(reader)
+        self.digest.update(head)
+        self.pos = end_of_infos
+        self._zeros(self._padded(end_of_infos) - end_of_infos)  # the data section starts aligned
+
+    def _padded(self, n: int) -> int:
+        return -(-n // self.align) * self.align
+
+    def begin(self, t: GgufTensor) -> None:
+        self.tensor_start = self.pos
+
+    def write(self, piece) -> None:
+        self._pwrite(memoryview(piece.reshape(-1).view("uint8")))
+
+    def end(self, t: GgufTensor) -> None:
+        written = self.pos - self.tensor_start
+        if written != t.nbytes:  # a bug of ours, never a user's input: the offsets would be wrong
+            raise RuntimeError(f"{t.name}: wrote {written} bytes, the tensor info says {t.nbytes}")
+        self._zeros(self._padded(written) - written)
+
+    def finish(self) -> str:
+        os.fsync(self.fd)
+        return self.digest.hexdigest()
+
+    def _zeros(self, n: int) -> None:
+        if n:
+            self._pwrite(memoryview(bytes(n)))
+
+    def _pwrite(self, view) -> None:
+        self.digest.update(view)
+        while len(view):
+            n = os.pwrite(self.fd, view, self.pos)
+            self.pos += n
+            view = view[n:]
 
 
 # -- metadata --------------------------------------------------------------------------------------
