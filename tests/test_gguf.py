@@ -453,6 +453,10 @@ def test_cancel_between_tensors_leaves_nothing(models, tmp_path):
     with pytest.raises(MergeCancelled, match="GGUF export cancelled; nothing was written"):
         export_gguf(models["qwen3_moe"], "q8_0", tmp_path / "m.gguf", on_event=on_event, cancel=cancel)
     assert len(seen) == 3 and files_in(tmp_path) == set()
+    # what a killed export leaves (its process gone) is removed by the next one
+    (tmp_path / ".m.gguf.tmp-999999999").write_bytes(b"half")
+    export_gguf(models["qwen2"], "bf16", tmp_path / "m.gguf")
+    assert files_in(tmp_path) == {"m.gguf"}
 
 
 # -- the manifest, the upload, the command line ------------------------------------------------------

@@ -195,8 +195,8 @@ class UploadDialog(ModalScreen[tuple | None]):
 
 
 GGUF_TYPES = [
-    ("f16: 16-bit, the model as it is (for bf16 models: bf16)", "f16"),
-    ("bf16: 16-bit, bf16 weights exactly as they are", "bf16"),
+    ("f16: 16-bit half precision, what every llama.cpp build runs", "f16"),
+    ("bf16: 16-bit, bf16 weights kept exactly", "bf16"),
     ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
 ]
 

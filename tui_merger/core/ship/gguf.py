@@ -160,6 +160,7 @@ def write_gguf(plan: GgufPlan, on_event: EventSink = ignore_event, cancel: Cance
     started = time.perf_counter()
     out = plan.out
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    _remove_stale(out)
     total, done_bytes = plan.tensor_bytes, 0
     on_event(PhaseStarted(
         "gguf",
@@ -908,6 +909,21 @@ def _quiet_library_logs():
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def _remove_stale(out: Path) -> None:
+    """Temporary files of earlier writes to the same target whose process is gone (kill -9, a power
+    loss): nothing else would ever remove them."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+        except (PermissionError, OverflowError, OSError):
+            pass
 
 
 def _check(cancel: CancelToken | None) -> None:
