@@ -763,17 +763,25 @@ class Wizard(Screen):
     @work(thread=True, exclusive=True, group="merge", exit_on_error=False)
     def _merge_worker(self, options, cancel) -> None:
         from tui_merger.core.merge.engine import run_merge
+
+        self._post_outcome("merge", lambda: run_merge(options, self._forward, cancel))
+
+    def _post_outcome(self, kind: str, call, say_cancel: bool = False) -> None:
+        """In a worker thread: ``call()``'s result as WorkDone(kind), posted last (the thread has
+        finished its work). A cancel comes as cancelled (with its sentence when ``say_cancel``), an
+        expected failure as its sentence, anything else as a bug said in one: never a worker that
+        dies while its screen waits."""
         from tui_merger.core.errors import MergeCancelled, MergeError
 
         try:
-            done = _Done(run_merge(options, self._forward, cancel))
-        except MergeCancelled:
-            done = _Done(cancelled=True)
+            done = _Done(call())
+        except MergeCancelled as err:
+            done = _Done(error=str(err) if say_cancel else None, cancelled=True)
         except MergeError as err:
             done = _Done(error=str(err))
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001
             done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
-        self.post_message(WorkDone("merge", done))  # posted last: the thread has finished its work
+        self.post_message(WorkDone(kind, done))
 
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:
@@ -864,16 +872,9 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="verify", exit_on_error=False)
     def _verify_worker(self, options, result) -> None:
-        from tui_merger.core.errors import MergeError
         from tui_merger.core.record.provenance import finish_merge
 
-        try:
-            done = _Done(finish_merge(options, result, on_event=self._forward)[1])
-        except MergeError as err:
-            done = _Done(error=str(err))
-        except Exception as err:
-            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
-        self.post_message(WorkDone("verify", done))
+        self._post_outcome("verify", lambda: finish_merge(options, result, on_event=self._forward)[1])
 
     def show_report(self) -> None:
         self._fill_checks([(c.status.upper(), c.name, c.summary) for c in self.report.checks])
@@ -943,16 +944,9 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="trial", exit_on_error=False)
     def _trial_plan_worker(self, model_dir, against) -> None:
-        from tui_merger.core.errors import MergeError
         from tui_merger.core.ship.trial import plan_trial
 
-        try:
-            done = _Done(plan_trial(model_dir, against))
-        except MergeError as err:
-            done = _Done(error=str(err))
-        except Exception as err:
-            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
-        self.post_message(WorkDone("trial-plan", done))
+        self._post_outcome("trial-plan", lambda: plan_trial(model_dir, against))
 
     def show_trial_plan(self) -> None:
         plan = self.trial_plan
@@ -1000,18 +994,9 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="trial", exit_on_error=False)
     def _trial_worker(self, plan, prompt, tokens, cancel) -> None:
-        from tui_merger.core.errors import MergeCancelled, MergeError
         from tui_merger.core.ship.trial import run_trial
 
-        try:
-            done = _Done(run_trial(plan, prompt, max_new_tokens=tokens, on_event=self._forward, cancel=cancel))
-        except MergeCancelled:
-            done = _Done(cancelled=True)
-        except MergeError as err:
-            done = _Done(error=str(err))
-        except Exception as err:
-            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
-        self.post_message(WorkDone("trial", done))  # posted last: the thread has finished its work
+        self._post_outcome("trial", lambda: run_trial(plan, prompt, max_new_tokens=tokens, on_event=self._forward, cancel=cancel))
 
     @on(Button.Pressed, "#try-cancel")
     def stop_trial(self) -> None:
@@ -1153,14 +1138,9 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="upload", exit_on_error=False)
     def _upload_worker(self, repo_id: str, private: bool) -> None:
-        from tui_merger.core.errors import MergeError
         from tui_merger.core.ship.hub import plan_upload, upload
 
-        try:
-            done = _Done(upload(plan_upload(self.out_path, repo_id, private=private), on_event=self._forward))
-        except MergeError as err:
-            done = _Done(error=str(err))
-        self.post_message(WorkDone("upload", done))
+        self._post_outcome("upload", lambda: upload(plan_upload(self.out_path, repo_id, private=private), on_event=self._forward))
 
     @on(Button.Pressed, "#gguf")
     def _gguf(self) -> None:
@@ -1187,18 +1167,9 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="gguf", exit_on_error=False)
     def _gguf_worker(self, type_: str, out, cancel) -> None:
-        from tui_merger.core.errors import MergeCancelled, MergeError
         from tui_merger.core.ship.gguf import export_gguf
 
-        try:
-            done = _Done(export_gguf(self.out_path, type_, out, on_event=self._forward, cancel=cancel))
-        except MergeCancelled as err:
-            done = _Done(error=str(err), cancelled=True)
-        except MergeError as err:
-            done = _Done(error=str(err))
-        except Exception as err:
-            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
-        self.post_message(WorkDone("gguf", done))
+        self._post_outcome("gguf", lambda: export_gguf(self.out_path, type_, out, on_event=self._forward, cancel=cancel), say_cancel=True)
 
     def show_gguf_event(self, ev) -> None:
         from tui_merger.core.events import PhaseStarted, TensorProgress
