@@ -168,12 +168,24 @@ def test_a_model_without_a_manifest_answers_alone(demo):
     assert any(n.startswith("Only the merged model answers: it has no merge_manifest.json") for n in plan.notes)
 
 
-def test_a_model_that_does_not_fit_is_refused_with_a_sentence(demo):
+def test_a_model_that_does_not_fit_runs_layer_by_layer_and_says_so(demo, tmp_path):
+    """Less memory than one model needs: each side runs from its files one module at a time, in
+    float32, and answers what transformers' own float32 model answers (the base, and the unmerged
+    adapter through peft)."""
     plan = plan_trial(demo["merged"], available=100_000)
     assert not plan.fits and plan.available_bytes == 100_000
     assert plan.notes[1].startswith("It does not fit: ") and "is more than the 100.00 KB available" in plan.notes[1]
-    with pytest.raises(MergeError, match="^It does not fit: "):
-        run_trial(plan, PROMPT)
+    assert "layer by layer" in plan.notes[1]
+    events = []
+    merged, base = run_trial(plan, PROMPT, max_new_tokens=8, on_event=events.append)
+    assert merged.token_ids == reference(demo["merged"], PROMPT, 8, dtype=torch.float32)
+    assert base.token_ids == reference(demo["base"], PROMPT, 8, dtype=torch.float32, tokenizer_dir=demo["merged"])
+    started = [e.message for e in events if isinstance(e, TrialStarted)]
+    assert len(started) == 2 and all("layer by layer from its files, float32" in m for m in started)
+    merged32 = _merge(demo["base"], demo["adapter"], tmp_path / "merged32", dtype="fp32")
+    plan = plan_trial(merged32, against=demo["adapter"], available=100_000)
+    first, unmerged = run_trial(plan, PROMPT, max_new_tokens=8)
+    assert first.token_ids == unmerged.token_ids == reference(merged32, PROMPT, 8, dtype=torch.float32)
 
 
 # -- the command line ------------------------------------------------------------------------------

@@ -417,8 +417,6 @@ class _Flow:
             plan = plan_trial(out)
             for note in plan.notes:
                 self.say(note)
-            if not plan.fits:
-                return
             prompt = self.ask.text("Prompt:", validate=_not_empty)
             self.say("Press Ctrl-C to stop.")
             run_trial(plan, prompt, max_new_tokens=TRY_TOKENS, on_event=TrialPrinter(self.out))

@@ -49,8 +49,6 @@ def cmd_try(args) -> int:
         plan = plan_trial(args.model, args.against)
         for note in plan.notes:
             print(note, file=sys.stderr, flush=True)
-        if not plan.fits:
-            return 1
         prompt = args.prompt if args.prompt is not None else _read_prompt()
         run_trial(plan, prompt, max_new_tokens=args.max_new_tokens, on_event=TrialPrinter(err=sys.stderr))
     except KeyboardInterrupt:  # Ctrl-C: the models are only read, so there is nothing to undo

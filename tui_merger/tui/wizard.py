@@ -962,7 +962,7 @@ class Wizard(Screen):
         self.query_one("#try-status", Static).update(
             "\n".join(notes) + f"\n[dim]Greedy, at most {self.try_tokens} tokens; the prompt goes in {how}.[/dim]"
         )
-        self.query_one("#ask", Button).disabled = not plan.fits
+        self.query_one("#ask", Button).disabled = False
 
     @on(Select.Changed, "#against")
     def _against(self) -> None:
@@ -975,7 +975,7 @@ class Wizard(Screen):
         from tui_merger.core.events import CancelToken
 
         prompt = self.query_one("#prompt", Input).value
-        if self.running is not None or self.trial_plan is None or not self.trial_plan.fits or self._trial_planning:
+        if self.running is not None or self.trial_plan is None or self._trial_planning:
             return
         if not prompt.strip():
             self.query_one("#try-status", Static).update("[b red]Type a prompt first.[/]")
@@ -1032,7 +1032,7 @@ class Wizard(Screen):
 
     def _trial_ended(self, done: _Done) -> None:
         self.query_one("#try-cancel", Button).disabled = True
-        self.query_one("#ask", Button).disabled = self.trial_plan is None or not self.trial_plan.fits
+        self.query_one("#ask", Button).disabled = self.trial_plan is None
         status = self.query_one("#try-status", Static)
         if done.cancelled:
             from tui_merger.core.events import TrialFinished

@@ -7,8 +7,10 @@ other, never both loaded at once); ``run_trial`` loads each side with transforme
 ``model.generate`` (greedy, a streamer reporting every token as a ``TrialToken``) and hands the memory
 back before the next side. Every side is loaded in the merged model's dtype (config.json's; float32 when
 it records none), so both answer in the same arithmetic. A model that does not fit in the available
-memory is refused with a sentence: loading it layer by layer from disk would take minutes per token (and
-accelerate's disk offload under peft writes into the offloaded model's own files).
+memory runs layer by layer from its files instead (the verification's streamed model: one module's
+weights in memory at a time, in float32), and the plan says so: every token then reads the whole model,
+so it is slow. (accelerate's disk offload is not used: under peft it writes into the offloaded model's
+own files.)
 
 The prompt becomes tokens with the merged model's tokenizer, for every side: as one user message through
 the chat template when the tokenizer has one (``add_generation_prompt=True``), as plain text otherwise.
@@ -51,7 +53,7 @@ class TrialPlan:
     sides: list[TrialSide]  # [merged] or [merged, base or unmerged adapter]
     chat_template: bool  # the prompt goes in as one user message through the tokenizer's chat template
     memory_bytes: int  # the largest side loaded: the peak, since one side runs at a time
-    fits: bool  # memory_bytes <= available memory (MemAvailable); unknown counts as fitting
+    fits: bool  # memory_bytes <= available memory (MemAvailable; unknown counts as fitting); else layer by layer
     notes: list[str]  # sentences for the user: the memory statement first
     model_dir: Path = Path()  # the merged model: tokenizer and generation settings come from here
     dtype: str = "float32"  # every side is loaded in this dtype (the merged model's)
@@ -163,9 +165,9 @@ def plan_trial(model_dir: Path, against: Path | None = None, *, available: int |
 
 def _does_not_fit(memory: int, available: int) -> str:
     return (
-        f"It does not fit: {human_bytes(memory)} is more than the {human_bytes(available)} available, so "
-        "tui-merger does not load it (layer by layer from disk it would take minutes per token); free memory "
-        "or try it on a machine with more."
+        f"It does not fit: {human_bytes(memory)} is more than the {human_bytes(available)} available, so each "
+        "model runs layer by layer from its files, in float32: every token reads the whole model, which is "
+        "slow (seconds to minutes per token for billions of weights); free memory for a faster answer."
     )
 
 
@@ -330,8 +332,6 @@ def run_trial(
         raise MergeError("The prompt is empty; type what the models should answer.")
     if max_new_tokens < 1:
         raise MergeError(f"max_new_tokens must be at least 1, not {max_new_tokens}.")
-    if not plan.fits:
-        raise MergeError(_does_not_fit(plan.memory_bytes, plan.available_bytes or 0))
     _check(cancel)
     import torch
 
@@ -343,14 +343,16 @@ def run_trial(
         for side in plan.sides:
             _check(cancel)
             where = f"{side.path} on {side.base}" if side.base is not None else str(side.path)
-            on_event(TrialStarted(side.label, f"Loading the {side.label} from {where} ({plan.dtype}) ..."))
+            how = plan.dtype if plan.fits else "layer by layer from its files, float32"
+            on_event(TrialStarted(side.label, f"Loading the {side.label} from {where} ({how}) ..."))
             started = time.monotonic()
-            model = _load(side, getattr(torch, plan.dtype))
+            model, close = _load(side, getattr(torch, plan.dtype)) if plan.fits else _streamed(side)
             load_seconds = time.monotonic() - started
             try:
                 _check(cancel)
                 answers.append(_generate(model, tokenizer, side.label, inputs, settings, on_event, cancel, load_seconds))
             finally:
+                close()
                 del model
                 gc.collect()
     return answers
@@ -411,7 +413,42 @@ def _load(side: TrialSide, dtype):
                 f"peft could not apply the adapter in {side.path} to {folder} ({_first_line(err)})."
             ) from None
     model.eval()
-    return model
+    return model, lambda: None
+
+
+def _streamed(side: TrialSide):
+    """(model, close) of a side that does not fit: built on the meta device, each module's weights read
+    from the files when it runs (``verify/streaming.py``), the adapter applied by peft unmerged."""
+    import torch
+    from transformers import AutoConfig
+
+    from tui_merger.core.io.sources import open_model
+    from tui_merger.core.verify import behaviour as bh
+
+    folder = side.base if side.label == ADAPTER else side.path
+    cls = _generator_class(read_json_object(folder / "config.json", "copy it again from the original model"), folder)
+    source = open_model(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        if side.label == ADAPTER:
+            streamer, missing = bh.streamer_with_adapter(cls, config, source.tensors, [(side.path, None)], side.label)
+        else:
+            streamer, missing = bh.streamer_for_files(cls, config, source.tensors, side.label)
+    except (MergeError, bh.NoReference) as err:
+        source.close()
+        raise MergeError(f"The {side.label} in {folder} cannot run layer by layer ({err}).") from None
+    if missing:
+        source.close()
+        raise MergeError(f"The {side.label} in {folder} lacks {len(missing)} weight(s) ({', '.join(missing[:3])}).")
+    model = streamer.model
+    # its weights live on the meta device between layers; generate() asks the model where to put its tensors
+    model.__class__ = type(type(model).__name__, (type(model),), {"device": property(lambda self: torch.device("cpu"))})
+
+    def close() -> None:
+        streamer.close()
+        source.close()
+
+    return model, close
 
 
 def _first_line(err: BaseException) -> str:
