@@ -4,6 +4,7 @@ chat template, processor files, custom code, licence. Never fabricates a tokeniz
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,3 +270,18 @@ def copy_files(plan: FilePlan, dest: Path) -> list[str]:
         shutil.copyfile(src, target)
         written.append(name)
     return written
+
+
+def fsync_path(path: Path) -> None:
+    """Make a file or folder durable (a folder: the names in it); a best effort where the system
+    cannot (no error for the user: the data itself was written)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

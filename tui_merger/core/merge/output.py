@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.io.files import fsync_path
 from tui_merger.core.options import human_bytes
 
 PARTIAL_TAG = ".tui-merger-partial"
@@ -133,8 +134,8 @@ class OutputFolder:
     def finalize(self, fsync: bool = True) -> None:
         if fsync:  # every file and folder durable before the rename makes them look finished
             for path in sorted(self.tmp.rglob("*"), reverse=True):
-                _fsync_path(path)
-            _fsync_path(self.tmp)
+                fsync_path(path)
+            fsync_path(self.tmp)
         old = None
         if self.out.exists():
             if self.out.is_dir() and not any(self.out.iterdir()):
@@ -144,7 +145,7 @@ class OutputFolder:
                 os.rename(self.out, old)
         os.rename(self.tmp, self.out)
         if fsync:
-            _fsync_path(self.parent)
+            fsync_path(self.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -218,15 +219,3 @@ def _alive(owner: dict) -> bool:
         return True  # someone else's process
     return True
 
-
-def _fsync_path(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

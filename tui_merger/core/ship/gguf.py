@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted, TensorProgress, ignore_event
+from tui_merger.core.io.files import fsync_path
 from tui_merger.core.options import human_bytes
 
 TYPES = ("f16", "bf16", "q8_0")
@@ -190,7 +191,7 @@ def write_gguf(plan: GgufPlan, on_event: EventSink = ignore_event, cancel: Cance
         writer.close()
         _check(cancel)
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_path(out.parent)
     except BaseException as err:
         writer.close()
         tmp.unlink(missing_ok=True)
@@ -930,18 +931,6 @@ def _check(cancel: CancelToken | None) -> None:
     if cancel is not None and cancel.cancelled:
         raise MergeCancelled(CANCELLED)
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _os_error(err: OSError, out: Path) -> MergeError:
