@@ -71,6 +71,8 @@ def test_demo_in_a_real_terminal_to_a_verified_merge(tmp_path):
         while not (tmux.screen().count(" tokens/s ") == 2 and "tokens/s..." not in tmux.screen()) and time.monotonic() < end:
             time.sleep(0.2)  # both answers streamed in, each with its speed
         assert tmux.screen().count("64 tokens, ") == 2, tmux.screen()
+        while "answering..." in tmux.screen() and time.monotonic() < end:
+            time.sleep(0.2)  # the last token is shown a moment before the worker has handed its models back
         tmux.keys("C-n")
         tmux.wait_for("The merged model is in")
         assert "Verify > Try >  Finish  │" in tmux.screen()
