@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from factory import read_output
+from test_megatron import _case, _reference
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -35,17 +36,6 @@ from tui_merger.core.options import MergeOptions
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
 CASES = ("qwen3moe_grouped_tp2ep2", "legacy_moe_grouped_tp2ep2", "legacy_moe_pp2ep2")
 REL_TOL = 1e-4  # as tests/test_megatron.py: fp32 reduction order only
-
-
-def _case(name: str) -> Path:
-    path = FIXTURES / name
-    if not (path / "reference.pt").is_file():
-        pytest.skip(f"fixture {name} is not generated (tests/fixtures/megatron/generate.py --case {name})")
-    return path
-
-
-def _reference(name: str) -> dict:
-    return torch.load(FIXTURES / name / "reference.pt", weights_only=True)
 
 
 def _logits(out: Path, ids):

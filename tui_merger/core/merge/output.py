@@ -71,14 +71,15 @@ def check_target(out: Path, inputs: list[Path], overwrite: bool) -> None:
         )
 
 
-def check_space(parent: Path, needed: int) -> None:
+def check_space(parent: Path, needed: int, what: str = "The merged model", where: str = "an output") -> None:
+    """Refuse, in one sentence, to write ``needed`` bytes (plus a margin) where they do not fit."""
     free = shutil.disk_usage(parent).free
     margin = max(64 << 20, needed // 100)
     if free < needed + margin:
         raise MergeError(
-            f"The merged model needs {human_bytes(needed + margin)} of free space ({human_bytes(needed)} of "
+            f"{what} needs {human_bytes(needed + margin)} of free space ({human_bytes(needed)} of "
             f"weights plus a {human_bytes(margin)} margin) but {parent} has {human_bytes(free)} free; "
-            "free some space or choose an output on another disk."
+            f"free some space or choose {where} on another disk."
         )
 
 

@@ -22,7 +22,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted, TensorProgress, ignore_event
 from tui_merger.core.io.files import fsync_path
+from tui_merger.core.merge.output import check_space
 from tui_merger.core.options import human_bytes
 
 TYPES = ("f16", "bf16", "q8_0")
@@ -138,7 +138,7 @@ def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> G
         for t in tensors:
             writer.add_tensor_info(t.name, t.shape, _np_float32(), t.nbytes, raw_dtype=gguf.GGMLQuantizationType(t.qtype))
         plan = GgufPlan(folder, target, type_, arch, name, tuple(tensors), tuple(notices), vocab, writer, source)
-        _check_space(target.parent, plan.tensor_bytes)
+        check_space(target.parent, plan.tensor_bytes, "The GGUF", "an --out")
     except BaseException:
         source.close()
         raise
@@ -421,16 +421,6 @@ def _target(folder: Path, type_: str, out: Path | None, overwrite: bool) -> Path
     if target.exists() and not overwrite:
         raise MergeError(f"{target} exists; choose another --out, or pass --overwrite to replace it (only once the new file is complete).")
     return target
-
-
-def _check_space(parent: Path, needed: int) -> None:
-    free = shutil.disk_usage(parent).free
-    margin = max(64 << 20, needed // 100)
-    if free < needed + margin:
-        raise MergeError(
-            f"The GGUF needs about {human_bytes(needed + margin)} of free space but {parent} has "
-            f"{human_bytes(free)} free; free some space or choose an --out on another disk."
-        )
 
 
 def _open_source(folder: Path):
