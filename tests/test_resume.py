@@ -314,7 +314,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("stage", ["record_merge", "_check_tensor", "_Models.merged"])
+@pytest.mark.parametrize("stage", ["record_merge", "_Recompute.work", "_Models.merged"])
 def test_killed_while_recording_or_verifying_the_same_command_finishes(inputs, tmp_path, stage):
     """kill -9 after the model is in place (while hashing it, recomputing, or running the models), then
     the same command: it keeps the model, records and verifies it, exits 0."""

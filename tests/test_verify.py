@@ -194,7 +194,7 @@ def test_nan_in_the_output_is_caught(merged, tmp_path):
 
 def test_sampled_rows_still_catch_a_fault(merged, pair, tmp_path, monkeypatch):
     """Above the size limit only a sample of rows is recomputed; an unmerged layer changes every row."""
-    import tui_merger.core.verify.checks as verify
+    import tui_merger.core.verify.recompute as verify
 
     monkeypatch.setattr(verify, "SAMPLE_LIMIT", 100)
     monkeypatch.setattr(verify, "FULL_RANK", 1)  # the adapter's rank 4 counts as high
@@ -521,3 +521,120 @@ def test_custom_model_code_skips_the_behaviour_check_and_says_not_fully_verified
     assert cli_main(["verify", str(folder), "--base", str(options.base), "--adapter", str(options.adapter)]) == 0
     said = capsys.readouterr().out
     assert "SKIP  behaviour" in said and "Not fully verified: the behaviour check did not run" in said
+
+
+# -- the recompute made while the merge writes ------------------------------------------------------
+
+
+def _spy_checks(monkeypatch) -> list:
+    """(thread name, tensor name) of every tensor the recompute checks."""
+    import threading
+
+    import tui_merger.core.verify.recompute as recompute
+
+    seen = []
+    real = recompute._check_tensor
+
+    def spy(t, ref, clamp):
+        seen.append((threading.current_thread().name, t.name))
+        return real(t, ref, clamp)
+
+    monkeypatch.setattr(recompute, "_check_tensor", spy)
+    return seen
+
+
+def _recompute_check(out: Path) -> dict:
+    return next(c for c in read_manifest(out)["verification"]["checks"] if c["name"] == "recompute")
+
+
+def test_every_tensor_is_recomputed_while_the_merge_writes_it(pair, tmp_path, monkeypatch):
+    """The default merge recomputes each tensor on its own thread as soon as the engine has written
+    it; verification reuses those results (once each) and recomputes nothing again."""
+    seen = _spy_checks(monkeypatch)
+    base, _, adapter = pair
+    out = tmp_path / "m"
+    args = ["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain", "--shard-size", "100KB"]
+    assert cli_main(args) == 0
+    check = _recompute_check(out)
+    tensors = check["metrics"]["tensors"]
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    assert check["status"] == "pass" and check["metrics"]["checked_while_writing"] == tensors
+    assert sorted(name for _, name in seen) == sorted({name for _, name in seen})  # none twice
+    assert len(seen) == tensors and {thread for thread, _ in seen} == {"tui-merger-recompute"}
+
+
+def test_a_wrong_tensor_the_engine_writes_is_caught_while_it_writes(pair, tmp_path, monkeypatch, capsys):
+    """An engine bug (a merged tensor with the adapter's sign flipped) is found by the recompute made
+    during the merge, which reads the bytes back from the shard, and the merge is not called verified."""
+    import tui_merger.core.merge.engine as engine
+
+    seen = _spy_checks(monkeypatch)
+    real = engine.compute
+
+    def wrong(t, **kw):
+        tensor = real(t, **kw)
+        if t.name == Q:
+            base_q = t.source.load().to(tensor.dtype)
+            tensor = (2 * base_q.float() - tensor.float()).to(tensor.dtype)
+        return tensor
+
+    monkeypatch.setattr(engine, "compute", wrong)
+    base, _, adapter = pair
+    out = tmp_path / "m"
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 4  # verification failed
+    capsys.readouterr()
+    check = _recompute_check(out)
+    assert check["status"] == "fail" and check["details"][0].startswith(Q + ":")
+    assert ("tui-merger-recompute", Q) in seen and [name for _, name in seen].count(Q) == 1
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced"])
+def test_a_shard_changed_after_it_was_checked_is_recomputed(pair, tmp_path, how):
+    """A result made while writing counts only for the very file it read: a shard edited in place
+    (same inode, new mtime) or replaced by another file is recomputed, and the planted fault found."""
+    from tui_merger.core.verify.checks import prewarming
+
+    base, _, adapter = pair
+    options = MergeOptions(base=base, adapter=adapter, out=tmp_path / "m")
+    run_merge(options, prewarming(options, lambda event: None, behaviour=False), fsync=False)
+    path = Path(options.out) / "model.safetensors"
+    if how == "in place":
+        raw = path.read_bytes()
+        header = 8 + int.from_bytes(raw[:8], "little")
+        start = json.loads(raw[8:header])[Q]["data_offsets"][0]
+        with open(path, "r+b") as f:  # the sign bit of Q's first value
+            f.seek(header + start + 1)
+            f.write(bytes([raw[header + start + 1] ^ 0x80]))
+    else:
+        _rewrite(Path(options.out), lambda t: t.__setitem__(Q, -t[Q]))
+    report = verify_merge(Path(options.out), options, behaviour=False)
+    recompute = report.checks[1]
+    assert recompute.status == "fail" and recompute.details[0].startswith(Q + ":")
+    assert recompute.metrics["checked_while_writing"] == 0
+
+
+def test_a_cancelled_merge_leaves_no_recompute_running(pair, tmp_path):
+    """Cancel during the merge: the partial output is removed, and the recompute thread, which held
+    the partial shards open, stops and closes them (their space is given back)."""
+    import threading
+    import time
+
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken, TensorProgress
+    from tui_merger.core.verify.checks import prewarming
+
+    base, _, adapter = pair
+    options = MergeOptions(base=base, adapter=adapter, out=tmp_path / "m", shard_size="200KB")
+    cancel = CancelToken()
+
+    def on_event(event):
+        if isinstance(event, TensorProgress) and event.tensors_done == 12:
+            cancel.cancel()
+
+    with pytest.raises(MergeCancelled):
+        run_merge(options, prewarming(options, on_event, behaviour=False), cancel, fsync=False)
+    assert not (tmp_path / "m").exists()
+    deadline = time.monotonic() + 10
+    while any(t.name == "tui-merger-recompute" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(t.name == "tui-merger-recompute" for t in threading.enumerate())

@@ -378,11 +378,12 @@ class _Flow:
     def merge(self):
         """The MergeResult, or None when the merge failed or was cancelled (nothing is left behind)."""
         from tui_merger.core.merge.engine import run_merge
+        from tui_merger.core.verify.checks import prewarming
 
         self.step(3)
         self.say("Press Ctrl-C to cancel.")
-        try:
-            return run_merge(self.options, PlainProgress(stream=self.out))
+        try:  # verification follows: its recompute and the unmerged run start while the merge writes
+            return run_merge(self.options, prewarming(self.options, PlainProgress(stream=self.out)))
         except KeyboardInterrupt:
             self.say("Merge cancelled: the partial output was removed and the inputs are untouched.")
         except MergeError as err:

@@ -38,10 +38,10 @@ def run_with_progress(options, plain: bool = False, verify: bool = True, perplex
 
     progress = PlainProgress() if plain or not is_tty(sys.stderr) else RichProgress()
     sink = progress
-    if verify and behaviour:
+    if verify:
         from tui_merger.core.verify.checks import prewarming
 
-        sink = prewarming(options, progress)
+        sink = prewarming(options, progress, behaviour)
     with progress if isinstance(progress, RichProgress) else nullcontext():
         result = run_merge(options, sink)
         _, report = finish_merge(

@@ -33,6 +33,16 @@ class TensorProgress(Event):
 
 
 @dataclass(frozen=True)
+class TensorWritten(Event):
+    """A tensor's bytes are in the shard being written (its header went first, so every tensor's
+    place is fixed): a check may read them now, while the merge writes the next ones. Front ends
+    may ignore it; TensorProgress follows."""
+
+    path: str  # the shard file, in the partial output folder
+    name: str
+
+
+@dataclass(frozen=True)
 class Notice(Event):
     level: str  # "info" or "warning"
     message: str

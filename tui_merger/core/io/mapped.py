@@ -146,3 +146,59 @@ class MappedFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class MappedRange:
+    """A read-only mapping of one byte range of an open file, which may still be growing past it (a
+    tensor the merge has just written, read while it writes the next). Pages are handed back with
+    ``release``; ``close`` unmaps (or, while a view is alive, drops every page)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        lo = start - start % mmap.ALLOCATIONGRANULARITY
+        self._skip = start - lo
+        self.length = length
+        self._mmap = mmap.mmap(fd, self._skip + length, access=mmap.ACCESS_READ, offset=lo) if length else None
+
+    def view(self, dtype: str, shape: tuple[int, ...]):
+        import warnings
+
+        import torch
+
+        torch_dtype = getattr(torch, dtype)
+        if self._mmap is None:
+            return torch.empty(shape, dtype=torch_dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(self._mmap, dtype=torch.uint8, offset=self._skip, count=self.length)
+        if self._skip % torch_dtype.itemsize:
+            raw = raw.clone()
+        return raw.view(torch_dtype).view(shape)
+
+    def populate(self) -> None:
+        if self._mmap is not None and _POPULATE:
+            try:
+                self._mmap.madvise(_POPULATE, 0, len(self._mmap))
+            except (OSError, ValueError):
+                pass
+
+    def release(self, start: int = 0, end: int | None = None) -> None:
+        """Drop the whole pages inside [start, end) of the range (relative to its start)."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        size = len(self._mmap)
+        lo = self._skip + start
+        lo = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE if start else 0
+        hi = size if end is None or self._skip + end >= size else (self._skip + end) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            try:
+                self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a view is still alive: its pages go now, the mapping with the view
+                self.release()
+            self._mmap = None

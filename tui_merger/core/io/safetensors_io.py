@@ -78,10 +78,13 @@ class TensorInfo:
 class SafetensorsFile(MappedFile):
     """One .safetensors file: header parsed and checked at open, tensors read on demand via mmap."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, growing: bool = False) -> None:
+        """``growing``: a shard still being written (its header is complete, its tensors may not
+        be yet): the header is checked but not against the file's present size."""
         super().__init__(path)
         self.tensors: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
+        self._growing = growing
         self._parse_header()
 
     def _bad(self, why: str) -> MergeError:
@@ -110,7 +113,7 @@ class SafetensorsFile(MappedFile):
         if not isinstance(header, dict):
             raise self._bad("its header is not a JSON object")
         data_start = 8 + hlen
-        data_len = size - data_start
+        data_len = (1 << 62) if self._growing else size - data_start
         meta = header.pop("__metadata__", None) or {}
         self.metadata = meta if isinstance(meta, dict) else {}
         spans = []

@@ -134,6 +134,15 @@ class TensorSource:
         info = st.tensors[ref.name]
         return [(st.fileno(), info.start, info.nbytes)]
 
+    def place(self, name: str) -> tuple[str, int, int] | None:
+        """(file, first byte, end) of a tensor in a safetensors file, else None."""
+        ref = self.tensors.get(name)
+        st = self._st.get(ref.file) if ref is not None else None
+        if st is None:
+            return None
+        info = st.tensors[name]
+        return ref.file, info.start, info.end
+
     def prefetch(self, ref: TensorRef) -> None:
         st = self._st.get(ref.file)
         if st is not None:

@@ -20,6 +20,7 @@ from tui_merger.core.events import (
     Notice,
     PhaseStarted,
     TensorProgress,
+    TensorWritten,
     ignore_event,
 )
 from tui_merger.core.formats.adapter import empty_adapter
@@ -27,7 +28,7 @@ from tui_merger.core.formats.combine import export_adapter_folder, overlap_summa
 from tui_merger.core.io.files import copy_files, edited_config
 from tui_merger.core.formats.inputs import open_inputs, paths_of
 from tui_merger.core.merge.journal import Journal, fingerprint
-from tui_merger.core.merge.merge_math import Workspace, compute, fp16_overflows
+from tui_merger.core.merge.merge_math import Workspace, compute, fp16_overflows, threads_per_job
 from tui_merger.core.options import MergeOptions, MergeResult
 from tui_merger.core.merge.output import (
     PENDING_NAME,
@@ -220,6 +221,7 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
     )
     copier = None
     putter = None
+    threads = None
     try:
         copy_jobs, compute_jobs = [], []
         for t in tensors:
@@ -232,12 +234,13 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
         copier.start()
         putter = _Putter(writer, [ws, ws.partner()])
         putter.start()
+        threads = _share_cores() if compute_jobs else None
 
         def drain() -> None:
             for done in (copier.finished, putter.finished):
                 while True:
                     try:
-                        report(done.get_nowait())
+                        report(done.get_nowait(), path)
                     except queue.Empty:
                         break
             for worker in (copier, putter):
@@ -250,7 +253,7 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
             blocks = None if t.ops or t.dtype == "float16" else t.source.source.row_blocks(t.source)
             if blocks is not None:  # a sharded checkpoint tensor: cast and write shard by shard
                 writer.write_blocks(t.name, t.nbytes, _converted(blocks, t.dtype, ws))
-                report(t)
+                report(t, path)
                 continue
             slot = putter.free_slot(cancel)
             for ref in t.inputs():
@@ -283,6 +286,22 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
             putter.halt()
         writer.abort()
         raise
+    finally:
+        if threads is not None:
+            threads()
+
+
+def _share_cores():
+    """Half the cores for torch on this thread while it computes (one on 2 cores): the writer, the
+    copier, hashing and the checks made while writing use the rest, and small operations split
+    across threads that other work keeps descheduled wait on each other (the blocked merge of 3B MLP
+    weights: 16 ms per tensor on one thread, 48-225 ms on two of a busy 2-core box). Returns the
+    call that puts the previous count back."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads_per_job(2))
+    return lambda: torch.set_num_threads(previous)
 
 
 class _Putter(threading.Thread):
@@ -436,8 +455,10 @@ def _write(
     on_event(PhaseStarted("merge", message))
     progress = {"done": 0, "bytes": 0}
 
-    def report(t) -> None:
+    def report(t, path=None) -> None:
         cancel.raise_if_cancelled()
+        if path is not None:  # written by this run (a kept shard's tensors are only counted)
+            on_event(TensorWritten(str(path), t.name))
         progress["done"] += 1
         progress["bytes"] += t.nbytes
         on_event(TensorProgress(t.name, progress["done"], total, progress["bytes"], total_bytes))

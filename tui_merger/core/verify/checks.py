@@ -17,23 +17,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from tui_merger.core.formats.hf_names import model_class
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.verify.parallel import Shares, run_side_by_side, threads_per_job
 from tui_merger.core.verify.streaming import StreamError
-from tui_merger.core.events import CancelToken, EventSink, PhaseStarted, TensorProgress, ignore_event
+from tui_merger.core.events import CancelToken, EventSink, MergeFinished, PhaseStarted, TensorProgress, TensorWritten, ignore_event
 from tui_merger.core.io.files import config_dtype, read_json_object
 from tui_merger.core.record.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions, check_option_types
 
-SAMPLE_LIMIT = 1 << 24  # values in a tensor above which adapters of rank > FULL_RANK are sampled
-FULL_RANK = 256  # summed LoRA rank up to which every row is recomputed (the product costs less than the read)
-SAMPLE_ROWS = 64
-BLOCK_VALUES = 1 << 18  # values recomputed at a time: a block stays in the CPU cache
-PROBE_SEED = 20261130
+from tui_merger.core.verify.recompute import PROBE_SEED, WhileWriting, _Recompute, release_memory, writing_key
+from tui_merger.core.verify.report import Check, VerifyReport
+
 PROBE_SHAPE = (1, 12)  # sequences x tokens: every pass costs two multiply-adds per weight and token
 PPL_TOLERANCE = 0.5
 PPL_MAX_TOKENS = 2048
@@ -45,57 +43,23 @@ REL_LIMIT = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 # a correct merge is far closer to the reference than the base model without the adapter is
 ADAPTER_EFFECT_RATIO = 0.1
 RESCUE_RATIO = 0.01
-_MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10}
 
 
-@dataclass
-class Check:
-    name: str  # structure, recompute, behaviour, perplexity
-    status: str  # pass, fail, warn (a difference the user chose), skip
-    summary: str
-    details: list[str] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class VerifyReport:
-    out: Path
-    checks: list[Check] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def passed(self) -> bool:
-        return all(c.status != "fail" for c in self.checks) and any(c.status == "pass" for c in self.checks)
-
-    @property
-    def summary(self) -> str:
-        failed = [c.name for c in self.checks if c.status == "fail"]
-        if failed:
-            return f"failed: {', '.join(failed)}"
-        done = [c.name for c in self.checks if c.status == "pass"]
-        skipped = [c.name for c in self.checks if c.status == "skip"]
-        if skipped:
-            return f"passed: {', '.join(done)}; not fully verified ({', '.join(skipped)} skipped)"
-        return f"passed: {', '.join(done)}"
-
-    def to_dict(self) -> dict:
-        return {
-            "passed": self.passed,
-            "summary": self.summary,
-            "seconds": round(self.seconds, 3),
-            "checks": [asdict(c) for c in self.checks],
-        }
-
-
-def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
+def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = True) -> EventSink:
     """``on_event``, which also starts importing what the behaviour check needs (transformers' model
     code, peft, accelerate: seconds of Python) in a background thread once the merge writes its first
     tensor (torch is imported by then): the merge spends its time in torch and the kernel. The check
     waits for this thread before it imports anything itself. Never fails: an import error shows later,
-    where it is handled."""
+    where it is handled. And every tensor is recomputed as soon as the merge has written it
+    (``recompute.WhileWriting``); verification takes those results for the files that were checked.
+    ``behaviour``: False when verification will not run the models (no imports, no reference)."""
     import threading
 
     started = threading.Event()
+    global _WRITING
+    if _WRITING is not None:  # an earlier merge's, never taken
+        _WRITING.take()
+    writing = _WRITING = WhileWriting(options)
 
     def load() -> None:
         try:
@@ -115,7 +79,12 @@ def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
             pass
 
     def sink(event) -> None:
-        if isinstance(event, TensorProgress) and not started.is_set():
+        if isinstance(event, TensorWritten):
+            writing.written(event.path, event.name)
+            return
+        if isinstance(event, MergeFinished):
+            writing.merge_ended()
+        if behaviour and isinstance(event, TensorProgress) and not started.is_set():
             started.set()
             thread = threading.Thread(target=load, name="tui-merger-prewarm", daemon=True)
             _PREWARMING.append(thread)
@@ -128,6 +97,14 @@ def prewarming(options: MergeOptions, on_event: EventSink) -> EventSink:
 _PREWARMING: list = []  # prewarm threads; the behaviour check waits for them (a half-imported
 # transformers seen from another thread lacks attributes)
 _AHEAD: dict = {}  # the unmerged reference's run, made while the merge wrote: key -> (logits, hidden, peak)
+_WRITING: WhileWriting | None = None  # the recompute made while the merge wrote
+
+
+def _take_writing() -> WhileWriting | None:
+    """The recompute made while the last merge wrote, stopped after its current tensor (once)."""
+    global _WRITING
+    writing, _WRITING = _WRITING, None
+    return writing.take() if writing is not None else None
 
 
 def _ahead_key(options: MergeOptions, config: dict, probes) -> str:
@@ -262,7 +239,10 @@ def verify_merge(
         # the recompute and the two models side by side, one core each (parallel.py)
         shares = Shares(on_event)
         size = sum(t.nbytes for t in plan.tensors)
-        recompute = _Recompute(out, plan, files, shares.add("recompute", size), clamp) if files is not None else None
+        writing = _take_writing()
+        recompute = None
+        if files is not None:
+            recompute = _Recompute(out, plan, files, shares.add("recompute", size), clamp, writing, writing_key(options))
         models = None
         if run_models:
             models = _Models(out, out_config, options, inputs, plan, perplexity_text,
@@ -310,6 +290,16 @@ def _verify_jobs(recompute, models, shares) -> dict:
             models.reference(token)
             shares.finish("reference")
 
+    if recompute is None or not recompute.remaining:  # nothing to recompute (checked while writing)
+        def alone(token) -> None:  # the merged model's run gets every core
+            models.prepare()
+            models.merged(token)
+            shares.finish("merged")
+            reference_once(token)
+            recompute_all(token)
+
+        return {"merged model": alone}
+
     def first(token) -> None:
         models.prepare()
         models.merged(token)
@@ -328,11 +318,14 @@ def _verify_jobs(recompute, models, shares) -> dict:
 
 def _what_runs(recompute, models, plan) -> str:
     what = []
-    if recompute is not None:
-        what.append(f"recomputing {len(plan.tensors)} tensors from the inputs")
+    if recompute is not None and recompute.remaining:
+        what.append(f"recomputing {recompute.remaining} tensors from the inputs")
+    if recompute is not None and recompute.reused:
+        what.insert(0, f"{len(recompute.reused)} tensors were recomputed while the merge wrote them")
     if models is not None:
         what.append("running the merged model and the unmerged one layer by layer")
-    return "; ".join(what).capitalize() + (" (side by side)" if len(what) > 1 else "")
+    side = recompute is not None and recompute.remaining and models is not None
+    return "; ".join(what)[:1].upper() + "; ".join(what)[1:] + (" (side by side)" if side else "")
 
 
 # -- structure ---------------------------------------------------------------------------------
@@ -431,333 +424,6 @@ def _config_problems(config: dict, shapes: dict) -> list[str]:
 
 
 # -- recompute ---------------------------------------------------------------------------------
-
-
-def _sample_rows(name: str, n_rows: int):
-    import torch
-
-    g = torch.Generator().manual_seed(PROBE_SEED + sum(name.encode()))
-    return torch.randperm(n_rows, generator=g)[: min(SAMPLE_ROWS, n_rows)].sort().values
-
-
-class _Recomputation:
-    """fp32 recomputation of one output tensor from its inputs, independent of the engine's fast
-    paths: float(W) + s * (B @ A) per op, in order, as peft defines the merge. The inputs are read
-    once; ``rows`` (a slice or an index tensor) gives any part of the result."""
-
-    def __init__(self, t) -> None:
-        from tui_merger.core.plan.plan import BiasOp, ExpertsLoraOp, LoraOp
-
-        self.t = t
-        self.w = t.source.load()
-        self.ops = []
-        for op in t.ops:
-            if isinstance(op, ExpertsLoraOp):
-                self.ops.append((op, op.A.load().float(), op.B.load().float(), None))
-            elif isinstance(op, LoraOp):
-                mag = op.magnitude.load().float().reshape(-1) if op.magnitude is not None else None
-                self.ops.append((op, op.A.load().float(), op.B.load().float(), mag))
-            elif isinstance(op, BiasOp):
-                self.ops.append((op, op.bias.load().float(), None, None))
-            else:
-                self.ops.append((op, op.rows.load().float(), None, None))
-
-    def rows(self, rows):
-        import torch
-
-        from tui_merger.core.plan.plan import BiasOp, ExpertsLoraOp, LoraOp
-
-        acc = (self.w if rows is None else self.w[rows]).float()
-        if acc.data_ptr() == self.w.data_ptr():
-            acc = acc.clone()  # fp32 input: never write into the memory-mapped file
-        for op, x, y, mag in self.ops:
-            if isinstance(op, ExpertsLoraOp):  # rows are experts here
-                acc = acc + op.delta(x, y, rows)
-            elif isinstance(op, LoraOp):
-                a, b = x, y
-                if op.transpose:
-                    v = acc + (b @ (a if rows is None else a[:, rows])).T * op.scale
-                else:  # one fused pass: acc + s * (B @ A)
-                    v = torch.addmm(acc, b if rows is None else b[rows], a, alpha=op.scale)
-                if mag is not None:
-                    v_rows = v.T if op.transpose else v
-                    m = mag[rows] if rows is not None and not op.transpose else mag
-                    factor = (m / torch.linalg.vector_norm(v_rows, dim=1)).view(-1, 1)
-                    v = factor.T * v if op.transpose else factor * v
-                acc = v
-            elif isinstance(op, BiasOp):
-                acc = acc + x * op.scale
-            else:
-                index = torch.arange(self.w.shape[0])[rows] if rows is not None else None
-                for j, target in enumerate(op.indices):
-                    if index is None:
-                        acc[target] = x[j]
-                    else:
-                        hit = (index == target).nonzero()
-                        if len(hit):
-                            acc[hit[0, 0]] = x[j]
-        return acc
-
-    def magnitude(self, rows):
-        """What fp32 rounding of the recomputation scales with, per value: |W| + sum of s * (|B| @ |A|)
-        of the LoRA ops, times (terms + 2) (the classic bound of a dot product's rounding error)."""
-        from tui_merger.core.plan.plan import ExpertsLoraOp, LoraOp
-
-        mag = (self.w if rows is None else self.w[rows]).float().abs()
-        terms = 0
-        for op, a, b, _ in self.ops:
-            if isinstance(op, ExpertsLoraOp):
-                mag = mag + abs(op.delta(a.abs(), b.abs(), rows))
-                terms += a.shape[0] // op.experts
-            elif isinstance(op, LoraOp) and len(self.t.shape) == 2:
-                a, b = a.abs(), b.abs()
-                if op.transpose:
-                    delta = (b @ (a if rows is None else a[:, rows])).T
-                else:
-                    delta = (b if rows is None else b[rows]) @ a
-                mag = mag + delta * abs(op.scale)
-                terms += a.shape[0]
-        return mag * (terms + 2)
-
-    def release(self) -> None:
-        for ref in self.t.inputs():
-            ref.release()
-
-
-def _sampled(t) -> bool:
-    """Whether only a sample of rows is recomputed: a product of high-rank adapters costs more than
-    reading the tensor (every row is recomputed up to a summed rank of FULL_RANK)."""
-    from tui_merger.core.plan.plan import BiasOp, LoraOp
-
-    if len(t.shape) < 2 or math.prod(t.shape) <= SAMPLE_LIMIT:
-        return False
-    if any(isinstance(op, BiasOp) or (isinstance(op, LoraOp) and op.magnitude is not None and op.transpose) for op in t.ops):
-        return False  # needs whole columns
-    rank = sum(op.A.shape[0] for op in t.ops if isinstance(op, LoraOp))
-    return rank > FULL_RANK
-
-
-def _whole(t) -> bool:
-    """DoRA on a transposed (fan_in_fan_out) weight normalises columns: recomputed in one piece."""
-    from tui_merger.core.plan.plan import LoraOp
-
-    return any(isinstance(op, LoraOp) and op.magnitude is not None and op.transpose for op in t.ops)
-
-
-def _bits_equal(a, b) -> bool:
-    """Same bytes (as integers: twice as fast as a float comparison)."""
-    import torch
-
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-    if ints is None or a.dtype != b.dtype or not a.is_contiguous() or not b.is_contiguous():
-        return torch.equal(a, b)
-    return torch.equal(a.view(ints), b.view(ints))
-
-
-def release_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps the small blocks of a pass in its arenas:
-    300-500 MB after recomputing a 3B model); a no-op where there is no glibc."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        _malloc_trim = False
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            pass
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
-
-
-def _mismatches(got, want, magnitude=None) -> int:
-    """Elements of ``got`` further from ``want`` (fp32) than rounding explains: one unit in the last
-    place of got's dtype, or, where terms nearly cancel, the fp32 rounding of the sum (2^-24 of
-    ``magnitude()``: the engine may add in another order or block the product otherwise). Equal
-    elements, the common case, cost one comparison."""
-    import torch
-
-    rounded = want.to(got.dtype)
-    if _bits_equal(got, rounded):
-        return 0
-    differ = got != rounded
-    g, w = got[differ].float(), rounded[differ].float()
-    bits = _MANTISSA_BITS.get(str(got.dtype).removeprefix("torch."))
-    if bits is None:
-        return int(differ.sum())
-    _, exp = torch.frexp(w)
-    ulp = torch.ldexp(torch.ones_like(w), exp - 1 - bits)
-    tiny = 2.0**-24 if got.dtype == torch.float16 else 2.0**-126
-    tol = torch.clamp(ulp, min=tiny) * (4 if got.dtype == torch.float32 else 1)  # fp32 sums differ in order
-    if magnitude is not None:
-        tol = torch.maximum(tol, magnitude()[differ] * 2.0**-24)
-    return int(((g - w).abs() > tol).sum())
-
-
-def _row_blocks(shape, values: int = BLOCK_VALUES):
-    """Row slices of about ``values`` values each (None for a 0-d tensor)."""
-    if not shape:
-        return [None]
-    row = max(1, math.prod(shape[1:]))
-    step = max(1, values // row)
-    return [slice(a, min(a + step, shape[0])) for a in range(0, shape[0], step)] or [slice(0, 0)]
-
-
-def _finite(x) -> bool:
-    """No NaN or Inf: min and max propagate both (50x faster than isfinite on bf16)."""
-    import torch
-
-    if not x.is_floating_point() or not x.numel():
-        return True
-    low, high = torch.aminmax(x)
-    return math.isfinite(low.item()) and math.isfinite(high.item())
-
-
-class _Recompute:
-    """Every output tensor against its recomputation, a cache-sized block of rows at a time: the
-    output is read through memory maps whose pages are handed back after each tensor, so memory
-    stays at a few blocks whatever the model's size. The tensors are a queue that any number of
-    threads take from (``work``); ``check()`` sums up what they found."""
-
-    def __init__(self, out: Path, plan, files: dict, on_event: EventSink, clamp: bool = False) -> None:
-        import threading
-
-        from tui_merger.core.io.sources import TensorSource
-
-        self.plan, self.files, self.on_event, self.clamp = plan, files, on_event, clamp
-        self.total = len(plan.tensors)
-        self.total_bytes = sum(t.nbytes for t in plan.tensors)
-        self.done, self.done_bytes = 0, 0
-        self.found: dict[int, tuple] = {}  # index -> (problem, sampled, nonfinite, unchanged)
-        self.unreadable: str | None = None
-        self._next = 0
-        self._lock = threading.Lock()
-        try:
-            self.stored = TensorSource(out, sorted(set(files.values())))
-        except MergeError as err:  # the library read the headers; ours is stricter
-            self.stored = None
-            self.unreadable = f"the weight files cannot be read for recomputation: {err}"
-
-    def work(self, cancel: CancelToken, until=None) -> None:
-        """Check tensors from the queue until it is empty, or ``until`` (a threading.Event) is set
-        (several threads may call this)."""
-        if self.stored is None:
-            return
-        while until is None or not until.is_set():
-            cancel.raise_if_cancelled()
-            with self._lock:
-                i = self._next
-                self._next += 1
-            if i >= self.total:
-                return
-            t = self.plan.tensors[i]
-            if t.name in self.files:
-                self.found[i] = _check_tensor(t, self.stored.tensors[t.name], self.clamp)
-            with self._lock:
-                self.done += 1
-                self.done_bytes += t.nbytes
-                progress = TensorProgress(t.name, min(self.done, self.total), self.total, self.done_bytes, self.total_bytes)
-            self.on_event(progress)
-
-    def close(self) -> None:
-        if self.stored is not None:
-            self.stored.close()
-        release_memory()
-
-    def check(self) -> Check:
-        if self.unreadable:
-            return Check("recompute", "fail", self.unreadable)
-        found = [self.found[i] for i in sorted(self.found)]
-        problems = [f[0] for f in found if f[0]]
-        sampled = [f[1] for f in found if f[1]]
-        nonfinite = [f[2] for f in found if f[2]]
-        unchanged = [f[3] for f in found if f[3]]
-        total = self.total
-        details = problems[:50] + [f"{n}: holds NaN or Inf" for n in nonfinite[:20]]
-        if unchanged:
-            details.append(
-                f"{len(unchanged)} tensor(s) the adapter changes hold the base's values unchanged ({unchanged[0]}, ...): "
-                "the adapter looks not (or wrongly) applied"
-            )
-        metrics = {"tensors": total, "sampled_tensors": len(sampled), "sample_rows": SAMPLE_ROWS, "full_rank": FULL_RANK,
-                   "unchanged_by_adapter": len(unchanged)}
-        if problems or nonfinite:
-            return Check("recompute", "fail", f"{len(problems) + len(nonfinite)} of {total} tensors are wrong", details, metrics)
-        how = (
-            f"; {len(sampled)} tensors of adapters above rank {FULL_RANK} on {SAMPLE_ROWS} random rows each"
-            if sampled else ", every value"
-        )
-        return Check("recompute", "pass", f"all {total} tensors equal the recomputation from the inputs{how}", [], metrics)
-
-
-def _check_tensor(t, ref, clamp: bool) -> tuple:
-    """(problem or None, name if sampled, name if NaN/Inf, name if the adapter left it unchanged)."""
-    problem = sampled = unchanged = None
-    if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
-        for x in (ref, *t.inputs()):
-            x.prefetch()
-    got_all = ref.load()
-    finite = True
-    pieces = None if t.ops else t.source.source.row_blocks(t.source)
-    if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
-        bad, diff, start = 0, 0.0, 0
-        for piece, release in pieces:
-            stop = start + (piece.shape[0] if piece.dim() else 1)
-            got = got_all[start:stop] if piece.dim() else got_all
-            finite = finite and _finite(got)
-            want = piece.float().clamp(-65504.0, 65504.0) if clamp else piece
-            n = _mismatches(got, want) if piece.dtype != got.dtype or clamp else (0 if _bits_equal(got, piece) else 1)
-            if n:
-                bad += n
-                diff = max(diff, (got.float() - want.float()).abs().max().item())
-            release()
-            ref.release_rows(start, stop)
-            start = stop
-        if bad or start != (t.shape[0] if t.shape else 1):
-            problem = f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the checkpoint (max {diff:.3g})"
-    elif t.raw_copy:  # compared a block at a time, each block's pages handed back (an embedding is GBs)
-        src = t.source.load()
-        equal = True
-        for rows in _row_blocks(t.shape, BLOCK_VALUES * 16):
-            got = got_all if rows is None else got_all[rows]
-            finite = finite and _finite(got)
-            equal = equal and _bits_equal(got, src if rows is None else src[rows])
-            if rows is not None:
-                ref.release_rows(rows.start, rows.stop)
-                t.source.release_rows(rows.start, rows.stop)
-        if not equal:
-            problem = f"{t.name}: differs from the input it was copied from"
-        for x in t.inputs():
-            x.release()
-    else:
-        r = _Recomputation(t)
-        bad, diff = 0, 0.0
-        if _sampled(t):
-            sampled = t.name
-            blocks = [_sample_rows(t.name, t.shape[0])]
-        else:
-            blocks = [None] if _whole(t) else _row_blocks(t.shape)
-        for rows in blocks:
-            got = got_all if rows is None else got_all[rows]
-            finite = finite and _finite(got)
-            want = r.rows(rows)
-            if clamp:  # --force: values beyond fp16's range were clamped on purpose
-                want = want.clamp(-65504.0, 65504.0)
-            n = _mismatches(got, want, lambda: r.magnitude(rows))
-            if n:
-                bad += n
-                diff = max(diff, (got.float() - want.to(got.dtype).float()).abs().max().item())
-        r.release()
-        if bad:
-            problem = f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the recomputation (max {diff:.3g})"
-            if t.ops and _bits_equal(got_all, t.source.load().to(got_all.dtype).contiguous()):
-                unchanged = t.name
-    del got_all
-    ref.release()
-    return problem, sampled, None if finite else t.name, unchanged
 
 
 # -- behaviour ---------------------------------------------------------------------------------

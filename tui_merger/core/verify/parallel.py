@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tui_merger.core.errors import MergeCancelled
 from tui_merger.core.events import CancelToken, EventSink, PhaseStarted, TensorProgress
+from tui_merger.core.merge.merge_math import threads_per_job  # noqa: F401 - verification's name for it
 
 
 @dataclass
@@ -97,17 +98,6 @@ class _Linked(CancelToken):
     def raise_if_cancelled(self) -> None:
         if self.cancelled:
             raise MergeCancelled()
-
-
-def threads_per_job(jobs: int) -> int:
-    """torch threads for each of ``jobs`` running at once: the cores shared out (one each on 2 cores)."""
-    import os
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(jobs, 1))
 
 
 def run_side_by_side(jobs: dict, cancel: CancelToken) -> dict:
