@@ -107,7 +107,8 @@ _OPTION_DEFAULTS = dict(
     step=5,
     family="qwen2",
 )
-FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss")  # text, vision-language, MoE, hybrid attention, packed experts
+FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe")
+# text, vision-language, MoE, hybrid attention, packed experts, hybrid attention with MoE and a shared expert
 
 
 def _normalise(opts: dict) -> dict:
@@ -543,7 +544,7 @@ def _family_class(family: str, critic: bool = False):
         return transformers.Qwen2ForTokenClassification
     return getattr(transformers, {"qwen2": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
-                                  "gpt_oss": "GptOssForCausalLM"}[family])
+                                  "gpt_oss": "GptOssForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}[family])
 
 
 def _family_config(family: str, tied: bool):
@@ -556,6 +557,12 @@ def _family_config(family: str, tied: bool):
         return transformers.Qwen3_5TextConfig(**{**QWEN_FSDP, "num_hidden_layers": 2}, **ids, head_dim=16,
                                               linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
                                               linear_value_head_dim=16, full_attention_interval=2)
+    if family == "qwen3_5_moe":  # Qwen3.5's layers with packed experts (split on saving) and a gated shared expert
+        return transformers.Qwen3_5MoeTextConfig(**{**QWEN_FSDP, "num_hidden_layers": 2}, **ids, head_dim=16,
+                                                 linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                                                 linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+                                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=32)
     if family == "gpt_oss":  # experts packed [experts, in, out] with biases, attention sinks
         return transformers.GptOssConfig(**{**QWEN_FSDP, "intermediate_size": 32}, **ids, head_dim=16,
                                          num_local_experts=4, num_experts_per_tok=2,

@@ -1,12 +1,14 @@
 """verl FSDP checkpoints of today's model families, written by torch.distributed (gloo, CPU) from
 transformers 5 models: a vision-language model (Qwen2.5-VL: ``model.language_model.*`` and
 ``model.visual.*`` in the state dict), MoE models (Qwen3-MoE: experts packed as
-``mlp.experts.gate_up_proj`` / ``down_proj``, split on saving; GPT-OSS: kept packed) and Qwen3.5
-(linear-attention layers). The output is what ``save_pretrained`` writes for the
-trained model: the same tensor names (experts one by one), shapes, dtypes and values."""
+``mlp.experts.gate_up_proj`` / ``down_proj``, split on saving; GPT-OSS: kept packed), Qwen3.5
+(linear-attention layers) and Qwen3.5-MoE (both, with a gated shared expert). The output is what
+``save_pretrained`` writes for the trained model: the same tensor names (experts one by one), shapes,
+dtypes and values."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ def merge(capsys, checkpoint: str, out: Path) -> str:
     return said.out + said.err
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe"])
 def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, family, tmp_path, capsys):
     info = fsdp_checkpoint(family=family)
     out = tmp_path / "merged"
@@ -38,7 +40,7 @@ def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, f
     assert sorted(got) == sorted(expected)
     for name, ref in expected.items():
         assert got[name].dtype == ref.dtype and torch.equal(got[name], ref), name
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen3_5_moe"):
         assert any(".mlp.experts.3.gate_proj.weight" in n for n in got)
         assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in got)
     elif family == "qwen2_5_vl":
@@ -46,7 +48,7 @@ def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, f
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "qwen3_5_moe"])
 def test_a_lora_run_merges_like_peft(fsdp_checkpoint, family, tmp_path, capsys):
     import transformers
     from peft import PeftModel
@@ -63,6 +65,33 @@ def test_a_lora_run_merges_like_peft(fsdp_checkpoint, family, tmp_path, capsys):
         assert got[name].dtype == ref.dtype, name
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    if family == "qwen3_5_moe":
+        # verl's target_modules="all-linear" reaches nn.Linear modules only: the shared expert and its
+        # gate, not the packed experts (parameters of Qwen3_5MoeExperts) nor the router; those come out
+        # as the trained base's, one tensor per expert
+        targets = json.loads((Path(info["reference_adapter"]) / "adapter_config.json").read_text())["target_modules"]
+        assert any(t.endswith("mlp.shared_expert_gate") for t in targets)
+        assert not any(".experts" in t or t.endswith("mlp.gate") for t in targets)
+        base = read_output(Path(info["reference_base"]))
+        experts = [n for n in got if ".mlp.experts." in n]
+        assert len(experts) == 2 * 4 * 3 and all(torch.equal(got[n], base[n]) for n in experts)
+        assert not torch.equal(got["model.layers.0.mlp.shared_expert_gate.weight"],
+                               base["model.layers.0.mlp.shared_expert_gate.weight"])
+
+
+def test_qwen3_5_moe_goes_through_inspect_and_dry_run(fsdp_checkpoint, tmp_path, capsys):
+    full, lora = fsdp_checkpoint(family="qwen3_5_moe"), fsdp_checkpoint(family="qwen3_5_moe", lora=True)
+    written = len(read_output(Path(full["reference_hf"])))  # what save_pretrained writes: experts one by one
+    assert written == 56
+    assert main(["inspect", lora["run_dir"]]) == 0
+    shown = capsys.readouterr().out
+    assert "verl-fsdp" in shown and "r 8, alpha 16" in shown and "17 modules" in shown, shown
+    for info, merged in ((full, 0), (lora, 17)):
+        out = tmp_path / f"m{merged}"
+        assert main(["merge", info["checkpoint_dir"], "--out", str(out), "--dry-run"]) == 0
+        plan = capsys.readouterr().out
+        assert f"writes     {written} tensors ({merged} merged)" in plan, plan
+        assert not out.exists()
 
 
 def test_inspect_and_dry_run_show_the_family(fsdp_checkpoint, tmp_path, capsys):

@@ -87,12 +87,16 @@ def test_bf16_experts_round_like_peft(tmp_path, capsys):
         torch.testing.assert_close(got[name].float(), ref.float(), rtol=2 ** -7, atol=1e-6, msg=name)
 
 
-def test_a_vl_moe_with_experts_packed_on_disk_merges_like_peft(tmp_path, capsys):
-    """Qwen3-VL-MoE keeps its experts packed in its checkpoints too: the LoRA goes into the packed
-    tensor. (peft's parameter LoRA cannot yet run layer by layer on this model, so the behaviour check
-    is skipped and said; the values are compared with peft's own merge here.)"""
-    from peft import LoraConfig, PeftModel, get_peft_model
+VL_MOE_EXPERTS = "model.language_model.layers.{}.mlp.experts.{}"
 
+
+@pytest.fixture(scope="module")
+def vl_moe(tmp_path_factory):
+    """A Qwen3-VL-MoE base (experts packed on disk too) and a peft adapter on q_proj and on the packed
+    experts (target_parameters)."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("vl_moe")
     text = dict(MOE, rope_scaling={"rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True})
     text.pop("num_experts_per_tok")
     config = transformers.Qwen3VLMoeConfig(
@@ -103,27 +107,105 @@ def test_a_vl_moe_with_experts_packed_on_disk_merges_like_peft(tmp_path, capsys)
         image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
     cls = transformers.Qwen3VLMoeForConditionalGeneration
     torch.manual_seed(0)
-    cls(config).save_pretrained(tmp_path / "base")
+    cls(config).save_pretrained(root / "base")
     torch.manual_seed(1)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    get_peft_model(cls.from_pretrained(tmp_path / "base", dtype=torch.float32), lora).save_pretrained(tmp_path / "adapter")
-    reference = PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "adapter")
+    get_peft_model(cls.from_pretrained(root / "base", dtype=torch.float32), lora).save_pretrained(root / "adapter")
+    return cls, root / "base", root / "adapter"
+
+
+def test_a_vl_moe_with_experts_packed_on_disk_merges_like_peft(vl_moe, tmp_path, capsys):
+    """Qwen3-VL-MoE keeps its experts packed in its checkpoints too: the LoRA goes into the packed
+    tensor, as peft's own merge computes it, and the behaviour check runs peft's parameter LoRA
+    (ParamWrapper over the experts) layer by layer as the unmerged reference."""
+    from peft import PeftModel
+
+    cls, base_dir, adapter = vl_moe
+    reference = PeftModel.from_pretrained(cls.from_pretrained(base_dir, dtype=torch.float32), adapter)
     reference.merge_and_unload().save_pretrained(tmp_path / "peft")
     out = tmp_path / "merged"
-    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out), "--plain"])
+    code = main(["merge", "--base", str(base_dir), "--adapter", str(adapter), "--out", str(out), "--plain"])
     said = capsys.readouterr()
     assert code == 0, said.out + said.err
-    got, expected, base = read_output(out), read_output(tmp_path / "peft"), read_output(tmp_path / "base")
+    got, expected, base = read_output(out), read_output(tmp_path / "peft"), read_output(base_dir)
     assert sorted(got) == sorted(expected)
     for name, ref in expected.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
-    assert not torch.equal(got["model.language_model.layers.0.mlp.experts.gate_up_proj"],
-                           base["model.language_model.layers.0.mlp.experts.gate_up_proj"])
+    for layer in (0, 1):
+        for param in ("gate_up_proj", "down_proj"):
+            name = VL_MOE_EXPERTS.format(layer, param)
+            assert not torch.equal(got[name], base[name]), name
     checks = verification_checks(out)
-    assert checks["structure"] == checks["recompute"] == "pass" and checks["behaviour"] in ("pass", "skip")
-    if checks["behaviour"] == "skip":
-        assert "not fully verified" in said.out.lower() or "not fully verified" in said.err.lower()
+    assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out + said.err
+
+
+def test_a_vl_moe_expert_delta_with_its_sign_flipped_is_caught(vl_moe, tmp_path, capsys):
+    """The planted fault: in the merged file every packed expert tensor holds W - delta instead of
+    W + delta, everything else right. Only the unmerged reference's experts (peft's ParamWrapper) can
+    tell: the behaviour check fails and names the first layer, where the experts first act."""
+    from safetensors.torch import load_file, save_file
+
+    from tui_merger.core.options import MergeOptions
+    from tui_merger.core.verify.checks import verify_merge
+
+    cls, base_dir, adapter = vl_moe
+    out = tmp_path / "merged"
+    assert main(["merge", "--base", str(base_dir), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 0
+    capsys.readouterr()
+    base = read_output(base_dir)
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    flipped = [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+    assert len(flipped) == 4
+    for name in flipped:
+        tensors[name] = (2 * base[name].float() - tensors[name].float()).to(tensors[name].dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    report = verify_merge(out, MergeOptions(base=base_dir, adapter=adapter, out=out))
+    statuses = {c.name: c.status for c in report.checks}
+    behaviour = next(c for c in report.checks if c.name == "behaviour")
+    assert statuses == {"structure": "pass", "recompute": "fail", "behaviour": "fail"}, behaviour
+    assert "layer 0's output differs" in behaviour.details[0], behaviour.details
+
+
+def test_expert_lora_runs_layer_by_layer_while_another_thread_builds_a_model(tmp_path):
+    """Verification builds the merged model on the meta device in one thread while the unmerged
+    reference runs in another. accelerate's init_empty_weights patches nn.Module.register_parameter
+    for every thread meanwhile, and peft's ParamWrapper registers a parametrization (a parameter) on
+    the experts each forward: unguarded, the experts' weight lands on the meta device ("unsupported
+    scalarType") in every pass. The reference must give the same logits with the builds going on."""
+    import threading
+
+    from tui_merger.core.formats.hf_names import meta_model
+    from tui_merger.core.io.sources import open_model
+    from tui_merger.core.verify import behaviour as bh
+
+    base_dir, adapter = save_moe(tmp_path, torch.float32, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    config = transformers.AutoConfig.from_pretrained(base_dir)
+    cls = transformers.Qwen3MoeForCausalLM
+    base = open_model(base_dir)
+    probes = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    try:
+        streamer, missing = bh.streamer_with_adapter(cls, config, base.tensors, [(str(adapter), None)], "reference")
+        assert missing == []
+        alone, _ = bh.run(streamer, probes)
+        stop = threading.Event()
+
+        def build():
+            while not stop.is_set():
+                meta_model(cls, config)
+
+        builder = threading.Thread(target=build, daemon=True)
+        builder.start()
+        try:
+            during = [bh.run(streamer, probes)[0] for _ in range(10)]
+        finally:
+            stop.set()
+            builder.join()
+        assert all(torch.equal(logits, alone) for logits in during)
+        streamer.close()
+    finally:
+        base.close()
 
 
 def test_inspect_shows_the_expert_parameters(tmp_path, capsys):

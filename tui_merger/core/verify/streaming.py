@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.hf_names import renamer
+from tui_merger.core.formats.hf_names import BUILD_LOCK, renamer
 
 BIG_VALUES = 1 << 25  # an embedding above this many values reads only the rows of the probe tokens
 BLOCK_VALUES = 1 << 17  # values of a linear layer's weight upcast at a time (512 KiB: stays in cache)
@@ -189,6 +189,8 @@ class Streamer:
                 _piecewise(self, unit, piecewise, params)
             else:
                 add_hook_to_module(unit, _StreamHook(self, unit_name, params))
+                if _registers_parameters(unit):
+                    _while_no_model_is_built(unit)
             self._units.append(unit_name)
             self._unit_bytes[unit_name] = sum(_stored_bytes(self.weights[full]) for full in params)
         missing = [n for n in names if n not in owned and n in self.weights]
@@ -277,6 +279,35 @@ def _plain_lora_linear(module) -> bool:
         and type(getattr(module, "base_layer", None)) is torch.nn.Linear
         and not getattr(module, "merged_adapters", None)
     )
+
+
+def _registers_parameters(unit) -> bool:
+    """peft's parameter LoRA (``ParamWrapper``, target_parameters): its forward registers a
+    parametrization on the wrapped parameter (torch's ``register_parametrization`` moves the parameter
+    in with ``register_parameter``) and removes it afterwards."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # pragma: no cover - older peft has no parameter LoRA
+        return False
+    return isinstance(unit, ParamWrapper)
+
+
+def _while_no_model_is_built(unit) -> None:
+    """Run ``unit``'s (hooked) forward holding ``BUILD_LOCK``. While another thread builds a meta
+    model, accelerate's ``init_empty_weights`` has patched ``nn.Module.register_parameter`` for every
+    thread, so the parameter a ParamWrapper registers meanwhile lands on the meta device ("unsupported
+    scalarType" from its autocast over a meta tensor, or an empty weight). torch's parametrization
+    cache is one global too; under the lock two such forwards never overlap either."""
+    import functools
+
+    hooked = unit.forward
+
+    @functools.wraps(hooked)
+    def forward(*args, **kwargs):
+        with BUILD_LOCK:
+            return hooked(*args, **kwargs)
+
+    unit.forward = forward
 
 
 def _piecewise_weight(unit, params: dict[str, str], weights: dict) -> str | None:
@@ -413,10 +444,11 @@ def weights_from_files(model, tensors: dict) -> tuple[dict[str, Weight], list[st
         else:
             groups.setdefault(target, []).append((pattern, ref))
             converters[target] = converter
+    built = _BuiltParameters(model, state) if groups else None
     for target, members in groups.items():
         weights[target] = Weight(
             tuple(state[target].shape),
-            convert=_converter_call(converters[target], target, members, model),
+            convert=_converter_call(converters[target], target, members, built),
             nbytes=sum(r.nbytes for _, r in members),
             key=target,
         )
@@ -445,9 +477,41 @@ def _tied_pairs(model) -> dict[str, str]:
     return pairs
 
 
+class _BuiltParameters:
+    """The model as transformers built it, for its conversion operations, which ask it for a
+    parameter's shape or dtype (``get_parameter``: Qwen3-VL-MoE's ``Transpose(check_dims=True)``
+    transposes packed experts only when the file's shape is not the model's). The converters run
+    when a module's forward needs the weights, and by then peft may have wrapped the module (its
+    parameter LoRA puts ``mlp.experts`` inside ``ParamWrapper``s, where ``mlp.experts.gate_up_proj``
+    no longer resolves): so each parameter is answered, under its in-memory name, by a meta tensor
+    of the shape and dtype it had when the model was built. Anything else is the model's own."""
+
+    def __init__(self, model, state: dict) -> None:
+        self._model = model
+        self._built = {name: (tuple(p.shape), p.dtype) for name, p in state.items()}
+
+    def get_parameter(self, target: str):
+        import torch
+
+        built = self._built.get(target)
+        if built is None:
+            return self._model.get_parameter(target)
+        return torch.empty(built[0], dtype=built[1], device="meta")
+
+    @property
+    def config(self):
+        return getattr(self._model, "config", None)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # not built yet (copy, pickle): no recursion through _model
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
 def _converter_call(converter, target: str, members: list, model):
     """A callable building ``target`` (and its siblings from the same converter) from file tensors,
-    with transformers' own conversion operations (e.g. experts stacked and gate/up concatenated)."""
+    with transformers' own conversion operations (e.g. experts stacked and gate/up concatenated);
+    ``model`` is the model as transformers built it (``_BuiltParameters``)."""
 
     def run():
         conv = copy.deepcopy(converter)
