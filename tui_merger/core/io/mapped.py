@@ -174,12 +174,16 @@ class MappedRange:
             raw = raw.clone()
         return raw.view(torch_dtype).view(shape)
 
-    def populate(self) -> None:
+    def populate(self, start: int = 0, end: int | None = None) -> None:
+        """Map [start, end) of the range (relative to its start) in one call."""
         if self._mmap is not None and _POPULATE:
-            try:
-                self._mmap.madvise(_POPULATE, 0, len(self._mmap))
-            except (OSError, ValueError):
-                pass
+            lo = (self._skip + start) // mmap.PAGESIZE * mmap.PAGESIZE
+            hi = len(self._mmap) if end is None else min(len(self._mmap), self._skip + end)
+            if hi > lo:
+                try:
+                    self._mmap.madvise(_POPULATE, lo, hi - lo)
+                except (OSError, ValueError):
+                    pass
 
     def release(self, start: int = 0, end: int | None = None) -> None:
         """Drop the whole pages inside [start, end) of the range (relative to its start)."""

@@ -43,6 +43,12 @@ class TensorRef:
         if release_rows is not None:
             release_rows(self, start, stop)
 
+    def prefetch_rows(self, start: int, stop: int) -> None:
+        """About to read rows [start, stop): map their bytes at once (mapped files only)."""
+        prefetch_rows = getattr(self.source, "prefetch_rows", None)
+        if prefetch_rows is not None:
+            prefetch_rows(self, start, stop)
+
     def prefetch(self) -> None:
         """About to be read whole: map its bytes at once (a no-op for sources that are not mapped files)."""
         prefetch = getattr(self.source, "prefetch", None)
@@ -147,6 +153,13 @@ class TensorSource:
         st = self._st.get(ref.file)
         if st is not None:
             st.prefetch_tensor(ref.name)
+
+    def prefetch_rows(self, ref: TensorRef, start: int, stop: int) -> None:
+        st = self._st.get(ref.file)
+        if st is not None and ref.shape:
+            info = st.tensors[ref.name]
+            row = info.nbytes // max(1, ref.shape[0])
+            st.populate(info.start + start * row, info.start + stop * row)
 
     def release_rows(self, ref: TensorRef, start: int, stop: int) -> None:
         """Hand back the pages of rows [start, stop) of a tensor read in row blocks."""

@@ -327,8 +327,11 @@ class _Recompute:
 def _check_tensor(t, ref, clamp: bool) -> tuple:
     """(problem or None, name if sampled, name if NaN/Inf, name if the adapter left it unchanged)."""
     problem = sampled = unchanged = None
+    # a recomputed tensor is read a block of rows at a time, each block's pages mapped in one call and
+    # handed back after it (a 70B model's MLP weight and its output are 470 MB each)
+    by_rows = bool(t.ops) and not _sampled(t) and not t.raw_copy and not _whole(t) and bool(t.shape)
     if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
-        for x in (ref, *t.inputs()):
+        for x in t.inputs()[1:] if by_rows else (ref, *t.inputs()):
             x.prefetch()
     got_all = ref.load()
     finite = True
@@ -372,6 +375,9 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
         else:
             blocks = [None] if _whole(t) else _row_blocks(t.shape)
         for rows in blocks:
+            if by_rows:
+                ref.prefetch_rows(rows.start, rows.stop)
+                t.source.prefetch_rows(rows.start, rows.stop)
             got = got_all if rows is None else got_all[rows]
             finite = finite and _finite(got)
             want = r.rows(rows)
@@ -381,6 +387,9 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
             if n:
                 bad += n
                 diff = max(diff, (got.float() - want.to(got.dtype).float()).abs().max().item())
+            if by_rows:
+                ref.release_rows(rows.start, rows.stop)
+                t.source.release_rows(rows.start, rows.stop)
         r.release()
         if bad:
             problem = f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the recomputation (max {diff:.3g})"
@@ -430,6 +439,9 @@ class _WrittenRef:
 
     def prefetch(self) -> None:
         self._range.populate()
+
+    def prefetch_rows(self, start: int, stop: int) -> None:
+        self._range.populate(start * self._row, stop * self._row)
 
     def load(self):
         return self._range.view(self.dtype, self.shape)
