@@ -28,7 +28,8 @@ from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.hf_names import BUILD_LOCK, renamer
 
 BIG_VALUES = 1 << 25  # an embedding above this many values reads only the rows of the probe tokens
-BLOCK_VALUES = 1 << 17  # values of a linear layer's weight upcast at a time (512 KiB: stays in cache)
+BLOCK_VALUES = 1 << 20  # values of a linear layer's weight upcast at a time (4 MiB: in the L3 cache; a 3B pass
+# on one core: 2.7 s, against 3.5 s at 2^17 and 4.8 s whole, where each call's overhead or the misses dominate)
 
 
 class StreamError(MergeError):
