@@ -61,6 +61,8 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         _WRITING.take()
     writing = _WRITING = WhileWriting(options)
 
+    imported = threading.Event()
+
     def load() -> None:
         try:
             import accelerate.hooks  # noqa: F401
@@ -73,10 +75,13 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
                 if folder and (Path(folder) / "config.json").is_file():
                     model_class(read_json_object(Path(folder) / "config.json", ""))
                     break
+            imported.set()  # verification may build and run the merged model from here on
             if options.checkpoint is None and options.base is not None:
                 _reference_ahead(options)
         except Exception:  # noqa: BLE001 - a best effort; the real import reports
             pass
+        finally:
+            imported.set()
 
     def sink(event) -> None:
         if isinstance(event, TensorWritten):
@@ -87,7 +92,7 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         if behaviour and isinstance(event, TensorProgress) and not started.is_set():
             started.set()
             thread = threading.Thread(target=load, name="tui-merger-prewarm", daemon=True)
-            _PREWARMING.append(thread)
+            _PREWARMING.append((thread, imported))
             thread.start()
         on_event(event)
 
@@ -163,8 +168,20 @@ def _reference_ahead(options: MergeOptions) -> None:
 
 
 def _prewarmed() -> None:
+    """Wait until the prewarm threads' imports are done (their reference run may go on)."""
+    for thread, imported in list(_PREWARMING):
+        while not imported.wait(0.05) and thread.is_alive():
+            pass
+
+
+def _prewarm_finished() -> None:
+    """Wait for the prewarm threads to end (the unmerged reference's run made while merging)."""
     while _PREWARMING:
-        _PREWARMING.pop().join()
+        _PREWARMING.pop()[0].join()
+
+
+def _prewarm_running() -> bool:
+    return any(thread.is_alive() for thread, _ in list(_PREWARMING))
 
 
 def options_from_manifest(out: Path) -> MergeOptions:
@@ -310,6 +327,8 @@ def _verify_jobs(recompute, models, shares) -> dict:
     def second(token) -> None:
         if recompute is not None:
             recompute.work(token, until=models.ready)
+            while _prewarm_running() and recompute.work_one(token):  # the reference's run is on its way
+                pass
         reference_once(token)
         recompute_all(token)
 
@@ -565,6 +584,7 @@ class _Models:
 
         if self.early is not None:
             return
+        _prewarm_finished()  # its run of the reference, if it is making one
         ahead = _AHEAD.pop(_ahead_key(self.options, self.config, self.probes), None) if self.tokens is None else None
         if ahead is not None:  # run while the merge was writing (prewarming)
             logits, hidden, peak = ahead

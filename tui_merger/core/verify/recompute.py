@@ -273,24 +273,29 @@ class _Recompute:
     def work(self, cancel: CancelToken, until=None) -> None:
         """Check tensors from the queue until it is empty, or ``until`` (a threading.Event) is set
         (several threads may call this)."""
+        while (until is None or not until.is_set()) and self.work_one(cancel):
+            pass
+
+    def work_one(self, cancel: CancelToken) -> bool:
+        """Check the next tensor of the queue; False when it was empty."""
         if self.stored is None:
-            return
-        while until is None or not until.is_set():
-            cancel.raise_if_cancelled()
-            with self._lock:
-                i = self._next
-                self._next += 1
-            if i >= self.total:
-                return
-            t = self.plan.tensors[i]
-            if t.name in self.files:
-                reused = self.reused.get(t.name)
-                self.found[i] = reused if reused is not None else _check_tensor(t, self.stored.tensors[t.name], self.clamp)
-            with self._lock:
-                self.done += 1
-                self.done_bytes += t.nbytes
-                progress = TensorProgress(t.name, min(self.done, self.total), self.total, self.done_bytes, self.total_bytes)
-            self.on_event(progress)
+            return False
+        cancel.raise_if_cancelled()
+        with self._lock:
+            i = self._next
+            self._next += 1
+        if i >= self.total:
+            return False
+        t = self.plan.tensors[i]
+        if t.name in self.files:
+            reused = self.reused.get(t.name)
+            self.found[i] = reused if reused is not None else _check_tensor(t, self.stored.tensors[t.name], self.clamp)
+        with self._lock:
+            self.done += 1
+            self.done_bytes += t.nbytes
+            progress = TensorProgress(t.name, min(self.done, self.total), self.total, self.done_bytes, self.total_bytes)
+        self.on_event(progress)
+        return True
 
     def close(self) -> None:
         if self.stored is not None:
