@@ -47,10 +47,11 @@ RESCUE_RATIO = 0.01
 
 def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = True) -> EventSink:
     """``on_event``, which also starts importing what the behaviour check needs (transformers' model
-    code, peft, accelerate: seconds of Python) in a background thread once the merge writes its first
-    tensor (torch is imported by then): the merge spends its time in torch and the kernel. The check
-    waits for this thread before it imports anything itself. Never fails: an import error shows later,
-    where it is handled. And every tensor is recomputed as soon as the merge has written it
+    code, peft, accelerate: seconds of Python) in a background thread at once when torch is imported
+    (the preflight imports it), else once the merge writes its first tensor (torch is imported by
+    then): the merge spends its time in torch and the kernel. The check waits for this thread's
+    imports before it imports anything itself. Never fails: an import error shows later, where it is
+    handled. And every tensor is recomputed as soon as the merge has written it
     (``recompute.WhileWriting``); verification takes those results for the files that were checked.
     ``behaviour``: False when verification will not run the models (no imports, no reference)."""
     import threading
@@ -83,6 +84,12 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         finally:
             imported.set()
 
+    def start() -> None:
+        started.set()
+        thread = threading.Thread(target=load, name="tui-merger-prewarm", daemon=True)
+        _PREWARMING.append((thread, imported))
+        thread.start()
+
     def sink(event) -> None:
         if isinstance(event, TensorWritten):
             writing.written(event.path, event.name)
@@ -90,13 +97,20 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         if isinstance(event, MergeFinished):
             writing.merge_ended()
         if behaviour and isinstance(event, TensorProgress) and not started.is_set():
-            started.set()
-            thread = threading.Thread(target=load, name="tui-merger-prewarm", daemon=True)
-            _PREWARMING.append((thread, imported))
-            thread.start()
+            start()
         on_event(event)
 
+    if behaviour and _imported("torch"):  # the preflight imported it: no half-imported torch to meet
+        start()
     return sink
+
+
+def _imported(name: str) -> bool:
+    """``name`` is imported, and not still being imported by some thread."""
+    import sys
+
+    module = sys.modules.get(name)
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
 
 
 _PREWARMING: list = []  # prewarm threads; the behaviour check waits for them (a half-imported
