@@ -1,14 +1,17 @@
 """Qwen3.5 and Qwen3.5-MoE (linear-attention and full-attention layers; experts with a shared one) and GPT-OSS (experts kept packed and stored
 [experts, in, out], attention sinks): a peft LoRA merges into what ``save_pretrained`` of peft's
-``merge_and_unload`` writes, and verification runs each model class."""
+``merge_and_unload`` writes, and verification runs each model class; in the assistant too (Qwen3.5, GPT-OSS)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from factory import read_output, verification_checks
+from safetensors.torch import load_file
 
 from tui_merger.cli import main
 
@@ -44,25 +47,27 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_lora_merges_like_peft(case, tmp_path, capsys):
+def save_case(case: str, models: Path, reference: Path) -> tuple[Path, Path]:
+    """The tiny base (models/base), a peft LoRA on it (models/adapter), and peft's own answer: its
+    ``merge_and_unload`` written by ``save_pretrained`` into ``reference``."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     build, lora = CASES[case]
     cls, config = build()
     torch.manual_seed(0)
-    cls(config).save_pretrained(tmp_path / "base")
-    model = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    cls(config).save_pretrained(models / "base")
+    model = cls.from_pretrained(models / "base", dtype=torch.float32)
     torch.manual_seed(1)
-    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora)).save_pretrained(tmp_path / "adapter")
-    reference = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
-    PeftModel.from_pretrained(reference, tmp_path / "adapter").merge_and_unload().save_pretrained(tmp_path / "peft")
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora)).save_pretrained(models / "adapter")
+    peft_model = cls.from_pretrained(models / "base", dtype=torch.float32)
+    PeftModel.from_pretrained(peft_model, models / "adapter").merge_and_unload().save_pretrained(reference)
+    return models / "base", models / "adapter"
 
-    out = tmp_path / "merged"
-    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out), "--plain"])
-    said = capsys.readouterr()
-    assert code == 0, said.out + said.err
-    got, expected, base = read_output(out), read_output(tmp_path / "peft"), read_output(tmp_path / "base")
+
+def assert_merged_like_peft(case: str, out: Path, reference: Path, base_dir: Path) -> None:
+    """The merged folder holds what peft's merge saved (names, dtypes, shapes, values), the LoRA reached
+    each part of the family, and the verification recorded passed every check."""
+    got, expected, base = read_output(out), read_output(reference), read_output(base_dir)
     assert sorted(got) == sorted(expected)
     for name, ref in expected.items():
         assert got[name].dtype == ref.dtype and got[name].shape == ref.shape, name
@@ -78,3 +83,76 @@ def test_lora_merges_like_peft(case, tmp_path, capsys):
         assert any(".shared_expert." in n for n in changed)
     checks = verification_checks(out)
     assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, checks
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lora_merges_like_peft(case, tmp_path, capsys):
+    base_dir, adapter = save_case(case, tmp_path, tmp_path / "peft")
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base_dir), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    assert_merged_like_peft(case, out, tmp_path / "peft", base_dir)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+ASSISTANT_CASES = {"qwen3_5": "qwen3_5-all-linear", "gpt_oss": "gpt_oss-attention+experts"}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+async def test_the_assistant_merges_and_verifies_the_family(family, tmp_path, monkeypatch):
+    """The assistant on a folder holding the tiny base and its adapter: Find picks the adapter, Review
+    says what the LoRA touches (Qwen3.5: the linear-attention projections among its targets; GPT-OSS:
+    the packed experts, merged packed), the merge verifies, and the files are peft's own merge."""
+    from test_tui import recheck, text, to_review, until
+    from textual.widgets import Checkbox, DataTable, Input
+
+    from tui_merger.tui.app import MergeApp
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    case = ASSISTANT_CASES[family]
+    base_dir, adapter = save_case(case, tmp_path / "run", tmp_path / "peft")
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    targets = sorted(saved["target_modules"])  # peft writes all-linear as the module names it chose
+    lora_modules = {k.split(".lora_A")[0] for k in load_file(adapter / "adapter_model.safetensors") if ".lora_A" in k}
+    base_tensors = read_output(base_dir)
+    changed = [n for n, t in read_output(tmp_path / "peft").items() if not torch.equal(t, base_tensors[n])]
+    out = tmp_path / "merged"
+    app = MergeApp(tmp_path / "run")
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert wizard.candidate.kind == "peft-adapter" and Path(wizard.candidate.path).resolve() == adapter.resolve()
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        plan, findings = " ".join(text(app, "#plan-text").split()), text(app, "#findings")
+        cls, config = CASES[case][0]()
+        assert f"base cfg {cls.__name__}, {config.num_hidden_layers} layers, hidden {config.hidden_size}" in plan, plan
+        if family == "qwen3_5":
+            assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "down_proj"} <= set(targets)
+            assert len(lora_modules) == 2 * 8 + 2 * 7  # linear-attention layers 0, 2; full attention 1, 3
+            assert f"r=4 alpha=8 lora, {len(lora_modules)} modules ({', '.join(targets)})" in plan, plan
+        else:
+            # the module count is left out: the packed experts' pairs are not counted as modules there
+            assert targets == ["q_proj", "v_proj"]
+            assert "r=4 alpha=8 lora, " in plan and " modules (q_proj, v_proj" in plan, plan
+            assert sorted(saved["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+            assert "LoRA on 4 expert parameter(s) (peft target_parameters) is merged into 4 packed expert tensors" in findings
+        assert "saved tensors have rank" not in findings
+        assert wizard.plan.of("error") == [] and [f.id for f in wizard.plan.of("warning")] == ["tokenizer"], findings
+        assert f"tensors ({len(changed)} merged)" in plan, plan  # the tensors peft's merge changes
+        app.screen.query_one("#ack", Checkbox).value = True  # the tiny model has no tokenizer: a warning
+        await pilot.pause()
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status"), text(app, "#verify-status")
+        table = app.screen.query_one("#checks", DataTable)
+        rows = [[str(cell) for cell in table.get_row_at(i)[:2]] for i in range(table.row_count)]
+        assert rows == [["[b green]PASS[/]", name] for name in ("structure", "recompute", "behaviour")], rows
+    assert json.loads((out / "merge_manifest.json").read_text())["verification"]["passed"] is True
+    assert_merged_like_peft(case, out, tmp_path / "peft", base_dir)
