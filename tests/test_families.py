@@ -138,9 +138,11 @@ async def test_the_assistant_merges_and_verifies_the_family(family, tmp_path, mo
             assert len(lora_modules) == 2 * 8 + 2 * 7  # linear-attention layers 0, 2; full attention 1, 3
             assert f"r=4 alpha=8 lora, {len(lora_modules)} modules ({', '.join(targets)})" in plan, plan
         else:
-            # the module count is left out: the packed experts' pairs are not counted as modules there
+            # q_proj and v_proj in each layer are the modules; the experts' parameters are said beside them
             assert targets == ["q_proj", "v_proj"]
-            assert "r=4 alpha=8 lora, " in plan and " modules (q_proj, v_proj" in plan, plan
+            layers = CASES[case][0]()[1].num_hidden_layers
+            assert (f"r=4 alpha=8 lora, {2 * layers} modules (q_proj, v_proj) + LoRA on {2 * layers} expert parameter(s) "
+                    "(mlp.experts.down_proj, mlp.experts.gate_up_proj; rank r per expert)") in plan, plan
             assert sorted(saved["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
             assert "LoRA on 4 expert parameter(s) (peft target_parameters) is merged into 4 packed expert tensors" in findings
         assert "saved tensors have rank" not in findings

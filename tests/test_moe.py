@@ -72,6 +72,10 @@ def test_dry_run_reports_expert_lora_and_no_rank_mismatch(tmp_path, capsys):
     assert code == 0, plan
     assert "saved tensors have rank" not in plan
     assert "LoRA on 4 expert parameter(s) (peft target_parameters) is merged into 24 per-expert tensors" in plan
+    # the LoRA line counts the q_proj modules, not the experts' slices, and names the parameters
+    lora = next(line for line in plan.splitlines() if line.strip().startswith("LoRA "))
+    assert ", 2 modules (q_proj) + " in lora, lora  # q_proj in both layers (the 24 expert slices are not modules)
+    assert "+ LoRA on 4 expert parameter(s) (mlp.experts.down_proj, mlp.experts.gate_up_proj; rank r per expert)" in lora
 
 
 def test_bf16_experts_round_like_peft(tmp_path, capsys):
@@ -237,6 +241,8 @@ async def test_the_assistant_shows_and_merges_expert_lora(tmp_path, monkeypatch)
     save_moe(tmp_path / "run", torch.bfloat16, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     app = MergeApp(tmp_path / "run")
     async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.wizard.candidate is not None, "a candidate")
+        assert "LoRA on experts (mlp.experts.down_proj, mlp.experts.gate_up_proj)" in text(app, "#path-status")
         wizard = await to_review(pilot, app)
         out = tmp_path / "merged"
         app.screen.query_one("#out", Input).value = str(out)

@@ -419,6 +419,8 @@ class Wizard(Screen):
         bits = [f"{c.kind}, {human_bytes(c.size_bytes)}"]
         if c.lora:
             bits.append(f"LoRA rank {c.lora.get('r')}, alpha {c.lora.get('alpha') or 'missing'}")
+            if c.lora.get("target_parameters"):
+                bits.append(f"LoRA on experts ({', '.join(map(str, c.lora['target_parameters']))})")
         if c.base_model:
             where = {"path": "found here", "hf-cache": "in the HF cache", "missing": "not on this machine"}.get(c.base_resolves, "")
             bits.append(f"base {c.base_model} ({where})")

@@ -81,6 +81,8 @@ class PeftAdapter:
     # its LoRA pair (rank r x experts); made into per-tensor LoRA against the base (formats/hf_names.py)
     param_lora: dict[str, LoraModule] = field(default_factory=dict)
     expert_lora: dict[str, LoraModule] = field(default_factory=dict)  # ... whose base keeps them packed on disk
+    expert_parameters: list[str] = field(default_factory=list)  # the parameters target_parameters reached
+    expert_slices: set[str] = field(default_factory=set)  # entries of ``lora`` that are one expert's slice of them
     notices: list[str] = field(default_factory=list)
 
     @property

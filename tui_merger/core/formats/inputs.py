@@ -118,6 +118,8 @@ def _expert_loras(adapter, base_dir: Path, closers: list) -> None:
         + (f"{packed} packed expert tensors" if packed else "")
         + "."
     )
+    adapter.expert_parameters = sorted(adapter.param_lora)
+    adapter.expert_slices = set(loras)
     adapter.lora.update(loras)
     adapter.param_lora = {}
 

@@ -240,8 +240,14 @@ def _adapter_summary(adapter) -> dict | None:
     every = [m for entry in adapter.lora.values() for m in (entry, *entry.terms)]
     ranks = sorted({m.r for m in every})
     alphas = sorted({m.alpha for m in every})
+    experts = {
+        "expert_parameters": len(adapter.expert_parameters),
+        "target_parameters": cfg.get("target_parameters") or sorted({n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]
+                                                                      for n in adapter.expert_parameters}),
+    } if adapter.expert_parameters else {}
     return {
-        "modules": len(adapter.lora),
+        "modules": len([name for name in adapter.lora if name not in adapter.expert_slices]),
+        **experts,
         "r": ranks[0] if len(ranks) == 1 else ranks,
         "alpha": alphas[0] if len(alphas) == 1 else alphas,
         "variant": "dora" if cfg.get("use_dora") else ("rslora" if cfg.get("use_rslora") else "lora"),
@@ -691,7 +697,11 @@ def describe(plan: MergePlan) -> list[str]:
     if plan.adapter:
         a = plan.adapter
         targets = a["target_modules"] if isinstance(a["target_modules"], str) else ", ".join(sorted(map(str, a["target_modules"])))
-        lines.append(f"  {'LoRA':10} r={a['r']} alpha={a['alpha']} {a['variant']}, {a['modules']} modules ({targets})")
+        experts = ""
+        if a.get("expert_parameters"):
+            experts = (f" + LoRA on {a['expert_parameters']} expert parameter(s) "
+                       f"({', '.join(sorted(map(str, a['target_parameters'])))}; rank r per expert)")
+        lines.append(f"  {'LoRA':10} r={a['r']} alpha={a['alpha']} {a['variant']}, {a['modules']} modules ({targets}){experts}")
         for number, part in enumerate(a.get("adapters") or [], start=1):
             lines.append(
                 f"  {'weight':10} {part['weight']:g} x adapter {number} ({Path(part['path']).name}: r={part['r']} "
