@@ -638,3 +638,44 @@ def test_a_cancelled_merge_leaves_no_recompute_running(pair, tmp_path):
     while any(t.name == "tui-merger-recompute" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(t.name == "tui-merger-recompute" for t in threading.enumerate())
+    fds = Path("/proc/self/fd")
+    if fds.is_dir():  # no descriptor of the removed partial shards is left open (their space is back)
+        import os
+
+        held = []
+        for fd in fds.iterdir():
+            try:
+                held.append(os.readlink(fd))
+            except OSError:
+                pass
+        assert not [target for target in held if "tui-merger-partial" in target], held
+
+
+def test_the_shards_are_hashed_while_they_are_written(pair, tmp_path, monkeypatch):
+    """The manifest's sha256 of every shard is the file's (hashlib over the bytes on disk), and no
+    shard is read again to hash it after it was written: the digest is taken while writing."""
+    import hashlib
+
+    import tui_merger.core.merge.journal as journal
+    import tui_merger.core.record.manifest as manifest
+
+    monkeypatch.setattr(manifest._HashCache, "MIN_SIZE", 0)  # the tiny shards are cached like big ones
+    read_again = []
+    for module in (journal, manifest):
+        real = module.sha256_file
+
+        def spy(path, real=real):
+            read_again.append(Path(path).name)
+            return real(path)
+
+        monkeypatch.setattr(module, "sha256_file", spy)
+    base, _, adapter = pair
+    out = tmp_path / "m"
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain",
+                     "--shard-size", "100KB", "--no-verify"]) == 0
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    recorded = {f["path"]: f["sha256"] for f in read_manifest(out)["outputs"]}
+    for name in shards:
+        assert recorded[name] == hashlib.sha256((out / name).read_bytes()).hexdigest(), name
+    assert not [name for name in read_again if name in shards]

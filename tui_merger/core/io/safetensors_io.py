@@ -244,6 +244,8 @@ class SafetensorsWriter:
             self._slots[name] = (offset, n)
             offset += n
         self.size = offset
+        self.header_size = len(header)
+        self.places = dict(self._slots)  # name -> (offset, bytes), for those who follow the writing
         self._lock = threading.Lock()
         self._unflushed = 0
         self._early_writeback = early_writeback

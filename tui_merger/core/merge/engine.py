@@ -27,7 +27,8 @@ from tui_merger.core.formats.adapter import empty_adapter
 from tui_merger.core.formats.combine import export_adapter_folder, overlap_summary
 from tui_merger.core.io.files import copy_files, edited_config
 from tui_merger.core.formats.inputs import open_inputs, paths_of
-from tui_merger.core.merge.journal import Journal, fingerprint
+from tui_merger.core.merge.journal import Journal, ShardHasher, fingerprint
+from tui_merger.core.record.manifest import remember_hash
 from tui_merger.core.merge.merge_math import Workspace, compute, fp16_overflows, threads_per_job
 from tui_merger.core.options import MergeOptions, MergeResult
 from tui_merger.core.merge.output import (
@@ -212,7 +213,9 @@ def _stopped(err: BaseException, folder: OutputFolder, journal: Journal, options
         raise _os_error(err, options) from None
 
 
-def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, clamped: list, cancel: CancelToken, fsync: bool) -> None:
+def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, clamped: list, cancel: CancelToken,
+                 fsync: bool) -> str | None:
+    """Write one shard; returns its sha256 (taken while writing), None if it could not be."""
     writer = SafetensorsWriter(
         path,
         [(t.name, t.dtype, t.shape) for t in tensors],
@@ -222,7 +225,17 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
     copier = None
     putter = None
     threads = None
+    hasher = None
+
+    def done(t) -> None:
+        start, nbytes = writer.places[t.name]
+        hasher.add(start, start + nbytes)
+        report(t, path)
+
     try:
+        hasher = ShardHasher(path, writer.size)
+        hasher.add(0, writer.header_size)
+        hasher.start()
         copy_jobs, compute_jobs = [], []
         for t in tensors:
             raw = t.source.source.raw_ranges(t.source) if t.raw_copy else None
@@ -237,10 +250,10 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
         threads = _share_cores() if compute_jobs else None
 
         def drain() -> None:
-            for done in (copier.finished, putter.finished):
+            for finished in (copier.finished, putter.finished):
                 while True:
                     try:
-                        report(done.get_nowait(), path)
+                        done(finished.get_nowait())
                     except queue.Empty:
                         break
             for worker in (copier, putter):
@@ -253,7 +266,7 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
             blocks = None if t.ops or t.dtype == "float16" else t.source.source.row_blocks(t.source)
             if blocks is not None:  # a sharded checkpoint tensor: cast and write shard by shard
                 writer.write_blocks(t.name, t.nbytes, _converted(blocks, t.dtype, ws))
-                report(t, path)
+                done(t)
                 continue
             slot = putter.free_slot(cancel)
             for ref in t.inputs():
@@ -279,12 +292,15 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
         drain()
         cancel.raise_if_cancelled()
         writer.close(fsync=fsync)
+        return hasher.digest()
     except BaseException:
         if copier is not None:
             copier.halt()
         if putter is not None:
             putter.halt()
         writer.abort()
+        if hasher is not None:
+            hasher.abort()
         raise
     finally:
         if threads is not None:
@@ -471,10 +487,12 @@ def _write(
                 report(t)
             result.shards.append(shard_name)
             continue
-        _write_shard(tmp / shard_name, tensors, options, ws, report, clamped, cancel, fsync)
+        digest = _write_shard(tmp / shard_name, tensors, options, ws, report, clamped, cancel, fsync)
         result.shards.append(shard_name)
         if n < len(plan.shards) - 1:  # the last one is followed by the final rename at once
-            journal.finished(shard_name)
+            journal.finished(shard_name, digest)
+        elif digest is not None:
+            remember_hash(tmp / shard_name, digest)  # the manifest takes it from there
     if clamped:
         notice("warning", f"Clamped values beyond float16's range in {len(clamped)} tensors ({clamped[0]}, ...).")
     if len(plan.shards) > 1:

@@ -19,6 +19,8 @@ from pathlib import Path
 from tui_merger import __version__
 from tui_merger.core.record.manifest import cached_sha256, remember_hash, sha256_file
 
+_HASH_CHUNK = 8 << 20
+
 JOURNAL_NAME = ".tui-merger-journal.json"
 _SHAPING = ("base", "adapter", "checkpoint", "dtype", "shard_size", "force_fp16_overflow", "lora_alpha",
             "is_value_model", "tie_word_embedding", "export_adapter", "base_roundtrip", "adapters")
@@ -125,15 +127,16 @@ class Journal:
         self._save()
         return kept, notice
 
-    def finished(self, name: str) -> None:
-        """A shard is complete (closed and synced): hash it in the background and record it."""
+    def finished(self, name: str, digest: str | None = None) -> None:
+        """A shard is complete (closed and synced): record it, hashed in the background unless its
+        ``digest`` was taken while it was written (``ShardHasher``)."""
 
         def work() -> None:
             path = self.folder / name
-            digest = sha256_file(path)
-            remember_hash(path, digest)  # the manifest takes it from there
+            known = digest or sha256_file(path)
+            remember_hash(path, known)  # the manifest takes it from there
             with self._lock:
-                self.shards[name] = {"size": path.stat().st_size, "sha256": digest}
+                self.shards[name] = {"size": path.stat().st_size, "sha256": known}
                 self._save()
 
         thread = threading.Thread(target=work, name=f"hash {name}", daemon=True)
@@ -166,3 +169,65 @@ class Journal:
                 p.unlink()
             except FileNotFoundError:
                 pass
+
+
+class ShardHasher(threading.Thread):
+    """The sha256 of a shard while it is written. Its byte ranges (the header, then each tensor as
+    it is done, in any order: merged tensors and copies come from two threads) are handed in with
+    ``add``; the thread hashes the complete prefix, reading it back from the page cache the writer
+    has just filled, so the digest is there when the shard is closed instead of costing a second
+    pass over the file afterwards (the journal and the manifest take it from there)."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        super().__init__(name=f"hash {Path(path).name} while writing", daemon=True)
+        self.size = size
+        self._fd = os.open(path, os.O_RDONLY)
+        self._ranges: dict[int, int] = {}  # start -> end, done but not hashed yet
+        self._next = 0
+        self._closing = False
+        self._stop_now = False
+        self._cond = threading.Condition()
+        self._sha = hashlib.sha256()
+
+    def add(self, start: int, end: int) -> None:
+        if end > start:
+            with self._cond:
+                self._ranges[start] = end
+                self._cond.notify()
+
+    def run(self) -> None:
+        buf = bytearray(_HASH_CHUNK)
+        view = memoryview(buf)
+        try:
+            while True:
+                with self._cond:
+                    while self._next not in self._ranges and not self._stop_now and not self._closing:
+                        self._cond.wait()
+                    if self._stop_now or self._next not in self._ranges:
+                        return
+                    start, end = self._next, self._ranges.pop(self._next)
+                while start < end:
+                    n = os.preadv(self._fd, [view[: min(len(buf), end - start)]], start)
+                    if n <= 0:
+                        return
+                    self._sha.update(view[:n])
+                    start += n
+                self._next = end
+        except OSError:
+            return
+
+    def digest(self) -> str | None:
+        """Once every range was added: the hex digest (None if the shard was not hashed whole)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self.join()
+        os.close(self._fd)
+        return self._sha.hexdigest() if self._next == self.size else None
+
+    def abort(self) -> None:
+        with self._cond:
+            self._stop_now = True
+            self._cond.notify()
+        self.join()
+        os.close(self._fd)

@@ -484,22 +484,24 @@ class WhileWriting:
         self._shards: dict[str, _Shard] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
     # called by the merge's event sink, on the merge's thread
     def written(self, path: str, name: str) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() or (self._thread is not None and not self._thread.is_alive()):
             return
         shard = self._shards.get(path)
         try:
             if shard is None:
-                shard = self._shards[path] = _Shard(path)
+                with self._lock:
+                    shard = self._shards[path] = _Shard(path)
             shard.written += 1
             if shard.written == len(shard.tensors):  # every write has returned: the file is final
                 shard.final = file_identity(os.fstat(shard.fd))
                 self.final[shard.path.name] = shard.final
-        except (OSError, MergeError):  # verification recomputes what is not done here
+        except (OSError, MergeError, TypeError):  # (TypeError: closed as the thread stopped) verification recomputes it
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tui-merger-recompute", daemon=True)
@@ -522,8 +524,9 @@ class WhileWriting:
         return self
 
     def _close(self) -> None:
-        for shard in self._shards.values():
-            shard.close()
+        with self._lock:
+            for shard in self._shards.values():
+                shard.close()
 
     def _run(self) -> None:
         import torch
@@ -561,6 +564,7 @@ class WhileWriting:
         except BaseException as err:  # noqa: BLE001 - verification recomputes everything itself
             self.error = err
         finally:
+            self._close()  # verification reads the finished files itself; a stopped merge's space goes back
             if inputs is not None:
                 inputs.close()
             release_memory()
