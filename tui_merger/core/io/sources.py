@@ -154,20 +154,25 @@ class TensorSource:
         if st is not None:
             st.prefetch_tensor(ref.name)
 
-    def prefetch_rows(self, ref: TensorRef, start: int, stop: int) -> None:
+    def _rows(self, ref: TensorRef, start: int, stop: int):
+        """(file, first byte, end) of rows [start, stop) of a tensor in a safetensors file, else None."""
         st = self._st.get(ref.file)
-        if st is not None and ref.shape:
-            info = st.tensors[ref.name]
-            row = info.nbytes // max(1, ref.shape[0])
-            st.populate(info.start + start * row, info.start + stop * row)
+        if st is None or not ref.shape:
+            return None
+        info = st.tensors[ref.name]
+        row = info.nbytes // max(1, ref.shape[0])
+        return st, info.start + start * row, info.start + stop * row
+
+    def prefetch_rows(self, ref: TensorRef, start: int, stop: int) -> None:
+        span = self._rows(ref, start, stop)
+        if span is not None:
+            span[0].populate(span[1], span[2])
 
     def release_rows(self, ref: TensorRef, start: int, stop: int) -> None:
         """Hand back the pages of rows [start, stop) of a tensor read in row blocks."""
-        st = self._st.get(ref.file)
-        if st is not None and ref.shape:
-            info = st.tensors[ref.name]
-            row = info.nbytes // max(1, ref.shape[0])
-            st.release(info.start + start * row, info.start + stop * row)
+        span = self._rows(ref, start, stop)
+        if span is not None:
+            span[0].release(span[1], span[2])
 
     def release(self, ref: TensorRef) -> None:
         st = self._st.get(ref.file)
