@@ -684,3 +684,31 @@ def test_the_shards_are_hashed_while_they_are_written(pair, tmp_path, monkeypatc
         assert recorded[name] == hashlib.sha256((out / name).read_bytes()).hexdigest(), name
     assert not [name for name in read_again if name in shards]
 
+
+
+def test_a_failed_merge_leaves_nothing_reading_its_inputs(pair, tmp_path, monkeypatch, capsys):
+    """When the merge fails part way, the threads started for its verification (the recompute
+    made while writing, the unmerged reference's run) are stopped and waited for before the error is
+    said: the user may now replace an input, and a file truncated under a mapping that a thread
+    still reads kills the process (SIGBUS)."""
+    import threading
+
+    import tui_merger.core.merge.engine as engine
+    from tui_merger.core.errors import MergeError
+
+    real = engine.compute
+    count = []
+
+    def failing(t, **kw):
+        count.append(t.name)
+        if len(count) == 8:
+            raise MergeError("planted: this input cannot be read")
+        return real(t, **kw)
+
+    monkeypatch.setattr(engine, "compute", failing)
+    base, _, adapter = pair
+    out = tmp_path / "m"
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) != 0
+    assert "planted: this input cannot be read" in capsys.readouterr().err
+    alive = [t.name for t in threading.enumerate() if t.name in ("tui-merger-recompute", "tui-merger-prewarm")]
+    assert alive == [] and not out.exists()

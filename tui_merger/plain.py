@@ -377,13 +377,12 @@ class _Flow:
     # -- 3. Merge and 4. Verify ---------------------------------------------------------------------
     def merge(self):
         """The MergeResult, or None when the merge failed or was cancelled (nothing is left behind)."""
-        from tui_merger.core.merge.engine import run_merge
-        from tui_merger.core.verify.checks import prewarming
+        from tui_merger.core.verify.checks import merge_prewarmed
 
         self.step(3)
         self.say("Press Ctrl-C to cancel.")
         try:  # verification follows: its recompute and the unmerged run start while the merge writes
-            return run_merge(self.options, prewarming(self.options, PlainProgress(stream=self.out)))
+            return merge_prewarmed(self.options, PlainProgress(stream=self.out))
         except KeyboardInterrupt:
             self.say("Merge cancelled: the partial output was removed and the inputs are untouched.")
         except MergeError as err:

@@ -37,13 +37,13 @@ def run_with_progress(options, plain: bool = False, verify: bool = True, perplex
     from tui_merger.core.record.provenance import finish_merge
 
     progress = PlainProgress() if plain or not is_tty(sys.stderr) else RichProgress()
-    sink = progress
-    if verify:
-        from tui_merger.core.verify.checks import prewarming
-
-        sink = prewarming(options, progress, behaviour)
     with progress if isinstance(progress, RichProgress) else nullcontext():
-        result = run_merge(options, sink)
+        if verify:
+            from tui_merger.core.verify.checks import merge_prewarmed
+
+            result = merge_prewarmed(options, progress, behaviour=behaviour)
+        else:
+            result = run_merge(options, progress)
         _, report = finish_merge(
             options, result, verify=verify, behaviour=behaviour, perplexity_text=perplexity, on_event=progress
         )

@@ -134,12 +134,12 @@ def cmd_run_job(args) -> int:
     try:
         options = MergeOptions(**request["options"])
         preflight(options, dry_run=False)
-        sink = on_event
         if request["verify"]:
-            from tui_merger.core.verify.checks import prewarming
+            from tui_merger.core.verify.checks import merge_prewarmed
 
-            sink = prewarming(options, on_event, request.get("behaviour", True))
-        result = run_merge(options, sink)
+            result = merge_prewarmed(options, on_event, behaviour=request.get("behaviour", True))
+        else:
+            result = run_merge(options, on_event)
         perplexity = Path(request["perplexity"]) if request["perplexity"] else None
         _, report = finish_merge(
             options, result, verify=request["verify"], behaviour=request.get("behaviour", True),

@@ -764,11 +764,10 @@ class Wizard(Screen):
 
     @work(thread=True, exclusive=True, group="merge", exit_on_error=False)
     def _merge_worker(self, options, cancel) -> None:
-        from tui_merger.core.merge.engine import run_merge
-        from tui_merger.core.verify.checks import prewarming
+        from tui_merger.core.verify.checks import merge_prewarmed
 
         # verification follows: its recompute and the unmerged run start while the merge writes
-        self._post_outcome("merge", lambda: run_merge(options, prewarming(options, self._forward), cancel))
+        self._post_outcome("merge", lambda: merge_prewarmed(options, self._forward, cancel))
 
     def _post_outcome(self, kind: str, call, say_cancel: bool = False) -> None:
         """In a worker thread: ``call()``'s result as WorkDone(kind), posted last (the thread has

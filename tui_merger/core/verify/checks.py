@@ -63,6 +63,7 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
     writing = _WRITING = WhileWriting(options)
 
     imported = threading.Event()
+    halt = CancelToken()  # the merge failed: stop reading the inputs
 
     def load() -> None:
         try:
@@ -77,8 +78,8 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
                     model_class(read_json_object(Path(folder) / "config.json", ""))
                     break
             imported.set()  # verification may build and run the merged model from here on
-            if options.checkpoint is None and options.base is not None:
-                _reference_ahead(options)
+            if options.checkpoint is None and options.base is not None and not halt.cancelled:
+                _reference_ahead(options, halt)
         except Exception:  # noqa: BLE001 - a best effort; the real import reports
             pass
         finally:
@@ -100,9 +101,33 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
             start()
         on_event(event)
 
+    def abandon() -> None:
+        """The merge failed or was cancelled: the threads reading its inputs stop (after the tensor
+        or module they are on) and are waited for, so nothing reads a file the user may now change
+        (a file truncated under a mapping that is read kills the process with SIGBUS)."""
+        halt.cancel()
+        writing.take()
+        for thread, _ in list(_PREWARMING):
+            thread.join()
+
+    sink.abandon = abandon
     if behaviour and _imported("torch"):  # the preflight imported it: no half-imported torch to meet
         start()
     return sink
+
+
+def merge_prewarmed(options: MergeOptions, on_event: EventSink, cancel: CancelToken | None = None,
+                    behaviour: bool = True):
+    """``run_merge`` with the verification started while it writes (``prewarming``); if the merge
+    fails, what was started for the verification is stopped before the error goes on."""
+    from tui_merger.core.merge.engine import run_merge
+
+    sink = prewarming(options, on_event, behaviour)
+    try:
+        return run_merge(options, sink, cancel)
+    except BaseException:
+        sink.abandon()
+        raise
 
 
 def _imported(name: str) -> bool:
@@ -133,7 +158,7 @@ def _ahead_key(options: MergeOptions, config: dict, probes) -> str:
     return json.dumps([asdict(options), config, probes.tolist()], sort_keys=True, default=str)
 
 
-def _reference_ahead(options: MergeOptions) -> None:
+def _reference_ahead(options: MergeOptions, cancel: CancelToken | None = None) -> None:
     """The unmerged reference of an adapter merge needs nothing the merge writes: run it while the
     merge writes (on half the cores: the merge's work is mostly the kernel's, writing files), with
     the output's config as the merge will write it. The behaviour check takes the result if the
@@ -171,7 +196,7 @@ def _reference_ahead(options: MergeOptions) -> None:
             spec = reference_of(inputs, options, Path(tmp))
             if spec is None:
                 return
-            model = _reference_streamer(cls, config, transformers.AutoConfig.from_pretrained(folder), spec, inputs, None)
+            model = _reference_streamer(cls, config, transformers.AutoConfig.from_pretrained(folder), spec, inputs, None, cancel)
             logits, hidden = bh.run(model, probes)
             _AHEAD[_ahead_key(options, config, probes)] = (logits, hidden, model.stats.peak_live_values)
             model.close()
