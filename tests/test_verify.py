@@ -712,3 +712,24 @@ def test_a_failed_merge_leaves_nothing_reading_its_inputs(pair, tmp_path, monkey
     assert "planted: this input cannot be read" in capsys.readouterr().err
     alive = [t.name for t in threading.enumerate() if t.name in ("tui-merger-recompute", "tui-merger-prewarm")]
     assert alive == [] and not out.exists()
+
+
+def test_a_tensor_read_while_writing_stays_readable_after_its_range_is_closed(tmp_path):
+    """torch.frombuffer holds no buffer export, so closing an mmap under a live tensor unmaps its
+    memory (a crash on the next read); MappedRange.close hands the pages back and leaves the
+    unmapping to the last view."""
+    import os
+
+    from tui_merger.core.io.mapped import MappedRange
+
+    path = tmp_path / "data.bin"
+    values = torch.arange(5000, dtype=torch.float32)
+    path.write_bytes(values.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = MappedRange(fd, 4096, 4 * 1000)
+        view = mapped.view("float32", (1000,))
+        mapped.close()
+        assert torch.equal(view.clone(), values[1024:2024])
+    finally:
+        os.close(fd)

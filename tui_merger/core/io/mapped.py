@@ -151,7 +151,7 @@ class MappedFile:
 class MappedRange:
     """A read-only mapping of one byte range of an open file, which may still be growing past it (a
     tensor the merge has just written, read while it writes the next). Pages are handed back with
-    ``release``; ``close`` unmaps (or, while a view is alive, drops every page)."""
+    ``release``; ``close`` drops every page and the mapping (unmapped with its last view)."""
 
     def __init__(self, fd: int, start: int, length: int) -> None:
         lo = start - start % mmap.ALLOCATIONGRANULARITY
@@ -200,9 +200,9 @@ class MappedRange:
                 pass
 
     def close(self) -> None:
+        """Hand the pages back and drop the mapping: it is unmapped when the last tensor viewing it
+        is gone (torch.frombuffer keeps a reference to it but holds no buffer export, so
+        ``mmap.close()`` would unmap memory that live tensors still point to)."""
         if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # a view is still alive: its pages go now, the mapping with the view
-                self.release()
+            self.release()
             self._mmap = None
