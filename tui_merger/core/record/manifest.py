@@ -36,7 +36,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tui_merger import __version__
 
 MANIFEST_NAME = "merge_manifest.json"
 FORMAT = "tui-merger-manifest/1"
