@@ -733,3 +733,25 @@ def test_a_tensor_read_while_writing_stays_readable_after_its_range_is_closed(tm
         assert torch.equal(view.clone(), values[1024:2024])
     finally:
         os.close(fd)
+
+
+def test_a_tensor_viewed_from_a_mapped_file_stays_readable_after_the_file_is_closed(tmp_path):
+    """The same for whole-file mappings (every TensorSource's): a tensor still in use when its
+    source is closed (a module's weight, a cached view) must read its values, not crash the process.
+    Run in a child process, since the failure is a segfault."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "data.bin"
+    torch.arange(5000, dtype=torch.float32).numpy().tofile(path)
+    script = (
+        "import torch, sys\n"
+        "from tui_merger.core.io.mapped import MappedFile\n"
+        f"m = MappedFile({str(path)!r})\n"
+        "view = m.view('float32', 1000, 4096)\n"
+        "m.close()\n"
+        "assert torch.equal(view.clone(), torch.arange(1024, 2024, dtype=torch.float32))\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])

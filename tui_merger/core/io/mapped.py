@@ -135,14 +135,20 @@ class MappedFile:
                 pass
 
     def close(self) -> None:
-        self._pending = None
-        self._bytes = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # a view is still alive somewhere; the GC will unmap it
-                pass
-            self._mmap = None
+        """Hand every page back and drop the mapping; it is unmapped when the last tensor viewing it
+        is gone (at once when there is none). ``mmap.close()`` would unmap memory live views still
+        point to: torch.frombuffer keeps a reference to the mmap but holds no buffer export, so the
+        close succeeds and the next read of such a view crashes the process."""
+        with _LOCK:
+            self._pending = None
+            self._bytes = None
+            if self._mmap is not None:
+                if hasattr(mmap, "MADV_DONTNEED") and len(self._mmap):
+                    try:
+                        self._mmap.madvise(mmap.MADV_DONTNEED)
+                    except (OSError, ValueError):
+                        pass
+                self._mmap = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
