@@ -296,6 +296,27 @@ def test_fsdp_checkpoints_verify_against_their_own_weights(tmp_path_factory, tmp
         assert ref.checks[2].status == "pass", ref.to_dict()
 
 
+def test_a_wrong_value_in_a_checkpoint_converted_to_bf16_is_found(tmp_path_factory, tmp_path):
+    """Every weight of an fp32 FSDP checkpoint rounded to bf16: one value sign-flipped in the output
+    (a weight no adapter touches) fails the recompute, which rounds the checkpoint's rank shards a
+    block of rows at a time, and names the tensor and the count."""
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, tied=True)
+    options = MergeOptions(checkpoint=Path(info["checkpoint_dir"]), out=tmp_path / "out", dtype="bf16")
+    run_merge(options, fsync=False)
+    assert _statuses(verify_merge(options.out, options, behaviour=False)) == {"structure": "pass", "recompute": "pass"}
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    def flip(tensors):
+        w = tensors[name]
+        i = int(w.float().abs().argmax())
+        w.view(-1)[i] = -w.view(-1)[i]
+
+    _rewrite(options.out, flip)
+    recompute = verify_merge(options.out, options, behaviour=False).checks[1]
+    assert recompute.status == "fail"
+    assert recompute.details[0].startswith(f"{name}: 1 of ") and "differ from the checkpoint" in recompute.details[0]
+
+
 def result_dtype(out: Path) -> str:
     return json.loads((out / "config.json").read_text())["dtype"]
 

@@ -51,15 +51,13 @@ class _Recomputation:
                 self.ops.append((op, op.bias.load().float(), None, None))
             else:
                 self.ops.append((op, op.rows.load().float(), None, None))
-        self._block = self._scratch = None
         plain = len(self.ops) == 1 and type(self.ops[0][0]) is LoraOp and self.ops[0][3] is None
         plain = plain and not self.ops[0][0].transpose and self.w.dim() == 2
         self._plain = (self.ops[0][0], self.ops[0][1], self.ops[0][2]) if plain else None
 
     def rows(self, rows):
         """The recomputation of ``rows`` in fp32. The result of a row slice of a plain LoRA (the
-        common case) lives in a buffer the next call reuses: fresh blocks made glibc hand memory back
-        and fault it in again for every block (a tenth of the recompute's time at 3B shapes)."""
+        common case) lives in the thread's scratch buffer, which the next call reuses (``_scratch``)."""
         import torch
 
         from tui_merger.core.plan.plan import BiasOp, ExpertsLoraOp, LoraOp
@@ -67,9 +65,7 @@ class _Recomputation:
         if isinstance(rows, slice) and self._plain is not None:
             op, a, b = self._plain
             n = len(range(*rows.indices(self.w.shape[0])))
-            if self._block is None or self._block.shape[0] < n:
-                self._block = torch.empty((n, self.w.shape[1]), dtype=torch.float32)
-            acc = self._block[:n]
+            acc = _scratch(torch.float32, (n, self.w.shape[1]), "recomputed")
             acc.copy_(self.w[rows])
             return acc.addmm_(b[rows], a, alpha=op.scale)  # float(W) + s * (B @ A), as torch.addmm
         acc = (self.w if rows is None else self.w[rows]).float()
@@ -102,16 +98,6 @@ class _Recomputation:
                         if len(hit):
                             acc[hit[0, 0]] = x[j]
         return acc
-
-    def scratch(self, dtype):
-        """A buffer of ``dtype`` the size of ``rows``' reused result (None when there is none)."""
-        import torch
-
-        if self._block is None:
-            return None
-        if self._scratch is None or self._scratch.dtype != dtype or self._scratch.shape != self._block.shape:
-            self._scratch = torch.empty(self._block.shape, dtype=dtype)
-        return self._scratch
 
     def magnitude(self, rows):
         """What fp32 rounding of the recomputation scales with, per value: |W| + sum of s * (|B| @ |A|)
@@ -221,15 +207,11 @@ def _mismatches(got, want, magnitude=None, scratch=None) -> int:
     """Elements of ``got`` further from ``want`` (fp32) than rounding explains: one unit in the last
     place of got's dtype, or, where terms nearly cancel, the fp32 rounding of the sum (2^-24 of
     ``magnitude()``: the engine may add in another order or block the product otherwise). Equal
-    elements, the common case, cost one comparison. ``scratch``: a buffer of got's dtype, at least
-    as many rows, for the rounded values."""
+    elements, the common case, cost one comparison. ``scratch``: where to round want to got's dtype
+    (a ``_scratch`` buffer) instead of a fresh tensor."""
     import torch
 
-    if scratch is not None and scratch.dtype == got.dtype and want.dim() == 2 and scratch.shape[1:] == want.shape[1:] \
-            and scratch.shape[0] >= want.shape[0]:
-        rounded = scratch[: want.shape[0]].copy_(want)
-    else:
-        rounded = want.to(got.dtype)
+    rounded = want.to(got.dtype) if scratch is None else scratch.copy_(want)
     if _bits_equal(got, rounded):
         return 0
     differ = got != rounded
@@ -244,6 +226,43 @@ def _mismatches(got, want, magnitude=None, scratch=None) -> int:
     if magnitude is not None:
         tol = torch.maximum(tol, magnitude()[differ] * 2.0**-24)
     return int(((g - w).abs() > tol).sum())
+
+
+def _converted_mismatches(got, piece, clamp: bool) -> tuple[int, float]:
+    """(values of ``got`` not ``piece`` converted to got's dtype, their largest difference), a block
+    of rows at a time, rounded into the thread's scratch buffer: a whole piece converted at once was
+    a fresh tensor of up to 70 MB per rank shard of a 0.5B embedding."""
+    bad, diff = 0, 0.0
+    for rows in _row_blocks(tuple(piece.shape), BLOCK_VALUES * 4) if piece.dim() else [None]:
+        want = piece if rows is None else piece[rows]
+        g = got if rows is None else got[rows]
+        if clamp:
+            want = want.float().clamp(-65504.0, 65504.0)
+        n = _mismatches(g, want, scratch=_scratch(g.dtype, tuple(want.shape), "rounded") if want.dim() else None)
+        if n:
+            bad += n
+            diff = max(diff, (g.float() - want.float()).abs().max().item())
+    return bad, diff
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(dtype, shape: tuple, use: str):
+    """A tensor of ``shape`` over this thread's buffer for ``use`` (grown when too small, else
+    reused): the recompute's blocks in fresh tensors made glibc hand their memory back and fault it
+    in again for every block, a tenth of its time at 3B shapes (more on VMs that return freed memory
+    to the host). Valid until the thread's next call for the same use."""
+    import torch
+
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = {}
+    numel = math.prod(shape)
+    flat = buffers.get((use, dtype))
+    if flat is None or flat.numel() < numel:
+        flat = buffers[(use, dtype)] = torch.empty(max(numel, 1), dtype=dtype)
+    return flat[:numel].view(shape)
 
 
 def _row_blocks(shape, values: int = BLOCK_VALUES):
@@ -377,11 +396,12 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
             stop = start + (piece.shape[0] if piece.dim() else 1)
             got = got_all[start:stop] if piece.dim() else got_all
             finite = finite and _finite(got)
-            want = piece.float().clamp(-65504.0, 65504.0) if clamp else piece
-            n = _mismatches(got, want) if piece.dtype != got.dtype or clamp else (0 if _bits_equal(got, piece) else 1)
-            if n:
-                bad += n
-                diff = max(diff, (got.float() - want.float()).abs().max().item())
+            if piece.dtype != got.dtype or clamp:  # converted (fp32 training weights -> bf16)
+                n, d = _converted_mismatches(got, piece, clamp)
+            else:
+                n = 0 if _bits_equal(got, piece) else 1
+                d = (got.float() - piece.float()).abs().max().item() if n else 0.0
+            bad, diff = bad + n, max(diff, d)
             release()
             ref.release_rows(start, stop)
             start = stop
@@ -418,7 +438,7 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
             want = r.rows(rows)
             if clamp:  # --force: values beyond fp16's range were clamped on purpose
                 want = want.clamp(-65504.0, 65504.0)
-            n = _mismatches(got, want, lambda: r.magnitude(rows), r.scratch(got.dtype))
+            n = _mismatches(got, want, lambda: r.magnitude(rows), _scratch(got.dtype, tuple(want.shape), "rounded"))
             if n:
                 bad += n
                 diff = max(diff, (got.float() - want.to(got.dtype).float()).abs().max().item())
