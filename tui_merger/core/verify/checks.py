@@ -43,6 +43,7 @@ REL_LIMIT = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 # a correct merge is far closer to the reference than the base model without the adapter is
 ADAPTER_EFFECT_RATIO = 0.1
 RESCUE_RATIO = 0.01
+IMPORT_SWITCH_INTERVAL = 0.0005  # seconds a thread holds the GIL before yielding, while the imports run
 
 
 def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = True) -> EventSink:
@@ -66,6 +67,13 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
     halt = CancelToken()  # the merge failed: stop reading the inputs
 
     def load() -> None:
+        import sys
+
+        # Seconds of imports hold the GIL while the merge thread needs it for a moment between torch
+        # calls; at the default 5 ms switch interval it waited that long each time (a 0.5B merge's
+        # writing took 4-6 s instead of 3). Shorter slices while the imports run.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, IMPORT_SWITCH_INTERVAL))
         try:
             import accelerate.hooks  # noqa: F401
             import transformers  # noqa: F401
@@ -77,12 +85,14 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
                 if folder and (Path(folder) / "config.json").is_file():
                     model_class(read_json_object(Path(folder) / "config.json", ""))
                     break
+            sys.setswitchinterval(interval)
             imported.set()  # verification may build and run the merged model from here on
             if options.checkpoint is None and options.base is not None and not halt.cancelled:
                 _reference_ahead(options, halt)
         except Exception:  # noqa: BLE001 - a best effort; the real import reports
             pass
         finally:
+            sys.setswitchinterval(interval)
             imported.set()
 
     def start() -> None:
