@@ -29,6 +29,10 @@ Cases, each in its own child process, round-robin over ``--repeats``:
   which fsyncs; ``--no-verify``: verification is measured by bench_verify.py, the manifest's sha256
   pass is included), and ``run_merge(MergeOptions(checkpoint=ACTOR, out=OUT), fsync=False)`` in a child that
   has already imported torch, timed around ``run_merge`` alone;
+* verl's steps: the same, ending as verl's ``save_hf_model_and_tokenizer`` does (the model class from
+  the config under ``init_empty_weights``, ``to_empty``, ``save_pretrained(target, state_dict=...)``):
+  what a user of ``python -m verl.model_merger merge --backend fsdp`` waits for, transformers' import
+  included;
 * load-everything: a small reference script (here, not in the product) doing what verl's
   ``model_merger`` does: ``torch.load`` every rank file (thread pool, weights_only=False), per key the
   ranks' ``_local_tensor`` cast to bf16 and concatenated along the placement's dim, lm_head dropped when
@@ -222,8 +226,12 @@ def child_ours(actor: str, out: str, fsync: str) -> None:
     print("BENCH_JSON " + json.dumps(phases), flush=True)
 
 
-def child_reference(actor: str, out: str) -> None:
-    """Load everything, concatenate, save: what verl's model_merger (FSDP backend) does."""
+def child_reference(actor: str, out: str, how: str = "safetensors") -> None:
+    """Load everything, concatenate, save: what verl's model_merger (FSDP backend) does. ``how``:
+    "safetensors" writes the state dict with save_file (the lean floor of that approach);
+    "save_pretrained" ends as verl's ``save_hf_model_and_tokenizer`` does: the model class built
+    from the config under accelerate's ``init_empty_weights``, ``to_empty``, its generation config
+    read, and ``save_pretrained(target, state_dict=...)``."""
     from concurrent.futures import ThreadPoolExecutor
 
     t = [time.perf_counter()]
@@ -272,6 +280,24 @@ def child_reference(actor: str, out: str) -> None:
         del parts
     t.append(time.perf_counter())
 
+    if how == "save_pretrained":
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        hf_dir = actor / "huggingface"
+        model_config = AutoConfig.from_pretrained(hf_dir)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(model_config, torch_dtype=torch.bfloat16)
+        model.to_empty(device="cpu")
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(hf_dir)
+        except OSError:
+            pass
+        model.save_pretrained(out, state_dict=state_dict)
+        t.append(time.perf_counter())
+        phases = ["import", "torch.load all ranks", "concat + bf16", "build + save_pretrained"]
+        print("BENCH_JSON " + json.dumps({k: t[i + 1] - t[i] for i, k in enumerate(phases)}), flush=True)
+        return
     config = json.loads((actor / "huggingface" / "config.json").read_text())
     if config.get("tie_word_embeddings") and HEAD in state_dict and EMBED in state_dict \
             and torch.equal(state_dict[HEAD], state_dict[EMBED]):
@@ -321,7 +347,11 @@ def child_verify(ours: str, ref: str, layers: str) -> None:
           f"only in ours: {sorted(set(o) - set(r))[:3]}, only in load-everything: {sorted(set(r) - set(o))[:3]}")
     for k in diff[:5]:
         print(f"    differs: {k} {o[k].dtype}/{r[k].dtype} shape {list(o[k].shape)}/{list(r[k].shape)}")
-    ok &= not diff and set(o) == set(r)
+    extra = set(r) - set(o)
+    if extra == {HEAD} and EMBED in o and torch.equal(r[HEAD], o[EMBED]):  # save_pretrained(state_dict=...)
+        print(f"  the reference also wrote {HEAD}, a copy of the tied embedding ({r[HEAD].numel() * 2 / 1e6:.0f} MB more)")
+        extra = set()
+    ok &= not diff and not extra and set(o) <= set(r)
     dtypes = sorted({str(v.dtype) for v in o.values()})
     expected = 2 + 12 * int(layers)  # embed + final norm + 12 per Qwen2 layer
     print(f"  ours: {len(o)} tensors (expected {expected}), dtypes {dtypes}, "
@@ -440,6 +470,7 @@ CLI = "ours (CLI, fsync)"
 DEFAULT = "ours (CLI, verified: as a user runs it)"
 INPROC = "ours (run_merge fsync=False)"
 REF = "load-everything (verl-style)"
+VERL = "verl's steps (save_pretrained)"
 
 
 def make_cases(actor: Path, with_cat: bool = True) -> dict:
@@ -452,6 +483,7 @@ def make_cases(actor: Path, with_cat: bool = True) -> dict:
         DEFAULT: lambda out: [a for a in ours_cli(actor, out) if a != "--no-verify"],
         INPROC: lambda out: py("_ours", actor, out, 0),
         REF: lambda out: py("_reference", actor, out),
+        VERL: lambda out: py("_reference", actor, out, "save_pretrained"),
     }
     if not with_cat:
         del cases[CAT]
@@ -465,7 +497,7 @@ def main_bench(args, cache: Path) -> int:
     runner = Runner(tmp_root, sync=not args.no_sync, settle=args.settle, inputs=[actor], cold=args.cold)
     cases = make_cases(actor)
     if args.skip_reference:
-        del cases[REF]
+        del cases[REF], cases[VERL]
     load0 = loadavg()
     in_bytes = sum(f.stat().st_size for f in rank_files(actor))
     out_bytes = None
@@ -479,14 +511,16 @@ def main_bench(args, cache: Path) -> int:
                                                                    "import tui_merger.core.merge.engine, torch"],
         })
 
-        kept = warm_up(runner, cases, (INPROC, REF))
+        kept = warm_up(runner, cases, (INPROC, REF, VERL))
         out_bytes = dir_bytes(kept[INPROC])
         verify_ok = True
         if not args.skip_verify and REF in kept:
             print(" verify (untimed):", flush=True)
-            r = run_child(py("_verify", kept[INPROC], kept[REF], layers), capture=True)
-            print(r["stdout"].rstrip(), flush=True)
-            verify_ok = "VERIFY_OK" in r["stdout"]
+            for ref in (REF, VERL):
+                if ref in kept:
+                    r = run_child(py("_verify", kept[INPROC], kept[ref], layers), capture=True)
+                    print(f"  against {ref}:\n" + r["stdout"].rstrip(), flush=True)
+                    verify_ok = verify_ok and "VERIFY_OK" in r["stdout"]
         remove_kept(kept)
 
         results = timed_rounds(runner, cases, args.repeats)
@@ -504,7 +538,7 @@ def main_bench(args, cache: Path) -> int:
     print_rss_floor(floor)
 
     inner = {}
-    for name in (READ, INPROC, REF):
+    for name in (READ, INPROC, REF, VERL):
         if name in results:
             phases = [p for p in (bench_json(r["stdout"]) for r in results[name]) if p]
             if not phases:
@@ -534,6 +568,12 @@ def main_bench(args, cache: Path) -> int:
         if REF in wall:
             plain("load-everything / ours (wall)", wall[REF] / wall[variant])
             ratio("ours-RSS / load-everything-RSS", rss[variant] / rss[REF], 0.25)
+    if DEFAULT in wall:
+        print("The default merge (verified) against verl's way, which verifies nothing:")
+        for ref in (REF, VERL):
+            if ref in wall:
+                plain(f"{ref} / ours verified (wall)", wall[ref] / wall[DEFAULT])
+                plain(f"ours verified RSS / {ref} RSS", rss[DEFAULT] / rss[ref])
     if INPROC in inner and READ in inner:
         a = inner[INPROC]["run_merge total"]
         rd = inner[READ]["read"]
@@ -546,8 +586,8 @@ def main_bench(args, cache: Path) -> int:
             plain(f"load-everything without import ({ref_inner:.2f} s) / run_merge", ref_inner / a)
     if not args.skip_verify and REF in results:
         print()
-        print("verification: " + ("ours == load-everything (same keys, every tensor torch.equal, bf16, lm_head "
-                                  "tied to the embedding)" if verify_ok else "FAILED (see above)"))
+        print("verification: " + ("ours == load-everything and == verl's steps (same keys, every tensor "
+                                  "torch.equal, bf16, lm_head tied to the embedding)" if verify_ok else "FAILED (see above)"))
     return 0 if verify_ok else 1
 
 
