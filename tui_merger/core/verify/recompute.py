@@ -251,8 +251,8 @@ _SCRATCH = threading.local()
 def _scratch(dtype, shape: tuple, use: str):
     """A tensor of ``shape`` over this thread's buffer for ``use`` (grown when too small, else
     reused): the recompute's blocks in fresh tensors made glibc hand their memory back and fault it
-    in again for every block, a tenth of its time at 3B shapes (more on VMs that return freed memory
-    to the host). Valid until the thread's next call for the same use."""
+    in again for every block, a third of its CPU time at 3B shapes (on a VM that returns freed memory
+    to its host). Valid until the thread's next call for the same use."""
     import torch
 
     buffers = getattr(_SCRATCH, "buffers", None)
