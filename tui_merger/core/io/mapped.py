@@ -7,6 +7,8 @@ import os
 import threading
 from pathlib import Path
 
+from tui_merger.core.io import libc
+
 RELEASE_MARGIN = 2 << 20
 RELEASE_BATCH = 16 << 20  # neighbouring releases are merged and handed back in one call of this size
 _POPULATE = getattr(mmap, "MADV_POPULATE_READ", 22 if hasattr(mmap, "MADV_DONTNEED") else 0)  # Linux 5.14+
@@ -14,24 +16,9 @@ _LOCK = threading.RLock()  # the verification's checks read the same files from 
 
 
 def _libc_madvise():
-    """libc's madvise through ctypes, which lets other threads run during the call; None where it
-    cannot be loaded (then mmap.madvise, which holds the GIL)."""
-    global _madvise_fn
-    if _madvise_fn is None:
-        _madvise_fn = False
-        try:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _madvise_fn = fn
-        except (OSError, AttributeError, TypeError):
-            pass
-    return _madvise_fn or None
-
-
-_madvise_fn = None
+    """libc's madvise, which lets other threads run during the call; None where it cannot be loaded
+    (then mmap.madvise, which holds the GIL)."""
+    return libc.function("madvise", "c_int", "c_void_p", "c_size_t", "c_int")
 
 
 def _advise(mapping: mmap.mmap, base: int | None, start: int, length: int, advice: int) -> None:

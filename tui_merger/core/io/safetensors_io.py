@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.io import libc
 from tui_merger.core.io.mapped import MappedFile
 
 # safetensors dtype name -> (torch dtype name, bytes per element)
@@ -202,26 +203,14 @@ def build_header(
 
 
 _WRITEBACK_STEP = 64 << 20
-_sync_file_range = None
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:  # length 0: to the end
     """Ask the kernel to start writing a range to disk now (Linux sync_file_range, asynchronous), so
     that the final fsync finds little left to do instead of the whole shard."""
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            func = libc.sync_file_range
-            func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            _sync_file_range = func
-        except (OSError, AttributeError):
-            pass
-    if _sync_file_range:
-        _sync_file_range(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; failure only means "later"
+    sync_file_range = libc.function("sync_file_range", "c_int", "c_int", "c_int64", "c_int64", "c_uint")
+    if sync_file_range is not None:
+        sync_file_range(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; failure only means "later"
 
 
 class SafetensorsWriter:

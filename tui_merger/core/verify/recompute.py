@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.io import libc
 from tui_merger.core.events import CancelToken, EventSink, TensorProgress
 from tui_merger.core.verify.report import Check
 
@@ -165,42 +166,15 @@ def _bits_equal(a, b) -> bool:
 
 def _memcmp():
     """The C library's memcmp (None where there is none to load)."""
-    global _memcmp_fn
-    if _memcmp_fn is None:
-        _memcmp_fn = False
-        try:
-            import ctypes
-            import ctypes.util
-
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").memcmp
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-            _memcmp_fn = fn
-        except (OSError, AttributeError, TypeError):
-            pass
-    return _memcmp_fn or None
-
-
-_memcmp_fn = None
+    return libc.function("memcmp", "c_int", "c_void_p", "c_void_p", "c_size_t")
 
 
 def release_memory() -> None:
     """Hand freed heap memory back to the OS (glibc keeps the small blocks of a pass in its arenas:
     300-500 MB after recomputing a 3B model); a no-op where there is no glibc."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        _malloc_trim = False
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            pass
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
+    trim = libc.function("malloc_trim", "c_int", "c_size_t")
+    if trim is not None:
+        trim(0)
 
 
 def _mismatches(got, want, magnitude=None, scratch=None) -> int:
