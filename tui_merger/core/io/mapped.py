@@ -165,11 +165,11 @@ class MappedFile:
         close succeeds and the next read of such a view crashes the process."""
         with _LOCK:
             self._pending = None
-            self._bytes = None
             if self._mmap is not None:
                 if hasattr(mmap, "MADV_DONTNEED") and len(self._mmap):
                     _advise(self._mmap, self._base(), 0, len(self._mmap), mmap.MADV_DONTNEED)
                 self._mmap = None
+            self._bytes = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
