@@ -35,6 +35,12 @@ CASES = {
     "all-linear-fp32": (dict(config=qwen_config()), dict(target_modules=ALL_LINEAR), {}),
     "all-linear-bf16": (dict(config=qwen_config(), dtype=torch.bfloat16), dict(target_modules=ALL_LINEAR), {}),
     "rslora": (dict(config=qwen_config()), dict(target_modules=ALL_LINEAR, r=8, lora_alpha=16, use_rslora=True), {}),
+    # a scale that is no power of two (16/sqrt(8)) on a bf16 base: the blocked mm, mul and add
+    "rslora-bf16": (
+        dict(config=qwen_config(), dtype=torch.bfloat16),
+        dict(target_modules=ALL_LINEAR, r=8, lora_alpha=16, use_rslora=True),
+        {},
+    ),
     "rank-alpha-patterns": (
         dict(config=qwen_config()),
         dict(
