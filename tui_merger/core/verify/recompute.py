@@ -68,7 +68,10 @@ class _Recomputation:
             n = len(range(*rows.indices(self.w.shape[0])))
             acc = _scratch(torch.float32, (n, self.w.shape[1]), "recomputed")
             acc.copy_(self.w[rows])
-            return acc.addmm_(b[rows], a, alpha=op.scale)  # float(W) + s * (B @ A), as torch.addmm
+            if _exact_scale(op.scale):
+                return acc.addmm_(b[rows], a, alpha=op.scale)  # float(W) + s * (B @ A), as torch.addmm
+            delta = torch.mm(b[rows], a, out=_scratch(torch.float32, tuple(acc.shape), "delta"))
+            return acc.add_(delta.mul_(op.scale))
         acc = (self.w if rows is None else self.w[rows]).float()
         if acc.data_ptr() == self.w.data_ptr():
             acc = acc.clone()  # fp32 input: never write into the memory-mapped file
@@ -79,8 +82,10 @@ class _Recomputation:
                 a, b = x, y
                 if op.transpose:
                     v = acc + (b @ (a if rows is None else a[:, rows])).T * op.scale
-                else:  # one fused pass: acc + s * (B @ A)
+                elif _exact_scale(op.scale):  # one fused pass: acc + s * (B @ A)
                     v = torch.addmm(acc, b if rows is None else b[rows], a, alpha=op.scale)
+                else:
+                    v = acc + ((b if rows is None else b[rows]) @ a) * op.scale
                 if mag is not None:
                     v_rows = v.T if op.transpose else v
                     m = mag[rows] if rows is not None and not op.transpose else mag
@@ -124,6 +129,16 @@ class _Recomputation:
     def release(self) -> None:
         for ref in self.t.inputs():
             ref.release()
+
+
+def _exact_scale(scale: float) -> bool:
+    """Scaling by ``scale`` is exact in floating point (a power of two): s * (B @ A) fused into one
+    addmm gives the same bits as the product, then the scaling, then the sum. Any other scale is
+    applied in that order, as peft does: fused, 1 in 100-1000 values landed one unit apart, each
+    block with one then took the slow path of ``_mismatches`` (a 3B merge with lora_alpha 24, r 16:
+    verification 2x slower)."""
+    mantissa, _ = math.frexp(scale)
+    return scale > 0 and mantissa == 0.5
 
 
 def _sampled(t) -> bool:
