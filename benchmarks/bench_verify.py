@@ -14,6 +14,8 @@ bench_merge.py's builder. Cases, each in its own child process with warm inputs,
 - ``merge --no-verify``: the CLI, merge and manifest only;
 - ``merge``: the CLI as a user runs it (merge, manifest, verification: structure, every value recomputed,
   merged model and base+adapter through peft run layer by layer);
+- ``merge, lora_alpha 24``: the same with the adapter's lora_alpha set to 24 (scale 1.5: the merge and
+  the recompute cannot fold a power of two into one addmm);
 - ``peft``: load bf16, ``PeftModel``, ``merge_and_unload``, ``save_pretrained`` (no verification at all).
 
 Peak RSS is each child's own ru_maxrss. The phase times come from the manifest the default merge writes
@@ -62,12 +64,14 @@ def py(*args) -> list[str]:
 def bench_shape(shape: str, args) -> dict:
     folder = ensure_model(args.cache, None, shape=shape)
     base, adapter = folder / "base", folder / "adapter_all"
+    adapter_a24 = scaled_copy(adapter, folder / "adapter_all_alpha24", 24)
     tmp_root = Path(tempfile.mkdtemp(prefix=f"verify-{shape}-", dir=args.cache))
     runner = Runner(tmp_root, sync=True, settle=1.0, inputs=[base, adapter], tag=lambda n: n.split()[0])
     cases = {
         "cp -r": lambda out: ["cp", "-r", str(base), str(out)],
         "merge --no-verify": lambda out: py("_cli", base, adapter, out, 0),
         "merge": lambda out: py("_cli", base, adapter, out, 1),
+        "merge, lora_alpha 24": lambda out: py("_cli", base, adapter_a24, out, 1),
         "peft": lambda out: py("_peft", base, adapter, out),
     }
     if args.skip_peft:
@@ -104,7 +108,20 @@ def bench_shape(shape: str, args) -> dict:
     print(f"  peak RSS: default {fig['rss_default']:.0f} MiB = {fig['rss_default'] / fig['rss_peft']:.0%} of peft's "
           f"{fig['rss_peft']:.0f} MiB; --no-verify {fig['rss_no_verify']:.0f} MiB")
     print(f"  behaviour check: the worst hidden state or logits at {worst:.1%} of its limit")
+    if "merge, lora_alpha 24" in wall:
+        print(f"  lora_alpha 24 (scale 1.5, no power of two): {wall['merge, lora_alpha 24']:.1f} s, "
+              f"{rss['merge, lora_alpha 24']:.0f} MiB ({wall['merge, lora_alpha 24'] / fig['default']:.2f}x the alpha-32 merge)")
     return fig
+
+
+def scaled_copy(adapter: Path, folder: Path, alpha: int) -> Path:
+    """The same adapter with another lora_alpha (its tensors are the same; only the scale changes)."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    if not (folder / "adapter_config.json").is_file() or json.loads((folder / "adapter_config.json").read_text()) != {**config, "lora_alpha": alpha}:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(adapter, folder)
+        (folder / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": alpha}, indent=2))
+    return folder
 
 
 def main(argv=None) -> int:
