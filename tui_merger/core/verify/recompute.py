@@ -137,8 +137,9 @@ def _exact_scale(scale: float) -> bool:
     applied in that order, as peft does: fused, 1 in 100-1000 values landed one unit apart, each
     block with one then took the slow path of ``_mismatches`` (a 3B merge with lora_alpha 24, r 16:
     verification 2x slower)."""
-    mantissa, _ = math.frexp(scale)
-    return scale > 0 and mantissa == 0.5
+    from tui_merger.core.merge.merge_math import _power_of_two
+
+    return _power_of_two(scale)
 
 
 def _sampled(t) -> bool:
