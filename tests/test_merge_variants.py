@@ -113,6 +113,54 @@ def test_merge_equals_peft(tmp_path, case):
     assert_verified(base, adapter, out, **options)
 
 
+@pytest.mark.parametrize("case", ["all-linear-bf16", "rslora-bf16"])
+def test_a_merged_weight_is_written_in_pieces_and_never_held_whole(tmp_path, monkeypatch, case):
+    """The merge hands a merged weight to the writer a few rows at a time: with tiny blocks (3 rows
+    of a 64-wide weight, 2 of a 128-wide one) and pieces (2 blocks; the last block of 64 rows in 3s
+    takes the row left over, the last piece is shorter) every merged tensor
+    goes out in several pieces, the output still equals peft's bit for bit, and no buffer the merge
+    takes is as large as a merged tensor (it used to hold two whole ones: 940 MB at 70B)."""
+    from tui_merger.core.io.safetensors_io import SafetensorsWriter
+    from tui_merger.core.merge import engine, merge_math
+
+    monkeypatch.setattr(merge_math, "BLOCK_VALUES", 3 * 64)
+    monkeypatch.setattr(merge_math, "block_rows", lambda cols: max(2, 3 * 64 // cols))  # whatever the cores
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 1000)  # 6 rows of bf16 64-wide rows, 2 blocks of 2 of 128-wide
+    largest = []
+    real_get = merge_math.Workspace.get
+
+    def get(self, key, shape, dtype):
+        buf = real_get(self, key, shape, dtype)
+        largest.append((buf.numel() * buf.element_size(), key))
+        return buf
+
+    pieces = {}
+    real_part = SafetensorsWriter.write_part
+
+    def write_part(self, name, nbytes, pos, part, last):
+        pieces.setdefault(name, []).append((pos, part.numel() * part.element_size(), last))
+        return real_part(self, name, nbytes, pos, part, last)
+
+    monkeypatch.setattr(merge_math.Workspace, "get", get)
+    monkeypatch.setattr(SafetensorsWriter, "write_part", write_part)
+    base_kw, adapter_kw, options = CASES[case]
+    base, adapter, out, result = _merge(tmp_path, base_kw, adapter_kw, options)
+    _, ref_state, _ = reference(base, adapter, dtype=torch.bfloat16)
+    ours = read_output(out)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, ref_state[name]), f"{name}: max diff {(tensor.float() - ref_state[name].float()).abs().max()}"
+    assert len(pieces) == result.tensors_merged == 14
+    for name, parts in pieces.items():
+        nbytes = ours[name].numel() * 2
+        assert len(parts) >= 5, name
+        assert [p[2] for p in parts] == [False] * (len(parts) - 1) + [True]
+        assert [p[0] for p in parts] == [sum(q[1] for q in parts[:i]) for i in range(len(parts))]
+        assert sum(p[1] for p in parts) == nbytes
+    largest_merged = max(ours[name].numel() * 2 for name in pieces)
+    assert max(largest)[0] < largest_merged / 8, max(largest)
+    assert_verified(base, adapter, out, **options)
+
+
 def read_base(base):
     from tui_merger.core.io.sources import open_model
 
@@ -121,6 +169,34 @@ def read_base(base):
         return {n: ref.load().clone() for n, ref in src.tensors.items()}
     finally:
         src.close()
+
+
+@pytest.mark.parametrize("rows, cols", [(2048, 11008), (45, 64), (7, 64)])
+def test_row_blocks_equal_the_whole_product_bit_for_bit(rows, cols):
+    """The blocked merge's fp32 values equal one whole-matrix addmm (peft's ``B @ A`` is one), also
+    where the rows do not divide into blocks: a 3B model's 2048x11008 down_proj in blocks of 23 rows
+    left one row, which BLAS computed with its matrix-vector kernel, one fp32 unit off."""
+    from types import SimpleNamespace
+
+    from tui_merger.core.merge.merge_math import RowBlocks, Workspace
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(rows, cols, generator=g).bfloat16()
+    b = torch.randn(rows, 16, generator=g) * 0.01
+    a = torch.randn(16, cols, generator=g) * 0.01
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = torch.addmm(w.float(), b, a)
+        blocks = RowBlocks(SimpleNamespace(source=SimpleNamespace(load=lambda: w)), a, b, Workspace(), None)
+        blocks.step = 23 if rows == 2048 else 11  # 2048 = 89 x 23 + 1, 45 = 4 x 11 + 1, 7 < 11
+        spans = []
+        for i, j, acc in blocks:
+            spans.append(j - i)
+            assert torch.equal(acc, whole[i:j]), (i, j)
+    finally:
+        torch.set_num_threads(threads)
+    assert sum(spans) == rows and (min(spans) > 1)
 
 
 def test_untouched_tensors_are_byte_identical(tmp_path):

@@ -588,18 +588,27 @@ def test_a_wrong_tensor_the_engine_writes_is_caught_while_it_writes(pair, tmp_pa
     """An engine bug (a merged tensor with the adapter's sign flipped) is found by the recompute made
     during the merge, which reads the bytes back from the shard, and the merge is not called verified."""
     import tui_merger.core.merge.engine as engine
+    import tui_merger.core.merge.merge_math as merge_math
 
     seen = _spy_checks(monkeypatch)
     real = engine.compute
+    real_blocks = merge_math.RowBlocks.__iter__
 
-    def wrong(t, **kw):
+    def wrong(t, **kw):  # a tensor computed whole
         tensor = real(t, **kw)
         if t.name == Q:
             base_q = t.source.load().to(tensor.dtype)
             tensor = (2 * base_q.float() - tensor.float()).to(tensor.dtype)
         return tensor
 
+    def wrong_blocks(self):  # a tensor streamed to its shard a block of rows at a time
+        for i, j, acc in real_blocks(self):
+            if self.t.name == Q:
+                acc.mul_(-1).add_(self.w[i:j].float(), alpha=2)
+            yield i, j, acc
+
     monkeypatch.setattr(engine, "compute", wrong)
+    monkeypatch.setattr(merge_math.RowBlocks, "__iter__", wrong_blocks)
     base, _, adapter = pair
     out = tmp_path / "m"
     assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 4  # verification failed
@@ -717,16 +726,19 @@ def test_a_failed_merge_leaves_nothing_reading_its_inputs(pair, tmp_path, monkey
     import tui_merger.core.merge.engine as engine
     from tui_merger.core.errors import MergeError
 
-    real = engine.compute
     count = []
 
-    def failing(t, **kw):
-        count.append(t.name)
-        if len(count) == 8:
-            raise MergeError("planted: this input cannot be read")
-        return real(t, **kw)
+    def failing(real):
+        def call(t, *args, **kw):  # the 8th tensor computed, whole (compute) or streamed (row_blocks)
+            count.append(t.name)
+            if len(count) == 8:
+                raise MergeError("planted: this input cannot be read")
+            return real(t, *args, **kw)
 
-    monkeypatch.setattr(engine, "compute", failing)
+        return call
+
+    monkeypatch.setattr(engine, "compute", failing(engine.compute))
+    monkeypatch.setattr(engine, "row_blocks", failing(engine.row_blocks))
     base, _, adapter = pair
     out = tmp_path / "m"
     assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) != 0

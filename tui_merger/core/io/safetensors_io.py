@@ -236,6 +236,7 @@ class SafetensorsWriter:
         self.header_size = len(header)
         self.places = dict(self._slots)  # name -> (offset, bytes), for those who follow the writing
         self._lock = threading.Lock()
+        self._open: dict[str, int] = {}  # name -> offset, of tensors being written in parts
         self._unflushed = 0
         self._early_writeback = early_writeback
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -294,6 +295,32 @@ class SafetensorsWriter:
             raise RuntimeError(f"{self.path.name}: {name} got {nbytes - (end - offset)} of {nbytes} bytes")
         self._written(nbytes)
 
+    def write_part(self, name: str, nbytes: int, pos: int, part, last: bool) -> None:
+        """Write ``part`` (a contiguous CPU tensor) at byte ``pos`` of the tensor's place: the pieces
+        of one tensor come in order, from one thread, the first at 0; ``last`` once all ``nbytes``
+        are there (a merged tensor streamed a few MiB at a time, never held whole)."""
+        import torch
+
+        if pos == 0:
+            offset = self._take(name, nbytes)
+            with self._lock:
+                self._open[name] = offset
+        else:
+            with self._lock:
+                offset = self._open.get(name)
+            if offset is None:
+                raise RuntimeError(f"{self.path.name}: {name} was continued before it was begun")
+        raw = part.contiguous().reshape(-1).view(torch.uint8).numpy()
+        if pos + raw.nbytes > nbytes:
+            raise RuntimeError(f"{self.path.name}: {name} got more bytes than its shape holds")
+        self._pwrite_all(memoryview(raw), offset + pos)
+        if last:
+            if pos + raw.nbytes != nbytes:
+                raise RuntimeError(f"{self.path.name}: {name} got {pos + raw.nbytes} of {nbytes} bytes")
+            with self._lock:
+                del self._open[name]
+            self._written(nbytes)
+
     def copy_from(self, name: str, ranges: list[tuple[int, int, int]]) -> None:
         """Copy byte ranges of other files, one after the other, into the tensor's place, in the
         kernel (no Python copy). Several ranges: a tensor whose shards lie in several files."""
@@ -328,8 +355,8 @@ class SafetensorsWriter:
         if self._fd is None:
             return
         try:
-            if self._slots:
-                raise RuntimeError(f"{self.path.name}: {len(self._slots)} tensors were not written")
+            if self._slots or self._open:
+                raise RuntimeError(f"{self.path.name}: {len(self._slots) + len(self._open)} tensors were not written")
             if fsync:
                 os.fsync(self._fd)
         finally:

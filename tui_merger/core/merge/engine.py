@@ -29,7 +29,7 @@ from tui_merger.core.io.files import copy_files, edited_config
 from tui_merger.core.formats.inputs import open_inputs, paths_of
 from tui_merger.core.merge.journal import Journal, ShardHasher, fingerprint
 from tui_merger.core.record.manifest import remember_hash
-from tui_merger.core.merge.merge_math import Workspace, compute, fp16_overflows, threads_per_job
+from tui_merger.core.merge.merge_math import FP16_MAX, Workspace, compute, fp16_overflows, row_blocks, threads_per_job
 from tui_merger.core.options import MergeOptions, MergeResult
 from tui_merger.core.merge.output import (
     PENDING_NAME,
@@ -268,22 +268,23 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
                 writer.write_blocks(t.name, t.nbytes, _converted(blocks, t.dtype, ws))
                 done(t)
                 continue
-            slot = putter.free_slot(cancel)
             for ref in t.inputs():
                 ref.prefetch()
-            tensor = compute(t, ws=slot)
-            if fp16_overflows(tensor, t):
-                if not options.force_fp16_overflow:
-                    raise MergeError(
-                        f"{t.name} has values beyond float16's range (65504); the fp16 output would "
-                        "hold inf. Use --dtype bf16 or fp32, or --force to clamp the values."
-                    )
-                tensor = compute(t, clamp=True, ws=slot)
-                clamped.append(t.name)
+            rows = row_blocks(t, ws)
+            if rows is not None:  # the common case: written a few MiB at a time as it is computed
+                _stream(t, rows, putter, options, clamped, cancel)
+            else:
+                slot = putter.free_slot(cancel)
+                tensor = compute(t, ws=slot)
+                if fp16_overflows(tensor, t):
+                    if not options.force_fp16_overflow:
+                        raise _overflow(t)
+                    tensor = compute(t, clamp=True, ws=slot)
+                    clamped.append(t.name)
+                putter.put(slot, t, tensor)  # written by the second thread while the next one computes
+                del tensor
             for ref in t.inputs():
                 ref.release()
-            putter.put(slot, t, tensor)  # written by the second thread while the next one computes
-            del tensor
         putter.finish()
         while copier.is_alive() or putter.is_alive():
             drain()
@@ -307,6 +308,49 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
             threads()
 
 
+CHUNK_BYTES = 8 << 20  # a streamed tensor is handed to the writer in pieces of about this size
+
+
+def _overflow(t) -> MergeError:
+    return MergeError(
+        f"{t.name} has values beyond float16's range (65504); the fp16 output would "
+        "hold inf. Use --dtype bf16 or fp32, or --force to clamp the values."
+    )
+
+
+def _stream(t, blocks, putter: "_Putter", options: MergeOptions, clamped: list, cancel: CancelToken) -> None:
+    """Round ``blocks`` (``merge_math.RowBlocks``) into pieces of about ``CHUNK_BYTES`` that the
+    writer thread writes while the next piece is computed: two pieces are held, never the tensor
+    (a 70B model's 28672x8192 MLP weight is 470 MB; two of them were held until this streamed).
+    fp16: a block holding inf that its source rows do not overflowed (refused, or clamped with
+    --force)."""
+    import torch
+
+    out_dtype = getattr(torch, t.dtype)
+    rows, cols = blocks.w.shape
+    row_bytes = cols * torch.empty((), dtype=out_dtype).element_size()
+    per_piece = blocks.step * max(1, CHUNK_BYTES // (blocks.step * row_bytes))
+    fp16 = out_dtype == torch.float16
+    slot = piece = None
+    start = 0
+    for i, j, acc in blocks:
+        if piece is None or j - start > piece.shape[0]:
+            if piece is not None:
+                putter.put_part(slot, t, start * row_bytes, piece[: i - start], last=False)
+            slot = putter.free_slot(cancel)
+            piece = slot.get("piece", (min(max(per_piece, j - i), rows - i), cols), out_dtype)
+            start = i
+        out = piece[i - start : j - start]
+        out.copy_(acc)
+        if fp16 and torch.isinf(out).any() and not torch.isinf(blocks.w[i:j]).any():
+            if not options.force_fp16_overflow:
+                raise _overflow(t)
+            out.copy_(acc.clamp_(-FP16_MAX, FP16_MAX))
+            if t.name not in clamped[-1:]:
+                clamped.append(t.name)
+    putter.put_part(slot, t, start * row_bytes, piece[: rows - start], last=True)
+
+
 def _share_cores():
     """Half the cores for torch on this thread while it computes (one on 2 cores): the writer, the
     copier, hashing and the checks made while writing use the rest, and small operations split
@@ -321,8 +365,9 @@ def _share_cores():
 
 
 class _Putter(threading.Thread):
-    """Writes computed tensors while the main thread computes the next: two workspaces take turns,
-    a workspace is computed into again only once its tensor is written (writing 5.5 GB of merged
+    """Writes computed tensors (or pieces of one, ``_stream``) while the main thread computes the
+    next: two workspaces take turns, a workspace is computed into again only once what it holds is
+    written (writing 5.5 GB of merged
     tensors took 9 s at 3B shapes, computing them 3.6 s: in turn 12.6 s, side by side about 9 s)."""
 
     def __init__(self, writer, workspaces) -> None:
@@ -352,7 +397,11 @@ class _Putter(threading.Thread):
         return ws
 
     def put(self, ws: Workspace, t, tensor) -> None:
-        self.jobs.put((ws, t, tensor))
+        self.jobs.put((ws, t, None, tensor, True))
+
+    def put_part(self, ws: Workspace, t, pos: int, part, last: bool) -> None:
+        """A piece of ``t`` at byte ``pos`` of its place (pieces of one tensor in order, from 0)."""
+        self.jobs.put((ws, t, pos, part, last))
 
     def finish(self) -> None:
         self.jobs.put(None)
@@ -362,11 +411,15 @@ class _Putter(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 return
-            ws, t, tensor = job
+            ws, t, pos, tensor, last = job
             try:
                 if self.error is None and not self._halt.is_set():
-                    self.writer.write_tensor(t.name, tensor)
-                    self.finished.put(t)
+                    if pos is None:
+                        self.writer.write_tensor(t.name, tensor)
+                    else:
+                        self.writer.write_part(t.name, t.nbytes, pos, tensor, last)
+                    if last:
+                        self.finished.put(t)
             except BaseException as err:  # handed to the main thread
                 self.error = err
             finally:

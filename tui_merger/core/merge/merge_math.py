@@ -77,14 +77,18 @@ def _fast_linear(t: OutputTensor, ws: Workspace, clamp: bool):
     separate add does; the tests compare with peft bit for bit on the machine's own BLAS."""
     import torch
 
+    out_dtype = getattr(torch, t.dtype)
+    blocks = row_blocks(t, ws)
+    if blocks is not None:  # a cache-sized block of rows at a time, into one output buffer
+        out = ws.get("out", t.source.shape, out_dtype)
+        for i, j, acc in blocks:
+            if clamp:
+                acc.clamp_(-FP16_MAX, FP16_MAX)
+            out[i:j].copy_(acc)
+        return out
     op = t.ops[0]
     a = op.A.load().float()
     b = op.B.load().float()
-    out_dtype = getattr(torch, t.dtype)
-    if out_dtype != torch.float32 and len(t.source.shape) == 2 and _mapped(t.source):
-        if _power_of_two(op.scale):
-            return _fast_linear_blocked(t, a, b * op.scale, ws, clamp, out_dtype)
-        return _fast_linear_blocked(t, a, b, ws, clamp, out_dtype, op.scale)
     acc = ws.get("acc", t.source.shape, torch.float32)
     t.source.load_into(acc)
     if _power_of_two(op.scale):
@@ -112,36 +116,81 @@ def _mapped(ref) -> bool:
     return place is not None and place(ref.name) is not None
 
 
-def _fast_linear_blocked(t: OutputTensor, a, b, ws: Workspace, clamp: bool, out_dtype, scale: float | None = None):
-    """``_fast_linear`` a cache-sized block of rows at a time: the same arithmetic per row (bit for
-    bit: each value is W + the same rank-r dot product), but the fp32 values never leave the cache
-    and only one block of them is held (a 3B model's 11008x2048 MLP weights: 1 MiB instead of 90 MiB
-    per workspace; without the power-of-two fold, 1 MiB instead of 180 MiB), and one core does it 5x
-    faster than the whole-tensor passes. ``scale`` None: ``b`` is already scaled (one addmm); else
-    mm, mul and add, as peft does."""
+def block_rows(cols: int) -> int:
+    """Rows of a ``cols``-wide weight that the blocked path computes at a time (at least two)."""
     import torch
 
-    w = t.source.load()
-    rows, cols = w.shape
-    step = max(1, BLOCK_VALUES * torch.get_num_threads() // max(cols, 1))
-    block = ws.get("block32", (min(step, rows), cols), torch.float32)
-    delta = ws.get("delta32", (min(step, rows), cols), torch.float32) if scale is not None else None
-    out = ws.get("out", t.source.shape, out_dtype)
-    for i in range(0, rows, step):
-        j = min(rows, i + step)
-        acc = block[: j - i]
-        acc.copy_(w[i:j])
-        if scale is None:
-            acc.addmm_(b[i:j], a)
-        else:
-            d = delta[: j - i]
-            torch.mm(b[i:j], a, out=d)
-            d.mul_(scale)
-            acc.add_(d)
-        if clamp:
-            acc.clamp_(-FP16_MAX, FP16_MAX)
-        out[i:j].copy_(acc)
-    return out
+    return max(2, BLOCK_VALUES * torch.get_num_threads() // max(cols, 1))
+
+
+def row_spans(rows: int, step: int):
+    """``(i, j)`` row ranges of ``step`` rows covering ``rows``, none of one row unless ``rows`` is 1:
+    the last block, when one row would be left, takes it (``step + 1`` rows). A one-row product goes
+    through BLAS's matrix-vector kernel, which sums in another order than the matrix-matrix kernel
+    that peft's whole-tensor ``B @ A`` takes: a 3B model's 2048x11008 down_proj, 23 rows a block,
+    got its last row one fp32 unit off peft's."""
+    ends = list(range(step, rows, step)) + [rows]
+    if len(ends) > 1 and ends[-1] - ends[-2] == 1:
+        del ends[-2]
+    start = 0
+    for end in ends:
+        yield start, end
+        start = end
+
+
+class RowBlocks:
+    """``row_blocks``' iterator: ``(first row, end row, fp32 block)`` of W + s * (B @ A), a
+    cache-sized block of rows at a time (``row_spans``: ``step`` rows each, the last one shorter or
+    one longer). The block is a reused buffer, valid until the next one is asked for."""
+
+    def __init__(self, t: OutputTensor, a, b, ws: Workspace, scale: float | None) -> None:
+        import torch
+
+        self.t, self.w = t, t.source.load()
+        self.a, self.b, self.scale = a, b, scale
+        rows, cols = self.w.shape
+        self.step = block_rows(cols)
+        most = min(self.step + 1, rows)  # see row_spans
+        self.block = ws.get("block32", (most, cols), torch.float32)
+        self.delta = ws.get("delta32", (most, cols), torch.float32) if scale is not None else None
+
+    def __iter__(self):
+        import torch
+
+        w, a, b, rows = self.w, self.a, self.b, self.w.shape[0]
+        for i, j in row_spans(rows, self.step):
+            acc = self.block[: j - i]
+            acc.copy_(w[i:j])
+            if self.scale is None:
+                acc.addmm_(b[i:j], a)
+            else:
+                d = self.delta[: j - i]
+                torch.mm(b[i:j], a, out=d)
+                d.mul_(self.scale)
+                acc.add_(d)
+            yield i, j, acc
+
+
+def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | None:
+    """The merged values of a plain LoRA'd 2-D weight read from a mapped file into a 16-bit output,
+    a block of rows at a time (``RowBlocks``); None when ``t`` is not such a tensor. Each row is W +
+    the same rank-r dot product as a whole-tensor pass (bit for bit), but the fp32 values never
+    leave the cache and only one block of them is held (a 3B model's 11008x2048 MLP weights: 1 MiB
+    instead of 90 MiB; without the power-of-two fold, 1 MiB instead of 180 MiB), and one core does
+    it 5x faster than whole-tensor passes. A power-of-two scale is folded into B (one addmm); any
+    other scale: mm, mul and add, as peft does."""
+    import torch
+
+    if not _is_fast(t) or t.dtype == "float32" or len(t.source.shape) != 2 or not math.prod(t.source.shape):
+        return None
+    if not _mapped(t.source):
+        return None
+    op = t.ops[0]
+    a = op.A.load().float()
+    b = op.B.load().float()
+    if _power_of_two(op.scale):
+        return RowBlocks(t, a, b * op.scale, ws, None)
+    return RowBlocks(t, a, b, ws, op.scale)
 
 
 def _is_fast(t: OutputTensor) -> bool:
