@@ -112,6 +112,44 @@ def test_the_unmerged_run_made_while_merging_is_the_one_verification_uses(pair, 
     assert during["metrics"]["output_rel_diff"] == after.metrics["output_rel_diff"]
 
 
+def test_the_objects_frozen_after_the_imports_are_collected_again_once_verified(pair, tmp_path, monkeypatch):
+    """The default merge leaves the objects that exist once the verification's imports are done out
+    of the cycle collector's passes while it merges and verifies, and hands them back after: a
+    reference cycle alive then and dropped during the merge is collected once the verification is
+    over (the assistant is a long-lived process), and the collector is on again."""
+    import gc
+    import weakref
+
+    import tui_merger.core.verify.checks as checks
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle  # garbage that only a pass of the collector finds, once dropped
+    ref = weakref.ref(cycle)
+    held = [cycle]
+    del cycle
+    frozen_during = []
+    real = checks._reference_ahead
+
+    def spy(*args, **kwargs):  # runs once the imports are done
+        frozen_during.append(gc.get_freeze_count())
+        held.clear()  # the cycle is frozen garbage now
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checks, "_reference_ahead", spy)
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    base, _, adapter = pair
+    out = tmp_path / "m"
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 0
+    assert frozen_during[0] > 10_000  # transformers', peft's and accelerate's objects, and the cycle
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.collect()
+    assert ref() is None
+
+
 def _verify_against(options, out):
     return verify_merge(out, MergeOptions(base=options.base, adapter=options.adapter, out=out))
 
@@ -745,6 +783,9 @@ def test_a_failed_merge_leaves_nothing_reading_its_inputs(pair, tmp_path, monkey
     assert "planted: this input cannot be read" in capsys.readouterr().err
     alive = [t.name for t in threading.enumerate() if t.name in ("tui-merger-recompute", "tui-merger-prewarm")]
     assert alive == [] and not out.exists()
+    import gc
+
+    assert gc.get_freeze_count() == 0 and gc.isenabled()  # what was frozen for the verification is not left so
 
 
 def test_a_tensor_read_while_writing_stays_readable_after_its_range_is_closed(tmp_path):

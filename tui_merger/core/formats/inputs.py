@@ -20,7 +20,7 @@ from tui_merger.core.options import MergeOptions
 
 
 @contextmanager
-def _cycle_collector_paused():
+def cycle_collector_paused():
     """Opening a checkpoint makes thousands of small objects (records, tensor views) and no reference
     cycles. In a fresh process just after ``import torch`` that triggers a full collection over all of
     torch's objects: 60-100 ms of an FSDP open of ~150 ms (measured). Refcounting still frees
@@ -35,7 +35,7 @@ def _cycle_collector_paused():
 
 
 def open_inputs(options: MergeOptions) -> Inputs:
-    with _cycle_collector_paused():
+    with cycle_collector_paused():
         return _open_inputs(options)
 
 
