@@ -270,9 +270,9 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
                 continue
             for ref in t.inputs():
                 ref.prefetch()
-            rows = row_blocks(t, ws)
-            if rows is not None:  # the common case: written a few MiB at a time as it is computed
-                _stream(t, rows, putter, options, clamped, cancel)
+            streamed = row_blocks(t, ws)
+            if streamed is not None:  # the common case: written a few MiB at a time as it is computed
+                _stream(t, streamed, putter, options, clamped, cancel)
             else:
                 slot = putter.free_slot(cancel)
                 tensor = compute(t, ws=slot)
@@ -322,8 +322,8 @@ def _stream(t, blocks, putter: "_Putter", options: MergeOptions, clamped: list, 
     """Round ``blocks`` (``merge_math.RowBlocks``) into pieces of about ``CHUNK_BYTES`` that the
     writer thread writes while the next piece is computed: two pieces are held, never the tensor
     (a 70B model's 28672x8192 MLP weight is 470 MB; two of them were held until this streamed).
-    fp16: a block holding inf that its source rows do not overflowed (refused, or clamped with
-    --force)."""
+    fp16: a block that holds inf where its source rows hold none overflowed (refused, or clamped
+    with --force)."""
     import torch
 
     out_dtype = getattr(torch, t.dtype)
@@ -367,8 +367,8 @@ def _share_cores():
 class _Putter(threading.Thread):
     """Writes computed tensors (or pieces of one, ``_stream``) while the main thread computes the
     next: two workspaces take turns, a workspace is computed into again only once what it holds is
-    written (writing 5.5 GB of merged
-    tensors took 9 s at 3B shapes, computing them 3.6 s: in turn 12.6 s, side by side about 9 s)."""
+    written (writing 5.5 GB of merged tensors took 9 s at 3B shapes, computing them 3.6 s: in turn
+    12.6 s, side by side about 9 s)."""
 
     def __init__(self, writer, workspaces) -> None:
         super().__init__(name="tui-merger-writer", daemon=True)
