@@ -255,13 +255,18 @@ def _scratch(dtype, shape: tuple, use: str):
     return flat[:numel].view(shape)
 
 
-def _row_blocks(shape, values: int = BLOCK_VALUES):
-    """Row slices of about ``values`` values each (None for a 0-d tensor)."""
+def _row_blocks(shape, values: int | None = None):
+    """Row slices of about ``values`` values each (None for a 0-d tensor), none of a single row where
+    the tensor has more (``merge_math.row_spans``: BLAS computes a one-row product with another
+    kernel, whose sums land an fp32 unit off the whole-matrix product's, and such a row took the
+    tolerance path)."""
+    from tui_merger.core.merge.merge_math import row_spans
+
     if not shape:
         return [None]
     row = max(1, math.prod(shape[1:]))
-    step = max(1, values // row)
-    return [slice(a, min(a + step, shape[0])) for a in range(0, shape[0], step)] or [slice(0, 0)]
+    step = max(2, (BLOCK_VALUES if values is None else values) // row)
+    return [slice(i, j) for i, j in row_spans(shape[0], step)] or [slice(0, 0)]
 
 
 def _finite(x) -> bool:
