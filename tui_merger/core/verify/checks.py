@@ -123,7 +123,7 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         writing.take()
         for thread, _ in list(_PREWARMING):
             thread.join()
-        thaw()
+        _thaw()
 
     sink.abandon = abandon
     if behaviour and _imported("torch"):  # the preflight imported it: no half-imported torch to meet
@@ -145,29 +145,31 @@ def merge_prewarmed(options: MergeOptions, on_event: EventSink, cancel: CancelTo
         raise
 
 
-_FROZEN: list = []  # holds True while the objects frozen after the prewarm imports are
+_FROZEN = False  # gc.freeze() was called after the prewarm imports and not undone yet
 
 
 def _freeze() -> None:
     """Leave the objects that exist now, mostly the modules just imported (hundreds of thousands of
-    transformers' and peft's), out of the cycle collector's passes until ``thaw``: every pass over
+    transformers' and peft's), out of the cycle collector's passes until ``_thaw``: every pass over
     the oldest generation walked them all again while the merge and its verification made new
     objects (a 0.5B default merge, collector paused during the imports and frozen after them: 6.57
     -> 5.88 s, 9.06 -> 8.32 CPU-s, A/B x3; 3B level). Only a reference cycle among objects alive now
-    waits for ``thaw`` to be collected; other garbage is freed at once, as always."""
+    waits for ``_thaw`` to be collected; other garbage is freed at once, as always."""
     import gc
 
+    global _FROZEN
     gc.freeze()
-    _FROZEN[:] = [True]
+    _FROZEN = True
 
 
-def thaw() -> None:
+def _thaw() -> None:
     """Hand the frozen objects back to the cycle collector (the verification is over, or the merge
     it was started for failed): a long-lived process, the assistant, keeps collecting them."""
     import gc
 
+    global _FROZEN
     if _FROZEN:
-        _FROZEN.clear()
+        _FROZEN = False
         gc.unfreeze()
 
 
@@ -366,7 +368,7 @@ def verify_merge(
             report.checks.append(Check("behaviour", "skip", "skipped: the structure check failed"))
     finally:
         inputs.close()
-        thaw()
+        _thaw()
     report.seconds = time.perf_counter() - started
     return report
 
