@@ -858,29 +858,37 @@ def test_mapped_pages_are_populated_and_handed_back_without_holding_the_gil(tmp_
         m.close()
 
 
-def test_a_scale_that_is_no_power_of_two_is_recomputed_in_the_merges_order(tmp_path, monkeypatch):
-    """lora_alpha / r = 1.5: the recompute multiplies B @ A by the scale and then adds W, as peft
-    and the merge do, so every block equals the output's bits at once. Fused into one addmm, about
-    one value in a thousand landed one unit apart and each such block took the slow tolerance path
-    (a 3B merge's verification 2x slower); the check passed either way, so this counts those blocks."""
+def _recompute_blocks(tmp_path, monkeypatch, base_dtype=torch.float32, block_values=None, **adapter_kw):
+    """Merge, then verify with the recompute only, spying on its blocks: [(rows, slow)] where slow
+    means the block was not the output's bits at once (it took the tolerance path)."""
     from tui_merger.core.verify import recompute
 
-    base = save_base(tmp_path / "base", config=qwen_config(), dtype=torch.bfloat16)
-    adapter = save_adapter(tmp_path / "adapter", base, target_modules=ALL_LINEAR, r=8, lora_alpha=12)
+    base = save_base(tmp_path / "base", config=qwen_config(), dtype=base_dtype)
+    adapter = save_adapter(tmp_path / "adapter", base, target_modules=ALL_LINEAR, **adapter_kw)
     options = MergeOptions(base=base, adapter=adapter, out=tmp_path / "out")
     run_merge(options, fsync=False)
-    slow = []
+    if block_values is not None:
+        monkeypatch.setattr(recompute, "BLOCK_VALUES", block_values)
+    blocks = []
     checked = recompute._mismatches
 
     def counting(got, want, magnitude=None, scratch=None):
-        if not recompute._bits_equal(got, want.to(got.dtype)):
-            slow.append(got.shape)
+        blocks.append((got.shape[0], not recompute._bits_equal(got, want.to(got.dtype))))
         return checked(got, want, magnitude, scratch)
 
     monkeypatch.setattr(recompute, "_mismatches", counting)
     report = verify_merge(options.out, options, behaviour=False)
     assert _statuses(report) == {"structure": "pass", "recompute": "pass"}
-    assert slow == []
+    return blocks
+
+
+def test_a_scale_that_is_no_power_of_two_is_recomputed_in_the_merges_order(tmp_path, monkeypatch):
+    """lora_alpha / r = 1.5: the recompute multiplies B @ A by the scale and then adds W, as peft
+    and the merge do, so every block equals the output's bits at once. Fused into one addmm, about
+    one value in a thousand landed one unit apart and each such block took the slow tolerance path
+    (a 3B merge's verification 2x slower); the check passed either way, so this counts those blocks."""
+    blocks = _recompute_blocks(tmp_path, monkeypatch, torch.bfloat16, r=8, lora_alpha=12)
+    assert [b for b in blocks if b[1]] == []
 
 
 def test_no_row_is_recomputed_alone(tmp_path, monkeypatch):
@@ -888,24 +896,7 @@ def test_no_row_is_recomputed_alone(tmp_path, monkeypatch):
     product with its matrix-vector kernel, whose sums land an fp32 unit off the whole-matrix product
     the merge (and peft) took, and every such row went down the slow tolerance path. fp32 weights
     show every difference; blocks of 3 rows leave one of a 64-row weight over."""
-    from tui_merger.core.verify import recompute
-
-    base = save_base(tmp_path / "base", config=qwen_config())
-    adapter = save_adapter(tmp_path / "adapter", base, target_modules=ALL_LINEAR)
-    options = MergeOptions(base=base, adapter=adapter, out=tmp_path / "out")
-    run_merge(options, fsync=False)
-    monkeypatch.setattr(recompute, "BLOCK_VALUES", 3 * 64)
-    slow, rows = [], []
-    checked = recompute._mismatches
-
-    def counting(got, want, magnitude=None, scratch=None):
-        rows.append(got.shape[0])
-        if not recompute._bits_equal(got, want.to(got.dtype)):
-            slow.append(got.shape)
-        return checked(got, want, magnitude, scratch)
-
-    monkeypatch.setattr(recompute, "_mismatches", counting)
-    report = verify_merge(options.out, options, behaviour=False)
-    assert _statuses(report) == {"structure": "pass", "recompute": "pass"}
-    assert slow == []
+    blocks = _recompute_blocks(tmp_path, monkeypatch, block_values=3 * 64)
+    assert [b for b in blocks if b[1]] == []
+    rows = [b[0] for b in blocks]
     assert 3 in rows and 4 in rows and 1 not in rows  # the row left over joined the last block
