@@ -411,7 +411,7 @@ def test_the_behaviour_check_holds_at_most_two_layers_of_weights(merged, monkeyp
     """Counted by torch, not by the streaming code: at every module call and at every torch
     function call (a TorchFunctionMode) the parameter values present (not on the meta device) in the
     running models are summed, plus the weight tensors the call itself is given (its tensor arguments
-    after the input: a layer computed piecewise passes its weight block by block)."""
+    after the input; a layer computed piecewise passes its weight block by block to torch.mm)."""
     from torch.overrides import TorchFunctionMode
 
     import tui_merger.core.verify.streaming as streaming
@@ -424,8 +424,9 @@ def test_the_behaviour_check_holds_at_most_two_layers_of_weights(merged, monkeyp
 
     class Count(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in (torch.nn.functional.linear, torch.nn.functional.embedding):
-                given = sum(a.numel() for a in args[1:] if isinstance(a, torch.Tensor) and a.dim() >= 1)
+            if func in (torch.nn.functional.linear, torch.nn.functional.embedding, torch.mm):
+                weights = args[:1] if func is torch.mm else args[1:]  # mm(weight block, tokens^T)
+                given = sum(a.numel() for a in weights if isinstance(a, torch.Tensor) and a.dim() >= 1)
                 peak[0] = max(peak[0], present() + given)
             return func(*args, **(kwargs or {}))
 
