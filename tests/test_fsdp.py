@@ -253,3 +253,42 @@ def test_checkpoint_written_in_bf16(tmp_path_factory, tmp_path, case):
         expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
         assert torch.equal(ours[name], expected), name
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("case", ["fsdp1-w4", "fsdp2-w4"])
+def test_a_converted_tensor_is_written_in_pieces(tmp_path_factory, tmp_path, monkeypatch, case):
+    """Rank shards cast to bf16 go to the writer thread in pieces of CHUNK_BYTES (here 1000 bytes:
+    several per shard, the last of each shard shorter), never a whole shard in one buffer: the
+    output is the reference rounded once, every tensor arrives in order, and no buffer the merge
+    takes is as large as the largest rank shard."""
+    from tui_merger.core.io.safetensors_io import SafetensorsWriter
+    from tui_merger.core.merge import engine, merge_math
+
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 1000)
+    buffers, pieces = [], {}
+    real_get, real_part = merge_math.Workspace.get, SafetensorsWriter.write_part
+
+    def get(self, key, shape, dtype):
+        buf = real_get(self, key, shape, dtype)
+        buffers.append(buf.numel() * buf.element_size())
+        return buf
+
+    def write_part(self, name, nbytes, pos, part, last):
+        pieces.setdefault(name, []).append((pos, part.numel() * part.element_size(), last))
+        return real_part(self, name, nbytes, pos, part, last)
+
+    monkeypatch.setattr(merge_math.Workspace, "get", get)
+    monkeypatch.setattr(SafetensorsWriter, "write_part", write_part)
+    info = cached_fsdp_checkpoint(tmp_path_factory, **CONFIGS[case])
+    out = tmp_path / "merged"
+    run_merge(MergeOptions(checkpoint=info["run_dir"], out=out, dtype="bf16"))
+    ours, ref = read_output(out), _reference(info)
+    for name, tensor in ref.items():
+        assert torch.equal(ours[name], tensor.to(torch.bfloat16)), name
+    embed = "model.embed_tokens.weight"
+    assert len(pieces[embed]) > 4 * 4  # every rank shard of the embedding in several pieces
+    for name, parts in pieces.items():
+        assert [p[0] for p in parts] == [sum(q[1] for q in parts[:i]) for i in range(len(parts))], name
+        assert [p[2] for p in parts] == [False] * (len(parts) - 1) + [True], name
+        assert sum(p[1] for p in parts) == ours[name].numel() * 2, name
+    assert max(buffers) <= 1000 < ours[embed].numel() * 2 // 4  # a piece, not a quarter of the embedding

@@ -279,22 +279,6 @@ class SafetensorsWriter:
             self._pwrite_all(memoryview(raw), offset)
         self._written(nbytes)
 
-    def write_blocks(self, name: str, nbytes: int, blocks) -> None:
-        """Write a tensor given as consecutive pieces (contiguous CPU tensors) into its place."""
-        import torch
-
-        offset = self._take(name, nbytes)
-        end = offset + nbytes
-        for block in blocks:
-            raw = block.contiguous().reshape(-1).view(torch.uint8).numpy()
-            if offset + raw.nbytes > end:
-                raise RuntimeError(f"{self.path.name}: {name} got more bytes than its shape holds")
-            self._pwrite_all(memoryview(raw), offset)
-            offset += raw.nbytes
-        if offset != end:
-            raise RuntimeError(f"{self.path.name}: {name} got {nbytes - (end - offset)} of {nbytes} bytes")
-        self._written(nbytes)
-
     def write_part(self, name: str, nbytes: int, pos: int, part, last: bool) -> None:
         """Write ``part`` (a contiguous CPU tensor) at byte ``pos`` of the tensor's place: the pieces
         of one tensor come in order, from one thread, the first at 0; ``last`` once all ``nbytes``
