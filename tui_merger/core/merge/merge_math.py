@@ -173,11 +173,9 @@ def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | None:
     instead of 90 MiB; without the power-of-two fold, 1 MiB instead of 180 MiB), and one core does
     it 5x faster than whole-tensor passes. A power-of-two scale is folded into B (one addmm); any
     other scale: mm, mul and add, as peft does."""
-    import torch
-
     if not _is_fast(t) or t.dtype == "float32" or len(t.source.shape) != 2 or not math.prod(t.source.shape):
         return None
-    if not _mapped(t.source):
+    if not _mapped(t.source):  # a .bin or derived source: no zero-copy rows to read block by block
         return None
     op = t.ops[0]
     a = op.A.load().float()

@@ -405,7 +405,8 @@ def _piecewise(streamer: Streamer, unit, weight: str, params: dict[str, str]) ->
             streamer.check_cancel()
             tokens = x.reshape(-1, x.shape[-1])
             # W_block @ x^T into rows of the transposed output: with a dozen probe tokens BLAS runs
-            # this 1.3-1.8x faster on one core than x @ W_block^T (F.linear), the same products
+            # this 1.3-1.8x faster on one core than x @ W_block^T (F.linear); the same products,
+            # summed in another order (fp32 noise, far below the limits; both models run this way)
             out_t = torch.empty((self.out_features, tokens.shape[0]), dtype=x.dtype)
             bias = streamer.materialize(bias_name) if has_bias else None
             for a, b, block in streamer.blocks(weight):
