@@ -38,9 +38,11 @@ from harness import DEFAULT_CACHE, Runner, dir_bytes, fmt_table, loadavg, med, s
 
 
 def child_cli(base: str, adapter: str, out: str, verify: str) -> None:
-    """tui-merger merge as the command line runs it, then the manifest's timings and metrics."""
-    from tui_merger.cli import main
+    """tui-merger merge as the console script runs it (its process settings, and no interpreter
+    teardown at the end), then the manifest's timings and metrics."""
+    from tui_merger.cli import console_defaults, leave, main
 
+    console_defaults()
     args = ["merge", "--base", base, "--adapter", adapter, "--out", out, "--plain"]
     code = main(args + ([] if verify == "1" else ["--no-verify"]))
     manifest = json.loads((Path(out) / "merge_manifest.json").read_text())
@@ -52,6 +54,7 @@ def child_cli(base: str, adapter: str, out: str, verify: str) -> None:
         "worst_ratio": behaviour.get("worst_ratio"), "peak_live_values": behaviour.get("peak_live_values"),
         "layers": behaviour.get("layers"),
     }), flush=True)
+    leave(code)
 
 
 CHILDREN = {"_cli": child_cli, "_peft": child_peft}

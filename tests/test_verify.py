@@ -871,13 +871,13 @@ def _recompute_blocks(tmp_path, monkeypatch, base_dtype=torch.float32, block_val
     if block_values is not None:
         monkeypatch.setattr(recompute, "BLOCK_VALUES", block_values)
     blocks = []
-    checked = recompute._mismatches
+    checked = recompute._compare
 
-    def counting(got, want, magnitude=None, scratch=None):
+    def counting(got, want, magnitude=None):
         blocks.append((got.shape[0], not recompute._bits_equal(got, want.to(got.dtype))))
-        return checked(got, want, magnitude, scratch)
+        return checked(got, want, magnitude)
 
-    monkeypatch.setattr(recompute, "_mismatches", counting)
+    monkeypatch.setattr(recompute, "_compare", counting)
     report = verify_merge(options.out, options, behaviour=False)
     assert _statuses(report) == {"structure": "pass", "recompute": "pass"}
     return blocks
@@ -901,3 +901,25 @@ def test_no_row_is_recomputed_alone(tmp_path, monkeypatch):
     assert [b for b in blocks if b[1]] == []
     rows = [b[0] for b in blocks]
     assert 3 in rows and 4 in rows and 1 not in rows  # the row left over joined the last block
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_finiteness_test_agrees_with_isfinite(dtype):
+    """The recompute's test for NaN and Inf (a sum first, the exact test when the sum is not finite)
+    against torch.isfinite: one bad value anywhere, of either sign, is found; finite values whose
+    sum overflows are not called bad."""
+    from tui_merger.core.verify.recompute import _finite
+
+    big = torch.finfo(dtype).max
+    x = torch.randn(4097).to(dtype)
+    cases = [x, torch.full((1000,), big, dtype=dtype), torch.tensor([big, -big, big], dtype=dtype)]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 2048, 4096):
+            y = x.clone()
+            y[where] = bad
+            cases.append(y)
+    y = torch.full((1000,), big, dtype=dtype)
+    y[500] = float("-inf")  # a sum of +inf and -inf: NaN, still not finite
+    cases.append(y)
+    for case in cases:
+        assert _finite(case) == bool(torch.isfinite(case).all())

@@ -218,6 +218,17 @@ def _mismatches(got, want, magnitude=None, scratch=None) -> int:
     return int(((g - w).abs() > tol).sum())
 
 
+def _compare(got, want, magnitude=None) -> tuple[int, bool]:
+    """(``_mismatches(got, want)``, whether got holds no NaN or Inf) for a block of a recomputed
+    tensor. In the common case got's bytes are want rounded to got's dtype, just written to the
+    thread's scratch buffer and still in the cache, and the test for NaN and Inf reads those
+    instead of got's memory (aminmax over a 3B model's output: ~1 CPU-second)."""
+    rounded = _scratch(got.dtype, tuple(want.shape), "rounded").copy_(want)
+    if _bits_equal(got, rounded):
+        return 0, _finite(rounded)
+    return _mismatches(got, want, magnitude, rounded), _finite(got)
+
+
 def _converted_mismatches(got, piece, clamp: bool) -> tuple[int, float]:
     """(values of ``got`` not ``piece`` converted to got's dtype, their largest difference), a block
     of rows at a time, rounded into the thread's scratch buffer: a whole piece converted at once was
@@ -270,10 +281,16 @@ def _row_blocks(shape, values: int | None = None):
 
 
 def _finite(x) -> bool:
-    """No NaN or Inf: min and max propagate both (50x faster than isfinite on bf16)."""
+    """No NaN or Inf: min and max propagate both (50x faster than isfinite on bf16). A bf16 or fp32
+    tensor is summed first: a NaN or an Inf anywhere makes the sum NaN or Inf, so a finite sum
+    proves every value finite, and a sum that is not (also finite values overflowing it) takes the
+    exact test. The sum is 2.6x faster than aminmax on a block in the cache and 1.5x on one in
+    memory (fp16 sums overflow too soon to be worth it)."""
     import torch
 
     if not x.is_floating_point() or not x.numel():
+        return True
+    if x.dtype in (torch.bfloat16, torch.float32) and math.isfinite(x.sum().item()):
         return True
     low, high = torch.aminmax(x)
     return math.isfinite(low.item()) and math.isfinite(high.item())
@@ -429,11 +446,11 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
                 ref.prefetch_rows(rows.start, rows.stop)
                 t.source.prefetch_rows(rows.start, rows.stop)
             got = got_all if rows is None else got_all[rows]
-            finite = finite and _finite(got)
             want = r.rows(rows)
             if clamp:  # --force: values beyond fp16's range were clamped on purpose
                 want = want.clamp(-65504.0, 65504.0)
-            n = _mismatches(got, want, lambda: r.magnitude(rows), _scratch(got.dtype, tuple(want.shape), "rounded"))
+            n, block_finite = _compare(got, want, lambda: r.magnitude(rows))
+            finite = finite and block_finite
             if n:
                 bad += n
                 diff = max(diff, (got.float() - want.to(got.dtype).float()).abs().max().item())
