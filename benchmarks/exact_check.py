@@ -4,6 +4,7 @@ boundaries, BLAS kernels and threads only show their differences at real widths.
 
     python benchmarks/exact_check.py --shape 3b                    # the cached 3B-shaped model
     python benchmarks/exact_check.py --shape 3b --code /tmp/old    # also an older checkout's merge
+    python benchmarks/exact_check.py --shape 3b --adapter adapter_dora   # DoRA (built on first use)
 
 peft (load bf16, ``PeftModel``, ``merge_and_unload``, ``save_pretrained``) and ``tui-merger merge
 --no-verify`` (each checkout given) merge the cached base and adapter (benchmarks/.cache, built by
@@ -43,6 +44,34 @@ def _run(script: str) -> None:
 def merge_with_peft(base: Path, adapter: Path, out: Path) -> None:
     script = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from bench_merge import child_peft; " \
              f"child_peft({str(base)!r}, {str(adapter)!r}, {str(out)!r})"
+    _run(script)
+
+
+def ensure_dora_adapter(base: Path, out: Path) -> None:
+    """A DoRA adapter (r=16, alpha=32, all linear kinds) for the cached base, built with peft: random
+    A and B as bench_merge's adapters, and magnitudes peft's own (the base rows' norms) times a
+    random factor around 1, so that merging changes every row's length as well as its direction."""
+    if (out / "adapter_config.json").is_file():
+        return
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from bench_merge import ALL_TARGETS, LORA_ALPHA, LORA_R
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+torch.manual_seed(7)
+model = AutoModelForCausalLM.from_pretrained({str(base)!r}, dtype=torch.bfloat16)
+config = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=list(ALL_TARGETS), lora_dropout=0.0,
+                    init_lora_weights=False, use_dora=True, task_type="CAUSAL_LM")
+pm = get_peft_model(model, config)
+with torch.no_grad():
+    for name, p in pm.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            p.normal_(0.0, 0.05)
+        elif "lora_magnitude_vector" in name:
+            p.mul_(1 + 0.1 * torch.randn_like(p))
+pm.save_pretrained({str(out)!r})
+"""
     _run(script)
 
 
@@ -87,6 +116,8 @@ def main() -> int:
     args = ap.parse_args()
     folder = ensure_model(args.cache, None, shape=args.shape)
     base, adapter = folder / "base", folder / args.adapter
+    if args.adapter == "adapter_dora":
+        ensure_dora_adapter(base, adapter)
     tmp = Path(tempfile.mkdtemp(prefix="exact-", dir=args.cache))
     status = 0
     try:

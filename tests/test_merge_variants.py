@@ -113,13 +113,14 @@ def test_merge_equals_peft(tmp_path, case):
     assert_verified(base, adapter, out, **options)
 
 
-@pytest.mark.parametrize("case", ["all-linear-bf16", "rslora-bf16"])
-def test_a_merged_weight_is_written_in_pieces_and_never_held_whole(tmp_path, monkeypatch, case):
+@pytest.mark.parametrize("case, merged", [("all-linear-bf16", 14), ("rslora-bf16", 14), ("dora-bf16", 6)])
+def test_a_merged_weight_is_written_in_pieces_and_never_held_whole(tmp_path, monkeypatch, case, merged):
     """The merge hands a merged weight to the writer a few rows at a time: with tiny blocks (3 rows
     of a 64-wide weight, 2 of a 128-wide one) and pieces (2 blocks; the last block of 64 rows in 3s
     takes the row left over, the last piece is shorter) every merged tensor
     goes out in several pieces, the output still equals peft's bit for bit, and no buffer the merge
-    takes is as large as a merged tensor (it used to hold two whole ones: 940 MB at 70B)."""
+    takes is as large as a merged tensor (it used to hold two whole ones: 940 MB at 70B; DoRA's
+    too, whose norm is per row)."""
     from tui_merger.core.io.safetensors_io import SafetensorsWriter
     from tui_merger.core.merge import engine, merge_math
 
@@ -149,7 +150,7 @@ def test_a_merged_weight_is_written_in_pieces_and_never_held_whole(tmp_path, mon
     ours = read_output(out)
     for name, tensor in ours.items():
         assert torch.equal(tensor, ref_state[name]), f"{name}: max diff {(tensor.float() - ref_state[name].float()).abs().max()}"
-    assert len(pieces) == result.tensors_merged == 14
+    assert len(pieces) == result.tensors_merged == merged
     for name, parts in pieces.items():
         nbytes = ours[name].numel() * 2
         assert len(parts) >= 5, name
@@ -197,6 +198,37 @@ def test_row_blocks_equal_the_whole_product_bit_for_bit(rows, cols):
     finally:
         torch.set_num_threads(threads)
     assert sum(spans) == rows and (min(spans) > 1)
+
+
+@pytest.mark.parametrize("rows, cols, threads", [(2048, 11008, 1), (2048, 11008, 2), (45, 64, 1)])
+def test_dora_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(rows, cols, threads):
+    """DoRA merged a block of rows at a time: V = W + s * (B @ A), each row scaled by m / ||row||,
+    equals peft's formula on the whole fp32 matrix (norm over dim 1 of all of V, computed with the
+    default threads) bit for bit, with the blocks on one or two threads."""
+    from types import SimpleNamespace
+
+    from tui_merger.core.merge.merge_math import RowBlocks, Workspace
+
+    g = torch.Generator().manual_seed(cols)
+    w = torch.randn(rows, cols, generator=g).bfloat16()
+    b = torch.randn(rows, 16, generator=g) * 0.01
+    a = torch.randn(16, cols, generator=g) * 0.01
+    m = torch.rand(rows, generator=g) + 0.5
+    scale = 1.5
+    v = w.float() + (b @ a) * scale
+    whole = (m / torch.linalg.norm(v, dim=1)).view(-1, 1) * v
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        blocks = RowBlocks(SimpleNamespace(source=SimpleNamespace(load=lambda: w)), a, b, Workspace(), scale, m)
+        blocks.step = 23 if rows == 2048 else 11
+        done = 0
+        for i, j, acc in blocks:
+            assert torch.equal(acc, whole[i:j]), (i, j, (acc - whole[i:j]).abs().max())
+            done = j
+    finally:
+        torch.set_num_threads(before)
+    assert done == rows
 
 
 def test_untouched_tensors_are_byte_identical(tmp_path):
