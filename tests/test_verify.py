@@ -923,3 +923,39 @@ def test_the_finiteness_test_agrees_with_isfinite(dtype):
     cases.append(y)
     for case in cases:
         assert _finite(case) == bool(torch.isfinite(case).all())
+
+
+def test_the_dora_reference_takes_b_times_a_without_peft_identity_matrix(tmp_path):
+    """The reference's DoRA layers get B @ A as the product of the two weights instead of peft's run
+    of lora_A and lora_B over an identity as wide as the layer's input (484 MB for a 3B down_proj):
+    every one of them uses it, and it equals peft's own ``get_lora_weight`` on the same weights."""
+    import transformers
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    from tui_merger.core.formats.hf_names import model_class
+    from tui_merger.core.io.sources import open_model
+    from tui_merger.core.verify import behaviour
+
+    base = save_base(tmp_path / "base", config=qwen_config())
+    adapter = save_adapter(tmp_path / "adapter", base, target_modules=["q_proj", "down_proj"], use_dora=True)
+    config = json.loads((base / "config.json").read_text())
+    source = open_model(base)
+    try:
+        streamer, _ = behaviour.streamer_with_adapter(
+            model_class(config), transformers.AutoConfig.from_pretrained(base), source.tensors, [(adapter, None)], "reference")
+        doras = [(n, m) for n, m in streamer.model.named_modules() if type(m) is DoraLinearLayer]
+        assert len(doras) == 2 * 2
+        for name, dora in doras:
+            assert "get_lora_weight" in vars(dora), name
+            lora = streamer.model.get_submodule(name.rsplit(".lora_magnitude_vector", 1)[0])
+            a, b = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+            g = torch.Generator().manual_seed(len(name))
+            a.weight = torch.nn.Parameter(torch.randn(lora.r["default"], lora.in_features, generator=g))
+            b.weight = torch.nn.Parameter(torch.randn(lora.out_features, lora.r["default"], generator=g))
+            with torch.no_grad():
+                ours = dora.get_lora_weight(lora_A=a, lora_B=b, adapter_name="default")
+                peft = DoraLinearLayer.get_lora_weight(dora, lora_A=a, lora_B=b, adapter_name="default")
+            torch.testing.assert_close(ours, peft, rtol=1e-6, atol=1e-6)
+        streamer.close()
+    finally:
+        source.close()

@@ -123,7 +123,46 @@ def streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str,
     from tui_merger.core.formats.hf_names import BUILD_LOCK
 
     with BUILD_LOCK:  # peft builds its layers while the base's modules are patched elsewhere otherwise
-        return _streamer_with_adapter(cls, config, tensors, adapters, what, on_event, cancel)
+        streamer, missing = _streamer_with_adapter(cls, config, tensors, adapters, what, on_event, cancel)
+    _dora_lora_weight_as_product(streamer.model)
+    return streamer, missing
+
+
+def _dora_lora_weight_as_product(model) -> None:
+    """peft's DoRA forward gets B @ A by running lora_A and lora_B over an identity matrix as wide as
+    the layer's input (``get_lora_weight``, a workaround for FSDP-sharded weights): a 3B model's
+    down_proj made a 11008 x 11008 fp32 identity (484 MB; 3.3 GB at 70B) and 4 GFLOP of products
+    with it, per layer. Here nothing is sharded, so each DoRA layer of the reference computes
+    ``lora_B.weight @ lora_A.weight``: the same products (multiplying by the identity is exact),
+    summed in BLAS's order. Layers whose lora_B has a bias (which the identity run adds to every
+    row) keep peft's way."""
+    import types
+
+    import torch
+
+    try:
+        from peft.tuners.lora.dora import DoraLinearLayer
+    except ImportError:  # pragma: no cover - a peft without DoRA
+        return
+
+    def product(self, lora_A, lora_B, adapter_name=None):
+        return lora_B.weight @ lora_A.weight
+
+    for module in model.modules():
+        if type(module) is DoraLinearLayer and not module.fan_in_fan_out:
+            module.get_lora_weight = types.MethodType(_guarded(product, DoraLinearLayer.get_lora_weight, torch), module)
+
+
+def _guarded(product, original, torch):
+    """``product`` where lora_A and lora_B are plain bias-free Linear layers, else peft's own."""
+
+    def get_lora_weight(self, lora_A, lora_B, adapter_name=None):
+        plain = all(type(m) is torch.nn.Linear and m.bias is None for m in (lora_A, lora_B))
+        if plain:
+            return product(self, lora_A, lora_B, adapter_name)
+        return original(self, lora_A=lora_A, lora_B=lora_B, adapter_name=adapter_name)
+
+    return get_lora_weight
 
 
 # adapter weights kept in the dtype they were saved in (peft would upcast 16-bit ones to fp32: twice
