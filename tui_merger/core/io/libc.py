@@ -18,3 +18,34 @@ def function(name: str, restype: str | None, *argtypes: str):
         return fn
     except (OSError, AttributeError, TypeError):
         return None
+
+
+@functools.cache
+def _mallinfo2():
+    """glibc's mallinfo2 (2.33 and later) with its struct, or None."""
+    try:
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(field, ctypes.c_size_t) for field in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        fn = ctypes.CDLL(None).mallinfo2
+        fn.restype = MallInfo2
+        fn.argtypes = []
+        return fn
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes the C heap holds free in its arenas (kept for reuse, resident until trimmed), or None."""
+    info = _mallinfo2()
+    return None if info is None else int(info().fordblks)
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the OS (a no-op where there is no glibc)."""
+    trim = function("malloc_trim", "c_int", "c_size_t")
+    if trim is not None:
+        trim(0)

@@ -188,9 +188,7 @@ def _memcmp():
 def release_memory() -> None:
     """Hand freed heap memory back to the OS (glibc keeps the small blocks of a pass in its arenas:
     300-500 MB after recomputing a 3B model); a no-op where there is no glibc."""
-    trim = libc.function("malloc_trim", "c_int", "c_size_t")
-    if trim is not None:
-        trim(0)
+    libc.trim_heap()
 
 
 def _mismatches(got, want, magnitude=None, scratch=None) -> int:
