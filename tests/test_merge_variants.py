@@ -113,14 +113,15 @@ def test_merge_equals_peft(tmp_path, case):
     assert_verified(base, adapter, out, **options)
 
 
-@pytest.mark.parametrize("case, merged", [("all-linear-bf16", 14), ("rslora-bf16", 14), ("dora-bf16", 6)])
+@pytest.mark.parametrize("case, merged", [
+    ("all-linear-bf16", 14), ("rslora-bf16", 14), ("dora-bf16", 6), ("all-linear-fp32", 14), ("dora-fp32", 6)])
 def test_a_merged_weight_is_written_in_pieces_and_never_held_whole(tmp_path, monkeypatch, case, merged):
     """The merge hands a merged weight to the writer a few rows at a time: with tiny blocks (3 rows
     of a 64-wide weight, 2 of a 128-wide one) and pieces (2 blocks; the last block of 64 rows in 3s
     takes the row left over, the last piece is shorter) every merged tensor
     goes out in several pieces, the output still equals peft's bit for bit, and no buffer the merge
     takes is as large as a merged tensor (it used to hold two whole ones: 940 MB at 70B; DoRA's
-    too, whose norm is per row)."""
+    too, whose norm is per row; and fp32 outputs)."""
     from tui_merger.core.io.safetensors_io import SafetensorsWriter
     from tui_merger.core.merge import engine, merge_math
 
@@ -146,18 +147,18 @@ def test_a_merged_weight_is_written_in_pieces_and_never_held_whole(tmp_path, mon
     monkeypatch.setattr(SafetensorsWriter, "write_part", write_part)
     base_kw, adapter_kw, options = CASES[case]
     base, adapter, out, result = _merge(tmp_path, base_kw, adapter_kw, options)
-    _, ref_state, _ = reference(base, adapter, dtype=torch.bfloat16)
+    _, ref_state, _ = reference(base, adapter, dtype=base_kw.get("dtype", torch.float32))
     ours = read_output(out)
     for name, tensor in ours.items():
         assert torch.equal(tensor, ref_state[name]), f"{name}: max diff {(tensor.float() - ref_state[name].float()).abs().max()}"
     assert len(pieces) == result.tensors_merged == merged
     for name, parts in pieces.items():
-        nbytes = ours[name].numel() * 2
+        nbytes = ours[name].numel() * ours[name].element_size()
         assert len(parts) >= 5, name
         assert [p[2] for p in parts] == [False] * (len(parts) - 1) + [True]
         assert [p[0] for p in parts] == [sum(q[1] for q in parts[:i]) for i in range(len(parts))]
         assert sum(p[1] for p in parts) == nbytes
-    largest_merged = max(ours[name].numel() * 2 for name in pieces)
+    largest_merged = max(ours[name].numel() * ours[name].element_size() for name in pieces)
     assert max(largest)[0] < largest_merged / 8, max(largest)
     assert_verified(base, adapter, out, **options)
 

@@ -171,7 +171,8 @@ class RowBlocks:
 
 
 def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | None:
-    """The merged values of a plain LoRA'd 2-D weight read from a mapped file into a 16-bit output,
+    """The merged values of a plain LoRA'd 2-D weight read from a mapped file (any output dtype: an
+    fp32 one is copied from the block into the writer's piece instead of rounded),
     a block of rows at a time (``RowBlocks``); None when ``t`` is not such a tensor. Each row is W +
     the same rank-r dot product as a whole-tensor pass (bit for bit), but the fp32 values never
     leave the cache and only one block of them is held (a 3B model's 11008x2048 MLP weights: 1 MiB
@@ -181,7 +182,7 @@ def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | None:
     whose norm runs over columns) takes mm, mul and add whatever its scale, as peft's merge does,
     then its per-row factor (a 70B model's 28672x8192 MLP weight: 1 MiB blocks instead of two fp32
     buffers of 940 MB in each of the writer's two workspaces)."""
-    if t.dtype == "float32" or len(t.source.shape) != 2 or not math.prod(t.source.shape):
+    if len(t.source.shape) != 2 or not math.prod(t.source.shape):
         return None
     dora = _is_dora_rows(t)
     if not (_is_fast(t) or dora) or not _mapped(t.source):  # a .bin or derived source: no zero-copy rows
