@@ -292,3 +292,35 @@ def test_a_converted_tensor_is_written_in_pieces(tmp_path_factory, tmp_path, mon
         assert [p[2] for p in parts] == [False] * (len(parts) - 1) + [True], name
         assert sum(p[1] for p in parts) == ours[name].numel() * 2, name
     assert max(buffers) <= 1000 < ours[embed].numel() * 2 // 4  # a piece, not a quarter of the embedding
+
+
+def test_lora_merged_weights_stream_from_the_rank_shards(tmp_path_factory, tmp_path, monkeypatch):
+    """A LoRA'd weight of an FSDP checkpoint is merged a block of rows at a time from its rank shards
+    (each shard's pages handed back after it) and written in pieces, never held whole; the result is
+    peft's merge of the weights saved before sharding, bit for bit (rounded once to the output dtype)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tui_merger.core.merge import engine, merge_math
+
+    monkeypatch.setattr(merge_math, "block_rows", lambda cols: max(2, 3 * 64 // cols))
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 1000)
+    segmented = []
+    real_init = merge_math.RowBlocks.__init__
+
+    def init(self, t, *args, **kw):
+        real_init(self, t, *args, **kw)
+        segmented.append((t.name, len(self.segments), self.w is None))
+
+    monkeypatch.setattr(merge_math.RowBlocks, "__init__", init)
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=2, lora=True)
+    out = tmp_path / "merged"
+    result = run_merge(MergeOptions(checkpoint=info["checkpoint_dir"], out=out))
+    assert len(segmented) == result.tensors_merged > 0
+    assert all(n == 2 and pieces for _, n, pieces in segmented)  # both ranks' rows, no whole tensor
+    base = AutoModelForCausalLM.from_pretrained(info["reference_base"], dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, info["reference_adapter"]).merge_and_unload().state_dict()
+    ours = read_output(out)
+    for name, _, _ in segmented:
+        want = merged[name].to(ours[name].dtype)
+        assert torch.equal(ours[name], want), f"{name}: max diff {(ours[name].float() - want.float()).abs().max()}"

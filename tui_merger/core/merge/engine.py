@@ -326,7 +326,7 @@ def _stream(t, blocks, putter: "_Putter", options: MergeOptions, clamped: list, 
     import torch
 
     out_dtype = getattr(torch, t.dtype)
-    rows, cols = blocks.w.shape
+    rows, cols = blocks.shape
     row_bytes = cols * torch.empty((), dtype=out_dtype).element_size()
     per_piece = blocks.step * max(1, CHUNK_BYTES // (blocks.step * row_bytes))
     fp16 = out_dtype == torch.float16
@@ -341,7 +341,7 @@ def _stream(t, blocks, putter: "_Putter", options: MergeOptions, clamped: list, 
             start = i
         out = piece[i - start : j - start]
         out.copy_(acc)
-        if fp16 and torch.isinf(out).any() and not torch.isinf(blocks.w[i:j]).any():
+        if fp16 and torch.isinf(out).any() and not torch.isinf(blocks.source_rows(i, j)).any():
             if not options.force_fp16_overflow:
                 raise _overflow(t)
             out.copy_(acc.clamp_(-FP16_MAX, FP16_MAX))

@@ -139,35 +139,59 @@ class RowBlocks:
     ``magnitude`` m, each row of V = W + s * (B @ A) is then scaled by m / ||row of V||, as peft's
     merge does: a Linear's weight norm is taken per output row, so rows need no other rows."""
 
-    def __init__(self, t: OutputTensor, a, b, ws: Workspace, scale: float | None, magnitude=None) -> None:
+    def __init__(self, t: OutputTensor, a, b, ws: Workspace, scale: float | None, magnitude=None,
+                 segments=None) -> None:
         import torch
 
-        self.t, self.w = t, t.source.load()
+        self.t = t
         self.a, self.b, self.scale, self.magnitude = a, b, scale, magnitude
-        rows, cols = self.w.shape
+        if segments is None:  # the weight's rows in one mapped tensor
+            self.w = t.source.load()
+            self.shape = tuple(self.w.shape)
+            self.segments = [(self.w, None)]
+        else:  # consecutive row blocks of a tensor held in pieces (a verl FSDP checkpoint's rank shards)
+            self.w = None
+            self.shape = tuple(t.source.shape)
+            self.segments = segments
+        self._current = (self.w, 0)
+        rows, cols = self.shape
         self.step = block_rows(cols)
         most = min(self.step + 1, rows)  # see row_spans
         self.block = ws.get("block32", (most, cols), torch.float32)
         self.delta = ws.get("delta32", (most, cols), torch.float32) if scale is not None else None
 
+    def source_rows(self, i: int, j: int):
+        """Rows [i, j) of the source weight, for the block just yielded."""
+        w, start = self._current
+        return w[i - start : j - start]
+
     def __iter__(self):
         import torch
 
-        w, a, b, rows = self.w, self.a, self.b, self.w.shape[0]
-        for i, j in row_spans(rows, self.step):
-            acc = self.block[: j - i]
-            acc.copy_(w[i:j])
-            if self.scale is None:
-                acc.addmm_(b[i:j], a)
-            else:
-                d = self.delta[: j - i]
-                torch.mm(b[i:j], a, out=d)
-                d.mul_(self.scale)
-                acc.add_(d)
-            if self.magnitude is not None:
-                norm = torch.linalg.norm(acc, dim=1)
-                acc.mul_((self.magnitude[i:j] / norm).view(-1, 1))
-            yield i, j, acc
+        a, b = self.a, self.b
+        start = 0
+        for w, release in self.segments:
+            self._current = (w, start)
+            for i, j in row_spans(w.shape[0], self.step) if w.shape[0] else ():
+                acc = self.block[: j - i]
+                acc.copy_(w[i:j])
+                rows = slice(start + i, start + j)
+                if self.scale is None:
+                    acc.addmm_(b[rows], a)
+                else:
+                    d = self.delta[: j - i]
+                    torch.mm(b[rows], a, out=d)
+                    d.mul_(self.scale)
+                    acc.add_(d)
+                if self.magnitude is not None:
+                    norm = torch.linalg.norm(acc, dim=1)
+                    acc.mul_((self.magnitude[rows] / norm).view(-1, 1))
+                yield start + i, start + j, acc
+            if release is not None:
+                release()
+            start += w.shape[0]
+        if start != self.shape[0]:
+            raise RuntimeError(f"{self.t.name}: its pieces hold {start} of {self.shape[0]} rows")
 
 
 def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | None:
@@ -185,16 +209,21 @@ def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | None:
     if len(t.source.shape) != 2 or not math.prod(t.source.shape):
         return None
     dora = _is_dora_rows(t)
-    if not (_is_fast(t) or dora) or not _mapped(t.source):  # a .bin or derived source: no zero-copy rows
+    if not (_is_fast(t) or dora):
         return None
+    segments = None
+    if not _mapped(t.source):  # rows in pieces (verl FSDP rank shards), or none to read block by block (.bin)
+        segments = t.source.source.row_blocks(t.source)
+        if not segments:
+            return None
     op = t.ops[0]
     a = op.A.load().float()
     b = op.B.load().float()
     if dora:
-        return RowBlocks(t, a, b, ws, op.scale, op.magnitude.load().float().reshape(-1))
+        return RowBlocks(t, a, b, ws, op.scale, op.magnitude.load().float().reshape(-1), segments)
     if _power_of_two(op.scale):
-        return RowBlocks(t, a, b * op.scale, ws, None)
-    return RowBlocks(t, a, b, ws, op.scale)
+        return RowBlocks(t, a, b * op.scale, ws, None, segments=segments)
+    return RowBlocks(t, a, b, ws, op.scale, segments=segments)
 
 
 def _is_dora_rows(t: OutputTensor) -> bool:
