@@ -4,6 +4,7 @@ alone and peft, at real sizes, side by side in one run.
 
     python benchmarks/bench_verify.py                        # 0.5b, 1.5b and 3b shapes, 2 rounds each
     python benchmarks/bench_verify.py --shapes 3b --repeats 3
+    python benchmarks/bench_verify.py --shapes 3b --dora        # also DoRA: our default merge and peft's
     python benchmarks/bench_merge.py --clean                 # delete benchmarks/.cache (the 3B model is 6 GB)
 
 Models: Qwen2.5 shapes (0.5B: 24 layers, 1.5B: 28, 3B: 36; vocab 151936, tied), random bf16 weights,
@@ -77,8 +78,16 @@ def bench_shape(shape: str, args) -> dict:
         "merge, lora_alpha 24": lambda out: py("_cli", base, adapter_a24, out, 1),
         "peft": lambda out: py("_peft", base, adapter, out),
     }
+    if args.dora:  # DoRA on all linear kinds (exact_check.py's adapter, built with peft on first use)
+        from exact_check import ensure_dora_adapter
+
+        adapter_dora = folder / "adapter_dora"
+        ensure_dora_adapter(base, adapter_dora)
+        cases["merge, DoRA"] = lambda out: py("_cli", base, adapter_dora, out, 1)
+        cases["peft, DoRA"] = lambda out: py("_peft", base, adapter_dora, out)
     if args.skip_peft:
         del cases["peft"]
+        cases.pop("peft, DoRA", None)
     try:
         results = timed_rounds(runner, cases, args.repeats)
     finally:
@@ -114,6 +123,12 @@ def bench_shape(shape: str, args) -> dict:
     if "merge, lora_alpha 24" in wall:
         print(f"  lora_alpha 24 (scale 1.5, no power of two): {wall['merge, lora_alpha 24']:.1f} s, "
               f"{rss['merge, lora_alpha 24']:.0f} MiB ({wall['merge, lora_alpha 24'] / fig['default']:.2f}x the alpha-32 merge)")
+    if "merge, DoRA" in wall:
+        line = f"  DoRA (all linear kinds): the default merge {wall['merge, DoRA']:.1f} s, {rss['merge, DoRA']:.0f} MiB"
+        if "peft, DoRA" in wall:
+            line += (f"; peft's merge alone {wall['peft, DoRA']:.1f} s, {rss['peft, DoRA']:.0f} MiB "
+                     f"({wall['peft, DoRA'] / wall['merge, DoRA']:.2f}x)")
+        print(line)
     return fig
 
 
@@ -135,6 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="0.5b,1.5b,3b")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--dora", action="store_true", help="also a DoRA adapter: our default merge and peft's")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
     figs = [bench_shape(shape, args) for shape in args.shapes.split(",")]
