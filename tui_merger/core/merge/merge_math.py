@@ -208,37 +208,35 @@ def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | None:
     buffers of 940 MB in each of the writer's two workspaces)."""
     if len(t.source.shape) != 2 or not math.prod(t.source.shape):
         return None
-    dora = _is_dora_rows(t)
-    if not (_is_fast(t) or dora):
+    op = _row_lora(t)
+    if op is None:
         return None
     segments = None
     if not _mapped(t.source):  # rows in pieces (verl FSDP rank shards), or none to read block by block (.bin)
         segments = t.source.source.row_blocks(t.source)
         if not segments:
             return None
-    op = t.ops[0]
     a = op.A.load().float()
     b = op.B.load().float()
-    if dora:
+    if op.magnitude is not None:  # DoRA
         return RowBlocks(t, a, b, ws, op.scale, op.magnitude.load().float().reshape(-1), segments)
     if _power_of_two(op.scale):
         return RowBlocks(t, a, b * op.scale, ws, None, segments=segments)
     return RowBlocks(t, a, b, ws, op.scale, segments=segments)
 
 
-def _is_dora_rows(t: OutputTensor) -> bool:
-    """One DoRA op on a weight stored as [out, in]: its norm is per row."""
+def _row_lora(t: OutputTensor) -> LoraOp | None:
+    """The one LoRA op (plain or DoRA) of a float weight stored as [out, in], not transposed
+    (fan_in_fan_out), whose rows can be merged without the others; else None."""
     if len(t.ops) != 1 or not isinstance(t.ops[0], LoraOp):
-        return False
+        return None
     op = t.ops[0]
-    return op.magnitude is not None and not op.transpose and t.source.dtype in ("bfloat16", "float16", "float32")
+    return None if op.transpose or t.source.dtype not in ("bfloat16", "float16", "float32") else op
 
 
 def _is_fast(t: OutputTensor) -> bool:
-    if len(t.ops) != 1 or not isinstance(t.ops[0], LoraOp):
-        return False
-    op = t.ops[0]
-    return op.magnitude is None and not op.transpose and t.source.dtype in ("bfloat16", "float16", "float32")
+    op = _row_lora(t)
+    return op is not None and op.magnitude is None
 
 
 def compute(t: OutputTensor, clamp: bool = False, ws: Workspace | None = None):

@@ -138,31 +138,24 @@ def _dora_lora_weight_as_product(model) -> None:
     row) keep peft's way."""
     import types
 
-    import torch
-
     try:
         from peft.tuners.lora.dora import DoraLinearLayer
     except ImportError:  # pragma: no cover - a peft without DoRA
         return
-
-    def product(self, lora_A, lora_B, adapter_name=None):
-        return lora_B.weight @ lora_A.weight
-
     for module in model.modules():
         if type(module) is DoraLinearLayer and not module.fan_in_fan_out:
-            module.get_lora_weight = types.MethodType(_guarded(product, DoraLinearLayer.get_lora_weight, torch), module)
+            module.get_lora_weight = types.MethodType(_lora_weight_as_product, module)
 
 
-def _guarded(product, original, torch):
-    """``product`` where lora_A and lora_B are plain bias-free Linear layers, else peft's own."""
+def _lora_weight_as_product(self, lora_A, lora_B, adapter_name=None):
+    """A DoRA layer's ``get_lora_weight``: B @ A where lora_A and lora_B are bias-free Linear layers,
+    else peft's own."""
+    import torch
+    from peft.tuners.lora.dora import DoraLinearLayer
 
-    def get_lora_weight(self, lora_A, lora_B, adapter_name=None):
-        plain = all(type(m) is torch.nn.Linear and m.bias is None for m in (lora_A, lora_B))
-        if plain:
-            return product(self, lora_A, lora_B, adapter_name)
-        return original(self, lora_A=lora_A, lora_B=lora_B, adapter_name=adapter_name)
-
-    return get_lora_weight
+    if all(type(m) is torch.nn.Linear and m.bias is None for m in (lora_A, lora_B)):
+        return lora_B.weight @ lora_A.weight
+    return DoraLinearLayer.get_lora_weight(self, lora_A=lora_A, lora_B=lora_B, adapter_name=adapter_name)
 
 
 # adapter weights kept in the dtype they were saved in (peft would upcast 16-bit ones to fp32: twice
