@@ -959,3 +959,24 @@ def test_the_dora_reference_takes_b_times_a_without_peft_identity_matrix(tmp_pat
         streamer.close()
     finally:
         source.close()
+
+
+def test_the_plan_states_a_longer_verification_for_dora(tmp_path, monkeypatch):
+    """The plan's verification estimate counts the reference's DoRA layers (peft's DoRA forward takes
+    W + s * B @ A and its norm whole; 3B, all linear kinds: 29-32 s against 12 s for plain LoRA):
+    the same base and targets with DoRA are stated as longer, by the cost per value of the DoRA'd
+    weights (made large here: a tiny model's weights cost milliseconds, below the plan's rounding)."""
+    from tui_merger.core.plan.preflight import make_plan
+    from tui_merger.core.verify import behaviour
+
+    monkeypatch.setattr(behaviour, "DORA_S_PER_VALUE", 1e-3)
+    base = save_base(tmp_path / "base", config=qwen_config())
+    plans = {}
+    for dora in (False, True):
+        adapter = save_adapter(tmp_path / f"adapter-{dora}", base, target_modules=["q_proj", "down_proj"], use_dora=dora)
+        plans[dora] = make_plan(MergeOptions(base=base, adapter=adapter, out=tmp_path / "out"))
+    dora_values = sum(load_base(base).get_submodule(f"model.layers.{i}.{m}").weight.numel()
+                      for i in range(2) for m in ("self_attn.q_proj", "mlp.down_proj"))
+    extra = plans[True].verify_seconds - plans[False].verify_seconds
+    assert extra > 1 and extra == pytest.approx(behaviour.DORA_S_PER_VALUE * dora_values, abs=0.11)
+    assert plans[True].verify_bytes >= plans[False].verify_bytes
