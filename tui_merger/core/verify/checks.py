@@ -25,11 +25,12 @@ from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.verify.parallel import Shares, run_side_by_side, threads_per_job
 from tui_merger.core.verify.streaming import StreamError
 from tui_merger.core.events import CancelToken, EventSink, MergeFinished, PhaseStarted, TensorProgress, TensorWritten, ignore_event
+from tui_merger.core.io import libc
 from tui_merger.core.io.files import config_dtype, read_json_object
 from tui_merger.core.record.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions, check_option_types
 
-from tui_merger.core.verify.recompute import PROBE_SEED, WhileWriting, _Recompute, release_memory, writing_key
+from tui_merger.core.verify.recompute import PROBE_SEED, WhileWriting, _Recompute, writing_key
 from tui_merger.core.verify.report import Check, VerifyReport
 
 PROBE_SHAPE = (1, 12)  # sequences x tokens: every pass costs two multiply-adds per weight and token
@@ -245,7 +246,7 @@ def _reference_ahead(options: MergeOptions, cancel: CancelToken | None = None) -
             model.close()
     finally:
         inputs.close()
-        release_memory()
+        libc.trim_heap()
         torch.set_num_threads(previous)
 
 
@@ -658,7 +659,7 @@ class _Models:
             model.close()
         finally:
             written.close()
-            release_memory()
+            libc.trim_heap()
 
     def reference(self, cancel: CancelToken) -> None:
         """2. the unmerged reference (what it is, the checkpoint's kind says)"""
@@ -698,7 +699,7 @@ class _Models:
             self.peak = max(self.peak, model.stats.peak_live_values)
             self.reference_out = (logits, hidden, ppl)
             model.close()
-            release_memory()
+            libc.trim_heap()
 
     def checks(self) -> list[Check]:
         if self.early is not None:

@@ -185,12 +185,6 @@ def _memcmp():
     return libc.function("memcmp", "c_int", "c_void_p", "c_void_p", "c_size_t")
 
 
-def release_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps the small blocks of a pass in its arenas:
-    300-500 MB after recomputing a 3B model); a no-op where there is no glibc."""
-    libc.trim_heap()
-
-
 def _mismatches(got, want, magnitude=None, scratch=None) -> int:
     """Elements of ``got`` further from ``want`` (fp32) than rounding explains: one unit in the last
     place of got's dtype, or, where terms nearly cancel, the fp32 rounding of the sum (2^-24 of
@@ -359,7 +353,7 @@ class _Recompute:
     def close(self) -> None:
         if self.stored is not None:
             self.stored.close()
-        release_memory()
+        libc.trim_heap()
 
     def check(self) -> Check:
         if self.unreadable:
@@ -627,7 +621,7 @@ class WhileWriting:
             self._close()  # verification reads the finished files itself; a stopped merge's space goes back
             if inputs is not None:
                 inputs.close()
-            release_memory()
+            libc.trim_heap()
 
     def results_for(self, out: Path, key: str, stored) -> dict[str, tuple]:
         """The results verification may use for ``out``: name -> result of ``_check_tensor``."""
