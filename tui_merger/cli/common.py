@@ -63,7 +63,7 @@ def print_result(result, stream=None) -> None:
     tok = {"adapter": "from the adapter folder", "base": "from the base model", None: "none found"}
     print(f"  tokenizer: {tok[result.tokenizer_source]}", file=stream)
     for key, value in result.config_changes.items():
-        print(f"  config.json: {key} set to {value}", file=stream)
+        print(f"  config.json: {key} removed" if value is None else f"  config.json: {key} set to {value}", file=stream)
 
 
 def preflight(options, dry_run: bool) -> bool:

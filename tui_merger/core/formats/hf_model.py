@@ -37,7 +37,11 @@ class HfModelFormat(Format):
         header_dtype, _ = s.headers_dtype(folder, present)
         said_dtype = config_dtype(config)
         c.dtype = header_dtype or said_dtype
-        if header_dtype and said_dtype and header_dtype != said_dtype:
+        released = _released_quantized(config)
+        if released:
+            c.notes.append(released)
+            c.dtype = said_dtype or header_dtype
+        elif header_dtype and said_dtype and header_dtype != said_dtype:
             c.notes.append(f"config.json says {said_dtype} but the weights are stored in {header_dtype}.")
         missing = [w for w in weights if w not in names]
         if missing:
@@ -79,3 +83,18 @@ def vision_note(config: dict, names) -> str:
     if not any(n in names for n in PROCESSOR_FILES):
         note += "; no preprocessor_config.json here, so it will not take images until the processor files are added"
     return note + "."
+
+
+def _released_quantized(config) -> str | None:
+    """What inspect says of a model released quantized (FP8 blocks, compressed-tensors FP8)."""
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.formats.dequant import model_dtype, scheme_of
+
+    try:
+        scheme = scheme_of(config)
+    except MergeError as err:
+        return f"quantized, but its quantization_config cannot be read: {err}"
+    if scheme is None:
+        return None
+    return (f"{scheme.label}, as released: an adapter merges into its weights dequantized to {model_dtype(config)} "
+            f"(as transformers' {scheme.loader} loads them); the output is a plain {model_dtype(config)} model.")

@@ -125,12 +125,29 @@ def _expert_loras(adapter, base_dir: Path, closers: list) -> None:
 
 
 def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
-    """Weights saved already quantized (bitsandbytes, GPTQ, AWQ) are refused; with --qlora-base the
+    """A base released quantized (FP8 blocks, compressed-tensors FP8) reads dequantized, as transformers'
+    dequantizing load gives it (``dequant.DequantSource``), and the output drops its quantization_config.
+    Weights saved already quantized (bitsandbytes, GPTQ, AWQ) are refused; with --qlora-base the
     base reads as dequant(quant(W)), the weights QLoRA training saw. The settings come from the flag
     alone (default: blocksize 64, double quantization, as QLoRA): the 16-bit base records nothing about
     how training quantized it, and peft saves nothing about it either."""
+    from tui_merger.core.formats.dequant import DequantSource, scheme_of
     from tui_merger.core.formats.quant import RoundTripSource, parse_roundtrip, refuse_packed
 
+    scheme = scheme_of(inputs.config)
+    if scheme is not None:  # released quantized (FP8 blocks, compressed-tensors FP8): no other original
+        source = DequantSource(inputs.base, scheme, inputs.config)
+        inputs.base = source
+        inputs.base_weights = source.describe()
+        inputs.config_changes["quantization_config"] = None  # the output is a plain model
+        if options.base_roundtrip:
+            from tui_merger.core.errors import MergeError
+
+            raise MergeError(
+                f"--qlora-base rounds 16-bit weights the way bitsandbytes does; {options.base} is released as "
+                f"{scheme.label} and is merged into its dequantized weights, what training saw. Drop --qlora-base."
+            )
+        return
     refuse_packed(inputs.base, inputs.config, options.base)
     if options.base_roundtrip:
         conv1d = True if getattr(inputs.adapter, "fan_in_fan_out", False) else None  # else: by model_type

@@ -153,10 +153,15 @@ def without_problems(config: dict, problems: dict[str, str]) -> dict:
 
 def edited_config(config: dict, changes: dict, dtype: str | None) -> dict:
     """config.json for the output: the changes applied at the top level and, where a nested
-    text_config holds the same key, there too."""
+    text_config holds the same key, there too; a change to None removes the key."""
     out = json.loads(json.dumps(config))
     text = out.get("text_config") if isinstance(out.get("text_config"), dict) else None
     for key, value in changes.items():
+        if value is None:  # a key the output must not have (a base's quantization_config)
+            out.pop(key, None)
+            if text is not None:
+                text.pop(key, None)
+            continue
         if key in out or text is None or key not in text:
             out[key] = value
         if text is not None and key in text:

@@ -59,6 +59,8 @@ class MergePlan:
     findings: list[Finding] = field(default_factory=list)
     suggested_base: str | None = None  # a local 16-bit model to use instead of a quantized base
     suggested_roundtrip: str | None = None  # the --qlora-base value that reproduces the training's rounding
+    base_format: str | None = None  # a base released quantized: what it is ("FP8 (e4m3), 128x128 blocks, as released")
+    output_format: str | None = None  # and what the output will be
     resume: dict | None = None  # a partial folder of an earlier run: state, kept, kept_bytes (see journal.resumable)
 
     @property
@@ -137,6 +139,9 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
                 _check_against_adapter_side(Path(path), who, Path(options.base), base_config, add)
             _check_vocab(options, inputs, add)
         plan.suggested_roundtrip, plan.suggested_base = _check_quantized(options, inputs, add)
+        if getattr(inputs.base, "dequantized", None) is not None:
+            plan.base_format = f"{inputs.base.scheme.label}, as released ({len(inputs.base.dequantized)} weights)"
+            plan.output_format = f"{dtype or inputs.base.dtype}, a plain model (quantization_config removed)"
         _check_remote_code(inputs.config, add)
         _check_nan(inputs.adapter, add)
     finally:
@@ -439,6 +444,10 @@ def _check_quantized(options: MergeOptions, inputs, add) -> tuple[str | None, st
     suggest, the 16-bit base to use instead of a quantized one), each or None."""
     from tui_merger.core.formats.quant import FLAG, find_unquantized_base, origin_fix, quantization_info
 
+    scheme = getattr(inputs.base, "scheme", None) if getattr(inputs.base, "dequantized", None) is not None else None
+    if scheme is not None:
+        _check_released_quantized(options, inputs, scheme, add)
+        return None, None
     info = quantization_info(inputs.config)
     if info is not None:
         found = find_unquantized_base(inputs.config, options.base or options.checkpoint)
@@ -449,7 +458,55 @@ def _check_quantized(options: MergeOptions, inputs, add) -> tuple[str | None, st
         return None, str(found) if found is not None and options.checkpoint is None else None
     if options.checkpoint is not None:
         return None, None
+    _check_trained_on_released_quantized(options, add)
     return _check_roundtrip(options, inputs, add), None
+
+
+def _check_released_quantized(options: MergeOptions, inputs, scheme, add) -> None:
+    """A base released quantized (FP8 blocks, compressed-tensors FP8): merged into its dequantized weights,
+    what training saw; the 16-bit original, when one is on this machine, is the other choice."""
+    from tui_merger.core.formats.quant import find_unquantized_base
+
+    count = len(inputs.base.dequantized)
+    add(Finding(
+        "released-quantized", INFO,
+        f"The base is released as {scheme.label}: its {count} quantized weights are dequantized exactly as "
+        f"transformers' {scheme.loader} loads them (what training on it saw), the adapter is merged into those, "
+        f"and the output is a plain {inputs.base.dtype} model without quantization_config.",
+    ))
+    found = find_unquantized_base(inputs.config, options.base) if options.base else None
+    if found is not None:
+        add(Finding(
+            "released-quantized-origin", INFO,
+            f"A 16-bit model it was made from is on this machine ({found}); the adapter was trained on the FP8 "
+            "weights, so they are the default.",
+            f"To merge into the 16-bit weights instead, pass --base {found}.",
+        ))
+
+
+def _check_trained_on_released_quantized(options: MergeOptions, add) -> None:
+    """An adapter trained on a base released quantized (it names that model) merged into a 16-bit model:
+    allowed (it is the other choice), but the weights differ from what training saw by the rounding."""
+    from tui_merger.core.formats.dequant import scheme_of
+
+    try:
+        named = json.loads((Path(options.adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError, TypeError):
+        return
+    path = resolve_model_reference(named) if isinstance(named, str) and named else None
+    if path is None or options.base is None or path.resolve() == Path(options.base).resolve():
+        return
+    try:
+        scheme = scheme_of(json_object_or_none(path / "config.json"))
+    except MergeError:
+        return
+    if scheme is not None:
+        add(Finding(
+            "trained-on-quantized", INFO,
+            f"The adapter was trained on {named}, released as {scheme.label}; it is merged into the 16-bit "
+            "weights of the base given, which differ from what training saw by the FP8 rounding.",
+            f"To merge into the weights training saw, pass --base {path}.",
+        ))
 
 
 def _check_roundtrip(options: MergeOptions, inputs, add) -> str | None:
@@ -694,6 +751,9 @@ def describe(plan: MergePlan) -> list[str]:
         lines.append(f"  {role:10} {path}")
     out = plan.options.get("out")
     lines.append(f"  {'output':10} {out or '(not given)'}" + ("" if out else f"  suggested: {plan.suggested_out}"))
+    if plan.base_format:
+        lines.append(f"  {'base is':10} {plan.base_format}; merged into its dequantized weights")
+        lines.append(f"  {'output is':10} {plan.output_format}")
     if plan.adapter:
         a = plan.adapter
         targets = a["target_modules"] if isinstance(a["target_modules"], str) else ", ".join(sorted(map(str, a["target_modules"])))

@@ -1,0 +1,260 @@
+"""Bases released quantized (FP8 blocks as DeepSeek-V3 and Qwen3-FP8 ship them, compressed-tensors FP8):
+the dequantized weights equal transformers' own dequantizing load bit for bit; an adapter made by peft
+on that load merges as peft merges it there; the output is a plain bf16 model that transformers loads
+without a quantization config and that gives the unmerged adapter's logits; bad checkpoints are refused
+with one sentence and nothing is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from factory import read_output, verification_checks
+from fp8_factory import fp8_blocks, make_compressed_fp8_base, make_fp8_block_base
+from safetensors.torch import load_file, save_file
+
+from tui_merger.cli import main
+from tui_merger.core.errors import MergeError
+from tui_merger.core.formats.dequant import DequantSource, Scheme, dequantize, scheme_of
+from tui_merger.core.io.sources import open_model
+
+QWEN3 = dict(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=128, vocab_size=320, max_position_embeddings=64)
+# kv_a_proj_with_mqa has kv_lora_rank + qk_rope_head_dim = 96 rows and kv_b_proj 32 columns: one short
+# block each, as DeepSeek-V3's 576-row kv_a_proj_with_mqa ends in one. Every other dimension is a whole
+# number of blocks: for more than one short-ended block transformers 5.24's loader is no reference (see
+# test_short_last_blocks_follow_the_block_grid)
+DEEPSEEK_V3 = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=2,
+                   first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                   num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=128,
+                   kv_lora_rank=32, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, vocab_size=320,
+                   max_position_embeddings=64)
+PROBE = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+def _dequantized_load(folder, kind):
+    """transformers' own dequantizing load (the reference for every dequantized value)."""
+    if kind == "compressed-tensors":
+        config = transformers.CompressedTensorsConfig(dequantize=True)
+    else:
+        config = transformers.FineGrainedFP8Config(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config)
+    return model.eval()
+
+
+# DeepSeek-V3's attention (MLA) projections. Its MLP names are peft 0.21's to turn into target_parameters
+# on the routed experts (the MoE adapters' issue), even in a pattern, so they are left out here
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+def _build(root, name, cls, config, make, kind, targets="all-linear"):
+    """A base released quantized, and a LoRA made by peft on transformers' dequantized load of it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = root / name
+    make(base, cls(config))
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    get_peft_model(_dequantized_load(base, kind), lora).save_pretrained(root / f"{name}-adapter")
+    return base, root / f"{name}-adapter"
+
+
+@pytest.fixture(scope="module")
+def qwen3_fp8(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_fp8")
+    return _build(root, "Qwen3-tiny-FP8", transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**QWEN3),
+                  make_fp8_block_base, "fp8")
+
+
+@pytest.fixture(scope="module")
+def deepseek_fp8(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_fp8")
+    return _build(root, "DeepSeek-V3-tiny", transformers.DeepseekV3ForCausalLM,
+                  transformers.DeepseekV3Config(**DEEPSEEK_V3), make_fp8_block_base, "fp8", MLA)
+
+
+@pytest.fixture(scope="module")
+def qwen3_ct(tmp_path_factory):
+    pytest.importorskip("compressed_tensors")
+    root = tmp_path_factory.mktemp("qwen3_ct")
+    return _build(root, "Qwen3-tiny-FP8-Dynamic", transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**QWEN3),
+                  make_compressed_fp8_base, "compressed-tensors")
+
+
+CASES = {"qwen3-fp8": ("qwen3_fp8", "fp8"), "deepseek_v3-fp8": ("deepseek_fp8", "fp8"),
+         "qwen3-compressed-tensors": ("qwen3_ct", "compressed-tensors")}
+
+
+def _case(request, case):
+    fixture, kind = CASES[case]
+    base, adapter = request.getfixturevalue(fixture)
+    return base, adapter, kind
+
+
+def _disk_state(model) -> dict:
+    """A loaded model's weights under the names save_pretrained writes (per-expert tensors on disk)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return read_output(Path(tmp))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dequantized_weights_equal_transformers_load_bit_for_bit(case, request):
+    base, _, kind = _case(request, case)
+    config = json.loads((base / "config.json").read_text())
+    source = DequantSource(open_model(base), scheme_of(config), config)
+    expected = _disk_state(_dequantized_load(base, kind))
+    assert source.dequantized and not any(n.endswith(("_scale_inv", "_scale")) for n in source.tensors)
+    for name in source.dequantized:
+        got = source.tensors[name].load()
+        want = expected[name]
+        assert got.dtype == want.dtype == torch.bfloat16, name
+        assert torch.equal(got, want), name
+    if kind == "fp8":  # MLA projections, the short block and the experts are among them
+        names = set(source.dequantized)
+        assert any("kv_a_proj_with_mqa" in n for n in names) == (case == "deepseek_v3-fp8")
+        assert any(".experts.3." in n for n in names) == (case == "deepseek_v3-fp8")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_merge_equals_peft_on_the_dequantized_load(case, request, tmp_path, capsys):
+    from peft import PeftModel
+
+    base, adapter, kind = _case(request, case)
+    loaded = _dequantized_load(base, kind)
+    base_state = _disk_state(loaded)
+    # the unmerged adapter on the dequantized weights, run in fp32 (so that only the merge's one rounding
+    # of W + delta to bf16 separates it from the merged model run the same way)
+    peft_model = PeftModel.from_pretrained(_dequantized_load(base, kind).float(), adapter).eval()
+    with torch.no_grad():
+        unmerged = peft_model(PROBE).logits.float()
+    # peft's merge in fp32 on the dequantized weights, rounded once to the model's dtype
+    merged_ref = PeftModel.from_pretrained(_dequantized_load(base, kind).float(), adapter).merge_and_unload()
+    expected = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dtype == torch.float32 else v
+                for k, v in _disk_state(merged_ref).items()}
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    assert "config.json: quantization_config removed" in said.out
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    got = read_output(out)
+    assert not any(v.dtype.is_floating_point and v.element_size() == 1 for v in got.values())
+    assert not any(n.endswith(("weight_scale_inv", "weight_scale")) for n in got)
+    changed = 0
+    for name, want in expected.items():
+        if name not in got:
+            continue
+        assert got[name].shape == want.shape, name
+        if got[name].dtype == torch.bfloat16 and want.dtype == torch.bfloat16:
+            # both add the fp32 delta to the same bf16 weights and round once: equal, or one step apart on a tie
+            torch.testing.assert_close(got[name].float(), want.float(), rtol=2 ** -8, atol=0, msg=name)
+            changed += int(not torch.equal(got[name], base_state[name]))
+    assert changed >= 10
+    # transformers loads the output plainly and it gives the unmerged adapter's logits
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = plain(PROBE).logits
+    scale = unmerged.abs().max().item()
+    print(case, (logits - unmerged).abs().max().item() / scale)
+    assert (logits - unmerged).abs().max().item() < 0.02 * scale
+    checks = verification_checks(out)
+    assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    assert manifest["base_weights"]["weights"] == "dequantized as released"
+
+
+def test_dry_run_names_the_base_format_and_the_output(qwen3_fp8, tmp_path, capsys):
+    base, adapter = qwen3_fp8
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "m"), "--dry-run"])
+    plan = capsys.readouterr().out
+    assert code == 0, plan
+    assert "base is    FP8 (e4m3), 128x128 blocks, as released (14 weights); merged into its dequantized weights" in plan
+    assert "output is  bfloat16, a plain model (quantization_config removed)" in plan
+    assert "FineGrainedFP8Config(dequantize=True)" in plan
+    assert "not the model's real weights" not in plan
+    assert not (tmp_path / "m").exists()
+
+
+def test_inspect_names_the_format(qwen3_fp8, capsys):
+    base, _ = qwen3_fp8
+    assert main(["inspect", str(base)]) == 0
+    said = capsys.readouterr().out
+    assert "FP8 (e4m3), 128x128 blocks, as released" in said, said
+
+
+# -- the arithmetic where transformers 5.24 cannot be the reference -----------------------------------
+
+
+def test_short_last_blocks_follow_the_block_grid():
+    """A weight of 192 rows has scale rows for rows 0-127 and 128-191 (the declared 128x128 blocks, as
+    DeepSeek's own weight_dequant reads its 576-row kv_a_proj_with_mqa). transformers 5.24's loader
+    derives the block from the grid instead (192 / 2 = 96 rows per scale: wrong values, silently) and
+    refuses 576 rows (not a multiple of 5), so the reference is the definition itself, block by block."""
+    torch.manual_seed(3)
+    w = torch.randn(192, 200) * 0.02
+    q, grid = fp8_blocks(w)
+    assert grid.shape == (2, 2)
+    got = dequantize(q, grid, Scheme("fp8", "weight_scale_inv", "float8_e4m3fn", (128, 128)), torch.bfloat16)
+    want = torch.empty(192, 200, dtype=torch.bfloat16)
+    for i in range(2):
+        for j in range(2):
+            rows, cols = slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128)
+            want[rows, cols] = (q[rows, cols].float() * grid[i, j]).to(torch.bfloat16)
+    assert torch.equal(got, want)
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+
+def _broken_copy(base, tmp_path, edit):
+    folder = tmp_path / "broken"
+    shutil.copytree(base, folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return folder
+
+
+NAME = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (lambda t: t.pop(NAME[:-6] + "weight_scale_inv"),
+     [NAME, "float8_e4m3fn", "no weight_scale_inv", "model.layers.0.mlp.down_proj.weight_scale_inv"]),
+    (lambda t: t.update({NAME[:-6] + "weight_scale_inv": torch.ones(3, 3)}),
+     ["model.layers.0.mlp.down_proj.weight_scale_inv has shape [3, 3]", "[256, 384] needs [2, 3]", "128x128 block"]),
+    (lambda t: t.update({NAME: t[NAME].float().to(torch.float8_e5m2)}),
+     [NAME, "float8_e5m2", "float8_e4m3fn"]),
+    (lambda t: t.update({NAME[:-6] + "weight_scale_inv": t[NAME[:-6] + "weight_scale_inv"].to(torch.float8_e4m3fn)}),
+     ["weight_scale_inv is stored in float8_e4m3fn", "float32, bfloat16 or float16"]),
+    (lambda t: t.update({"model.layers.0.mlp.extra.weight_scale_inv": torch.ones(1, 1)}),
+     ["model.layers.0.mlp.extra.weight_scale_inv", "no weight model.layers.0.mlp.extra.weight"]),
+], ids=["scale-missing", "scale-shape", "e5m2", "scale-dtype", "scale-alone"])
+def test_bad_fp8_checkpoints_are_refused_with_one_sentence(qwen3_fp8, tmp_path, capsys, edit, needles):
+    base, adapter = qwen3_fp8
+    broken = _broken_copy(base, tmp_path, edit)
+    out = tmp_path / "out"
+    code = main(["merge", "--base", str(broken), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert code != 0
+    for needle in needles:
+        assert needle in text, (needle, text)
+    assert "Nothing was written" in text
+    assert not out.exists()
+
+
+def test_bad_block_size_in_the_config_is_refused():
+    with pytest.raises(MergeError, match=r"weight_block_size \[128\]; expected two positive integers"):
+        scheme_of({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})
+    with pytest.raises(MergeError, match="fmt 'e5m2'"):
+        scheme_of({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}})

@@ -1,0 +1,342 @@
+"""Bases released quantized, with no 16-bit original: FP8 weights with a scale per block (DeepSeek-V3/R1,
+Kimi-K2, Qwen3 ``-FP8``: ``quant_method: fp8``) and compressed-tensors FP8 (a scale per tensor, per
+output channel or per block). People fine-tune these on the dequantized weights (transformers'
+``FineGrainedFP8Config(dequantize=True)``, ``CompressedTensorsConfig(run_compressed=False)``), so the
+merge goes into exactly those: ``DequantSource`` hands the plan each quantized weight dequantized, one
+block of rows at a time, and hides the scales.
+
+The arithmetic is transformers' own, so the values equal its dequantizing load bit for bit:
+
+- ``fp8`` (``weight_scale_inv`` beside a ``float8_e4m3fn`` weight): the scale grid has one value per
+  ``weight_block_size`` block (or a single value when there is no block size); each value is
+  ``fp32(q) * fp32(scale)``, rounded once to the model's dtype (``config.json``'s ``dtype``, bf16 for
+  every released one). A last block may be short: DeepSeek-V3's ``kv_a_proj_with_mqa`` has 576 rows and
+  5 rows of scales; DeepSeek's own ``weight_dequant`` covers it with the same arithmetic (transformers
+  5.24's dequantizing load refuses such a weight).
+- compressed-tensors FP8 (``weight_scale`` per tensor, per output channel or per block): ``q`` is cast to
+  the scale's dtype and multiplied by it there (compressed-tensors' ``dequantize``), then cast to the
+  model's dtype.
+
+Everything is checked from the headers before anything is read: every FP8 weight has its scale, every
+scale a weight, the scale grid fits the weight, the FP8 dtype is the one the format declares. Each
+problem is one sentence naming the tensor and what was expected.
+
+No torch at import time: it is imported where tensors are touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tui_merger.core.errors import MergeError
+
+FP8_E4M3 = "float8_e4m3fn"
+FP8_E5M2 = "float8_e5m2"
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+ROW_VALUES = 1 << 22  # values dequantized at a time (a multiple of the block rows): memory stays flat
+# tensors a quantized checkpoint carries beside its weights that a dequantized model has no place for
+_ACTIVATION_SCALES = (".activation_scale", ".input_scale")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What a ``quantization_config`` this module can dequantize says."""
+
+    method: str  # "fp8" (transformers' FineGrainedFP8) or "compressed-tensors"
+    scale_suffix: str  # weight_scale_inv (fp8) or weight_scale (compressed-tensors)
+    fp8_dtype: str  # the FP8 dtype the weights must have
+    block: tuple[int, int] | None = None  # rows x columns per scale; None: per tensor / per channel
+    strategy: str = "block"  # block, tensor or channel
+    scale_in_fp32: bool = True  # fp8: fp32 product; compressed-tensors: in the scale's dtype
+    ignored: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def label(self) -> str:
+        """e.g. 'FP8 (e4m3), 128x128 blocks' or 'compressed-tensors FP8 (e4m3), one scale per channel'."""
+        kind = "e4m3" if self.fp8_dtype == FP8_E4M3 else "e5m2"
+        head = "FP8" if self.method == "fp8" else "compressed-tensors FP8"
+        if self.block is not None:
+            return f"{head} ({kind}), {self.block[0]}x{self.block[1]} blocks"
+        return f"{head} ({kind}), one scale per {'output channel' if self.strategy == 'channel' else 'tensor'}"
+
+    @property
+    def loader(self) -> str:
+        """The transformers setting that loads the same dequantized weights."""
+        if self.method == "fp8":
+            return "FineGrainedFP8Config(dequantize=True)"
+        return "CompressedTensorsConfig(run_compressed=False)"
+
+
+def _fp8_scheme(q: dict) -> Scheme:
+    fmt = str(q.get("fmt") or "e4m3").lower()
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise MergeError(
+            f"The base's quantization_config says fmt {fmt!r}; FP8 checkpoints of this kind store float8_e4m3fn "
+            "(fmt e4m3), which is all transformers loads. Nothing was written."
+        )
+    block = q.get("weight_block_size")
+    if block is not None:
+        ok = isinstance(block, (list, tuple)) and len(block) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block
+        )
+        if not ok:
+            raise MergeError(
+                f"The base's quantization_config has weight_block_size {block!r}; expected two positive integers "
+                "such as [128, 128]. Nothing was written."
+            )
+        block = (int(block[0]), int(block[1]))
+    skip = q.get("modules_to_not_convert") or ()
+    return Scheme("fp8", "weight_scale_inv", FP8_E4M3, block, "block" if block else "tensor", True,
+                  tuple(str(s) for s in skip) if isinstance(skip, (list, tuple)) else ())
+
+
+def _compressed_tensors_scheme(q: dict) -> Scheme | None:
+    """compressed-tensors with FP8 weights in every group (format float-quantized or naive-quantized);
+    None for its other schemes (integers, 4-bit floats), which are refused as before."""
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return None
+    fmt = str(q.get("format") or "")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        return None
+    found = None
+    for group in groups.values():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            return None
+        if weights.get("type") != "float" or weights.get("num_bits") != 8 or weights.get("symmetric") is False:
+            return None
+        strategy = str(weights.get("strategy") or "tensor")
+        if strategy not in ("tensor", "channel", "block"):
+            return None
+        block = None
+        if strategy == "block":
+            shape = weights.get("block_structure")
+            if not (isinstance(shape, (list, tuple)) and len(shape) == 2 and all(isinstance(b, int) and b > 0 for b in shape)):
+                raise MergeError(
+                    f"The base's compressed-tensors config has block_structure {shape!r}; expected two positive "
+                    "integers such as [128, 128]. Nothing was written."
+                )
+            block = (int(shape[0]), int(shape[1]))
+        this = (strategy, block)
+        if found is not None and found != this:
+            return None  # groups with different schemes: not one this module reads
+        found = this
+    ignore = q.get("ignore") or ()
+    return Scheme("compressed-tensors", "weight_scale", FP8_E4M3, found[1], found[0], False,
+                  tuple(str(s) for s in ignore) if isinstance(ignore, (list, tuple)) else ())
+
+
+def scheme_of(config: dict | None) -> Scheme | None:
+    """The released-quantized format a model config declares that can be dequantized exactly, or None."""
+    if not isinstance(config, dict):
+        return None
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method") or "").lower()
+    if method == "fp8":
+        return _fp8_scheme(q)
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(q)
+    return None
+
+
+def model_dtype(config: dict) -> str:
+    """The dtype transformers loads the model in (``dtype: auto``): config.json's, else bf16."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for value in (config.get("dtype"), config.get("torch_dtype"), text.get("dtype"), text.get("torch_dtype")):
+        name = str(value).removeprefix("torch.") if value else None
+        if name in OUT_DTYPES:
+            return name
+    return "bfloat16"
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _expected_scale_shape(scheme: Scheme, shape: tuple) -> tuple[tuple, ...]:
+    """The scale shapes that fit a weight (several spellings of one value for per-tensor scales)."""
+    rows, cols = shape[-2], shape[-1]
+    lead = tuple(shape[:-2])
+    if scheme.block is not None:
+        return (lead + (_ceil(rows, scheme.block[0]), _ceil(cols, scheme.block[1])),)
+    if scheme.strategy == "channel":
+        return (lead + (rows, 1), lead + (rows,))
+    return ((), (1,), lead + (1, 1)) if lead else ((), (1,), (1, 1))
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_pairs(tensors: dict, scheme: Scheme) -> tuple[dict, list[str]]:
+    """{weight name: scale name} for every quantized weight, and the activation scales to drop; raises
+    the one sentence for the first bad pair (a scale missing or of the wrong shape, a block size that
+    does not divide the weight where the format wants it to, an FP8 dtype the format does not allow)."""
+    suffix = "." + scheme.scale_suffix
+    pairs = {}
+    for name, ref in tensors.items():
+        if name.endswith(suffix):
+            weight = name[: -len(suffix)] + ".weight"
+            if weight not in tensors:
+                raise MergeError(
+                    f"The base has the scale {name} but no weight {weight} beside it; the checkpoint is incomplete. "
+                    "Nothing was written."
+                )
+            pairs[weight] = name
+    drop = [n for n in tensors if n.endswith(_ACTIVATION_SCALES)]
+    for name, ref in tensors.items():
+        if ref.dtype.startswith("float8") and name not in pairs and name.endswith(".weight"):
+            raise MergeError(
+                f"{name} is stored in {ref.dtype} but has no {scheme.scale_suffix} beside it, so its values cannot be "
+                f"recovered; expected {name[: -len('.weight')]}.{scheme.scale_suffix}. Nothing was written."
+            )
+        if ref.dtype.startswith("float8") and not name.endswith((".weight", suffix)) and name not in drop:
+            raise MergeError(
+                f"{name} is stored in {ref.dtype}, but only weights with a {scheme.scale_suffix} can be dequantized. "
+                "Nothing was written."
+            )
+    for weight, scale in pairs.items():
+        w, s = tensors[weight], tensors[scale]
+        if w.dtype != scheme.fp8_dtype:
+            allowed = "float8_e4m3fn (fmt e4m3)"
+            raise MergeError(
+                f"{weight} is stored in {w.dtype}, but {scheme.label.split(',')[0]} weights are {allowed}. Nothing was written."
+            )
+        if len(w.shape) < 2:
+            raise MergeError(f"{weight} has shape {_shape_text(w.shape)}; a quantized weight is a matrix. Nothing was written.")
+        if s.dtype not in SCALE_DTYPES:
+            raise MergeError(
+                f"{scale} is stored in {s.dtype}; scales are float32, bfloat16 or float16. Nothing was written."
+            )
+        wanted = _expected_scale_shape(scheme, tuple(w.shape))
+        if tuple(s.shape) not in wanted:
+            rows, cols = w.shape[-2], w.shape[-1]
+            how = (f"one per {scheme.block[0]}x{scheme.block[1]} block of its {rows}x{cols} values"
+                   if scheme.block else ("one per output row" if scheme.strategy == "channel" else "one value"))
+            raise MergeError(
+                f"{scale} has shape {_shape_text(s.shape)} but {weight} {_shape_text(w.shape)} needs "
+                f"{_shape_text(wanted[0])} ({how}); the scales do not belong to this weight. Nothing was written."
+            )
+        if scheme.block is not None and scheme.method == "compressed-tensors":
+            rows, cols = w.shape[-2], w.shape[-1]
+            if rows % scheme.block[0] or cols % scheme.block[1]:
+                raise MergeError(
+                    f"{weight} {_shape_text(w.shape)} is not a whole number of {scheme.block[0]}x{scheme.block[1]} "
+                    "blocks, which compressed-tensors' block strategy requires. Nothing was written."
+                )
+    return pairs, drop
+
+
+def dequantize(q, scale, scheme: Scheme, dtype, out=None):
+    """One weight's values as transformers' dequantizing load gives them: blocks of rows at a time into
+    ``out`` (``dtype``, the weight's shape; made when None)."""
+    import torch
+
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype)
+    rows, cols = q.shape[-2], q.shape[-1]
+    q2 = q.reshape(-1, rows, cols)
+    o2 = out.view(-1, rows, cols)
+    work = torch.float32 if scheme.scale_in_fp32 else scale.dtype
+    if scheme.block is not None:
+        s = scale.reshape(-1, *scale.shape[-2:])
+    elif scheme.strategy == "channel":
+        s = scale.reshape(-1, rows, 1)
+    else:
+        s = scale.reshape(-1, 1, 1)
+    s = s.to(work)
+    bm = scheme.block[0] if scheme.block else 1
+    step = max(bm, (ROW_VALUES // max(cols, 1)) // bm * bm)
+    for e in range(q2.shape[0]):
+        se = s[e if s.shape[0] > 1 else 0]
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            part = q2[e, r0:r1].to(work)
+            if scheme.block is not None:
+                grid = se[r0 // bm : _ceil(r1, bm)].repeat_interleave(bm, dim=0)[: r1 - r0]
+                part.mul_(grid.repeat_interleave(scheme.block[1], dim=1)[:, :cols])
+            elif scheme.strategy == "channel":
+                part.mul_(se[r0:r1])
+            else:
+                part.mul_(se[0, 0])
+            o2[e, r0:r1] = part  # one rounding to the model's dtype
+    return out
+
+
+class DequantSource:
+    """A view of a base released quantized: each quantized weight reads dequantized (named and shaped as
+    the weight, in the model's dtype), its scale and activation scales are hidden, the rest passes
+    through as stored."""
+
+    def __init__(self, inner, scheme: Scheme, config: dict) -> None:
+        from tui_merger.core.io.sources import TensorRef
+
+        self.inner = inner
+        self.scheme = scheme
+        self.folder = getattr(inner, "folder", None)
+        self.files = getattr(inner, "files", [])
+        self.dtype = model_dtype(config)
+        pairs, drop = check_pairs(inner.tensors, scheme)
+        self._scales = {}  # (file, name in the file) -> (weight ref, scale ref)
+        hidden = set(pairs.values()) | set(drop)
+        self.tensors = {}
+        for name, ref in inner.tensors.items():
+            if name in hidden:
+                continue
+            if name in pairs:
+                self._scales[(ref.file, ref.name)] = (ref, inner.tensors[pairs[name]])
+                ref = TensorRef(self, ref.file, ref.name, self.dtype, tuple(ref.shape))
+            self.tensors[name] = ref
+        self.dropped = sorted(drop)
+
+    @property
+    def dequantized(self) -> list[str]:
+        return [w.name for w, _ in self._scales.values()]
+
+    def describe(self) -> dict:
+        """What the manifest says about the base weights."""
+        return {
+            "weights": "dequantized as released",
+            "format": self.scheme.label,
+            "method": self.scheme.method,
+            "block": list(self.scheme.block) if self.scheme.block else None,
+            "strategy": self.scheme.strategy,
+            "dtype": self.dtype,
+            "as": self.scheme.loader,
+            "tensors": len(self._scales),
+        }
+
+    def load(self, ref):
+        w, s = self._scales[(ref.file, ref.name)]
+        return dequantize(w.load(), s.load(), self.scheme, _torch_dtype(self.dtype))
+
+    def load_into(self, ref, out) -> None:
+        if out.dtype == _torch_dtype(self.dtype) and out.is_contiguous():
+            w, s = self._scales[(ref.file, ref.name)]
+            dequantize(w.load(), s.load(), self.scheme, out.dtype, out=out)
+        else:
+            out.copy_(self.load(ref))
+
+    def raw_ranges(self, ref):
+        return None  # the stored bytes are FP8, not the values
+
+    def row_blocks(self, ref):
+        return None
+
+    def release(self, ref) -> None:
+        w, s = self._scales[(ref.file, ref.name)]
+        w.release()
+        s.release()
+
+    def close(self) -> None:
+        pass  # the inner source is closed by its owner
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
