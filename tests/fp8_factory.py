@@ -104,3 +104,59 @@ def make_compressed_fp8_base(folder: Path, model) -> list[str]:
     """Save ``model`` (bf16) as llm-compressor's FP8-Dynamic writes it (compressed-tensors, channel scales)."""
     model.to(torch.bfloat16).save_pretrained(folder)
     return _rewrite(folder, fp8_channels, {**COMPRESSED_FP8, "_scale": "weight_scale"})
+
+
+# -- MXFP4 (GPT-OSS's experts) ---------------------------------------------------------------------------
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 4-bit float (1 sign, 2 exponent, 1 mantissa bit)
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The OCP Microscaling format for one [rows, cols] matrix, in plain steps: each row is cut into groups
+    of 32 values; a group's shared scale is 2**(floor(log2(absmax)) - 2) (2: e2m1's largest exponent),
+    stored as the biased byte exponent + 127; each value / scale goes to the nearest e2m1 value (ties to
+    the even code), clamped to 6, sign in bit 3; two values per byte, the even one in the low nibble.
+    Returns (blocks [rows, cols/32, 16] uint8, scales [rows, cols/32] uint8)."""
+    rows, cols = w.shape
+    groups = w.float().reshape(rows, cols // 32, 32)
+    amax = groups.abs().amax(dim=-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - 2, torch.full_like(amax, -127))
+    exp = exp.clamp(-127, 127)
+    x = groups / torch.exp2(exp)[..., None]
+    mags = torch.tensor(E2M1)
+    dist = (x.abs()[..., None] - mags).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    tied = dist == best
+    # ties to the even code (an even index in the table: mantissa bit 0)
+    index = torch.where(tied[..., ::2].any(dim=-1), (tied * torch.arange(8).remainder(2).eq(0)).float().argmax(dim=-1),
+                        tied.float().argmax(dim=-1))
+    codes = index + 8 * (x < 0).long()
+    codes = codes.reshape(rows, cols // 32, 16, 2)
+    blocks = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def make_mxfp4_base(folder: Path, model) -> list[str]:
+    """Save a GPT-OSS ``model`` (bf16) as GPT-OSS is released: its experts' ``gate_up_proj`` [E, in, out]
+    and ``down_proj`` written as ``*_blocks`` + ``*_scales`` of each expert's [out, in] matrix."""
+    model.to(torch.bfloat16).save_pretrained(folder)
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(str(path))
+    out, done = {}, []
+    for name, w in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            pairs = [mxfp4(w[e].T.contiguous()) for e in range(w.shape[0])]
+            out[name + "_blocks"] = torch.stack([b for b, _ in pairs])
+            out[name + "_scales"] = torch.stack([s for _, s in pairs])
+            done.append(name)
+        else:
+            out[name] = w
+    save_file(out, str(path), metadata={"format": "pt"})
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config["quantization_config"] = MXFP4_CONFIG
+    (Path(folder) / "config.json").write_text(json.dumps(config, indent=2))
+    return done

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from factory import read_output, verification_checks
-from fp8_factory import fp8_blocks, make_compressed_fp8_base, make_fp8_block_base
+from fp8_factory import fp8_blocks, make_compressed_fp8_base, make_fp8_block_base, make_mxfp4_base
 from safetensors.torch import load_file, save_file
 
 from tui_merger.cli import main
@@ -41,6 +41,8 @@ def _dequantized_load(folder, kind):
     """transformers' own dequantizing load (the reference for every dequantized value)."""
     if kind == "compressed-tensors":
         config = transformers.CompressedTensorsConfig(dequantize=True)
+    elif kind == "mxfp4":
+        config = transformers.Mxfp4Config(dequantize=True)
     else:
         config = transformers.FineGrainedFP8Config(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config)
@@ -87,8 +89,22 @@ def qwen3_ct(tmp_path_factory):
                   make_compressed_fp8_base, "compressed-tensors")
 
 
+GPT_OSS = dict(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=320, max_position_embeddings=64,
+               sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """GPT-OSS as released: experts in MXFP4, attention bf16; the LoRA on the attention projections (LoRA
+    on the experts, peft's target_parameters, goes with the MoE adapters' issue)."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    return _build(root, "gpt-oss-tiny", transformers.GptOssForCausalLM, transformers.GptOssConfig(**GPT_OSS),
+                  make_mxfp4_base, "mxfp4", ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
 CASES = {"qwen3-fp8": ("qwen3_fp8", "fp8"), "deepseek_v3-fp8": ("deepseek_fp8", "fp8"),
-         "qwen3-compressed-tensors": ("qwen3_ct", "compressed-tensors")}
+         "qwen3-compressed-tensors": ("qwen3_ct", "compressed-tensors"), "gpt_oss-mxfp4": ("gpt_oss_mxfp4", "mxfp4")}
 
 
 def _case(request, case):
@@ -110,12 +126,15 @@ def test_dequantized_weights_equal_transformers_load_bit_for_bit(case, request):
     config = json.loads((base / "config.json").read_text())
     source = DequantSource(open_model(base), scheme_of(config), config)
     expected = _disk_state(_dequantized_load(base, kind))
-    assert source.dequantized and not any(n.endswith(("_scale_inv", "_scale")) for n in source.tensors)
+    assert source.dequantized and not any(n.endswith(("_scale_inv", "_scale", "_scales", "_blocks")) for n in source.tensors)
     for name in source.dequantized:
         got = source.tensors[name].load()
         want = expected[name]
         assert got.dtype == want.dtype == torch.bfloat16, name
         assert torch.equal(got, want), name
+    if kind == "mxfp4":  # every expert tensor, [experts, in, out] as transformers keeps them
+        assert sorted(source.dequantized) == sorted(f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1)
+                                                    for p in ("gate_up_proj", "down_proj"))
     if kind == "fp8":  # MLA projections, the short block and the experts are among them
         names = set(source.dequantized)
         assert any("kv_a_proj_with_mqa" in n for n in names) == (case == "deepseek_v3-fp8")
@@ -147,7 +166,7 @@ def test_merge_equals_peft_on_the_dequantized_load(case, request, tmp_path, caps
     assert "quantization_config" not in config
     got = read_output(out)
     assert not any(v.dtype.is_floating_point and v.element_size() == 1 for v in got.values())
-    assert not any(n.endswith(("weight_scale_inv", "weight_scale")) for n in got)
+    assert not any(n.endswith(("weight_scale_inv", "weight_scale", "_scales", "_blocks")) for n in got)
     changed = 0
     for name, want in expected.items():
         if name not in got:
@@ -157,7 +176,7 @@ def test_merge_equals_peft_on_the_dequantized_load(case, request, tmp_path, caps
             # both add the fp32 delta to the same bf16 weights and round once: equal, or one step apart on a tie
             torch.testing.assert_close(got[name].float(), want.float(), rtol=2 ** -8, atol=0, msg=name)
             changed += int(not torch.equal(got[name], base_state[name]))
-    assert changed >= 10
+    assert changed >= 8
     # transformers loads the output plainly and it gives the unmerged adapter's logits
     plain = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -258,3 +277,50 @@ def test_bad_block_size_in_the_config_is_refused():
         scheme_of({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})
     with pytest.raises(MergeError, match="fmt 'e5m2'"):
         scheme_of({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}})
+
+
+MX = "model.layers.0.mlp.experts.down_proj"
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (lambda t: t.pop(MX + "_scales"), [MX + "_blocks holds MXFP4 values", "no " + MX + "_scales"]),
+    (lambda t: t.update({MX + "_scales": t[MX + "_scales"][:, :, :1].contiguous()}),
+     [MX + "_scales is uint8 [4, 64, 1]", "needs uint8 [4, 64, 2]"]),
+], ids=["scales-missing", "scales-shape"])
+def test_bad_mxfp4_checkpoints_are_refused_with_one_sentence(gpt_oss_mxfp4, tmp_path, capsys, edit, needles):
+    base, adapter = gpt_oss_mxfp4
+    broken = _broken_copy(base, tmp_path, edit)
+    out = tmp_path / "out"
+    code = main(["merge", "--base", str(broken), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert code != 0
+    for needle in needles:
+        assert needle in text, (needle, text)
+    assert not out.exists()
+
+
+def test_a_16bit_original_beside_the_fp8_release_is_the_other_choice(qwen3_fp8, tmp_path, capsys):
+    """Qwen3-8B beside Qwen3-8B-FP8: merging into the FP8 release names the original as the other
+    choice; merging the same adapter (it names the FP8 model) into the original says what differs."""
+    base, adapter = qwen3_fp8
+    fp8 = tmp_path / "Qwen3-tiny-FP8"
+    shutil.copytree(base, fp8)
+    original = tmp_path / "Qwen3-tiny"
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).to(torch.bfloat16).save_pretrained(original)
+    named = tmp_path / "adapter"
+    shutil.copytree(adapter, named)
+    config = json.loads((named / "adapter_config.json").read_text())
+    (named / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(fp8)}))
+
+    assert main(["merge", "--base", str(fp8), "--adapter", str(named), "--out", str(tmp_path / "a"), "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert f"A 16-bit model it was made from is on this machine ({original})" in plan, plan
+    assert f"To merge into the 16-bit weights instead, pass --base {original}." in plan
+
+    assert main(["merge", "--base", str(original), "--adapter", str(named), "--out", str(tmp_path / "b"), "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert f"The adapter was trained on {fp8}, released as FP8 (e4m3), 128x128 blocks" in plan, plan
+    assert f"To merge into the weights training saw, pass --base {fp8}." in plan
+    assert "base-name" not in plan and "but the base given is" not in plan

@@ -34,6 +34,7 @@ FP8_E4M3 = "float8_e4m3fn"
 FP8_E5M2 = "float8_e5m2"
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 OUT_DTYPES = ("bfloat16", "float16", "float32")
+E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 ROW_VALUES = 1 << 22  # values dequantized at a time (a multiple of the block rows): memory stays flat
 # tensors a quantized checkpoint carries beside its weights that a dequantized model has no place for
 _ACTIVATION_SCALES = (".activation_scale", ".input_scale")
@@ -54,6 +55,8 @@ class Scheme:
     @property
     def label(self) -> str:
         """e.g. 'FP8 (e4m3), 128x128 blocks' or 'compressed-tensors FP8 (e4m3), one scale per channel'."""
+        if self.method == "mxfp4":
+            return "MXFP4 (e2m1, a power-of-two scale per 32 values)"
         kind = "e4m3" if self.fp8_dtype == FP8_E4M3 else "e5m2"
         head = "FP8" if self.method == "fp8" else "compressed-tensors FP8"
         if self.block is not None:
@@ -65,6 +68,8 @@ class Scheme:
         """The transformers setting that loads the same dequantized weights."""
         if self.method == "fp8":
             return "FineGrainedFP8Config(dequantize=True)"
+        if self.method == "mxfp4":
+            return "Mxfp4Config(dequantize=True)"
         return "CompressedTensorsConfig(run_compressed=False)"
 
 
@@ -140,6 +145,10 @@ def scheme_of(config: dict | None) -> Scheme | None:
         return _fp8_scheme(q)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(q)
+    if method == "mxfp4":
+        skip = q.get("modules_to_not_convert") or ()
+        return Scheme("mxfp4", "_scales", "uint8", (1, 32), "mxfp4", True,
+                      tuple(str(s) for s in skip) if isinstance(skip, (list, tuple)) else ())
     return None
 
 
@@ -170,6 +179,64 @@ def _expected_scale_shape(scheme: Scheme, shape: tuple) -> tuple[tuple, ...]:
 
 def _shape_text(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _mxfp4_pairs(tensors: dict) -> dict:
+    """{name of the dequantized tensor: (blocks name, scales name)} of an MXFP4 checkpoint (GPT-OSS's
+    experts: ``<param>_blocks`` uint8 [experts, rows, groups, 16], ``<param>_scales`` uint8 [experts,
+    rows, groups]), checked from the headers."""
+    pairs = {}
+    for name, ref in tensors.items():
+        if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" not in tensors:
+            raise MergeError(
+                f"The base has the MXFP4 scales {name} but no {name[: -len('_scales')]}_blocks beside them; the "
+                "checkpoint is incomplete. Nothing was written."
+            )
+        if not name.endswith("_blocks"):
+            continue
+        param = name[: -len("_blocks")]
+        scales = tensors.get(param + "_scales")
+        if scales is None:
+            raise MergeError(
+                f"{name} holds MXFP4 values but there is no {param}_scales beside it, so they cannot be recovered. "
+                "Nothing was written."
+            )
+        if ref.dtype != "uint8" or len(ref.shape) != 4 or ref.shape[-1] != 16:
+            raise MergeError(
+                f"{name} is {ref.dtype} {_shape_text(ref.shape)}; MXFP4 blocks are uint8 [experts, rows, groups, 16] "
+                "(two 4-bit values a byte, 32 a group). Nothing was written."
+            )
+        if scales.dtype != "uint8" or tuple(scales.shape) != tuple(ref.shape[:-1]):
+            raise MergeError(
+                f"{param}_scales is {scales.dtype} {_shape_text(scales.shape)} but {name} {_shape_text(ref.shape)} "
+                f"needs uint8 {_shape_text(ref.shape[:-1])} (one exponent per 32 values). Nothing was written."
+            )
+        if param in tensors:
+            raise MergeError(f"The base has both {param} and its MXFP4 {name}; keep one. Nothing was written.")
+        pairs[param] = (name, param + "_scales")
+    return pairs
+
+
+def dequantize_mxfp4(blocks, scales, dtype, out=None):
+    """GPT-OSS's experts as transformers' ``Mxfp4Config(dequantize=True)`` gives them: each byte's low
+    nibble is the even value, an e2m1 code (sign bit 3); times 2**(scale - 127) of its group of 32; a
+    few rows at a time, written transposed ([experts, in, out], the layout transformers keeps)."""
+    import torch
+
+    experts, rows, groups, half = blocks.shape
+    cols = groups * half * 2
+    if out is None:
+        out = torch.empty(experts, cols, rows, dtype=dtype)
+    lut = torch.tensor(E2M1_CODES, dtype=torch.float32)
+    step = max(1, ROW_VALUES // max(cols, 1))
+    for e in range(experts):
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            b = blocks[e, r0:r1].to(torch.int64)
+            vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).reshape(r1 - r0, groups, half * 2)
+            vals.mul_(torch.exp2(scales[e, r0:r1].to(torch.float32) - 127.0)[..., None])
+            out[e, :, r0:r1] = vals.reshape(r1 - r0, cols).T
+    return out
 
 
 def check_pairs(tensors: dict, scheme: Scheme) -> tuple[dict, list[str]]:
@@ -280,6 +347,9 @@ class DequantSource:
         self.folder = getattr(inner, "folder", None)
         self.files = getattr(inner, "files", [])
         self.dtype = model_dtype(config)
+        if scheme.method == "mxfp4":
+            self._init_mxfp4(inner)
+            return
         pairs, drop = check_pairs(inner.tensors, scheme)
         self._scales = {}  # (file, name in the file) -> (weight ref, scale ref)
         hidden = set(pairs.values()) | set(drop)
@@ -293,8 +363,32 @@ class DequantSource:
             self.tensors[name] = ref
         self.dropped = sorted(drop)
 
+    def _init_mxfp4(self, inner) -> None:
+        from tui_merger.core.io.sources import TensorRef
+
+        pairs = _mxfp4_pairs(inner.tensors)
+        hidden = {n for pair in pairs.values() for n in pair}
+        self._scales = {}
+        self.tensors = {}
+        self._names = {}
+        for name, ref in inner.tensors.items():
+            if name in hidden and name.endswith("_scales"):
+                continue
+            if name in hidden:
+                param = name[: -len("_blocks")]
+                experts, rows, groups, half = ref.shape
+                self._scales[(ref.file, ref.name)] = (ref, inner.tensors[param + "_scales"])
+                self._names[(ref.file, ref.name)] = param
+                # named and shaped as the dequantized parameter ([experts, in, out]); found by the blocks' place
+                self.tensors[param] = TensorRef(self, ref.file, ref.name, self.dtype, (experts, groups * half * 2, rows))
+                continue
+            self.tensors[name] = ref
+        self.dropped = []
+
     @property
     def dequantized(self) -> list[str]:
+        if self.scheme.method == "mxfp4":
+            return list(self._names.values())
         return [w.name for w, _ in self._scales.values()]
 
     def describe(self) -> dict:
@@ -312,9 +406,18 @@ class DequantSource:
 
     def load(self, ref):
         w, s = self._scales[(ref.file, ref.name)]
+        if self.scheme.method == "mxfp4":
+            return dequantize_mxfp4(w.load(), s.load(), _torch_dtype(self.dtype))
         return dequantize(w.load(), s.load(), self.scheme, _torch_dtype(self.dtype))
 
     def load_into(self, ref, out) -> None:
+        if self.scheme.method == "mxfp4":
+            w, s = self._scales[(ref.file, ref.name)]
+            if out.dtype == _torch_dtype(self.dtype) and out.is_contiguous():
+                dequantize_mxfp4(w.load(), s.load(), out.dtype, out=out)
+            else:
+                out.copy_(self.load(ref))
+            return
         if out.dtype == _torch_dtype(self.dtype) and out.is_contiguous():
             w, s = self._scales[(ref.file, ref.name)]
             dequantize(w.load(), s.load(), self.scheme, out.dtype, out=out)

@@ -77,7 +77,7 @@ _HEAD_LEAVES = ("lm_head", "embed_out", "output", "output_layer", "score", "clas
 _CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt")
 _QUANT_SUFFIX = re.compile(
     r"(?:[-_.](?:unsloth[-_])?bnb[-_]?(?:4|8)bit|[-_.](?:4|8)bit|[-_.]nf4|[-_.]fp4|[-_.]int4|[-_.]int8"
-    r"|[-_.]gptq(?:[-_.]int(?:4|8))?|[-_.]awq|[-_.]bnb)+$",
+    r"|[-_.]gptq(?:[-_.]int(?:4|8))?|[-_.]awq|[-_.]bnb|[-_.]fp8(?:[-_.](?:dynamic|block))?)+$",
     re.I,
 )
 
