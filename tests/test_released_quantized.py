@@ -324,3 +324,116 @@ def test_a_16bit_original_beside_the_fp8_release_is_the_other_choice(qwen3_fp8, 
     assert f"The adapter was trained on {fp8}, released as FP8 (e4m3), 128x128 blocks" in plan, plan
     assert f"To merge into the weights training saw, pass --base {fp8}." in plan
     assert "base-name" not in plan and "but the base given is" not in plan
+
+
+# -- outputs written quantized ---------------------------------------------------------------------------
+
+
+def _fp8_quantize(w):
+    """transformers' own Fp8Quantize (what save_pretrained of a dequantized FP8 model writes)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    class Quantizer:
+        quantization_config = transformers.FineGrainedFP8Config(weight_block_size=[128, 128])
+
+    out = Fp8Quantize(Quantizer())._quantize_one("x.weight", w)
+    return out["x.weight"], out["x.weight_scale_inv"]
+
+
+def _qv_adapter(base, folder, kind="fp8"):
+    from peft import LoraConfig, get_peft_model
+
+    model = _dequantized_load(base, kind) if kind else transformers.AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(2)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(folder)
+    return folder
+
+
+def _logits_gap(out, base, adapter, kind, load_kind):
+    """(max |logits of the output loaded by transformers - the unmerged adapter's|, max |unmerged|), fp32."""
+    from peft import PeftModel
+
+    loaded = _dequantized_load(base, kind) if kind else transformers.AutoModelForCausalLM.from_pretrained(base)
+    unmerged = PeftModel.from_pretrained(loaded.float(), adapter).eval()
+    merged = (_dequantized_load(out, load_kind) if load_kind else transformers.AutoModelForCausalLM.from_pretrained(out))
+    with torch.no_grad():
+        want = unmerged(PROBE).logits
+        got = merged.float()(PROBE).logits
+    return (got - want).abs().max().item(), want.abs().max().item()
+
+
+def test_keep_quantization_copies_untouched_weights_and_quantizes_changed_ones_again(qwen3_fp8, tmp_path, capsys):
+    base, _ = qwen3_fp8
+    adapter = _qv_adapter(base, tmp_path / "qv")
+    plain, kept = tmp_path / "plain", tmp_path / "kept"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(plain), "--plain", "--no-verify"]) == 0
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(kept), "--plain", "--keep-quantization"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    base_config = json.loads((base / "config.json").read_text())
+    assert json.loads((kept / "config.json").read_text())["quantization_config"] == base_config["quantization_config"]
+    stored, got, bf16 = read_output(base), read_output(kept), read_output(plain)
+    assert sorted(got) == sorted(stored)
+    changed = {n for n in stored if ".q_proj." in n or ".v_proj." in n}
+    for name, value in stored.items():
+        if name in changed:
+            continue
+        assert got[name].dtype == value.dtype and torch.equal(got[name].view(torch.uint8), value.view(torch.uint8)), name
+    for name in (n for n in changed if n.endswith(".weight")):
+        q, inv = _fp8_quantize(bf16[name])  # the bf16 merge, quantized by transformers' own code
+        assert got[name].dtype == torch.float8_e4m3fn
+        assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(got[name[: -len("weight")] + "weight_scale_inv"], inv), name
+    gap, scale = _logits_gap(kept, base, adapter, "fp8", "fp8")
+    assert gap < 0.1 * scale, (gap, scale)  # e4m3 keeps 3 mantissa bits
+    checks = verification_checks(kept)
+    assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+
+
+def test_quantize_fp8_writes_any_merge_as_fp8_blocks(tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = tmp_path / "Qwen3-tiny"
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).to(torch.bfloat16).save_pretrained(base)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), lora).save_pretrained(tmp_path / "adapter")
+    plain, fp8 = tmp_path / "plain", tmp_path / "fp8"
+    args = ["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter")]
+    assert main([*args, "--out", str(plain), "--plain", "--no-verify"]) == 0
+    assert main([*args, "--out", str(fp8), "--dry-run", "--quantize", "fp8"]) == 0
+    plan = capsys.readouterr().out
+    assert ("output is  FP8 (e4m3), 128x128 blocks, weight-only: 14 Linear weights of the decoder layers; "
+            "embeddings, lm_head, norms and routers stay bfloat16") in plan, plan
+    code = main([*args, "--out", str(fp8), "--plain", "--quantize", "fp8"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    config = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128] and config["fmt"] == "e4m3"
+    got, bf16 = read_output(fp8), read_output(plain)
+    linear = [n for n in bf16 if n.endswith("_proj.weight")]
+    assert len(linear) == 14
+    for name in linear:
+        q, inv = _fp8_quantize(bf16[name])
+        assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(got[name[: -len("weight")] + "weight_scale_inv"], inv), name
+    for name in set(bf16) - set(linear):  # embeddings, norms: 16-bit as the plain merge
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], bf16[name]), name
+    gap, scale = _logits_gap(fp8, base, tmp_path / "adapter", None, "fp8")
+    assert gap < 0.1 * scale, (gap, scale)
+    checks = verification_checks(fp8)
+    assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+
+
+def test_quantized_outputs_that_cannot_be_written_are_refused(qwen3_fp8, qwen3_ct, tmp_path, capsys):
+    for base, adapter, flag, needle in (
+        (*qwen3_ct, ["--keep-quantization"], "--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size) again; the base is compressed-tensors FP8"),
+        (*qwen3_fp8, ["--quantize", "fp8"], "--quantize fp8 quantizes a 16-bit merge; the base is already FP8 (e4m3), 128x128 blocks: use --keep-quantization"),
+    ):
+        out = tmp_path / "out"
+        code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain", *flag])
+        said = capsys.readouterr()
+        assert code != 0 and needle in said.out + said.err, said.out + said.err
+        assert not out.exists()

@@ -70,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         "double quantization); change them like nf4:blocksize=64,double_quant=no,skip=mlp.gate. Without it the "
         "adapter goes into the 16-bit weights",
     )
+    merge.add_argument(
+        "--keep-quantization", dest="output_quantization", action="store_const", const="keep",
+        help="a base released in FP8 blocks (DeepSeek-V3, Qwen3-FP8): write the output in that format again (tensors "
+        "the adapter does not change copied with their scales, changed ones quantized again; about half the size of "
+        "bf16). Without it the output is a plain bf16 model",
+    )
+    merge.add_argument(
+        "--quantize", dest="output_quantization", choices=["fp8"],
+        help="fp8: write the merged model's Linear weights as 128x128-block FP8 (DeepSeek/Qwen format, weight-only, "
+        "no calibration data); embeddings, lm_head, norms and routers stay 16-bit",
+    )
     merge.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", metavar="ORG/NAME", help="upload the verified model to this Hub repo (private unless --public)")
     merge.add_argument("--public", action="store_true", help="with --hf_upload_path: create the repo public")
     merge.add_argument("--private", action="store_true", help=argparse.SUPPRESS)  # verl's flag; private is our default
@@ -341,6 +352,7 @@ def _read_options(args) -> dict:
         is_value_model=args.is_value_model,
         tie_word_embedding=args.tie_word_embedding,
         base_roundtrip=getattr(args, "base_roundtrip", None),  # merge only: --qlora-base
+        output_quantization=getattr(args, "output_quantization", None),  # merge only
     )
 
 

@@ -50,7 +50,7 @@ def cmd_verify(args) -> int:
             saved = options_from_manifest(args.out).to_dict()
         except MergeError:
             pass
-        keep = {k: saved[k] for k in ("dtype", "is_value_model", "tie_word_embedding", "export_adapter", "tokenizer_from", "base_roundtrip") if k in saved}
+        keep = {k: saved[k] for k in ("dtype", "is_value_model", "tie_word_embedding", "export_adapter", "tokenizer_from", "base_roundtrip", "output_quantization") if k in saved}
         options = MergeOptions(out=args.out, lora_alpha=args.lora_alpha, **{**keep, **given})
     else:
         options = options_from_manifest(args.out)

@@ -87,6 +87,7 @@ class MergeOptions:
     tie_word_embedding: bool = False
     export_adapter: bool = False  # write the base and a PEFT adapter folder instead of merging
     base_roundtrip: str | None = None  # "nf4[:blocksize=64,double_quant=no]": merge into dequant(quant(W)), as QLoRA saw it
+    output_quantization: str | None = None  # "keep": the base's own FP8 blocks again; "fp8": FP8 blocks from any merge
     # weighted merge: [(adapter, weight), ...]; the first is also ``adapter``. Empty: ``adapter`` with weight 1.
     adapters: list = field(default_factory=list)
 
@@ -113,6 +114,13 @@ class MergeOptions:
             parse_roundtrip(self.base_roundtrip)  # a bad value is said now, in one sentence
             if self.checkpoint is not None:
                 raise MergeError("--qlora-base works with --base and --adapter, not with a checkpoint folder.")
+        if self.output_quantization not in (None, "keep", "fp8"):
+            raise MergeError(
+                f"The output quantization must be keep (--keep-quantization) or fp8 (--quantize fp8), not "
+                f"'{self.output_quantization}'."
+            )
+        if self.output_quantization is not None and (self.checkpoint is not None or self.export_adapter):
+            raise MergeError("--keep-quantization and --quantize fp8 work with --base and --adapter merges only.")
         if self.tokenizer_from not in ("auto", "base", "adapter"):
             raise MergeError(
                 f"--tokenizer-from must be base or adapter, not '{self.tokenizer_from}'."
@@ -160,6 +168,7 @@ _OPTION_TYPES = {  # field -> (accepts, what it should be); options also come fr
     "export_adapter": (lambda v: isinstance(v, bool), "true or false"),
     "lora_alpha": (lambda v: v is None or is_finite_number(v), "a finite number"),
     "base_roundtrip": (lambda v: v is None or isinstance(v, str), "a setting such as nf4"),
+    "output_quantization": (lambda v: v is None or isinstance(v, str), "keep or fp8"),
     "adapters": (lambda v: isinstance(v, list) and all(
         isinstance(i, _PATHLIKE) or (isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[0], _PATHLIKE)
                                      and (isinstance(i[1], str) or is_finite_number(i[1])))

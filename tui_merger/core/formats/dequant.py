@@ -347,6 +347,8 @@ class DequantSource:
         self.folder = getattr(inner, "folder", None)
         self.files = getattr(inner, "files", [])
         self.dtype = model_dtype(config)
+        self.quantization_config = config.get("quantization_config")
+        self.output_quantization = None  # "keep": the output in this format again (merge.requant)
         if scheme.method == "mxfp4":
             self._init_mxfp4(inner)
             return
@@ -362,6 +364,12 @@ class DequantSource:
                 ref = TensorRef(self, ref.file, ref.name, self.dtype, tuple(ref.shape))
             self.tensors[name] = ref
         self.dropped = sorted(drop)
+
+    def pair(self, ref):
+        """(stored weight ref, its scale ref) of one of this source's dequantized weights, else None."""
+        if ref.source is not self or self.scheme.method == "mxfp4":
+            return None
+        return self._scales.get((ref.file, ref.name))
 
     def _init_mxfp4(self, inner) -> None:
         from tui_merger.core.io.sources import TensorRef
@@ -443,3 +451,37 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
+
+
+# -- writing FP8 blocks ------------------------------------------------------------------------------------
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def quantize_fp8_blocks(w, block=(128, 128)):
+    """(float8_e4m3fn weight, fp32 ``weight_scale_inv`` per block) as transformers' own Fp8Quantize
+    writes them (what ``save_pretrained`` of a dequantized FP8 model computes): per block, scale =
+    448 / absmax (1 for an all-zero block), the stored inverse is 1 / scale, the values are
+    ``clamp(fp32(w) * scale, -448, 448)`` cast to e4m3. A last short block (rows or columns not a
+    whole number of blocks, DeepSeek-V3's 576-row kv_a_proj_with_mqa) takes the absmax of the values it
+    has. A block of rows at a time: one row block in fp32 besides the output."""
+    import torch
+
+    rows, cols = w.shape
+    bm, bn = block
+    grid_rows, grid_cols = _ceil(rows, bm), _ceil(cols, bn)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    inv = torch.empty(grid_rows, grid_cols, dtype=torch.float32)
+    pad = grid_cols * bn - cols
+    for i in range(grid_rows):
+        part = w[i * bm : (i + 1) * bm].float()
+        if pad:
+            part = torch.nn.functional.pad(part, (0, pad))
+        tiles = part.view(part.shape[0], grid_cols, bn)
+        amax = tiles.abs().amax(dim=(0, 2))
+        scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
+        inv[i] = 1.0 / scale
+        scaled = (tiles * scale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+        q[i * bm : (i + 1) * bm] = scaled.view(part.shape[0], -1)[:, :cols].to(torch.float8_e4m3fn)
+    return q, inv

@@ -139,7 +139,8 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
         source = DequantSource(inputs.base, scheme, inputs.config)
         inputs.base = source
         inputs.base_weights = source.describe()
-        inputs.config_changes["quantization_config"] = None  # the output is a plain model
+        inputs.config_changes["quantization_config"] = None  # the output is a plain model, unless:
+        source.output_quantization = options.output_quantization  # merge.requant.output_plan writes it again
         if options.base_roundtrip:
             from tui_merger.core.errors import MergeError
 
@@ -149,6 +150,8 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
             )
         return
     refuse_packed(inputs.base, inputs.config, options.base)
+    if options.output_quantization is not None:  # --quantize fp8 (--keep-quantization on a 16-bit base: refused there)
+        inputs.base.output_quantization = options.output_quantization
     if options.base_roundtrip:
         conv1d = True if getattr(inputs.adapter, "fan_in_fan_out", False) else None  # else: by model_type
         source = RoundTripSource(inputs.base, parse_roundtrip(options.base_roundtrip), inputs.config, conv1d)

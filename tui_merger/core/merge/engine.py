@@ -39,7 +39,8 @@ from tui_merger.core.merge.output import (
     check_space,
     check_target,
 )
-from tui_merger.core.plan.plan import TensorPlan, build_plan
+from tui_merger.core.plan.plan import TensorPlan
+from tui_merger.core.merge.requant import output_plan
 from tui_merger.core.io.safetensors_io import SafetensorsWriter
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -82,7 +83,7 @@ def run_merge(
             if not inputs.adapter.lora:
                 raise MergeError("--export-adapter was given but the checkpoint holds no LoRA weights to export.")
             merged_adapter = empty_adapter(inputs.adapter.folder)
-        plan = build_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
+        plan = output_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
         result.tokenizer_source = inputs.files.tokenizer_source
         _describe_inputs(result, inputs, options)
         result.config_changes = {**inputs.config_changes, **plan.config_changes}

@@ -318,6 +318,11 @@ def _check_lora_shapes(entry: LoraModule, base_ref: TensorRef, fan_in_fan_out: b
         raise _shape_error(entry.magnitude, base_ref, name)
 
 
+def shard_tensors(tensors: list[OutputTensor], shard_size: int) -> list[tuple[str, list[OutputTensor]]]:
+    """The output files and the tensors in each (a plan rewritten after build_plan shards again)."""
+    return _shard(tensors, shard_size)
+
+
 def _shard(tensors: list[OutputTensor], shard_size: int) -> list[tuple[str, list[OutputTensor]]]:
     groups: list[list[OutputTensor]] = [[]]
     size = 0

@@ -80,7 +80,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
     """The plan and all findings for ``options``; never raises MergeError for bad input (that becomes
     an error finding), never writes anything."""
     from tui_merger.core.formats.inputs import open_inputs, paths_of
-    from tui_merger.core.plan.plan import build_plan
+    from tui_merger.core.merge.requant import output_plan
 
     plan = MergePlan(options=options.to_dict(), suggested_out="", shard_size=options.shard_size)
     plan.inputs = {k: str(v) for k, v in (("checkpoint", options.checkpoint), ("base", options.base), ("adapter", options.adapter)) if v}
@@ -108,7 +108,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             if "no lora_alpha" not in note:  # said by the lora-alpha check
                 add(_notice_finding(note))
         try:
-            tplan = build_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
+            tplan = output_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
         except MergeError as err:
             add(Finding("adapter-fit", ERROR, str(err)))
             tplan = None
@@ -142,6 +142,8 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         if getattr(inputs.base, "dequantized", None) is not None:
             plan.base_format = f"{inputs.base.scheme.label}, as released ({len(inputs.base.dequantized)} weights)"
             plan.output_format = f"{dtype or inputs.base.dtype}, a plain model (quantization_config removed)"
+        if tplan is not None and options.output_quantization is not None:
+            plan.output_format = _quantized_output(options.output_quantization, tplan, inputs, dtype)
         _check_remote_code(inputs.config, add)
         _check_nan(inputs.adapter, add)
     finally:
@@ -462,6 +464,21 @@ def _check_quantized(options: MergeOptions, inputs, add) -> tuple[str | None, st
     return _check_roundtrip(options, inputs, add), None
 
 
+def _quantized_output(mode: str, tplan, inputs, dtype) -> str:
+    """What an output written quantized will be, for the plan's "output is" line."""
+    requantized = [t for t in tplan.tensors if getattr(t.source.source, "computes", False) and t.dtype.startswith("float8")]
+    if mode == "keep":
+        kept = sum(1 for t in tplan.tensors if t.dtype.startswith("float8") and t not in requantized)
+        return (f"{inputs.base.scheme.label} as the base: {kept} weights copied with their scales, "
+                f"{len(requantized)} changed by the adapter quantized again; quantization_config kept")
+    rest = dtype or inputs.dtype or next((t.dtype for t in tplan.tensors if t not in requantized
+                                          and t.dtype in ("bfloat16", "float16", "float32")), "16-bit")
+    skipped = (tplan.config_changes.get("quantization_config") or {}).get("modules_to_not_convert") or []
+    return (f"FP8 (e4m3), 128x128 blocks, weight-only: {len(requantized)} Linear weights of the decoder layers; "
+            f"embeddings, lm_head, norms and routers stay {rest}"
+            + (f" (and {len(skipped) - 1} Linear weights that are not whole blocks)" if len(skipped) > 1 else ""))
+
+
 def _check_released_quantized(options: MergeOptions, inputs, scheme, add) -> None:
     """A base released quantized (FP8 blocks, compressed-tensors FP8): merged into its dequantized weights,
     what training saw; the 16-bit original, when one is on this machine, is the other choice."""
@@ -753,6 +770,7 @@ def describe(plan: MergePlan) -> list[str]:
     lines.append(f"  {'output':10} {out or '(not given)'}" + ("" if out else f"  suggested: {plan.suggested_out}"))
     if plan.base_format:
         lines.append(f"  {'base is':10} {plan.base_format}; merged into its dequantized weights")
+    if plan.output_format:
         lines.append(f"  {'output is':10} {plan.output_format}")
     if plan.adapter:
         a = plan.adapter

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from tui_merger.core.events import TensorProgress
 
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+# float8_e4m3fn: 3 mantissa bits (the changed weights of an output written as FP8 blocks)
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "float8_e4m3fn": 2.0**-4}
 # fp32 compute itself: the unmerged model sums base and adapter products in another order; a dot
 # product of k terms rounds by up to about sqrt(k) units, k a few thousand
 COMPUTE_ROUNDOFF = 2.0**-24 * 64
@@ -77,7 +78,7 @@ def rounded_by_depth(plan, n_states: int) -> list[int]:
     per_layer: dict[int, int] = {}
     outside = 0
     for t in plan.tensors:
-        if t.raw_copy:
+        if t.raw_copy and not getattr(t.source.source, "computes", False):
             continue
         m = _LAYER.search(t.name)
         if m:

@@ -26,7 +26,7 @@ from tui_merger.core.verify.parallel import Shares, run_side_by_side, threads_pe
 from tui_merger.core.verify.streaming import StreamError
 from tui_merger.core.events import CancelToken, EventSink, MergeFinished, PhaseStarted, TensorProgress, TensorWritten, ignore_event
 from tui_merger.core.io import libc
-from tui_merger.core.io.files import config_dtype, read_json_object
+from tui_merger.core.io.files import config_dtype, json_object_or_none, read_json_object
 from tui_merger.core.record.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions, check_option_types
 
@@ -216,7 +216,7 @@ def _reference_ahead(options: MergeOptions, cancel: CancelToken | None = None) -
     from tui_merger.core.formats.inputs import open_inputs
     from tui_merger.core.formats.inputs import reference as reference_of
     from tui_merger.core.io.files import edited_config
-    from tui_merger.core.plan.plan import build_plan
+    from tui_merger.core.merge.requant import output_plan
     from tui_merger.core.verify import behaviour as bh
 
     previous = torch.get_num_threads()
@@ -225,7 +225,7 @@ def _reference_ahead(options: MergeOptions, cancel: CancelToken | None = None) -
     try:
         dtype = options.dtype or inputs.dtype
         adapter = empty_adapter(inputs.adapter.folder) if options.export_adapter else inputs.adapter
-        plan = build_plan(inputs.base, adapter, {**inputs.config, **inputs.config_changes}, dtype, options.shard_size)
+        plan = output_plan(inputs.base, adapter, {**inputs.config, **inputs.config_changes}, dtype, options.shard_size)
         config = json.loads(json.dumps(edited_config(inputs.config, {**inputs.config_changes, **plan.config_changes}, dtype)))
         cls = model_class(config)
         if cls is None:
@@ -315,7 +315,7 @@ def verify_merge(
     """Verify the model in ``out`` against the inputs in ``options`` (default: its manifest's)."""
     from tui_merger.core.formats.adapter import empty_adapter
     from tui_merger.core.formats.inputs import open_inputs
-    from tui_merger.core.plan.plan import build_plan
+    from tui_merger.core.merge.requant import output_plan
 
     started = time.perf_counter()
     out = Path(out)
@@ -331,7 +331,7 @@ def verify_merge(
         config = {**inputs.config, **inputs.config_changes}
         adapter = empty_adapter(inputs.adapter.folder) if options.export_adapter else inputs.adapter
         dtype = options.dtype or inputs.dtype
-        plan = build_plan(inputs.base, adapter, config, dtype, options.shard_size)
+        plan = output_plan(inputs.base, adapter, config, dtype, options.shard_size)
         clamp = options.force_fp16_overflow and any(t.dtype == "float16" for t in plan.tensors)
         structure, files = _structure(out, plan, out_config)
         report.checks.append(structure)
@@ -610,6 +610,8 @@ class _Models:
         quiet_transformers()
         bh.quiet()
         stored = self.options.dtype or self.inputs.dtype or config_dtype(self.config) or "float32"
+        if self.options.output_quantization is not None:  # the changed weights are rounded to e4m3
+            stored = "float8_e4m3fn"
         self.stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
         self.probes = probe_ids(self.config, self.plan)
         self.tokens = _perplexity_tokens(self.out, self.text) if self.text else None
@@ -627,7 +629,7 @@ class _Models:
             return
         cls, out, on_event = self.cls, self.out, self.merged_sink
         try:
-            written = open_model(out)
+            written = _dequantized(open_model(out), out)
         except MergeError as err:
             return self._stop([Check("behaviour", "fail", f"the merged model's weights cannot be read: {err}")])
         try:
@@ -890,3 +892,17 @@ def _perplexity(model, ids, config: dict) -> float:
         nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
         count += chunk.numel() - 1
     return math.exp(nll / count)
+
+
+def _dequantized(written, out: Path):
+    """An output written quantized (--keep-quantization, --quantize fp8) as transformers' dequantizing
+    load reads it; a plain one as it is."""
+    from tui_merger.core.formats.dequant import DequantSource, scheme_of
+
+    config = json_object_or_none(out / "config.json") or {}
+    scheme = scheme_of(config)
+    if scheme is None:
+        return written
+    view = DequantSource(written, scheme, config)
+    view.close = written.close  # the behaviour check closes what it opened
+    return view

@@ -10,7 +10,7 @@ from tui_merger.core.events import EventSink, PhaseStarted, TensorProgress, igno
 from tui_merger.core.formats.inputs import open_inputs
 from tui_merger.core.merge.merge_math import compute
 from tui_merger.core.options import MergeOptions
-from tui_merger.core.plan.plan import build_plan
+from tui_merger.core.merge.requant import output_plan
 from tui_merger.core.io.sources import open_model
 
 
@@ -31,7 +31,7 @@ def compare_with_reference(options: MergeOptions, reference: Path, on_event: Eve
     inputs = open_inputs(options)
     try:
         config = {**inputs.config, **inputs.config_changes}
-        plan = build_plan(inputs.base, inputs.adapter, config, options.dtype or inputs.dtype, options.shard_size)
+        plan = output_plan(inputs.base, inputs.adapter, config, options.dtype or inputs.dtype, options.shard_size)
         ours = {t.name: t for t in plan.tensors}
         for name in sorted(set(ref.tensors) - set(ours)):
             report.problems.append(f"{name} is in the reference but not in the checkpoint")

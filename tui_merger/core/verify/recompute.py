@@ -282,6 +282,8 @@ def _finite(x) -> bool:
 
     if not x.is_floating_point() or not x.numel():
         return True
+    if x.element_size() == 1:  # FP8 (no aminmax for it): its values are exact in fp32
+        x = x.float()
     if x.dtype in (torch.bfloat16, torch.float32) and math.isfinite(x.sum().item()):
         return True
     low, high = torch.aminmax(x)
@@ -587,7 +589,7 @@ class WhileWriting:
 
         from tui_merger.core.formats.adapter import empty_adapter
         from tui_merger.core.formats.inputs import open_inputs
-        from tui_merger.core.plan.plan import build_plan
+        from tui_merger.core.merge.requant import output_plan
         from tui_merger.core.verify.parallel import threads_per_job
 
         torch.set_num_threads(threads_per_job(2))  # the merge keeps the other half of the cores
@@ -596,7 +598,7 @@ class WhileWriting:
             options = self.options
             inputs = open_inputs(options)
             adapter = empty_adapter(inputs.adapter.folder) if options.export_adapter else inputs.adapter
-            plan = build_plan(inputs.base, adapter, {**inputs.config, **inputs.config_changes},
+            plan = output_plan(inputs.base, adapter, {**inputs.config, **inputs.config_changes},
                               options.dtype or inputs.dtype, options.shard_size)
             clamp = options.force_fp16_overflow and any(t.dtype == "float16" for t in plan.tensors)
             planned = {t.name: t for t in plan.tensors}
