@@ -367,6 +367,12 @@ def test_keep_quantization_copies_untouched_weights_and_quantizes_changed_ones_a
     base, _ = qwen3_fp8
     adapter = _qv_adapter(base, tmp_path / "qv")
     plain, kept = tmp_path / "plain", tmp_path / "kept"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(kept), "--keep-quantization",
+                 "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert ("output is  FP8 (e4m3), 128x128 blocks as the base: 10 weights copied with their scales, 4 changed by "
+            "the adapter quantized again; quantization_config kept") in plan, plan
+    assert "the output is written in the same format again (--keep-quantization)" in plan
     assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(plain), "--plain", "--no-verify"]) == 0
     code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(kept), "--plain", "--keep-quantization"])
     said = capsys.readouterr()

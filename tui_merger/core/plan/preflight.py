@@ -118,7 +118,8 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         plan.suggested_out = suggest_name(options, inputs, raw, today)
         if tplan is not None:
             plan.tensors = len(tplan.tensors)
-            plan.merged_tensors = sum(1 for t in tplan.tensors if t.ops)
+            plan.merged_tensors = sum(1 for t in tplan.tensors if t.ops or (  # or quantized again from merged values
+                getattr(t.source.source, "computes", False) and t.dtype.startswith("float8")))
             plan.shards = len(tplan.shards)
             plan.output_bytes = tplan.total_bytes
             plan.estimated_seconds = round(1.0 + tplan.total_bytes / MERGE_BYTES_PER_S, 1)
@@ -485,11 +486,14 @@ def _check_released_quantized(options: MergeOptions, inputs, scheme, add) -> Non
     from tui_merger.core.formats.quant import find_unquantized_base
 
     count = len(inputs.base.dequantized)
+    output = (f"the output is written in the same format again (--keep-quantization)"
+              if options.output_quantization == "keep" else
+              f"the output is a plain {options.dtype or inputs.base.dtype} model without quantization_config")
     add(Finding(
         "released-quantized", INFO,
         f"The base is released as {scheme.label}: its {count} quantized weights are dequantized exactly as "
         f"transformers' {scheme.loader} loads them (what training on it saw), the adapter is merged into those, "
-        f"and the output is a plain {inputs.base.dtype} model without quantization_config.",
+        f"and {output}.",
     ))
     found = find_unquantized_base(inputs.config, options.base) if options.base else None
     if found is not None:
