@@ -443,3 +443,32 @@ def test_quantized_outputs_that_cannot_be_written_are_refused(qwen3_fp8, qwen3_c
         said = capsys.readouterr()
         assert code != 0 and needle in said.out + said.err, said.out + said.err
         assert not out.exists()
+
+
+@pytest.mark.parametrize("case,attention", [("deepseek_v3-fp8", "q_a_proj"), ("gpt_oss-mxfp4", "q_proj")])
+def test_lora_on_the_experts_of_a_quantized_moe_merges_like_peft(case, attention, request, tmp_path, capsys):
+    """LoRA on the routed experts (peft target_parameters, chosen by hand; peft's all-linear spelling is the
+    MoE adapters' issue): DeepSeek-V3's FP8 experts, one FP8 tensor per expert and projection on disk, and
+    GPT-OSS's MXFP4 experts, packed; both merge as peft merges on transformers' dequantized load."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base, _, kind = _case(request, case)
+    torch.manual_seed(3)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=[attention], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    get_peft_model(_dequantized_load(base, kind), lora).save_pretrained(tmp_path / "adapter")
+    merged_ref = PeftModel.from_pretrained(_dequantized_load(base, kind).float(), tmp_path / "adapter").merge_and_unload()
+    expected = _disk_state(merged_ref)
+    before = _disk_state(_dequantized_load(base, kind))
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    got = read_output(out)
+    experts = [n for n in got if ".experts." in n and not n.endswith("_bias") and not torch.equal(got[n], before[n])]
+    assert len(experts) == (12 if kind == "fp8" else 4), experts  # every expert's projections (layer 1 / both layers)
+    for name in experts + [n for n in got if attention in n]:
+        want = expected[name].to(got[name].dtype)
+        torch.testing.assert_close(got[name].float(), want.float(), rtol=2 ** -8, atol=0, msg=name)
+    checks = verification_checks(out)
+    assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
