@@ -472,3 +472,21 @@ def test_lora_on_the_experts_of_a_quantized_moe_merges_like_peft(case, attention
         torch.testing.assert_close(got[name].float(), want.float(), rtol=2 ** -8, atol=0, msg=name)
     checks = verification_checks(out)
     assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+
+
+def test_weights_are_dequantized_a_block_of_rows_at_a_time(qwen3_fp8, monkeypatch):
+    """The engine reads a dequantized weight in blocks of rows (whole blocks of the scale grid); with
+    blocks of 128 rows a 384-row weight comes in three, and together they are the whole weight."""
+    from tui_merger.core.formats import dequant
+
+    base, _ = qwen3_fp8
+    config = json.loads((base / "config.json").read_text())
+    source = DequantSource(open_model(base), scheme_of(config), config)
+    ref = source.tensors["model.layers.0.mlp.gate_proj.weight"]
+    monkeypatch.setattr(dequant, "ROW_VALUES", 128 * 256)
+    blocks = []
+    for block, release in source.row_blocks(ref):
+        blocks.append(block.clone())
+        release()
+    assert [b.shape[0] for b in blocks] == [128, 128, 128]
+    assert torch.equal(torch.cat(blocks), ref.load())

@@ -436,7 +436,32 @@ class DequantSource:
         return None  # the stored bytes are FP8, not the values
 
     def row_blocks(self, ref):
-        return None
+        """A 2-D weight's dequantized values a block of rows at a time (whole blocks of the scale grid,
+        about ROW_VALUES values): the engine writes an untouched one and merges a changed one block by
+        block, so no weight is ever held whole (DeepSeek-V3's 18432x7168 dense MLP weights: 7 MB blocks
+        instead of 264 MB in bf16 and 528 MB in fp32). MXFP4's packed experts are written transposed: whole."""
+        if self.scheme.method == "mxfp4" or len(ref.shape) != 2:
+            return None
+        return self._row_blocks(ref)
+
+    def _row_blocks(self, ref):
+        w, s = self._scales[(ref.file, ref.name)]
+        rows, cols = ref.shape
+        bm = self.scheme.block[0] if self.scheme.block else 1
+        step = max(bm, (ROW_VALUES // max(cols, 1)) // bm * bm)
+        q, scale = w.load(), s.load()
+        dtype = _torch_dtype(self.dtype)
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            if self.scheme.block is not None:  # the scale rows of these weight rows (whole blocks)
+                part_scale = scale[r0 // bm : _ceil(r1, bm)]
+            elif self.scheme.strategy == "channel":
+                part_scale = scale.reshape(rows, -1)[r0:r1]
+            else:
+                part_scale = scale
+            block = dequantize(q[r0:r1], part_scale, self.scheme, dtype)
+            yield block, (lambda a=r0, b=r1: w.release_rows(a, b))
+        s.release()
 
     def release(self, ref) -> None:
         w, s = self._scales[(ref.file, ref.name)]
