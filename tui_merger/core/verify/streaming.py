@@ -197,6 +197,7 @@ class Streamer:
         missing = [n for n in names if n not in owned and n in self.weights]
         if missing:  # parameters of modules that never run their own forward (should not happen)
             raise StreamError(f"{missing[0]} belongs to no module that runs; this model cannot be streamed.")
+        _stand_ins(self.model)
 
     def unit_done(self, name: str) -> None:
         self.stats.units += 1
@@ -385,12 +386,38 @@ class _StreamHook:
 
         s = self.streamer
         for full, attr in self.params.items():
-            set_module_tensor_to_device(module, attr, "meta", clear_cache=False)
+            set_module_tensor_to_device(module, attr, "cpu", value=_stand_in(value_shape(module, attr)), clear_cache=False)
             value = self.live.pop(full)
             s.stats.live_values -= value.numel()
             s.give_back(full, value)
         s.unit_done(self.unit_name)
         return output
+
+
+def _stand_in(shape):
+    """What a parameter is while its module is not running: a NaN of its shape on the CPU, one value
+    expanded (no memory). Model code reads ``embed_tokens.weight.device`` before calling the module
+    (Llama4: ``input_ids.to(self.embed_tokens.weight.device)``); on the meta device that sent the
+    probe tokens there and the model computed zeros. Anything computed from a weight outside its
+    module's forward comes out NaN, which the check reports, never as a match."""
+    import torch
+
+    return torch.full((1,), float("nan")).expand(shape)
+
+
+def value_shape(module, attr: str):
+    owner = module.get_submodule(attr.rsplit(".", 1)[0]) if "." in attr else module
+    return tuple(getattr(owner, attr.rsplit(".", 1)[-1]).shape)
+
+
+def _stand_ins(model) -> None:
+    """Every meta parameter of the model becomes its stand-in (``_stand_in``)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, module in model.named_modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            if param.device.type == "meta":
+                set_module_tensor_to_device(module, attr, "cpu", value=_stand_in(tuple(param.shape)), clear_cache=False)
 
 
 def _piecewise(streamer: Streamer, unit, weight: str, params: dict[str, str]) -> None:
