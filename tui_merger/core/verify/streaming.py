@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 
 from tui_merger.core.errors import MergeError
@@ -260,8 +261,9 @@ def _named_tensors(module):
 
 def _units(model):
     """The modules that load their weights together: peft's tuner layers whole (their forward reads
-    the base layer's weight directly, e.g. DoRA's norm) unless plain LoRA, else every module with
-    tensors of its own."""
+    the base layer's weight directly, e.g. DoRA's norm) unless plain LoRA, a module whose code reads
+    a child's weight itself (``_reads_child_weights``) with that child, else every module with
+    tensors of its own (a unit also takes the tensors below it that no earlier unit took)."""
     units = []
     inside: set[int] = set()  # ids of the modules within a tuner layer already taken whole
     for name, module in model.named_modules():
@@ -270,9 +272,43 @@ def _units(model):
         if _is_tuner_layer(module) and not _plain_lora_linear(module):
             units.append((name, module))
             inside.update(id(m) for m in module.modules())
+        elif _reads_child_weights(module):
+            units.append((name, module))
+            inside.update(id(m) for m in module.modules())
         elif any(True for _ in module.named_parameters(recurse=False)):
             units.append((name, module))
     return units
+
+
+_SOURCES: dict[type, str] = {}
+_CHILD_WEIGHT = re.compile(
+    r"self\.(\w+)\.(?:weight|bias)\b(?!\s*\.\s*(?:device|dtype|shape|ndim|size|dim|is_\w+)\b)(?!\s*=[^=])")
+
+
+def _reads_child_weights(module) -> bool:
+    """Whether the module's own code uses a child's weight in a computation instead of calling the
+    child (LongCat's router: ``F.linear(x, self.classifier.weight)``), so the child's weights must be
+    in place while this module runs (reading only ``.device`` or ``.dtype`` does not count). Read from
+    the class's source; a class without source reads nothing."""
+    import inspect
+
+    cls = type(module)
+    if cls.__module__.startswith("torch.") or not any(True for _ in module.children()):
+        return False
+    if hasattr(module, "base_model_prefix"):  # a whole (sub)model: its layers stream on their own
+        return False
+    text = _SOURCES.get(cls)
+    if text is None:
+        try:
+            text = inspect.getsource(cls)
+        except (OSError, TypeError):
+            text = ""
+        _SOURCES[cls] = text
+    children = dict(module.named_children())
+    return any(
+        (child := children.get(m.group(1))) is not None and any(True for _ in child.parameters())
+        for m in _CHILD_WEIGHT.finditer(text)
+    )
 
 
 def _is_tuner_layer(module) -> bool:
