@@ -92,7 +92,34 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "llama4": ("Llama4ForCausalLM", dict(ATTN, intermediate_size=I, intermediate_size_mlp=96, num_hidden_layers=2,
                                          num_local_experts=E, num_experts_per_tok=1, interleave_moe_layer_step=1,
                                          no_rope_layers=[1, 0])),
+    # vision-language MoE models: the LoRA reaches the language model (and, with all-linear, the vision tower)
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", dict(
+        text_config=dict(ATTN, intermediate_size=96, num_hidden_layers=2, num_experts=E, num_experts_per_tok=2,
+                         moe_intermediate_size=I, decoder_sparse_step=1,
+                         rope_scaling={"rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[1]),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)),
+    "glm4v_moe": ("Glm4vMoeForConditionalGeneration", dict(
+        text_config=dict(ATTN, **ROUTED, intermediate_size=96, num_hidden_layers=2, n_shared_experts=1,
+                         first_k_dense_replace=1,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=300, video_token_id=301, image_start_token_id=302, image_end_token_id=303)),
+    # transformers 5.24 cannot run Llama4ForConditionalGeneration (its forward reads ``image_outputs`` its
+    # language model never returns): merged and compared tensor by tensor only
+    "llama4_vl": ("Llama4ForConditionalGeneration", dict(
+        text_config=dict(ATTN, intermediate_size=I, intermediate_size_mlp=96, num_hidden_layers=2, num_local_experts=E,
+                         num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 0]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                           patch_size=14, projector_input_dim=64, projector_output_dim=64, vision_output_dim=64,
+                           pixel_shuffle_ratio=0.5),
+        image_token_index=300)),
 }
+CANNOT_RUN = {"llama4_vl"}  # transformers itself cannot run the model
 
 
 def build(name: str):

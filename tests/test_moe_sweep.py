@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 from factory import read_output, verification_checks
-from moe_families import FAMILIES, build
+from moe_families import CANNOT_RUN, FAMILIES, build
 
 from tui_merger.cli import main
 
@@ -47,9 +47,14 @@ def packed_parameters(model) -> tuple[str, list[str], str | None]:
     return "", [], None
 
 
-def lora_kwargs(model, variant: str) -> dict:
+# GLM-4.5V's all-linear reaches the vision tower's patch embedding, a Conv3d: convolution LoRA is not
+# merged yet (refused in one sentence, test below); the sweep takes all-linear without it
+ALL_LINEAR_EXTRA = {"glm4v_moe": dict(exclude_modules=r".*patch_embed.*")}
+
+
+def lora_kwargs(model, variant: str, family: str = "") -> dict:
     if variant == "all-linear":
-        return dict(r=4, lora_alpha=8, target_modules="all-linear")
+        return dict(r=4, lora_alpha=8, target_modules="all-linear", **ALL_LINEAR_EXTRA.get(family, {}))
     experts, params, router = packed_parameters(model)
     where = ".".join(experts.split(".")[-2:])  # "mlp.experts", "feed_forward.experts"
     targets = [f"{where}.{p}" for p in reversed(params)]  # the other order than the module's
@@ -62,7 +67,8 @@ def lora_kwargs(model, variant: str) -> dict:
 
 CASES = [(family, "all-linear") for family in FAMILIES] + [
     (family, "experts") for family, (_, kw) in FAMILIES.items()
-    if any(k in kw for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))]
+    if any(k in {**kw, **kw.get("text_config", {})} for k in ("num_experts", "num_local_experts", "n_routed_experts",
+                                                               "moe_num_experts"))]
 
 
 def as_trained(peft_model) -> None:
@@ -97,16 +103,16 @@ def made(tmp_path_factory):
             cls(config).save_pretrained(root.parent / f"{family}-base")
         base = root.parent / f"{family}-base"
         model = cls.from_pretrained(base, dtype=torch.float32)
-        kwargs = lora_kwargs(model, variant)
+        kwargs = lora_kwargs(model, variant, family)
         if variant == "experts" and not kwargs["target_parameters"]:
             pytest.skip(f"{family} keeps no packed experts in transformers 5")
         torch.manual_seed(1)
         peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **kwargs))
-        if (family, variant) not in PEFT_CANNOT_RUN:
+        if (family, variant) not in PEFT_CANNOT_RUN and family not in CANNOT_RUN:
             as_trained(peft_model)
         peft_model.save_pretrained(root / "adapter")
         logits = None
-        if (family, variant) not in PEFT_CANNOT_RUN:
+        if (family, variant) not in PEFT_CANNOT_RUN and family not in CANNOT_RUN:
             reloaded = PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), root / "adapter")
             with torch.no_grad():
                 logits = reloaded.eval()(PROBE).logits
@@ -143,3 +149,22 @@ def test_family_merges_like_peft(family, variant, made, tmp_path, capsys):
             torch.testing.assert_close(merged(PROBE).logits, logits, rtol=1e-5, atol=1e-5)
         checks = verification_checks(out)
         assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+
+
+def test_a_convolution_lora_is_refused_in_one_sentence(tmp_path, capsys):
+    """peft's all-linear on GLM-4.5V also wraps the vision patch embedding (Conv3d): the merge says so
+    in one sentence naming the module and writes nothing."""
+    from peft import LoraConfig, get_peft_model
+
+    cls, config = build("glm4v_moe")
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path / "base")
+    model = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out)])
+    said = capsys.readouterr()
+    assert code != 0
+    assert "model.visual.patch_embed.proj: LoRA tensors of shape" in said.err
+    assert "convolution LoRA is not supported yet" in said.err
+    assert "Traceback" not in said.err and not out.exists()
