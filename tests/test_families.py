@@ -142,9 +142,10 @@ async def test_the_assistant_merges_and_verifies_the_family(family, tmp_path, mo
             assert targets == ["q_proj", "v_proj"]
             layers = CASES[case][0]()[1].num_hidden_layers
             assert (f"r=4 alpha=8 lora, {2 * layers} modules (q_proj, v_proj) + LoRA on {2 * layers} expert parameter(s) "
-                    "(mlp.experts.down_proj, mlp.experts.gate_up_proj; rank r per expert)") in plan, plan
+                    "(mlp.experts.gate_up_proj r=4 alpha=8, mlp.experts.down_proj r=4 alpha=8; rank per expert)") in plan, plan
             assert sorted(saved["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-            assert "LoRA on 4 expert parameter(s) (peft target_parameters) is merged into 4 packed expert tensors" in findings
+            assert ("LoRA on 4 expert parameter(s) (mlp.experts.gate_up_proj r=4, mlp.experts.down_proj r=4; rank per "
+                    "expert) is merged into 4 packed expert tensors") in findings
         assert "saved tensors have rank" not in findings
         assert wizard.plan.of("error") == [] and [f.id for f in wizard.plan.of("warning")] == ["tokenizer"], findings
         assert f"tensors ({len(changed)} merged)" in plan, plan  # the tensors peft's merge changes

@@ -71,11 +71,13 @@ def test_dry_run_reports_expert_lora_and_no_rank_mismatch(tmp_path, capsys):
     plan = capsys.readouterr().out
     assert code == 0, plan
     assert "saved tensors have rank" not in plan
-    assert "LoRA on 4 expert parameter(s) (peft target_parameters) is merged into 24 per-expert tensors" in plan
+    assert ("peft target_parameters: LoRA on 4 expert parameter(s) (mlp.experts.gate_up_proj r=4, "
+            "mlp.experts.down_proj r=4; rank per expert) is merged into 24 per-expert tensors.") in plan
     # the LoRA line counts the q_proj modules, not the experts' slices, and names the parameters
     lora = next(line for line in plan.splitlines() if line.strip().startswith("LoRA "))
-    assert ", 2 modules (q_proj) + " in lora, lora  # q_proj in both layers (the 24 expert slices are not modules)
-    assert "+ LoRA on 4 expert parameter(s) (mlp.experts.down_proj, mlp.experts.gate_up_proj; rank r per expert)" in lora
+    assert "r=4 alpha=8 lora, 2 modules (q_proj) + " in lora, lora  # q_proj in both layers (the 24 expert slices are not modules)
+    assert ("+ LoRA on 4 expert parameter(s) (mlp.experts.gate_up_proj r=4 alpha=8, mlp.experts.down_proj r=4 alpha=8; "
+            "rank per expert)") in lora
 
 
 def test_bf16_experts_round_like_peft(tmp_path, capsys):
@@ -216,7 +218,8 @@ def test_inspect_shows_the_expert_parameters(tmp_path, capsys):
     save_moe(tmp_path, torch.bfloat16, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     assert main(["inspect", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
-    assert "parameters mlp.experts.down_proj, mlp.experts.gate_up_proj (LoRA on experts" in shown
+    assert ("parameters mlp.experts.down_proj, mlp.experts.gate_up_proj (peft target_parameters: LoRA on packed "
+            "experts, rank r per expert, and on routers)") in shown
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     adapter = next(c for c in found["candidates"] if c["kind"] == "peft-adapter")
@@ -248,7 +251,7 @@ async def test_the_assistant_shows_and_merges_expert_lora(tmp_path, monkeypatch)
         app.screen.query_one("#out", Input).value = str(out)
         await recheck(pilot, app)
         findings = text(app, "#findings")
-        assert "expert parameter(s) (peft target_parameters) is merged into 24 per-expert tensors" in findings
+        assert "expert parameter(s) (mlp.experts.gate_up_proj r=4, mlp.experts.down_proj r=4; rank per expert) is merged into 24 per-expert tensors" in findings
         assert "saved tensors have rank" not in findings
         app.screen.query_one("#ack", Checkbox).value = True  # the tiny model has no tokenizer: a warning
         await pilot.pause()

@@ -32,6 +32,17 @@ def _from_megatron(name: str, path: Path) -> Path:
     return path
 
 
+def _llama4(path: Path) -> Path:
+    """Llama4's text model moves the probe tokens to ``embed_tokens.weight.device`` before calling the
+    embedding: a weight left on the meta device there sent them to meta and both models came out zero."""
+    from moe_families import build
+
+    cls, config = build("llama4")
+    torch.manual_seed(0)
+    cls(config).save_pretrained(path)
+    return path
+
+
 MODELS = {
     "qwen2-untied": lambda p: save_base(p, qwen_config(tie_word_embeddings=False)),
     "qwen2-tied-bf16": lambda p: save_base(p, qwen_config(tie_word_embeddings=True), dtype=torch.bfloat16),
@@ -39,6 +50,7 @@ MODELS = {
     "llama": _llama,
     "qwen3-moe": lambda p: _from_megatron("qwen3moe_ep2", p),
     "qwen2-critic": lambda p: _from_megatron("qwen2_critic_tp2", p),
+    "llama4": _llama4,
 }
 
 

@@ -409,7 +409,7 @@ def test_perplexity_on_a_text_file(tmp_path, capsys):
 
 def test_the_behaviour_check_holds_at_most_two_layers_of_weights(merged, monkeypatch):
     """Counted by torch, not by the streaming code: at every module call and at every torch
-    function call (a TorchFunctionMode) the parameter values present (not on the meta device) in the
+    function call (a TorchFunctionMode) the parameter values present (held in memory) in the
     running models are summed, plus the weight tensors the call itself is given (its tensor arguments
     after the input; a layer computed piecewise passes its weight block by block to torch.mm)."""
     from torch.overrides import TorchFunctionMode
@@ -419,8 +419,11 @@ def test_the_behaviour_check_holds_at_most_two_layers_of_weights(merged, monkeyp
     models, peak = [], [0]
     original_call = streaming.Streamer.__call__
 
+    def held(p) -> bool:  # its values in memory: not on meta, not a stand-in (one NaN expanded to its shape)
+        return p.device.type != "meta" and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
+
     def present() -> int:
-        return sum(p.numel() for m in models for p in m.parameters() if p.device.type != "meta" and "lora_" not in _name_of(m, p))
+        return sum(p.numel() for m in models for p in m.parameters() if held(p) and "lora_" not in _name_of(m, p))
 
     class Count(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -472,7 +475,8 @@ def test_the_unmerged_reference_holds_no_adapter_weight_in_memory(pair):
         lora = {n: w for n, w in streamer.weights.items() if ".lora_" in n}
         assert missing == [] and len(lora) == 2 * 7 * 2  # A and B of 7 modules in 2 layers
         assert all(w.held is None and w.ref is not None for w in lora.values())
-        assert all(p.device.type == "meta" for p in streamer.model.parameters())
+        # no parameter holds its values between passes (each is a one-value stand-in)
+        assert all(p.untyped_storage().nbytes() <= p.element_size() for p in streamer.model.parameters())
         streamer.close()
     finally:
         source.close()

@@ -124,7 +124,8 @@ def _lora_line(lora: dict) -> str:
     if targets:
         parts.append(f"targets {targets}")
     if lora.get("target_parameters"):
-        parts.append(f"parameters {', '.join(lora['target_parameters'])} (LoRA on experts: rank r per expert)")
+        parts.append(f"parameters {', '.join(lora['target_parameters'])} "
+                     "(peft target_parameters: LoRA on packed experts, rank r per expert, and on routers)")
     if lora["n_modules"] is not None:
         parts.append(f"{lora['n_modules']} modules")
     for key, label in (("rank_pattern", "r"), ("alpha_pattern", "alpha")):

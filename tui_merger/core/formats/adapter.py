@@ -59,7 +59,7 @@ class LoraModule:
     terms: list["LoraModule"] = field(default_factory=list)  # the same module in the other adapters
     experts: int = 0  # LoRA on packed experts kept packed (expert_lora): how many
     candidates: tuple = ()  # parameter LoRA before it is placed: (nesting depth, parameter names)
-    transposed: bool = False  # those experts stored [experts, in, out]
+    transposed: bool = False  # those experts' delta is (B_e @ A_e)^T: lora_A reads dim 1 of [experts, d1, d2]
 
     @property
     def is_embedding(self) -> bool:
@@ -82,7 +82,11 @@ class PeftAdapter:
     param_lora: dict[str, LoraModule] = field(default_factory=dict)
     expert_lora: dict[str, LoraModule] = field(default_factory=dict)  # ... whose base keeps them packed on disk
     expert_parameters: list[str] = field(default_factory=list)  # the parameters target_parameters reached
-    expert_slices: set[str] = field(default_factory=set)  # entries of ``lora`` that are one expert's slice of them
+    expert_slices: set[str] = field(default_factory=set)  # entries of ``lora`` made from them (not target_modules)
+    parameter_ranks: dict[str, tuple] = field(default_factory=dict)  # those parameters' (r, alpha)
+    # expert LoRA saved in the layout of another peft version than the one installed (peft <= 0.18):
+    # lora_A key -> (lora_B key, experts); the reference peft loads gets them converted (relaid_copy)
+    relayout: dict[str, tuple] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
 
     @property
@@ -245,31 +249,45 @@ def open_adapter(folder: Path) -> PeftAdapter:
     return adapter
 
 
+def module_targeted(config: dict, module: str) -> bool:
+    """Whether ``target_modules`` names ``module``, matched as peft matches it: a string is a regex
+    the whole name must match; a list names modules exactly or by dotted suffix."""
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith("." + t) for t in map(str, targets or []))
+
+
 def targeted_parameters(module: str, targets) -> tuple[str, int, list[str]]:
     """For a LoRA pair saved under ``module`` (``mlp.experts`` or, nested, ``mlp.experts.base_layer``):
-    (the module owning the parameters, the nesting depth, the names of its parameters that
-    ``target_parameters`` lists, matched as peft matches them: by dotted suffix)."""
+    (the module owning the parameters, the nesting depth, the names of the parameters of that module
+    that ``target_parameters`` may name). peft targets a parameter when ``<module>.<parameter>`` is a
+    target or ends with ``.<target>``: a bare target (``gate_up_proj``, what ``all-linear`` writes) may
+    name a parameter of any module; which of them the module really has is for the base to say."""
     owner, depth = module, 0
     while owner.endswith(".base_layer"):
         owner, depth = owner[: -len(".base_layer")], depth + 1
     params = []
     for target in map(str, targets or []):
         where, _, param = target.rpartition(".")
-        if where and (owner == where or owner.endswith("." + where)):
+        if (not where or owner == where or owner.endswith("." + where)) and param not in params:
             params.append(param)
     return owner, depth, params
 
 
 def _param_loras(adapter: PeftAdapter) -> None:
     """peft ``target_parameters``: a parameter's LoRA is saved under its module (``mlp.experts.lora_A``);
-    several parameters of one module nest, in the module's parameter order, the first innermost (``base_layer.lora_A``).
-    Those pairs move to ``param_lora`` (keyed by module and nesting); the base decides which parameter each changes."""
+    several parameters of one module nest, in the module's parameter order, the first innermost
+    (``base_layer.lora_A``). Those pairs move to ``param_lora`` (keyed by module and nesting); the
+    base decides which parameter each changes and so its rank and alpha (``rank_pattern`` is keyed by
+    the parameter: ``.*\\.gate_up_proj``). A pair under a module that ``target_modules`` names is the
+    module's own LoRA (peft refuses to target a module both ways)."""
     targets = [str(t) for t in adapter.config.get("target_parameters") or []]
     if not targets:
         return
     for mod in list(adapter.lora):
         owner, depth, params = targeted_parameters(mod, targets)
-        if not params:
+        if not params or (depth == 0 and module_targeted(adapter.config, mod)):
             continue
         if depth >= len(params):
             raise MergeError(
@@ -277,11 +295,28 @@ def _param_loras(adapter: PeftAdapter) -> None:
                 "the adapter file is inconsistent."
             )
         entry = adapter.lora.pop(mod)
-        # which parameter this pair belongs to is decided against the base (hf_names.expert_loras):
-        # by shape, else by nesting (peft wraps them in the module's parameter order, the first innermost)
         entry.module = owner
         entry.candidates = (depth, tuple(params))
         adapter.param_lora[f"{owner}.{'base_layer.' * depth}lora"] = entry
+
+
+def param_rank(config: dict, name: str) -> tuple[int, float, float]:
+    """(r, alpha, scale) of the LoRA on parameter ``name`` (``model.layers.0.mlp.experts.gate_up_proj``),
+    as peft resolves them: ``rank_pattern`` / ``alpha_pattern`` matched against the parameter's name."""
+    r = config.get("r") or 8
+    alpha = config.get("lora_alpha")
+    alpha = 8 if alpha is None else alpha
+    key = pattern_key(config.get("rank_pattern") or {}, name)
+    if key is not None:
+        r = config["rank_pattern"][key]
+    key = pattern_key(config.get("alpha_pattern") or {}, name)
+    if key is not None:
+        alpha = config["alpha_pattern"][key]
+    if not alpha:
+        raise MergeError(f"lora_alpha is 0 for {name}, so the adapter would change nothing; set the training value.")
+    r = int(r)
+    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return r, alpha, scale
 
 
 def _group(adapter: PeftAdapter) -> None:
@@ -400,23 +435,14 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
         entry.scale = alpha / math.sqrt(r) if rslora else alpha / r
         if entry.magnitude is not None and entry.is_embedding:
             raise MergeError(f"{mod}: DoRA on embedding layers is not supported yet.")
-    for name, entry in adapter.param_lora.items():  # rank r per expert: r x experts rows
-        key = pattern_key(rank_pattern, name)
-        r = int(rank_pattern[key]) if key is not None else int(cfg_r)
-        key = pattern_key(alpha_pattern, name)
-        alpha = alpha_pattern[key] if key is not None else cfg_alpha
+    for name, entry in adapter.param_lora.items():  # rank and alpha: once the base says which parameter
         a, b = entry.A, entry.B
-        if a is None or b is None or len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1] \
-                or a.shape[0] % r:
+        if a is None or b is None or len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
             raise MergeError(
-                f"{name}: the LoRA pair for this parameter does not have rank {r} per expert "
+                f"{name}: the LoRA pair for this parameter is incomplete or inconsistent "
                 f"(lora_A {list(a.shape) if a else None}, lora_B {list(b.shape) if b else None}); "
-                "the config does not belong to these weights."
+                "the adapter file is damaged or not peft's."
             )
-        if not alpha:
-            raise MergeError(f"lora_alpha is 0 for {name}, so the adapter would change nothing; set the training value.")
-        entry.r, entry.alpha = r, alpha
-        entry.scale = alpha / math.sqrt(r) if rslora else alpha / r
 
 
 _ADAPTER_NAME = re.compile(
@@ -467,3 +493,48 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
     }
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [f"{dest.name}/adapter_config.json", f"{dest.name}/{ADAPTER_WEIGHTS[0]}"]
+
+
+def relaid_copy(adapter: PeftAdapter, dest: Path) -> Path:
+    """A copy of a PEFT adapter folder whose expert LoRA pairs saved in another peft version's layout
+    (``adapter.relayout``) are rewritten in the installed peft's, so that it loads them: expert e's
+    delta ``(B_e @ A_e).T`` is ``A_e.T @ B_e.T``, so the new lora_A's rows for expert e are B_e's
+    columns and the new lora_B's columns are A_e's rows (values moved, none computed). The config
+    names the installed peft. Everything else is copied as it is."""
+    from importlib.metadata import version
+
+    from tui_merger.core.io.safetensors_io import SafetensorsWriter
+
+    dest.mkdir(parents=True)
+    pairs = {b: a for a, (b, _) in adapter.relayout.items()}
+    entries = []
+    for key, ref in adapter.source.tensors.items():
+        shape = ref.shape
+        if key in adapter.relayout:
+            shape = (shape[0], adapter.source.tensors[adapter.relayout[key][0]].shape[0])
+        elif key in pairs:
+            shape = (adapter.source.tensors[pairs[key]].shape[1], shape[1])
+        entries.append((key, ref, shape))
+    writer = SafetensorsWriter(dest / ADAPTER_WEIGHTS[0], [(k, r.dtype, s) for k, r, s in entries], early_writeback=False)
+    try:
+        for key, ref, shape in entries:
+            tensor = ref.load()
+            if key in adapter.relayout:  # new lora_A[e*r + k] = B[:, k*E + e]
+                b_ref = adapter.source.tensors[adapter.relayout[key][0]]
+                experts = adapter.relayout[key][1]
+                b = b_ref.load()
+                tensor = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).reshape(-1, b.shape[0])
+            elif key in pairs:  # new lora_B[:, k*E + e] = A[e*r + k]
+                a_key = pairs[key]
+                experts = adapter.relayout[a_key][1]
+                a = adapter.source.tensors[a_key].load()
+                tensor = a.reshape(experts, -1, a.shape[1]).permute(2, 1, 0).reshape(a.shape[1], -1)
+            writer.write_tensor(key, tensor.contiguous())
+            ref.release()
+        writer.close(fsync=False)
+    except BaseException:
+        writer.abort()
+        raise
+    config = dict(adapter.config, peft_version=version("peft"))
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dest

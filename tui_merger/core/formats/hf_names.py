@@ -239,129 +239,208 @@ class ConvertedSource(_DerivedSource):
 
 
 class SlicedSource(_DerivedSource):
-    """Small tensors that are parts of others (a LoRA factor's rows or strided columns): each part
-    is cut from its parent, which is read once and kept until each of its parts was handed out."""
+    """Small tensors that are parts of others (a LoRA factor's rows or strided columns, perhaps
+    transposed): each part is cut from its parent, which is read once and kept until each of its
+    parts was handed out."""
 
     def __init__(self) -> None:
         self.tensors: dict = {}
-        self._parts: dict[str, tuple] = {}  # name -> (parent ref, rows, columns)
+        self._parts: dict[str, tuple] = {}  # name -> (parent ref, row slice, column slice, transposed)
         self._children: dict[int, set] = {}
         self._cache: dict[int, object] = {}
         self._served: dict[int, set] = {}
 
-    def add(self, name: str, parent, rows: tuple[int, int], columns: tuple[int, int] | None = None):
-        """``rows``: (start, stop); ``columns``: (first, step), every step-th column from first."""
+    def add(self, name: str, parent, rows: slice, columns: slice = slice(None), transpose: bool = False):
+        """The part ``parent[rows, columns]`` (``.T`` with ``transpose``) under ``name``."""
         from tui_merger.core.io.sources import TensorRef
 
-        n_rows = rows[1] - rows[0]
-        n_cols = parent.shape[1] if columns is None else len(range(columns[0], parent.shape[1], columns[1]))
-        ref = TensorRef(self, "", name, parent.dtype, (n_rows, n_cols))
+        shape = (len(range(*rows.indices(parent.shape[0]))), len(range(*columns.indices(parent.shape[1]))))
+        ref = TensorRef(self, "", name, parent.dtype, shape[::-1] if transpose else shape)
         self.tensors[name] = ref
-        self._parts[name] = (parent, rows, columns)
+        self._parts[name] = (parent, rows, columns, transpose)
         self._children.setdefault(id(parent), set()).add(name)
         return ref
 
     def load(self, ref):
         with _DERIVED_LOCK:  # the recompute and the reference pass read side by side
-            parent, rows, columns = self._parts[ref.name]
+            parent, rows, columns, transpose = self._parts[ref.name]
             key = id(parent)
             whole = self._cache.get(key)
             if whole is None:
                 whole = self._cache[key] = parent.load()
                 parent.release()
                 self._served[key] = set()
-            part = whole[rows[0]:rows[1]]
-            if columns is not None:
-                part = part[:, columns[0]::columns[1]]
+            part = whole[rows, columns]
             self._served[key].add(ref.name)
             if self._served[key] >= self._children[key]:
                 del self._cache[key], self._served[key]
-            return part.contiguous()
+            return (part.T if transpose else part).contiguous()
 
 
-def _placed(model, state: dict, entry) -> str:
-    """The parameter a parameter-LoRA pair changes: the one of its module's targeted parameters whose
-    shape fits the pair; when several fit, by peft's nesting (module parameter order, first innermost)."""
+def _installed_peft() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("peft")
+    except Exception:  # noqa: BLE001 - no peft: the newest layout
+        return "99.0"
+
+
+def _layout_y(entry, shape, name: str, adapter_config: dict, transposed_module: bool, strict: bool = True) -> bool:
+    """How a parameter LoRA on packed experts ``[experts, d1, d2]`` was saved. Layout X (peft >= 0.20
+    on experts stored [experts, out, in]; 0.19 where the module says ``is_transposed``): lora_A reads
+    d2, lora_B writes d1, the delta of expert e is ``B_e @ A_e``. Layout Y (peft >= 0.20 on experts
+    stored [experts, in, out], as GPT-OSS keeps them; peft <= 0.18 on every 3-D parameter; 0.19 unless
+    the module says ``is_transposed``): lora_A reads d1, the delta is ``(B_e @ A_e).T``. The shapes
+    tell unless d1 == d2; then peft's version does (the code of each version, against the
+    ``is_transposed`` of the transformers installed here)."""
     from tui_merger.core.errors import MergeError
+
+    _, d1, d2 = shape
+    x = entry.A.shape[1] == d2 and entry.B.shape[0] == d1
+    y = entry.A.shape[1] == d1 and entry.B.shape[0] == d2
+    if (x and y) or not strict:  # not strict: the layout this version of peft makes, whatever the shapes
+        version = _version_tuple(adapter_config.get("peft_version"))
+        if version < (0, 19):
+            return True
+        if version < (0, 20):
+            return not transposed_module
+        return transposed_module
+    if not (x or y):
+        raise MergeError(
+            f"{name}: its LoRA pair (lora_A {list(entry.A.shape)}, lora_B {list(entry.B.shape)}) does not fit "
+            f"the parameter's shape {list(shape)}; is the base the model the adapter was trained on?"
+        )
+    return y
+
+
+def _version_tuple(text) -> tuple:
+    """``"0.21.2"`` -> (0, 21); no version recorded (peft before it wrote one): (0, 0)."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", str(text or ""))
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _fits(entry, shape, r_of) -> bool:
+    """Whether a LoRA pair can belong to a parameter of this shape (either expert layout)."""
+    if len(shape) == 2:
+        return entry.A.shape[1] == shape[1] and entry.B.shape[0] == shape[0]
+    if len(shape) == 3:
+        dims = {(shape[2], shape[1]), (shape[1], shape[2])}
+        return (entry.A.shape[1], entry.B.shape[0]) in dims and entry.A.shape[0] == r_of * shape[0]
+    return False
+
+
+def _placed(model, state: dict, entry, config: dict) -> str:
+    """The parameter a parameter-LoRA pair changes. peft wraps the targeted parameters of one module
+    in the module's parameter order, the first innermost: the pair at nesting depth d belongs to the
+    (k - 1 - d)-th of the k targeted ones. When the shapes single out another parameter, the shapes win."""
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.formats.adapter import param_rank
 
     depth, params = entry.candidates
     owner = entry.module
-    module = model.get_submodule(owner)
-    transposed = bool(getattr(module, "is_transposed", False))
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        raise MergeError(
+            f"The adapter holds a LoRA for {owner}, which the base model does not have; "
+            "is the base the model the adapter was trained on?"
+        ) from None
     order = [n for n, _ in module.named_parameters(recurse=False) if n in params]
     if len(order) <= depth:
-        raise MergeError(f"{owner}: the adapter's LoRA pairs do not fit the parameters {', '.join(params)} of the base.")
-    fits = []
-    for pname in order:
-        shape = state[f"{owner}.{pname}"].shape
-        if len(shape) == 3:
-            d_out, d_in = (shape[2], shape[1]) if transposed else (shape[1], shape[2])
-            if entry.A.shape[1] == d_in and entry.B.shape[0] == d_out:
-                fits.append(pname)
+        wanted = ", ".join(params)
+        raise MergeError(
+            f"{owner}: the adapter's target_parameters ({wanted}) name "
+            + (f"{len(order)} parameter(s) of this module ({', '.join(order)})" if order else "no parameter of this module")
+            + f" but it holds {depth + 1} nested LoRA pair(s) for it; the base has "
+            f"{', '.join(n for n, _ in module.named_parameters(recurse=False)) or 'no parameters'} there. "
+            "Is the base the model the adapter was trained on?"
+        )
+    fits = [p for p in order if _fits(entry, state[f"{owner}.{p}"].shape, param_rank(config, f"{owner}.{p}")[0])]
     chosen = fits[0] if len(fits) == 1 else order[len(order) - 1 - depth]
     return f"{owner}.{chosen}"
 
 
 def expert_loras(layout: DiskLayout, adapter, sliced: SlicedSource) -> dict:
-    """peft ``target_parameters`` LoRA on packed experts as ordinary LoRA on the tensors
-    ``save_pretrained`` writes: {on-disk module: LoraModule}. peft's delta for expert e of a packed
-    ``[experts, out, in]`` parameter is ``B_e @ A_e`` with ``A_e`` rows e*r..(e+1)*r of lora_A and
-    ``B_e`` every experts-th column of lora_B from e; which rows of it each on-disk tensor takes is
-    found by converting an index tensor with transformers' own reverse conversion."""
+    """peft ``target_parameters`` LoRA (packed experts, routers) as ordinary LoRA on the tensors
+    ``save_pretrained`` writes: {on-disk module: LoraModule}. Packed experts kept packed on disk go to
+    ``adapter.expert_lora`` (one op on the packed tensor). peft's delta for expert e of a packed
+    parameter is ``B_e @ A_e`` (or its transpose, ``_layout_y``) with ``A_e`` rows e*r..(e+1)*r of
+    lora_A and ``B_e`` every experts-th column of lora_B from e; which rows of it each on-disk tensor
+    takes is found by converting an index tensor with transformers' own reverse conversion. A 2-D
+    parameter (a router's ``gate.weight``) is an ordinary LoRA: ``B @ A``."""
     import torch
 
     from tui_merger.core.errors import MergeError
-    from tui_merger.core.formats.adapter import LoraModule
+    from tui_merger.core.formats.adapter import LoraModule, param_rank
 
     state = layout.model.state_dict()
     out = {}
     placed = {}
     for entry in adapter.param_lora.values():
-        name = _placed(layout.model, state, entry)
+        name = _placed(layout.model, state, entry, adapter.config)
         if name in placed:
             raise MergeError(f"The adapter holds two LoRA pairs for {name}; the adapter file is inconsistent.")
         placed[name] = entry
     for name, entry in placed.items():
         entry.module = name
-        packed = state.get(name)
-        if packed is None:
-            raise MergeError(f"The adapter changes the parameter {name}, which the base model does not have.")
-        module = layout.model.get_submodule(name.rsplit(".", 1)[0])
-        experts = entry.A.shape[0] // entry.r
-        transposed = bool(getattr(module, "is_transposed", False))  # [experts, in, out] (GPT-OSS)
-        if packed.dim() != 3 or packed.shape[0] != experts:
+        param = state[name]
+        entry.r, entry.alpha, entry.scale = param_rank(adapter.config, name)
+        experts = entry.experts = param.shape[0] if param.dim() == 3 else 1
+        if param.dim() not in (2, 3):
+            raise MergeError(f"{name}: LoRA on a parameter of {param.dim()} dimensions is not supported (peft takes 2 and 3).")
+        if entry.A.shape[0] != entry.r * experts:
+            per = f" per expert ({experts} experts: {entry.r * experts} rows)" if experts > 1 else ""
             raise MergeError(
-                f"{name}: LoRA on a parameter of shape {list(packed.shape)} ({experts} experts of rank {entry.r}) "
-                "is not supported yet; only packed experts are."
+                f"{name}: adapter_config.json gives this parameter rank {entry.r}{per}, but its lora_A has "
+                f"{entry.A.shape[0]} rows; the config does not belong to these weights."
             )
-        _, d_out, d_in = packed.shape
-        if transposed:
-            d_out, d_in = d_in, d_out
-        if entry.A.shape[1] != d_in or entry.B.shape[0] != d_out:
-            raise MergeError(
-                f"{name}: its LoRA pair (lora_A {list(entry.A.shape)}, lora_B {list(entry.B.shape)}) does not fit "
-                f"the parameter's shape {list(packed.shape)}; is the base the model the adapter was trained on?"
-            )
-        pieces = layout.convert(name, torch.empty(tuple(packed.shape), device="meta"))  # names only
-        if list(pieces) == [name]:  # kept packed on disk too: one op on the packed tensor
-            entry.experts, entry.transposed = experts, transposed
-            adapter.expert_lora[name] = entry
+        pieces = layout.convert(name, torch.empty(tuple(param.shape), device="meta"))  # names only
+        if param.dim() == 2:
+            if not _fits(entry, param.shape, entry.r):
+                raise MergeError(
+                    f"{name}: its LoRA pair (lora_A {list(entry.A.shape)}, lora_B {list(entry.B.shape)}) does not fit "
+                    f"the parameter's shape {list(param.shape)}; is the base the model the adapter was trained on?"
+                )
+            (disk,) = pieces
+            if not disk.endswith(".weight"):
+                raise MergeError(f"{name}: LoRA on a 2-D parameter saved as {disk} is not supported yet.")
+            mod = disk.removesuffix(".weight")
+            out[mod] = LoraModule(mod, A=entry.A, B=entry.B, r=entry.r, alpha=entry.alpha, scale=entry.scale)
             continue
-        if transposed:
-            raise MergeError(
-                f"{name}: experts stored [experts, in, out] and split on saving are not supported yet."
-            )
-        index = torch.arange(experts * d_out, dtype=torch.float64).reshape(experts, d_out, 1)
-        pieces = layout.convert(name, index)
-        for disk, rows in pieces.items():
+        module = layout.model.get_submodule(name.rsplit(".", 1)[0])
+        transposed_module = bool(getattr(module, "is_transposed", False))
+        y = _layout_y(entry, param.shape, name, adapter.config, transposed_module)
+        if y != _layout_y(entry, param.shape, name, {"peft_version": _installed_peft()}, transposed_module, strict=False):
+            adapter.relayout[entry.A.name] = (entry.B.name, experts)  # the peft here reads the other layout
+        _, d1, _ = param.shape
+        index = torch.arange(experts * d1, dtype=torch.float64).reshape(experts, d1, 1)
+        converted = layout.convert(name, index)
+        if len(pieces) == 1 and tuple(next(iter(pieces.values())).shape) == tuple(param.shape):
+            # kept packed on disk (perhaps renamed: GraniteMoE's input_linear.weight): one op on it
+            ((disk, rows),) = converted.items()
+            if disk != name and not torch.equal(rows, index):  # renamed: the rows must stay where they are
+                raise MergeError(f"{name}: transformers saves these experts in a layout tui-merger cannot merge LoRA into yet.")
+            entry.transposed = y
+            adapter.expert_lora[disk] = entry
+            continue
+        for disk, rows in converted.items():
             flat = rows.flatten().long()
-            expert, start = divmod(int(flat[0]), d_out)
+            expert, start = divmod(int(flat[0]), d1)
             stop = start + flat.numel()
             if rows.dim() != 2 or rows.shape[1] != 1 or not torch.equal(flat, torch.arange(flat[0], flat[0] + flat.numel())) \
-                    or stop > d_out:
+                    or stop > d1:
                 raise MergeError(f"{name}: transformers saves these experts in a layout tui-merger cannot merge LoRA into yet.")
             mod = disk.removesuffix(".weight")
-            a = sliced.add(f"{mod}.lora_A", entry.A, (expert * entry.r, (expert + 1) * entry.r))
-            b = sliced.add(f"{mod}.lora_B", entry.B, (start, stop), (expert, experts))
+            a_rows = slice(expert * entry.r, (expert + 1) * entry.r)
+            b_cols = slice(expert, None, experts)
+            if y:  # delta_e[start:stop] = A_e[:, start:stop].T @ B_e.T
+                a = sliced.add(f"{mod}.lora_A", entry.B, slice(None), b_cols, transpose=True)
+                b = sliced.add(f"{mod}.lora_B", entry.A, a_rows, slice(start, stop), transpose=True)
+            else:  # delta_e[start:stop] = B_e[start:stop] @ A_e
+                a = sliced.add(f"{mod}.lora_A", entry.A, a_rows)
+                b = sliced.add(f"{mod}.lora_B", entry.B, slice(start, stop), b_cols)
             out[mod] = LoraModule(mod, A=a, B=b, r=entry.r, alpha=entry.alpha, scale=entry.scale)
     return out

@@ -84,4 +84,8 @@ class PeftAdapterFormat(Format):
         return open_adapter(path if path.is_dir() or not path.exists() else path.parent)
 
     def reference_folder(self, adapter, tmp: Path, name: str) -> Path:
+        if adapter.relayout:  # expert LoRA in an older peft's layout: the installed peft reads its own
+            from tui_merger.core.formats.adapter import relaid_copy
+
+            return relaid_copy(adapter, Path(tmp) / name)
         return adapter.folder

@@ -244,14 +244,22 @@ def _notice_finding(note: str) -> Finding:
 def _adapter_summary(adapter) -> dict | None:
     if not adapter.lora:
         return None
+    from tui_merger.core.formats.inputs import parameter_kinds
+
     cfg = adapter.config
-    every = [m for entry in adapter.lora.values() for m in (entry, *entry.terms)]
+    every = [m for name, entry in adapter.lora.items() if name not in adapter.expert_slices for m in (entry, *entry.terms)]
+    every = every or [m for entry in adapter.lora.values() for m in (entry, *entry.terms)]
     ranks = sorted({m.r for m in every})
     alphas = sorted({m.alpha for m in every})
+    ranked = getattr(adapter, "parameter_ranks", {}) or {}
     experts = {
-        "expert_parameters": len(adapter.expert_parameters),
+        "expert_parameters": len([n for n, v in ranked.items() if v[2] > 1]) or len(adapter.expert_parameters),
+        "router_parameters": len([n for n, v in ranked.items() if v[2] <= 1]),
         "target_parameters": cfg.get("target_parameters") or sorted({n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]
                                                                       for n in adapter.expert_parameters}),
+        # {"mlp.experts.gate_up_proj": {"r": 16, "alpha": 32, "count": 2, "experts": 4}, ...}
+        "parameters": {tail: {"r": r, "alpha": alpha, "count": n, "router": tail.endswith(".weight")}
+                       for tail, (r, alpha, n) in parameter_kinds(ranked).items()},
     } if adapter.expert_parameters else {}
     return {
         "modules": len([name for name in adapter.lora if name not in adapter.expert_slices]),
@@ -780,7 +788,15 @@ def describe(plan: MergePlan) -> list[str]:
         a = plan.adapter
         targets = a["target_modules"] if isinstance(a["target_modules"], str) else ", ".join(sorted(map(str, a["target_modules"])))
         experts = ""
-        if a.get("expert_parameters"):
+        if a.get("parameters"):
+            kinds = a["parameters"]
+            packed = [f"{t} r={k['r']} alpha={k['alpha']}" for t, k in kinds.items() if not k["router"]]
+            routers = [f"{t} r={k['r']} alpha={k['alpha']}" for t, k in kinds.items() if k["router"]]
+            if packed:
+                experts += f" + LoRA on {a['expert_parameters']} expert parameter(s) ({', '.join(packed)}; rank per expert)"
+            if routers:
+                experts += f" + LoRA on {a['router_parameters']} router weight(s) ({', '.join(routers)})"
+        elif a.get("expert_parameters"):
             experts = (f" + LoRA on {a['expert_parameters']} expert parameter(s) "
                        f"({', '.join(sorted(map(str, a['target_parameters'])))}; rank r per expert)")
         lines.append(f"  {'LoRA':10} r={a['r']} alpha={a['alpha']} {a['variant']}, {a['modules']} modules ({targets}){experts}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 
 from tui_merger.core.errors import MergeError
@@ -197,6 +198,7 @@ class Streamer:
         missing = [n for n in names if n not in owned and n in self.weights]
         if missing:  # parameters of modules that never run their own forward (should not happen)
             raise StreamError(f"{missing[0]} belongs to no module that runs; this model cannot be streamed.")
+        _stand_ins(self.model)
 
     def unit_done(self, name: str) -> None:
         self.stats.units += 1
@@ -259,8 +261,9 @@ def _named_tensors(module):
 
 def _units(model):
     """The modules that load their weights together: peft's tuner layers whole (their forward reads
-    the base layer's weight directly, e.g. DoRA's norm) unless plain LoRA, else every module with
-    tensors of its own."""
+    the base layer's weight directly, e.g. DoRA's norm) unless plain LoRA, a module whose code reads
+    a child's weight itself (``_reads_child_weights``) with that child, else every module with
+    tensors of its own (a unit also takes the tensors below it that no earlier unit took)."""
     units = []
     inside: set[int] = set()  # ids of the modules within a tuner layer already taken whole
     for name, module in model.named_modules():
@@ -269,9 +272,43 @@ def _units(model):
         if _is_tuner_layer(module) and not _plain_lora_linear(module):
             units.append((name, module))
             inside.update(id(m) for m in module.modules())
+        elif _reads_child_weights(module):
+            units.append((name, module))
+            inside.update(id(m) for m in module.modules())
         elif any(True for _ in module.named_parameters(recurse=False)):
             units.append((name, module))
     return units
+
+
+_SOURCES: dict[type, str] = {}
+_CHILD_WEIGHT = re.compile(
+    r"self\.(\w+)\.(?:weight|bias)\b(?!\s*\.\s*(?:device|dtype|shape|ndim|size|dim|is_\w+)\b)(?!\s*=[^=])")
+
+
+def _reads_child_weights(module) -> bool:
+    """Whether the module's own code uses a child's weight in a computation instead of calling the
+    child (LongCat's router: ``F.linear(x, self.classifier.weight)``), so the child's weights must be
+    in place while this module runs (reading only ``.device`` or ``.dtype`` does not count). Read from
+    the class's source; a class without source reads nothing."""
+    import inspect
+
+    cls = type(module)
+    if cls.__module__.startswith("torch.") or not any(True for _ in module.children()):
+        return False
+    if hasattr(module, "base_model_prefix"):  # a whole (sub)model: its layers stream on their own
+        return False
+    text = _SOURCES.get(cls)
+    if text is None:
+        try:
+            text = inspect.getsource(cls)
+        except (OSError, TypeError):
+            text = ""
+        _SOURCES[cls] = text
+    children = dict(module.named_children())
+    return any(
+        (child := children.get(m.group(1))) is not None and any(True for _ in child.parameters())
+        for m in _CHILD_WEIGHT.finditer(text)
+    )
 
 
 def _is_tuner_layer(module) -> bool:
@@ -385,12 +422,38 @@ class _StreamHook:
 
         s = self.streamer
         for full, attr in self.params.items():
-            set_module_tensor_to_device(module, attr, "meta", clear_cache=False)
+            set_module_tensor_to_device(module, attr, "cpu", value=_stand_in(value_shape(module, attr)), clear_cache=False)
             value = self.live.pop(full)
             s.stats.live_values -= value.numel()
             s.give_back(full, value)
         s.unit_done(self.unit_name)
         return output
+
+
+def _stand_in(shape):
+    """What a parameter is while its module is not running: a NaN of its shape on the CPU, one value
+    expanded (no memory). Model code reads ``embed_tokens.weight.device`` before calling the module
+    (Llama4: ``input_ids.to(self.embed_tokens.weight.device)``); on the meta device that sent the
+    probe tokens there and the model computed zeros. Anything computed from a weight outside its
+    module's forward comes out NaN, which the check reports, never as a match."""
+    import torch
+
+    return torch.full((1,), float("nan")).expand(shape)
+
+
+def value_shape(module, attr: str):
+    owner = module.get_submodule(attr.rsplit(".", 1)[0]) if "." in attr else module
+    return tuple(getattr(owner, attr.rsplit(".", 1)[-1]).shape)
+
+
+def _stand_ins(model) -> None:
+    """Every meta parameter of the model becomes its stand-in (``_stand_in``)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, module in model.named_modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            if param.device.type == "meta":
+                set_module_tensor_to_device(module, attr, "cpu", value=_stand_in(tuple(param.shape)), clear_cache=False)
 
 
 def _piecewise(streamer: Streamer, unit, weight: str, params: dict[str, str]) -> None:
