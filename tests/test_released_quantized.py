@@ -488,3 +488,29 @@ def test_weights_are_dequantized_a_block_of_rows_at_a_time(qwen3_fp8, monkeypatc
         release()
     assert [b.shape[0] for b in blocks] == [128, 128, 128]
     assert torch.equal(torch.cat(blocks), ref.load())
+
+
+def test_the_bf16_output_of_an_fp8_base_exports_to_gguf(tmp_path, capsys):
+    """The default output is a plain model: tui-merger gguf writes it, and transformers' GGUF reader gives
+    back every weight of the merged folder bit for bit."""
+    from peft import LoraConfig, get_peft_model
+    from test_gguf import byte_level_tokenizer, config_of, load_gguf, load_hf
+
+    base = tmp_path / "Qwen3-gguf-FP8"
+    torch.manual_seed(0)
+    make_fp8_block_base(base, transformers.AutoModelForCausalLM.from_config(config_of("qwen3")))
+    byte_level_tokenizer("qwen").save_pretrained(base)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(_dequantized_load(base, "fp8"), lora).save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "merged"
+    assert main(["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(out), "--plain"]) == 0
+    gguf = tmp_path / "gguf" / "model.gguf"
+    gguf.parent.mkdir()
+    code = main(["gguf", str(out), "--type", "bf16", "--out", str(gguf), "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    want, got = load_hf(out).state_dict(), load_gguf(gguf).state_dict()
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
