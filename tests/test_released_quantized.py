@@ -490,21 +490,31 @@ def test_weights_are_dequantized_a_block_of_rows_at_a_time(qwen3_fp8, monkeypatc
     assert torch.equal(torch.cat(blocks), ref.load())
 
 
-def test_the_bf16_output_of_an_fp8_base_exports_to_gguf(tmp_path, capsys):
-    """The default output is a plain model: tui-merger gguf writes it, and transformers' GGUF reader gives
-    back every weight of the merged folder bit for bit."""
+@pytest.fixture(scope="module")
+def fp8_with_tokenizer(tmp_path_factory):
+    """A Qwen3 FP8-block base with a tokenizer, and a peft LoRA on its dequantized load."""
     from peft import LoraConfig, get_peft_model
-    from test_gguf import byte_level_tokenizer, config_of, load_gguf, load_hf
+    from test_gguf import byte_level_tokenizer, config_of
 
-    base = tmp_path / "Qwen3-gguf-FP8"
+    root = tmp_path_factory.mktemp("fp8_tok")
+    base = root / "Qwen3-tok-FP8"
     torch.manual_seed(0)
     make_fp8_block_base(base, transformers.AutoModelForCausalLM.from_config(config_of("qwen3")))
     byte_level_tokenizer("qwen").save_pretrained(base)
     torch.manual_seed(1)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    get_peft_model(_dequantized_load(base, "fp8"), lora).save_pretrained(tmp_path / "adapter")
+    get_peft_model(_dequantized_load(base, "fp8"), lora).save_pretrained(root / "adapter")
+    return base, root / "adapter"
+
+
+def test_the_bf16_output_of_an_fp8_base_exports_to_gguf(fp8_with_tokenizer, tmp_path, capsys):
+    """The default output is a plain model: tui-merger gguf writes it, and transformers' GGUF reader gives
+    back every weight of the merged folder bit for bit."""
+    from test_gguf import load_gguf, load_hf
+
+    base, adapter = fp8_with_tokenizer
     out = tmp_path / "merged"
-    assert main(["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(out), "--plain"]) == 0
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 0
     gguf = tmp_path / "gguf" / "model.gguf"
     gguf.parent.mkdir()
     code = main(["gguf", str(out), "--type", "bf16", "--out", str(gguf), "--plain"])
@@ -514,3 +524,36 @@ def test_the_bf16_output_of_an_fp8_base_exports_to_gguf(tmp_path, capsys):
     assert set(got) == set(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_try_it_on_a_kept_fp8_output_says_what_it_needs_and_runs_it(fp8_with_tokenizer, tmp_path, capsys):
+    """Try it on an output kept in FP8 (and on the FP8 base beside it): the plan says both run dequantized
+    and counts their 16-bit size; run layer by layer from the files (too little memory), they answer as
+    transformers' dequantizing load of the same folders does."""
+    from tui_merger.core.ship.trial import plan_trial, run_trial
+
+    base, adapter = fp8_with_tokenizer
+    out = tmp_path / "kept"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain",
+                 "--keep-quantization"]) == 0
+    capsys.readouterr()
+    plan = plan_trial(out, available=1)  # too little memory: each side runs layer by layer from its files
+    text = " ".join(plan.notes)
+    assert "The merged model is stored as FP8 (e4m3), 128x128 blocks; it runs dequantized to bfloat16" in text, text
+    assert "The base model is stored as FP8 (e4m3), 128x128 blocks" in text, text
+    values = sum(p.numel() for p in _dequantized_load(out, "fp8").parameters())
+    assert plan.sides[0].memory_bytes >= 2 * values  # the bf16 size, not the FP8 files'
+    answers = run_trial(plan, "hello there", max_new_tokens=4)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    for answer, folder in zip(answers, (out, base)):  # layer by layer runs in fp32: so does the reference
+        model = _dequantized_load(folder, "fp8").float()
+        want = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        assert answer.token_ids == want[0, enc["input_ids"].shape[1]:].tolist(), answer.label
+    fits = plan_trial(out)  # enough memory: transformers loads it (on a CPU it dequantizes FP8 itself)
+    assert fits.fits and fits.dtype == "bfloat16"
+    merged = run_trial(fits, "hello there", max_new_tokens=4)[0]
+    want = _dequantized_load(out, "fp8").generate(**enc, max_new_tokens=4, do_sample=False,
+                                                 pad_token_id=tokenizer.pad_token_id)
+    assert merged.token_ids == want[0, enc["input_ids"].shape[1]:].tolist()

@@ -136,6 +136,9 @@ def plan_trial(model_dir: Path, against: Path | None = None, *, available: int |
         )
     for side in sides:
         side.memory_bytes = _side_memory(side, dtype)
+        note = _quantized_note(side, dtype)
+        if note:
+            notes.append(note)
     memory = max(s.memory_bytes for s in sides)
     if available is None:
         available = _available_memory()
@@ -273,13 +276,39 @@ def _weights_bytes(folder: Path, files: list[str], dtype: str, float_size: int |
                 numel = 1
                 for d in info.shape:
                     numel *= d
-                total += numel * (size if info.dtype in FLOAT_DTYPES else itemsize(info.dtype))
+                if info.dtype in FLOAT_DTYPES or info.dtype.startswith("float8"):  # FP8 runs dequantized
+                    total += numel * size
+                elif _is_mxfp4_blocks(info, numel):  # two 4-bit values a byte, run dequantized
+                    total += 2 * numel * size
+                else:
+                    total += numel * itemsize(info.dtype)
         else:
             try:
                 total += path.stat().st_size
             except OSError:
                 pass
     return total
+
+
+def _is_mxfp4_blocks(info, numel: int) -> bool:
+    """MXFP4 values (GPT-OSS's ``*_blocks``: uint8, 16 bytes a group of 32)."""
+    return info.dtype == "uint8" and len(info.shape) == 4 and info.shape[-1] == 16 and numel > 0
+
+
+def _quantized_note(side: TrialSide, dtype: str) -> str | None:
+    """What Try it says of a side stored quantized (an FP8 release, an output kept in FP8): it runs
+    dequantized, as transformers' dequantizing load gives it, so it needs the 16-bit size."""
+    from tui_merger.core.formats.dequant import scheme_of
+
+    folder = side.base if side.label == ADAPTER else side.path
+    try:
+        scheme = scheme_of(json_object_or_none(folder / "config.json"))
+    except MergeError:
+        return None
+    if scheme is None:
+        return None
+    return (f"The {side.label} is stored as {scheme.label}; it runs dequantized to {dtype}, as transformers' "
+            f"{scheme.loader} loads it, so it needs the {dtype} size in memory, not its size on disk.")
 
 
 def _kv_cache_bytes(config: dict, dtype: str) -> int:
@@ -416,6 +445,20 @@ def _load(side: TrialSide, dtype):
     return model, lambda: None
 
 
+def _dequantized_source(source, folder: Path):
+    """A folder stored quantized (FP8 blocks, compressed-tensors FP8, MXFP4) read as transformers'
+    dequantizing load reads it; a plain one as it is."""
+    from tui_merger.core.formats.dequant import DequantSource, scheme_of
+
+    config = json_object_or_none(folder / "config.json") or {}
+    scheme = scheme_of(config)
+    if scheme is None:
+        return source
+    view = DequantSource(source, scheme, config)
+    view.close = source.close
+    return view
+
+
 def _streamed(side: TrialSide):
     """(model, close) of a side that does not fit: built on the meta device, each module's weights read
     from the files when it runs (``verify/streaming.py``), the adapter applied by peft unmerged."""
@@ -427,7 +470,7 @@ def _streamed(side: TrialSide):
 
     folder = side.base if side.label == ADAPTER else side.path
     cls = _generator_class(read_json_object(folder / "config.json", "copy it again from the original model"), folder)
-    source = open_model(folder)
+    source = _dequantized_source(open_model(folder), folder)
     try:
         config = AutoConfig.from_pretrained(folder)
         if side.label == ADAPTER:
