@@ -1,9 +1,10 @@
 """Bases released quantized, with no 16-bit original: FP8 weights with a scale per block (DeepSeek-V3/R1,
-Kimi-K2, Qwen3 ``-FP8``: ``quant_method: fp8``) and compressed-tensors FP8 (a scale per tensor, per
-output channel or per block). People fine-tune these on the dequantized weights (transformers'
-``FineGrainedFP8Config(dequantize=True)``, ``CompressedTensorsConfig(run_compressed=False)``), so the
-merge goes into exactly those: ``DequantSource`` hands the plan each quantized weight dequantized, one
-block of rows at a time, and hides the scales.
+Kimi-K2, Qwen3 ``-FP8``: ``quant_method: fp8``), compressed-tensors FP8 (a scale per tensor, per
+output channel or per block) and MXFP4 (GPT-OSS's experts: ``*_blocks`` + ``*_scales``). People
+fine-tune these on the dequantized weights (transformers' ``FineGrainedFP8Config(dequantize=True)``,
+``CompressedTensorsConfig(dequantize=True)``, ``Mxfp4Config(dequantize=True)``), so the merge goes into
+exactly those: ``DequantSource`` hands the plan each quantized weight dequantized, a block of rows at a
+time, and hides the scales.
 
 The arithmetic is transformers' own, so the values equal its dequantizing load bit for bit:
 
@@ -12,14 +13,19 @@ The arithmetic is transformers' own, so the values equal its dequantizing load b
   ``fp32(q) * fp32(scale)``, rounded once to the model's dtype (``config.json``'s ``dtype``, bf16 for
   every released one). A last block may be short: DeepSeek-V3's ``kv_a_proj_with_mqa`` has 576 rows and
   5 rows of scales; DeepSeek's own ``weight_dequant`` covers it with the same arithmetic (transformers
-  5.24's dequantizing load refuses such a weight).
+  5.24's dequantizing load derives the block from the grid instead: it refuses 576 rows, and reads 192
+  rows with 2 scale rows as two blocks of 96).
 - compressed-tensors FP8 (``weight_scale`` per tensor, per output channel or per block): ``q`` is cast to
   the scale's dtype and multiplied by it there (compressed-tensors' ``dequantize``), then cast to the
   model's dtype.
+- MXFP4: each byte holds two e2m1 codes (the even value in the low nibble), times 2**(scale - 127) of
+  its group of 32, written as transformers keeps the parameter ([experts, in, out]).
 
 Everything is checked from the headers before anything is read: every FP8 weight has its scale, every
-scale a weight, the scale grid fits the weight, the FP8 dtype is the one the format declares. Each
-problem is one sentence naming the tensor and what was expected.
+scale a weight, the scale grid fits the weight, the dtype is the one the format declares. Each problem
+is one sentence naming the tensor and what was expected.
+
+``quantize_fp8_blocks`` is the other direction, for outputs written as FP8 blocks (``merge/requant.py``).
 
 No torch at import time: it is imported where tensors are touched.
 """
@@ -44,12 +50,14 @@ _ACTIVATION_SCALES = (".activation_scale", ".input_scale")
 class Scheme:
     """What a ``quantization_config`` this module can dequantize says."""
 
-    method: str  # "fp8" (transformers' FineGrainedFP8) or "compressed-tensors"
-    scale_suffix: str  # weight_scale_inv (fp8) or weight_scale (compressed-tensors)
-    fp8_dtype: str  # the FP8 dtype the weights must have
+    method: str  # "fp8" (transformers' FineGrainedFP8), "compressed-tensors" or "mxfp4"
+    scale_suffix: str  # weight_scale_inv (fp8), weight_scale (compressed-tensors), _scales (mxfp4)
+    fp8_dtype: str  # the dtype the quantized weights must have (uint8 for MXFP4's packed values)
     block: tuple[int, int] | None = None  # rows x columns per scale; None: per tensor / per channel
     strategy: str = "block"  # block, tensor or channel
     scale_in_fp32: bool = True  # fp8: fp32 product; compressed-tensors: in the scale's dtype
+    # modules the config leaves 16-bit, as it says (informational: which weights are quantized is read from
+    # the scales beside them, as transformers reads them)
     ignored: tuple[str, ...] = field(default_factory=tuple)
 
     @property
