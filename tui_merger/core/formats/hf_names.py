@@ -444,3 +444,85 @@ def expert_loras(layout: DiskLayout, adapter, sliced: SlicedSource) -> dict:
                 b = sliced.add(f"{mod}.lora_B", entry.B, slice(start, stop), b_cols)
             out[mod] = LoraModule(mod, A=a, B=b, r=entry.r, alpha=entry.alpha, scale=entry.scale)
     return out
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_EXPERT = None
+
+
+def _declares_experts(config: dict) -> bool:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return any(isinstance(c.get(k), int) and c.get(k) > 1 for c in (config, text) for k in _EXPERT_KEYS)
+
+
+def expected_experts(config: dict) -> dict[str, tuple]:
+    """{experts module on disk: ("split", number of experts) or ("packed", tensor name, experts)} for a
+    model config that declares experts, from the model transformers builds for it on the meta device
+    and the names ``save_pretrained`` gives its tensors; {} for a model without experts or one
+    transformers cannot build here."""
+    import json
+    import re
+
+    if not _declares_experts(config):
+        return {}
+    try:
+        import transformers
+        from transformers.core_model_loading import revert_weight_conversion
+
+        cls = model_class(config)
+        config_cls = transformers.AutoConfig.for_model(str(config.get("model_type"))).__class__
+        logging = transformers.utils.logging
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()
+        try:
+            model = meta_model(cls, config_cls.from_dict(json.loads(json.dumps(config))))
+        finally:
+            logging.set_verbosity(verbosity)
+        split = re.compile(r"^(.*\.experts)\.(\d+)\.")
+        out: dict[str, tuple] = {}
+        for name, tensor in model.state_dict().items():
+            if ".experts" not in name:
+                continue
+            for disk, t in revert_weight_conversion(model, {name: tensor}).items():
+                m = split.match(disk)
+                if m:
+                    kind, count = out.get(m.group(1), ("split", 0))
+                    out[m.group(1)] = ("split", max(count, int(m.group(2)) + 1))
+                elif t.dim() == 3:
+                    out[disk] = ("packed", disk, t.shape[0])
+        return out
+    except Exception:  # noqa: BLE001 - custom code, a config transformers cannot build: nothing to count
+        return {}
+
+
+def expert_gaps(config: dict, shapes: dict) -> list[str]:
+    """Sentences naming each experts module of the config whose experts are not all among ``shapes``
+    ({tensor name: shape}, what is or will be written): the silent corruption of a model missing an
+    expert (a lost shard, an expert-parallel rank not gathered)."""
+    import re
+
+    expected = expected_experts(config)
+    if not expected:
+        return []
+    split = re.compile(r"^(.*\.experts)\.(\d+)\.")
+    have: dict[str, set] = {}
+    for name in shapes:
+        m = split.match(name)
+        if m:
+            have.setdefault(m.group(1), set()).add(int(m.group(2)))
+    gaps = []
+    for module, spec in sorted(expected.items()):
+        if spec[0] == "split":
+            got = have.get(module, set())
+            missing = sorted(set(range(spec[1])) - got)
+            if missing:
+                shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                gaps.append(f"{module} has {spec[1] - len(missing)} of the {spec[1]} experts the config declares "
+                            f"(missing: expert {shown})")
+        else:
+            shape = shapes.get(spec[1])
+            if shape is None:
+                gaps.append(f"{spec[1]} (the packed experts) is missing")
+            elif len(shape) != 3 or shape[0] != spec[2]:
+                gaps.append(f"{spec[1]} holds {shape[0] if shape else 0} experts, the config declares {spec[2]}")
+    return gaps

@@ -126,6 +126,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             plan.verify_seconds, plan.verify_bytes = estimate(tplan, passes, inputs.adapter)
             plan.resume = _resumable(options, inputs, tplan, add)
             _check_tied(config, inputs.config, tplan, add)
+            _check_experts(config, tplan, add)
             _check_fp16(tplan, options, add)
             _check_memory(tplan, add)
         base_config = inputs.config if options.checkpoint is None else {}
@@ -540,6 +541,22 @@ def _check_tied(config: dict, base_config: dict, tplan, add) -> None:
             f"The base ties its input and output embeddings, but the adapter changes only one of them, so the "
             f"merged model gets its own lm_head{extra} and tie_word_embeddings false.",
             "Nothing to do if that is what training did; it is what the unmerged model computes.",
+        ))
+
+
+def _check_experts(config: dict, tplan, add) -> None:
+    """A model is never written with an expert missing: the experts its config declares, layer by
+    layer, against the tensors the plan writes."""
+    from tui_merger.core.formats.hf_names import expert_gaps
+
+    gaps = expert_gaps(config, {t.name: tuple(t.shape) for t in tplan.tensors})
+    if gaps:
+        more = f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else ""
+        add(Finding(
+            "experts-missing", ERROR,
+            f"The model would be written with experts missing: {gaps[0]}{more}; nothing was written.",
+            "The base or checkpoint is incomplete: check that every weight file (and every expert-parallel "
+            "rank's file) was copied.",
         ))
 
 

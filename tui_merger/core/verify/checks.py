@@ -493,6 +493,10 @@ def _structure(out: Path, plan, config: dict) -> tuple[Check, dict | None]:
                     if shape != tuple(t.shape) or dtype != t.dtype:
                         problems.append(f"{k} is {dtype}{list(shape)}, expected {t.dtype}{list(t.shape)}")
     problems += _config_problems(config, {k: expected[k].shape for k in expected})
+    if readable:
+        from tui_merger.core.formats.hf_names import expert_gaps
+
+        problems += expert_gaps(config, {k: tuple(expected[k].shape) for k in located if k in expected})
     n = len(located)
     if problems:
         return Check("structure", "fail", f"{len(problems)} problem(s) in the files", problems[:50]), (
