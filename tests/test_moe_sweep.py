@@ -124,7 +124,10 @@ def made(tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("family,variant", CASES, ids=[f"{f}-{v}" for f, v in CASES])
+SWEEP = [pytest.param(f, v, id=f"{f}-{v}", marks=[pytest.mark.slow] if v == "experts" else []) for f, v in CASES]
+
+
+@pytest.mark.parametrize("family,variant", SWEEP)
 def test_family_merges_like_peft(family, variant, made, tmp_path, capsys):
     base, adapter, reference, logits = made(family, variant)
     out = tmp_path / "merged"
@@ -168,3 +171,85 @@ def test_a_convolution_lora_is_refused_in_one_sentence(tmp_path, capsys):
     assert "model.visual.patch_embed.proj: LoRA tensors of shape" in said.err
     assert "convolution LoRA is not supported yet" in said.err
     assert "Traceback" not in said.err and not out.exists()
+
+
+def test_the_plain_flow_describes_and_merges_an_all_linear_moe_adapter(made, tmp_path, monkeypatch, capsys):
+    """The plain questions on a folder holding a Qwen3-MoE base and its all-linear adapter: Review says
+    what the LoRA reaches (attention modules, both expert parameters with their ranks, the router),
+    the merge verifies, and the files are peft's own merge."""
+    import shutil
+
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from tui_merger.plain import run_plain
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    base, adapter, reference, _ = made("qwen3_moe", "all-linear")
+    ws = tmp_path / "ws"
+    shutil.copytree(base, ws / "base")
+    shutil.copytree(adapter, ws / "adapter")
+    config = json.loads((ws / "adapter" / "adapter_config.json").read_text())
+    (ws / "adapter" / "adapter_config.json").write_text(json.dumps(dict(config, base_model_name_or_path=str(ws / "base"))))
+    with create_pipe_input() as keys:
+        # the adapter; the suggested output; Start; yes to the warning (no tokenizer); no prompt; Done
+        keys.send_text("\r" + "\r" + "\r" + "y" + "\r" + "\x1b[A\r")
+        keys.close()
+        code = run_plain(ws, input=keys, output=DummyOutput())
+    out = capsys.readouterr().out
+    assert code == 0, out
+    flat = " ".join(out.split())
+    assert ("r=4 alpha=8 lora, 8 modules (k_proj, o_proj, q_proj, v_proj) + LoRA on 4 expert parameter(s) "
+            "(mlp.experts.gate_up_proj r=8 alpha=16, mlp.experts.down_proj r=4 alpha=8; rank per expert) + LoRA on "
+            "2 router weight(s) (mlp.gate.weight r=4 alpha=8)") in flat, out
+    [merged] = [p for p in ws.iterdir() if (p / "merge_manifest.json").is_file()]
+    assert verification_checks(merged) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    got, expected = read_output(merged), read_output(reference)
+    assert sorted(got) == sorted(expected)
+    for name, ref in expected.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_assistant_describes_merges_and_verifies_an_all_linear_moe_adapter(made, tmp_path, monkeypatch):
+    import shutil
+
+    from test_tui import recheck, text, to_review, until
+    from textual.widgets import Checkbox, Input
+
+    from tui_merger.tui.app import MergeApp
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    base, adapter, reference, _ = made("deepseek_v3", "all-linear")
+    run = tmp_path / "run"
+    shutil.copytree(base, run / "base")
+    shutil.copytree(adapter, run / "adapter")
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(dict(config, base_model_name_or_path=str(run / "base"))))
+    out = tmp_path / "merged"
+    app = MergeApp(run)
+    async with app.run_test(size=(120, 40)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        plan, findings = " ".join(text(app, "#plan-text").split()), " ".join(text(app, "#findings").split())
+        # DeepSeek-V3: MLA projections as modules; layer 1's routed experts and its router as parameters
+        assert "+ LoRA on 2 expert parameter(s) (mlp.experts.gate_up_proj r=8 alpha=16, mlp.experts.down_proj r=4 " \
+               "alpha=8; rank per expert) + LoRA on 1 router weight(s) (mlp.gate.weight r=4 alpha=8)" in plan, plan
+        assert "is merged into 12 per-expert tensors; LoRA on 1 router weight(s) (mlp.gate.weight r=4) is merged" in findings
+        assert "saved tensors have rank" not in findings and wizard.plan.of("error") == []
+        app.screen.query_one("#ack", Checkbox).value = True  # the tiny model has no tokenizer: a warning
+        await pilot.pause()
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status"), text(app, "#verify-status")
+    got, expected = read_output(out), read_output(reference)
+    assert sorted(got) == sorted(expected)
+    for name, ref in expected.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
