@@ -111,6 +111,7 @@ def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
     """An adapter whose LoRA tensors live in another container (e.g. a verl FSDP checkpoint)."""
     adapter = PeftAdapter(folder=Path(folder), config=config, source=source)
     _group(adapter)
+    _param_loras(adapter)
     _resolve_scales(adapter)
     return adapter
 
@@ -471,11 +472,12 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
         writer.abort()
         raise
     cfg = adapter.config
-    targets = sorted({mod.rsplit(".", 1)[-1] for mod in adapter.lora})
+    modules = [mod for mod in adapter.lora if mod not in adapter.expert_slices]  # not the experts' slices
+    targets = sorted({mod.rsplit(".", 1)[-1] for mod in modules})
     if any(name.isdigit() for name in targets):
         # a module named by its index ("merger.mlp.0") would, as a suffix, also match other modules
         # ("blocks.0", a whole vision block): name each module exactly (peft full-matches a string)
-        targets = "^(?:" + "|".join(re.escape(mod) for mod in sorted(adapter.lora)) + ")$"
+        targets = "^(?:" + "|".join(re.escape(mod) for mod in sorted(modules)) + ")$"
     config = {
         "peft_type": "LORA",
         "task_type": cfg.get("task_type", "CAUSAL_LM"),
@@ -490,6 +492,7 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
         "fan_in_fan_out": bool(cfg.get("fan_in_fan_out", False)),
         "base_model_name_or_path": "..",
         "inference_mode": True,
+        **({"target_parameters": list(cfg["target_parameters"])} if cfg.get("target_parameters") else {}),
     }
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [f"{dest.name}/adapter_config.json", f"{dest.name}/{ADAPTER_WEIGHTS[0]}"]
@@ -538,3 +541,15 @@ def relaid_copy(adapter: PeftAdapter, dest: Path) -> Path:
     config = dict(adapter.config, peft_version=version("peft"))
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dest
+
+
+def parameter_kinds(ranks: dict) -> dict:
+    """{``mlp.experts.gate_up_proj``: (r, alpha, how many)} from {parameter name: (r, alpha, experts)}:
+    the layers' parameters of one kind once (ranks and alphas as lists where the layers differ)."""
+    kinds: dict = {}
+    for name, (r, alpha, _experts) in ranks.items():
+        tail = ".".join(name.split(".")[-3:])
+        rs, alphas, n = kinds.get(tail, (set(), set(), 0))
+        kinds[tail] = (rs | {r}, alphas | {alpha}, n + 1)
+    one = lambda v: next(iter(v)) if len(v) == 1 else sorted(v)  # noqa: E731
+    return {tail: (one(rs), one(alphas), n) for tail, (rs, alphas, n) in kinds.items()}

@@ -237,7 +237,7 @@ def _notice_finding(note: str) -> Finding:
 def _adapter_summary(adapter) -> dict | None:
     if not adapter.lora:
         return None
-    from tui_merger.core.formats.inputs import parameter_kinds
+    from tui_merger.core.formats.adapter import parameter_kinds
 
     cfg = adapter.config
     every = [m for name, entry in adapter.lora.items() if name not in adapter.expert_slices for m in (entry, *entry.terms)]
