@@ -253,3 +253,17 @@ async def test_the_assistant_describes_merges_and_verifies_an_all_linear_moe_ada
     assert sorted(got) == sorted(expected)
     for name, ref in expected.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_inspect_counts_the_modules_and_names_the_parameters(made, tmp_path, capsys):
+    """inspect (no base read): the all-linear adapter's attention modules are its modules (the nested
+    expert pairs and the router's are not), and its parameters are named."""
+    import shutil
+
+    _, adapter, _, _ = made("qwen3_moe", "all-linear")
+    shutil.copytree(adapter, tmp_path / "adapter")
+    assert main(["inspect", str(tmp_path)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert ("targets k_proj, o_proj, q_proj, v_proj; parameters down_proj, gate.weight, gate_up_proj (peft "
+            "target_parameters: LoRA on packed experts, rank r per expert, and on routers); 8 modules") in shown
+    assert r"r per module: .*\.gate_up_proj=8" in shown
