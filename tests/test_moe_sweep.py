@@ -175,24 +175,31 @@ def test_a_convolution_lora_is_refused_in_one_sentence(tmp_path, capsys):
     assert "Traceback" not in said.err and not out.exists()
 
 
+def folder_of(made, family: str, folder):
+    """A folder holding the family's base/ and its all-linear adapter/ (whose config names that base),
+    as a person has them; and peft's merge."""
+    import shutil
+
+    base, adapter, reference, _ = made(family, "all-linear")
+    shutil.copytree(base, folder / "base")
+    shutil.copytree(adapter, folder / "adapter")
+    config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(folder / "base")
+    (folder / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    return folder, reference
+
+
 def test_the_plain_flow_describes_and_merges_an_all_linear_moe_adapter(made, tmp_path, monkeypatch, capsys):
     """The plain questions on a folder holding a Qwen3-MoE base and its all-linear adapter: Review says
     what the LoRA reaches (attention modules, both expert parameters with their ranks, the router),
     the merge verifies, and the files are peft's own merge."""
-    import shutil
-
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 
     from tui_merger.plain import run_plain
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    base, adapter, reference, _ = made("qwen3_moe", "all-linear")
-    ws = tmp_path / "ws"
-    shutil.copytree(base, ws / "base")
-    shutil.copytree(adapter, ws / "adapter")
-    config = json.loads((ws / "adapter" / "adapter_config.json").read_text())
-    (ws / "adapter" / "adapter_config.json").write_text(json.dumps(dict(config, base_model_name_or_path=str(ws / "base"))))
+    ws, reference = folder_of(made, "qwen3_moe", tmp_path / "ws")
     with create_pipe_input() as keys:
         # the adapter; the suggested output; Start; yes to the warning (no tokenizer); no prompt; Done
         keys.send_text("\r" + "\r" + "\r" + "y" + "\r" + "\x1b[A\r")
@@ -219,8 +226,6 @@ def anyio_backend():
 
 @pytest.mark.anyio
 async def test_the_assistant_describes_merges_and_verifies_an_all_linear_moe_adapter(made, tmp_path, monkeypatch):
-    import shutil
-
     from test_tui import recheck, text, to_review, until
     from textual.widgets import Checkbox, Input
 
@@ -228,12 +233,7 @@ async def test_the_assistant_describes_merges_and_verifies_an_all_linear_moe_ada
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    base, adapter, reference, _ = made("deepseek_v3", "all-linear")
-    run = tmp_path / "run"
-    shutil.copytree(base, run / "base")
-    shutil.copytree(adapter, run / "adapter")
-    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
-    (run / "adapter" / "adapter_config.json").write_text(json.dumps(dict(config, base_model_name_or_path=str(run / "base"))))
+    run, reference = folder_of(made, "deepseek_v3", tmp_path / "run")
     out = tmp_path / "merged"
     app = MergeApp(run)
     async with app.run_test(size=(120, 40)) as pilot:

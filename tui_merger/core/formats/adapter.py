@@ -454,23 +454,13 @@ _ADAPTER_NAME = re.compile(
 def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) -> list[str]:
     """Write the adapter's LoRA tensors as a PEFT adapter folder (adapter_config.json +
     adapter_model.safetensors, peft's key names) that peft and vLLM load. Returns the files written."""
-    from tui_merger.core.io.safetensors_io import SafetensorsWriter
-
     dest.mkdir(parents=True)
     entries = []
     for key, ref in adapter.source.tensors.items():
         name = key if key.startswith(PEFT_PREFIX) else PEFT_PREFIX + key
         name = _ADAPTER_NAME.sub(r".\1", name)  # peft saves keys without the adapter name
         entries.append((name, ref))
-    writer = SafetensorsWriter(dest / ADAPTER_WEIGHTS[0], [(n, r.dtype, r.shape) for n, r in entries], early_writeback=False)
-    try:
-        for name, ref in entries:
-            writer.write_tensor(name, ref.load())
-            ref.release()
-        writer.close(fsync=fsync)
-    except BaseException:
-        writer.abort()
-        raise
+    _write_tensors(dest / ADAPTER_WEIGHTS[0], [(n, r, r.shape, r.load) for n, r in entries], fsync)
     cfg = adapter.config
     modules = [mod for mod in adapter.lora if mod not in adapter.expert_slices]  # not the experts' slices
     targets = sorted({mod.rsplit(".", 1)[-1] for mod in modules})
@@ -506,10 +496,23 @@ def relaid_copy(adapter: PeftAdapter, dest: Path) -> Path:
     names the installed peft. Everything else is copied as it is."""
     from importlib.metadata import version
 
-    from tui_merger.core.io.safetensors_io import SafetensorsWriter
-
     dest.mkdir(parents=True)
     pairs = {b: a for a, (b, _) in adapter.relayout.items()}
+
+    def relaid(key, ref):
+        def load():
+            if key in adapter.relayout:  # new lora_A[e*r + k] = B[:, k*E + e]
+                b_key, experts = adapter.relayout[key]
+                b = adapter.source.tensors[b_key].load()
+                return b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).reshape(-1, b.shape[0])
+            if key in pairs:  # new lora_B[:, k*E + e] = A[e*r + k]
+                experts = adapter.relayout[pairs[key]][1]
+                a = adapter.source.tensors[pairs[key]].load()
+                return a.reshape(experts, -1, a.shape[1]).permute(2, 1, 0).reshape(a.shape[1], -1)
+            return ref.load()
+
+        return load
+
     entries = []
     for key, ref in adapter.source.tensors.items():
         shape = ref.shape
@@ -518,26 +521,7 @@ def relaid_copy(adapter: PeftAdapter, dest: Path) -> Path:
         elif key in pairs:
             shape = (adapter.source.tensors[pairs[key]].shape[1], shape[1])
         entries.append((key, ref, shape))
-    writer = SafetensorsWriter(dest / ADAPTER_WEIGHTS[0], [(k, r.dtype, s) for k, r, s in entries], early_writeback=False)
-    try:
-        for key, ref, shape in entries:
-            tensor = ref.load()
-            if key in adapter.relayout:  # new lora_A[e*r + k] = B[:, k*E + e]
-                b_ref = adapter.source.tensors[adapter.relayout[key][0]]
-                experts = adapter.relayout[key][1]
-                b = b_ref.load()
-                tensor = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).reshape(-1, b.shape[0])
-            elif key in pairs:  # new lora_B[:, k*E + e] = A[e*r + k]
-                a_key = pairs[key]
-                experts = adapter.relayout[a_key][1]
-                a = adapter.source.tensors[a_key].load()
-                tensor = a.reshape(experts, -1, a.shape[1]).permute(2, 1, 0).reshape(a.shape[1], -1)
-            writer.write_tensor(key, tensor.contiguous())
-            ref.release()
-        writer.close(fsync=False)
-    except BaseException:
-        writer.abort()
-        raise
+    _write_tensors(dest / ADAPTER_WEIGHTS[0], [(k, r, shape, relaid(k, r)) for k, r, shape in entries], fsync=False)
     config = dict(adapter.config, peft_version=version("peft"))
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dest
@@ -553,3 +537,18 @@ def parameter_kinds(ranks: dict) -> dict:
         kinds[tail] = (rs | {r}, alphas | {alpha}, n + 1)
     one = lambda v: next(iter(v)) if len(v) == 1 else sorted(v)  # noqa: E731
     return {tail: (one(rs), one(alphas), n) for tail, (rs, alphas, n) in kinds.items()}
+
+
+def _write_tensors(path: Path, entries, fsync: bool) -> None:
+    """One safetensors file from [(name, ref, shape, load)], each tensor loaded, written and handed back."""
+    from tui_merger.core.io.safetensors_io import SafetensorsWriter
+
+    writer = SafetensorsWriter(path, [(n, r.dtype, shape) for n, r, shape, _ in entries], early_writeback=False)
+    try:
+        for name, ref, _, load in entries:
+            writer.write_tensor(name, load().contiguous())
+            ref.release()
+        writer.close(fsync=fsync)
+    except BaseException:
+        writer.abort()
+        raise
