@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 from factory import read_output, verification_checks
+from safetensors.torch import load_file
 from moe_families import CANNOT_RUN, FAMILIES, build
 
 from tui_merger.cli import main
@@ -47,14 +48,9 @@ def packed_parameters(model) -> tuple[str, list[str], str | None]:
     return "", [], None
 
 
-# GLM-4.5V's all-linear reaches the vision tower's patch embedding, a Conv3d: convolution LoRA is not
-# merged yet (refused in one sentence, test below); the sweep takes all-linear without it
-ALL_LINEAR_EXTRA = {"glm4v_moe": dict(exclude_modules=r".*patch_embed.*")}
-
-
 def lora_kwargs(model, variant: str, family: str = "") -> dict:
     if variant == "all-linear":
-        return dict(r=4, lora_alpha=8, target_modules="all-linear", **ALL_LINEAR_EXTRA.get(family, {}))
+        return dict(r=4, lora_alpha=8, target_modules="all-linear")
     experts, params, router = packed_parameters(model)
     where = ".".join(experts.split(".")[-2:])  # "mlp.experts", "feed_forward.experts"
     targets = [f"{where}.{p}" for p in reversed(params)]  # the other order than the module's
@@ -156,23 +152,36 @@ def test_family_merges_like_peft(family, variant, made, tmp_path, capsys):
         assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}, said.out
 
 
-def test_a_convolution_lora_is_refused_in_one_sentence(tmp_path, capsys):
-    """peft's all-linear on GLM-4.5V also wraps the vision patch embedding (Conv3d): the merge says so
-    in one sentence naming the module and writes nothing."""
-    from peft import LoraConfig, get_peft_model
+def test_a_convolution_lora_merges_like_peft(tmp_path, capsys):
+    """peft's all-linear on GLM-4.5V also wraps the vision patch embedding, a Conv3d (lora_A a Conv3d
+    with its kernel, lora_B a 1x1x1 one): its delta, peft's conv(A^T, B)^T, is merged as B @ A on the
+    flattened kernels, equal to peft's merge_and_unload; every other weight too; verified."""
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     cls, config = build("glm4v_moe")
     torch.manual_seed(0)
     cls(config).save_pretrained(tmp_path / "base")
     model = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
-    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).save_pretrained(tmp_path / "adapter")
+    torch.manual_seed(1)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)) \
+        .save_pretrained(tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved["base_model.model.model.visual.patch_embed.proj.lora_A.weight"].dim() == 5
+    reference = PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "adapter")
+    reference.merge_and_unload().save_pretrained(tmp_path / "peft")
     out = tmp_path / "merged"
-    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out)])
+    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out),
+                 "--plain"])
     said = capsys.readouterr()
-    assert code != 0
-    assert "model.visual.patch_embed.proj: LoRA tensors of shape" in said.err
-    assert "convolution LoRA is not supported yet" in said.err
-    assert "Traceback" not in said.err and not out.exists()
+    assert code == 0, said.out + said.err
+    got, expected, base = read_output(out), read_output(tmp_path / "peft"), read_output(tmp_path / "base")
+    assert sorted(got) == sorted(expected)
+    for name, ref in expected.items():
+        assert got[name].shape == ref.shape, name
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    conv = "model.visual.patch_embed.proj.weight"
+    assert got[conv].dim() == 5 and not torch.equal(got[conv], base[conv])
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
 def folder_of(made, family: str, folder):

@@ -11,7 +11,7 @@ from pathlib import Path
 from tui_merger.core.errors import MergeError
 from tui_merger.core.io.files import read_json_object
 from tui_merger.core.options import is_finite_number
-from tui_merger.core.io.sources import TensorRef, TensorSource, not_a_folder
+from tui_merger.core.io.sources import TensorRef, TensorSource, flattened, not_a_folder
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -407,10 +407,17 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
                 f"The adapter has only half of the LoRA pair for {mod} (lora_{half} is missing); "
                 "the adapter file is incomplete."
             )
+        if not entry.is_embedding and _conv_pair(a_ref, b_ref):
+            # peft's convolution LoRA (a VL model's patch embedding, which all-linear reaches): lora_A is a
+            # conv [r, in, k...], lora_B a 1x1 one [out, r, 1...]; its delta, conv(A^T, B)^T, is B @ A on
+            # the flattened kernels: merged as a LoRA on the weight seen as [out, in * k...]
+            entry.A, entry.B = a_ref, b_ref = flattened(a_ref), flattened(b_ref)
+            if entry.magnitude is not None:
+                raise MergeError(f"{mod}: DoRA on convolution layers is not supported yet.")
         if len(a_ref.shape) != 2 or len(b_ref.shape) != 2:
             raise MergeError(
-                f"{mod}: LoRA tensors of shape {list(a_ref.shape)} / {list(b_ref.shape)} are not matrices; "
-                "convolution LoRA is not supported yet."
+                f"{mod}: LoRA tensors of shape {list(a_ref.shape)} / {list(b_ref.shape)} are not matrices "
+                "(nor a convolution LoRA: lora_B not 1x1); this LoRA layout is not supported."
             )
         if a_ref.shape[0] != b_ref.shape[1]:
             raise MergeError(
@@ -444,6 +451,10 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
                 f"(lora_A {list(a.shape) if a else None}, lora_B {list(b.shape) if b else None}); "
                 "the adapter file is damaged or not peft's."
             )
+
+
+def _conv_pair(a, b) -> bool:
+    return 3 <= len(a.shape) <= 5 and len(b.shape) == len(a.shape) and all(d == 1 for d in b.shape[2:])
 
 
 _ADAPTER_NAME = re.compile(
