@@ -39,6 +39,7 @@ from tui_merger.core.merge.output import (
     check_space,
     check_target,
 )
+from tui_merger.core.plan.lineage import refuse_merged_twice
 from tui_merger.core.plan.plan import TensorPlan, build_plan
 from tui_merger.core.io.safetensors_io import SafetensorsWriter
 
@@ -71,6 +72,7 @@ def run_merge(
         if err.fingerprint is None:
             raise
         unverified = err
+    refuse_merged_twice(options)  # an adapter the base already holds: refused, whatever else was accepted
     inputs = open_inputs(options)
     try:
         for message in inputs.notices:

@@ -161,6 +161,7 @@ def base_candidates(adapter_path, found_models=(), *, cache: bool = True) -> lis
     config saved beside the adapter names). Reads configs and safetensors headers only; models stored
     as .bin, quantized ones and unreadable ones are left out."""
     from tui_merger.core.io.files import json_object_or_none
+    from tui_merger.core.plan.lineage import records_adapter
 
     adapter_path = Path(adapter_path)
     named = _named_base(adapter_path)
@@ -172,6 +173,8 @@ def base_candidates(adapter_path, found_models=(), *, cache: bool = True) -> lis
         if key in seen:
             continue
         seen.add(key)
+        if records_adapter(path):  # a merged model: it holds an adapter already (perhaps this very one)
+            continue
         fit = _fit(adapter_path, path, side)
         if fit is None:
             continue
