@@ -103,6 +103,47 @@ def options_for(c, *, base=None, out=None, lora_alpha=None, weight="1", more="",
     return MergeOptions(base=Path(base), adapter=Path(c.path), out=out, **write_options)
 
 
+def not_a_checkpoint(path, base=None, out=None) -> tuple[Path, Path, str] | None:
+    """A path given where a checkpoint goes (``tui-merger merge PATH``) that is an adapter: (the adapter,
+    its base) when ``base`` is given or the adapter names one on this machine; None when the path is
+    anything else (a checkpoint's kind then opens it, or says what is missing). An adapter whose base is
+    unknown, or a complete model, raises the sentence with the command to run instead. The third item
+    says what was taken, for the user."""
+    from tui_merger.core.formats.registry import format_of, formats
+    from tui_merger.core.formats.scan import scan
+
+    path = Path(path)
+    if not path.exists() or any(f.recognizes(path) for f in formats("checkpoint")):
+        return None
+    try:
+        found = scan(path).candidates
+    except MergeError:
+        return None
+    here = os.path.realpath(path)
+    c = next((c for c in found if os.path.realpath(c.path) == here), None)
+    fmt = format_of(c) if c is not None else None
+    if fmt is None or fmt.role not in ("adapter", "model"):
+        return None
+    import shlex
+
+    q = lambda p: shlex.quote(str(p))  # noqa: E731
+    target = q(out) if out else "OUT"
+    if fmt.role == "model":
+        raise MergeError(
+            f"{path} is already a complete model ({fmt.label}), so there is nothing to merge; to merge an "
+            f"adapter into it, run `tui-merger merge --base {q(path)} --adapter ADAPTER --out {target}`."
+        )
+    if base is not None:
+        return path, Path(base), f"{path} is {fmt.label}: it is merged into {base} as --adapter."
+    if c.base_resolves in ("path", "hf-cache") and c.base_path:
+        return path, Path(c.base_path), f"{path} is {fmt.label}: it is merged into {c.base_path}, the base model it names."
+    named = f" (it names {c.base_model}, which is not on this machine)" if c.base_model else ""
+    raise MergeError(
+        f"{path} is {fmt.label}, not a training checkpoint, and its base model is not known here{named}; "
+        f"merge it into the model it was trained on with `tui-merger merge --base MODEL --adapter {q(path)} --out {target}`."
+    )
+
+
 def describe_candidate(c, root: Path | None = None) -> str:
     """One line: kind, path, step (latest), LoRA r/alpha."""
     path = Path(c.path)
