@@ -72,6 +72,8 @@ def test_a_correct_merge_passes_every_check(merged):
     assert _statuses(report) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
     behaviour = report.checks[2].metrics
     assert behaviour["worst_ratio"] < 0.1  # rounding alone stays far below the limits
+    said = f"The merged model answers like the adapter on the base: largest difference {behaviour['worst_ratio']:.0%} of what rounding allows"
+    assert report.checks[2].summary.startswith(said + " (Qwen2ForCausalLM layer by layer: ")  # the plain sentence first
     assert len(behaviour["layers"]) == qwen_config().num_hidden_layers + 1  # every hidden state compared
     assert manifest["verification"]["passed"] is True
 
@@ -186,6 +188,8 @@ def test_one_layer_left_unmerged_is_caught(merged, pair, tmp_path):
     assert [d for d in recompute.details if "values differ" in d] == [recompute.details[0]]
     assert recompute.details[0].startswith(Q) and "not (or wrongly) applied" in recompute.details[1]
     assert "layer 1's output differs" in report.checks[2].details[0]  # the layer it is in
+    assert report.checks[2].summary.startswith("The merged model does not answer like the adapter on the base: differences up to ")
+    assert "times what rounding allows, from layer 1's output on (" in report.checks[2].summary
 
 
 def test_a_flipped_sign_is_caught(merged, pair, tmp_path):
@@ -277,12 +281,13 @@ def test_model_card_front_matter_and_summary(merged):
     front = card.split("---")[1]
     assert "library_name: transformers" in front and "- lora" in front
     assert "base_model" not in front  # a local folder is not a Hub id; the Hub would refuse it
-    assert str(options.base) in card  # but the text says what was merged
-    assert "Passed" in card and "| alpha | 8 |" in card
-    hub_card = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B"})
+    assert f"Base model: the local model folder `{options.base.name}`" in card  # but the text says what was merged
+    assert str(options.base.parent) not in card  # by its folder's name: no local paths in a published card
+    assert "Passed: structure, recompute, behaviour" in card and "| alpha | 8 |" in card
+    hub_card = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B", "base_used": None})  # an older manifest
     front = hub_card.split("---")[1]
     assert 'base_model: "Qwen/Qwen2.5-0.5B"' in front and "base_model_relation: finetune" in front
-    exported = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B", "kind": "export-adapter"})
+    exported = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B", "base_used": None, "kind": "export-adapter"})
     assert "base_model_relation: adapter" in exported and "library_name: peft" in exported
 
 
