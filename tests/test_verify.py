@@ -78,6 +78,30 @@ def test_a_correct_merge_passes_every_check(merged):
     assert manifest["verification"]["passed"] is True
 
 
+def test_the_progress_total_is_known_from_the_start(merged, pair, tmp_path):
+    """The checks run side by side and report as one bar: its count of tensors does not grow as each
+    check starts reporting ("37/39 tensors", then "40/89"), and never goes back; both when verifying a
+    finished folder and right after a merge (the recompute done while writing, the reference ahead)."""
+    from tui_merger.core.events import TensorProgress
+    from tui_merger.core.verify.checks import merge_prewarmed
+
+    def counts(events):
+        seen = [(e.tensors_done, e.tensors_total) for e in events if isinstance(e, TensorProgress)]
+        assert seen and len({total for _, total in seen}) == 1, seen
+        done = [d for d, _ in seen]
+        assert done == sorted(done) and done[-1] == seen[-1][1], seen
+
+    events = []
+    verify_merge(Path(merged[0].out), on_event=events.append)
+    counts(events)
+    base, _, adapter = pair
+    options = MergeOptions(base=base, adapter=adapter, out=tmp_path / "again")
+    result = merge_prewarmed(options, lambda e: None)
+    events = []
+    finish_merge(options, result, on_event=events.append)
+    counts(events)
+
+
 def _faulty_copy(merged, tmp_path, change) -> Path:
     out = Path(merged[0].out)
     bad = tmp_path / "bad"

@@ -342,11 +342,17 @@ def verify_merge(
         writing = _take_writing()
         recompute = None
         if files is not None:
-            recompute = _Recompute(out, plan, files, shares.add("recompute", size), clamp, writing, writing_key(options))
+            recompute = _Recompute(out, plan, files, shares.add("recompute", size, count=len(plan.tensors)), clamp,
+                                   writing, writing_key(options))
         models = None
         if run_models:
+            modules = len({t.name.rsplit(".", 1)[0] for t in plan.tensors})  # the units each model run loads
+            text = out_config.get("text_config") if isinstance(out_config.get("text_config"), dict) else {}
+            tied = out_config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+            modules += bool(tied) and not any(t.name.rsplit(".", 1)[0].endswith("lm_head") for t in plan.tensors)
+            lora = 0 if adapter.config.get("use_dora") else 2 * len(adapter.lora)  # peft's lora_A / lora_B, plain LoRA
             models = _Models(out, out_config, options, inputs, plan, perplexity_text,
-                             shares.add("merged", size), shares.add("reference", size))
+                             shares.add("merged", size, count=modules), shares.add("reference", size, count=modules + lora))
         jobs = _verify_jobs(recompute, models, shares)
         if jobs:
             on_event(PhaseStarted("verify", _what_runs(recompute, models, plan)))
