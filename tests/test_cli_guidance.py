@@ -97,3 +97,15 @@ def test_inspect_advises_the_download_command_the_installed_client_has(ws):
     if hf is None:
         pytest.skip("huggingface_hub's hf command is not on PATH here")
     assert subprocess.run([hf, "download", "--help"], capture_output=True, text=True).returncode == 0
+
+
+def test_a_kohya_file_given_as_the_checkpoint_is_an_adapter_too(ws):
+    from test_base_candidates import kohya_file
+
+    kohya_file(ws / "my-adapter", ws / "style.safetensors")
+    proc = run_cli("merge", "style.safetensors", "--base", "base", "--out", "k", "--dry-run", cwd=ws)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: style.safetensors is a kohya-style LoRA file: it is merged into base as --adapter." in proc.stderr
+    proc = run_cli("merge", "style.safetensors", "--out", "k", cwd=ws)
+    assert proc.returncode == 1 and errors(proc)[0].startswith(
+        "error: style.safetensors is a kohya-style LoRA file, not a training checkpoint, and its base model is not known here;")
