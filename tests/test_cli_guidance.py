@@ -109,3 +109,18 @@ def test_a_kohya_file_given_as_the_checkpoint_is_an_adapter_too(ws):
     proc = run_cli("merge", "style.safetensors", "--out", "k", cwd=ws)
     assert proc.returncode == 1 and errors(proc)[0].startswith(
         "error: style.safetensors is a kohya-style LoRA file, not a training checkpoint, and its base model is not known here;")
+
+
+def test_a_model_given_as_the_checkpoint_with_an_adapter_is_the_base(ws):
+    proc = run_cli("merge", "base", "--adapter", "my-adapter", "--out", "x", "--dry-run", cwd=ws)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: base is a Hugging Face model folder: it is the base the adapter goes into (--base)." in proc.stderr
+    assert "base       base" in proc.stdout and "adapter    my-adapter" in proc.stdout
+
+
+def test_an_adapter_given_as_the_checkpoint_beside_other_adapters_is_said(ws):
+    proc = run_cli("merge", "my-adapter", "--adapter", "my-adapter", "--out", "x", cwd=ws)
+    assert proc.returncode == 1
+    assert errors(proc) == [
+        "error: my-adapter is a PEFT adapter folder; give every adapter with --adapter, and the base model with --base."
+    ]

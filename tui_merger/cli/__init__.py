@@ -272,7 +272,7 @@ def cmd_merge(args) -> int:
     from tui_merger.core.options import MergeOptions
 
     checkpoint = _checkpoint(args)
-    if checkpoint is not None and args.adapter is None and args.backend == "auto":
+    if checkpoint is not None and args.backend == "auto" and (args.adapter is None or args.base is None):
         checkpoint = _adapter_given_as_checkpoint(args, checkpoint)
     if checkpoint is not None:
         if args.adapter is not None:
@@ -327,16 +327,19 @@ def cmd_merge(args) -> int:
 
 def _adapter_given_as_checkpoint(args, path: Path) -> Path | None:
     """``tui-merger merge ./my-adapter``: an adapter is taken as --adapter (into --base, or the base it
-    names when that is on this machine; said on stderr); without a base, or for a complete model, the
-    sentence says what to run. Returns the checkpoint that is left (None when the path was the adapter)."""
+    names when that is on this machine), ``tui-merger merge ./model --adapter A`` takes the model as
+    --base (said on stderr); an adapter without a base, or a model without an adapter, is the sentence
+    saying what to run. Returns the checkpoint that is left (None when the path was no checkpoint)."""
     from tui_merger.core.plan.choices import not_a_checkpoint
 
-    taken = not_a_checkpoint(path, args.base, args.out)
+    taken = not_a_checkpoint(path, args.base, args.out, adapters=args.adapter is not None)
     if taken is None:
         return path
     adapter, base, said = taken
     print(f"note: {said}", file=sys.stderr)
-    args.adapter, args.base, args.checkpoint, args.local_dir = [str(adapter)], base, None, None
+    if adapter is not None:
+        args.adapter = [str(adapter)]
+    args.base, args.checkpoint, args.local_dir = base, None, None
     return None
 
 

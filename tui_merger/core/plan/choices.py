@@ -103,12 +103,13 @@ def options_for(c, *, base=None, out=None, lora_alpha=None, weight="1", more="",
     return MergeOptions(base=Path(base), adapter=Path(c.path), out=out, **write_options)
 
 
-def not_a_checkpoint(path, base=None, out=None) -> tuple[Path, Path, str] | None:
-    """A path given where a checkpoint goes (``tui-merger merge PATH``) that is an adapter: (the adapter,
-    its base) when ``base`` is given or the adapter names one on this machine; None when the path is
-    anything else (a checkpoint's kind then opens it, or says what is missing). An adapter whose base is
-    unknown, or a complete model, raises the sentence with the command to run instead. The third item
-    says what was taken, for the user."""
+def not_a_checkpoint(path, base=None, out=None, adapters=False) -> tuple[Path | None, Path, str] | None:
+    """A path given where a checkpoint goes (``tui-merger merge PATH``) that is no checkpoint: (the
+    adapter, its base, what was taken in words) for an adapter when ``base`` is given or the adapter
+    names one on this machine; (None, the model, words) for a complete model when ``adapters`` were
+    given (``merge BASE --adapter A``). None when the path is anything else (a checkpoint's kind then
+    opens it, or says what is missing). An adapter whose base is unknown, or a complete model with no
+    adapter, raises the sentence with the command to run instead."""
     from tui_merger.core.formats.registry import format_of, formats
     from tui_merger.core.formats.scan import scan
 
@@ -128,11 +129,15 @@ def not_a_checkpoint(path, base=None, out=None) -> tuple[Path, Path, str] | None
 
     q = lambda p: shlex.quote(str(p))  # noqa: E731
     target = q(out) if out else "OUT"
+    if fmt.role == "model" and adapters and base is None:
+        return None, path, f"{path} is {fmt.label}: it is the base the adapter goes into (--base)."
     if fmt.role == "model":
         raise MergeError(
             f"{path} is already a complete model ({fmt.label}), so there is nothing to merge; to merge an "
             f"adapter into it, run `tui-merger merge --base {q(path)} --adapter ADAPTER --out {target}`."
         )
+    if adapters:
+        raise MergeError(f"{path} is {fmt.label}; give every adapter with --adapter, and the base model with --base.")
     if base is not None:
         return path, Path(base), f"{path} is {fmt.label}: it is merged into {base} as --adapter."
     if c.base_resolves in ("path", "hf-cache") and c.base_path:
@@ -200,7 +205,8 @@ def base_candidates(adapter_path, found_models=(), *, cache: bool = True) -> lis
     (the scan's) and, with ``cache``, the Hugging Face cache's. A model fits when every LoRA module of
     the adapter is a weight there whose shape its A/B pair matches (and its model type is the one a
     config saved beside the adapter names). Reads configs and safetensors headers only; models stored
-    as .bin, quantized ones and unreadable ones are left out."""
+    as .bin, quantized ones, unreadable ones and merged ones (a manifest that records an adapter:
+    proposing one would merge an adapter twice, see lineage.py) are left out."""
     from tui_merger.core.io.files import json_object_or_none
     from tui_merger.core.plan.lineage import records_adapter
 
