@@ -86,6 +86,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         plan.inputs[f"adapter {number}"] = str(path)
     add = plan.findings.append
     raw = _raw_adapter(options, add)
+    _check_merged_twice(options, add)
     try:
         inputs = open_inputs(options)
     except MergeError as err:
@@ -144,6 +145,19 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         inputs.close()
     _check_output(options, plan, paths_of(options), add)
     return plan
+
+
+def _check_merged_twice(options: MergeOptions, add) -> None:
+    """An adapter already merged into the base (its merge_manifest.json records it): an error, which
+    --force does not pass (the change would be applied twice; weight 2 says so on purpose)."""
+    from tui_merger.core.plan.lineage import merged_twice
+
+    if options.base is None or options.checkpoint is not None:
+        return
+    for path, _ in options.adapter_weights():
+        said = merged_twice(options.base, path)
+        if said is not None:
+            add(Finding("merged-twice", ERROR, *said))
 
 
 # -- the adapter as written, before the parser (which refuses what these checks explain) -------------
