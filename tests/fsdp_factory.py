@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import os
 import shutil
 import sys
@@ -913,7 +914,8 @@ def _write_reference(full: dict, ref_dir: Path, model_cls, config, lora_config, 
     for k, v in tensors.items():
         if ".lora_" in k:
             continue
-        base_sd[k.removeprefix("base_model.model.").replace(".base_layer.", ".")] = v
+        # nested wrappers (peft's parameter LoRA on experts: experts.base_layer.base_layer.gate_up_proj) too
+        base_sd[re.sub(r"\.base_layer(?=\.)", "", k.removeprefix("base_model.model."))] = v
     base = model_cls(config)
     for name in (BUFFER_VECTOR, BUFFER_SCALAR) if o["buffer"] else ():
         mod, attr = name.rsplit(".", 1)

@@ -92,6 +92,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "llama4": ("Llama4ForCausalLM", dict(ATTN, intermediate_size=I, intermediate_size_mlp=96, num_hidden_layers=2,
                                          num_local_experts=E, num_experts_per_tok=1, interleave_moe_layer_step=1,
                                          no_rope_layers=[1, 0])),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", dict(  # all-linear reaches the Conv3d patch embedding
+        text_config=dict(ATTN, intermediate_size=96, num_hidden_layers=2,
+                         rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1]),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)),
     # vision-language MoE models: the LoRA reaches the language model (and, with all-linear, the vision tower)
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", dict(
         text_config=dict(ATTN, intermediate_size=96, num_hidden_layers=2, num_experts=E, num_experts_per_tok=2,

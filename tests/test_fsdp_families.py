@@ -48,7 +48,7 @@ def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, f
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_moe"])
 def test_a_lora_run_merges_like_peft(fsdp_checkpoint, family, tmp_path, capsys):
     import transformers
     from peft import PeftModel
@@ -65,6 +65,18 @@ def test_a_lora_run_merges_like_peft(fsdp_checkpoint, family, tmp_path, capsys):
         assert got[name].dtype == ref.dtype, name
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    if family == "qwen3_moe":
+        # all-linear on Qwen3-MoE also puts LoRA on the packed experts (gate_up at 2r) and the router's
+        # gate.weight (peft's target_parameters); verl's lora_train_meta.json records only r and alpha:
+        # which parameters and their ranks are read back from the keys, the model and the pairs' shapes
+        assert "target_parameters" not in json.loads(
+            (Path(info["checkpoint_dir"]) / "lora_train_meta.json").read_text())
+        saved = json.loads((Path(info["reference_adapter"]) / "adapter_config.json").read_text())
+        assert sorted(saved["target_parameters"]) == ["down_proj", "gate.weight", "gate_up_proj"]
+        base = read_output(Path(info["reference_base"]))
+        for name in ("model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.1.mlp.experts.0.down_proj.weight",
+                     "model.layers.1.mlp.gate.weight"):
+            assert not torch.equal(got[name], base[name]), name
     if family == "qwen3_5_moe":
         # verl's target_modules="all-linear" reaches nn.Linear modules only: the shared expert and its
         # gate, not the packed experts (parameters of Qwen3_5MoeExperts) nor the router; those come out

@@ -72,8 +72,34 @@ def test_a_correct_merge_passes_every_check(merged):
     assert _statuses(report) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
     behaviour = report.checks[2].metrics
     assert behaviour["worst_ratio"] < 0.1  # rounding alone stays far below the limits
+    said = f"The merged model answers like the adapter on the base: largest difference {behaviour['worst_ratio']:.0%} of what rounding allows"
+    assert report.checks[2].summary.startswith(said + " (Qwen2ForCausalLM layer by layer: ")  # the plain sentence first
     assert len(behaviour["layers"]) == qwen_config().num_hidden_layers + 1  # every hidden state compared
     assert manifest["verification"]["passed"] is True
+
+
+def test_the_progress_total_is_known_from_the_start(merged, pair, tmp_path):
+    """The checks run side by side and report as one bar: its count of tensors does not grow as each
+    check starts reporting ("37/39 tensors", then "40/89"), and never goes back; both when verifying a
+    finished folder and right after a merge (the recompute done while writing, the reference ahead)."""
+    from tui_merger.core.events import TensorProgress
+    from tui_merger.core.verify.checks import merge_prewarmed
+
+    def counts(events):
+        seen = [(e.tensors_done, e.tensors_total) for e in events if isinstance(e, TensorProgress)]
+        assert seen and len({total for _, total in seen}) == 1, seen
+        done = [d for d, _ in seen]
+        assert done == sorted(done) and done[-1] == seen[-1][1], seen
+
+    events = []
+    verify_merge(Path(merged[0].out), on_event=events.append)
+    counts(events)
+    base, _, adapter = pair
+    options = MergeOptions(base=base, adapter=adapter, out=tmp_path / "again")
+    result = merge_prewarmed(options, lambda e: None)
+    events = []
+    finish_merge(options, result, on_event=events.append)
+    counts(events)
 
 
 def _faulty_copy(merged, tmp_path, change) -> Path:
@@ -186,6 +212,8 @@ def test_one_layer_left_unmerged_is_caught(merged, pair, tmp_path):
     assert [d for d in recompute.details if "values differ" in d] == [recompute.details[0]]
     assert recompute.details[0].startswith(Q) and "not (or wrongly) applied" in recompute.details[1]
     assert "layer 1's output differs" in report.checks[2].details[0]  # the layer it is in
+    assert report.checks[2].summary.startswith("The merged model does not answer like the adapter on the base: differences up to ")
+    assert "times what rounding allows, from layer 1's output on (" in report.checks[2].summary
 
 
 def test_a_flipped_sign_is_caught(merged, pair, tmp_path):
@@ -277,12 +305,13 @@ def test_model_card_front_matter_and_summary(merged):
     front = card.split("---")[1]
     assert "library_name: transformers" in front and "- lora" in front
     assert "base_model" not in front  # a local folder is not a Hub id; the Hub would refuse it
-    assert str(options.base) in card  # but the text says what was merged
-    assert "Passed" in card and "| alpha | 8 |" in card
-    hub_card = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B"})
+    assert f"Base model: the local model folder `{options.base.name}`" in card  # but the text says what was merged
+    assert str(options.base.parent) not in card  # by its folder's name: no local paths in a published card
+    assert "Passed: structure, recompute, behaviour" in card and "| alpha | 8 |" in card
+    hub_card = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B", "base_used": None})  # an older manifest
     front = hub_card.split("---")[1]
     assert 'base_model: "Qwen/Qwen2.5-0.5B"' in front and "base_model_relation: finetune" in front
-    exported = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B", "kind": "export-adapter"})
+    exported = render_model_card({**manifest, "base_model": "Qwen/Qwen2.5-0.5B", "base_used": None, "kind": "export-adapter"})
     assert "base_model_relation: adapter" in exported and "library_name: peft" in exported
 
 

@@ -34,6 +34,76 @@ TOKENIZER_FROM = (
 )
 
 
+# -- lines that fit the terminal ---------------------------------------------------------------------
+
+
+def columns() -> int:
+    """The terminal's width (COLUMNS when set), one column left free: a terminal that wraps at the
+    last column leaves an empty line after a line exactly as wide."""
+    import shutil
+
+    return max(shutil.get_terminal_size((80, 24)).columns - 1, 20)
+
+
+def wrap_line(line: str, width: int) -> list[str]:
+    """``line`` broken between words to ``width`` (a terminal breaks it anywhere: "abo / ut 1 s"); the
+    continuation lines are indented under the text after the line's label ("  verify     about ...")
+    or its own indent. A word longer than the width (a long path) stays whole."""
+    import re
+    import textwrap
+
+    if len(line) <= width:
+        return [line]
+    indent = len(line) - len(line.lstrip(" "))
+    label = re.match(r" *\d+\) (?:\[.\] )?", line) or re.match(r" *[^ ]+(?: [^ ]+)*? {2,}(?=[^ ])", line[:width])
+    hang = len(label.group(0)) if label and len(label.group(0)) <= width // 2 else indent + 2
+    return textwrap.wrap(line, width, subsequent_indent=" " * hang, break_long_words=False,
+                         break_on_hyphens=False, drop_whitespace=True) or [line]
+
+
+def wrap_title(title: str, width: int, indent: int = 4) -> str:
+    """A menu line that fits: continuation lines indented under the choice (questionary and the dumb
+    menus cut or break a line wider than the terminal)."""
+    lines = wrap_line(title, width)
+    return ("\n" + " " * indent).join([lines[0]] + [line.strip() for line in lines[1:]])
+
+
+class WrappedStream:
+    """A text stream whose whole lines are broken between words to the terminal's width when it is a
+    terminal (a file or a pipe gets them as they are). A line still being written (a question waiting
+    for its answer) goes out when flushed, its answer to be typed after its last line."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        try:
+            self.wrap = stream.isatty()
+        except (AttributeError, ValueError):
+            self.wrap = False
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        if not self.wrap:
+            return self.stream.write(text)
+        *lines, self._partial = (self._partial + text).split("\n")
+        if lines:
+            width = columns()
+            self.stream.write("".join("\n".join(wrap_line(line, width)) + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:  # a question: broken like the rest, the answer typed after its last line
+            text = "\n".join(wrap_line(self._partial, columns())) if self.wrap else self._partial
+            self.stream.write(text + (" " if self._partial.endswith(" ") and not text.endswith(" ") else ""))
+            self._partial = ""
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.wrap
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 # -- the ask layer -----------------------------------------------------------------------------------
 # select(message, [(title, value)], default=index) -> value; text(message, default, validate) -> str,
 # where validate(text) returns None or the sentence saying what is wrong; confirm(message, default) ->
@@ -49,7 +119,7 @@ class QuestionaryAsk:
     def select(self, message: str, choices: list, default: int = 0):
         import questionary
 
-        items = [questionary.Choice(title, value=i) for i, (title, _) in enumerate(choices)]
+        items = [questionary.Choice(wrap_title(title, columns() - 3), value=i) for i, (title, _) in enumerate(choices)]
         picked = questionary.select(message, choices=items, default=items[default], **self.kw).unsafe_ask()
         return choices[picked][1]
 
@@ -68,7 +138,8 @@ class QuestionaryAsk:
     def checkbox(self, message: str, choices: list) -> list:
         import questionary
 
-        items = [questionary.Choice(title, value=i, checked=on) for i, (title, _, on) in enumerate(choices)]
+        items = [questionary.Choice(wrap_title(title, columns() - 5, 6), value=i, checked=on)
+                 for i, (title, _, on) in enumerate(choices)]
         return [choices[i][1] for i in questionary.checkbox(message, choices=items, **self.kw).unsafe_ask()]
 
 
@@ -92,7 +163,8 @@ class DumbAsk:
     def _menu(self, message: str, titles: list[str]) -> None:
         print(message, file=self.out)
         for i, title in enumerate(titles, 1):
-            print(f"  {i}) {title}", file=self.out)
+            number = f"  {i}) "
+            print(number + title.replace("\n", "\n" + " " * len(number)), file=self.out)
 
     def select(self, message: str, choices: list, default: int = 0):
         self._menu(message, [title for title, _ in choices])
@@ -141,7 +213,7 @@ def run_plain(path: Path, *, input=None, output=None, dumb: bool = False) -> int
     Exit codes: 0 done or quit, 1 the input ended or the user quit after a failed merge, 4 the model is
     not verified, 130 Ctrl-C at a question.
     """
-    out = output if dumb and output is not None else sys.stdout
+    out = WrappedStream(output if dumb and output is not None else sys.stdout)
     flow = _Flow(DumbAsk(input, out) if dumb else QuestionaryAsk(input, output), out, Path(path))
     try:
         return flow.run()

@@ -283,6 +283,8 @@ def cmd_merge(args) -> int:
     from tui_merger.core.options import MergeOptions
 
     checkpoint = _checkpoint(args)
+    if checkpoint is not None and args.backend == "auto" and (args.adapter is None or args.base is None):
+        checkpoint = _adapter_given_as_checkpoint(args, checkpoint)
     if checkpoint is not None:
         if args.adapter is not None:
             raise MergeError("--adapter is for PEFT adapter folders; a checkpoint carries its LoRA itself.")
@@ -332,6 +334,24 @@ def cmd_merge(args) -> int:
         uploaded = upload_after_merge(result.out, args.hf_upload_path, private=not args.public, plain=args.plain)
         print(f"  uploaded: {uploaded.commit_url}")
     return code
+
+
+def _adapter_given_as_checkpoint(args, path: Path) -> Path | None:
+    """``tui-merger merge ./my-adapter``: an adapter is taken as --adapter (into --base, or the base it
+    names when that is on this machine), ``tui-merger merge ./model --adapter A`` takes the model as
+    --base (said on stderr); an adapter without a base, or a model without an adapter, is the sentence
+    saying what to run. Returns the checkpoint that is left (None when the path was no checkpoint)."""
+    from tui_merger.core.plan.choices import not_a_checkpoint
+
+    taken = not_a_checkpoint(path, args.base, args.out, adapters=args.adapter is not None)
+    if taken is None:
+        return path
+    adapter, base, said = taken
+    print(f"note: {said}", file=sys.stderr)
+    if adapter is not None:
+        args.adapter = [str(adapter)]
+    args.base, args.checkpoint, args.local_dir = base, None, None
+    return None
 
 
 def _checkpoint(args) -> Path | None:

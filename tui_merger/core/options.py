@@ -244,6 +244,7 @@ class MergeResult:
     input_files: list[Path] = field(default_factory=list)
     adapter_info: dict | None = None  # r, alpha, variant, target_modules, modules_to_save
     base_model: str | None = None  # what the adapter / checkpoint says its base is
+    base_used: dict | None = None  # the base folder's name / Hub id, what the adapter names, why this one (engine.base_used)
     base_weights: dict | None = None  # which base weights: as stored, or the --qlora-base round trip and its settings
     kept_earlier: bool = False  # the output of an earlier run of the same merge, stopped before verification
 

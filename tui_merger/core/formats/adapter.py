@@ -11,7 +11,7 @@ from pathlib import Path
 from tui_merger.core.errors import MergeError
 from tui_merger.core.io.files import read_json_object
 from tui_merger.core.options import is_finite_number
-from tui_merger.core.io.sources import TensorRef, TensorSource, not_a_folder
+from tui_merger.core.io.sources import TensorRef, TensorSource, flattened, not_a_folder
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -111,6 +111,7 @@ def adapter_from_source(folder: Path, config: dict, source) -> PeftAdapter:
     """An adapter whose LoRA tensors live in another container (e.g. a verl FSDP checkpoint)."""
     adapter = PeftAdapter(folder=Path(folder), config=config, source=source)
     _group(adapter)
+    _param_loras(adapter)
     _resolve_scales(adapter)
     return adapter
 
@@ -406,10 +407,17 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
                 f"The adapter has only half of the LoRA pair for {mod} (lora_{half} is missing); "
                 "the adapter file is incomplete."
             )
+        if not entry.is_embedding and _conv_pair(a_ref, b_ref):
+            # peft's convolution LoRA (a VL model's patch embedding, which all-linear reaches): lora_A is a
+            # conv [r, in, k...], lora_B a 1x1 one [out, r, 1...]; its delta, conv(A^T, B)^T, is B @ A on
+            # the flattened kernels: merged as a LoRA on the weight seen as [out, in * k...]
+            entry.A, entry.B = a_ref, b_ref = flattened(a_ref), flattened(b_ref)
+            if entry.magnitude is not None:
+                raise MergeError(f"{mod}: DoRA on convolution layers is not supported yet.")
         if len(a_ref.shape) != 2 or len(b_ref.shape) != 2:
             raise MergeError(
-                f"{mod}: LoRA tensors of shape {list(a_ref.shape)} / {list(b_ref.shape)} are not matrices; "
-                "convolution LoRA is not supported yet."
+                f"{mod}: LoRA tensors of shape {list(a_ref.shape)} / {list(b_ref.shape)} are not matrices "
+                "(nor a convolution LoRA: lora_B not 1x1); this LoRA layout is not supported."
             )
         if a_ref.shape[0] != b_ref.shape[1]:
             raise MergeError(
@@ -445,6 +453,10 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
             )
 
 
+def _conv_pair(a, b) -> bool:
+    return 3 <= len(a.shape) <= 5 and len(b.shape) == len(a.shape) and all(d == 1 for d in b.shape[2:])
+
+
 _ADAPTER_NAME = re.compile(
     r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.(?!weight$|bias$)[A-Za-z0-9_\-]+(?=\.weight$|\.bias$|$)"
 )
@@ -453,29 +465,20 @@ _ADAPTER_NAME = re.compile(
 def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) -> list[str]:
     """Write the adapter's LoRA tensors as a PEFT adapter folder (adapter_config.json +
     adapter_model.safetensors, peft's key names) that peft and vLLM load. Returns the files written."""
-    from tui_merger.core.io.safetensors_io import SafetensorsWriter
-
     dest.mkdir(parents=True)
     entries = []
     for key, ref in adapter.source.tensors.items():
         name = key if key.startswith(PEFT_PREFIX) else PEFT_PREFIX + key
         name = _ADAPTER_NAME.sub(r".\1", name)  # peft saves keys without the adapter name
         entries.append((name, ref))
-    writer = SafetensorsWriter(dest / ADAPTER_WEIGHTS[0], [(n, r.dtype, r.shape) for n, r in entries], early_writeback=False)
-    try:
-        for name, ref in entries:
-            writer.write_tensor(name, ref.load())
-            ref.release()
-        writer.close(fsync=fsync)
-    except BaseException:
-        writer.abort()
-        raise
+    _write_tensors(dest / ADAPTER_WEIGHTS[0], [(n, r, r.shape, r.load) for n, r in entries], fsync)
     cfg = adapter.config
-    targets = sorted({mod.rsplit(".", 1)[-1] for mod in adapter.lora})
+    modules = [mod for mod in adapter.lora if mod not in adapter.expert_slices]  # not the experts' slices
+    targets = sorted({mod.rsplit(".", 1)[-1] for mod in modules})
     if any(name.isdigit() for name in targets):
         # a module named by its index ("merger.mlp.0") would, as a suffix, also match other modules
         # ("blocks.0", a whole vision block): name each module exactly (peft full-matches a string)
-        targets = "^(?:" + "|".join(re.escape(mod) for mod in sorted(adapter.lora)) + ")$"
+        targets = "^(?:" + "|".join(re.escape(mod) for mod in sorted(modules)) + ")$"
     config = {
         "peft_type": "LORA",
         "task_type": cfg.get("task_type", "CAUSAL_LM"),
@@ -490,6 +493,7 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
         "fan_in_fan_out": bool(cfg.get("fan_in_fan_out", False)),
         "base_model_name_or_path": "..",
         "inference_mode": True,
+        **({"target_parameters": list(cfg["target_parameters"])} if cfg.get("target_parameters") else {}),
     }
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [f"{dest.name}/adapter_config.json", f"{dest.name}/{ADAPTER_WEIGHTS[0]}"]
@@ -503,10 +507,23 @@ def relaid_copy(adapter: PeftAdapter, dest: Path) -> Path:
     names the installed peft. Everything else is copied as it is."""
     from importlib.metadata import version
 
-    from tui_merger.core.io.safetensors_io import SafetensorsWriter
-
     dest.mkdir(parents=True)
     pairs = {b: a for a, (b, _) in adapter.relayout.items()}
+
+    def relaid(key, ref):
+        def load():
+            if key in adapter.relayout:  # new lora_A[e*r + k] = B[:, k*E + e]
+                b_key, experts = adapter.relayout[key]
+                b = adapter.source.tensors[b_key].load()
+                return b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).reshape(-1, b.shape[0])
+            if key in pairs:  # new lora_B[:, k*E + e] = A[e*r + k]
+                experts = adapter.relayout[pairs[key]][1]
+                a = adapter.source.tensors[pairs[key]].load()
+                return a.reshape(experts, -1, a.shape[1]).permute(2, 1, 0).reshape(a.shape[1], -1)
+            return ref.load()
+
+        return load
+
     entries = []
     for key, ref in adapter.source.tensors.items():
         shape = ref.shape
@@ -515,26 +532,34 @@ def relaid_copy(adapter: PeftAdapter, dest: Path) -> Path:
         elif key in pairs:
             shape = (adapter.source.tensors[pairs[key]].shape[1], shape[1])
         entries.append((key, ref, shape))
-    writer = SafetensorsWriter(dest / ADAPTER_WEIGHTS[0], [(k, r.dtype, s) for k, r, s in entries], early_writeback=False)
-    try:
-        for key, ref, shape in entries:
-            tensor = ref.load()
-            if key in adapter.relayout:  # new lora_A[e*r + k] = B[:, k*E + e]
-                b_ref = adapter.source.tensors[adapter.relayout[key][0]]
-                experts = adapter.relayout[key][1]
-                b = b_ref.load()
-                tensor = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).reshape(-1, b.shape[0])
-            elif key in pairs:  # new lora_B[:, k*E + e] = A[e*r + k]
-                a_key = pairs[key]
-                experts = adapter.relayout[a_key][1]
-                a = adapter.source.tensors[a_key].load()
-                tensor = a.reshape(experts, -1, a.shape[1]).permute(2, 1, 0).reshape(a.shape[1], -1)
-            writer.write_tensor(key, tensor.contiguous())
-            ref.release()
-        writer.close(fsync=False)
-    except BaseException:
-        writer.abort()
-        raise
+    _write_tensors(dest / ADAPTER_WEIGHTS[0], [(k, r, shape, relaid(k, r)) for k, r, shape in entries], fsync=False)
     config = dict(adapter.config, peft_version=version("peft"))
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dest
+
+
+def parameter_kinds(ranks: dict) -> dict:
+    """{``mlp.experts.gate_up_proj``: (r, alpha, how many)} from {parameter name: (r, alpha, experts)}:
+    the layers' parameters of one kind once (ranks and alphas as lists where the layers differ)."""
+    kinds: dict = {}
+    for name, (r, alpha, _experts) in ranks.items():
+        tail = ".".join(name.split(".")[-3:])
+        rs, alphas, n = kinds.get(tail, (set(), set(), 0))
+        kinds[tail] = (rs | {r}, alphas | {alpha}, n + 1)
+    one = lambda v: next(iter(v)) if len(v) == 1 else sorted(v)  # noqa: E731
+    return {tail: (one(rs), one(alphas), n) for tail, (rs, alphas, n) in kinds.items()}
+
+
+def _write_tensors(path: Path, entries, fsync: bool) -> None:
+    """One safetensors file from [(name, ref, shape, load)], each tensor loaded, written and handed back."""
+    from tui_merger.core.io.safetensors_io import SafetensorsWriter
+
+    writer = SafetensorsWriter(path, [(n, r.dtype, shape) for n, r, shape, _ in entries], early_writeback=False)
+    try:
+        for name, ref, _, load in entries:
+            writer.write_tensor(name, load().contiguous())
+            ref.release()
+        writer.close(fsync=fsync)
+    except BaseException:
+        writer.abort()
+        raise

@@ -332,6 +332,31 @@ def _fits(entry, shape, r_of) -> bool:
     return False
 
 
+def _rank_of(config: dict, entry, name: str, state: dict):
+    """(r, alpha, scale) of the LoRA on parameter ``name``: as the adapter config gives them, or, for a
+    checkpoint that records only r and lora_alpha (verl's lora_train_meta.json, ``_ranks_from_shapes``),
+    r from the pair's shape and alpha in proportion, as peft's all-linear sets them (the fused gate_up
+    at 2r with 2 alpha). Returns just r when asked through ``_placed``."""
+    return _rank_alpha(config, entry, name, state)[0]
+
+
+def _rank_alpha(config: dict, entry, name: str, state: dict) -> tuple:
+    from tui_merger.core.formats.adapter import param_rank
+
+    if not config.get("_ranks_from_shapes"):
+        return param_rank(config, name)
+    shape = state[name].shape
+    experts = shape[0] if len(shape) == 3 else 1
+    r = entry.A.shape[0] // experts if entry.A.shape[0] % experts == 0 else 0
+    base_r, (_, base_alpha, _) = int(config.get("r") or 8), param_rank(config, name)
+    alpha = base_alpha * r / base_r
+    if r == 0:
+        return 0, alpha, 0.0
+    import math
+
+    return r, alpha, (alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r)
+
+
 def _placed(model, state: dict, entry, config: dict) -> str:
     """The parameter a parameter-LoRA pair changes. peft wraps the targeted parameters of one module
     in the module's parameter order, the first innermost: the pair at nesting depth d belongs to the
@@ -358,7 +383,7 @@ def _placed(model, state: dict, entry, config: dict) -> str:
             f"{', '.join(n for n, _ in module.named_parameters(recurse=False)) or 'no parameters'} there. "
             "Is the base the model the adapter was trained on?"
         )
-    fits = [p for p in order if _fits(entry, state[f"{owner}.{p}"].shape, param_rank(config, f"{owner}.{p}")[0])]
+    fits = [p for p in order if _fits(entry, state[f"{owner}.{p}"].shape, _rank_of(config, entry, f"{owner}.{p}", state))]
     chosen = fits[0] if len(fits) == 1 else order[len(order) - 1 - depth]
     return f"{owner}.{chosen}"
 
@@ -387,7 +412,12 @@ def expert_loras(layout: DiskLayout, adapter, sliced: SlicedSource) -> dict:
     for name, entry in placed.items():
         entry.module = name
         param = state[name]
-        entry.r, entry.alpha, entry.scale = param_rank(adapter.config, name)
+        entry.r, entry.alpha, entry.scale = _rank_alpha(adapter.config, entry, name, state)
+        if adapter.config.get("_ranks_from_shapes") and entry.r:  # said to peft, for the reference
+            import re
+
+            adapter.config.setdefault("rank_pattern", {})[re.escape(name)] = entry.r
+            adapter.config.setdefault("alpha_pattern", {})[re.escape(name)] = entry.alpha
         experts = entry.experts = param.shape[0] if param.dim() == 3 else 1
         if param.dim() not in (2, 3):
             raise MergeError(f"{name}: LoRA on a parameter of {param.dim()} dimensions is not supported (peft takes 2 and 3).")
@@ -444,3 +474,130 @@ def expert_loras(layout: DiskLayout, adapter, sliced: SlicedSource) -> dict:
                 b = sliced.add(f"{mod}.lora_B", entry.B, slice(start, stop), b_cols)
             out[mod] = LoraModule(mod, A=a, B=b, r=entry.r, alpha=entry.alpha, scale=entry.scale)
     return out
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_EXPERT = None
+
+
+def _declares_experts(config: dict) -> bool:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return any(isinstance(c.get(k), int) and c.get(k) > 1 for c in (config, text) for k in _EXPERT_KEYS)
+
+
+def expected_experts(config: dict) -> dict[str, tuple]:
+    """{experts module on disk: ("split", number of experts) or ("packed", tensor name, experts)} for a
+    model config that declares experts, from the model transformers builds for it on the meta device
+    and the names ``save_pretrained`` gives its tensors; {} for a model without experts or one
+    transformers cannot build here."""
+    import json
+    import re
+
+    if not _declares_experts(config):
+        return {}
+    try:
+        import transformers
+        from transformers.core_model_loading import revert_weight_conversion
+
+        cls = model_class(config)
+        config_cls = transformers.AutoConfig.for_model(str(config.get("model_type"))).__class__
+        logging = transformers.utils.logging
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()
+        try:
+            model = meta_model(cls, config_cls.from_dict(json.loads(json.dumps(config))))
+        finally:
+            logging.set_verbosity(verbosity)
+        split = re.compile(r"^(.*\.experts)\.(\d+)\.")
+        out: dict[str, tuple] = {}
+        for name, tensor in model.state_dict().items():
+            if ".experts" not in name:
+                continue
+            for disk, t in revert_weight_conversion(model, {name: tensor}).items():
+                m = split.match(disk)
+                if m:
+                    kind, count = out.get(m.group(1), ("split", 0))
+                    out[m.group(1)] = ("split", max(count, int(m.group(2)) + 1))
+                elif t.dim() == 3:
+                    out[disk] = ("packed", disk, t.shape[0])
+        return out
+    except Exception:  # noqa: BLE001 - custom code, a config transformers cannot build: nothing to count
+        return {}
+
+
+def expert_gaps(config: dict, shapes: dict) -> list[str]:
+    """Sentences naming each experts module of the config whose experts are not all among ``shapes``
+    ({tensor name: shape}, what is or will be written): the silent corruption of a model missing an
+    expert (a lost shard, an expert-parallel rank not gathered)."""
+    import re
+
+    expected = expected_experts(config)
+    if not expected:
+        return []
+    split = re.compile(r"^(.*\.experts)\.(\d+)\.")
+    have: dict[str, set] = {}
+    for name in shapes:
+        m = split.match(name)
+        if m:
+            have.setdefault(m.group(1), set()).add(int(m.group(2)))
+    gaps = []
+    for module, spec in sorted(expected.items()):
+        if spec[0] == "split":
+            got = have.get(module, set())
+            missing = sorted(set(range(spec[1])) - got)
+            if missing:
+                shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                gaps.append(f"{module} has {spec[1] - len(missing)} of the {spec[1]} experts the config declares "
+                            f"(missing: expert {shown})")
+        else:
+            shape = shapes.get(spec[1])
+            if shape is None:
+                gaps.append(f"{spec[1]} (the packed experts) is missing")
+            elif len(shape) != 3 or shape[0] != spec[2]:
+                gaps.append(f"{spec[1]} holds {shape[0] if shape else 0} experts, the config declares {spec[2]}")
+    return gaps
+
+
+def place_parameter_loras(adapter, base_dir, closers: list) -> None:
+    """peft target_parameters LoRA (packed experts, routers) placed in the base whose config.json lies in
+    ``base_dir``: LoRA on each tensor ``save_pretrained`` writes, the notice saying what it reached."""
+    from tui_merger.core.errors import MergeError
+
+    layout = disk_layout(base_dir)
+    if layout is None:
+        raise MergeError(
+            f"The adapter changes parameters ({', '.join(list(adapter.param_lora)[:3])}) of a model transformers "
+            "cannot build here, so where they lie in the base is unknown; nothing was written."
+        )
+    sliced = SlicedSource()
+    closers.append(sliced)
+    placed = list(adapter.param_lora.values())
+    loras = expert_loras(layout, adapter, sliced)
+    experts = [e for e in placed if e.experts > 1]
+    others = [e for e in placed if e.experts <= 1]  # 2-D parameters: routers
+    slices = len(loras) - len(others)
+    packed = len(adapter.expert_lora)
+    said = []
+    if experts:
+        said.append(
+            f"LoRA on {len(experts)} expert parameter(s) ({_by_suffix(experts)}; rank per expert) is merged into "
+            + (f"{slices} per-expert tensors" if slices else "")
+            + (" and " if slices and packed else "")
+            + (f"{packed} packed expert tensors" if packed else "")
+        )
+    if others:
+        said.append(f"LoRA on {len(others)} router weight(s) ({_by_suffix(others)}) is merged into them")
+    adapter.notices.append("peft target_parameters: " + "; ".join(said) + ".")
+    adapter.expert_parameters = sorted(e.module for e in placed)
+    adapter.parameter_ranks = {e.module: (e.r, e.alpha, e.experts) for e in placed}
+    adapter.expert_slices = set(loras)
+    adapter.lora.update(loras)
+    adapter.param_lora = {}
+
+
+def _by_suffix(entries) -> str:
+    """``mlp.experts.gate_up_proj r=16, mlp.experts.down_proj r=8``: each parameter kind once, with its rank."""
+    from tui_merger.core.formats.adapter import parameter_kinds
+
+    return ", ".join(f"{tail} r={r}" for tail, (r, _alpha, _n) in parameter_kinds(
+        {e.module: (e.r, e.alpha, e.experts) for e in entries}).items())

@@ -92,63 +92,10 @@ def _on_disk_names(adapter, base, base_dir: Path, closers: list):
     if any(name in mapping for name in wanted):
         adapter = renamed(adapter, lambda name: mapping.get(name, name))
     if adapter.param_lora:
-        _expert_loras(adapter, base_dir, closers)
+        from tui_merger.core.formats.hf_names import place_parameter_loras
+
+        place_parameter_loras(adapter, base_dir, closers)
     return adapter  # names the base still lacks: the plan says which
-
-
-def _expert_loras(adapter, base_dir: Path, closers: list) -> None:
-    """LoRA on packed expert parameters (peft target_parameters) as LoRA on each expert's tensors."""
-    from tui_merger.core.errors import MergeError
-    from tui_merger.core.formats.hf_names import SlicedSource, disk_layout, expert_loras
-
-    layout = disk_layout(base_dir)
-    if layout is None:
-        raise MergeError(
-            f"The adapter changes parameters ({', '.join(list(adapter.param_lora)[:3])}) of a model transformers "
-            "cannot build here, so where they lie in the base is unknown; nothing was written."
-        )
-    sliced = SlicedSource()
-    closers.append(sliced)
-    placed = list(adapter.param_lora.values())
-    loras = expert_loras(layout, adapter, sliced)
-    experts = [e for e in placed if e.experts > 1]
-    others = [e for e in placed if e.experts <= 1]  # 2-D parameters: routers
-    slices = len(loras) - len(others)
-    packed = len(adapter.expert_lora)
-    said = []
-    if experts:
-        said.append(
-            f"LoRA on {len(experts)} expert parameter(s) ({_by_suffix(experts)}; rank per expert) is merged into "
-            + (f"{slices} per-expert tensors" if slices else "")
-            + (" and " if slices and packed else "")
-            + (f"{packed} packed expert tensors" if packed else "")
-        )
-    if others:
-        said.append(f"LoRA on {len(others)} router weight(s) ({_by_suffix(others)}) is merged into them")
-    adapter.notices.append("peft target_parameters: " + "; ".join(said) + ".")
-    adapter.expert_parameters = sorted(e.module for e in placed)
-    adapter.parameter_ranks = {e.module: (e.r, e.alpha, e.experts) for e in placed}
-    adapter.expert_slices = set(loras)
-    adapter.lora.update(loras)
-    adapter.param_lora = {}
-
-
-def _by_suffix(entries) -> str:
-    """``mlp.experts.gate_up_proj r=16, mlp.experts.down_proj r=8``: each parameter kind once, with its rank."""
-    return ", ".join(f"{tail} r={r}" for tail, (r, _alpha, _n) in parameter_kinds(
-        {e.module: (e.r, e.alpha, e.experts) for e in entries}).items())
-
-
-def parameter_kinds(ranks: dict) -> dict:
-    """{``mlp.experts.gate_up_proj``: (r, alpha, how many)} from {parameter name: (r, alpha, experts)}:
-    the layers' parameters of one kind once (ranks and alphas as lists where the layers differ)."""
-    kinds: dict = {}
-    for name, (r, alpha, _experts) in ranks.items():
-        tail = ".".join(name.split(".")[-3:])
-        rs, alphas, n = kinds.get(tail, (set(), set(), 0))
-        kinds[tail] = (rs | {r}, alphas | {alpha}, n + 1)
-    one = lambda v: next(iter(v)) if len(v) == 1 else sorted(v)  # noqa: E731
-    return {tail: (one(rs), one(alphas), n) for tail, (rs, alphas, n) in kinds.items()}
 
 
 def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:

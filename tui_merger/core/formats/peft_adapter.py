@@ -19,6 +19,19 @@ from tui_merger.core.io.files import TOKENIZER_MARKERS, architecture, is_vision_
 _LORA_A = re.compile(r"^(.+)\.lora_(?:embedding_)?A\b")
 
 
+def _parameter_pair(cfg: dict, module: str) -> bool:
+    """Whether a LoRA pair saved under ``module`` belongs to a parameter (peft's target_parameters:
+    packed experts, a router's weight), as the adapter reader decides it; such pairs are no modules."""
+    from tui_merger.core.formats.adapter import PEFT_PREFIX, module_targeted, targeted_parameters
+
+    module = module.removeprefix(PEFT_PREFIX)
+    targets = cfg.get("target_parameters") if isinstance(cfg, dict) else None
+    if not targets:
+        return False
+    _owner, depth, params = targeted_parameters(module, targets)
+    return bool(params) and (depth > 0 or not module_targeted(cfg, module))
+
+
 class PeftAdapterFormat(Format):
     kind = "peft-adapter"
     role = "adapter"
@@ -39,7 +52,8 @@ class PeftAdapterFormat(Format):
             c.notes.append("no adapter_model.safetensors or adapter_model.bin: the adapter weights are missing.")
         elif weights.endswith(".safetensors"):
             c.dtype, infos = s.headers_dtype(folder, [weights])
-            n_modules = len({m.group(1) for i in infos if (m := _LORA_A.match(i.name))}) if infos else None
+            modules = {m.group(1) for i in infos if (m := _LORA_A.match(i.name))}
+            n_modules = len([m for m in modules if not _parameter_pair(cfg or {}, m)]) if infos else None
         if cfg is not None:
             peft_type = str(cfg.get("peft_type", "LORA")).upper()
             if peft_type == "LORA":

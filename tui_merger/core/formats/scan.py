@@ -366,7 +366,8 @@ class _Scanner:
             c.base_resolves = "missing"
             c.notes.append(
                 f"base model {ref} is neither a local folder nor in the Hugging Face cache ({shown(hub_cache())}): "
-                f"it would need a download, which tui-merger never does (huggingface-cli download {ref}, then --base)."
+                f"it would need a download, which tui-merger never does: `hf download {ref}` puts it in that cache, "
+                "where tui-merger finds it."
             )
         else:
             c.base_resolves = "missing"

@@ -411,7 +411,7 @@ def split_peft_keys(names) -> tuple[dict[str, str], dict[str, str]]:
             adapter[key] = key
             continue
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-        name = name.replace(".base_layer.", ".")
+        name = re.sub(r"\.base_layer(?=\.)", "", name)  # nested wrappers too (peft's parameter LoRA on experts)
         base[name] = key
     return base, adapter
 
@@ -545,6 +545,57 @@ class VerlFsdpFormat(Format):
         return Reference([(folder, None)])
 
 
+def _infer_parameters(cfg: dict, config_dir: Path, adapter_keys) -> None:
+    """verl records r and lora_alpha only; peft's all-linear on an MoE model also put LoRA on parameters
+    (packed experts, the router's weight: ``target_parameters``, nested pairs ``experts.base_layer.lora_A``)
+    with the fused gate_up at rank and alpha 2x. Those are read back from the keys and the model: each LoRA
+    under a module that is no Linear targets its 3-D parameters (or its 2-D ``weight``); ranks then come
+    from the pairs' shapes, alpha in proportion (``_ranks_from_shapes``)."""
+    from tui_merger.core.formats.hf_names import _meta_of
+
+    owners = set()
+    for key in adapter_keys:
+        if ".lora_A" not in key:
+            continue
+        module = key.removeprefix(PEFT_PREFIX).split(".lora_A")[0]
+        nested = module.endswith(".base_layer")
+        owners.add((re.sub(r"(\.base_layer)+$", "", module), nested))
+    if not owners:
+        return
+    model = _meta_of(config_dir)
+    if model is None:
+        if any(nested for _, nested in owners):
+            raise MergeError(
+                "This LoRA run put LoRA on MoE expert parameters of a model transformers cannot build here, so "
+                "where they lie is unknown; nothing was written."
+            )
+        return
+    import torch
+
+    targets = set()
+    for owner, _ in sorted(owners):
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            continue  # said by the plan: a LoRA for a module the base lacks
+        if isinstance(module, torch.nn.Linear) or hasattr(module, "base_layer"):
+            continue
+        where = ".".join(owner.split(".")[-2:])  # mlp.experts, mlp.gate: what a person would write
+        packed = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        if packed:
+            targets.update(f"{where}.{n}" for n in packed)
+        elif getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+            targets.add(f"{where}.weight")
+    if targets:
+        cfg["target_parameters"] = sorted(targets)
+        cfg["_ranks_from_shapes"] = True
+        # the expert layout, where the shapes leave it open (square): a peft recent enough to put LoRA on
+        # experts through all-linear wrote it, and the run records no version: the installed peft's
+        from tui_merger.core.formats.hf_names import _installed_peft
+
+        cfg.setdefault("peft_version", _installed_peft())
+
+
 def _lora_config(folder: Path, options: MergeOptions, ranks: set[int]) -> dict:
     """r and alpha of a verl LoRA run: lora_train_meta.json (verl >= 0.8) or lora_adapter/ (<= 0.7)."""
     cfg: dict = {}
@@ -604,10 +655,16 @@ def _open(options) -> Inputs:
         if adapter_map:
             ranks = {source.tensors[k].shape[0] for k in adapter_map if ".lora_A" in k}
             cfg = _lora_config(layout.folder, options, ranks)
+            if not cfg.get("target_parameters"):
+                _infer_parameters(cfg, config_dir, adapter_map)
             inputs.adapter = adapter_from_source(layout.folder, cfg, RenamedSource(source, adapter_map))
             if names is not None and names.renames:
                 inputs.memory_adapter = inputs.adapter  # peft, building the reference, wants these names
                 inputs.adapter = renamed(inputs.adapter, lambda n: names.renames.get(n, n))
+            if inputs.adapter.param_lora:
+                from tui_merger.core.formats.hf_names import place_parameter_loras
+
+                place_parameter_loras(inputs.adapter, config_dir, inputs.closers)
         converted = None
         if names is not None:
             from tui_merger.core.formats.hf_names import ConvertedSource

@@ -290,3 +290,44 @@ class RenamedSource:
 
     def close(self) -> None:
         pass  # the inner source is closed by its owner
+
+
+class _Flattened:
+    """Tensors seen as matrices [first dim, everything else] (a convolution kernel as a matrix): loaded
+    from the tensor they view, as a reshaped view of it."""
+
+    folder = None
+    files: list[str] = []
+
+    def __init__(self) -> None:
+        self.tensors: dict = {}
+        self._parent: dict = {}
+
+    def load(self, ref):
+        return self._parent[ref.name].load().reshape(ref.shape)
+
+    def load_into(self, ref, out) -> None:
+        out.copy_(self.load(ref))
+
+    def raw_ranges(self, ref):
+        return None
+
+    def row_blocks(self, ref):
+        return None
+
+    def release(self, ref) -> None:
+        self._parent[ref.name].release()
+
+    def close(self) -> None:
+        pass
+
+
+def flattened(ref: TensorRef) -> TensorRef:
+    """``ref`` as a matrix [shape[0], prod(shape[1:])] (its own view source: nothing kept after the merge)."""
+    import math
+
+    view = _Flattened()
+    out = TensorRef(view, "", ref.name, ref.dtype, (ref.shape[0], math.prod(ref.shape[1:])))
+    view.tensors[ref.name] = out
+    view._parent[ref.name] = ref
+    return out

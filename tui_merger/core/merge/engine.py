@@ -11,6 +11,7 @@ import json
 import queue
 import threading
 import time
+from pathlib import Path
 
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import (
@@ -39,6 +40,7 @@ from tui_merger.core.merge.output import (
     check_space,
     check_target,
 )
+from tui_merger.core.plan.lineage import refuse_merged_twice
 from tui_merger.core.plan.plan import TensorPlan
 from tui_merger.core.merge.requant import output_plan
 from tui_merger.core.io.safetensors_io import SafetensorsWriter
@@ -72,6 +74,7 @@ def run_merge(
         if err.fingerprint is None:
             raise
         unverified = err
+    refuse_merged_twice(options)  # an adapter the base already holds: refused, whatever else was accepted
     inputs = open_inputs(options)
     try:
         for message in inputs.notices:
@@ -172,6 +175,39 @@ def _describe_inputs(result: MergeResult, inputs, options: MergeOptions) -> None
     named = cfg.get("base_model_name_or_path") or inputs.config.get("_name_or_path")
     result.base_model = str(named) if named else (str(options.base) if options.base else None)
     result.base_weights = dict(inputs.base_weights)
+    if options.checkpoint is None and options.base is not None:
+        result.base_used = base_used(options.base, cfg.get("base_model_name_or_path"), len(adapter.lora), inputs.config)
+
+
+def base_used(base, named, modules: int, config: dict) -> dict:
+    """Which base model the adapter went into and why that one, for the manifest and the model card:
+    its folder's name (a Hub id for a snapshot of the Hugging Face cache), what the adapter names, whether
+    that is this very model (else whether it is on this machine at all), and what fits."""
+    import os
+
+    from tui_merger.core.io.hf_refs import resolve_model_reference
+
+    base = Path(base)
+    repo = next((p[len("models--"):].replace("--", "/") for p in Path(os.path.realpath(base)).parts
+                 if p.startswith("models--")), None)
+    named = named if isinstance(named, str) and named else None
+    found = resolve_model_reference(named) if named else None
+    same = named is not None and (
+        (found is not None and os.path.realpath(found) == os.path.realpath(base)) or (repo is not None and named == repo)
+    )
+    arch = config.get("architectures")
+    arch = arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else config.get("model_type")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    return {
+        "folder": base.name if repo is None else repo.split("/")[-1],
+        "repo": repo,
+        "named": named,
+        "named_is_this": same,
+        "named_found": found is not None,
+        "modules": modules,
+        "architecture": f"{arch}, {layers} layers" if arch and layers else (str(arch) if arch else None),
+    }
 
 
 def _describe_earlier(result: MergeResult, plan: TensorPlan, options: MergeOptions) -> None:

@@ -231,6 +231,8 @@ def _row_lora(t: OutputTensor) -> LoraOp | None:
     if len(t.ops) != 1 or not isinstance(t.ops[0], LoraOp):
         return None
     op = t.ops[0]
+    if len(t.source.shape) != 2:  # a convolution kernel: the whole-tensor path
+        return None
     return None if op.transpose or t.source.dtype not in ("bfloat16", "float16", "float32") else op
 
 
@@ -261,6 +263,8 @@ def compute(t: OutputTensor, clamp: bool = False, ws: Workspace | None = None):
         if isinstance(op, LoraOp):
             delta = _lora_delta(op)
             base = w if acc is None else acc
+            if delta.dim() != base.dim():  # a convolution kernel merged as a matrix
+                delta = delta.reshape(base.shape)
             if op.magnitude is None:
                 acc = delta.add_(base)  # == float(W) + delta: the sum peft rounds once
             else:

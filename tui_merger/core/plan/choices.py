@@ -103,6 +103,52 @@ def options_for(c, *, base=None, out=None, lora_alpha=None, weight="1", more="",
     return MergeOptions(base=Path(base), adapter=Path(c.path), out=out, **write_options)
 
 
+def not_a_checkpoint(path, base=None, out=None, adapters=False) -> tuple[Path | None, Path, str] | None:
+    """A path given where a checkpoint goes (``tui-merger merge PATH``) that is no checkpoint: (the
+    adapter, its base, what was taken in words) for an adapter when ``base`` is given or the adapter
+    names one on this machine; (None, the model, words) for a complete model when ``adapters`` were
+    given (``merge BASE --adapter A``). None when the path is anything else (a checkpoint's kind then
+    opens it, or says what is missing). An adapter whose base is unknown, or a complete model with no
+    adapter, raises the sentence with the command to run instead."""
+    from tui_merger.core.formats.registry import format_of, formats
+    from tui_merger.core.formats.scan import scan
+
+    path = Path(path)
+    if not path.exists() or any(f.recognizes(path) for f in formats("checkpoint")):
+        return None
+    try:
+        found = scan(path).candidates
+    except MergeError:
+        return None
+    here = os.path.realpath(path)
+    c = next((c for c in found if os.path.realpath(c.path) == here), None)
+    fmt = format_of(c) if c is not None else None
+    if fmt is None or fmt.role not in ("adapter", "model"):
+        return None
+    import shlex
+
+    q = lambda p: shlex.quote(str(p))  # noqa: E731
+    target = q(out) if out else "OUT"
+    if fmt.role == "model" and adapters and base is None:
+        return None, path, f"{path} is {fmt.label}: it is the base the adapter goes into (--base)."
+    if fmt.role == "model":
+        raise MergeError(
+            f"{path} is already a complete model ({fmt.label}), so there is nothing to merge; to merge an "
+            f"adapter into it, run `tui-merger merge --base {q(path)} --adapter ADAPTER --out {target}`."
+        )
+    if adapters:
+        raise MergeError(f"{path} is {fmt.label}; give every adapter with --adapter, and the base model with --base.")
+    if base is not None:
+        return path, Path(base), f"{path} is {fmt.label}: it is merged into {base} as --adapter."
+    if c.base_resolves in ("path", "hf-cache") and c.base_path:
+        return path, Path(c.base_path), f"{path} is {fmt.label}: it is merged into {c.base_path}, the base model it names."
+    named = f" (it names {c.base_model}, which is not on this machine)" if c.base_model else ""
+    raise MergeError(
+        f"{path} is {fmt.label}, not a training checkpoint, and its base model is not known here{named}; "
+        f"merge it into the model it was trained on with `tui-merger merge --base MODEL --adapter {q(path)} --out {target}`."
+    )
+
+
 def describe_candidate(c, root: Path | None = None) -> str:
     """One line: kind, path, step (latest), LoRA r/alpha."""
     path = Path(c.path)
@@ -159,8 +205,10 @@ def base_candidates(adapter_path, found_models=(), *, cache: bool = True) -> lis
     (the scan's) and, with ``cache``, the Hugging Face cache's. A model fits when every LoRA module of
     the adapter is a weight there whose shape its A/B pair matches (and its model type is the one a
     config saved beside the adapter names). Reads configs and safetensors headers only; models stored
-    as .bin, quantized ones and unreadable ones are left out."""
+    as .bin, quantized ones, unreadable ones and merged ones (a manifest that records an adapter:
+    proposing one would merge an adapter twice, see lineage.py) are left out."""
     from tui_merger.core.io.files import json_object_or_none
+    from tui_merger.core.plan.lineage import records_adapter
 
     adapter_path = Path(adapter_path)
     named = _named_base(adapter_path)
@@ -172,6 +220,8 @@ def base_candidates(adapter_path, found_models=(), *, cache: bool = True) -> lis
         if key in seen:
             continue
         seen.add(key)
+        if records_adapter(path):  # a merged model: it holds an adapter already (perhaps this very one)
+            continue
         fit = _fit(adapter_path, path, side)
         if fit is None:
             continue

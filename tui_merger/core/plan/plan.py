@@ -6,6 +6,8 @@ every unconsumed adapter key is found before anything is written.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from tui_merger.core.formats.adapter import LoraModule, PeftAdapter
@@ -297,6 +299,8 @@ def _shape_error(adapter_ref: TensorRef, base_ref: TensorRef, base_name: str) ->
 
 def _check_lora_shapes(entry: LoraModule, base_ref: TensorRef, fan_in_fan_out: bool, name: str) -> None:
     shape = tuple(base_ref.shape)
+    if len(shape) > 2 and not entry.is_embedding and not fan_in_fan_out and len(entry.A.shape) == 2:
+        shape = (shape[0], math.prod(shape[1:]))  # a convolution kernel, merged as the matrix [out, in * k...]
     if len(shape) != 2:
         raise MergeError(
             f"Base tensor {name} has shape {list(shape)}; LoRA on non-matrix weights (e.g. convolutions) "

@@ -88,6 +88,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         plan.inputs[f"adapter {number}"] = str(path)
     add = plan.findings.append
     raw = _raw_adapter(options, add)
+    _check_merged_twice(options, add)
     try:
         inputs = open_inputs(options)
     except MergeError as err:
@@ -129,6 +130,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             plan.verify_seconds, plan.verify_bytes = estimate(tplan, passes, inputs.adapter)
             plan.resume = _resumable(options, inputs, tplan, add)
             _check_tied(config, inputs.config, tplan, add)
+            _check_experts(config, tplan, add)
             _check_fp16(tplan, options, add)
             _check_memory(tplan, add)
         base_config = inputs.config if options.checkpoint is None else {}
@@ -151,6 +153,19 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         inputs.close()
     _check_output(options, plan, paths_of(options), add)
     return plan
+
+
+def _check_merged_twice(options: MergeOptions, add) -> None:
+    """An adapter already merged into the base (its merge_manifest.json records it): an error, which
+    --force does not pass (the change would be applied twice; weight 2 says so on purpose)."""
+    from tui_merger.core.plan.lineage import merged_twice
+
+    if options.base is None or options.checkpoint is not None:
+        return
+    for path, _ in options.adapter_weights():
+        said = merged_twice(options.base, path)
+        if said is not None:
+            add(Finding("merged-twice", ERROR, *said))
 
 
 # -- the adapter as written, before the parser (which refuses what these checks explain) -------------
@@ -244,7 +259,7 @@ def _notice_finding(note: str) -> Finding:
 def _adapter_summary(adapter) -> dict | None:
     if not adapter.lora:
         return None
-    from tui_merger.core.formats.inputs import parameter_kinds
+    from tui_merger.core.formats.adapter import parameter_kinds
 
     cfg = adapter.config
     every = [m for name, entry in adapter.lora.items() if name not in adapter.expert_slices for m in (entry, *entry.terms)]
@@ -618,6 +633,22 @@ def _check_tied(config: dict, base_config: dict, tplan, add) -> None:
             f"The base ties its input and output embeddings, but the adapter changes only one of them, so the "
             f"merged model gets its own lm_head{extra} and tie_word_embeddings false.",
             "Nothing to do if that is what training did; it is what the unmerged model computes.",
+        ))
+
+
+def _check_experts(config: dict, tplan, add) -> None:
+    """A model is never written with an expert missing: the experts its config declares, layer by
+    layer, against the tensors the plan writes."""
+    from tui_merger.core.formats.hf_names import expert_gaps
+
+    gaps = expert_gaps(config, {t.name: tuple(t.shape) for t in tplan.tensors})
+    if gaps:
+        more = f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else ""
+        add(Finding(
+            "experts-missing", ERROR,
+            f"The model would be written with experts missing: {gaps[0]}{more}; nothing was written.",
+            "The base or checkpoint is incomplete: check that every weight file (and every expert-parallel "
+            "rank's file) was copied.",
         ))
 
 

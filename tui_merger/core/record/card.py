@@ -41,8 +41,72 @@ def _yaml_str(value: str) -> str:
     return json.dumps(str(value))  # a JSON string is a valid YAML scalar
 
 
+def _used(manifest: dict) -> dict | None:
+    used = manifest.get("base_used")
+    return used if isinstance(used, dict) else None
+
+
+def hub_base(manifest: dict) -> str | None:
+    """The Hub id of the base model the merge used, when that is known: a snapshot of the Hugging Face
+    cache, or a local folder named like the Hub model the adapter names (a download with --local-dir).
+    A manifest written before ``base_used`` was recorded: what the adapter named."""
+    used = _used(manifest)
+    if used is None:
+        return hub_model_id(manifest.get("base_model"))
+    repo = hub_model_id(used.get("repo"))
+    if repo:
+        return repo
+    named = hub_model_id(used.get("named"))
+    if named and (used.get("named_is_this") or used.get("folder") == named.split("/")[-1]):
+        return named
+    return None
+
+
+def _name(value) -> str:
+    """A model reference for the card: a Hub id as it is, a local path as its folder's name."""
+    text = str(value or "")
+    return text if hub_model_id(text) else (Path(text).name or text)
+
+
+def _base_words(manifest: dict) -> list[str]:
+    """What the adapter was merged into and why that model, without local paths."""
+    used = _used(manifest)
+    if used is None:
+        return [f"This model is {_name(manifest.get('base_model')) or 'a base model'} with "]
+    hub = hub_base(manifest)
+    model = f"`{hub}`" if hub else f"the local model folder `{used.get('folder')}`"
+    arch = f" ({used['architecture']})" if used.get("architecture") else ""
+    named = used.get("named")
+    fits = f"its architecture and weight shapes fit all {used.get('modules')} LoRA modules of the adapter"
+    if used.get("named_is_this"):
+        why = "the base model the adapter names."
+    elif named and hub and hub == hub_model_id(named):
+        why = f"a local copy of the base model the adapter names (by its folder's name); {fits}."
+    elif named:
+        where = "another folder" if used.get("named_found") else "not on the machine it was merged on"
+        why = f"taken because {fits}; the adapter names {_name(named)} as its base, which was {where}."
+    else:
+        why = f"taken because {fits}; the adapter does not say which base model it was trained on."
+    return [f"Base model: {model}{arch}, {why}", "", "This model is that base with "]
+
+
+def _without_local_paths(text: str, manifest: dict) -> str:
+    """Every local path the manifest records (inputs, options, the output) replaced by its folder's or
+    file's name: the card is published, the paths mean nothing to its readers."""
+    paths = {str(i.get("path")) for i in manifest.get("inputs", []) if isinstance(i, dict) and i.get("path")}
+    options = manifest.get("options") if isinstance(manifest.get("options"), dict) else {}
+    paths |= {str(options[k]) for k in ("base", "adapter", "out", "checkpoint") if isinstance(options.get(k), str)}
+    paths |= {str(p[0]) for p in options.get("adapters") or [] if isinstance(p, list) and p and isinstance(p[0], str)}
+    for key in ("out", "base_model"):
+        if isinstance(manifest.get(key), str):
+            paths.add(manifest[key])
+    for path in sorted((p for p in paths if p.startswith(("/", "~"))), key=len, reverse=True):
+        text = text.replace(path, Path(path).name or path)
+    return text
+
+
 def render_model_card(manifest: dict) -> str:
-    base = hub_model_id(manifest.get("base_model"))
+    base = hub_base(manifest)
     adapter = manifest.get("adapter") or {}
     lines = ["---"]
     if base:
@@ -61,13 +125,15 @@ def render_model_card(manifest: dict) -> str:
     lines.append(f"# {title}")
     lines.append("")
     if adapter:
-        lines.append(
-            f"This model is {manifest.get('base_model') or 'a base model'} with "
-            f"{'weighted LoRA adapters' if adapter.get('adapters') else 'a LoRA adapter'} merged into its weights by "
-            f"tui-merger {manifest.get('tool', {}).get('version', '')}."
-            if manifest.get("kind") != "export-adapter"
-            else "A base model and its LoRA adapter (in `lora_adapter/`), written by tui-merger."
-        )
+        if manifest.get("kind") != "export-adapter":
+            *before, lead = _base_words(manifest)
+            lines.extend(before)
+            lines.append(
+                f"{lead}{'weighted LoRA adapters' if adapter.get('adapters') else 'a LoRA adapter'} merged into its "
+                f"weights by tui-merger {manifest.get('tool', {}).get('version', '')}."
+            )
+        else:
+            lines.append("A base model and its LoRA adapter (in `lora_adapter/`), written by tui-merger.")
         lines.append("")
         lines.append("| setting | value |")
         lines.append("|---|---|")
@@ -91,13 +157,14 @@ def render_model_card(manifest: dict) -> str:
     if not isinstance(ver, dict):
         lines.append("Not verified yet: run `tui-merger verify` on this folder.")
     else:
-        lines.append(("Passed" if ver.get("passed") else "FAILED") + f": {ver.get('summary', '')}")
+        summary = re.sub(r"^(passed|failed):\s*", "", str(ver.get("summary", "")))  # the verdict is said once
+        lines.append(("Passed" if ver.get("passed") else "FAILED") + f": {summary}")
         lines.append("")
         for check in ver.get("checks", []):
             lines.append(f"- {check.get('name')}: {check.get('status')} — {check.get('summary', '')}")
     lines.append("")
     lines.append(f"Merged at {manifest.get('merged_at')}; inputs and output files with sha256 are in `merge_manifest.json`.")
-    return "\n".join(lines) + "\n"
+    return _without_local_paths("\n".join(lines) + "\n", manifest)
 
 
 def is_ours(path: Path) -> bool:

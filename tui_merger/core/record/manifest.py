@@ -15,7 +15,10 @@ Schema (``format: tui-merger-manifest/1``)::
                   "files": [{"path": "rel/name", "size": 123, "sha256": "..."}]}],
       "adapter": null | {"r": 16, "alpha": 32, "variant": "lora" | "rslora" | "dora",
                          "target_modules": [...], "modules_to_save": [...], "base_model": "..."},
-      "base_model": "Qwen/Qwen2.5-0.5B" | "/abs/path" | null,
+      "base_model": "Qwen/Qwen2.5-0.5B" | "/abs/path" | null,   (what the adapter or checkpoint names)
+      "base_used": null | {"folder": "base", "repo": "ORG/NAME" | null, "named": "..." | null,
+                           "named_is_this": false, "named_found": false, "modules": 28,
+                           "architecture": "Qwen2ForCausalLM, 24 layers"},   (adapter merges; optional)
       "options": {...MergeOptions.to_dict()},
       "outputs": [{"path": "model.safetensors", "size": 123, "sha256": "..."}],
       "timings": {"merge_s": 1.2, "hash_s": 0.4, "verify_s": 3.1},

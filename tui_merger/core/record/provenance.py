@@ -53,6 +53,7 @@ def build_manifest(options: MergeOptions, result: MergeResult) -> dict:
         "inputs": inputs,
         "adapter": result.adapter_info,
         "base_model": result.base_model,
+        "base_used": result.base_used,  # which base and why that one (the card says it without local paths)
         "base_weights": result.base_weights,  # as stored, or the --qlora-base round trip with its settings
         "options": options.to_dict(),
         "config_changes": result.config_changes,

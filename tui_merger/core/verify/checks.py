@@ -342,11 +342,17 @@ def verify_merge(
         writing = _take_writing()
         recompute = None
         if files is not None:
-            recompute = _Recompute(out, plan, files, shares.add("recompute", size), clamp, writing, writing_key(options))
+            recompute = _Recompute(out, plan, files, shares.add("recompute", size, count=len(plan.tensors)), clamp,
+                                   writing, writing_key(options))
         models = None
         if run_models:
+            modules = len({t.name.rsplit(".", 1)[0] for t in plan.tensors})  # the units each model run loads
+            text = out_config.get("text_config") if isinstance(out_config.get("text_config"), dict) else {}
+            tied = out_config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+            modules += bool(tied) and not any(t.name.rsplit(".", 1)[0].endswith("lm_head") for t in plan.tensors)
+            lora = 0 if adapter.config.get("use_dora") else 2 * len(adapter.lora)  # peft's lora_A / lora_B, plain LoRA
             models = _Models(out, out_config, options, inputs, plan, perplexity_text,
-                             shares.add("merged", size), shares.add("reference", size))
+                             shares.add("merged", size, count=modules), shares.add("reference", size, count=modules + lora))
         jobs = _verify_jobs(recompute, models, shares)
         if jobs:
             on_event(PhaseStarted("verify", _what_runs(recompute, models, plan)))
@@ -493,6 +499,10 @@ def _structure(out: Path, plan, config: dict) -> tuple[Check, dict | None]:
                     if shape != tuple(t.shape) or dtype != t.dtype:
                         problems.append(f"{k} is {dtype}{list(shape)}, expected {t.dtype}{list(t.shape)}")
     problems += _config_problems(config, {k: expected[k].shape for k in expected})
+    if readable:
+        from tui_merger.core.formats.hf_names import expert_gaps
+
+        problems += expert_gaps(config, {k: tuple(expected[k].shape) for k in located if k in expected})
     n = len(located)
     if problems:
         return Check("structure", "fail", f"{len(problems)} problem(s) in the files", problems[:50]), (
@@ -712,7 +722,8 @@ class _Models:
         if isinstance(self.reference_out, Check):
             return [self.reference_out]
         reference, ref_hidden, ppl_ref = self.reference_out
-        checks = [_layer_check(self.cls.__name__, self.plan, self.stored, merged, reference, merged_hidden, ref_hidden, self.peak)]
+        checks = [_layer_check(self.cls.__name__, self.plan, self.stored, merged, reference, merged_hidden, ref_hidden,
+                               self.peak, _reference_words(self.options))]
         if self.tokens is not None:
             delta = abs(ppl_merged - ppl_ref)
             status = "pass" if delta <= PPL_TOLERANCE else "fail"
@@ -775,7 +786,10 @@ def _loads_check(cls_name: str, logits, peak: int) -> Check:
     )
 
 
-def _layer_check(cls_name: str, plan, stored: str, merged, reference, merged_hidden, ref_hidden, peak: int) -> Check:
+def _layer_check(cls_name: str, plan, stored: str, merged, reference, merged_hidden, ref_hidden, peak: int,
+                 who: str = "the adapter on the base") -> Check:
+    """The behaviour check's result; its summary opens with a plain sentence (``who``: the unmerged
+    reference in words) and gives the figures after it."""
     from tui_merger.core.verify import behaviour as bh
 
     details: list[str] = []
@@ -805,13 +819,28 @@ def _layer_check(cls_name: str, plan, stored: str, merged, reference, merged_hid
         where = "the embeddings' output" if i == 0 else f"layer {i - 1}'s output"
         details.append(f"{where} differs from the unmerged model by {rel:.2e} (limit {lim:.2e}): the first place it diverges")
         metrics["first_divergent"] = i
-    what = f"{'logits' if centre else 'outputs'} {out_rel:.2e} apart (limit {out_limit:.2e})"
+    what = f"{'logits' if centre else 'outputs'} {out_rel:.2e} apart, limit {out_limit:.2e}"
     if layers:
-        what = f"{len(layers)} hidden states and {what}; worst {worst:.0%} of its limit"
-    lead = "matches the unmerged model layer by layer" if ok else "differs from the unmerged model"
-    if not ok and first is not None:
-        lead += f" from {details[0].split(' differs')[0]} on"
-    return Check("behaviour", "pass" if ok else "fail", f"{cls_name} {lead}: {what}", details, metrics)
+        what = f"{len(layers)} hidden states and {what}"
+    if ok:
+        plain = f"The merged model answers like {who}: largest difference {worst:.0%} of what rounding allows"
+    else:
+        import math
+
+        plain = f"The merged model does not answer like {who}: " + (
+            f"differences up to {worst:.1f} times what rounding allows" if math.isfinite(worst) else "its outputs hold NaN or Inf"
+        )
+        if first is not None:
+            plain += f", from {details[0].split(' differs')[0]} on"
+    lead = "layer by layer" if layers else "compared"
+    return Check("behaviour", "pass" if ok else "fail", f"{plain} ({cls_name} {lead}: {what})", details, metrics)
+
+
+def _reference_words(options) -> str:
+    """What the merged model is compared with, in plain words."""
+    if options.checkpoint is not None:
+        return "the training checkpoint with its LoRA on the base"
+    return "the adapters on the base" if len(options.adapter_weights()) > 1 else "the adapter on the base"
 
 
 def _vocab_of(config: dict) -> int | None:

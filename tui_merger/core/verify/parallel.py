@@ -28,6 +28,10 @@ class _Part:
     done: int = 0
     total: int = 0
     finished: bool = False
+    expected: int = 0  # its count, as estimated before it starts (the bar's total is known from the start)
+
+    def count(self) -> int:
+        return max(self.total, self.expected)
 
     def value(self) -> float:
         if self.finished:
@@ -46,8 +50,10 @@ class Shares:
         self._parts: dict[str, _Part] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, budget: int, parts: int = 1) -> EventSink:
-        self._parts[name] = _Part(max(int(budget), 1), parts)
+    def add(self, name: str, budget: int, parts: int = 1, count: int = 0) -> EventSink:
+        """``count``: how many tensors (or modules) it will report, estimated, so that the total
+        shown does not grow as each check reports its own ("37/39 tensors", then "40/89")."""
+        self._parts[name] = _Part(max(int(budget), 1), parts, expected=max(int(count), 0))
 
         def sink(event) -> None:
             with self._lock:
@@ -69,12 +75,13 @@ class Shares:
     def finish(self, name: str) -> None:
         with self._lock:
             self._parts[name].finished = True
+            self._emit(f"{name}: done")
 
     def _emit(self, label: str, final: bool = False) -> None:
         total_bytes = sum(p.budget for p in self._parts.values())
         done_bytes = int(sum(p.value() for p in self._parts.values()))
-        total = max(sum(p.total for p in self._parts.values()), 1)
-        done = sum(p.done for p in self._parts.values())
+        total = max(sum(p.count() for p in self._parts.values()), 1)
+        done = sum(p.count() if p.finished else min(p.done, p.count()) for p in self._parts.values())
         if not final:
             done, done_bytes = min(done, total - 1), min(done_bytes, total_bytes - 1)
         self.on_event(TensorProgress(label, total if final else done, total, total_bytes if final else done_bytes, total_bytes))

@@ -75,6 +75,9 @@ class _Recomputation:
         acc = (self.w if rows is None else self.w[rows]).float()
         if acc.data_ptr() == self.w.data_ptr():
             acc = acc.clone()  # fp32 input: never write into the memory-mapped file
+        kernel = None
+        if acc.dim() > 2 and any(type(op) is LoraOp for op, *_ in self.ops):
+            kernel, acc = acc.shape, acc.reshape(acc.shape[0], -1)  # a convolution kernel as a matrix
         for op, x, y, mag in self.ops:
             if isinstance(op, ExpertsLoraOp):  # rows are experts here
                 acc = acc + op.delta(x, y, rows)
@@ -103,7 +106,7 @@ class _Recomputation:
                         hit = (index == target).nonzero()
                         if len(hit):
                             acc[hit[0, 0]] = x[j]
-        return acc
+        return acc if kernel is None else acc.reshape(kernel)
 
     def magnitude(self, rows):
         """What fp32 rounding of the recomputation scales with, per value: |W| + sum of s * (|B| @ |A|)
@@ -116,13 +119,13 @@ class _Recomputation:
             if isinstance(op, ExpertsLoraOp):
                 mag = mag + abs(op.delta(a.abs(), b.abs(), rows))
                 terms += a.shape[0] // op.experts
-            elif isinstance(op, LoraOp) and len(self.t.shape) == 2:
+            elif isinstance(op, LoraOp) and (len(self.t.shape) == 2 or not op.transpose):
                 a, b = a.abs(), b.abs()
                 if op.transpose:
                     delta = (b @ (a if rows is None else a[:, rows])).T
                 else:
                     delta = (b if rows is None else b[rows]) @ a
-                mag = mag + delta * abs(op.scale)
+                mag = mag + (delta * abs(op.scale)).reshape(mag.shape)  # a convolution kernel: its shape
                 terms += a.shape[0]
         return mag * (terms + 2)
 

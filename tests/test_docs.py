@@ -1,0 +1,108 @@
+"""The README and the pages under docs/ keep every command true (issue 32): the README fits on a screen
+and holds the two commands exactly; every `tui-merger ...` command they show names a subcommand and
+options the command line has, and that subcommand answers --help; every `python benchmarks/...`
+script exists and has the options shown; every relative link leads to a file."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tui_merger.cli import build_parser, build_ui_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
+
+
+def snippets(text: str) -> list[str]:
+    """The lines of code blocks and the inline code spans of a Markdown page."""
+    found, block = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            block = not block
+            continue
+        if block:
+            found.append(line)
+        else:
+            found += re.findall(r"`([^`]+)`", line)
+    return found
+
+
+def commands(program: str) -> list[tuple[Path, str]]:
+    """Every command line that runs ``program`` ("tui-merger", "python benchmarks/..."), cut at a
+    comment or the next command of a chain."""
+    out = []
+    for page in PAGES:
+        for snippet in snippets(page.read_text()):
+            for part in re.split(r"&&|\|\||;|\|", snippet.split(" #")[0]):
+                part = part.strip()
+                at = re.search(rf"(?:^|\s){re.escape(program)}(?:\s|$)", part)
+                if at:
+                    out.append((page, part[at.start():].strip()))
+    return out
+
+
+def subcommands() -> dict:
+    return build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001 (argparse keeps them here)
+
+
+def test_the_readme_fits_on_a_screen_and_keeps_its_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 50
+    blocks = [s for s in snippets(text) if s.startswith("pip install")]
+    assert "pip install torch==2.13.0 -e . && tui-merger demo" in blocks
+    assert "pip install -e '.[dev]' && python -m pytest -q" in blocks
+    for page in ("assistant", "command-line", "formats", "verification", "troubleshooting", "performance"):
+        assert f"(docs/{page}.md)" in text
+
+
+def test_every_documented_tui_merger_command_exists_with_its_options():
+    subs = subcommands()
+    top = set(build_parser()._option_string_actions)  # noqa: SLF001
+    found = commands("tui-merger")
+    assert len(found) > 40  # the pages do show commands: the reader below found them
+    checked = set()
+    for page, command in found:
+        words = [w for w in command.split()[1:] if not w.startswith("-")]
+        sub = words[0] if words and words[0] in subs else None
+        parser = subs[sub] if sub else build_ui_parser()
+        known = set(parser._option_string_actions) | top  # noqa: SLF001
+        unknown = [f for f in FLAG.findall(command) if f not in known]
+        assert not unknown, f"{page.name}: `{command}` has options tui-merger {sub or '[PATH]'} does not: {unknown}"
+        if words and sub is None:  # a path for the assistant, not a misspelt command
+            assert not re.fullmatch(r"[a-z]+(-[a-z]+)*", words[0]), f"{page.name}: `{command}`: no command {words[0]}"
+        checked.add(sub)
+    assert {"merge", "inspect", "verify", "cleanup", "upload", "gguf", "try", "jobs", "attach", "demo", "test",
+            "convert-kohya"} <= checked
+
+
+@pytest.mark.parametrize("sub", sorted(subcommands()))
+def test_every_subcommand_answers_help(sub, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([sub, "--help"])
+    assert done.value.code == 0
+    assert f"usage: tui-merger {sub}" in capsys.readouterr().out
+
+
+def test_every_documented_benchmark_script_exists_with_its_options():
+    found = commands("python")
+    scripts = [(page, c) for page, c in found if re.match(r"python benchmarks/\w+\.py", c)]
+    assert len(scripts) > 8
+    for page, command in scripts:
+        script = ROOT / shlex.split(command)[1]
+        assert script.is_file(), f"{page.name}: `{command}`: no {script.name}"
+        source = script.read_text()
+        for flag in FLAG.findall(command):
+            assert f'"{flag}"' in source or f"'{flag}'" in source, f"{page.name}: `{command}`: {script.name} has no {flag}"
+
+
+def test_every_relative_link_leads_to_a_file():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
