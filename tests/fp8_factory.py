@@ -100,10 +100,29 @@ COMPRESSED_FP8 = {
 }
 
 
-def make_compressed_fp8_base(folder: Path, model) -> list[str]:
-    """Save ``model`` (bf16) as llm-compressor's FP8-Dynamic writes it (compressed-tensors, channel scales)."""
+def fp8_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, one scale [1] in w's dtype): the tensor strategy."""
+    scale = (w.float().abs().max() / FP8_MAX).to(w.dtype).reshape(1)
+    return (w.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_ct_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, a scale per 128x128 block in w's dtype): the block strategy."""
+    q, grid = fp8_blocks(w)
+    return q, grid.to(w.dtype)
+
+
+def make_compressed_fp8_base(folder: Path, model, strategy: str = "channel") -> list[str]:
+    """Save ``model`` (bf16) as llm-compressor writes FP8 weights with compressed-tensors: one scale per
+    output row (FP8-Dynamic, the default), per tensor, or per 128x128 block."""
     model.to(torch.bfloat16).save_pretrained(folder)
-    return _rewrite(folder, fp8_channels, {**COMPRESSED_FP8, "_scale": "weight_scale"})
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+    if strategy == "block":
+        weights["block_structure"] = [128, 128]
+    config = json.loads(json.dumps(COMPRESSED_FP8))
+    config["config_groups"]["group_0"]["weights"] = weights
+    quantize = {"channel": fp8_channels, "tensor": fp8_tensor, "block": fp8_ct_blocks}[strategy]
+    return _rewrite(folder, quantize, {**config, "_scale": "weight_scale"})
 
 
 # -- MXFP4 (GPT-OSS's experts) ---------------------------------------------------------------------------

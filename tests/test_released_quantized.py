@@ -557,3 +557,43 @@ def test_try_it_on_a_kept_fp8_output_says_what_it_needs_and_runs_it(fp8_with_tok
     want = _dequantized_load(out, "fp8").generate(**enc, max_new_tokens=4, do_sample=False,
                                                  pad_token_id=tokenizer.pad_token_id)
     assert merged.token_ids == want[0, enc["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "block"])
+def test_compressed_tensors_per_tensor_and_per_block_scales_equal_transformers_load(strategy, tmp_path):
+    """compressed-tensors' other FP8 strategies (the channel one is the merge fixture above): every
+    dequantized weight equals transformers' dequantizing load bit for bit."""
+    pytest.importorskip("compressed_tensors")
+    base = tmp_path / f"Qwen3-tiny-FP8-{strategy}"
+    torch.manual_seed(0)
+    make_compressed_fp8_base(base, transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)), strategy)
+    config = json.loads((base / "config.json").read_text())
+    scheme = scheme_of(config)
+    assert scheme.strategy == strategy and scheme.block == ((128, 128) if strategy == "block" else None)
+    source = DequantSource(open_model(base), scheme, config)
+    expected = _disk_state(_dequantized_load(base, "compressed-tensors"))
+    assert len(source.dequantized) == 14
+    for name in source.dequantized:
+        assert torch.equal(source.tensors[name].load(), expected[name]), name
+
+
+def test_fp8_with_one_scale_per_tensor_equals_transformers_load(tmp_path):
+    """quant_method fp8 without weight_block_size: one weight_scale_inv per tensor."""
+    from fp8_factory import FP8_CONFIG, _rewrite
+
+    base = tmp_path / "Qwen3-tiny-FP8-tensor"
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).to(torch.bfloat16).save_pretrained(base)
+
+    def per_tensor(w):
+        scale = w.float().abs().max() / 448.0
+        return (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.reshape(())
+
+    config_entry = {k: v for k, v in FP8_CONFIG.items() if k != "weight_block_size"}
+    _rewrite(base, per_tensor, {**config_entry, "weight_block_size": None, "_scale": "weight_scale_inv"})
+    config = json.loads((base / "config.json").read_text())
+    source = DequantSource(open_model(base), scheme_of(config), config)
+    expected = _disk_state(_dequantized_load(base, "fp8"))
+    assert len(source.dequantized) == 14 and source.scheme.strategy == "tensor"
+    for name in source.dequantized:
+        assert torch.equal(source.tensors[name].load(), expected[name]), name
