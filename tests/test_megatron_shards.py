@@ -1,0 +1,235 @@
+"""verl Megatron LoRA runs merged straight from their adapter shards (adapter_checkpoint/mp_rank_*_adapter.pt).
+
+The runs under fixtures/megatron_lora/ were written by Megatron-Bridge's real LoRA / CanonicalLoRA / DoRA
+code on megatron-core's local spec (generate.py there: TP1, TP2, PP2, EP2 with the router, VPP), laid out
+as verl saves them; beside each is Megatron-Bridge's own Hugging Face adapter export of the same weights
+(``AutoBridge.save_hf_adapter`` run in the training layout), ``expected_hf_peft/``. The references:
+
+- the merge equals peft's ``merge_and_unload`` of that export into the same base, every tensor bit for bit
+  (for DoRA the export plus the trained magnitudes, placed by Megatron-Bridge's own export, which otherwise
+  leaves them out);
+- ``--export-adapter`` writes that export's tensors, name for name and bit for bit.
+
+The base is a random transformers model of the run's config (what the run started from is irrelevant to the
+arithmetic; its shapes are not).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from factory import read_output, refused_by_cli, save_base, verification_checks
+
+from tui_merger.cli import main as cli_main
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lora"
+ALPHA = "16"  # what generate.py trained with (the shards do not record it)
+MERGED = ["lora_tp1", "lora_tp2", "lora_pp2", "canonical_tp2", "dora_tp2", "moe_ep2_router"]
+
+
+def _actor(case: str) -> Path:
+    return FIXTURES / case / "global_step_1" / "actor"
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """One fp32 base per run config, made once."""
+    made = {}
+
+    def get(case: str) -> Path:
+        from transformers import AutoConfig
+
+        if case not in made:
+            config = AutoConfig.from_pretrained(_actor(case) / "huggingface")
+            made[case] = save_base(tmp_path_factory.mktemp(f"base-{case}"), config)
+        return made[case]
+
+    return get
+
+
+def _merge(case_or_run, out: Path, *extra) -> int:
+    run = FIXTURES / case_or_run if isinstance(case_or_run, str) else case_or_run
+    return cli_main(["merge", "--backend", "megatron", "--local_dir", str(run), "--target_dir", str(out), "--plain",
+                     *extra])
+
+
+def _reference_adapter(case: str, tmp: Path) -> Path:
+    """Megatron-Bridge's export; for DoRA with the magnitudes its second export placed."""
+    from safetensors.torch import load_file, save_file
+
+    export = FIXTURES / case / "expected_hf_peft"
+    magnitudes = FIXTURES / case / "expected_magnitudes.safetensors"
+    if not magnitudes.is_file():
+        return export
+    folder = tmp / f"reference-{case}"
+    shutil.copytree(export, folder)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    tensors.update(load_file(magnitudes))
+    save_file(tensors, folder / "adapter_model.safetensors")
+    return folder
+
+
+def _peft_merged(base: Path, adapter: Path) -> dict:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    return {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
+
+
+@pytest.mark.parametrize("case", MERGED)
+def test_the_shards_merge_as_peft_merges_megatron_bridges_export(tmp_path, bases, case):
+    base = bases(case)
+    out = tmp_path / "merged"
+    assert _merge(case, out, "--base", str(base), "--lora-alpha", ALPHA) == 0
+    want = _peft_merged(base, _reference_adapter(case, tmp_path))
+    ours = read_output(out)
+    assert set(ours) == set(want)
+    changed = [k for k in ours if not torch.equal(ours[k], read_output(base)[k])]
+    assert changed, "the adapter changed nothing"
+    unequal = [k for k in ours if not torch.equal(ours[k], want[k])]
+    assert not unequal, unequal
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+
+
+@pytest.mark.parametrize("case", MERGED)
+def test_export_adapter_equals_megatron_bridges_export(tmp_path, bases, case):
+    from safetensors.torch import load_file
+
+    base = bases(case)
+    out = tmp_path / "exported"
+    assert _merge(case, out, "--base", str(base), "--lora-alpha", ALPHA, "--export-adapter") == 0
+    ours = load_file(out / "lora_adapter" / "adapter_model.safetensors")
+    want = load_file(FIXTURES / case / "expected_hf_peft" / "adapter_model.safetensors")
+    magnitudes = FIXTURES / case / "expected_magnitudes.safetensors"
+    if magnitudes.is_file():
+        want.update(load_file(magnitudes))
+    assert sorted(ours) == sorted(want)
+    for name, tensor in want.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    said = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
+    theirs = json.loads((FIXTURES / case / "expected_hf_peft" / "adapter_config.json").read_text())
+    for key in ("peft_type", "r", "lora_alpha", "use_dora", "use_rslora", "rank_pattern"):
+        assert said[key] == theirs[key], key
+    assert sorted(said["target_modules"]) == sorted(theirs["target_modules"])
+    assert read_output(out).keys() == read_output(base).keys()
+
+
+def test_a_run_with_virtual_pipeline_stages_says_what_verl_left_out(tmp_path, bases, capsys):
+    base = bases("lora_tp1")
+    args = ["merge", "--backend", "megatron", "--local_dir", str(FIXTURES / "lora_pp2_vpp2"), "--base", str(base),
+            "--lora-alpha", ALPHA, "--target_dir", str(tmp_path / "merged"), "--plain"]
+    refused_by_cli(capsys, tmp_path, args, ["2 virtual pipeline stages", "only the first model chunk",
+                                            "Hugging Face adapter export"])
+
+
+def test_inspect_describes_the_shards(tmp_path):
+    from tui_merger.core.formats.registry import format_of
+    from tui_merger.core.formats.scan import scan
+    from tui_merger.core.plan.choices import needs_base, why_not_mergeable
+
+    seen = {}
+    for case in ("lora_tp2", "lora_pp2", "canonical_tp2", "dora_tp2", "moe_ep2_router", "lora_pp2_vpp2"):
+        (c,) = [c for c in scan(FIXTURES / case).candidates if c.kind == "verl-megatron"]
+        seen[case] = c
+        assert c.lora["r"] == 8 and c.lora["alpha"] is None and needs_base(c)
+        assert any("--lora-alpha" in n for n in c.notes)
+    assert any("Megatron LoRA run (TP 2)" in n for n in seen["lora_tp2"].notes)
+    assert any("(TP 1, PP 2)" in n for n in seen["lora_pp2"].notes)
+    assert any("Megatron CanonicalLoRA run (TP 2)" in n for n in seen["canonical_tp2"].notes)
+    assert seen["dora_tp2"].lora["dora"] and any("Megatron DoRA run" in n for n in seen["dora_tp2"].notes)
+    moe = seen["moe_ep2_router"]
+    assert any("(TP 1, EP 2)" in n for n in moe.notes) and {"router", "experts"} <= set(moe.lora["target_modules"])
+    assert seen["lora_pp2"].lora["target_modules"] == ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]
+    for case in ("lora_tp2", "moe_ep2_router"):
+        c = seen[case]
+        assert why_not_mergeable(c) is None
+        step = format_of(c).next_step(c, str(FIXTURES / case), "BASE", "out")
+        assert step.startswith("tui-merger merge --backend megatron") and "--lora-alpha ALPHA" in step
+    vpp = seen["lora_pp2_vpp2"]
+    assert "virtual pipeline stages" in (why_not_mergeable(vpp) or "")
+    assert format_of(vpp).next_step(vpp, str(FIXTURES / "lora_pp2_vpp2"), "BASE", "out") == why_not_mergeable(vpp)
+
+
+# -- bad input: one sentence, nothing written ------------------------------------------------------------
+
+
+def _copy(case: str, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / case, run)
+    return run
+
+
+def _refused(capsys, tmp_path, run, base, needles, *extra):
+    args = ["merge", "--backend", "megatron", "--local_dir", str(run), "--base", str(base), *extra,
+            "--target_dir", str(tmp_path / "merged"), "--plain"]
+    line = refused_by_cli(capsys, tmp_path, args, needles)
+    assert line.count(". ") == 0, line  # one sentence
+    return line
+
+
+def test_a_missing_rank_file_is_named(tmp_path, bases, capsys):
+    run = _copy("lora_tp2", tmp_path)
+    (run / "global_step_1/actor/adapter_checkpoint/mp_rank_01_adapter.pt").unlink()
+    # transformer_config.json says TP 2: the file missing is named
+    _refused(capsys, tmp_path, run, bases("lora_tp2"), ["mp_rank_01_adapter.pt is missing", "copy the whole"],
+             "--lora-alpha", ALPHA)
+
+
+def test_a_missing_stage_file_is_named(tmp_path, bases, capsys):
+    run = _copy("lora_pp2", tmp_path)
+    (run / "global_step_1/actor/adapter_checkpoint/mp_rank_00_001_adapter.pt").unlink()
+    _refused(capsys, tmp_path, run, bases("lora_pp2"), ["mp_rank_00_001_adapter.pt is missing", "1 tensor x 2 pipeline"],
+             "--lora-alpha", ALPHA)
+
+
+def test_mixed_tensor_parallel_sizes_are_named(tmp_path, bases, capsys):
+    run = _copy("lora_tp2", tmp_path)
+    shards = run / "global_step_1/actor/adapter_checkpoint"
+    shutil.copy(_actor("lora_tp1") / "adapter_checkpoint/mp_rank_00_adapter.pt", shards / "mp_rank_01_adapter.pt")
+    _refused(capsys, tmp_path, run, bases("lora_tp2"), ["different tensor-parallel sizes", "keep the files of one run"],
+             "--lora-alpha", ALPHA)
+
+
+def test_files_of_more_ranks_than_the_run_had_are_named(tmp_path, bases, capsys):
+    run = _copy("lora_tp1", tmp_path)
+    shards = run / "global_step_1/actor/adapter_checkpoint"
+    shutil.copy(_actor("lora_tp2") / "adapter_checkpoint/mp_rank_01_adapter.pt", shards / "mp_rank_01_adapter.pt")
+    _refused(capsys, tmp_path, run, bases("lora_tp1"), ["2 ranks of tensor parallelism", "tensor_model_parallel_size 1"],
+             "--lora-alpha", ALPHA)
+
+
+def test_a_base_of_another_shape_is_named(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(_actor("lora_tp1") / "huggingface")
+    config.intermediate_size = 96
+    other = save_base(tmp_path / "other-base", config)
+    _refused(capsys, tmp_path, FIXTURES / "lora_tp1", other, ["intermediate_size 128", "has 96", "--base"],
+             "--lora-alpha", ALPHA)
+
+
+def test_a_truncated_shard_is_named(tmp_path, bases, capsys):
+    run = _copy("lora_tp2", tmp_path)
+    shard = run / "global_step_1/actor/adapter_checkpoint/mp_rank_01_adapter.pt"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    _refused(capsys, tmp_path, run, bases("lora_tp2"), ["mp_rank_01_adapter.pt", "truncated"], "--lora-alpha", ALPHA)
+
+
+def test_lora_alpha_is_asked_for(tmp_path, bases, capsys):
+    _refused(capsys, tmp_path, FIXTURES / "lora_tp1", bases("lora_tp1"), ["do not record lora_alpha", "--lora-alpha"])
+
+
+def test_a_pickle_that_runs_code_is_refused(tmp_path, bases, capsys):
+    from factory import Evil
+
+    run = _copy("lora_tp1", tmp_path)
+    marker = tmp_path / "pwned"
+    torch.save({"adapter_state_dict": {"x": Evil(marker)}}, run / "global_step_1/actor/adapter_checkpoint/mp_rank_00_adapter.pt")
+    _refused(capsys, tmp_path, run, bases("lora_tp1"), ["mp_rank_00_adapter.pt"], "--lora-alpha", ALPHA)
+    assert not marker.exists()
