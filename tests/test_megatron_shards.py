@@ -211,6 +211,8 @@ def test_inspect_describes_the_shards(tmp_path):
     assert any("Megatron LoRA run (TP 2)" in n for n in seen["lora_tp2"].notes)
     assert any("(TP 1, PP 2)" in n for n in seen["lora_pp2"].notes)
     assert any("Megatron CanonicalLoRA run (TP 2)" in n for n in seen["canonical_tp2"].notes)
+    assert seen["canonical_tp2"].lora["target_modules"] == sorted(
+        ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"])
     assert seen["dora_tp2"].lora["dora"] and any("Megatron DoRA run" in n for n in seen["dora_tp2"].notes)
     moe = seen["moe_ep2_router"]
     assert any("(TP 1, EP 2)" in n for n in moe.notes) and {"router", "experts"} <= set(moe.lora["target_modules"])
@@ -303,3 +305,29 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path, bases, capsys):
     torch.save({"adapter_state_dict": {"x": Evil(marker)}}, run / "global_step_1/actor/adapter_checkpoint/mp_rank_00_adapter.pt")
     _refused(capsys, tmp_path, run, bases("lora_tp1"), ["mp_rank_00_adapter.pt"], "--lora-alpha", ALPHA)
     assert not marker.exists()
+
+
+def test_grouped_gemm_expert_adapters_are_named_not_guessed(tmp_path, bases, capsys):
+    """Transformer Engine's grouped experts keep one adapter per expert-parallel rank under
+    mlp.experts.linear_fc{1,2}.adapter (3-D without shared adapters). Megatron-Bridge cannot build them
+    without CUDA, so this run is the real MoE shard with its experts renamed that way."""
+    from tui_merger.core.formats.scan import scan
+    from tui_merger.core.plan.choices import why_not_mergeable
+
+    run = _copy("moe_router", tmp_path)
+    path = run / "global_step_1/actor/adapter_checkpoint/mp_rank_00_adapter.pt"
+    state = torch.load(path)["adapter_state_dict"]
+    grouped = {}
+    for key, t in state.items():
+        if ".local_experts." not in key:
+            grouped[key] = t
+            continue
+        pre, rest = key.split(".mlp.experts.local_experts.")
+        expert, rest = rest.split(".", 1)
+        grouped.setdefault(f"{pre}.mlp.experts.{rest}", []).append(t)
+    grouped = {k: torch.stack(v) if isinstance(v, list) else v for k, v in grouped.items()}
+    torch.save({"adapter_state_dict": grouped}, path)
+    line = _refused(capsys, tmp_path, run, bases("moe_router"), ["grouped-GEMM experts", "Transformer Engine",
+                                                                 "Hugging Face adapter export"], "--lora-alpha", ALPHA)
+    (c,) = [c for c in scan(run).candidates if c.kind == "verl-megatron"]
+    assert "grouped-GEMM experts" in (why_not_mergeable(c) or "") and "grouped-GEMM" in line

@@ -51,6 +51,8 @@ _MODULES = {
     "mlp.shared_experts.linear_fc2": ("mlp.shared_expert.down_proj", None),
 }
 KINDS = {"lora": "LoRA", "canonical": "CanonicalLoRA", "dora": "DoRA"}
+_CANONICAL = {"adapter_q": "linear_q", "adapter_k": "linear_k", "adapter_v": "linear_v", "adapter_gate": "linear_fc1_gate",
+              "adapter_up": "linear_fc1_up"}
 
 
 def _json(path: Path) -> dict:
@@ -161,6 +163,14 @@ def shard_layout(folder: Path, tconfig: dict) -> ShardLayout:
             )
     vpp = _size(tconfig, "virtual_pipeline_model_parallel_size")
     return ShardLayout(folder, grid, tps, pps, eps, vpp, tconfig)
+
+
+def grouped_refusal(folder: Path, key: str) -> str:
+    return (
+        f"{folder} holds LoRA on grouped-GEMM experts ({key}), which Megatron-Bridge builds only with Transformer "
+        "Engine and whose layout tui-merger cannot check without it; merge the run's Hugging Face adapter export "
+        "(AutoBridge.save_hf_adapter) with --base instead."
+    )
 
 
 def vpp_refusal(vpp: int) -> str:
@@ -357,11 +367,7 @@ def _read(layout: ShardLayout, hf_config: dict, source: ShardSource) -> ShardAda
                 )
     grouped = sorted({k for s in loaded.values() for k in s if re.search(r"\.mlp\.experts\.linear_fc[12]\.adapter\.", k)})
     if grouped:
-        raise MergeError(
-            f"{folder} holds LoRA on grouped-GEMM experts ({grouped[0]}), which Megatron-Bridge builds only with "
-            "Transformer Engine and whose layout tui-merger cannot check here; merge its Hugging Face adapter "
-            "export (AutoBridge.save_hf_adapter) with --base instead."
-        )
+        raise MergeError(grouped_refusal(folder, grouped[0]))
     # local -> global layer and expert numbers
     per_stage: dict[int, int] = {}
     for (tp, pp, ep), state in loaded.items():
@@ -594,15 +600,13 @@ def describe(folder: Path, tconfig: dict) -> dict:
                 continue
             mod = p.group("mod")
             if re.match(r"^mlp\.experts\.linear_fc[12]$", mod):
-                info["problem"] = (
-                    f"{folder} holds LoRA on grouped-GEMM experts (decoder.layers.N.{mod}), which Megatron-Bridge builds "
-                    "only with Transformer Engine and whose layout tui-merger cannot check here; merge its Hugging Face "
-                    "adapter export (AutoBridge.save_hf_adapter) with --base instead."
-                )
-            targets.add("experts" if ".experts." in mod else ("shared_experts" if "shared_experts" in mod else mod.rsplit(".", 1)[-1]))
-            if p.group("sub"):
+                info["problem"] = grouped_refusal(folder, key)
+            if p.group("sub"):  # CanonicalLoRA's targets: one per projection
+                targets.add(_CANONICAL[p.group("sub")])
                 kind = "canonical"
-            elif p.group("what") == "weight_magnitude" and kind == "lora":
+            else:
+                targets.add("experts" if ".experts." in mod else ("shared_experts" if "shared_experts" in mod else mod.rsplit(".", 1)[-1]))
+            if p.group("what") == "weight_magnitude" and kind == "lora":
                 kind = "dora"
             if p.group("what") == "linear_in.weight" and info["r"] is None and hasattr(state[key], "shape"):
                 rows = state[key].shape[0]

@@ -1181,7 +1181,7 @@ def open_lora_export(layout: MegatronLayout, options):
 
 
 # the config values that fix the shapes a LoRA run's adapters were trained for
-_SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+_SHAPE_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                "num_hidden_layers", "num_experts", "num_local_experts", "moe_intermediate_size")
 
 
@@ -1380,8 +1380,9 @@ class VerlMegatronFormat(Format):
             parallel = ", ".join(f"{n} {w}" for n, w in (("TP", info["tp"]), ("PP", info["pp"]), ("EP", info["ep"]),
                                                           ("VPP", info["vpp"])) if n == "TP" or (w or 1) > 1)
             c.world_size = info["tp"] * info["pp"] * info["ep"]
-            c.notes.append(f"a Megatron {KINDS.get(info['kind'], 'LoRA')} run ({parallel}): its adapter shards in "
-                           f"{SHARDS_DIR}/ are merged into the base model the run started from.")
+            what = f"a Megatron {KINDS.get(info['kind'], 'LoRA')} run ({parallel})"
+            c.notes.append(f"{what}: its adapter shards in {SHARDS_DIR}/ are merged into the base model the run started "
+                           "from." if not info["problem"] else f"{what}, its adapters in {SHARDS_DIR}/.")
         if info["problem"]:
             c.notes.append(info["problem"])
         c.notes.append("the adapter shards do not record lora_alpha: the merge needs --lora-alpha.")
