@@ -331,3 +331,32 @@ def test_grouped_gemm_expert_adapters_are_named_not_guessed(tmp_path, bases, cap
                                                                  "Hugging Face adapter export"], "--lora-alpha", ALPHA)
     (c,) = [c for c in scan(run).candidates if c.kind == "verl-megatron"]
     assert "grouped-GEMM experts" in (why_not_mergeable(c) or "") and "grouped-GEMM" in line
+
+
+def test_a_run_whose_dist_checkpoint_holds_the_model_merges_into_its_own_weights(tmp_path):
+    """verl with use_dist_checkpointing=True: dist_ckpt/ holds the whole model (base and adapters, TP2).
+    Without --base the shards merge into the base weights the checkpoint holds, and the result equals
+    Megatron-Bridge's own merge of the same model (export_hf_weights with merge_adapter_weights, its
+    lora_merge in bf16) bit for bit, and peft's fp32 merge of its adapter export into its base export,
+    rounded to bf16."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    fixture = FIXTURES / "lora_tp2_dist"
+    out = tmp_path / "merged"
+    assert _merge("lora_tp2_dist", out, "--lora-alpha", ALPHA) == 0
+    ours = read_output(out)
+    theirs = load_file(fixture / "expected_merged.safetensors")
+    base = load_file(fixture / "expected_base" / "model.safetensors")
+    assert set(ours) == set(theirs) and any(not torch.equal(theirs[k], base[k]) for k in theirs)
+    unequal = [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    assert not unequal, unequal
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(fixture / "expected_base", dtype=torch.float32),
+                                      fixture / "expected_hf_peft")
+    peft_merged = {k: v.to(torch.bfloat16) for k, v in model.merge_and_unload().state_dict().items()}
+    assert all(torch.equal(ours[k], peft_merged[k]) for k in ours)
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    hashed = {f["path"] for i in manifest["inputs"] for f in i["files"]}
+    assert {"global_step_1/actor/dist_ckpt/.metadata", "global_step_1/actor/adapter_checkpoint/mp_rank_01_adapter.pt"} <= hashed

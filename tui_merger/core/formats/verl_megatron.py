@@ -1011,14 +1011,31 @@ class MegatronSource:
 # -- Inputs -----------------------------------------------------------------------------------------
 
 
-def open_store(layout: MegatronLayout, experts: int | None = None, expert_ffn: int | None = None) -> ChunkStore:
-    """experts, expert_ffn: the config's expert count and size (what a legacy GroupedMLP's tensors are
-    split by)."""
+def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, options, skip=skip_key) -> list[Path]:
+    """The checkpoint's model converted to Hugging Face names as ``inputs.base`` (a MegatronSource);
+    returns the files it reads."""
+    model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
     if layout.kind == "legacy":
-        return LegacyStore(layout.model_dir, experts, expert_ffn)
-    if not layout.model_dir.is_dir():
-        raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
-    return DcpStore(layout.model_dir, skip_key, canonical)
+        store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
+                            _cfg(config, "moe_intermediate_size"))
+    else:
+        if not layout.model_dir.is_dir():
+            raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
+        store = DcpStore(layout.model_dir, skip, canonical)
+    inputs.closers.append(store)
+    mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
+    source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
+    inputs.base = source
+    inputs.notices += mapping.notices
+    _tie(inputs, options, source, mapping)
+    if layout.kind == "legacy":
+        return [layout.model_dir / f for f in store.data_files]
+    return [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
+
+
+def _skip_adapters(key: str) -> bool:
+    """A LoRA run's dist checkpoint: the base weights, not the adapters (read from the shards)."""
+    return skip_key(key) or ".adapter." in key
 
 
 def open_megatron_inputs(options):
@@ -1051,21 +1068,7 @@ def open_megatron_inputs(options):
             inputs.closers.append(inputs.base)
             weights = [layout.model_dir / f for f in inputs.base.files]
         else:
-            model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
-            store = open_store(
-                layout, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
-                _cfg(config, "moe_intermediate_size"),
-            )
-            inputs.closers.append(store)
-            mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
-            source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
-            inputs.base = source
-            inputs.notices += mapping.notices
-            _tie(inputs, options, source, mapping)
-            if layout.kind == "legacy":
-                weights = [layout.model_dir / f for f in store.data_files]
-            else:
-                weights = [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
+            weights = _convert(layout, config, config_dir, inputs, options)
         score = "score.weight" in inputs.base.tensors and inputs.base.tensors["score.weight"].shape[0] == 1
         _value_model(inputs, options, SimpleNamespace(role="critic" if score else layout.role))
         dtype = config_dtype(config)
@@ -1216,30 +1219,42 @@ def open_lora_shards(layout: MegatronLayout, options):
         )
     run_config = read_config(layout.hf_dir)
     shards = read_shards(shard_layout(shard_dir, transformer_config(layout.folder)), run_config)
+    # verl with use_dist_checkpointing=True also saved the whole model: its own base weights
+    own = options.base is None and layout.kind in ("v1", "v2") and (layout.model_dir / METADATA).is_file()
     try:
         if options.lora_alpha is None:
             raise MergeError(
                 f"The adapter shards in {shard_dir} do not record lora_alpha (verl keeps it in the training config, "
                 "actor_rollout_ref.model.lora.alpha); pass --lora-alpha with that value."
             )
-        base_dir = _lora_base(layout, options, {})
-        read_config(base_dir)  # a base without config.json is named before the shapes are compared
-        _same_shapes(run_config, read_config(base_dir), layout.hf_dir / "config.json", base_dir)
+        base_dir = layout.hf_dir if own else _lora_base(layout, options, {})
+        if not own:
+            read_config(base_dir)  # a base without config.json is named before the shapes are compared
+            _same_shapes(run_config, read_config(base_dir), layout.hf_dir / "config.json", base_dir)
     except BaseException:
         shards.source.close()
         raise
     config = peft_config(shards, options.lora_alpha, lora_base_named(layout, None))
     adapter = adapter_from_source(shard_dir, config, shards.source)
-    base = open_model(base_dir)
-    inputs = Inputs(base, adapter, {}, FilePlan(), paths_of(options), closers=[base, adapter])
+    inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
     inputs.notices = list(layout.notices)
     try:
-        inputs.config = read_config(base_dir)
+        if own:
+            inputs.config = run_config
+            base_files = _convert(layout, run_config, layout.hf_dir, inputs, options, _skip_adapters)
+            base_dir = layout.model_dir
+        else:
+            base = inputs.base = open_model(base_dir)
+            inputs.closers.append(base)
+            inputs.config = read_config(base_dir)
+            base_files = [base_dir / f for f in base.files] + [base_dir / "config.json"]
         grid = shards.layout
         parallel = ", ".join(f"{n} {w}" for n, w in (("TP", grid.tp), ("PP", grid.pp), ("EP", grid.ep)) if n == "TP" or w > 1)
         inputs.notices.append(
             f"A Megatron {KINDS[shards.kind]} run: its adapter shards ({parallel}; rank {shards.r}, alpha "
-            f"{options.lora_alpha:g}) are merged into {base_dir}."
+            f"{options.lora_alpha:g}) are merged into "
+            + (f"the base weights its own dist checkpoint holds ({base_dir}; --base merges into another)." if own
+               else f"{base_dir}.")
         )
         if shards.kind == "dora":
             inputs.notices.append(
@@ -1247,11 +1262,11 @@ def open_lora_shards(layout: MegatronLayout, options):
             )
         dtype = config_dtype(inputs.config)
         inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
-        inputs.files = plan_files(base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
+        inputs.files = plan_files(layout.hf_dir if own else base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
         inputs.notices += adapter.notices + inputs.files.notices
         inputs.read_files = (
-            [base_dir / f for f in base.files]
-            + [base_dir / "config.json", layout.hf_dir / "config.json"]
+            base_files
+            + [layout.hf_dir / "config.json"]
             + [shard_dir / f for f in shards.source.files]
             + [src for src, _ in inputs.files.copies]
         )
