@@ -358,5 +358,10 @@ def test_a_run_whose_dist_checkpoint_holds_the_model_merges_into_its_own_weights
     assert all(torch.equal(ours[k], peft_merged[k]) for k in ours)
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
     manifest = json.loads((out / "merge_manifest.json").read_text())
+    from tui_merger.core.formats.scan import scan
+    from tui_merger.core.plan.choices import needs_base
+
+    (c,) = [c for c in scan(fixture).candidates if c.kind == "verl-megatron"]
+    assert not needs_base(c) and any("holds the run's base weights" in n for n in c.notes)
     hashed = {f["path"] for i in manifest["inputs"] for f in i["files"]}
     assert {"global_step_1/actor/dist_ckpt/.metadata", "global_step_1/actor/adapter_checkpoint/mp_rank_01_adapter.pt"} <= hashed

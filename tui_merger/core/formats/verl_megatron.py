@@ -1390,7 +1390,8 @@ class VerlMegatronFormat(Format):
 
         info = describe(lora.shard_dir, transformer_config(folder))
         c.lora = lora_info({"r": info["r"], "use_dora": info["kind"] == "dora", "target_modules": info["targets"] or None})
-        c.needs_base = True
+        own = next((d for d in (folder / "dist_ckpt", folder / "model" / "dist_ckpt") if (d / METADATA).is_file()), None)
+        c.needs_base = own is None
         if info["tp"]:
             parallel = ", ".join(f"{n} {w}" for n, w in (("TP", info["tp"]), ("PP", info["pp"]), ("EP", info["ep"]),
                                                           ("VPP", info["vpp"])) if n == "TP" or (w or 1) > 1)
@@ -1401,6 +1402,10 @@ class VerlMegatronFormat(Format):
         if info["problem"]:
             c.notes.append(info["problem"])
         c.notes.append("the adapter shards do not record lora_alpha: the merge needs --lora-alpha.")
+        if own is not None:
+            c.notes.append(f"{own.relative_to(folder)}/ holds the run's base weights too (use_dist_checkpointing): "
+                           "the shards are merged into them unless --base names another model.")
+            return
         hf = folder / "huggingface"
         named = (s.json(hf / "config.json") or {}).get("_name_or_path") if (hf / "config.json").is_file() else None
         c.base_model = named if isinstance(named, str) and named else None
@@ -1438,8 +1443,9 @@ class VerlMegatronFormat(Format):
         return None
 
     def needs_base(self, c: Candidate) -> bool:
-        # a LoRA run holds the adapter, not the base; any other checkpoint holds every weight and its config
-        return c.lora is not None and not c.base_path
+        # a LoRA run holds the adapter, not the base (unless its dist checkpoint holds the whole model);
+        # any other checkpoint holds every weight and its config
+        return c.lora is not None and c.needs_base and not c.base_path
 
     def needs_alpha(self, c: Candidate) -> bool:
         return c.lora is not None and not c.lora.get("alpha")
