@@ -130,18 +130,9 @@ def shard_layout(folder: Path, tconfig: dict) -> ShardLayout:
         grid = {((k[0], 0, k[1]) if second_is_ep else (k[0], k[1], 0)): folder / n for k, n in found.items()}
     else:
         grid = {(k[0], 0, 0): folder / n for k, n in found.items()}
-    tps, pps, eps = (1 + max(k[i] for k in grid) for i in range(3))
-    for key, said, what in (("tensor_model_parallel_size", tps, "tensor"), ("pipeline_model_parallel_size", pps, "pipeline"),
-                            ("expert_model_parallel_size", eps, "expert")):
-        want = _size(tconfig, key)
-        if want is not None and want > said:
-            said = want
-            if what == "tensor":
-                tps = want
-            elif what == "pipeline":
-                pps = want
-            else:
-                eps = want
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+    # the sizes the files say, or transformer_config.json's where it says more (a file is then missing)
+    tps, pps, eps = (max(1 + max(k[i] for k in grid), _size(tconfig, keys[i]) or 0) for i in range(3))
     for tp in range(tps):
         for pp in range(pps):
             for ep in range(eps):
@@ -152,8 +143,7 @@ def shard_layout(folder: Path, tconfig: dict) -> ShardLayout:
                         f"{folder / (name + '_adapter.pt')} is missing from this run's adapter shards "
                         f"({' x '.join(parts)}-parallel ranks); copy the whole {SHARDS_DIR}/ folder again."
                     )
-    for key, have in (("tensor_model_parallel_size", tps), ("pipeline_model_parallel_size", pps),
-                      ("expert_model_parallel_size", eps)):
+    for key, have in zip(keys, (tps, pps, eps)):
         want = _size(tconfig, key)
         if want is not None and want != have:
             raise MergeError(
@@ -213,15 +203,6 @@ class _Global:
             halves = [p.chunk(2, 0) for p in self.pieces]
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
         return torch.cat(self.pieces, self.dim)
-
-
-@dataclass
-class _Module:
-    """One Hugging Face module's LoRA: (global parameter, row range or None) for A, B and the magnitude."""
-
-    A: tuple
-    B: tuple
-    magnitude: tuple | None = None
 
 
 class ShardSource:
@@ -432,6 +413,9 @@ def _read(layout: ShardLayout, hf_config: dict, source: ShardSource) -> ShardAda
             if g is None:
                 g = globals_[name] = _Global(name, [], None)
             g.pieces.append(t)
+    import torch
+
+    unequal: list[str] = []  # row-parallel DoRA magnitudes that differ between TP ranks
     for g in globals_.values():
         if len(g.pieces) == 1:
             continue
@@ -448,12 +432,21 @@ def _read(layout: ShardLayout, hf_config: dict, source: ShardSource) -> ShardAda
             g.dim = 0
             g.glu = mod == "linear_fc1" and p.group("sub") is None
         else:  # DoRA magnitude: split where the base layer's output is
-            if mod in _ROW_PARALLEL:
+            if mod in _ROW_PARALLEL:  # whole on every TP rank; megatron-core's checkpoint keeps rank 0's
+                if not all(torch.equal(p, g.pieces[0]) for p in g.pieces[1:]):
+                    unequal.append(g.name)
                 g.pieces = g.pieces[:1]
             else:
                 g.dim = 0
                 g.glu = mod == "linear_fc1"
-    return _name(layout, hf_config, source, globals_, total, experts)
+    shards = _name(layout, hf_config, source, globals_, total, experts)
+    if unequal:
+        shards.notices.append(
+            f"DoRA: the magnitudes of {len(unequal)} linear_proj / linear_fc2 layers differ between tensor-parallel "
+            "ranks (Megatron-Bridge starts each from the norm of its rank's slice of the weight); TP rank 0's are "
+            "merged, the copy megatron-core's own checkpoint keeps."
+        )
+    return shards
 
 
 def _name(layout, hf_config, source: ShardSource, globals_: dict, layers: int, experts: int) -> ShardAdapter:

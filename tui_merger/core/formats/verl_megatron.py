@@ -1033,6 +1033,17 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     return [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
 
 
+def holds_model(dist_dir: Path) -> bool:
+    """Whether a dist checkpoint holds model weights (verl's use_dist_checkpointing), not only a
+    LoRA run's adapters (Megatron-Bridge's adapter-only checkpoint): its metadata names a base weight."""
+    from tui_merger.core.io.dcp import read_metadata
+
+    if not (Path(dist_dir) / METADATA).is_file():
+        return False
+    keys = read_metadata(dist_dir).state_dict_metadata
+    return any(canonical(str(k)).endswith(("embedding.word_embeddings.weight", "linear_qkv.weight")) for k in keys)
+
+
 def _skip_adapters(key: str) -> bool:
     """A LoRA run's dist checkpoint: the base weights, not the adapters (read from the shards)."""
     return skip_key(key) or ".adapter." in key
@@ -1220,7 +1231,7 @@ def open_lora_shards(layout: MegatronLayout, options):
     run_config = read_config(layout.hf_dir)
     shards = read_shards(shard_layout(shard_dir, transformer_config(layout.folder)), run_config)
     # verl with use_dist_checkpointing=True also saved the whole model: its own base weights
-    own = options.base is None and layout.kind in ("v1", "v2") and (layout.model_dir / METADATA).is_file()
+    own = options.base is None and layout.kind in ("v1", "v2") and holds_model(layout.model_dir)
     try:
         if options.lora_alpha is None:
             raise MergeError(
@@ -1263,7 +1274,7 @@ def open_lora_shards(layout: MegatronLayout, options):
         dtype = config_dtype(inputs.config)
         inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
         inputs.files = plan_files(layout.hf_dir if own else base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
-        inputs.notices += adapter.notices + inputs.files.notices
+        inputs.notices += shards.notices + adapter.notices + inputs.files.notices
         inputs.read_files = (
             base_files
             + [layout.hf_dir / "config.json"]
@@ -1390,7 +1401,12 @@ class VerlMegatronFormat(Format):
 
         info = describe(lora.shard_dir, transformer_config(folder))
         c.lora = lora_info({"r": info["r"], "use_dora": info["kind"] == "dora", "target_modules": info["targets"] or None})
-        own = next((d for d in (folder / "dist_ckpt", folder / "model" / "dist_ckpt") if (d / METADATA).is_file()), None)
+        own = None
+        for d in (folder / "dist_ckpt", folder / "model" / "dist_ckpt"):
+            try:
+                own = d if own is None and holds_model(d) else own
+            except MergeError as err:  # a damaged one: said when the merge opens it
+                s.problem(d / METADATA, str(err))
         c.needs_base = own is None
         if info["tp"]:
             parallel = ", ".join(f"{n} {w}" for n, w in (("TP", info["tp"]), ("PP", info["pp"]), ("EP", info["ep"]),
