@@ -368,3 +368,16 @@ def test_a_run_whose_dist_checkpoint_holds_the_model_merges_into_its_own_weights
     assert not needs_base(c) and any("holds the run's base weights" in n for n in c.notes)
     hashed = {f["path"] for i in manifest["inputs"] for f in i["files"]}
     assert {"global_step_1/actor/dist_ckpt/.metadata", "global_step_1/actor/adapter_checkpoint/mp_rank_01_adapter.pt"} <= hashed
+
+
+def test_a_bf16_dora_peft_adapter_is_verified_in_fp32(tmp_path, bases):
+    """The behaviour check runs a 16-bit DoRA adapter's layers in fp32, as peft does when it loads the
+    adapter itself (it ran them in bf16: 1.9e-3 apart, a false failure). The adapter: Megatron-Bridge's
+    bf16 export of the DoRA run with its magnitudes, merged as a plain PEFT adapter."""
+    base = bases("dora_tp2")
+    adapter = _reference_adapter("dora_tp2", tmp_path)
+    out = tmp_path / "merged"
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 0
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    want = _peft_merged(base, adapter, tmp_path)
+    assert all(torch.equal(t, want[k]) for k, t in read_output(out).items())
