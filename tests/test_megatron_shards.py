@@ -381,3 +381,21 @@ def test_a_bf16_dora_peft_adapter_is_verified_in_fp32(tmp_path, bases):
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
     want = _peft_merged(base, adapter, tmp_path)
     assert all(torch.equal(t, want[k]) for k, t in read_output(out).items())
+
+
+def test_bases_that_fit_the_shards_are_proposed(tmp_path, bases):
+    """The assistant proposes the models here whose weights the shards' LoRA pairs fit (the run names no
+    base): the run's own shape, not a model of another FFN size."""
+    from transformers import AutoConfig
+
+    from tui_merger.core.plan.choices import base_candidates
+
+    fits = bases("lora_tp2")
+    config = AutoConfig.from_pretrained(_actor("lora_tp2") / "huggingface")
+    config.intermediate_size = 96
+    other = save_base(tmp_path / "other", config)
+    proposed = base_candidates(_actor("lora_tp2"), [other, fits], cache=False)
+    assert [p for p, _ in proposed] == [fits]
+    assert "fits all 14 LoRA modules" in proposed[0][1]
+    moe = base_candidates(_actor("moe_ep2_router"), [fits, bases("moe_router")], cache=False)
+    assert [p for p, _ in moe] == [bases("moe_router")]

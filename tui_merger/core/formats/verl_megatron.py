@@ -1458,6 +1458,28 @@ class VerlMegatronFormat(Format):
             return describe(lora.shard_dir, transformer_config(Path(c.path)))["problem"]
         return None
 
+    def lora_to_fit(self, path: Path):
+        """A LoRA run's adapter (its Hugging Face export, else its shards named as that export names
+        them; alpha set to r where none is recorded: only shapes matter here)."""
+        from tui_merger.core.formats.adapter import adapter_from_source, open_adapter
+
+        layout = find_megatron_checkpoint(path)
+        if layout.lora is None:
+            return None
+        if layout.lora.export is not None:
+            return open_adapter(layout.lora.export)
+        from tui_merger.core.formats.megatron_lora import peft_config, read_shards, shard_layout, transformer_config
+        from tui_merger.core.io.files import read_config
+
+        if layout.hf_dir is None:
+            return None
+        shards = read_shards(shard_layout(layout.lora.shard_dir, transformer_config(layout.folder)), read_config(layout.hf_dir))
+        try:
+            return adapter_from_source(layout.lora.shard_dir, peft_config(shards, shards.r, None), shards.source)
+        except BaseException:
+            shards.source.close()
+            raise
+
     def needs_base(self, c: Candidate) -> bool:
         # a LoRA run holds the adapter, not the base (unless its dist checkpoint holds the whole model);
         # any other checkpoint holds every weight and its config
