@@ -29,10 +29,13 @@ from tui_merger.cli import main as cli_main
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lora"
 ALPHA = "16"  # what generate.py trained with (the shards do not record it)
 MERGED = ["lora_tp1", "lora_tp2", "lora_pp2", "canonical_tp2", "dora_tp2"]
-MOE = ["moe_router", "moe_ep2_router"]
+MOE = ["moe_router", "moe_ep2_router", "moe_tp2_ep2_router"]
 # Measured: Megatron-Bridge 0.6.2's save_hf_adapter, run at EP2 on SequentialMLP experts, writes only expert-
 # parallel rank 0's experts (0 and 1 of 4); rank 1's (2 and 3) are checked against its shard instead
-NOT_EXPORTED = {"moe_ep2_router": {2: "mp_rank_00_001_adapter.pt", 3: "mp_rank_00_001_adapter.pt"}}
+# TP2 x EP2 with expert tensor parallelism 1 (experts whole on every TP rank): a rank's TP and EP numbers
+# move together, so verl writes only mp_rank_00_000 and mp_rank_01_001; EP rank 1's experts are in the latter
+NOT_EXPORTED = {"moe_ep2_router": {2: "mp_rank_00_001_adapter.pt", 3: "mp_rank_00_001_adapter.pt"},
+                "moe_tp2_ep2_router": {2: "mp_rank_01_001_adapter.pt", 3: "mp_rank_01_001_adapter.pt"}}
 
 
 def _actor(case: str) -> Path:
@@ -260,6 +263,15 @@ def test_a_missing_stage_file_is_named(tmp_path, bases, capsys):
     (run / "global_step_1/actor/adapter_checkpoint/mp_rank_00_001_adapter.pt").unlink()
     _refused(capsys, tmp_path, run, bases("lora_pp2"), ["mp_rank_00_001_adapter.pt is missing", "1 tensor x 2 pipeline"],
              "--lora-alpha", ALPHA)
+
+
+def test_a_missing_file_of_a_tp_and_ep_run_is_named(tmp_path, bases, capsys):
+    """TP2 x EP2 with experts whole on every TP rank: verl writes mp_rank_00_000 and mp_rank_01_001 only
+    (a rank's TP and EP numbers move together); without the second, EP rank 1 (and TP rank 1) is missing."""
+    run = _copy("moe_tp2_ep2_router", tmp_path)
+    (run / "global_step_1/actor/adapter_checkpoint/mp_rank_01_001_adapter.pt").unlink()
+    _refused(capsys, tmp_path, run, bases("moe_tp2_ep2_router"),
+             ["No mp_rank_*_001_adapter.pt file", "expert-parallel rank 1", "2 tensor x 2 expert"], "--lora-alpha", ALPHA)
 
 
 def test_mixed_tensor_parallel_sizes_are_named(tmp_path, bases, capsys):

@@ -98,6 +98,18 @@ class ShardLayout:
     ep: int
     vpp: int | None
     tconfig: dict
+    etp: int = 1  # expert tensor parallelism: 1, experts whole on every TP rank; else = tp
+
+    def dense(self, tp: int, pp: int) -> tuple[int, int, int]:
+        """The file whose non-expert adapters are TP rank ``tp``'s (expert-parallel ranks replicate them)."""
+        return min(k for k in self.grid if k[0] == tp and k[1] == pp)
+
+    def experts(self, tp: int, pp: int, ep: int) -> tuple[int, int, int] | None:
+        """The file whose experts are EP rank ``ep``'s TP piece ``tp`` (None: not a piece of its own,
+        experts are whole on every TP rank)."""
+        if self.etp == 1:
+            return min(k for k in self.grid if k[1] == pp and k[2] == ep) if tp == 0 else None
+        return (tp, pp, ep)
 
 
 def shard_layout(folder: Path, tconfig: dict) -> ShardLayout:
@@ -133,12 +145,27 @@ def shard_layout(folder: Path, tconfig: dict) -> ShardLayout:
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
     # the sizes the files say, or transformer_config.json's where it says more (a file is then missing)
     tps, pps, eps = (max(1 + max(k[i] for k in grid), _size(tconfig, keys[i]) or 0) for i in range(3))
+    # with expert tensor parallelism 1, TP and EP > 1, a rank's TP and EP numbers move together (verl
+    # names files by both): every TP rank and every EP rank is in some file of each stage, not every pair
+    etp = _size(tconfig, "expert_tensor_parallel_size") or tps
+    paired = eps > 1 and tps > 1 and etp == 1
     for tp in range(tps):
         for pp in range(pps):
             for ep in range(eps):
-                if (tp, pp, ep) not in grid:
-                    name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pps > 1 else "") + (f"_{ep:03d}" if eps > 1 else "")
+                present = (any(k[0] == tp and k[1] == pp for k in grid) and any(k[1] == pp and k[2] == ep for k in grid)
+                           if paired else (tp, pp, ep) in grid)
+                if not present:
                     parts = [f"{tps} tensor"] + ([f"{pps} pipeline"] if pps > 1 else []) + ([f"{eps} expert"] if eps > 1 else [])
+                    stage = f"_{pp:03d}" if pps > 1 else ""
+                    if paired:  # some file of this TP rank, or of this EP rank, is what is missing
+                        tp_missing = not any(k[0] == tp and k[1] == pp for k in grid)
+                        name = f"mp_rank_{tp:02d}{stage}_*" if tp_missing else f"mp_rank_*{stage}_{ep:03d}"
+                        raise MergeError(
+                            f"No {name}_adapter.pt file in {folder} holds {'tensor' if tp_missing else 'expert'}-parallel "
+                            f"rank {tp if tp_missing else ep}'s adapters ({' x '.join(parts)}-parallel ranks); copy the whole "
+                            f"{SHARDS_DIR}/ folder again."
+                        )
+                    name = f"mp_rank_{tp:02d}{stage}" + (f"_{ep:03d}" if eps > 1 else "")
                     raise MergeError(
                         f"{folder / (name + '_adapter.pt')} is missing from this run's adapter shards "
                         f"({' x '.join(parts)}-parallel ranks); copy the whole {SHARDS_DIR}/ folder again."
@@ -152,7 +179,7 @@ def shard_layout(folder: Path, tconfig: dict) -> ShardLayout:
                 "files of one run only."
             )
     vpp = _size(tconfig, "virtual_pipeline_model_parallel_size")
-    return ShardLayout(folder, grid, tps, pps, eps, vpp, tconfig)
+    return ShardLayout(folder, grid, tps, pps, eps, vpp, tconfig, etp)
 
 
 def grouped_refusal(folder: Path, key: str) -> str:
@@ -329,22 +356,31 @@ def _read(layout: ShardLayout, hf_config: dict, source: ShardSource) -> ShardAda
     loaded = {k: _load_shard(p, source) for k, p in sorted(layout.grid.items())}
     hf_layers = _cfg(hf_config, "num_hidden_layers")
     hf_layers = hf_layers if type(hf_layers) is int else None
-    # the keys of every rank must agree across TP ranks, with TP pieces of one size
-    for (tp, pp, ep), state in loaded.items():
-        if tp == 0:
-            continue
-        ref = loaded[(0, pp, ep)]
+    # the keys of every TP rank must agree, with TP pieces of one size (dense adapters: each TP rank's
+    # file; experts: each expert TP rank's)
+    def part(key: str) -> bool:
+        return ".mlp.experts." in key
+
+    checks = []
+    for pp in range(layout.pp):
+        checks += [(layout.dense(tp, pp), layout.dense(0, pp), False) for tp in range(1, layout.tp)]
+        if layout.etp > 1:
+            checks += [(layout.experts(tp, pp, ep), layout.experts(0, pp, ep), True)
+                       for ep in range(layout.ep) for tp in range(1, layout.tp)]
+    for mine, first, experts in checks:
+        state = {k: t for k, t in loaded[mine].items() if part(k) == experts}
+        ref = {k: t for k, t in loaded[first].items() if part(k) == experts}
+        a, b = layout.grid[mine].name, layout.grid[first].name
         if set(state) != set(ref):
             raise MergeError(
-                f"{layout.grid[(tp, pp, ep)].name} holds other adapter parameters than {layout.grid[(0, pp, ep)].name}; "
-                f"the files in {folder} come from different runs: keep the files of one run only."
+                f"{a} holds other adapter parameters than {b}; the files in {folder} come from different runs: "
+                "keep the files of one run only."
             )
         for key, t in state.items():
             if tuple(t.shape) != tuple(ref[key].shape):
                 raise MergeError(
-                    f"{layout.grid[(tp, pp, ep)].name} and {layout.grid[(0, pp, ep)].name} hold {key} in different "
-                    f"shapes ({list(t.shape)} and {list(ref[key].shape)}): the files come from runs with different "
-                    f"tensor-parallel sizes; keep the files of one run only."
+                    f"{a} and {b} hold {key} in different shapes ({list(t.shape)} and {list(ref[key].shape)}): the "
+                    "files come from runs with different tensor-parallel sizes; keep the files of one run only."
                 )
     grouped = sorted({k for s in loaded.values() for k in s if re.search(r"\.mlp\.experts\.linear_fc[12]\.adapter\.", k)})
     if grouped:
@@ -389,26 +425,27 @@ def _read(layout: ShardLayout, hf_config: dict, source: ShardSource) -> ShardAda
             f"{experts} in all, but the run's config says {want} experts; the files come from different runs or "
             "ranks are missing: copy the whole folder again."
         )
-    etp = _size(layout.tconfig, "expert_tensor_parallel_size") or layout.tp
-    # gather: global Megatron name -> pieces across TP ranks
+    # gather: global Megatron name -> pieces across TP ranks, each from the file that holds it
     globals_: dict[str, _Global] = {}
-    for (tp, pp, ep), state in loaded.items():
+    sources = []  # (tp, pp, ep, file key, experts?)
+    for pp in range(layout.pp):
+        sources += [(tp, pp, 0, layout.dense(tp, pp), False) for tp in range(layout.tp)]
+        sources += [(tp, pp, ep, k, True) for ep in range(layout.ep) for tp in range(layout.tp)
+                    if (k := layout.experts(tp, pp, ep)) is not None]
+    for tp, pp, ep, file_key, experts_part in sources:
+        state = {k: t for k, t in loaded[file_key].items() if part(k) == experts_part}
         for key, t in state.items():
             m = _LAYER.match(key)
             if m is None:
                 raise MergeError(
-                    f"{layout.grid[(tp, pp, ep)].name} holds {key}, an adapter outside the decoder layers, which "
+                    f"{layout.grid[file_key].name} holds {key}, an adapter outside the decoder layers, which "
                     "tui-merger does not know how to merge; nothing was written."
                 )
             rest = m.group(2)
             expert = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$", rest)
             if expert:
                 rest = f"mlp.experts.local_experts.{ep * n_local + int(expert.group(1))}.{expert.group(2)}"
-            elif ep:
-                continue  # data-parallel replicas of expert rank 0's
             name = f"decoder.layers.{offsets[pp] + int(m.group(1))}.{rest}"
-            if expert and etp == 1 and tp:
-                continue  # experts are not split over TP ranks: every TP rank holds them whole
             g = globals_.get(name)
             if g is None:
                 g = globals_[name] = _Global(name, [], None)
@@ -417,6 +454,12 @@ def _read(layout: ShardLayout, hf_config: dict, source: ShardSource) -> ShardAda
 
     unequal: list[str] = []  # row-parallel DoRA magnitudes that differ between TP ranks
     for g in globals_.values():
+        want = layout.etp if ".mlp.experts.local_experts." in g.name else layout.tp
+        if len(g.pieces) != want:
+            raise MergeError(
+                f"{g.name} is held {len(g.pieces)} times by the adapter files in {folder}, not once per tensor-parallel "
+                "rank; the files come from different runs or stages: keep the files of one run only."
+            )
         if len(g.pieces) == 1:
             continue
         p = _PARAM.match(g.name.split(".", 3)[3])
