@@ -1561,6 +1561,64 @@ def test_legacy_megatron_over_a_mutated_model_pt(data, work, guarded):
     check_checkpoint("legacy megatron model.pt", run / "global_step_1" / "actor")
 
 
+MEGATRON_LORA = Path(__file__).resolve().parent / "fixtures" / "megatron_lora"
+
+
+def _open_lora_shards(run: Path, base: Path) -> None:
+    """A Megatron LoRA run's adapter shards opened against ``base``: every adapter tensor loads with the
+    shape and dtype listed, or the run is refused."""
+    from tui_merger.core.formats.inputs import open_inputs
+    from tui_merger.core.options import MergeOptions
+
+    inputs = open_inputs(MergeOptions(checkpoint=run / "global_step_1" / "actor", base=base, lora_alpha=16.0))
+    try:
+        for name, ref in inputs.adapter.source.tensors.items():
+            t = ref.load()
+            assert tuple(t.shape) == tuple(ref.shape) and str(t.dtype) == f"torch.{ref.dtype}", name
+    finally:
+        inputs.close()
+
+
+@pytest.fixture(scope="module")
+def lora_shards_run(work) -> tuple[Path, Path]:
+    """A private copy of the TP2 Megatron LoRA run (shards only) and a base of its config, made once
+    (outside the examples' deadline)."""
+    from factory import save_base
+    from transformers import AutoConfig
+
+    run, base = work / "megatron-lora-tp2", work / "megatron-lora-base"
+    if not run.is_dir():
+        shutil.copytree(MEGATRON_LORA / "lora_tp2", run, ignore=shutil.ignore_patterns("expected_*"))
+        save_base(base, AutoConfig.from_pretrained(run / "global_step_1" / "actor" / "huggingface"))
+        _warm_up(lambda: _open_lora_shards(run, base))
+    return run, base
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+@settings(fuzz_settings(200), phases=[Phase.explicit, Phase.generate])
+@given(data=st.data())
+def test_megatron_lora_shards_over_a_mutated_adapter_pt(data, lora_shards_run, guarded):
+    """verl's adapter_checkpoint/mp_rank_XX_adapter.pt (a torch.save archive of {"adapter_state_dict": ...})
+    with its pickle mutated, or its bytes damaged."""
+    run, base = lora_shards_run
+    shards = run / "global_step_1" / "actor" / "adapter_checkpoint"
+    for f in shards.glob("*.pt"):  # undo the previous example's damage
+        shutil.copyfile(MEGATRON_LORA / "lora_tp2" / f.relative_to(run), f)
+    victim = shards / data.draw(st.sampled_from(["mp_rank_00_adapter.pt", "mp_rank_01_adapter.pt"]), label="file")
+    src = MEGATRON_LORA / "lora_tp2" / victim.relative_to(run)
+    if data.draw(st.booleans(), label="pickle"):
+        pkl = data_pkl_of(src)
+        rewrite_torch_zip(src, victim, mutate_pickle(data, pkl, _ops_cached(pkl)))
+    else:
+        out = victim.read_bytes()
+        for _ in range(data.draw(st.integers(1, 3), label="ops")):
+            if not out:  # truncated to nothing
+                break
+            out = damage_bytes(data, out, data.draw(st.integers(0, len(out) - 1), label="pos"), zeros=8)
+        victim.write_bytes(out)
+    loads_or_refuses("megatron lora adapter.pt", lambda: _open_lora_shards(run, base))
+
+
 _ODD_JSON = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 5), st.sampled_from([0, 1, 7, 2**31, 2**63, -(2**40)]),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8), st.sampled_from(["qwen2", "llama", "mixtral", "bfloat16"]),

@@ -488,6 +488,7 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
         "alpha_pattern": cfg.get("alpha_pattern") or {},
         "target_modules": targets,
         "use_rslora": bool(cfg.get("use_rslora", False)),
+        "use_dora": adapter.use_dora,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": bool(cfg.get("fan_in_fan_out", False)),

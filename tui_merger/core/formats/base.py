@@ -197,3 +197,9 @@ class Format:
     def reference_folder(self, adapter, tmp: Path, name: str) -> Path:
         """Adapter kinds: a folder peft can load that holds this adapter."""
         raise NotImplementedError
+
+    # -- the base proposal -----------------------------------------------------------------------------
+    def lora_to_fit(self, path: Path):
+        """Checkpoint kinds that hold a LoRA without its base: that LoRA as a ``PeftAdapter`` (its
+        shapes are what a proposed base must fit; alpha need not be known), or None."""
+        return None

@@ -98,6 +98,16 @@ def open_adapter(path, base_names=None):
     )
 
 
+def checkpoint_lora(path):
+    """The LoRA a checkpoint folder holds without its base (a PeftAdapter), for proposing bases; None
+    when no checkpoint kind claims the folder or it holds none."""
+    path = Path(path)
+    for fmt in formats("checkpoint"):
+        if fmt.recognizes(path):
+            return fmt.lora_to_fit(path)
+    return None
+
+
 def adapter_format(path) -> Format:
     path = Path(path)
     return next(f for f in formats("adapter") if f.recognizes(path))

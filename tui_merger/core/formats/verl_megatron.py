@@ -29,6 +29,7 @@ from types import SimpleNamespace
 from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, DcpStore, check_coverage
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.adapter import export_peft_adapter
+from tui_merger.core.formats.megatron_lora import SHARDS_DIR, shard_files
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
 from tui_merger.core.formats.verl_fsdp import _rank_files
 from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
@@ -67,6 +68,7 @@ class LoraRun:
 
     export: Path | None
     shards: str | None
+    shard_dir: Path | None = None  # adapter_checkpoint/ with mp_rank_*_adapter.pt files (read by megatron_lora)
 
 
 def _lora_run(folder: Path) -> LoraRun | None:
@@ -76,9 +78,10 @@ def _lora_run(folder: Path) -> LoraRun | None:
          if (d / "adapter_config.json").is_file()),
         None,
     )
-    shards = None
-    if (folder / "adapter_checkpoint").is_dir():
-        shards = "adapter_checkpoint/"
+    shards = shard_dir = None
+    if (folder / SHARDS_DIR).is_dir():
+        shards = f"{SHARDS_DIR}/"
+        shard_dir = folder / SHARDS_DIR if shard_files(folder / SHARDS_DIR) else None
     manifest = {}
     try:
         manifest = json.loads((folder / "ckpt_contents.json").read_text())
@@ -94,14 +97,19 @@ def _lora_run(folder: Path) -> LoraRun | None:
         shards = f"{str(where or 'model/dist_ckpt').rstrip('/')}/"
     if export is None and shards is None:
         return None
-    return LoraRun(export, shards)
+    return LoraRun(export, shards, shard_dir)
 
 
 def lora_refusal(folder: Path, lora: LoraRun) -> str:
-    """The sentence for a LoRA run without its Hugging Face adapter export."""
+    """The sentence for a LoRA run with neither its Hugging Face adapter export nor verl's adapter shards."""
+    if lora.shards == f"{SHARDS_DIR}/":
+        return (
+            f"{folder / SHARDS_DIR} holds no mp_rank_*_adapter.pt files; copy the run's whole {SHARDS_DIR}/ folder "
+            "again."
+        )
     return (
-        f"{folder} holds a Megatron PEFT adapter only as Megatron-Bridge shards in {lora.shards}, which tui-merger "
-        "cannot merge yet: export the adapter in Hugging Face PEFT format into model/huggingface/adapter/ "
+        f"{folder} holds a Megatron PEFT adapter only as Megatron-Bridge shards in {lora.shards} (a dist checkpoint), "
+        "which tui-merger cannot merge yet: export the adapter in Hugging Face PEFT format into model/huggingface/adapter/ "
         "(adapter_config.json + adapter_model.safetensors) and merge it with --base, or merge with verl's "
         "scripts/megatron_merge_lora.py."
     )
@@ -131,6 +139,8 @@ def _layout_here(folder: Path) -> tuple[str, Path, Path | None] | None:
         if not hf.is_dir() and (folder / "huggingface").is_dir():
             hf = folder / "huggingface"
         return "legacy", model, hf
+    if (folder / SHARDS_DIR).is_dir() and ((folder / "huggingface").is_dir() or (folder / "transformer_config.json").is_file()):
+        return "adapters", folder / SHARDS_DIR, folder / "huggingface"
     return None
 
 
@@ -151,7 +161,7 @@ def _resolve(path: Path) -> tuple[Path | None, list[str]]:
     notices: list[str] = []
     # inside the checkpoint: actor/dist_ckpt, actor/model, actor/model/dist_ckpt
     for up in (path, path.parent, path.parent.parent):
-        if up == path or path.name in ("dist_ckpt", "model", "huggingface"):
+        if up == path or path.name in ("dist_ckpt", "model", "huggingface", SHARDS_DIR):
             if _layout_here(up) and not _rank_files(up):
                 if up != path:
                     notices.append(f"Reading the whole checkpoint in {up}.")
@@ -221,7 +231,7 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
         )
     else:
         layout.lora = _lora_run(folder)
-        if layout.lora is not None and layout.lora.export is None:
+        if layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None:
             raise MergeError(lora_refusal(folder, layout.lora))
     return layout
 
@@ -1001,14 +1011,42 @@ class MegatronSource:
 # -- Inputs -----------------------------------------------------------------------------------------
 
 
-def open_store(layout: MegatronLayout, experts: int | None = None, expert_ffn: int | None = None) -> ChunkStore:
-    """experts, expert_ffn: the config's expert count and size (what a legacy GroupedMLP's tensors are
-    split by)."""
+def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, options, skip=skip_key) -> list[Path]:
+    """The checkpoint's model converted to Hugging Face names as ``inputs.base`` (a MegatronSource);
+    returns the files it reads."""
+    model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
     if layout.kind == "legacy":
-        return LegacyStore(layout.model_dir, experts, expert_ffn)
-    if not layout.model_dir.is_dir():
-        raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
-    return DcpStore(layout.model_dir, skip_key, canonical)
+        store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
+                            _cfg(config, "moe_intermediate_size"))
+    else:
+        if not layout.model_dir.is_dir():
+            raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
+        store = DcpStore(layout.model_dir, skip, canonical)
+    inputs.closers.append(store)
+    mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
+    source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
+    inputs.base = source
+    inputs.notices += mapping.notices
+    _tie(inputs, options, source, mapping)
+    if layout.kind == "legacy":
+        return [layout.model_dir / f for f in store.data_files]
+    return [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
+
+
+def holds_model(dist_dir: Path) -> bool:
+    """Whether a dist checkpoint holds model weights (verl's use_dist_checkpointing), not only a
+    LoRA run's adapters (Megatron-Bridge's adapter-only checkpoint): its metadata names a base weight."""
+    from tui_merger.core.io.dcp import read_metadata
+
+    if not (Path(dist_dir) / METADATA).is_file():
+        return False
+    keys = read_metadata(dist_dir).state_dict_metadata
+    return any(canonical(str(k)).endswith(("embedding.word_embeddings.weight", "linear_qkv.weight")) for k in keys)
+
+
+def _skip_adapters(key: str) -> bool:
+    """A LoRA run's dist checkpoint: the base weights, not the adapters (read from the shards)."""
+    return skip_key(key) or ".adapter." in key
 
 
 def open_megatron_inputs(options):
@@ -1022,6 +1060,8 @@ def open_megatron_inputs(options):
 
     layout = find_megatron_checkpoint(options.checkpoint)
     if layout.lora is not None:
+        if layout.lora.export is None:
+            return open_lora_shards(layout, options)
         return open_lora_export(layout, options)
     config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
     if config_dir is None:
@@ -1039,21 +1079,7 @@ def open_megatron_inputs(options):
             inputs.closers.append(inputs.base)
             weights = [layout.model_dir / f for f in inputs.base.files]
         else:
-            model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
-            store = open_store(
-                layout, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
-                _cfg(config, "moe_intermediate_size"),
-            )
-            inputs.closers.append(store)
-            mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
-            source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
-            inputs.base = source
-            inputs.notices += mapping.notices
-            _tie(inputs, options, source, mapping)
-            if layout.kind == "legacy":
-                weights = [layout.model_dir / f for f in store.data_files]
-            else:
-                weights = [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
+            weights = _convert(layout, config, config_dir, inputs, options)
         score = "score.weight" in inputs.base.tensors and inputs.base.tensors["score.weight"].shape[0] == 1
         _value_model(inputs, options, SimpleNamespace(role="critic" if score else layout.role))
         dtype = config_dtype(config)
@@ -1093,13 +1119,14 @@ def _lora_base(layout: MegatronLayout, options, adapter_config: dict) -> Path:
     found = None
     if named:
         p = Path(named).expanduser()
-        near = [p] if p.is_absolute() else [layout.lora.export / p, Path.cwd() / p]
+        near = [p] if p.is_absolute() else [d / p for d in (layout.lora.export, layout.hf_dir) if d] + [Path.cwd() / p]
         found = next((d for d in near if (d / "config.json").is_file()), None) or resolve_model_reference(named)
     if found is None:
         said = f"names {named}, which is not on this machine" if named else "names no base model"
+        where = "adapter export" if layout.lora.export is not None else "config"
         raise MergeError(
             f"{layout.folder} is a Megatron LoRA run: it holds the adapter, not the base weights, and its "
-            f"adapter export {said}; pass --base with the model the run started from."
+            f"{where} {said}; pass --base with the model the run started from."
         )
     return found
 
@@ -1161,6 +1188,101 @@ def open_lora_export(layout: MegatronLayout, options):
             + [export / f for f in adapter.source.files]
             + [src for src, _ in inputs.files.copies]
         )
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
+# the config values that fix the shapes a LoRA run's adapters were trained for
+_SHAPE_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "num_hidden_layers", "num_experts", "num_local_experts", "moe_intermediate_size")
+
+
+def _same_shapes(run_config: dict, base_config: dict, run_path: Path, base_dir: Path) -> None:
+    """A base of another shape is named in one sentence before anything is read."""
+    for key in _SHAPE_KEYS:
+        said, have = _cfg(run_config, key), _cfg(base_config, key)
+        if said is not None and have is not None and said != have:
+            raise MergeError(
+                f"The run's {run_path} says {key} {said} but the base {base_dir} has {have}: the adapters were "
+                "trained on another model; pass --base with the model the run started from."
+            )
+
+
+def open_lora_shards(layout: MegatronLayout, options):
+    """Inputs of a verl Megatron LoRA run from its adapter shards (adapter_checkpoint/): the shards put
+    together and named as Megatron-Bridge's Hugging Face export names them (formats/megatron_lora.py),
+    merged into the base (``--base``, else the one the run's config names). The shards do not record
+    lora_alpha: ``--lora-alpha`` gives it."""
+    from tui_merger.core.formats.adapter import adapter_from_source
+    from tui_merger.core.formats.input_types import Inputs, paths_of
+    from tui_merger.core.formats.megatron_lora import KINDS, peft_config, read_shards, shard_layout, transformer_config
+    from tui_merger.core.io.files import FilePlan, plan_files, read_config
+    from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
+    from tui_merger.core.io.sources import open_model
+
+    shard_dir = layout.lora.shard_dir
+    if layout.hf_dir is None or not (layout.hf_dir / "config.json").is_file():
+        raise MergeError(
+            f"{layout.folder} has no huggingface/config.json, which says how the adapter shards split into the "
+            "model's projections; copy the run's huggingface/ folder again."
+        )
+    run_config = read_config(layout.hf_dir)
+    shards = read_shards(shard_layout(shard_dir, transformer_config(layout.folder)), run_config)
+    # verl with use_dist_checkpointing=True also saved the whole model: its own base weights
+    own = options.base is None and layout.kind in ("v1", "v2") and holds_model(layout.model_dir)
+    try:
+        if options.lora_alpha is None:
+            raise MergeError(
+                f"The adapter shards in {shard_dir} do not record lora_alpha (verl keeps it in the training config, "
+                "actor_rollout_ref.model.lora.alpha); pass --lora-alpha with that value."
+            )
+        base_dir = layout.hf_dir if own else _lora_base(layout, options, {})
+        if not own:
+            read_config(base_dir)  # a base without config.json is named before the shapes are compared
+            _same_shapes(run_config, read_config(base_dir), layout.hf_dir / "config.json", base_dir)
+    except BaseException:
+        shards.source.close()
+        raise
+    config = peft_config(shards, options.lora_alpha, lora_base_named(layout, None))
+    adapter = adapter_from_source(shard_dir, config, shards.source)
+    inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
+    inputs.notices = list(layout.notices)
+    try:
+        if own:
+            inputs.config = run_config
+            base_files = _convert(layout, run_config, layout.hf_dir, inputs, options, _skip_adapters)
+            base_dir = layout.model_dir
+        else:
+            base = inputs.base = open_model(base_dir)
+            inputs.closers.append(base)
+            inputs.config = read_config(base_dir)
+            base_files = [base_dir / f for f in base.files] + [base_dir / "config.json"]
+        grid = shards.layout
+        parallel = ", ".join(f"{n} {w}" for n, w in (("TP", grid.tp), ("PP", grid.pp), ("EP", grid.ep)) if n == "TP" or w > 1)
+        inputs.notices.append(
+            f"A Megatron {KINDS[shards.kind]} run: its adapter shards ({parallel}; rank {shards.r}, alpha "
+            f"{options.lora_alpha:g}) are merged into "
+            + (f"the base weights its own dist checkpoint holds ({base_dir}; --base merges into another)." if own
+               else f"{base_dir}.")
+        )
+        if shards.kind == "dora":
+            inputs.notices.append(
+                "DoRA: the trained magnitudes are merged (Megatron-Bridge's own Hugging Face export leaves them out)."
+            )
+        dtype = config_dtype(inputs.config)
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        inputs.files = plan_files(layout.hf_dir if own else base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
+        inputs.notices += shards.notices + adapter.notices + inputs.files.notices
+        inputs.read_files = (
+            base_files
+            + [layout.hf_dir / "config.json"]
+            + [shard_dir / f for f in shards.source.files]
+            + [src for src, _ in inputs.files.copies]
+        )
+        if (layout.folder / "transformer_config.json").is_file():
+            inputs.read_files.append(layout.folder / "transformer_config.json")
     except BaseException:
         inputs.close()
         raise
@@ -1246,7 +1368,10 @@ class VerlMegatronFormat(Format):
 
     def _lora(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
         """A LoRA run: r, alpha and targets from its Hugging Face adapter export (the base it names
-        resolved as a PEFT adapter's is); without the export, what is missing."""
+        resolved as a PEFT adapter's is), else from verl's adapter shards; without either, what is missing."""
+        if lora.export is None and lora.shard_dir is not None:
+            self._shards(s, c, folder, lora)
+            return
         if lora.export is None:
             c.lora = lora_info(None)
             c.notes.append(f"a LoRA run whose adapter is only in Megatron-Bridge shards in {lora.shards}: "
@@ -1269,6 +1394,41 @@ class VerlMegatronFormat(Format):
             c.notes.append("the run names no base model: pass --base with the model it started from.")
         s.resolve_base(c, lora.export)
 
+    def _shards(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
+        """verl's adapter shards: the LoRA kind, rank, targets and parallel layout from the file names,
+        transformer_config.json and rank 0's pickle; lora_alpha is not in them."""
+        from tui_merger.core.formats.megatron_lora import KINDS, describe, transformer_config
+
+        info = describe(lora.shard_dir, transformer_config(folder))
+        c.lora = lora_info({"r": info["r"], "use_dora": info["kind"] == "dora", "target_modules": info["targets"] or None})
+        own = None
+        for d in (folder / "dist_ckpt", folder / "model" / "dist_ckpt"):
+            try:
+                own = d if own is None and holds_model(d) else own
+            except MergeError as err:  # a damaged one: said when the merge opens it
+                s.problem(d / METADATA, str(err))
+        c.needs_base = own is None
+        if info["tp"]:
+            parallel = ", ".join(f"{n} {w}" for n, w in (("TP", info["tp"]), ("PP", info["pp"]), ("EP", info["ep"]),
+                                                          ("VPP", info["vpp"])) if n == "TP" or (w or 1) > 1)
+            c.world_size = info["tp"] * info["pp"] * info["ep"]
+            what = f"a Megatron {KINDS.get(info['kind'], 'LoRA')} run ({parallel})"
+            c.notes.append(f"{what}: its adapter shards in {SHARDS_DIR}/ are merged into the base model the run started "
+                           "from." if not info["problem"] else f"{what}, its adapters in {SHARDS_DIR}/.")
+        if info["problem"]:
+            c.notes.append(info["problem"])
+        c.notes.append("the adapter shards do not record lora_alpha: the merge needs --lora-alpha.")
+        if own is not None:
+            c.notes.append(f"{own.relative_to(folder)}/ holds the run's base weights too (use_dist_checkpointing): "
+                           "the shards are merged into them unless --base names another model.")
+            return
+        hf = folder / "huggingface"
+        named = (s.json(hf / "config.json") or {}).get("_name_or_path") if (hf / "config.json").is_file() else None
+        c.base_model = named if isinstance(named, str) and named else None
+        if c.base_model is None:
+            c.notes.append("the run names no base model: pass --base with the model it started from.")
+        s.resolve_base(c, hf)
+
     def _layout(self, s, folder: Path, names: dict) -> tuple[str, Path, Path] | None:
         """(layout, dist_ckpt or mp_rank folder, huggingface folder) of a verl Megatron checkpoint."""
         if is_dir(names.get("dist_ckpt")) and ("huggingface" in names or "transformer_config.json" in names):
@@ -1278,6 +1438,8 @@ class VerlMegatronFormat(Format):
             return "v2", folder / "model" / "dist_ckpt", folder / "model" / "huggingface"
         if any(n.startswith("mp_rank_") for n in sub):
             return "legacy", folder / "model", folder / "hf_config_and_tokenizer"
+        if is_dir(names.get(SHARDS_DIR)) and ("huggingface" in names or "transformer_config.json" in names):
+            return "adapters", folder / SHARDS_DIR, folder / "huggingface"
         return None
 
     def recognizes(self, path: Path) -> bool:
@@ -1288,13 +1450,40 @@ class VerlMegatronFormat(Format):
 
     def why_not_mergeable(self, c: Candidate) -> str | None:
         lora = _lora_run(Path(c.path)) if c.lora is not None else None
-        if lora is not None and lora.export is None:
+        if lora is not None and lora.export is None and lora.shard_dir is None:
             return lora_refusal(Path(c.path), lora)
+        if lora is not None and lora.export is None:
+            from tui_merger.core.formats.megatron_lora import describe, transformer_config
+
+            return describe(lora.shard_dir, transformer_config(Path(c.path)))["problem"]
         return None
 
+    def lora_to_fit(self, path: Path):
+        """A LoRA run's adapter (its Hugging Face export, else its shards named as that export names
+        them; alpha set to r where none is recorded: only shapes matter here)."""
+        from tui_merger.core.formats.adapter import adapter_from_source, open_adapter
+
+        layout = find_megatron_checkpoint(path)
+        if layout.lora is None:
+            return None
+        if layout.lora.export is not None:
+            return open_adapter(layout.lora.export)
+        from tui_merger.core.formats.megatron_lora import peft_config, read_shards, shard_layout, transformer_config
+        from tui_merger.core.io.files import read_config
+
+        if layout.hf_dir is None:
+            return None
+        shards = read_shards(shard_layout(layout.lora.shard_dir, transformer_config(layout.folder)), read_config(layout.hf_dir))
+        try:
+            return adapter_from_source(layout.lora.shard_dir, peft_config(shards, shards.r, None), shards.source)
+        except BaseException:
+            shards.source.close()
+            raise
+
     def needs_base(self, c: Candidate) -> bool:
-        # a LoRA run holds the adapter, not the base; any other checkpoint holds every weight and its config
-        return c.lora is not None and not c.base_path
+        # a LoRA run holds the adapter, not the base (unless its dist checkpoint holds the whole model);
+        # any other checkpoint holds every weight and its config
+        return c.lora is not None and c.needs_base and not c.base_path
 
     def needs_alpha(self, c: Candidate) -> bool:
         return c.lora is not None and not c.lora.get("alpha")
@@ -1315,7 +1504,7 @@ class VerlMegatronFormat(Format):
             return None  # a conversion: the output is loaded once; the recompute compared every tensor
         # a LoRA run: peft applies the export (as read, --lora-alpha included) to the base as the merge read it
         folder = inputs.adapter.folder
-        if options.lora_alpha is not None:
+        if options.lora_alpha is not None or not (folder / "adapter_config.json").is_file():  # the shards: written out
             folder = Path(tmp) / "adapter"
             export_peft_adapter(inputs.adapter, folder, fsync=False)
         return Reference([(folder, None)])

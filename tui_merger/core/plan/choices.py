@@ -278,7 +278,7 @@ def _arch_words(config: dict) -> str:
 def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict] | None:
     """(the adapter's LoRA modules, the model's config) when the adapter fits the model, else None."""
     from tui_merger.core.errors import MergeError
-    from tui_merger.core.formats.registry import model_format, open_adapter
+    from tui_merger.core.formats.registry import checkpoint_lora, model_format, open_adapter
     from tui_merger.core.io.files import json_object_or_none
     from tui_merger.core.io.sources import find_weight_files
 
@@ -296,7 +296,7 @@ def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict]
         return None
     try:
         try:
-            adapter = open_adapter(adapter_path, base.tensors)
+            adapter = (adapter_path.is_dir() and checkpoint_lora(adapter_path)) or open_adapter(adapter_path, base.tensors)
         except (MergeError, OSError, ValueError):
             return None  # a kohya file whose names fit none of this model's modules, or unreadable
         try:

@@ -654,6 +654,15 @@ class _Models:
                 return self._stop([_cannot_stream("merged model", why)])
             except bh.NoReference as why:
                 return self._stop([Check("behaviour", "fail", f"transformers cannot build the output as {cls.__name__}: {why}")])
+            if missing and self.options.export_adapter and all(".lora_" in m for m in missing):
+                # peft built LoRA layers it found no tensors for: it cannot place the exported adapter's
+                # (per-expert LoRA on experts transformers 5 keeps packed), as it cannot for the reference
+                return self._stop([Check(
+                    "behaviour", "skip",
+                    f"skipped: peft cannot apply the exported adapter to {cls.__name__} ({len(missing)} LoRA weight(s) "
+                    f"it expects are not in lora_adapter/: {', '.join(missing[:3])}); not fully verified",
+                    metrics={"probes": list(PROBE_SHAPE)},
+                )])
             if missing:
                 return self._stop([Check(
                     "behaviour", "fail", f"{cls.__name__} does not find {len(missing)} of its weights in the files",

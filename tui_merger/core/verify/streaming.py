@@ -411,7 +411,9 @@ class _StreamHook:
         for full, attr in self.params.items():
             value = s.materialize(full)
             self.live[full] = value
-            set_module_tensor_to_device(module, attr, "cpu", value=value, clear_cache=False)
+            # the fp32 value as it is: accelerate would cast it back to the dtype a held 16-bit adapter
+            # weight was built with (peft then runs the layer's input in bf16: a DoRA layer 1e-3 off)
+            set_module_tensor_to_device(module, attr, "cpu", value=value, dtype=value.dtype, clear_cache=False)
             s.stats.live_values += value.numel()
             s.stats.loaded_values += value.numel()
         s.stats.peak_live_values = max(s.stats.peak_live_values, s.stats.live_values)
