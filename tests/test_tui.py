@@ -413,7 +413,7 @@ async def test_weights_start_afresh_for_another_checkpoint(workspace):
         await pilot.press("ctrl+n")  # the same adapter again: the weight stays
         await until(pilot, lambda: wizard.plan is not None and wizard.running is None, "the plan")
         assert app.screen.query_one("#weight", Input).value == "0.4"
-        wizard._reviewed = "somewhere else"  # as if another checkpoint had been reviewed in between
+        wizard.panes["review"]._reviewed = "somewhere else"  # as if another checkpoint had been reviewed in between
         await pilot.press("ctrl+b")
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.plan is not None and wizard.running is None, "the plan")
@@ -519,7 +519,7 @@ async def test_a_base_not_on_this_machine_is_proposed_and_ctrl_n_accepts_it(unre
         await until(pilot, lambda: wizard.plan is not None and wizard.running is None and not wizard.plan_stale, "the plan")
         base = app.screen.query_one("#base", Input)
         assert base.display and base.value == str(unresolved / "base")
-        assert [p.name for p, _ in wizard._proposals] == ["base"]
+        assert [p.name for p, _ in wizard.panes["review"]._proposals] == ["base"]
         note = text(app, "#base-note")
         assert "Proposed" in note and "/home/someone/models/Qwen2-tiny is not on this machine" in note
         assert "fits all 28 LoRA modules" in note and "ctrl+n accepts it" in note
@@ -565,7 +565,7 @@ async def test_nothing_fits_says_so_and_asks_for_the_base(unresolved):
         wizard = app.wizard
         await until(pilot, lambda: wizard.candidate is not None, "a candidate")
         await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard._searched and wizard.running is None, "the search")
+        await until(pilot, lambda: wizard.panes["review"]._searched and wizard.running is None, "the search")
         assert "no model in this folder or in the Hugging Face cache fits it" in text(app, "#base-note")
         assert "Say which base model" in text(app, "#findings")
         assert app.screen.query_one("#base", Input).value == "" and app.screen.query_one("#base", Input).has_focus
@@ -615,7 +615,7 @@ async def test_review_shows_the_base_config_and_marks_what_the_adapter_side_disa
         assert "Qwen2ForCausalLM, 4 layers, hidden 128, heads 4 / KV 2, vocab 512, bfloat16, rope_theta 10000" in line
         assert "max positions 512 (≠ 4096 in the adapter's base config)" in line
         from tui_merger.core.plan.choices import base_config_fields
-        from tui_merger.tui.wizard import _config_text
+        from tui_merger.tui.steps.review import config_text as _config_text
 
         marked = _config_text(base_config_fields(ws / "base", [ws / "adapter"]))
         assert "[b yellow]max positions 512 (≠ 4096 in the adapter's base config)[/]" in marked  # in yellow
@@ -636,7 +636,7 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
     from test_try import reference
     from transformers import AutoTokenizer
 
-    from tui_merger.tui.wizard import visible
+    from tui_merger.tui.steps.common import visible
 
     prompt_text = "the adapter"  # the tiny random model's answer starts with whole characters
     reached, release, armed = threading.Event(), threading.Event(), threading.Event()
@@ -656,12 +656,12 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
         await pilot.press("ctrl+n")
         assert wizard.step == "try" and header(app)[1] == "Try"
-        await until(pilot, lambda: wizard.trial_plan is not None, "the trial plan")
+        await until(pilot, lambda: wizard.panes["try"].trial_plan is not None, "the trial plan")
         status = text(app, "#try-status")
         assert status.startswith("Needs about ") and "(one model at a time), in bfloat16; " in status
-        assert [s.label for s in wizard.trial_plan.sides] == ["merged model", "base model"]
+        assert [s.label for s in wizard.panes["try"].trial_plan.sides] == ["merged model", "base model"]
         assert app.screen.query_one("#answers").has_class("stacked")  # 80 columns: one above the other
-        wizard.try_tokens = 12
+        wizard.panes["try"].try_tokens = 12
         prompt = app.screen.query_one("#prompt", Input)
         prompt.value = prompt_text
         prompt.focus()

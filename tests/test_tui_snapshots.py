@@ -71,7 +71,7 @@ async def merged(pilot):
     await until(pilot, lambda: wizard.step == "verify" and wizard.running is None)
     wizard.report.seconds = 1.0  # fixed times for a stable picture
     wizard.result.seconds = 1.0
-    wizard.show_report()
+    wizard.panes["verify"].show_report()
     await pilot.pause()
 
 
@@ -169,17 +169,18 @@ def test_try_it(snap_compare, workspace, size):
         wizard = pilot.app.wizard
         await merged(pilot)
         await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.trial_plan is not None)
-        wizard.try_tokens = 12
+        trial = wizard.panes["try"]
+        await until(pilot, lambda: trial.trial_plan is not None)
+        trial.try_tokens = 12
         pilot.app.screen.query_one("#prompt", Input).value = "the adapter"
         await pilot.click("#ask")
-        await until(pilot, lambda: wizard.running is None and len(wizard.trial_answers) == 2)
-        plan = wizard.trial_plan
+        await until(pilot, lambda: wizard.running is None and len(trial.trial_answers) == 2)
+        plan = trial.trial_plan
         plan.notes[0] = re.sub(r"; .* is available", "; 16 GB is available", plan.notes[0])
-        wizard.show_trial_plan()
-        for label, answer in wizard.trial_answers.items():
-            wizard.trial_answers[label] = dataclasses.replace(answer, seconds=0.5, tokens_per_s=24.0)
-            wizard.show_answer(label)
+        trial.show_trial_plan()
+        for label, answer in trial.trial_answers.items():
+            trial.trial_answers[label] = dataclasses.replace(answer, seconds=0.5, tokens_per_s=24.0)
+            trial.show_answer(label)
         prompt = pilot.app.screen.query_one("#prompt", Input)
         prompt.cursor_blink = False  # a blinking cursor would make the picture differ from run to run
         prompt.focus()

@@ -118,7 +118,7 @@ class MergeApp(App):
             self.exit(0)
             return
         if wizard.job is not None:  # a background job keeps running: stop following it and leave
-            wizard._stop_following.set()
+            wizard.stop_following.set()
             self.exit(0)
             return
 
