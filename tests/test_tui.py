@@ -697,3 +697,29 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         assert wizard.step == "finish" and "verified" in text(app, "#summary")
         await pilot.press("ctrl+b")
         assert wizard.step == "try"
+
+
+async def test_an_adapter_whose_config_is_not_json_is_marked_in_find_and_cannot_go_to_review(workspace, tmp_path):
+    """Issue 32 item 3: a broken adapter_config.json is said in Find (what and how to fix it), the
+    checkpoint cannot be picked, and ctrl+n says why instead of Review asking for a base."""
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace / "base", ws / "base")
+    shutil.copytree(workspace / "adapter", ws / "adapter")
+    (ws / "adapter" / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16,')
+    app = MergeApp(ws)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = app.wizard
+        await pilot.pause()
+        [n] = [n for n, c in enumerate(wizard.candidates) if c.path == str(ws / "adapter")]
+        options = app.screen.query_one("#candidates", OptionList)
+        assert "cannot be read" in str(options.get_option_at_index(n).prompt)
+        options.focus()
+        options.highlighted = n
+        await pilot.pause()
+        status = plain(app, "#path-status")
+        assert "adapter_config.json is not valid JSON" in status and "fix or re-save it" in status, status
+        assert wizard.candidate is None and app.screen.query_one("#next", Button).disabled
+        await pilot.press("ctrl+n")
+        await pilot.press("enter")  # selecting it does not open Review either
+        assert wizard.step == "find"
+        assert any("not valid JSON" in str(n.message) for n in app._notifications)

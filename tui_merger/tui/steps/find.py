@@ -17,6 +17,10 @@ from tui_merger.tui.widgets import FolderPicker
 class FindStep(Step, Vertical):
     FIRST = "#candidates"
 
+    def __init__(self, wizard, **kwargs) -> None:
+        super().__init__(wizard, **kwargs)
+        self.broken: dict[str, str] = {}  # candidate path -> why it cannot be read (a file of it is broken)
+
     def compose(self) -> ComposeResult:
         yield Label("Checkpoints found (newest first):")
         yield OptionList(id="candidates")
@@ -31,10 +35,18 @@ class FindStep(Step, Vertical):
     def advance(self) -> None:
         self.wizard.panes["review"].enter()
 
+    def refused(self) -> None:
+        """ctrl+n on a checkpoint that cannot be merged: say why (the line under the list says it too)."""
+        highlighted = self.query_one("#candidates", OptionList).highlighted
+        if highlighted is not None and highlighted < len(self.wizard.candidates):
+            problem = self.why_not(self.wizard.candidates[highlighted])
+            if problem:
+                self.app.notify(problem, severity="error", timeout=6)
+
     def rescan(self, path: Path) -> None:
         from tui_merger.core.errors import MergeError
         from tui_merger.core.formats.scan import scan
-        from tui_merger.core.plan.choices import describe_candidate, why_not_mergeable
+        from tui_merger.core.plan.choices import describe_candidate
 
         wizard = self.wizard
         status = self.query_one("#path-status", Static)
@@ -45,34 +57,43 @@ class FindStep(Step, Vertical):
             return
         wizard.root = Path(path).absolute() if Path(path).is_dir() else Path(path).absolute().parent
         wizard.candidates = found.candidates
+        self.broken = _broken(found)
         options = self.query_one("#candidates", OptionList)
         options.clear_options()
         for n, c in enumerate(wizard.candidates):
             line = describe_candidate(c, wizard.root)
-            if why_not_mergeable(c):
+            if c.path in self.broken:
+                line += "  [b red](cannot be read)[/]"
+            elif self.why_not(c):
                 line += "  [dim](not mergeable)[/dim]"
             options.add_option(Option(line, id=str(n)))
-        problems = f"; {len(found.problems)} entries could not be read" if found.problems else ""
+        unread = len(found.problems) - sum(1 for p in found.problems if _owner(p.path, wizard.candidates))
+        problems = f"; {unread} entries could not be read" if unread else ""
         if wizard.candidates:
             status.update(f"Found {len(wizard.candidates)} checkpoint(s) in {escape(wizard.root)}{problems}.")
-            mergeable = [n for n, c in enumerate(wizard.candidates) if not why_not_mergeable(c)]
+            mergeable = [n for n, c in enumerate(wizard.candidates) if not self.why_not(c)]
             options.highlighted = mergeable[0] if mergeable else 0
         else:
             status.update(f"No checkpoint found in {escape(wizard.root)}{problems}; type a path or browse.")
         wizard.candidate = None
         wizard.refresh_nav()
 
+    def why_not(self, c) -> str | None:
+        """Why this candidate cannot be merged: a file of it that does not read (a broken
+        adapter_config.json), or what the assistant says."""
+        from tui_merger.core.plan.choices import why_not_mergeable
+
+        return self.broken.get(c.path) or why_not_mergeable(c)
+
     @on(OptionList.OptionHighlighted, "#candidates")
     @on(OptionList.OptionSelected, "#candidates")
     def _pick(self, event) -> None:
-        from tui_merger.core.plan.choices import why_not_mergeable
-
         wizard = self.wizard
         c = wizard.candidates[int(event.option.id)]
-        problem = why_not_mergeable(c)
+        problem = self.why_not(c)
         wizard.candidate = None if problem else c
-        note = problem or self._candidate_text(c)
-        self.query_one("#path-status", Static).update(escape(note))
+        note = f"[b red]{escape(problem)}[/]" if c.path in self.broken else escape(problem or self._candidate_text(c))
+        self.query_one("#path-status", Static).update(note)
         wizard.refresh_nav()
         if isinstance(event, OptionList.OptionSelected) and wizard.candidate is not None:
             self.advance()
@@ -110,3 +131,23 @@ class FindStep(Step, Vertical):
 
         self.app.push_screen(FolderPicker(self.wizard.root), chosen)
 
+
+def _owner(problem_path: str, candidates) -> str | None:
+    """The candidate a problem's path belongs to (the path is the candidate or inside its folder)."""
+    for c in candidates:
+        if problem_path == c.path or problem_path.startswith(c.path.rstrip("/") + "/"):
+            return c.path
+    return None
+
+
+def _broken(found) -> dict[str, str]:
+    """candidate path -> one sentence: a file of that checkpoint the scan could not read (say an
+    adapter_config.json that is not valid JSON). Such a checkpoint is shown but cannot be picked: the
+    merge would stop on the same file."""
+    broken: dict[str, str] = {}
+    for p in found.problems:
+        owner = _owner(p.path, found.candidates)
+        if owner is not None and owner not in broken:
+            name = Path(p.path).name if p.path != owner else "it"
+            broken[owner] = f"This checkpoint cannot be read: {name} {p.message}"
+    return broken
