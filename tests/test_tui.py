@@ -723,3 +723,37 @@ async def test_an_adapter_whose_config_is_not_json_is_marked_in_find_and_cannot_
         await pilot.press("enter")  # selecting it does not open Review either
         assert wizard.step == "find"
         assert any("not valid JSON" in str(n.message) for n in app._notifications)
+
+
+async def test_try_it_says_the_demo_is_random_and_a_prompt_of_no_tokens_in_a_sentence(workspace, tmp_path):
+    """Issue 32 item 4: the demo's answers are random characters: Try it says so. A tokenizer that turns the
+    prompt into no tokens: one red sentence (not torch's "cannot reshape tensor of 0 elements"), and no
+    panel left on "loading..."."""
+    from test_try import wordless_tokenizer
+
+    app = MergeApp(workspace)
+    out = tmp_path / "merged"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        wordless_tokenizer(out)
+        await pilot.press("ctrl+n")
+        trial = wizard.panes["try"]
+        await until(pilot, lambda: trial.trial_plan is not None, "the trial plan")
+        status = plain(app, "#try-status")
+        assert "The demo's models are tiny and random (never trained): they answer in random characters" in status
+        prompt = app.screen.query_one("#prompt", Input)
+        prompt.value = "xyz"
+        prompt.focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: wizard.running is None, "the trial to end")
+        status = plain(app, "#try-status")
+        assert "Try it failed: The tokenizer of" in status and "turns this prompt into no tokens" in status, status
+        assert "reshape" not in status
+        for side in ("merged", "other"):
+            assert app.screen.query_one(f"#answer-{side}").border_subtitle == "no answer"
+            assert "no answer" in plain(app, f"#answer-{side}-text")
+        assert not app.screen.query_one("#ask", Button).disabled and not app.screen.query_one("#next", Button).disabled

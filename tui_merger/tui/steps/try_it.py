@@ -17,6 +17,10 @@ from tui_merger.tui.steps.common import Done, EngineEvent, Step, escape, visible
 TRY_TOKENS = 64  # the most tokens each model answers in Try it
 TRY_PROMPT = "Explain in two sentences what you can help me with."
 NARROW = 100  # below this many columns the two answers are stacked, not side by side
+DEMO_NOTE = (
+    "[b]The demo's models are tiny and random (never trained): they answer in random characters, not "
+    "words.[/b] The answers differ because the adapter changed the weights."
+)
 
 
 class TryStep(Step, Vertical):
@@ -122,10 +126,21 @@ class TryStep(Step, Vertical):
         if not plan.fits:
             notes[0] = f"[b red]{notes[0]}[/]"
         how = "as one user message through the chat template" if plan.chat_template else "as plain text (no chat template)"
+        if self._is_demo():
+            notes.append(DEMO_NOTE)
         self.query_one("#try-status", Static).update(
             "\n".join(notes) + f"\n[dim]Greedy, at most {self.try_tokens} tokens; the prompt goes in {how}.[/dim]"
         )
         self.query_one("#ask", Button).disabled = False
+
+    def _is_demo(self) -> bool:
+        """The model was merged from ``tui-merger demo``'s tiny random models (its folder's marker)."""
+        from tui_merger.demo import MARKER
+
+        wizard, folders = self.wizard, [self.wizard.out_path.parent]
+        if wizard.options is not None:
+            folders += [Path(p).parent for p in (wizard.options.base, wizard.options.adapter) if p is not None]
+        return any((folder / MARKER).exists() for folder in folders)
 
     @on(Select.Changed, "#against")
     def _against(self) -> None:
@@ -210,11 +225,11 @@ class TryStep(Step, Vertical):
 
     def done_trial(self, done: Done) -> None:
         self.query_one("#try-cancel", Button).disabled = True
+        from tui_merger.core.events import TrialFinished
+
         self.query_one("#ask", Button).disabled = self.trial_plan is None
         status = self.query_one("#try-status", Static)
         if done.cancelled:
-            from tui_merger.core.events import TrialFinished
-
             status.update("[b yellow]Stopped.[/] Ask again, or go on to Finish.")
             labels = [s.label for s in self.trial_plan.sides]
             for side, label in zip(("merged", "other"), labels):
@@ -226,5 +241,9 @@ class TryStep(Step, Vertical):
                         self.query_one(f"#answer-{side}-text", Static).update("[dim](not asked: stopped before)[/dim]")
         elif done.error:
             status.update(f"[b red]Try it failed:[/] {escape(done.error)}")
+            for side, label in zip(("merged", "other"), [s.label for s in self.trial_plan.sides]):
+                if not isinstance(self.trial_answers.get(label), TrialFinished):  # no "loading..." left behind
+                    self.query_one(f"#answer-{side}").border_subtitle = "no answer"
+                    self.query_one(f"#answer-{side}-text", Static).update("[dim](no answer: see the red line above)[/dim]")
         else:
             self.show_trial_plan()
