@@ -8,6 +8,7 @@ import io
 import json
 import shutil
 import threading
+from shlex import quote as shlex_quote
 from pathlib import Path
 
 import pytest
@@ -186,9 +187,23 @@ async def test_full_run_to_a_verified_model(workspace, tmp_path):
         await pilot.press("ctrl+n")
         assert wizard.step == "finish" and "verified" in text(app, "#summary")
         assert not app.screen.query_one("#cleanup", Button).disabled
+        assert app.screen.query_one("#quit", Button).has_focus
+        await pilot.press("enter")  # Quit
+    assert app.return_code == 0
     manifest = read_manifest(out)
     assert manifest["verification"]["passed"] is True
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    # issue 32 item 6: what the terminal keeps once the app has closed, and its transformers line works
+    lines = app.farewell().splitlines()
+    assert lines[0] == f"The merged model is in {out} (verified)."
+    assert lines[1].startswith("  transformers: python -c ") and lines[2] == f"  vLLM:         vllm serve {out}"
+    assert len(lines) == 3  # no GGUF made: no llama.cpp line
+    import subprocess
+    import sys
+
+    command = lines[1].split(": ", 1)[1].replace("python", shlex_quote(sys.executable), 1)
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("Hello"), run.stderr[-2000:]
 
 
 async def test_a_failing_merge_is_shown_and_the_app_stays_alive(workspace, tmp_path):

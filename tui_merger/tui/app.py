@@ -138,7 +138,17 @@ class MergeApp(App):
         yield SystemCommand("Help", "Steps and keys", self.action_help)
 
 
+    def farewell(self) -> str | None:
+        """Printed on the terminal once the app has closed: where the model is and how to use it."""
+        from tui_merger.tui.steps.finish import farewell
+
+        return farewell(self.wizard) if self.wizard is not None else None
+
+
 def run_tui(path: Path) -> int:
     app = MergeApp(path)
     code = app.run()
+    text = app.farewell()
+    if text:
+        print(text, flush=True)  # stdout: Textual drew on stderr, and the screen it drew is gone
     return code if isinstance(code, int) else 0

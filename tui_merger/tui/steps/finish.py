@@ -14,6 +14,37 @@ from tui_merger.tui.steps.common import Done, EngineEvent, Step, WorkDone, escap
 from tui_merger.tui.widgets import CleanupDialog, GgufDialog, UploadDialog
 
 
+def farewell(wizard) -> str | None:
+    """What the terminal keeps when the app closes after a merge (None: no model was made): where the
+    model is, whether it was verified, and the lines to use it: transformers, vLLM, and llama.cpp for
+    each GGUF made of it."""
+    import json
+    import shlex
+
+    from tui_merger.core.record.manifest import read_manifest
+
+    if wizard.result is None and (wizard.job is None or not (Path(wizard.job.out) / "config.json").is_file()):
+        return None
+    out = wizard.out_path.absolute()
+    manifest = read_manifest(out) or {}
+    if wizard.result is not None and wizard.report is not None:
+        verified = wizard.report.passed
+    else:
+        verified = bool((manifest.get("verification") or {}).get("passed"))
+    code = f'from transformers import pipeline; print(pipeline("text-generation", model={json.dumps(str(out))})("Hello")[0]["generated_text"])'
+    lines = [
+        f"The merged model is in {out} ({'verified' if verified else 'NOT verified: do not ship it'}).",
+        f"  transformers: python -c {shlex.quote(code)}",
+        f"  vLLM:         vllm serve {shlex.quote(str(out))}",
+    ]
+    for gguf in manifest.get("gguf") or []:
+        path = Path(gguf.get("path", ""))
+        path = path if path.is_absolute() else out / path
+        if path.is_file():
+            lines.append(f"  llama.cpp:    llama-cli -m {shlex.quote(str(path))}")
+    return "\n".join(lines)
+
+
 class FinishStep(Step, VerticalScroll):
     FIRST = "#quit"
     BACK = "try"
