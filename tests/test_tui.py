@@ -772,3 +772,25 @@ async def test_try_it_says_the_demo_is_random_and_a_prompt_of_no_tokens_in_a_sen
             assert app.screen.query_one(f"#answer-{side}").border_subtitle == "no answer"
             assert "no answer" in plain(app, f"#answer-{side}-text")
         assert not app.screen.query_one("#ask", Button).disabled and not app.screen.query_one("#next", Button).disabled
+
+
+async def test_review_at_80x24_focuses_the_output_folder_in_sight_and_typing_goes_there(workspace, tmp_path):
+    """Issue 32 item 7: the first focused field (the output folder) was below the visible part of the form,
+    so Tab, ctrl+u and a typed path went into the dtype dropdown and the path was lost. Now it is in sight
+    and what is typed after ctrl+u becomes the output; Tab goes on to the next field, scrolled into sight."""
+    app = MergeApp(workspace)
+    out = tmp_path / "o"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        form = app.screen.query_one("#review-form")
+        field = app.screen.query_one("#out", Input)
+        assert app.focused is field
+        assert form.region.contains_region(field.region), (form.region, field.region)  # in sight
+        await pilot.press("end", "ctrl+u", *str(out), "enter")
+        await until(pilot, lambda: wizard.running is None and not wizard.plan_stale, "the plan for the typed folder")
+        assert field.value == str(out) and wizard.options.out == out
+        assert app.screen.query_one("#dtype", Select).value == ""  # untouched
+        await pilot.press("tab")
+        await pilot.pause(0.2)
+        assert app.focused is app.screen.query_one("#weight", Input)
+        assert form.region.contains_region(app.focused.region)

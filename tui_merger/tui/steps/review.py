@@ -19,6 +19,9 @@ TOKENIZERS = [("tokenizer: auto", "auto"), ("tokenizer: base", "base"), ("tokeni
 
 
 class ReviewStep(Step, Vertical):
+    # Focus order (tab): base model (when the checkpoint needs one: focused first then), the other
+    # models that fit, output folder (focused first otherwise), replace, alpha, weight, more adapters,
+    # QLoRA base weights, dtype, shard size, tokenizer, background job, Check again, the warnings' tick.
     FIRST = "#out"
     BACK = "find"
 
@@ -38,6 +41,13 @@ class ReviewStep(Step, Vertical):
             proposals.display = False  # shown when the base had to be proposed
             yield proposals
             yield Static(id="base-note", classes="base-field")
+            # the field people change most, at the top: focused on entering, in sight at 80x24 (the plan
+            # below it grows when it arrives; a field under it would be focused out of sight)
+            yield Label("Output folder", id="out-label")
+            yield Input(id="out")
+            replace = Checkbox("Replace the existing folder (kept until the new model is complete)", id="replace")
+            replace.display = False  # shown when the output folder holds files
+            yield replace
             yield Static(id="plan-text")
             yield Label("LoRA alpha used in training (the checkpoint does not record it)", classes="field alpha-field")
             yield Input(id="alpha", type="number", classes="alpha-field")
@@ -49,11 +59,6 @@ class ReviewStep(Step, Vertical):
                 yield Button("Add adapter...", id="add-adapter")
             yield Label("Base weights (the adapter was trained with QLoRA on a quantized copy of the base)", classes="field qlora-field")
             yield Select([("the 16-bit weights as stored (usual)", "")], value="", allow_blank=False, id="roundtrip", classes="qlora-field")
-            yield Label("Output folder", classes="field")
-            yield Input(id="out")
-            replace = Checkbox("Replace the existing folder (kept until the new model is complete)", id="replace")
-            replace.display = False  # shown when the output folder holds files
-            yield replace
             yield Label("Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)", classes="field")
             with Horizontal(classes="row"):
                 yield Select(DTYPES, value="", allow_blank=False, id="dtype")
