@@ -287,17 +287,22 @@ async def test_theme_choice_persists_and_a_bad_theme_file_is_a_notification(work
 
 async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
     """A trainer run: after the verified merge of checkpoint-20, Clean up lists the older checkpoint
-    and the optimizer state, deletes what is picked and says how much was freed."""
+    and the optimizer state, deletes what is picked after a last confirmation that names the total, and
+    says how much was freed. Issue 32 item 8, at 80x24 in a deep folder: every path is shown whole
+    (wrapped, not cut), with its size; "Delete selected..." deletes nothing until confirmed."""
+    from textual.geometry import Region
+
+    from tui_merger.core.options import human_bytes
     from tui_merger.demo import build_demo
 
     ws = tmp_path / "ws"
     base, adapter = build_demo(ws)
-    run = tmp_path / "run"
+    run = tmp_path / "a-training-run-with-a-rather-long-name-as-people-give-them" / "outputs"
     for step in (10, 20):
         shutil.copytree(adapter, run / f"checkpoint-{step}")
         (run / f"checkpoint-{step}" / "optimizer.pt").write_bytes(b"\0" * 300_000)
     app = MergeApp(run)
-    async with app.run_test(size=(100, 30)) as pilot:
+    async with app.run_test(size=(80, 24)) as pilot:
         wizard = await to_review(pilot, app)
         assert wizard.candidate.path.endswith("checkpoint-20")  # newest first
         await pilot.press("ctrl+n")
@@ -305,9 +310,29 @@ async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
         await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         await pilot.click("#cleanup")
         await pilot.pause()
-        assert type(app.screen).__name__ == "CleanupDialog"
+        dialog = app.screen
+        assert type(dialog).__name__ == "CleanupDialog"
+        rows = list(dialog.query(".item-text").results(Static))
+        assert len(rows) == len(dialog.plan.items) >= 2
+        for item, row in zip(dialog.plan.items, rows):
+            shown = "".join(s.text.strip() for s in row.render_lines(Region(0, 0, row.size.width, row.size.height)))
+            for path in item.paths[:3]:
+                assert str(path) in shown, [s.text for s in row.render_lines(Region(0, 0, row.size.width, row.size.height))]
+            assert row.region.right <= dialog.query_one(".dialog").region.right
+        checkboxes = [dialog.query_one(f"#item-{n}") for n in range(len(rows))]
+        assert [human_bytes(i.size) for i in dialog.plan.items] == [str(c.label).strip() for c in checkboxes]
+        chosen = [i for i, c in zip(dialog.plan.items, checkboxes) if c.value]
+        total = human_bytes(sum(i.size for i in chosen))
+        assert chosen and f"Selected: {len(chosen)} of {len(rows)}, {total}." == plain(app, "#cleanup-total")
         await pilot.click("#delete")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "Confirm"  # the last word before anything goes
+        question = str(app.screen.query_one(Static).content)
+        assert f"[b]{total}[/b], for good?" in question and str(app.screen.query_one("#yes", Button).label) == f"Delete {total}"
+        assert (run / "checkpoint-10").exists()  # nothing deleted yet
+        await pilot.click("#yes")
         await until(pilot, lambda: wizard.running is None and "Freed" in text(app, "#finish-notes"), "the cleanup")
+        assert f"Freed {total}." in text(app, "#finish-notes")
     assert not (run / "checkpoint-10").exists()
     assert not (run / "checkpoint-20" / "optimizer.pt").exists()
     assert (run / "checkpoint-20" / "adapter_model.safetensors").is_file()  # what was merged stays unless picked

@@ -57,7 +57,11 @@ Wizard { layout: vertical; }
 .dialog { width: 90%; max-width: 100; height: auto; max-height: 90%; padding: 1 2; border: round $primary; background: $surface; }
 .dialog.wide { height: 90%; }
 .dialog #tree { height: 1fr; min-height: 8; }
-.dialog SelectionList { height: 1fr; }
+.dialog #items { height: 1fr; min-height: 4; margin-top: 1; }
+.cleanup-item { height: auto; margin-bottom: 1; }
+.cleanup-item Checkbox { width: auto; border: none; padding: 0; }
+.item-text { width: 1fr; height: auto; margin-left: 1; }
+#cleanup-total { height: auto; margin-top: 1; }
 .buttons { height: auto; align-horizontal: right; margin-top: 1; }
 .buttons Button { margin-left: 1; }
 .dim { color: $text-muted; }

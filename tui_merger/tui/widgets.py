@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, DirectoryTree, Input, Label, Markdown, SelectionList, Static
+from textual.widgets import Button, DirectoryTree, Input, Label, Markdown, Static
 
 HELP = """\
 # tui-merger
@@ -123,7 +123,9 @@ class HelpScreen(ModalScreen[None]):
 
 
 class CleanupDialog(ModalScreen[list | None]):
-    """The items a verified merge made unnecessary; returns the chosen ones (None: cancelled)."""
+    """The items a verified merge made unnecessary, one row each: a tick with its size, its whole path(s)
+    (wrapped, never cut) and why it can go. Returns the chosen ones (None: cancelled) after a last
+    confirmation that names the total and the paths."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -132,32 +134,82 @@ class CleanupDialog(ModalScreen[list | None]):
         self.plan = plan
 
     def compose(self) -> ComposeResult:
+        from textual.widgets import Checkbox
+
         from tui_merger.core.options import human_bytes
 
         with Vertical(classes="dialog wide"):
-            yield Label(f"Free space in {self.plan.root}: pick what to delete")
-            yield SelectionList(
-                *[
-                    (f"{human_bytes(i.size):>9}  {i.label}  ({i.reason})", n, i.selected_by_default)
-                    for n, i in enumerate(self.plan.items)
-                ],
-                id="items",
-            )
+            yield Static(f"Free space in [b]{_escape(self.plan.root)}[/b]: tick what to delete.", id="cleanup-title")
+            with VerticalScroll(id="items"):
+                for n, item in enumerate(self.plan.items):
+                    with Horizontal(classes="cleanup-item"):
+                        yield Checkbox(f"{human_bytes(item.size):>9}", item.selected_by_default, id=f"item-{n}")
+                        yield Static(_item_text(item), classes="item-text")
+            yield Static(id="cleanup-total")
             if self.plan.protected:
-                yield Static(f"{len(self.plan.protected)} item(s) are protected and never deleted.", classes="dim")
+                yield Static(
+                    f"{len(self.plan.protected)} item(s) are protected and never deleted (merged models, and what "
+                    "an unverified merge read).",
+                    classes="dim",
+                )
             with Horizontal(classes="buttons"):
-                yield Button("Delete selected", variant="error", id="delete")
+                yield Button("Delete selected...", variant="error", id="delete")
                 yield Button("Cancel", variant="primary", id="cancel")
 
+    def on_mount(self) -> None:
+        self._total()
+        self.query_one("#item-0").focus()
+
+    def chosen(self) -> list:
+        from textual.widgets import Checkbox
+
+        return [item for n, item in enumerate(self.plan.items) if self.query_one(f"#item-{n}", Checkbox).value]
+
+    def _total(self) -> None:
+        from tui_merger.core.options import human_bytes
+
+        chosen = self.chosen()
+        self.query_one("#cleanup-total", Static).update(
+            f"Selected: {len(chosen)} of {len(self.plan.items)}, {human_bytes(sum(i.size for i in chosen))}."
+        )
+        self.query_one("#delete", Button).disabled = not chosen
+
+    def on_checkbox_changed(self) -> None:
+        self._total()
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "delete":
-            chosen = self.query_one("#items", SelectionList).selected
-            self.dismiss([self.plan.items[n] for n in chosen])
-        else:
+        from tui_merger.core.options import human_bytes
+
+        if event.button.id != "delete":
             self.dismiss(None)
+            return
+        chosen = self.chosen()
+        total = human_bytes(sum(i.size for i in chosen))
+        paths = [p for i in chosen for p in i.paths]
+        listed = "\n".join(f"  {_escape(p)}" for p in paths[:6]) + (f"\n  ... and {len(paths) - 6} more" if len(paths) > 6 else "")
+        question = f"Delete {len(chosen)} item(s), [b]{total}[/b], for good? This cannot be undone.\n{listed}"
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self.dismiss(chosen)
+
+        self.app.push_screen(Confirm(question, f"Delete {total}", "Keep them"), answer)
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+def _escape(text) -> str:
+    return str(text).replace("[", r"\[")
+
+
+def _item_text(item) -> str:
+    """A cleanup item's whole path(s), up to three (the rest counted), then why it can go, as markup."""
+    paths = [str(p) for p in item.paths] or [item.label]
+    lines = [_escape(p) for p in paths[:3]]
+    if len(paths) > 3:
+        lines.append(f"... and {len(paths) - 3} more ({_escape(item.label)})")
+    return "\n".join(lines) + f"\n[dim]{_escape(item.reason)}[/dim]"
 
 
 class UploadDialog(ModalScreen[tuple | None]):
