@@ -100,6 +100,8 @@ async def test_find_lists_checkpoints_and_picks_the_adapter(workspace):
         assert "LoRA rank 8, alpha 16" in text(app, "#path-status")
         assert not app.screen.query_one("#next", Button).disabled
         assert app.screen.query_one("#back", Button).disabled
+        bindings = app.screen.active_bindings  # the footer: no "^b Back" where Back does nothing (issue 32)
+        assert "ctrl+b" not in bindings and "ctrl+n" in bindings
 
 
 async def test_typed_path_is_validated(workspace, tmp_path):
@@ -188,6 +190,9 @@ async def test_full_run_to_a_verified_model(workspace, tmp_path):
         assert wizard.step == "finish" and "verified" in text(app, "#summary")
         assert not app.screen.query_one("#cleanup", Button).disabled
         assert app.screen.query_one("#quit", Button).has_focus
+        # the last step: no "Next >" (it was drawn as an empty block) and no ^n in the footer; Back works
+        assert not app.screen.query_one("#next", Button).display
+        assert "ctrl+n" not in app.screen.active_bindings and "ctrl+b" in app.screen.active_bindings
         await pilot.press("enter")  # Quit
     assert app.return_code == 0
     manifest = read_manifest(out)
@@ -819,3 +824,25 @@ async def test_review_at_80x24_focuses_the_output_folder_in_sight_and_typing_goe
         await pilot.pause(0.2)
         assert app.focused is app.screen.query_one("#weight", Input)
         assert form.region.contains_region(app.focused.region)
+
+
+async def test_a_verl_conversion_is_described_as_one_and_says_what_to_do_in_the_app(tmp_path_factory):
+    """Issue 32 item 10: a verl FSDP checkpoint (no adapter) was labelled "dtype: as the base", "tokenizer
+    from the adapter folder" and "27 tensors (0 merged)", and its float32 note said "pass --dtype bf16"."""
+    import re
+
+    from fsdp_factory import cached_fsdp_checkpoint
+
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=1)
+    app = MergeApp(info["run_dir"])
+    async with app.run_test(size=(80, 24)) as pilot:
+        await to_review(pilot, app)
+        plan_text = text(app, "#plan-text")
+        assert re.search(r"tensors \(converted, no adapter to merge\)", plan_text) and "merged)" not in plan_text, plan_text
+        assert "dtype float32" in plan_text and "as the base" not in plan_text, plan_text  # verl writes fp32 masters
+        assert re.search(r"tokenizer +from the checkpoint", plan_text) and "adapter folder" not in plan_text, plan_text
+        dtype = app.screen.query_one("#dtype", Select)
+        assert dict((v, str(p)) for p, v in dtype._options)[""] == "dtype: as the checkpoint"
+        findings = plain(app, "#findings")
+        assert 'choose "dtype: bf16" in Review' in findings, findings
+        assert not re.search(r"--[a-z]", findings), findings  # no command-line flags in the app

@@ -133,8 +133,22 @@ class Wizard(Screen):
     def refresh_nav(self) -> None:
         back, nxt = self.query_one("#back", Button), self.query_one("#next", Button)
         back.disabled, nxt.disabled, nxt.label, status = self.panes[self.step].nav()
+        nxt.display = self.step != STEPS[-1]  # Finish is the last step: no "Next >" drawn as an empty block
         nxt.tooltip = status or None
         self.query_one("#nav-status", Static).update(escape(status))
+        self.refresh_bindings()  # the footer shows ^b Back / ^n Next only where they do something
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        """The footer leaves out Back where it does nothing (Find, Verify, a running merge) and Next on
+        Finish; ctrl+n on a disabled "Merge >" still runs, to say why."""
+        try:
+            if action == "back":
+                return not self.query_one("#back", Button).disabled
+            if action == "next":
+                return self.step != STEPS[-1]
+        except Exception:  # noqa: BLE001 - asked before the buttons exist
+            return True
+        return True
 
     def action_next(self) -> None:
         pane = self.panes[self.step]

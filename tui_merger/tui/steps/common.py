@@ -57,6 +57,34 @@ def visible(text: str) -> str:
     return "".join(c if c in "\n\t" or (ord(c) >= 32 and not 127 <= ord(c) < 160) else f"\\x{ord(c):02x}" for c in text)
 
 
+# The engine's sentences name command-line flags; in the app the same choice is a field or a switch.
+# (phrase as the engine says it, as the app says it), tried in this order.
+IN_APP = (
+    ("pass --overwrite", 'tick "Replace the existing folder" under the output folder'),
+    ("(--overwrite)", '("Replace the existing folder")'),
+    ("Use --dtype bf16, or --force to clamp them to ±65504.", 'Choose "dtype: bf16" (or fp32) under the output folder.'),
+    ("pass --dtype bf16", 'choose "dtype: bf16" in Review'),
+    ("(--tokenizer-from base)", '("tokenizer: base" in Review)'),
+    ("pass --base with the", 'type in "Base model folder" the folder of the'),
+    ("the merge needs --base", 'the merge needs a "Base model folder"'),
+    ("Pass --base ", 'Use as the base model: '),
+    ("pass --lora-alpha with the value used in training", 'type the value used in training in "LoRA alpha"'),
+    ("the merge needs --lora-alpha", 'the merge needs "LoRA alpha" (in Review)'),
+    ("fix it or pass --lora-alpha", 'fix it or type "LoRA alpha" in Review'),
+    ("(--lora-alpha)", '("LoRA alpha")'),
+    ("say which model to compare with (--against BASE_OR_ADAPTER)", 'pick "compare with the unmerged adapter" if it is offered'),
+    ("give a base model or an adapter to compare with (--against BASE_OR_ADAPTER)", "it answers alone here"),
+)
+
+
+def in_app(message) -> str:
+    """An engine sentence as the app says it: the fields and switches, not the flags."""
+    message = str(message)
+    for flag, field in IN_APP:
+        message = message.replace(flag, field)
+    return message
+
+
 class Step:
     """Mixed into a container: one step of the wizard.
 

@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from tui_merger.tui.steps.common import Step, escape
+from tui_merger.tui.steps.common import Step, escape, in_app
 from tui_merger.tui.widgets import FolderPicker
 
 
@@ -53,7 +53,7 @@ class FindStep(Step, Vertical):
         try:
             found = scan(path)
         except MergeError as err:
-            status.update(f"[b red]{escape(err)}[/]")
+            status.update(f"[b red]{escape(in_app(err))}[/]")
             return
         wizard.root = Path(path).absolute() if Path(path).is_dir() else Path(path).absolute().parent
         wizard.candidates = found.candidates
@@ -92,7 +92,7 @@ class FindStep(Step, Vertical):
         c = wizard.candidates[int(event.option.id)]
         problem = self.why_not(c)
         wizard.candidate = None if problem else c
-        note = f"[b red]{escape(problem)}[/]" if c.path in self.broken else escape(problem or self._candidate_text(c))
+        note = f"[b red]{escape(problem)}[/]" if c.path in self.broken else escape(in_app(problem or self._candidate_text(c)))
         self.query_one("#path-status", Static).update(note)
         wizard.refresh_nav()
         if isinstance(event, OptionList.OptionSelected) and wizard.candidate is not None:

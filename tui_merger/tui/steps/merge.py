@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Button, Checkbox, ProgressBar, Static
 
-from tui_merger.tui.steps.common import Done, EngineEvent, JobProgress, Step, WorkDone, escape
+from tui_merger.tui.steps.common import Done, EngineEvent, JobProgress, Step, WorkDone, escape, in_app
 from tui_merger.tui.widgets import Confirm
 
 
@@ -168,7 +168,7 @@ class MergeStep(Step, Vertical):
         if done.cancelled:
             status.update("[b yellow]Cancelled.[/] The partial output was removed; the inputs are untouched.")
         elif done.error:
-            status.update(f"[b red]The merge failed:[/] {escape(done.error)}\nGo back to Review to change something.")
+            status.update(f"[b red]The merge failed:[/] {escape(in_app(done.error))}\nGo back to Review to change something.")
         else:
             wizard.result = done.value
             wizard.refresh_nav()
@@ -182,7 +182,7 @@ class MergeStep(Step, Vertical):
         self.query_one("#cancel", Button).disabled = True
         status = self.query_one("#merge-status", Static)
         if done.error:
-            status.update(f"[b red]The background job could not start:[/] {escape(done.error)}")
+            status.update(f"[b red]The background job could not start:[/] {escape(in_app(done.error))}")
             return
         job = done.value
         message = (job.result or {}).get("message", "")

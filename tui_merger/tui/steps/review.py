@@ -11,11 +11,16 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 
-from tui_merger.tui.steps.common import Done, Step, WorkDone, escape
+from tui_merger.tui.steps.common import Done, Step, WorkDone, escape, in_app
 from tui_merger.tui.widgets import FolderPicker
 
 DTYPES = [("dtype: as the base", ""), ("dtype: bf16", "bf16"), ("dtype: fp16", "fp16"), ("dtype: fp32", "fp32")]
 TOKENIZERS = [("tokenizer: auto", "auto"), ("tokenizer: base", "base"), ("tokenizer: adapter", "adapter")]
+SETTINGS = "Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)"
+# a training checkpoint (verl) brings its own weights, config and tokenizer: no base, no adapter folder
+CHECKPOINT_DTYPES = [("dtype: as the checkpoint", "")] + DTYPES[1:]
+CHECKPOINT_TOKENIZERS = [("tokenizer: auto", "auto"), ("tokenizer: base", "base"), ("tokenizer: the checkpoint's", "adapter")]
+CHECKPOINT_SETTINGS = "Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the checkpoint's if it has one)"
 
 
 class ReviewStep(Step, Vertical):
@@ -59,7 +64,7 @@ class ReviewStep(Step, Vertical):
                 yield Button("Add adapter...", id="add-adapter")
             yield Label("Base weights (the adapter was trained with QLoRA on a quantized copy of the base)", classes="field qlora-field")
             yield Select([("the 16-bit weights as stored (usual)", "")], value="", allow_blank=False, id="roundtrip", classes="qlora-field")
-            yield Label("Output dtype, largest shard (e.g. 5GB), tokenizer from (auto: the adapter's if it has one)", classes="field")
+            yield Label(SETTINGS, classes="field", id="settings-label")
             with Horizontal(classes="row"):
                 yield Select(DTYPES, value="", allow_blank=False, id="dtype")
                 yield Input("5GB", id="shard", placeholder="shard size")
@@ -126,13 +131,22 @@ class ReviewStep(Step, Vertical):
 
     # -- entering --------------------------------------------------------------------------------
     def enter(self) -> None:
-        from tui_merger.core.plan.choices import can_weight, models_found, needs_alpha, needs_base
+        from tui_merger.core.plan.choices import can_weight, is_checkpoint, models_found, needs_alpha, needs_base
 
         wizard = self.wizard
         c = wizard.candidate
         for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
             for w in self.query(cls):
                 w.display = shown
+        checkpoint = is_checkpoint(c)
+        self.query_one("#settings-label", Label).update(CHECKPOINT_SETTINGS if checkpoint else SETTINGS)
+        for selector, choices in (("#dtype", CHECKPOINT_DTYPES if checkpoint else DTYPES),
+                                  ("#tokenizer", CHECKPOINT_TOKENIZERS if checkpoint else TOKENIZERS)):
+            select = self.query_one(selector, Select)
+            with select.prevent(Select.Changed):
+                value = select.value
+                select.set_options(choices)
+                select.value = value
         base = self.query_one("#base", Input)
         if c.path != self._reviewed:  # another checkpoint: its own weights, no adapters blended in yet
             self._reviewed = c.path
@@ -251,7 +265,7 @@ class ReviewStep(Step, Vertical):
             options = self._options()
         except (MergeError, ValueError) as err:
             wizard.plan, wizard.plan_stale = None, True
-            self._show_checks(f"[b red]ERROR[/]   {escape(err)}", "[b red]1 error[/]")
+            self._show_checks(f"[b red]ERROR[/]   {escape(in_app(err))}", "[b red]1 error[/]")
             wizard.refresh_nav()
             return
         wizard.running = "plan"
@@ -276,7 +290,7 @@ class ReviewStep(Step, Vertical):
 
     def done_plan(self, done: Done) -> None:
         if done.error:
-            self._show_checks(f"[b red]ERROR[/]   {escape(done.error)}", "[b red]1 error[/]")
+            self._show_checks(f"[b red]ERROR[/]   {escape(in_app(done.error))}", "[b red]1 error[/]")
         else:
             self._show_plan(*done.value)
 
@@ -306,7 +320,7 @@ class ReviewStep(Step, Vertical):
         order = {"error": 0, "warning": 1, "info": 2}
         lines = [
             f"[b {colours[f.severity]}]{f.severity.upper():7}[/] {escape(in_app(f.message))}"
-            + (f"\n        [dim]{escape(f.fix)}[/dim]" if f.fix else "")
+            + (f"\n        [dim]{escape(in_app(f.fix))}[/dim]" if f.fix else "")
             for f in sorted(plan.findings, key=lambda f: order.get(f.severity, 3))
         ] or ["[b green]every check passed[/]"]
         counts = [f"{n} {sev}{'s' * (n != 1)}" for sev in ("error", "warning") if (n := len(plan.of(sev)))]
@@ -410,8 +424,3 @@ def config_text(fields) -> str:
         text += (" / " if f.name == "KV heads" and text else ", " if text else "") + part
     return text
 
-
-def in_app(message: str) -> str:
-    """The engine's sentences name command-line flags; in the app the same choice is a switch."""
-    return message.replace("pass --overwrite", 'tick "Replace the existing folder" under the output folder').replace(
-        "(--overwrite)", '("Replace the existing folder")')

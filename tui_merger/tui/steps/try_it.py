@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Input, Select, Static
 
-from tui_merger.tui.steps.common import Done, EngineEvent, Step, escape, visible
+from tui_merger.tui.steps.common import Done, EngineEvent, Step, escape, in_app, visible
 
 TRY_TOKENS = 64  # the most tokens each model answers in Try it
 TRY_PROMPT = "Explain in two sentences what you can help me with."
@@ -108,7 +108,7 @@ class TryStep(Step, Vertical):
         """Read while the user may have gone on: touches Try it's widgets only."""
         self.planning = False
         if done.error:
-            self.query_one("#try-status", Static).update(f"[b red]Try it cannot start:[/] {escape(done.error)}")
+            self.query_one("#try-status", Static).update(f"[b red]Try it cannot start:[/] {escape(in_app(done.error))}")
         else:
             self.trial_plan = done.value
             self.show_trial_plan()
@@ -122,7 +122,7 @@ class TryStep(Step, Vertical):
             panel = self.query_one(f"#answer-{side}")
             panel.display = label is not None
             panel.border_title = label or ""
-        notes = [escape(n) for n in plan.notes]
+        notes = [escape(in_app(n)) for n in plan.notes]
         if not plan.fits:
             notes[0] = f"[b red]{notes[0]}[/]"
         how = "as one user message through the chat template" if plan.chat_template else "as plain text (no chat template)"
@@ -240,7 +240,7 @@ class TryStep(Step, Vertical):
                     if ev is None:
                         self.query_one(f"#answer-{side}-text", Static).update("[dim](not asked: stopped before)[/dim]")
         elif done.error:
-            status.update(f"[b red]Try it failed:[/] {escape(done.error)}")
+            status.update(f"[b red]Try it failed:[/] {escape(in_app(done.error))}")
             for side, label in zip(("merged", "other"), [s.label for s in self.trial_plan.sides]):
                 if not isinstance(self.trial_answers.get(label), TrialFinished):  # no "loading..." left behind
                     self.query_one(f"#answer-{side}").border_subtitle = "no answer"

@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, ProgressBar, Static
 
-from tui_merger.tui.steps.common import Done, EngineEvent, Step, escape
+from tui_merger.tui.steps.common import Done, EngineEvent, Step, escape, in_app
 
 
 class VerifyStep(Step, Vertical):
@@ -66,7 +66,7 @@ class VerifyStep(Step, Vertical):
     def done_verify(self, done: Done) -> None:
         wizard = self.wizard
         if done.error:
-            self.query_one("#verify-status", Static).update(f"[b red]Verification could not run:[/] {escape(done.error)}")
+            self.query_one("#verify-status", Static).update(f"[b red]Verification could not run:[/] {escape(in_app(done.error))}")
             wizard.report = None
         else:
             wizard.report = done.value
