@@ -846,3 +846,33 @@ async def test_a_verl_conversion_is_described_as_one_and_says_what_to_do_in_the_
         findings = plain(app, "#findings")
         assert 'choose "dtype: bf16" in Review' in findings, findings
         assert not re.search(r"--[a-z]", findings), findings  # no command-line flags in the app
+
+
+async def test_browse_goes_up_from_the_launch_folder(workspace, tmp_path):
+    """Issue 32 item 10: Browse started at the launch folder and could not go above it."""
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace / "base", ws / "base")
+    shutil.copytree(workspace / "adapter", ws / "adapter")
+    app = MergeApp(ws / "base")  # launched in the model folder: nothing to merge here
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = app.wizard
+        await pilot.pause()
+        assert wizard.candidate is None
+        await pilot.click("#browse")
+        await pilot.pause()
+        picker = app.screen
+        assert type(picker).__name__ == "FolderPicker" and picker.query_one("#tree").has_focus
+        await pilot.press("backspace")  # up one folder
+        await pilot.pause()
+        assert Path(picker.query_one("#tree").path) == ws and picker.chosen == ws
+        await pilot.click("#up")
+        await pilot.pause()
+        assert Path(picker.query_one("#tree").path) == tmp_path
+        await pilot.press("escape")
+        await pilot.click("#browse")
+        await pilot.pause()
+        app.screen.query_one("#up", Button).press()
+        await pilot.pause()
+        await pilot.click("#use")
+        await pilot.pause()
+        assert wizard.root == ws and wizard.candidate is not None and wizard.candidate.path == str(ws / "adapter")

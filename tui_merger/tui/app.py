@@ -66,6 +66,9 @@ Wizard { layout: vertical; }
 .buttons Button { margin-left: 1; }
 .dim { color: $text-muted; }
 #gguf-progress { margin-bottom: 1; }
+#login-note, #picked { height: auto; margin-top: 1; }
+#public { height: 1; border: none; padding: 0; margin-top: 1; background: transparent; }
+#login-note { margin-top: 0; }
 Confirm, HelpScreen, FolderPicker, CleanupDialog, UploadDialog, GgufDialog { align: center middle; }
 """
 

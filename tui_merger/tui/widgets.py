@@ -54,27 +54,48 @@ class AsciiDirectoryTree(DirectoryTree):
 
 
 class FolderPicker(ModalScreen[Path | None]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    """A folder tree from ``start``; "Up one folder" (or backspace) shows the folder above it, so that a
+    checkpoint outside the launch folder can be reached."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("backspace", "up", "Up one folder")]
 
     def __init__(self, start: Path) -> None:
         super().__init__()
-        self.start = start
-        self.chosen: Path = start
+        self.start = Path(start).absolute()
+        self.chosen: Path = self.start
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label("Choose a folder (enter opens it, then Use this folder)")
+            yield Static("Choose a folder: enter opens it, backspace goes up; then Use this folder.")
             yield AsciiDirectoryTree(self.start, id="tree")
-            yield Label(str(self.start), id="picked")
+            yield Static(_escape(self.start), id="picked")
             with Horizontal(classes="buttons"):
+                yield Button("Up one folder", id="up")
                 yield Button("Use this folder", variant="primary", id="use")
                 yield Button("Cancel", id="cancel")
 
+    def on_mount(self) -> None:
+        self.query_one("#tree").focus()
+
+    def _pick(self, path: Path) -> None:
+        self.chosen = Path(path)
+        self.query_one("#picked", Static).update(_escape(self.chosen))
+
     def on_directory_tree_directory_selected(self, event: DirectoryTree.DirectorySelected) -> None:
-        self.chosen = Path(event.path)
-        self.query_one("#picked", Label).update(str(self.chosen))
+        self._pick(event.path)
+
+    def action_up(self) -> None:
+        tree = self.query_one("#tree", AsciiDirectoryTree)
+        top = Path(tree.path).absolute()
+        if top.parent != top:  # not at / already
+            tree.path = top.parent
+            self._pick(top.parent)
+            tree.focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "up":
+            self.action_up()
+            return
         self.dismiss(self.chosen if event.button.id == "use" else None)
 
     def action_cancel(self) -> None:
@@ -213,7 +234,9 @@ def _item_text(item) -> str:
 
 
 class UploadDialog(ModalScreen[tuple | None]):
-    """Asks the repo id and visibility; returns (repo_id, private) or None."""
+    """Asks the repo id, the visibility and, when this machine is not logged in to the Hub, a token
+    (saved with huggingface_hub's login, as `hf auth login` saves it); returns (repo_id, private, token or
+    None) or None."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -222,24 +245,41 @@ class UploadDialog(ModalScreen[tuple | None]):
         self.suggested = suggested
 
     def compose(self) -> ComposeResult:
+        from huggingface_hub import constants, get_token
         from textual.widgets import Checkbox
 
+        where = f"{constants.ENDPOINT}/settings/tokens"
+        if get_token():
+            login = "Logged in to the Hub on this machine. Another account: paste its token."
+        else:
+            login = f"Not logged in: paste a write token from {where}; it is saved, as `hf auth login` does."
         with Vertical(classes="dialog"):
-            yield Label("Upload to the Hugging Face Hub: repo id (ORG/NAME, or NAME for your account)")
+            yield Static("Upload to the Hugging Face Hub. Repo id (ORG/NAME, or NAME for your account):")
             yield Input(self.suggested, id="repo")
             yield Checkbox("Public (default: private)", id="public")
+            yield Static(_escape(login), id="login-note")
+            yield Input(placeholder="hf_... (leave empty to use the saved login)", password=True, id="token")
             with Horizontal(classes="buttons"):
                 yield Button("Upload", variant="primary", id="upload")
                 yield Button("Cancel", id="cancel")
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
+    def _answer(self) -> None:
         from textual.widgets import Checkbox
 
+        repo = self.query_one("#repo", Input).value.strip()
+        if not repo:
+            self.query_one("#repo", Input).focus()
+            return
+        token = self.query_one("#token", Input).value.strip() or None
+        self.dismiss((repo, not self.query_one("#public", Checkbox).value, token))
+
+    def on_input_submitted(self) -> None:
+        self._answer()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "upload":
-            repo = self.query_one("#repo", Input).value.strip()
-            if repo:
-                self.dismiss((repo, not self.query_one("#public", Checkbox).value))
-                return
+            self._answer()
+            return
         self.dismiss(None)
 
     def action_cancel(self) -> None:

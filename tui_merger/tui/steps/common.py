@@ -74,6 +74,12 @@ IN_APP = (
     ("(--lora-alpha)", '("LoRA alpha")'),
     ("say which model to compare with (--against BASE_OR_ADAPTER)", 'pick "compare with the unmerged adapter" if it is offered'),
     ("give a base model or an adapter to compare with (--against BASE_OR_ADAPTER)", "it answers alone here"),
+    ("log in with `hf auth login` or set HF_TOKEN to a token with write access.",
+     'paste a token with write access in "Upload..." (it is saved for next time).'),
+    ("and log in with it (`hf auth login`) or set HF_TOKEN to it.", 'and paste it in "Upload...".'),
+    ("pass a valid token with write access.", 'paste a valid token with write access in "Upload...".'),
+    ("log in again with `hf auth login --force`.", 'paste a valid token in "Upload...".'),
+    ("; check --repo-id and that", "; check the repo id and that"),
 )
 
 

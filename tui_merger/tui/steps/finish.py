@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Button, ProgressBar, Static
 
-from tui_merger.tui.steps.common import Done, EngineEvent, Step, WorkDone, escape
+from tui_merger.tui.steps.common import Done, EngineEvent, Step, WorkDone, escape, in_app
 from tui_merger.tui.widgets import CleanupDialog, GgufDialog, UploadDialog
 
 
@@ -161,15 +161,42 @@ class FinishStep(Step, VerticalScroll):
         self.app.push_screen(UploadDialog(wizard.out_path.name), chosen)
 
     @work(thread=True, exclusive=True, group="upload", exit_on_error=False)
-    def _upload_worker(self, repo_id: str, private: bool) -> None:
+    def _upload_worker(self, repo_id: str, private: bool, token: str | None = None) -> None:
         from tui_merger.core.ship.hub import plan_upload, upload
 
         out = self.wizard.out_path
-        self.post_outcome("upload", lambda: upload(plan_upload(out, repo_id, private=private), on_event=self.forward))
+        self._login_problem = None
+
+        def send():
+            plan = plan_upload(out, repo_id, private=private, token=token)  # checks the token first
+            if token:
+                self._save_login(token)
+            return upload(plan, on_event=self.forward)
+
+        self.post_outcome("upload", send)
+
+    def _save_login(self, token: str) -> None:
+        """A token typed in the Upload dialog (it works: the plan checked it) is saved as `hf auth login`
+        saves it, with huggingface_hub's own login, so that the next upload needs none."""
+        from huggingface_hub import login
+        from huggingface_hub.utils import logging as hub_logging
+
+        verbosity = hub_logging.get_verbosity()
+        hub_logging.set_verbosity_error()  # its log lines go to the terminal's stderr, where the app draws
+        try:
+            login(token=token, add_to_git_credential=False)
+        except Exception as err:  # noqa: BLE001 - the upload goes on with the token; only saving it failed
+            self._login_problem = f"The token was used but not saved for next time ({(str(err).splitlines() or [''])[0][:120]})."
+        finally:
+            hub_logging.set_verbosity(verbosity)
 
     def done_upload(self, done: Done) -> None:
         notes = self.query_one("#finish-notes", Static)
-        notes.update(escape(done.error) if done.error else f"Uploaded: {escape(done.value.commit_url)}")
+        if done.error:
+            notes.update(escape(in_app(done.error)))
+            return
+        saved = f"\n{escape(self._login_problem)}" if getattr(self, "_login_problem", None) else ""
+        notes.update(f"Uploaded: {escape(done.value.commit_url)}{saved}")
 
     # -- GGUF ------------------------------------------------------------------------------------
     @on(Button.Pressed, "#gguf")
