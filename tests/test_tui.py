@@ -789,7 +789,7 @@ async def test_try_it_says_the_demo_is_random_and_a_prompt_of_no_tokens_in_a_sen
         trial = wizard.panes["try"]
         await until(pilot, lambda: trial.trial_plan is not None, "the trial plan")
         status = plain(app, "#try-status")
-        assert "The demo's models are tiny and random (never trained): they answer in random characters" in status
+        assert "Demo models are random, never trained: they answer in random characters." in status
         prompt = app.screen.query_one("#prompt", Input)
         prompt.value = "xyz"
         prompt.focus()

@@ -187,3 +187,35 @@ def test_try_it(snap_compare, workspace, size):
         await pilot.pause()
 
     assert snap_compare(app(), terminal_size=size, run_before=tried)
+
+
+@SIZES
+def test_cleanup_dialog(snap_compare, workspace, size):
+    """Finish > Clean up...: each item's whole paths (wrapped, not cut), its size, and the selected total."""
+
+    async def cleanup(pilot):
+        await merged(pilot)
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it, skipped
+        await pilot.click("#cleanup")
+        await pilot.pause()
+
+    assert snap_compare(app(), terminal_size=size, run_before=cleanup)
+
+
+@SIZES
+def test_find_broken_config(snap_compare, workspace, size):
+    """An adapter whose adapter_config.json is not JSON: marked in the list, the reason under it."""
+    ws = WORKSPACE.parent / "broken"
+    if not ws.exists():
+        shutil.copytree(workspace / "base", ws / "base")
+        shutil.copytree(workspace / "adapter", ws / "adapter")
+        (ws / "adapter" / "adapter_config.json").write_text('{"r": 8,')
+
+    async def broken(pilot):
+        wizard = pilot.app.wizard
+        await pilot.pause()
+        [n] = [n for n, c in enumerate(wizard.candidates) if c.path.endswith("adapter")]
+        pilot.app.screen.query_one("#candidates").highlighted = n
+        await pilot.pause()
+
+    assert snap_compare(MergeApp(ws, today=TODAY), terminal_size=size, run_before=broken)

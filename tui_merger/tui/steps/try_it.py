@@ -17,10 +17,7 @@ from tui_merger.tui.steps.common import Done, EngineEvent, Step, escape, in_app,
 TRY_TOKENS = 64  # the most tokens each model answers in Try it
 TRY_PROMPT = "Explain in two sentences what you can help me with."
 NARROW = 100  # below this many columns the two answers are stacked, not side by side
-DEMO_NOTE = (
-    "[b]The demo's models are tiny and random (never trained): they answer in random characters, not "
-    "words.[/b] The answers differ because the adapter changed the weights."
-)
+DEMO_NOTE = "[b]Demo models are random, never trained: they answer in random characters.[/b]"
 
 
 class TryStep(Step, Vertical):
