@@ -19,12 +19,18 @@ SIZES = pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "12
 
 @pytest.fixture(scope="module")
 def workspace():
+    """The fixed folder the pictures show, held under a lock: two test runs on one machine (several
+    worktrees) would otherwise delete each other's workspace mid-test."""
+    import fcntl
+
     from tui_merger.demo import build_demo
 
-    shutil.rmtree(WORKSPACE.parent, ignore_errors=True)
-    build_demo(WORKSPACE)
-    yield WORKSPACE
-    shutil.rmtree(WORKSPACE.parent, ignore_errors=True)
+    with open(WORKSPACE.parent.with_name(WORKSPACE.parent.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        shutil.rmtree(WORKSPACE.parent, ignore_errors=True)
+        build_demo(WORKSPACE)
+        yield WORKSPACE
+        shutil.rmtree(WORKSPACE.parent, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
