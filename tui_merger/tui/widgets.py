@@ -16,15 +16,16 @@ HELP = """\
 
 Turn a training checkpoint into a plain Hugging Face model, in six steps:
 
-1. **Find** - pick a detected checkpoint, type a path, or browse for a folder.
+1. **Find** - pick a detected checkpoint, type a path, or browse for a folder (backspace goes up).
 2. **Review** - read the plan; the checks stay in sight under the form. Errors must be fixed;
    warnings need a tick. When the adapter's base is not here, a model that fits it is proposed.
 3. **Merge** - runs in the background; *Cancel* stops it and removes the partial output.
 4. **Verify** - the result is read back, recomputed and compared with the unmerged model.
 5. **Try it** - type a prompt: the merged model answers, and beside it the base (or the
    unmerged adapter), greedy, so you see what the training changed. *Stop* ends it; skip it freely.
-6. **Finish** - where the model is; clean up the training folder, upload to the Hub, or make a
-   GGUF file for llama.cpp, Ollama and LM Studio.
+6. **Finish** - where the model is; clean up the training folder, upload to the Hub (a token can
+   be pasted there), or make a GGUF file for llama.cpp, Ollama and LM Studio. When the app closes,
+   the terminal keeps where the model is and the commands to run it.
 
 ## Keys
 

@@ -52,6 +52,7 @@ class FinishStep(Step, VerticalScroll):
     def __init__(self, wizard, **kwargs) -> None:
         super().__init__(wizard, **kwargs)
         self.gguf_cancel = None  # the CancelToken of the GGUF being written
+        self._login_problem: str | None = None  # a token typed for Upload worked but was not saved
 
     def compose(self) -> ComposeResult:
         yield Static(id="summary")
@@ -195,7 +196,7 @@ class FinishStep(Step, VerticalScroll):
         if done.error:
             notes.update(escape(in_app(done.error)))
             return
-        saved = f"\n{escape(self._login_problem)}" if getattr(self, "_login_problem", None) else ""
+        saved = f"\n{escape(self._login_problem)}" if self._login_problem else ""
         notes.update(f"Uploaded: {escape(done.value.commit_url)}{saved}")
 
     # -- GGUF ------------------------------------------------------------------------------------
