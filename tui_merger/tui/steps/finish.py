@@ -27,13 +27,16 @@ def farewell(wizard) -> str | None:
         return None
     out = wizard.out_path.absolute()
     manifest = read_manifest(out) or {}
+    recorded = manifest.get("verification") or {}
     if wizard.result is not None and wizard.report is not None:
-        verified = wizard.report.passed
-    else:
-        verified = bool((manifest.get("verification") or {}).get("passed"))
+        verified = "verified" if wizard.report.passed else "verification FAILED: do not ship it"
+    elif recorded:
+        verified = "verified" if recorded.get("passed") else "verification FAILED: do not ship it"
+    else:  # closed before the verification ended
+        verified = f"not verified yet: run tui-merger verify {shlex.quote(str(out))}"
     code = f'from transformers import pipeline; print(pipeline("text-generation", model={json.dumps(str(out))})("Hello")[0]["generated_text"])'
     lines = [
-        f"The merged model is in {out} ({'verified' if verified else 'NOT verified: do not ship it'}).",
+        f"The merged model is in {out} ({verified}).",
         f"  transformers: python -c {shlex.quote(code)}",
         f"  vLLM:         vllm serve {shlex.quote(str(out))}",
     ]
