@@ -876,3 +876,19 @@ async def test_browse_goes_up_from_the_launch_folder(workspace, tmp_path):
         await pilot.click("#use")
         await pilot.pause()
         assert wizard.root == ws and wizard.candidate is not None and wizard.candidate.path == str(ws / "adapter")
+
+
+async def test_the_farewell_says_when_the_model_was_not_verified(tmp_path):
+    """Closed while Verify ran (no report, no verification recorded): the lines say so and how to check."""
+    from types import SimpleNamespace
+
+    from tui_merger.tui.steps.finish import farewell
+
+    out = tmp_path / "model"
+    out.mkdir()
+    wizard = SimpleNamespace(result=SimpleNamespace(out=out), report=None, job=None, out_path=out)
+    lines = farewell(wizard).splitlines()
+    assert lines[0] == f"The merged model is in {out} (not verified yet: run tui-merger verify {out})."
+    wizard.report = SimpleNamespace(passed=False)
+    assert "(verification FAILED: do not ship it)." in farewell(wizard)
+    assert farewell(SimpleNamespace(result=None, report=None, job=None)) is None  # nothing merged: nothing said
