@@ -63,10 +63,15 @@ async def until(pilot, condition, tries: int = 1200):
 
 
 async def review(pilot):
+    from textual.widgets import Input
+
     wizard = pilot.app.wizard
     await until(pilot, lambda: wizard.candidate is not None)
     await pilot.press("ctrl+n")
     await until(pilot, lambda: wizard.plan is not None and wizard.running is None and not wizard.plan_stale)
+    for field in pilot.app.screen.query(Input):  # Review focuses a field: a blinking cursor differs run to run
+        field.cursor_blink = False
+    await pilot.pause()
 
 
 async def merged(pilot):

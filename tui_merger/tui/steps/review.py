@@ -37,6 +37,7 @@ class ReviewStep(Step, Vertical):
         self._reviewed = None  # the checkpoint the Review fields were last filled for
         self._proposals: list = []  # [(path, why)]: the models here that fit an adapter whose base is not here
         self._searched = False  # the proposals were looked for (none found: the note says so)
+        self._from_top = False  # the next plan shown scrolls the form to its top (entering the step)
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="review-form"):
@@ -166,6 +167,7 @@ class ReviewStep(Step, Vertical):
         self.query_one("#roundtrip", Select).value = ""
         wizard.plan = None
         self.query_one("#plan-text", Static).update("")
+        self._from_top = True
         wizard.show("review")
         if needs_base(c):
             base.focus()  # the question this checkpoint raises, at the top of the form
@@ -313,6 +315,10 @@ class ReviewStep(Step, Vertical):
             return
         wizard.options, wizard.plan, wizard.plan_stale = options, plan, False
         self._planned = self._fields()
+        if self._from_top:  # the form starts at its top, the focused field (output or base) and its label in sight
+            self._from_top = False
+            form = self.query_one("#review-form")
+            self.call_after_refresh(form.scroll_home, animate=False)
         self.query_one("#plan-text", Static).update(_plan_grid(describe(plan), fields))
         colours = {"error": "red", "warning": "yellow", "info": "cyan"}
         replace = self.query_one("#replace", Checkbox)
