@@ -783,7 +783,10 @@ class Wizard(Screen):
         except MergeError as err:
             done = _Done(error=str(err))
         except Exception as err:  # noqa: BLE001
-            done = _Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
+            from tui_merger.deps import explain_failure
+
+            done = _Done(error=explain_failure(err) or (
+                f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it."))
         self.post_message(WorkDone(kind, done))
 
     @on(Button.Pressed, "#cancel")
