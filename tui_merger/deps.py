@@ -20,7 +20,7 @@ LIBRARIES = (
     "torch", "transformers", "peft", "accelerate", "safetensors", "huggingface_hub",
     "textual", "rich", "questionary", "gguf",
 )
-ISOLATED = "uv tool install (or pipx install) in its own environment, see docs/install.md"
+ISOLATED = "in an environment of its own, which leaves this one as it is (pipx install or uv tool install, see docs/install.md)"
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,10 @@ class Mismatch:
 
     def sentence(self) -> str:
         want = f"{self.name}{self.needed}"
-        fix = f"`pip install '{want}'` in this environment, or install tui-merger with {ISOLATED}"
+        fix = f"`pip install '{want}'` in this environment, or install tui-merger {ISOLATED}"
         if self.installed is None:
             return f"{self.name} is not installed, but tui-merger needs {want}; run {fix}."
-        return (f"{self.name} {self.installed} is installed, but tui-merger needs {want}; run {fix} "
-                "(which leaves this environment as it is).")
+        return f"{self.name} {self.installed} is installed, but tui-merger needs {want}; run {fix}."
 
 
 def declared() -> dict[str, str]:
