@@ -155,7 +155,10 @@ class Step:
         except MergeError as err:
             done = Done(error=str(err))
         except Exception as err:  # noqa: BLE001
-            done = Done(error=f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it.")
+            from tui_merger.deps import explain_failure
+
+            done = Done(error=explain_failure(err) or (
+                f"Unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; please report it."))
         self.post_message(WorkDone(kind, done))
 
     def on_work_done(self, message: WorkDone) -> None:
