@@ -77,7 +77,10 @@ def test_demo_in_a_real_terminal_to_a_verified_merge(tmp_path):
         tmux.wait_for("The merged model is in")
         assert "Verify > Try >  Finish  │" in tmux.screen()
         tmux.keys("C-q")
-        tmux.wait_for("EXIT=0")
+        screen = tmux.wait_for("EXIT=0")
+        # the app has closed; the terminal keeps where the model is and how to use it (issue 32 item 6)
+        assert "The merged model is in " in screen and "(verified)." in screen, screen
+        assert "transformers: python -c " in screen and "vLLM:         vllm serve " in screen, screen
     finally:
         tmux.kill()
     [out] = (tmp_path / "ws").glob("*-r8-*")  # the suggested name, beside the adapter
@@ -85,3 +88,53 @@ def test_demo_in_a_real_terminal_to_a_verified_merge(tmp_path):
     assert read_manifest(out)["verification"]["passed"] is True
     assert not [p for p in (tmp_path / "ws").iterdir() if "partial" in p.name]
     assert os.path.isfile(tmp_path / "ws" / "adapter" / "adapter_config.json")  # inputs untouched
+
+
+def test_upload_logs_in_from_the_app(tmp_path):
+    """Issue 32 item 10: Upload had no way to log in from the app. On a machine that is not logged in, the
+    Upload dialog says so and takes a token; the model goes to the Hub (the in-repo stand-in) and the
+    token is saved where `hf auth login` saves it."""
+    from hub_server import HubServer
+
+    token = "hf_alice_write_5ecret"
+    tmux = Tmux(tmp_path)
+    hf_home = tmp_path / "hf-home"
+    with HubServer() as hub:
+        hub.add_token(token, "alice", "write")
+        env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in {
+            "XDG_CONFIG_HOME": tmp_path / "config", "XDG_STATE_HOME": tmp_path / "state", "HF_HOME": hf_home,
+            "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "TERM": "xterm-256color",
+        }.items())
+        try:
+            tmux.start(f"env -u HF_TOKEN {env} {shlex.quote(sys.executable)} -m tui_merger demo --workspace ws", tmp_path)
+            tmux.wait_for("LoRA rank 8, alpha 16")
+            tmux.keys("C-n")
+            tmux.wait_for("every check passed")
+            tmux.keys("C-n")
+            tmux.wait_for("Verification PASSED")
+            tmux.keys("C-n")
+            tmux.wait_for("Finish >")
+            tmux.keys("C-n")  # Try it skipped
+            tmux.wait_for("The merged model is in")
+            tmux.keys("BTab", "BTab", "Enter")  # Quit is focused: back to Upload...
+            tmux.wait_for("Not logged in: paste a write token")
+            time.sleep(0.5)
+            tmux.keys("C-u")
+            time.sleep(0.5)
+            tmux.keys("-l", "alice/demo")
+            tmux.wait_for("alice/demo")
+            tmux.keys("Tab", "Tab")  # the visibility, then the token
+            time.sleep(0.5)
+            tmux.keys("-l", token)
+            time.sleep(0.5)
+            tmux.keys("Enter")
+            screen = tmux.wait_for("Uploaded:")
+            assert token not in screen  # a password field
+            tmux.keys("C-q")
+            tmux.wait_for("EXIT=0")
+        finally:
+            tmux.kill()
+        repo = hub.repos["alice/demo"]
+        assert repo.private and "model.safetensors" in repo.files() and "config.json" in repo.files()
+    assert (hf_home / "token").read_text().strip() == token  # saved by huggingface_hub's login

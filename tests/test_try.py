@@ -260,3 +260,34 @@ def test_plain_flow_offers_try_it_after_verification(demo, tmp_path, monkeypatch
     for part in order:
         at = text.index(part, at)
     assert text.count(" tokens/s") == 2 and "Needs about " in text and "Traceback" not in text
+
+
+def wordless_tokenizer(folder: Path) -> None:
+    """Replace the tokenizer in ``folder`` by one that knows only "a" and "b" (no unknown token, no chat
+    template): any other prompt becomes no tokens."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    for name in TOKENIZER_FILES:
+        (folder / name).unlink(missing_ok=True)
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "<e>": 2}, merges=[]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<e>").save_pretrained(folder)
+
+
+def test_a_prompt_that_becomes_no_tokens_is_one_sentence(demo, tmp_path):
+    """Issue 32 item 4: generate() failed with torch's "cannot reshape tensor of 0 elements"."""
+    model = tmp_path / "wordless"
+    shutil.copytree(demo["merged"], model)
+    wordless_tokenizer(model)
+    plan = plan_trial(model)
+    assert not plan.chat_template
+    events = []
+    with pytest.raises(MergeError) as info:
+        run_trial(plan, "xyz", max_new_tokens=3, on_event=events.append)
+    assert str(info.value) == (
+        f"The tokenizer of {model} turns this prompt into no tokens (none of its characters are in its vocabulary, "
+        "and it has no chat template to add any); type a prompt in the language and script the model was trained on."
+    )
+    assert "reshape" not in str(info.value) and not events  # said before any model is loaded
+    [answer, _] = run_trial(plan, "ab", max_new_tokens=2)  # a prompt it can read still works
+    assert len(answer.token_ids) == 2

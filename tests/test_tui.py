@@ -8,6 +8,7 @@ import io
 import json
 import shutil
 import threading
+from shlex import quote as shlex_quote
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,8 @@ async def test_find_lists_checkpoints_and_picks_the_adapter(workspace):
         assert "LoRA rank 8, alpha 16" in text(app, "#path-status")
         assert not app.screen.query_one("#next", Button).disabled
         assert app.screen.query_one("#back", Button).disabled
+        bindings = app.screen.active_bindings  # the footer: no "^b Back" where Back does nothing (issue 32)
+        assert "ctrl+b" not in bindings and "ctrl+n" in bindings
 
 
 async def test_typed_path_is_validated(workspace, tmp_path):
@@ -186,9 +189,26 @@ async def test_full_run_to_a_verified_model(workspace, tmp_path):
         await pilot.press("ctrl+n")
         assert wizard.step == "finish" and "verified" in text(app, "#summary")
         assert not app.screen.query_one("#cleanup", Button).disabled
+        assert app.screen.query_one("#quit", Button).has_focus
+        # the last step: no "Next >" (it was drawn as an empty block) and no ^n in the footer; Back works
+        assert not app.screen.query_one("#next", Button).display
+        assert "ctrl+n" not in app.screen.active_bindings and "ctrl+b" in app.screen.active_bindings
+        await pilot.press("enter")  # Quit
+    assert app.return_code == 0
     manifest = read_manifest(out)
     assert manifest["verification"]["passed"] is True
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    # issue 32 item 6: what the terminal keeps once the app has closed, and its transformers line works
+    lines = app.farewell().splitlines()
+    assert lines[0] == f"The merged model is in {out} (verified)."
+    assert lines[1].startswith("  transformers: python -c ") and lines[2] == f"  vLLM:         vllm serve {out}"
+    assert len(lines) == 3  # no GGUF made: no llama.cpp line
+    import subprocess
+    import sys
+
+    command = lines[1].split(": ", 1)[1].replace("python", shlex_quote(sys.executable), 1)
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("Hello"), run.stderr[-2000:]
 
 
 async def test_a_failing_merge_is_shown_and_the_app_stays_alive(workspace, tmp_path):
@@ -272,17 +292,22 @@ async def test_theme_choice_persists_and_a_bad_theme_file_is_a_notification(work
 
 async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
     """A trainer run: after the verified merge of checkpoint-20, Clean up lists the older checkpoint
-    and the optimizer state, deletes what is picked and says how much was freed."""
+    and the optimizer state, deletes what is picked after a last confirmation that names the total, and
+    says how much was freed. Issue 32 item 8, at 80x24 in a deep folder: every path is shown whole
+    (wrapped, not cut), with its size; "Delete selected..." deletes nothing until confirmed."""
+    from textual.geometry import Region
+
+    from tui_merger.core.options import human_bytes
     from tui_merger.demo import build_demo
 
     ws = tmp_path / "ws"
     base, adapter = build_demo(ws)
-    run = tmp_path / "run"
+    run = tmp_path / "a-training-run-with-a-rather-long-name-as-people-give-them" / "outputs"
     for step in (10, 20):
         shutil.copytree(adapter, run / f"checkpoint-{step}")
         (run / f"checkpoint-{step}" / "optimizer.pt").write_bytes(b"\0" * 300_000)
     app = MergeApp(run)
-    async with app.run_test(size=(100, 30)) as pilot:
+    async with app.run_test(size=(80, 24)) as pilot:
         wizard = await to_review(pilot, app)
         assert wizard.candidate.path.endswith("checkpoint-20")  # newest first
         await pilot.press("ctrl+n")
@@ -290,9 +315,29 @@ async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
         await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         await pilot.click("#cleanup")
         await pilot.pause()
-        assert type(app.screen).__name__ == "CleanupDialog"
+        dialog = app.screen
+        assert type(dialog).__name__ == "CleanupDialog"
+        rows = list(dialog.query(".item-text").results(Static))
+        assert len(rows) == len(dialog.plan.items) >= 2
+        for item, row in zip(dialog.plan.items, rows):
+            shown = "".join(s.text.strip() for s in row.render_lines(Region(0, 0, row.size.width, row.size.height)))
+            for path in item.paths[:3]:
+                assert str(path) in shown, [s.text for s in row.render_lines(Region(0, 0, row.size.width, row.size.height))]
+            assert row.region.right <= dialog.query_one(".dialog").region.right
+        checkboxes = [dialog.query_one(f"#item-{n}") for n in range(len(rows))]
+        assert [human_bytes(i.size) for i in dialog.plan.items] == [str(c.label).strip() for c in checkboxes]
+        chosen = [i for i, c in zip(dialog.plan.items, checkboxes) if c.value]
+        total = human_bytes(sum(i.size for i in chosen))
+        assert chosen and f"Selected: {len(chosen)} of {len(rows)}, {total}." == plain(app, "#cleanup-total")
         await pilot.click("#delete")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "Confirm"  # the last word before anything goes
+        question = str(app.screen.query_one(Static).content)
+        assert f"[b]{total}[/b], for good?" in question and str(app.screen.query_one("#yes", Button).label) == f"Delete {total}"
+        assert (run / "checkpoint-10").exists()  # nothing deleted yet
+        await pilot.click("#yes")
         await until(pilot, lambda: wizard.running is None and "Freed" in text(app, "#finish-notes"), "the cleanup")
+        assert f"Freed {total}." in text(app, "#finish-notes")
     assert not (run / "checkpoint-10").exists()
     assert not (run / "checkpoint-20" / "optimizer.pt").exists()
     assert (run / "checkpoint-20" / "adapter_model.safetensors").is_file()  # what was merged stays unless picked
@@ -413,7 +458,7 @@ async def test_weights_start_afresh_for_another_checkpoint(workspace):
         await pilot.press("ctrl+n")  # the same adapter again: the weight stays
         await until(pilot, lambda: wizard.plan is not None and wizard.running is None, "the plan")
         assert app.screen.query_one("#weight", Input).value == "0.4"
-        wizard._reviewed = "somewhere else"  # as if another checkpoint had been reviewed in between
+        wizard.panes["review"]._reviewed = "somewhere else"  # as if another checkpoint had been reviewed in between
         await pilot.press("ctrl+b")
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.plan is not None and wizard.running is None, "the plan")
@@ -519,7 +564,7 @@ async def test_a_base_not_on_this_machine_is_proposed_and_ctrl_n_accepts_it(unre
         await until(pilot, lambda: wizard.plan is not None and wizard.running is None and not wizard.plan_stale, "the plan")
         base = app.screen.query_one("#base", Input)
         assert base.display and base.value == str(unresolved / "base")
-        assert [p.name for p, _ in wizard._proposals] == ["base"]
+        assert [p.name for p, _ in wizard.panes["review"]._proposals] == ["base"]
         note = text(app, "#base-note")
         assert "Proposed" in note and "/home/someone/models/Qwen2-tiny is not on this machine" in note
         assert "fits all 28 LoRA modules" in note and "ctrl+n accepts it" in note
@@ -565,7 +610,7 @@ async def test_nothing_fits_says_so_and_asks_for_the_base(unresolved):
         wizard = app.wizard
         await until(pilot, lambda: wizard.candidate is not None, "a candidate")
         await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard._searched and wizard.running is None, "the search")
+        await until(pilot, lambda: wizard.panes["review"]._searched and wizard.running is None, "the search")
         assert "no model in this folder or in the Hugging Face cache fits it" in text(app, "#base-note")
         assert "Say which base model" in text(app, "#findings")
         assert app.screen.query_one("#base", Input).value == "" and app.screen.query_one("#base", Input).has_focus
@@ -615,7 +660,7 @@ async def test_review_shows_the_base_config_and_marks_what_the_adapter_side_disa
         assert "Qwen2ForCausalLM, 4 layers, hidden 128, heads 4 / KV 2, vocab 512, bfloat16, rope_theta 10000" in line
         assert "max positions 512 (≠ 4096 in the adapter's base config)" in line
         from tui_merger.core.plan.choices import base_config_fields
-        from tui_merger.tui.wizard import _config_text
+        from tui_merger.tui.steps.review import config_text as _config_text
 
         marked = _config_text(base_config_fields(ws / "base", [ws / "adapter"]))
         assert "[b yellow]max positions 512 (≠ 4096 in the adapter's base config)[/]" in marked  # in yellow
@@ -636,7 +681,7 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
     from test_try import reference
     from transformers import AutoTokenizer
 
-    from tui_merger.tui.wizard import visible
+    from tui_merger.tui.steps.common import visible
 
     prompt_text = "the adapter"  # the tiny random model's answer starts with whole characters
     reached, release, armed = threading.Event(), threading.Event(), threading.Event()
@@ -656,12 +701,12 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
         await pilot.press("ctrl+n")
         assert wizard.step == "try" and header(app)[1] == "Try"
-        await until(pilot, lambda: wizard.trial_plan is not None, "the trial plan")
+        await until(pilot, lambda: wizard.panes["try"].trial_plan is not None, "the trial plan")
         status = text(app, "#try-status")
         assert status.startswith("Needs about ") and "(one model at a time), in bfloat16; " in status
-        assert [s.label for s in wizard.trial_plan.sides] == ["merged model", "base model"]
+        assert [s.label for s in wizard.panes["try"].trial_plan.sides] == ["merged model", "base model"]
         assert app.screen.query_one("#answers").has_class("stacked")  # 80 columns: one above the other
-        wizard.try_tokens = 12
+        wizard.panes["try"].try_tokens = 12
         prompt = app.screen.query_one("#prompt", Input)
         prompt.value = prompt_text
         prompt.focus()
@@ -697,3 +742,153 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         assert wizard.step == "finish" and "verified" in text(app, "#summary")
         await pilot.press("ctrl+b")
         assert wizard.step == "try"
+
+
+async def test_an_adapter_whose_config_is_not_json_is_marked_in_find_and_cannot_go_to_review(workspace, tmp_path):
+    """Issue 32 item 3: a broken adapter_config.json is said in Find (what and how to fix it), the
+    checkpoint cannot be picked, and ctrl+n says why instead of Review asking for a base."""
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace / "base", ws / "base")
+    shutil.copytree(workspace / "adapter", ws / "adapter")
+    (ws / "adapter" / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16,')
+    app = MergeApp(ws)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = app.wizard
+        await pilot.pause()
+        [n] = [n for n, c in enumerate(wizard.candidates) if c.path == str(ws / "adapter")]
+        options = app.screen.query_one("#candidates", OptionList)
+        assert "cannot be read" in str(options.get_option_at_index(n).prompt)
+        options.focus()
+        options.highlighted = n
+        await pilot.pause()
+        status = plain(app, "#path-status")
+        assert "adapter_config.json is not valid JSON" in status and "fix or re-save it" in status, status
+        assert wizard.candidate is None and app.screen.query_one("#next", Button).disabled
+        await pilot.press("ctrl+n")
+        await pilot.press("enter")  # selecting it does not open Review either
+        assert wizard.step == "find"
+        assert any("not valid JSON" in str(n.message) for n in app._notifications)
+
+
+async def test_try_it_says_the_demo_is_random_and_a_prompt_of_no_tokens_in_a_sentence(workspace, tmp_path):
+    """Issue 32 item 4: the demo's answers are random characters: Try it says so. A tokenizer that turns the
+    prompt into no tokens: one red sentence (not torch's "cannot reshape tensor of 0 elements"), and no
+    panel left on "loading..."."""
+    from test_try import wordless_tokenizer
+
+    app = MergeApp(workspace)
+    out = tmp_path / "merged"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        wordless_tokenizer(out)
+        await pilot.press("ctrl+n")
+        trial = wizard.panes["try"]
+        await until(pilot, lambda: trial.trial_plan is not None, "the trial plan")
+        status = plain(app, "#try-status")
+        assert "Demo models are random, never trained: they answer in random characters." in status
+        prompt = app.screen.query_one("#prompt", Input)
+        prompt.value = "xyz"
+        prompt.focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: wizard.running is None, "the trial to end")
+        status = plain(app, "#try-status")
+        assert "Try it failed: The tokenizer of" in status and "turns this prompt into no tokens" in status, status
+        assert "reshape" not in status
+        for side in ("merged", "other"):
+            assert app.screen.query_one(f"#answer-{side}").border_subtitle == "no answer"
+            assert "no answer" in plain(app, f"#answer-{side}-text")
+        assert not app.screen.query_one("#ask", Button).disabled and not app.screen.query_one("#next", Button).disabled
+
+
+async def test_review_at_80x24_focuses_the_output_folder_in_sight_and_typing_goes_there(workspace, tmp_path):
+    """Issue 32 item 7: the first focused field (the output folder) was below the visible part of the form,
+    so Tab, ctrl+u and a typed path went into the dtype dropdown and the path was lost. Now it is in sight
+    and what is typed after ctrl+u becomes the output; Tab goes on to the next field, scrolled into sight."""
+    app = MergeApp(workspace)
+    out = tmp_path / "o"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        form = app.screen.query_one("#review-form")
+        field = app.screen.query_one("#out", Input)
+        assert app.focused is field
+        assert form.region.contains_region(field.region), (form.region, field.region)  # in sight
+        await pilot.press("end", "ctrl+u", *str(out), "enter")
+        await until(pilot, lambda: wizard.running is None and not wizard.plan_stale, "the plan for the typed folder")
+        assert field.value == str(out) and wizard.options.out == out
+        assert app.screen.query_one("#dtype", Select).value == ""  # untouched
+        await pilot.press("tab")
+        await pilot.pause(0.2)
+        assert app.focused is app.screen.query_one("#weight", Input)
+        assert form.region.contains_region(app.focused.region)
+
+
+async def test_a_verl_conversion_is_described_as_one_and_says_what_to_do_in_the_app(tmp_path_factory):
+    """Issue 32 item 10: a verl FSDP checkpoint (no adapter) was labelled "dtype: as the base", "tokenizer
+    from the adapter folder" and "27 tensors (0 merged)", and its float32 note said "pass --dtype bf16"."""
+    import re
+
+    from fsdp_factory import cached_fsdp_checkpoint
+
+    info = cached_fsdp_checkpoint(tmp_path_factory, fsdp_version=2, world_size=1)
+    app = MergeApp(info["run_dir"])
+    async with app.run_test(size=(80, 24)) as pilot:
+        await to_review(pilot, app)
+        plan_text = text(app, "#plan-text")
+        assert re.search(r"tensors \(converted, no adapter to merge\)", plan_text) and "merged)" not in plan_text, plan_text
+        assert "dtype float32" in plan_text and "as the base" not in plan_text, plan_text  # verl writes fp32 masters
+        assert re.search(r"tokenizer +from the checkpoint", plan_text) and "adapter folder" not in plan_text, plan_text
+        dtype = app.screen.query_one("#dtype", Select)
+        assert dict((v, str(p)) for p, v in dtype._options)[""] == "dtype: as the checkpoint"
+        findings = plain(app, "#findings")
+        assert 'choose "dtype: bf16" in Review' in findings, findings
+        assert not re.search(r"--[a-z]", findings), findings  # no command-line flags in the app
+
+
+async def test_browse_goes_up_from_the_launch_folder(workspace, tmp_path):
+    """Issue 32 item 10: Browse started at the launch folder and could not go above it."""
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace / "base", ws / "base")
+    shutil.copytree(workspace / "adapter", ws / "adapter")
+    app = MergeApp(ws / "base")  # launched in the model folder: nothing to merge here
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = app.wizard
+        await pilot.pause()
+        assert wizard.candidate is None
+        await pilot.click("#browse")
+        await pilot.pause()
+        picker = app.screen
+        assert type(picker).__name__ == "FolderPicker" and picker.query_one("#tree").has_focus
+        await pilot.press("backspace")  # up one folder
+        await pilot.pause()
+        assert Path(picker.query_one("#tree").path) == ws and picker.chosen == ws
+        await pilot.click("#up")
+        await pilot.pause()
+        assert Path(picker.query_one("#tree").path) == tmp_path
+        await pilot.press("escape")
+        await pilot.click("#browse")
+        await pilot.pause()
+        app.screen.query_one("#up", Button).press()
+        await pilot.pause()
+        await pilot.click("#use")
+        await pilot.pause()
+        assert wizard.root == ws and wizard.candidate is not None and wizard.candidate.path == str(ws / "adapter")
+
+
+async def test_the_farewell_says_when_the_model_was_not_verified(tmp_path):
+    """Closed while Verify ran (no report, no verification recorded): the lines say so and how to check."""
+    from types import SimpleNamespace
+
+    from tui_merger.tui.steps.finish import farewell
+
+    out = tmp_path / "model"
+    out.mkdir()
+    wizard = SimpleNamespace(result=SimpleNamespace(out=out), report=None, job=None, out_path=out)
+    lines = farewell(wizard).splitlines()
+    assert lines[0] == f"The merged model is in {out} (not verified yet: run tui-merger verify {out})."
+    wizard.report = SimpleNamespace(passed=False)
+    assert "(verification FAILED: do not ship it)." in farewell(wizard)
+    assert farewell(SimpleNamespace(result=None, report=None, job=None)) is None  # nothing merged: nothing said

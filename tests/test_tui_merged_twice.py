@@ -37,7 +37,7 @@ async def test_review_proposes_the_base_not_the_merged_model_and_refuses_the_mer
         assert wizard.candidate.path == str(ws / "my-adapter")
         base = app.screen.query_one("#base", Input)
         assert base.value == str(ws / "base")
-        assert [p for p, _ in wizard._proposals] == [ws / "base"]  # the merged model is not among them
+        assert [p for p, _ in wizard.panes["review"]._proposals] == [ws / "base"]  # the merged model is not among them
         assert merged(ws).name not in text(app, "#base-note")
         assert not wizard.plan.blocked
 

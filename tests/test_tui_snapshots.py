@@ -19,12 +19,18 @@ SIZES = pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "12
 
 @pytest.fixture(scope="module")
 def workspace():
+    """The fixed folder the pictures show, held under a lock: two test runs on one machine (several
+    worktrees) would otherwise delete each other's workspace mid-test."""
+    import fcntl
+
     from tui_merger.demo import build_demo
 
-    shutil.rmtree(WORKSPACE.parent, ignore_errors=True)
-    build_demo(WORKSPACE)
-    yield WORKSPACE
-    shutil.rmtree(WORKSPACE.parent, ignore_errors=True)
+    with open(WORKSPACE.parent.with_name(WORKSPACE.parent.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        shutil.rmtree(WORKSPACE.parent, ignore_errors=True)
+        build_demo(WORKSPACE)
+        yield WORKSPACE
+        shutil.rmtree(WORKSPACE.parent, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -57,10 +63,15 @@ async def until(pilot, condition, tries: int = 1200):
 
 
 async def review(pilot):
+    from textual.widgets import Input
+
     wizard = pilot.app.wizard
     await until(pilot, lambda: wizard.candidate is not None)
     await pilot.press("ctrl+n")
     await until(pilot, lambda: wizard.plan is not None and wizard.running is None and not wizard.plan_stale)
+    for field in pilot.app.screen.query(Input):  # Review focuses a field: a blinking cursor differs run to run
+        field.cursor_blink = False
+    await pilot.pause()
 
 
 async def merged(pilot):
@@ -71,7 +82,7 @@ async def merged(pilot):
     await until(pilot, lambda: wizard.step == "verify" and wizard.running is None)
     wizard.report.seconds = 1.0  # fixed times for a stable picture
     wizard.result.seconds = 1.0
-    wizard.show_report()
+    wizard.panes["verify"].show_report()
     await pilot.pause()
 
 
@@ -169,20 +180,53 @@ def test_try_it(snap_compare, workspace, size):
         wizard = pilot.app.wizard
         await merged(pilot)
         await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.trial_plan is not None)
-        wizard.try_tokens = 12
+        trial = wizard.panes["try"]
+        await until(pilot, lambda: trial.trial_plan is not None)
+        trial.try_tokens = 12
         pilot.app.screen.query_one("#prompt", Input).value = "the adapter"
         await pilot.click("#ask")
-        await until(pilot, lambda: wizard.running is None and len(wizard.trial_answers) == 2)
-        plan = wizard.trial_plan
+        await until(pilot, lambda: wizard.running is None and len(trial.trial_answers) == 2)
+        plan = trial.trial_plan
         plan.notes[0] = re.sub(r"; .* is available", "; 16 GB is available", plan.notes[0])
-        wizard.show_trial_plan()
-        for label, answer in wizard.trial_answers.items():
-            wizard.trial_answers[label] = dataclasses.replace(answer, seconds=0.5, tokens_per_s=24.0)
-            wizard.show_answer(label)
+        trial.show_trial_plan()
+        for label, answer in trial.trial_answers.items():
+            trial.trial_answers[label] = dataclasses.replace(answer, seconds=0.5, tokens_per_s=24.0)
+            trial.show_answer(label)
         prompt = pilot.app.screen.query_one("#prompt", Input)
         prompt.cursor_blink = False  # a blinking cursor would make the picture differ from run to run
         prompt.focus()
         await pilot.pause()
 
     assert snap_compare(app(), terminal_size=size, run_before=tried)
+
+
+@SIZES
+def test_cleanup_dialog(snap_compare, workspace, size):
+    """Finish > Clean up...: each item's whole paths (wrapped, not cut), its size, and the selected total."""
+
+    async def cleanup(pilot):
+        await merged(pilot)
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it, skipped
+        await pilot.click("#cleanup")
+        await pilot.pause()
+
+    assert snap_compare(app(), terminal_size=size, run_before=cleanup)
+
+
+@SIZES
+def test_find_broken_config(snap_compare, workspace, size):
+    """An adapter whose adapter_config.json is not JSON: marked in the list, the reason under it."""
+    ws = WORKSPACE.parent / "broken"
+    if not ws.exists():
+        shutil.copytree(workspace / "base", ws / "base")
+        shutil.copytree(workspace / "adapter", ws / "adapter")
+        (ws / "adapter" / "adapter_config.json").write_text('{"r": 8,')
+
+    async def broken(pilot):
+        wizard = pilot.app.wizard
+        await pilot.pause()
+        [n] = [n for n, c in enumerate(wizard.candidates) if c.path.endswith("adapter")]
+        pilot.app.screen.query_one("#candidates").highlighted = n
+        await pilot.pause()
+
+    assert snap_compare(MergeApp(ws, today=TODAY), terminal_size=size, run_before=broken)

@@ -10,9 +10,21 @@ import os
 import sys
 from pathlib import Path
 
-from tui_merger import __version__
 from tui_merger.cli.common import preflight, print_result, report_verification, run_with_progress, terminal
 
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: ours and each library's version with its declared range (metadata only: no torch)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from tui_merger.deps import version_report
+
+        print(version_report())
+        parser.exit()
 
 
 def _finite_number(text: str) -> float:
@@ -44,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Turn a training checkpoint (base model + LoRA adapter) into a plain Hugging Face model. "
         "`tui-merger [PATH]` (no command) opens the merge assistant on PATH; `--plain` asks plain questions instead.",
     )
-    parser.add_argument("--version", action="version", version=f"tui-merger {__version__}")
+    parser.add_argument("--version", action=_VersionAction, help="show the versions of tui-merger, Python and the libraries it uses (what a bug report needs), and exit")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks of unexpected errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -203,9 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: the partial output was removed; the inputs are untouched.", file=sys.stderr)
         return 130
-    except Exception as err:  # an unexpected failure: a bug of ours, say so plainly
+    except Exception as err:  # an unexpected failure: a library outside its range, else a bug of ours
         if args.debug:
             raise
+        from tui_merger.deps import explain_failure
+
+        mismatch = explain_failure(err)
+        if mismatch is not None:
+            print(f"error: {mismatch}", file=sys.stderr)
+            return 1
         print(
             f"error: unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; "
             "run again with --debug for the traceback and report it.",

@@ -174,9 +174,11 @@ def cmd_run_job(args) -> int:
         )
     except MergeError as err:
         code, message = 1, str(err)
-    except Exception as err:  # a bug of ours: the traceback goes into the log for the report
+    except Exception as err:  # a library outside its range, else a bug of ours: the traceback goes into the log
         traceback.print_exc()
-        message = (
+        from tui_merger.deps import explain_failure
+
+        message = explain_failure(err) or (
             f"unexpected {type(err).__name__}: {err}. This is a bug in tui-merger; "
             f"please report it with the log {job.log_path}."
         )

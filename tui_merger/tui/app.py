@@ -57,11 +57,18 @@ Wizard { layout: vertical; }
 .dialog { width: 90%; max-width: 100; height: auto; max-height: 90%; padding: 1 2; border: round $primary; background: $surface; }
 .dialog.wide { height: 90%; }
 .dialog #tree { height: 1fr; min-height: 8; }
-.dialog SelectionList { height: 1fr; }
+.dialog #items { height: 1fr; min-height: 4; margin-top: 1; }
+.cleanup-item { height: auto; margin-bottom: 1; }
+.cleanup-item Checkbox { width: auto; border: none; padding: 0; }
+.item-text { width: 1fr; height: auto; margin-left: 1; }
+#cleanup-total { height: auto; margin-top: 1; }
 .buttons { height: auto; align-horizontal: right; margin-top: 1; }
 .buttons Button { margin-left: 1; }
 .dim { color: $text-muted; }
 #gguf-progress { margin-bottom: 1; }
+#login-note, #picked { height: auto; margin-top: 1; }
+#public { height: 1; border: none; padding: 0; margin-top: 1; background: transparent; }
+#login-note { margin-top: 0; }
 Confirm, HelpScreen, FolderPicker, CleanupDialog, UploadDialog, GgufDialog { align: center middle; }
 """
 
@@ -118,7 +125,7 @@ class MergeApp(App):
             self.exit(0)
             return
         if wizard.job is not None:  # a background job keeps running: stop following it and leave
-            wizard._stop_following.set()
+            wizard.stop_following.set()
             self.exit(0)
             return
 
@@ -138,7 +145,17 @@ class MergeApp(App):
         yield SystemCommand("Help", "Steps and keys", self.action_help)
 
 
+    def farewell(self) -> str | None:
+        """Printed on the terminal once the app has closed: where the model is and how to use it."""
+        from tui_merger.tui.steps.finish import farewell
+
+        return farewell(self.wizard) if self.wizard is not None else None
+
+
 def run_tui(path: Path) -> int:
     app = MergeApp(path)
     code = app.run()
+    text = app.farewell()
+    if text:
+        print(text, flush=True)  # stdout: Textual drew on stderr, and the screen it drew is gone
     return code if isinstance(code, int) else 0

@@ -9,22 +9,23 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, DirectoryTree, Input, Label, Markdown, SelectionList, Static
+from textual.widgets import Button, DirectoryTree, Input, Label, Markdown, Static
 
 HELP = """\
 # tui-merger
 
 Turn a training checkpoint into a plain Hugging Face model, in six steps:
 
-1. **Find** - pick a detected checkpoint, type a path, or browse for a folder.
+1. **Find** - pick a detected checkpoint, type a path, or browse for a folder (backspace goes up).
 2. **Review** - read the plan; the checks stay in sight under the form. Errors must be fixed;
    warnings need a tick. When the adapter's base is not here, a model that fits it is proposed.
 3. **Merge** - runs in the background; *Cancel* stops it and removes the partial output.
 4. **Verify** - the result is read back, recomputed and compared with the unmerged model.
 5. **Try it** - type a prompt: the merged model answers, and beside it the base (or the
    unmerged adapter), greedy, so you see what the training changed. *Stop* ends it; skip it freely.
-6. **Finish** - where the model is; clean up the training folder, upload to the Hub, or make a
-   GGUF file for llama.cpp, Ollama and LM Studio.
+6. **Finish** - where the model is; clean up the training folder, upload to the Hub (a token can
+   be pasted there), or make a GGUF file for llama.cpp, Ollama and LM Studio. When the app closes,
+   the terminal keeps where the model is and the commands to run it.
 
 ## Keys
 
@@ -54,27 +55,48 @@ class AsciiDirectoryTree(DirectoryTree):
 
 
 class FolderPicker(ModalScreen[Path | None]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    """A folder tree from ``start``; "Up one folder" (or backspace) shows the folder above it, so that a
+    checkpoint outside the launch folder can be reached."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("backspace", "up", "Up one folder")]
 
     def __init__(self, start: Path) -> None:
         super().__init__()
-        self.start = start
-        self.chosen: Path = start
+        self.start = Path(start).absolute()
+        self.chosen: Path = self.start
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label("Choose a folder (enter opens it, then Use this folder)")
+            yield Static("Choose a folder: enter opens it, backspace goes up; then Use this folder.")
             yield AsciiDirectoryTree(self.start, id="tree")
-            yield Label(str(self.start), id="picked")
+            yield Static(_escape(self.start), id="picked")
             with Horizontal(classes="buttons"):
+                yield Button("Up one folder", id="up")
                 yield Button("Use this folder", variant="primary", id="use")
                 yield Button("Cancel", id="cancel")
 
+    def on_mount(self) -> None:
+        self.query_one("#tree").focus()
+
+    def _pick(self, path: Path) -> None:
+        self.chosen = Path(path)
+        self.query_one("#picked", Static).update(_escape(self.chosen))
+
     def on_directory_tree_directory_selected(self, event: DirectoryTree.DirectorySelected) -> None:
-        self.chosen = Path(event.path)
-        self.query_one("#picked", Label).update(str(self.chosen))
+        self._pick(event.path)
+
+    def action_up(self) -> None:
+        tree = self.query_one("#tree", AsciiDirectoryTree)
+        top = Path(tree.path).absolute()
+        if top.parent != top:  # not at / already
+            tree.path = top.parent
+            self._pick(top.parent)
+            tree.focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "up":
+            self.action_up()
+            return
         self.dismiss(self.chosen if event.button.id == "use" else None)
 
     def action_cancel(self) -> None:
@@ -123,7 +145,9 @@ class HelpScreen(ModalScreen[None]):
 
 
 class CleanupDialog(ModalScreen[list | None]):
-    """The items a verified merge made unnecessary; returns the chosen ones (None: cancelled)."""
+    """The items a verified merge made unnecessary, one row each: a tick with its size, its whole path(s)
+    (wrapped, never cut) and why it can go. Returns the chosen ones (None: cancelled) after a last
+    confirmation that names the total and the paths."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -132,36 +156,88 @@ class CleanupDialog(ModalScreen[list | None]):
         self.plan = plan
 
     def compose(self) -> ComposeResult:
+        from textual.widgets import Checkbox
+
         from tui_merger.core.options import human_bytes
 
         with Vertical(classes="dialog wide"):
-            yield Label(f"Free space in {self.plan.root}: pick what to delete")
-            yield SelectionList(
-                *[
-                    (f"{human_bytes(i.size):>9}  {i.label}  ({i.reason})", n, i.selected_by_default)
-                    for n, i in enumerate(self.plan.items)
-                ],
-                id="items",
-            )
+            yield Static(f"Free space in [b]{_escape(self.plan.root)}[/b]: tick what to delete.", id="cleanup-title")
+            with VerticalScroll(id="items"):
+                for n, item in enumerate(self.plan.items):
+                    with Horizontal(classes="cleanup-item"):
+                        yield Checkbox(f"{human_bytes(item.size):>9}", item.selected_by_default, id=f"item-{n}")
+                        yield Static(_item_text(item), classes="item-text")
+            yield Static(id="cleanup-total")
             if self.plan.protected:
-                yield Static(f"{len(self.plan.protected)} item(s) are protected and never deleted.", classes="dim")
+                yield Static(
+                    f"{len(self.plan.protected)} item(s) are protected and never deleted (merged models, and what "
+                    "an unverified merge read).",
+                    classes="dim",
+                )
             with Horizontal(classes="buttons"):
-                yield Button("Delete selected", variant="error", id="delete")
+                yield Button("Delete selected...", variant="error", id="delete")
                 yield Button("Cancel", variant="primary", id="cancel")
 
+    def on_mount(self) -> None:
+        self._total()
+        self.query_one("#item-0").focus()
+
+    def chosen(self) -> list:
+        from textual.widgets import Checkbox
+
+        return [item for n, item in enumerate(self.plan.items) if self.query_one(f"#item-{n}", Checkbox).value]
+
+    def _total(self) -> None:
+        from tui_merger.core.options import human_bytes
+
+        chosen = self.chosen()
+        self.query_one("#cleanup-total", Static).update(
+            f"Selected: {len(chosen)} of {len(self.plan.items)}, {human_bytes(sum(i.size for i in chosen))}."
+        )
+        self.query_one("#delete", Button).disabled = not chosen
+
+    def on_checkbox_changed(self) -> None:
+        self._total()
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "delete":
-            chosen = self.query_one("#items", SelectionList).selected
-            self.dismiss([self.plan.items[n] for n in chosen])
-        else:
+        from tui_merger.core.options import human_bytes
+
+        if event.button.id != "delete":
             self.dismiss(None)
+            return
+        chosen = self.chosen()
+        total = human_bytes(sum(i.size for i in chosen))
+        paths = [p for i in chosen for p in i.paths]
+        listed = "\n".join(f"  {_escape(p)}" for p in paths[:6]) + (f"\n  ... and {len(paths) - 6} more" if len(paths) > 6 else "")
+        question = f"Delete {len(chosen)} item(s), [b]{total}[/b], for good? This cannot be undone.\n{listed}"
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self.dismiss(chosen)
+
+        self.app.push_screen(Confirm(question, f"Delete {total}", "Keep them"), answer)
 
     def action_cancel(self) -> None:
         self.dismiss(None)
 
 
+def _escape(text) -> str:
+    return str(text).replace("[", r"\[")
+
+
+def _item_text(item) -> str:
+    """A cleanup item's whole path(s), up to three (the rest counted), then why it can go, as markup."""
+    paths = [str(p) for p in item.paths] or [item.label]
+    lines = [_escape(p) for p in paths[:3]]
+    if len(paths) > 3:
+        lines.append(f"... and {len(paths) - 3} more ({_escape(item.label)})")
+    return "\n".join(lines) + f"\n[dim]{_escape(item.reason)}[/dim]"
+
+
 class UploadDialog(ModalScreen[tuple | None]):
-    """Asks the repo id and visibility; returns (repo_id, private) or None."""
+    """Asks the repo id, the visibility and, when this machine is not logged in to the Hub, a token
+    (saved with huggingface_hub's login, as `hf auth login` saves it); returns (repo_id, private, token or
+    None) or None."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -170,24 +246,41 @@ class UploadDialog(ModalScreen[tuple | None]):
         self.suggested = suggested
 
     def compose(self) -> ComposeResult:
+        from huggingface_hub import constants, get_token
         from textual.widgets import Checkbox
 
+        where = f"{constants.ENDPOINT}/settings/tokens"
+        if get_token():
+            login = "Logged in to the Hub on this machine. Another account: paste its token."
+        else:
+            login = f"Not logged in: paste a write token from {where}; it is saved, as `hf auth login` does."
         with Vertical(classes="dialog"):
-            yield Label("Upload to the Hugging Face Hub: repo id (ORG/NAME, or NAME for your account)")
+            yield Static("Upload to the Hugging Face Hub. Repo id (ORG/NAME, or NAME for your account):")
             yield Input(self.suggested, id="repo")
             yield Checkbox("Public (default: private)", id="public")
+            yield Static(_escape(login), id="login-note")
+            yield Input(placeholder="hf_... (leave empty to use the saved login)", password=True, id="token")
             with Horizontal(classes="buttons"):
                 yield Button("Upload", variant="primary", id="upload")
                 yield Button("Cancel", id="cancel")
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
+    def _answer(self) -> None:
         from textual.widgets import Checkbox
 
+        repo = self.query_one("#repo", Input).value.strip()
+        if not repo:
+            self.query_one("#repo", Input).focus()
+            return
+        token = self.query_one("#token", Input).value.strip() or None
+        self.dismiss((repo, not self.query_one("#public", Checkbox).value, token))
+
+    def on_input_submitted(self) -> None:
+        self._answer()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "upload":
-            repo = self.query_one("#repo", Input).value.strip()
-            if repo:
-                self.dismiss((repo, not self.query_one("#public", Checkbox).value))
-                return
+            self._answer()
+            return
         self.dismiss(None)
 
     def action_cancel(self) -> None:

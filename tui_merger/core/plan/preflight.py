@@ -838,10 +838,13 @@ def describe(plan: MergePlan) -> list[str]:
             )
         for line in a.get("overlaps") or []:
             lines.append(f"  {'touches':10} {line}")
+    checkpoint = bool(plan.options.get("checkpoint"))  # a training checkpoint (verl): its own weights, config, tokenizer
     if plan.tensors:
+        what = f"{plan.merged_tensors} merged" if plan.adapter else "converted, no adapter to merge"
         lines.append(
-            f"  {'writes':10} {plan.tensors} tensors ({plan.merged_tensors} merged), {human_bytes(plan.output_bytes)} "
-            f"in {plan.shards} shard(s), dtype {plan.dtype or 'as the base'}, about {plan.estimated_seconds:.0f} s"
+            f"  {'writes':10} {plan.tensors} tensors ({what}), {human_bytes(plan.output_bytes)} in {plan.shards} "
+            f"shard(s), dtype {plan.dtype or ('as the checkpoint' if checkpoint else 'as the base')}, "
+            f"about {plan.estimated_seconds:.0f} s"
         )
         resume = plan.resume
         if resume and resume["state"] == "match" and resume["kept"]:
@@ -854,6 +857,7 @@ def describe(plan: MergePlan) -> list[str]:
                 f"  {'verify':10} about {plan.verify_seconds:.0f} s and {human_bytes(plan.verify_bytes)} of memory "
                 "(every value recomputed; the models run layer by layer)"
             )
-        tok = {"adapter": "from the adapter folder", "base": "from the base", None: "none found"}[plan.tokenizer_source]
+        tok = {"adapter": "from the checkpoint" if checkpoint else "from the adapter folder", "base": "from the base",
+               None: "none found"}[plan.tokenizer_source]
         lines.append(f"  {'tokenizer':10} {tok}")
     return lines

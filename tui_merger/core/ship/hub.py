@@ -336,15 +336,25 @@ def _api(endpoint: str | None, token: str | None):
 def _use_timeouts() -> None:
     """huggingface_hub's shared HTTP client waits forever by default: a hung server would hang the
     upload. Give it the same client (same request hooks) with timeouts. Xet transfers use hf_xet's own."""
-    import httpx2
     from huggingface_hub.utils import get_session, set_client_factory
 
     session = get_session()
     if session.timeout.read is not None:
         return
+    http = _http()
     hooks = session.event_hooks
-    timeout = httpx2.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-    set_client_factory(lambda: httpx2.Client(event_hooks=hooks, follow_redirects=True, timeout=timeout))
+    timeout = http.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+    set_client_factory(lambda: http.Client(event_hooks=hooks, follow_redirects=True, timeout=timeout))
+
+
+def _http():
+    """The HTTP library huggingface_hub's client is made with: httpx2 from huggingface_hub 2.0 on,
+    httpx in 1.x (the same API under another name)."""
+    import importlib
+
+    from huggingface_hub.utils import get_session
+
+    return importlib.import_module(type(get_session()).__module__.split(".")[0])
 
 
 @contextmanager
@@ -363,7 +373,6 @@ def _hub_errors(repo_id: str, revision: str, endpoint: str | None, token: str | 
 
 
 def _explain(err: BaseException, repo_id: str, revision: str, endpoint: str, token: str | None) -> str | None:
-    import httpx2
     from huggingface_hub.errors import (
         HfHubHTTPError,
         LocalTokenNotFoundError,
@@ -372,6 +381,7 @@ def _explain(err: BaseException, repo_id: str, revision: str, endpoint: str, tok
         RevisionNotFoundError,
     )
 
+    httpx = _http()
     resume = "run the same command again to resume (large files already sent are not sent twice)"
     chain = []
     while err is not None and err not in chain:
@@ -401,11 +411,11 @@ def _explain(err: BaseException, repo_id: str, revision: str, endpoint: str, tok
             problems = "; ".join(line[2:] for line in str(e).splitlines() if line.startswith("- "))
             return (f"The Hub refused the metadata at the top of README.md ({problems}); fix it, or delete "
                     "README.md to let tui-merger write one, then upload again.")
-        if isinstance(e, httpx2.ConnectError):
+        if isinstance(e, httpx.ConnectError):
             return f"Cannot connect to the Hub at {endpoint}; check your network connection (and HF_ENDPOINT), then {resume}."
-        if isinstance(e, httpx2.TimeoutException):
+        if isinstance(e, httpx.TimeoutException):
             return f"The Hub at {endpoint} did not answer within {TIMEOUT_S:.0f} s; check your connection, then {resume}."
-        if isinstance(e, (httpx2.TransportError, ConnectionError)):
+        if isinstance(e, (httpx.TransportError, ConnectionError)):
             text = str(e)
             # (status codes as whole words: the port of a local endpoint, e.g. 40321, holds "403")
             if "xet-write-token" in text and not re.search(r"\b40[13]\b", text):

@@ -367,6 +367,12 @@ def run_trial(
     with quiet_libraries():
         tokenizer = _load_tokenizer(plan.model_dir)
         inputs = encode_prompt(tokenizer, prompt, plan.chat_template)
+        if inputs["input_ids"].shape[-1] == 0:  # generate() would fail on it deep in the model's attention
+            raise MergeError(
+                f"The tokenizer of {plan.model_dir} turns this prompt into no tokens (none of its characters are "
+                "in its vocabulary, and it has no chat template to add any); type a prompt in the language and "
+                "script the model was trained on."
+            )
         settings = generation_settings(plan.model_dir, tokenizer, max_new_tokens)
         answers = []
         for side in plan.sides:

@@ -1,0 +1,266 @@
+"""Step 6, Finish: where the model is and whether it was verified; clean up the training folder, upload
+to the Hub, make a GGUF file (each a worker), or quit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.containers import Horizontal, VerticalScroll
+from textual.widgets import Button, ProgressBar, Static
+
+from tui_merger.tui.steps.common import Done, EngineEvent, Step, WorkDone, escape, in_app
+from tui_merger.tui.widgets import CleanupDialog, GgufDialog, UploadDialog
+
+
+def farewell(wizard) -> str | None:
+    """What the terminal keeps when the app closes after a merge (None: no model was made): where the
+    model is, whether it was verified, and the lines to use it: transformers, vLLM, and llama.cpp for
+    each GGUF made of it."""
+    import json
+    import shlex
+
+    from tui_merger.core.record.manifest import read_manifest
+
+    if wizard.result is None and (wizard.job is None or not (Path(wizard.job.out) / "config.json").is_file()):
+        return None
+    out = wizard.out_path.absolute()
+    manifest = read_manifest(out) or {}
+    recorded = manifest.get("verification") or {}
+    if wizard.result is not None and wizard.report is not None:
+        verified = "verified" if wizard.report.passed else "verification FAILED: do not ship it"
+    elif recorded:
+        verified = "verified" if recorded.get("passed") else "verification FAILED: do not ship it"
+    else:  # closed before the verification ended
+        verified = f"not verified yet: run tui-merger verify {shlex.quote(str(out))}"
+    code = f'from transformers import pipeline; print(pipeline("text-generation", model={json.dumps(str(out))})("Hello")[0]["generated_text"])'
+    lines = [
+        f"The merged model is in {out} ({verified}).",
+        f"  transformers: python -c {shlex.quote(code)}",
+        f"  vLLM:         vllm serve {shlex.quote(str(out))}",
+    ]
+    for gguf in manifest.get("gguf") or []:
+        path = Path(gguf.get("path", ""))
+        path = path if path.is_absolute() else out / path
+        if path.is_file():
+            lines.append(f"  llama.cpp:    llama-cli -m {shlex.quote(str(path))}")
+    return "\n".join(lines)
+
+
+class FinishStep(Step, VerticalScroll):
+    FIRST = "#quit"
+    BACK = "try"
+
+    def __init__(self, wizard, **kwargs) -> None:
+        super().__init__(wizard, **kwargs)
+        self.gguf_cancel = None  # the CancelToken of the GGUF being written
+        self._login_problem: str | None = None  # a token typed for Upload worked but was not saved
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="summary")
+        with Horizontal(classes="row"):
+            yield Button("Clean up...", id="cleanup")
+            yield Button("Upload...", id="upload")
+            yield Button("Make a GGUF...", id="gguf")
+            yield Button("Quit", variant="primary", id="quit")
+        gguf_bar = ProgressBar(show_eta=False, id="gguf-progress")
+        gguf_bar.display = False  # shown while a GGUF is written
+        yield gguf_bar
+        yield Static(id="finish-notes")
+
+    def enter(self) -> None:
+        from tui_merger.core.options import human_bytes
+        from tui_merger.core.record.manifest import read_manifest
+
+        wizard = self.wizard
+        if wizard.result is not None:
+            r = wizard.result
+            verified = wizard.report is not None and wizard.report.passed
+            details = (
+                f"{r.tensors_text()}, "
+                f"{human_bytes(r.bytes_written)} in {len(r.shards)} shard(s), written in {r.seconds:.1f} s.\n"
+                f"Files: {escape(', '.join(r.files))}"
+            )
+        else:  # a background job: what its manifest says
+            manifest = read_manifest(wizard.out_path) or {}
+            verified = bool((manifest.get("verification") or {}).get("passed"))
+            outputs = manifest.get("outputs") or []
+            details = (
+                f"{human_bytes(sum(f.get('size', 0) for f in outputs))} in {len(outputs)} file(s), "
+                f"written by job {wizard.job.id}.\nFiles: {escape(', '.join(f.get('path', '') for f in outputs))}"
+            )
+        verdict = "[b green]verified[/]" if verified else "[b red]NOT verified: do not ship it[/]"
+        self.query_one("#summary", Static).update(
+            f"The merged model is in [b]{escape(wizard.out_path)}[/b] ({verdict}).\n{details}"
+        )
+        self.query_one("#cleanup", Button).disabled = not verified
+        self.query_one("#upload", Button).disabled = not verified
+        self.query_one("#gguf", Button).disabled = not verified
+        wizard.show("finish")
+
+    @on(Button.Pressed, "#quit")
+    def _quit(self) -> None:
+        self.app.exit(0)
+
+    # -- cleanup ---------------------------------------------------------------------------------
+    @on(Button.Pressed, "#cleanup")
+    def _cleanup(self) -> None:
+        from tui_merger.core.errors import MergeError
+        from tui_merger.core.ship.cleanup import find_cleanup
+
+        wizard = self.wizard
+        if wizard.candidate is not None:
+            folder = Path(wizard.candidate.run or wizard.candidate.path)
+        else:  # a job followed from an earlier session
+            opts = wizard.job.request["options"]
+            folder = Path(opts.get("checkpoint") or opts.get("adapter"))
+        notes = self.query_one("#finish-notes", Static)
+        try:
+            plan = find_cleanup(folder, [wizard.out_path])
+        except MergeError as err:
+            notes.update(escape(err))
+            return
+        if not plan.items:
+            notes.update(f"Nothing to clean up in {escape(folder)}.")
+            return
+
+        def chosen(items) -> None:
+            if items:
+                wizard.running = "cleanup"
+                wizard.refresh_nav()
+                self._cleanup_worker(plan, items)
+
+        self.app.push_screen(CleanupDialog(plan), chosen)
+
+    @work(thread=True, exclusive=True, group="cleanup", exit_on_error=False)
+    def _cleanup_worker(self, plan, items) -> None:
+        from tui_merger.core.ship.cleanup import delete_items
+
+        errors = []
+        freed = delete_items(plan, items, lambda ev: ev.error and errors.append(ev.error))
+        self.post_message(WorkDone("cleanup", Done((freed, errors))))
+
+    def done_cleanup(self, done: Done) -> None:
+        from tui_merger.core.options import human_bytes
+
+        freed, errors = done.value
+        text = f"Freed {human_bytes(freed)}."
+        if errors:
+            text += " Not deleted: " + "; ".join(errors[:3])
+        self.query_one("#finish-notes", Static).update(escape(text))
+
+    # -- upload ----------------------------------------------------------------------------------
+    @on(Button.Pressed, "#upload")
+    def _upload(self) -> None:
+        wizard = self.wizard
+
+        def chosen(answer) -> None:
+            if answer:
+                wizard.running = "upload"
+                wizard.refresh_nav()
+                self.query_one("#finish-notes", Static).update(f"Uploading to {escape(answer[0])}...")
+                self._upload_worker(*answer)
+
+        self.app.push_screen(UploadDialog(wizard.out_path.name), chosen)
+
+    @work(thread=True, exclusive=True, group="upload", exit_on_error=False)
+    def _upload_worker(self, repo_id: str, private: bool, token: str | None = None) -> None:
+        from tui_merger.core.ship.hub import plan_upload, upload
+
+        out = self.wizard.out_path
+        self._login_problem = None
+
+        def send():
+            plan = plan_upload(out, repo_id, private=private, token=token)  # checks the token first
+            if token:
+                self._save_login(token)
+            return upload(plan, on_event=self.forward)
+
+        self.post_outcome("upload", send)
+
+    def _save_login(self, token: str) -> None:
+        """A token typed in the Upload dialog (it works: the plan checked it) is saved as `hf auth login`
+        saves it, with huggingface_hub's own login, so that the next upload needs none."""
+        from huggingface_hub import login
+        from huggingface_hub.utils import logging as hub_logging
+
+        verbosity = hub_logging.get_verbosity()
+        hub_logging.set_verbosity_error()  # its log lines go to the terminal's stderr, where the app draws
+        try:
+            login(token=token, add_to_git_credential=False)
+        except Exception as err:  # noqa: BLE001 - the upload goes on with the token; only saving it failed
+            self._login_problem = f"The token was used but not saved for next time ({(str(err).splitlines() or [''])[0][:120]})."
+        finally:
+            hub_logging.set_verbosity(verbosity)
+
+    def done_upload(self, done: Done) -> None:
+        notes = self.query_one("#finish-notes", Static)
+        if done.error:
+            notes.update(escape(in_app(done.error)))
+            return
+        saved = f"\n{escape(self._login_problem)}" if self._login_problem else ""
+        notes.update(f"Uploaded: {escape(done.value.commit_url)}{saved}")
+
+    # -- GGUF ------------------------------------------------------------------------------------
+    @on(Button.Pressed, "#gguf")
+    def _gguf(self) -> None:
+        wizard = self.wizard
+        if wizard.running == "gguf":  # the button is "Stop the GGUF" while one is written
+            self.gguf_cancel.cancel()
+            self.query_one("#gguf", Button).disabled = True
+            return
+
+        def chosen(answer) -> None:
+            from tui_merger.core.events import CancelToken
+
+            if answer:
+                wizard.running, self.gguf_cancel = "gguf", CancelToken()
+                button = self.query_one("#gguf", Button)
+                button.label, button.variant = "Stop the GGUF", "error"
+                for other in ("#cleanup", "#upload"):  # one thing at a time on the folder
+                    self.query_one(other, Button).disabled = True
+                self.query_one("#gguf-progress", ProgressBar).display = True
+                self.query_one("#gguf-progress", ProgressBar).update(total=None, progress=0)
+                wizard.refresh_nav()
+                self._gguf_worker(*answer, self.gguf_cancel)
+
+        self.app.push_screen(GgufDialog(wizard.out_path), chosen)
+
+    @work(thread=True, exclusive=True, group="gguf", exit_on_error=False)
+    def _gguf_worker(self, type_: str, out, cancel) -> None:
+        from tui_merger.core.ship.gguf import export_gguf
+
+        folder = self.wizard.out_path
+        self.post_outcome("gguf", lambda: export_gguf(folder, type_, out, on_event=self.forward, cancel=cancel), say_cancel=True)
+
+    def on_engine_event(self, message: EngineEvent) -> None:
+        from tui_merger.core.events import PhaseStarted, TensorProgress
+
+        message.stop()
+        ev = message.event
+        if self.wizard.running != "gguf":
+            return
+        if isinstance(ev, PhaseStarted):
+            self.query_one("#finish-notes", Static).update(f"[b]{ev.phase}[/b]  {escape(ev.message)}")
+        elif isinstance(ev, TensorProgress):
+            self.query_one("#gguf-progress", ProgressBar).update(total=max(ev.bytes_total, 1), progress=ev.bytes_done)
+
+    def done_gguf(self, done: Done) -> None:
+        from tui_merger.core.options import human_bytes
+
+        button = self.query_one("#gguf", Button)
+        button.label, button.variant, button.disabled = "Make a GGUF...", "default", False
+        for other in ("#cleanup", "#upload"):  # the GGUF was offered for a verified model only
+            self.query_one(other, Button).disabled = False
+        self.query_one("#gguf-progress", ProgressBar).display = False
+        notes = self.query_one("#finish-notes", Static)
+        if done.error:
+            notes.update(("[b yellow]Stopped.[/] " if done.cancelled else "[b red]No GGUF:[/] ") + escape(done.error))
+            return
+        r = done.value
+        where = "recorded in merge_manifest.json; Upload... includes it" if r.recorded else "not recorded (no merge_manifest.json)"
+        notes.update(
+            f"GGUF written: [b]{escape(r.path)}[/b] ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; "
+            f"{where}).\nRun it with llama-cli -m {escape(r.path)}, or FROM it in an Ollama Modelfile."
+        )
