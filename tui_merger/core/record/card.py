@@ -96,7 +96,8 @@ def _without_local_paths(text: str, manifest: dict) -> str:
     paths = {str(i.get("path")) for i in manifest.get("inputs", []) if isinstance(i, dict) and i.get("path")}
     options = manifest.get("options") if isinstance(manifest.get("options"), dict) else {}
     paths |= {str(options[k]) for k in ("base", "adapter", "out", "checkpoint") if isinstance(options.get(k), str)}
-    paths |= {str(p[0]) for p in options.get("adapters") or [] if isinstance(p, list) and p and isinstance(p[0], str)}
+    adapters = options.get("adapters") if isinstance(options.get("adapters"), list) else []  # a damaged manifest: none
+    paths |= {str(p[0]) for p in adapters if isinstance(p, list) and p and isinstance(p[0], str)}
     for key in ("out", "base_model"):
         if isinstance(manifest.get(key), str):
             paths.add(manifest[key])
