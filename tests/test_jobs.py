@@ -293,3 +293,19 @@ def test_prune_never_follows_an_id_out_of_the_jobs_folder(tmp_path, env, capsys)
     assert "0 job record(s) removed" in capsys.readouterr().out
     assert (victim / "keep").read_text() == "user data"
     assert main(["jobs"]) == 0 and "No detached jobs" in capsys.readouterr().out
+
+
+def test_a_lock_held_by_a_process_that_ended_unreaped_is_stale(tmp_path):
+    """A killed job whose parent has not reaped it yet (a zombie) still answers kill(pid, 0): its lock
+    must not block the merge that resumes it (seen as a flaky resume under load)."""
+    import socket
+
+    from tui_merger.core.merge.output import _alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    until(lambda: Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z", timeout=30)
+    try:
+        assert not _alive({"pid": child.pid, "host": socket.gethostname()})
+        assert _alive({"pid": os.getpid(), "host": socket.gethostname()})
+    finally:
+        child.wait()

@@ -218,5 +218,15 @@ def _alive(owner: dict) -> bool:
         return False
     except PermissionError:
         return True  # someone else's process
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A process that has ended but was not reaped yet (a killed detached job whose parent, often a
+    container's init, has not collected it): it holds nothing and writes nothing."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (macOS): as before
+    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
 
