@@ -258,16 +258,8 @@ NAME = "model.layers.0.mlp.down_proj.weight"
 ], ids=["scale-missing", "scale-shape", "e5m2", "scale-dtype", "scale-alone"])
 def test_bad_fp8_checkpoints_are_refused_with_one_sentence(qwen3_fp8, tmp_path, capsys, edit, needles):
     base, adapter = qwen3_fp8
-    broken = _broken_copy(base, tmp_path, edit)
-    out = tmp_path / "out"
-    code = main(["merge", "--base", str(broken), "--adapter", str(adapter), "--out", str(out), "--plain"])
-    said = capsys.readouterr()
-    text = said.out + said.err
-    assert code != 0
-    for needle in needles:
-        assert needle in text, (needle, text)
+    text = _refused(base, adapter, edit, tmp_path, capsys, needles)
     assert "Nothing was written" in text
-    assert not out.exists()
 
 
 def test_bad_block_size_in_the_config_is_refused():
@@ -287,15 +279,7 @@ MX = "model.layers.0.mlp.experts.down_proj"
 ], ids=["scales-missing", "scales-shape"])
 def test_bad_mxfp4_checkpoints_are_refused_with_one_sentence(gpt_oss_mxfp4, tmp_path, capsys, edit, needles):
     base, adapter = gpt_oss_mxfp4
-    broken = _broken_copy(base, tmp_path, edit)
-    out = tmp_path / "out"
-    code = main(["merge", "--base", str(broken), "--adapter", str(adapter), "--out", str(out), "--plain"])
-    said = capsys.readouterr()
-    text = said.out + said.err
-    assert code != 0
-    for needle in needles:
-        assert needle in text, (needle, text)
-    assert not out.exists()
+    _refused(base, adapter, edit, tmp_path, capsys, needles)
 
 
 def test_a_16bit_original_beside_the_fp8_release_is_the_other_choice(qwen3_fp8, tmp_path, capsys):
@@ -597,3 +581,17 @@ def test_fp8_with_one_scale_per_tensor_equals_transformers_load(tmp_path):
     assert len(source.dequantized) == 14 and source.scheme.strategy == "tensor"
     for name in source.dequantized:
         assert torch.equal(source.tensors[name].load(), expected[name]), name
+
+
+def _refused(base, adapter, edit, tmp_path, capsys, needles) -> str:
+    """Merge into a copy of ``base`` broken by ``edit``: refused, every needle said, nothing written."""
+    broken = _broken_copy(base, tmp_path, edit)
+    out = tmp_path / "out"
+    code = main(["merge", "--base", str(broken), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert code != 0
+    for needle in needles:
+        assert needle in text, (needle, text)
+    assert not out.exists()
+    return text
