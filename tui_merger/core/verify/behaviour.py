@@ -334,10 +334,31 @@ def first_line(err: Exception) -> str:
 
 
 def run(streamer, probes):
-    """(logits fp32, [hidden states] or None) of one pass over the probes."""
-    out = streamer(input_ids=probes, output_hidden_states=True)
+    """(logits fp32, [hidden states] or None) of one pass over the probes.
+
+    A multimodal model whose own forward cannot run on text alone (transformers 5.24's
+    Llama4ForConditionalGeneration reads ``image_outputs`` its language model never returns) is run
+    through its language model (a ``...ForCausalLM`` with its own lm_head, the LoRA layers of an
+    unmerged reference in place): ``streamer.text_only`` then says so, and both sides of the check
+    take the same path."""
+    try:
+        out = streamer(input_ids=probes, output_hidden_states=True)
+    except AttributeError as err:
+        inner = _language_model(streamer.model)
+        if inner is None:
+            raise
+        outer = type(getattr(streamer.model, "get_base_model", lambda: streamer.model)()).__name__
+        streamer.text_only = f"{type(inner).__name__} (the language model alone: {outer}'s own forward fails on text)"
+        out = streamer.run_module(inner, input_ids=probes, output_hidden_states=True)
     hidden = getattr(out, "hidden_states", None)
     return out.logits.float(), (list(hidden) if hidden is not None else None)
+
+
+def _language_model(model):
+    """The causal LM inside a multimodal model (peft's wrapper looked through), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "language_model", None)
+    return inner if inner is not None and hasattr(inner, "lm_head") else None
 
 
 def relative(a, b, centre: bool) -> float:

@@ -242,7 +242,7 @@ def _reference_ahead(options: MergeOptions, cancel: CancelToken | None = None) -
                 return
             model = _reference_streamer(cls, config, transformers.AutoConfig.from_pretrained(folder), spec, inputs, None, cancel)
             logits, hidden = bh.run(model, probes)
-            _AHEAD[_ahead_key(options, config, probes)] = (logits, hidden, model.stats.peak_live_values)
+            _AHEAD[_ahead_key(options, config, probes)] = (logits, hidden, model.stats.peak_live_values, model.text_only)
             model.close()
     finally:
         inputs.close()
@@ -593,6 +593,7 @@ class _Models:
         self.merged_out = self.reference_out = None
         self.peak = 0
         self.conversion = False
+        self.merged_text_only = self.reference_text_only = None  # run through the language model (behaviour.run)
 
     def _stop(self, checks: list[Check]) -> None:
         if self.early is None:
@@ -677,6 +678,7 @@ class _Models:
                 return self._stop([_cannot_stream("merged model", why)])
             self.peak = max(self.peak, model.stats.peak_live_values)
             self.merged_out = (logits, hidden, ppl)
+            self.merged_text_only = model.text_only
             model.close()
         finally:
             written.close()
@@ -692,7 +694,7 @@ class _Models:
         _prewarm_finished()  # its run of the reference, if it is making one
         ahead = _AHEAD.pop(_ahead_key(self.options, self.config, self.probes), None) if self.tokens is None else None
         if ahead is not None:  # run while the merge was writing (prewarming)
-            logits, hidden, peak = ahead
+            logits, hidden, peak, self.reference_text_only = ahead
             self.peak = max(self.peak, peak)
             self.reference_out = (logits, hidden, None)
             return
@@ -719,6 +721,7 @@ class _Models:
                 return
             self.peak = max(self.peak, model.stats.peak_live_values)
             self.reference_out = (logits, hidden, ppl)
+            self.reference_text_only = model.text_only
             model.close()
             libc.trim_heap()
 
@@ -731,7 +734,13 @@ class _Models:
         if isinstance(self.reference_out, Check):
             return [self.reference_out]
         reference, ref_hidden, ppl_ref = self.reference_out
-        checks = [_layer_check(self.cls.__name__, self.plan, self.stored, merged, reference, merged_hidden, ref_hidden,
+        name = self.cls.__name__
+        if self.merged_text_only != self.reference_text_only:  # one side ran whole, the other only its text part
+            return [Check("behaviour", "skip", "skipped: the merged model and the unmerged reference could not be run "
+                          "the same way; not fully verified", metrics={"probes": list(PROBE_SHAPE)})]
+        if self.merged_text_only:
+            name = self.merged_text_only
+        checks = [_layer_check(name, self.plan, self.stored, merged, reference, merged_hidden, ref_hidden,
                                self.peak, _reference_words(self.options))]
         if self.tokens is not None:
             delta = abs(ppl_merged - ppl_ref)
