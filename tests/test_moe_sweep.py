@@ -280,3 +280,32 @@ def test_inspect_counts_the_modules_and_names_the_parameters(made, tmp_path, cap
     assert ("targets k_proj, o_proj, q_proj, v_proj; parameters down_proj, gate.weight, gate_up_proj (peft "
             "target_parameters: LoRA on packed experts, rank r per expert, and on routers); 8 modules") in shown
     assert r"r per module: .*\.gate_up_proj=8" in shown
+
+
+def test_a_lora_the_forward_never_calls_is_said_not_called_broken(tmp_path, capsys):
+    """Jamba's mamba mixer reads ``dt_proj.weight`` itself, so peft's unmerged model never applies a LoRA
+    there, while its merge_and_unload (and ours) puts it in. With a non-zero lora_B on it (not what
+    training through this forward leaves), merged and unmerged differ: the behaviour check says why and
+    judges nothing, never that the merge (equal to peft's) is broken."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    cls, config = build("jamba")
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    model = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)) \
+        .save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "adapter")
+    reference.merge_and_unload().save_pretrained(tmp_path / "peft")
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out),
+                 "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    got, expected = read_output(out), read_output(tmp_path / "peft")
+    for name, ref in expected.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}, said.out
+    assert "non-zero LoRA on model.layers.0.mamba.dt_proj" in said.out and "never calls" in said.out, said.out
+    assert "FAIL" not in said.out, said.out

@@ -354,6 +354,49 @@ def run(streamer, probes):
     return out.logits.float(), (list(hidden) if hidden is not None else None)
 
 
+def record_calls(model):
+    """(names of the modules whose forward runs from now on, a function that stops recording)."""
+    called: set[str] = set()
+    handles = [module.register_forward_pre_hook(lambda _m, _a, name=name: called.add(name))
+               for name, module in model.named_modules()]
+
+    def stop() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return called, stop
+
+
+def bypassed_loras(streamer, called: set[str]) -> list[str]:
+    """LoRA layers of an unmerged reference whose forward never ran although their parent's did (the
+    parent reads the wrapped weight itself: Jamba's mamba mixer its ``dt_proj.weight``, LongCat's router
+    its ``classifier.weight``) and whose lora_B is not zero: the unmerged model leaves them out, a merge
+    (peft's merge_and_unload too) puts them in. A LoRA trained there gets no gradient and keeps its zero
+    lora_B; one that is not zero was made some other way (or by a forward that does call it)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = streamer.model
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer) or name in called or name.rsplit(".", 1)[0] not in called:
+            continue
+        if any(n.startswith(name + ".") for n in called):  # a wrapper whose inner layer ran
+            continue
+        for key in (k for k in streamer.weights if k.startswith(name + ".lora_B.")):
+            value = streamer.materialize(key)
+            nonzero = bool(value.abs().sum() > 0)
+            streamer.give_back(key, value)
+            if nonzero:
+                out.append(_model_name(name))
+                break
+    return out
+
+
+def _model_name(name: str) -> str:
+    """A module's name in the model (peft's ``base_model.model.`` prefix dropped)."""
+    return name.removeprefix("base_model.model.")
+
+
 def _language_model(model):
     """The causal LM inside a multimodal model (peft's wrapper looked through), or None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
