@@ -198,6 +198,15 @@ def qwen3_ue8m0(tmp_path_factory):
     return base
 
 
+def test_an_unknown_scale_format_is_refused():
+    from tui_merger.core.errors import MergeError
+
+    with pytest.raises(MergeError, match=r"scale_fmt 'e5m2'; FP8 checkpoints store their scales as float \(fp32\) or ue8m0"):
+        scheme_of({"quantization_config": {**FP8_CONFIG, "scale_fmt": "e5m2"}})
+    assert scheme_of({"quantization_config": {**FP8_CONFIG, "scale_fmt": "ue8m0"}}).scale_fmt == "ue8m0"
+    assert scheme_of({"quantization_config": FP8_CONFIG}).scale_fmt == "float"
+
+
 def _is_pow2(t):
     mantissa, _ = torch.frexp(t.float())
     return bool((mantissa.abs() == 0.5).all())

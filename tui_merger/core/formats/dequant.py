@@ -25,7 +25,8 @@ Everything is checked from the headers before anything is read: every FP8 weight
 scale a weight, the scale grid fits the weight, the dtype is the one the format declares. Each problem
 is one sentence naming the tensor and what was expected.
 
-``quantize_fp8_blocks`` is the other direction, for outputs written as FP8 blocks (``merge/requant.py``).
+``quantize_fp8_blocks`` and ``quantize_compressed_fp8`` are the other direction, for outputs written
+quantized (``merge/requant.py``).
 
 No torch at import time: it is imported where tensors are touched.
 """

@@ -1,12 +1,15 @@
-"""Outputs written quantized: the base's own FP8-block format (``--keep-quantization``: tensors the adapter
-does not touch are copied byte for byte with their scales, changed ones quantized again the same way)
-and FP8 blocks for serving from any merge (``--quantize fp8``: every Linear weight of the decoder layers
-in 128x128 blocks, weight-only; embeddings, lm_head, norms and routers stay 16-bit).
+"""Outputs written quantized: the base's own format (``--keep-quantization``: tensors the adapter does
+not touch are copied byte for byte with their scales, changed ones quantized again the way that format's
+own code does it: FP8 blocks as transformers' Fp8Quantize, power-of-two scales for ``scale_fmt: ue8m0``,
+compressed-tensors FP8 as its calculate_qparams + quantize) and FP8 blocks for serving from any merge
+(``--quantize fp8``: every Linear weight of the decoder layers in 128x128 blocks, weight-only;
+embeddings, lm_head, norms, routers and experts packed in one tensor stay 16-bit).
 
 ``output_plan`` is ``build_plan`` plus that rewrite, so the engine, the recompute and the dry run see the
-same output tensors. A re-quantized weight is two output tensors (the e4m3 values and the fp32
-``weight_scale_inv``) read from ``RequantSource``, which computes the merged 16-bit weight once (as the
-16-bit output would hold it) and quantizes it as transformers' Fp8Quantize does.
+same output tensors. A re-quantized weight is two output tensors (the e4m3 values and the scale) read
+from ``RequantSource`` (or ``CompressedRequantSource``), which computes the merged 16-bit weight once
+(as the 16-bit output would hold it) and quantizes it. MXFP4 is refused here until
+``merge/requant_mxfp4.py`` writes it.
 """
 
 from __future__ import annotations
