@@ -302,3 +302,50 @@ def test_quantize_fp8_leaves_packed_experts_16bit_and_says_so(tmp_path, capsys):
     replace_with_fp8_linear(model, skip, transformers.FineGrainedFP8Config(weight_block_size=[128, 128]))
     assert type(model.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == "FP8Linear"
+
+
+def test_quantize_fp8_writes_experts_stored_one_matrix_each_and_transformers_packs_them(tmp_path, capsys):
+    """Qwen3-MoE in transformers 5 holds its experts packed but saves them one matrix per expert and
+    projection: those are Linear weights, written as FP8 blocks each; transformers' FP8 load packs them
+    (with their scales, into FP8Experts' gate_up_proj_scale_inv / down_proj_scale_inv)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    config = transformers.Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, vocab_size=320,
+                                         max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = tmp_path / "Qwen3-MoE-tiny"
+    transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(base)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), lora).save_pretrained(tmp_path / "adapter")
+    fp8 = tmp_path / "fp8"
+    code = main(["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(fp8), "--plain",
+                 "--quantize", "fp8"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    assert "packed expert" not in said.out
+    got = read_output(fp8)
+    experts = [n for n in got if ".mlp.experts." in n and n.endswith("_proj.weight")]
+    assert len(experts) == 2 * 4 * 3
+    for name in experts:
+        assert got[name].dtype == torch.float8_e4m3fn and got[name[: -len("weight")] + "weight_scale_inv"].shape == (1, 1)
+    assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["modules_to_not_convert"] == ["lm_head"]
+    # transformers reads every expert back as written, bit for bit. (The dense tests' rough end-to-end limit,
+    # a tenth of the largest logit, does not hold here: with 24 more random matrices rounded to e4m3 the
+    # logits move by 0.17 of 0.84, no token routed elsewhere; the behaviour check's limit counts them)
+    out_config = json.loads((fp8 / "config.json").read_text())
+    source = DequantSource(open_model(fp8), scheme_of(out_config), out_config)
+    loaded = _disk_state(_dequantized_load(fp8, "fp8"))
+    assert len(source.dequantized) == 2 * 4 + len(experts)
+    for name in source.dequantized:
+        assert torch.equal(source.tensors[name].load(), loaded[name]), name
+    assert verification_checks(fp8) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(transformers.AutoConfig.from_pretrained(fp8))
+    replace_with_fp8_linear(model, ["lm_head"], transformers.FineGrainedFP8Config(weight_block_size=[128, 128]))
+    experts_module = model.model.layers[0].mlp.experts
+    assert experts_module.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert tuple(experts_module.gate_up_proj_scale_inv.shape) == (4, 2, 1)
