@@ -498,9 +498,15 @@ def _quantized_output(mode: str, tplan, inputs, dtype) -> str:
     rest = dtype or inputs.dtype or next((t.dtype for t in tplan.tensors if t not in requantized
                                           and t.dtype in ("bfloat16", "float16", "float32")), "16-bit")
     skipped = (tplan.config_changes.get("quantization_config") or {}).get("modules_to_not_convert") or []
+    packed = [m for m in skipped if m.endswith("experts")]
+    packed_tensors = [t.name for t in tplan.tensors if len(t.shape) == 3 and t.name.rsplit(".", 1)[0] in packed]
+    whole = len(skipped) - 1 - len(packed)
     return (f"FP8 (e4m3), 128x128 blocks, weight-only: {len(requantized)} Linear weights of the decoder layers; "
             f"embeddings, lm_head, norms and routers stay {rest}"
-            + (f" (and {len(skipped) - 1} Linear weights that are not whole blocks)" if len(skipped) > 1 else ""))
+            + (f" (and {whole} Linear weights that are not whole blocks)" if whole > 0 else "")
+            + (f"; the {len(packed_tensors)} packed expert tensors ({packed_tensors[0]}, ...) stay {rest} too, "
+               "named in modules_to_not_convert (FP8 is written for one matrix per expert and projection only)"
+               if packed_tensors else ""))
 
 
 def _check_released_quantized(options: MergeOptions, inputs, scheme, add) -> None:
