@@ -40,6 +40,10 @@ def output_plan(base, adapter, config: dict, dtype, shard_size: int) -> TensorPl
 
 def _keep(plan, base):
     """The base's own FP8 blocks: untouched weights and their scales as stored, changed ones again."""
+    if getattr(base, "scheme", None) is not None and base.scheme.method == "mxfp4":  # GPT-OSS's experts
+        from tui_merger.core.merge.requant_mxfp4 import keep_mxfp4
+
+        return keep_mxfp4(plan, base)
     if getattr(base, "scheme", None) is None or base.scheme.method != "fp8" or base.scheme.block is None:
         label = base.scheme.label if getattr(base, "scheme", None) is not None else "not quantized"
         raise MergeError(
