@@ -122,6 +122,8 @@ def test_dry_run_names_the_kept_mxfp4_output(gpt_oss_mxfp4, kept, tmp_path, caps
     plan = capsys.readouterr().out
     assert ("output is  MXFP4 (e2m1, a power-of-two scale per 32 values) as the base: 2 weights copied with their "
             "scales, 2 changed by the adapter quantized again; quantization_config kept") in plan, plan
+    assert ("MXFP4 keeps one mantissa bit, so a change to an expert smaller than half a step of its group's grid is "
+            "rounded away") in " ".join(plan.split()), plan
 
 
 def test_keep_quantization_on_mxfp4_copies_untouched_experts_and_quantizes_changed_ones_again(kept):
@@ -200,3 +202,28 @@ def test_a_kept_mxfp4_output_with_a_wrong_scale_fails_verification(kept, tmp_pat
     assert checks["recompute"] == "fail" and checks["behaviour"] == behaviour, said
     if behaviour == "fail":
         assert "layer 0's output differs from the unmerged model" in said, said
+
+
+def test_an_adapter_on_the_attention_only_keeps_every_expert_as_released(gpt_oss_mxfp4, tmp_path, capsys):
+    base, adapter = gpt_oss_mxfp4  # LoRA on q, k, v and o_proj: bf16 in the release
+    out = tmp_path / "kept"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain", "--keep-quantization"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    stored, got = read_output(base), read_output(out)
+    assert sorted(got) == sorted(stored)
+    experts = [n for n in stored if n.endswith(("_blocks", "_scales"))]
+    assert len(experts) == 8
+    for name in experts:
+        assert torch.equal(got[name], stored[name]), name
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+
+
+def test_a_merged_expert_holding_nan_is_refused_in_one_sentence():
+    from tui_merger.core.errors import MergeError
+
+    w = torch.ones(1, 32, 2, dtype=torch.bfloat16)
+    w[0, 3, 1] = float("nan")
+    with pytest.raises(MergeError, match=r"^The merged model.layers.0.mlp.experts.down_proj holds NaN or Inf values, "
+                                         r"which MXFP4 cannot store"):
+        quantize_mxfp4(w, "model.layers.0.mlp.experts.down_proj")

@@ -514,7 +514,9 @@ def _check_released_quantized(options: MergeOptions, inputs, scheme, add) -> Non
     from tui_merger.core.formats.quant import find_unquantized_base
 
     count = len(inputs.base.dequantized)
-    output = (f"the output is written in the same format again (--keep-quantization)"
+    output = (f"the output is written in the same format again (--keep-quantization)" + (
+              "; MXFP4 keeps one mantissa bit, so a change to an expert smaller than half a step of its group's "
+              "grid is rounded away (verification says how far that moves the logits)" if scheme.method == "mxfp4" else "")
               if options.output_quantization == "keep" else
               f"the output is a plain {options.dtype or inputs.base.dtype} model without quantization_config")
     add(Finding(
