@@ -52,16 +52,15 @@ def _keep(plan, base):
         requant = RequantSource(scheme.block, pow2=scheme.scale_fmt == "ue8m0")
     elif method == "compressed-tensors":
         requant = CompressedRequantSource(scheme)
-    elif method == "mxfp4":  # merge/requant_mxfp4.py (_keep_mxfp4) is to take this branch
-        raise MergeError(
-            f"--keep-quantization cannot write MXFP4 again yet; the base is {scheme.label}. Leave it out for a "
-            "16-bit output. Nothing was written."
-        )
+    elif method == "mxfp4":  # GPT-OSS's experts
+        from tui_merger.core.merge.requant_mxfp4 import keep_mxfp4
+
+        return keep_mxfp4(plan, base)
     else:
         label = scheme.label if scheme is not None else "not quantized"
         raise MergeError(
-            "--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size) or compressed-tensors "
-            f"FP8 again; the base is {label}. Leave it out for a 16-bit output. Nothing was written."
+            "--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size), compressed-tensors "
+            f"FP8 or MXFP4 again; the base is {label}. Leave it out for a 16-bit output. Nothing was written."
         )
     out = []
     for t in plan.tensors:

@@ -625,8 +625,9 @@ class _Models:
         quiet_transformers()
         bh.quiet()
         stored = self.options.dtype or self.inputs.dtype or config_dtype(self.config) or "float32"
-        if self.options.output_quantization is not None:  # the changed weights are rounded to e4m3
-            stored = "float8_e4m3fn"
+        if self.options.output_quantization is not None:  # the changed weights are rounded to e4m3 (MXFP4: e2m1)
+            scheme = getattr(self.inputs.base, "scheme", None)
+            stored = "mxfp4" if scheme is not None and scheme.method == "mxfp4" else "float8_e4m3fn"
         self.stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
         self.probes = probe_ids(self.config, self.plan)
         self.tokens = _perplexity_tokens(self.out, self.text) if self.text else None
