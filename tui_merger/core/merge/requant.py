@@ -116,46 +116,40 @@ def _scale_name(weight_name: str, suffix: str = "weight_scale_inv") -> str:
     return weight_name[: -len("weight")] + suffix
 
 
-class RequantSource:
-    """The e4m3 values and scales of re-quantized weights: the merged 16-bit weight is computed and
-    quantized in 128x128 blocks for each of the two (within a shard the fp32 scales are written before
-    the one-byte values, so caching one for the other would hold a shard's worth; the merge is
-    deterministic, so both come from the same values). Stateless: the recompute's threads share it.
-    ``pow2``: power-of-two scales (``scale_fmt: ue8m0``)."""
+class PairSource:
+    """Two output tensors made by one computation (a quantized weight's values and its scales): the
+    first asked computes both and keeps the other until it is asked for, within ``KEPT_BYTES`` (a shard
+    puts a weight's values, then its scales, one after the other: plan.shard_tensors; what does not
+    fit is computed again when asked: the merge is deterministic, so both come from the same values).
+    The recompute's threads share it: the kept tensors are behind a lock."""
 
-    computes = True  # its tensors are not copies although their dtype is the output's (behaviour.rounded_by_depth)
-    scale_suffix = "weight_scale_inv"
+    KEPT_BYTES = 256 << 20
 
-    def __init__(self, block, pow2: bool = False) -> None:
-        self.block = tuple(block)
-        self.pow2 = pow2
-        self.weights = {}  # output name (values or scale) -> the 16-bit OutputTensor it quantizes
+    def __init__(self) -> None:
+        import threading
 
-    def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
-        rows, cols = t.shape
-        return (-(-rows // self.block[0]), -(-cols // self.block[1])), "float32"
+        self.weights = {}  # output name (either of the pair) -> the 16-bit OutputTensor it quantizes
+        self._kept: dict[str, object] = {}
+        self._kept_bytes = 0
+        self._lock = threading.Lock()
 
-    def add(self, t, like=None) -> list:
-        """The two output tensors of the 16-bit OutputTensor ``t`` quantized; ``like``: the base's scale
-        of that weight (--keep-quantization), whose shape and dtype the new scale takes where they vary."""
-        from tui_merger.core.io.sources import TensorRef
-
-        shape, dtype = self._scale_shape_dtype(t, like)
-        w = TensorRef(self, "", t.name, "float8_e4m3fn", tuple(t.shape))
-        s = TensorRef(self, "", _scale_name(t.name, self.scale_suffix), dtype, shape)
-        self.weights[w.name] = self.weights[s.name] = t
-        return [OutputTensor(t.name, w, w.dtype, w.shape), OutputTensor(s.name, s, s.dtype, s.shape)]
-
-    def _quantize(self, w, ref):
-        from tui_merger.core.formats.dequant import quantize_fp8_blocks
-
-        return quantize_fp8_blocks(w, self.block, pow2=self.pow2)
+    def _pair(self, ref) -> dict:
+        """{output name: tensor} of both tensors the 16-bit weight behind ``ref`` is written as."""
+        raise NotImplementedError
 
     def load(self, ref):
-        from tui_merger.core.merge.merge_math import compute
-
-        q, scale = self._quantize(compute(self.weights[ref.name]), ref)
-        return scale.reshape(ref.shape) if ref.name.endswith(self.scale_suffix) else q
+        with self._lock:
+            kept = self._kept.pop(ref.name, None)
+            if kept is not None:
+                self._kept_bytes -= kept.nbytes
+                return kept
+        pair = self._pair(ref)
+        with self._lock:
+            for name, tensor in pair.items():
+                if name != ref.name and self._kept_bytes + tensor.nbytes <= self.KEPT_BYTES:
+                    self._kept[name] = tensor
+                    self._kept_bytes += tensor.nbytes
+        return pair[ref.name]
 
     def load_into(self, ref, out) -> None:
         out.copy_(self.load(ref))
@@ -171,7 +165,53 @@ class RequantSource:
             x.release()
 
     def close(self) -> None:
-        pass
+        with self._lock:
+            self._kept.clear()
+            self._kept_bytes = 0
+
+
+class RequantSource(PairSource):
+    """The e4m3 values and scales of re-quantized weights: the merged 16-bit weight computed once and
+    quantized in blocks, as transformers' Fp8Quantize does. ``pow2``: power-of-two scales
+    (``scale_fmt: ue8m0``)."""
+
+    computes = True  # its tensors are not copies although their dtype is the output's (behaviour.rounded_by_depth)
+    scale_suffix = "weight_scale_inv"
+
+    def __init__(self, block, pow2: bool = False) -> None:
+        super().__init__()
+        self.block = tuple(block)
+        self.pow2 = pow2
+        self.shapes = {}  # scale name -> its shape
+
+    def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
+        rows, cols = t.shape
+        return (-(-rows // self.block[0]), -(-cols // self.block[1])), "float32"
+
+    def add(self, t, like=None) -> list:
+        """The two output tensors of the 16-bit OutputTensor ``t`` quantized; ``like``: the base's scale
+        of that weight (--keep-quantization), whose shape and dtype the new scale takes where they vary."""
+        from tui_merger.core.io.sources import TensorRef
+
+        shape, dtype = self._scale_shape_dtype(t, like)
+        w = TensorRef(self, "", t.name, "float8_e4m3fn", tuple(t.shape))
+        s = TensorRef(self, "", _scale_name(t.name, self.scale_suffix), dtype, shape)
+        self.weights[w.name] = self.weights[s.name] = t
+        self.shapes[s.name] = s.shape
+        return [OutputTensor(t.name, w, w.dtype, w.shape), OutputTensor(s.name, s, s.dtype, s.shape)]
+
+    def _quantize(self, w, ref):
+        from tui_merger.core.formats.dequant import quantize_fp8_blocks
+
+        return quantize_fp8_blocks(w, self.block, pow2=self.pow2)
+
+    def _pair(self, ref) -> dict:
+        from tui_merger.core.merge.merge_math import compute
+
+        t = self.weights[ref.name]
+        q, scale = self._quantize(compute(t), ref)
+        scale_name = _scale_name(t.name, self.scale_suffix)
+        return {t.name: q, scale_name: scale.reshape(self.shapes[scale_name])}
 
 
 class CompressedRequantSource(RequantSource):

@@ -29,6 +29,7 @@ Values already on the MXFP4 grid (an expert of the dequantized base) come back u
 from __future__ import annotations
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.merge.requant import PairSource
 from tui_merger.core.plan.plan import OutputTensor
 
 GROUP = 32  # values per e8m0 scale
@@ -63,15 +64,11 @@ def _stored_pair(base, ref):
     return base._scales.get((ref.file, ref.name))
 
 
-class Mxfp4RequantSource:
-    """The blocks and scales of re-quantized experts: the merged 16-bit parameter is computed and
-    quantized for each of the two (stateless, as ``requant.RequantSource``: the merge is deterministic,
-    so both come from the same values, and the recompute's threads may share it)."""
+class Mxfp4RequantSource(PairSource):
+    """The blocks and scales of re-quantized experts: the merged 16-bit parameter computed once and
+    quantized for both (``requant.PairSource`` keeps the one asked second)."""
 
     computes = True  # its tensors are not copies although their dtype is the output's (behaviour.rounded_by_depth)
-
-    def __init__(self) -> None:
-        self.weights = {}  # output name (blocks or scales) -> the 16-bit OutputTensor it quantizes
 
     def add(self, t) -> list:
         from tui_merger.core.io.sources import TensorRef
@@ -85,28 +82,12 @@ class Mxfp4RequantSource:
         self.weights[b.name] = self.weights[s.name] = t
         return [OutputTensor(b.name, b, b.dtype, b.shape), OutputTensor(s.name, s, s.dtype, s.shape)]
 
-    def load(self, ref):
+    def _pair(self, ref) -> dict:
         from tui_merger.core.merge.merge_math import compute
 
         t = self.weights[ref.name]
         blocks, scales = quantize_mxfp4(compute(t), t.name)
-        return scales if ref.name.endswith("_scales") else blocks
-
-    def load_into(self, ref, out) -> None:
-        out.copy_(self.load(ref))
-
-    def raw_ranges(self, ref):
-        return None
-
-    def row_blocks(self, ref):
-        return None
-
-    def release(self, ref) -> None:
-        for x in self.weights[ref.name].inputs():
-            x.release()
-
-    def close(self) -> None:
-        pass
+        return {t.name + "_blocks": blocks, t.name + "_scales": scales}
 
 
 def quantize_mxfp4(w, name: str = "the weight"):
