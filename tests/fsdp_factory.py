@@ -108,8 +108,13 @@ _OPTION_DEFAULTS = dict(
     step=5,
     family="qwen2",
 )
-FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe")
-# text, vision-language, MoE, hybrid attention, packed experts, hybrid attention with MoE and a shared expert
+FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe") + (
+    "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe")
+# text, vision-language, MoE, hybrid attention, packed experts, hybrid attention with MoE and a shared expert;
+# then more MoE families verl trains through FSDP (HF models, generically), with tests/moe_families.py's
+# tiny configs: Mixtral, Qwen2-MoE (shared expert with its gate), DeepSeek-V3 (MLA, a dense first layer,
+# a router with a score-correction bias), GLM-4.5 (glm4_moe), OLMoE
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe")
 
 
 def _normalise(opts: dict) -> dict:
@@ -291,6 +296,7 @@ _HEAVY_MODULES = [
     "transformers",
     "transformers.models.qwen2.modeling_qwen2",
     "peft",
+    "moe_families",
 ]
 _TRANSFORMERS_NAMES = [
     "AutoConfig",
@@ -543,6 +549,10 @@ def _family_class(family: str, critic: bool = False):
 
     if critic:
         return transformers.Qwen2ForTokenClassification
+    if family in MOE_FAMILIES:
+        from moe_families import FAMILIES as TINY
+
+        return getattr(transformers, TINY[family][0])
     return getattr(transformers, {"qwen2": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
                                   "gpt_oss": "GptOssForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}[family])
@@ -554,6 +564,12 @@ def _family_config(family: str, tied: bool):
     ids = dict(tie_word_embeddings=tied, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     if family == "qwen2":
         return transformers.Qwen2Config(**QWEN_FSDP, **ids)
+    if family in MOE_FAMILIES:  # tests/moe_families.py's tiny config, with this tokenizer's vocabulary
+        from moe_families import FAMILIES as TINY
+
+        cls_name, kwargs = TINY[family]
+        kwargs = {**kwargs, "vocab_size": QWEN_FSDP["vocab_size"], "max_position_embeddings": QWEN_FSDP["max_position_embeddings"]}
+        return getattr(transformers, cls_name).config_class(**kwargs, **ids)
     if family == "qwen3_5":  # linear-attention layers, then a full-attention one
         return transformers.Qwen3_5TextConfig(**{**QWEN_FSDP, "num_hidden_layers": 2}, **ids, head_dim=16,
                                               linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,

@@ -31,7 +31,16 @@ def merge(capsys, checkpoint: str, out: Path) -> str:
     return said.out + said.err
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe"])
+# more MoE families verl's FSDP path trains (any HF model): full weights and LoRA, one fixture each
+MORE_MOE = ["mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe"]
+# where save_pretrained writes the first MoE layer's experts and router, and an expert's gate projection
+# (DeepSeek-V3 and GLM-4.5 start with a dense layer; Mixtral's experts are w1/w2/w3 in block_sparse_moe)
+MOE_ON_DISK = {"mixtral": ("model.layers.0.block_sparse_moe", "w1"), "qwen2_moe": ("model.layers.0.mlp", "gate_proj"),
+               "deepseek_v3": ("model.layers.1.mlp", "gate_proj"), "glm4_moe": ("model.layers.1.mlp", "gate_proj"),
+               "olmoe": ("model.layers.0.mlp", "gate_proj")}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe"] + MORE_MOE)
 def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, family, tmp_path, capsys):
     info = fsdp_checkpoint(family=family)
     out = tmp_path / "merged"
@@ -40,6 +49,10 @@ def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, f
     assert sorted(got) == sorted(expected)
     for name, ref in expected.items():
         assert got[name].dtype == ref.dtype and torch.equal(got[name], ref), name
+    if family in MORE_MOE:
+        mlp, gate = MOE_ON_DISK[family]
+        assert f"{mlp}.experts.3.{gate}.weight" in got, sorted(got)
+        assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in got)
     if family in ("qwen3_moe", "qwen3_5_moe"):
         assert any(".mlp.experts.3.gate_proj.weight" in n for n in got)
         assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in got)
@@ -48,7 +61,7 @@ def test_full_weights_come_out_as_save_pretrained_writes_them(fsdp_checkpoint, f
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_moe"] + MORE_MOE)
 def test_a_lora_run_merges_like_peft(fsdp_checkpoint, family, tmp_path, capsys):
     import transformers
     from peft import PeftModel
@@ -77,6 +90,23 @@ def test_a_lora_run_merges_like_peft(fsdp_checkpoint, family, tmp_path, capsys):
         for name in ("model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.1.mlp.experts.0.down_proj.weight",
                      "model.layers.1.mlp.gate.weight"):
             assert not torch.equal(got[name], base[name]), name
+    if family in MORE_MOE:
+        saved = json.loads((Path(info["reference_adapter"]) / "adapter_config.json").read_text())
+        base = read_output(Path(info["reference_base"]))
+        mlp, _ = MOE_ON_DISK[family]
+        experts = [n for n in got if n.startswith(f"{mlp}.experts.")]
+        assert len(experts) == 4 * 3, experts
+        if family == "qwen2_moe":
+            # peft's all-linear does not reach Qwen2-MoE's packed experts nor its router: the shared expert
+            # and its gate only; the experts come out as the trained base's
+            assert "target_parameters" not in saved or not saved["target_parameters"]
+            assert all(torch.equal(got[n], base[n]) for n in experts)
+            assert not torch.equal(got["model.layers.0.mlp.shared_expert_gate.weight"],
+                                   base["model.layers.0.mlp.shared_expert_gate.weight"])
+        else:  # LoRA on every expert (gate_up at 2r, read back from the pairs' shapes) and on the router
+            assert sorted(saved["target_parameters"]) == ["down_proj", "gate.weight", "gate_up_proj"]
+            assert all(not torch.equal(got[n], base[n]) for n in experts), experts
+            assert not torch.equal(got[f"{mlp}.gate.weight"], base[f"{mlp}.gate.weight"])
     if family == "qwen3_5_moe":
         # verl's target_modules="all-linear" reaches nn.Linear modules only: the shared expert and its
         # gate, not the packed experts (parameters of Qwen3_5MoeExperts) nor the router; those come out
