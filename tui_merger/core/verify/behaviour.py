@@ -227,7 +227,8 @@ def _streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str
 def _lazy_adapter(cls, config, tensors: dict, folder: Path, what: str, on_event=None, cancel=None):
     """One plain adapter: peft builds its layers on the meta device (``get_peft_model`` with
     ``low_cpu_mem_usage``) and each adapter weight streams from the adapter file under the name peft
-    saved it with, like the base's; memory holds no adapter weight (a 7B r=64 adapter is 300 MB).
+    saved it with, like the base's; memory holds no adapter weight (a 7B r=64 adapter is 300 MB), but
+    per-expert pairs of experts transformers 5 keeps packed, held as peft converts them (``_peft_conversion``).
     None when an adapter tensor has no such counterpart (DoRA's magnitudes, embeddings,
     modules_to_save, ...): then peft loads the adapter as usual."""
     from peft import PeftConfig, get_peft_model
@@ -270,8 +271,9 @@ def _lazy_adapter(cls, config, tensors: dict, folder: Path, what: str, on_event=
         key = name.replace(".default.", ".", 1) if ".default." in name else None
         ref = source.tensors.get(key) if key else None
         if ref is None and key and p.device.type == "meta":  # saved one pair per expert: as peft converts it
-            if converted is None:
-                converted = _peft_conversion(model, {k: r.load() for k, r in source.tensors.items()})
+            if converted is None:  # only the file's tensors peft has no weight of that name for
+                names = {n.replace(".default.", ".", 1) for n, _ in model.named_parameters(remove_duplicate=False)}
+                converted = _peft_conversion(model, {k: r.load() for k, r in source.tensors.items() if k not in names})
             held = converted.get(key)
             if held is not None and tuple(held.shape) == tuple(p.shape):
                 weights[name] = Weight(tuple(p.shape), held=held)
