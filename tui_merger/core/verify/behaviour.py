@@ -233,7 +233,8 @@ def _streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str
 def _lazy_adapter(cls, config, tensors: dict, folder: Path, what: str, on_event=None, cancel=None):
     """One plain adapter: peft builds its layers on the meta device (``get_peft_model`` with
     ``low_cpu_mem_usage``) and each adapter weight streams from the adapter file under the name peft
-    saved it with, like the base's; memory holds no adapter weight (a 7B r=64 adapter is 300 MB).
+    saved it with, like the base's; memory holds no adapter weight (a 7B r=64 adapter is 300 MB), but
+    per-expert pairs of experts transformers 5 keeps packed, held as peft converts them (``_peft_conversion``).
     None when an adapter tensor has no such counterpart (DoRA's magnitudes, embeddings,
     modules_to_save, ...): then peft loads the adapter as usual."""
     from peft import PeftConfig, get_peft_model
@@ -267,12 +268,22 @@ def _lazy_adapter(cls, config, tensors: dict, folder: Path, what: str, on_event=
         return None
     model.eval()
     weights = {}
+    converted = None  # peft's conversion of the file's LoRA tensors, made when a name is not in the file
     for name, p in model.named_parameters(remove_duplicate=False):
         base_source = base_weights.get(first_name.get(id(p), ""))
         if base_source is not None:
             weights[name] = base_source
             continue
-        ref = source.tensors.get(name.replace(".default.", ".", 1)) if ".default." in name else None
+        key = name.replace(".default.", ".", 1) if ".default." in name else None
+        ref = source.tensors.get(key) if key else None
+        if ref is None and key and p.device.type == "meta":  # saved one pair per expert: as peft converts it
+            if converted is None:  # only the file's tensors peft has no weight of that name for
+                names = {n.replace(".default.", ".", 1) for n, _ in model.named_parameters(remove_duplicate=False)}
+                converted = _peft_conversion(model, {k: r.load() for k, r in source.tensors.items() if k not in names})
+            held = converted.get(key)
+            if held is not None and tuple(held.shape) == tuple(p.shape):
+                weights[name] = Weight(tuple(p.shape), held=held)
+                continue
         if ref is None or tuple(ref.shape) != tuple(p.shape) or p.device.type != "meta":
             source.close()
             return None
@@ -311,7 +322,41 @@ def _adapter_file_weights(model, folder: Path, missing: list[str], weights: dict
                 weights[name] = Weight(tuple(params[name].shape), held=f.get_tensor(key).to(torch.float32))
             else:
                 still.append(name)
+        if still and any(".lora_" in name for name in still):
+            still = _converted_by_peft(model, f, keys, still, params, weights)
     return still
+
+
+def _converted_by_peft(model, f, keys: set, missing: list[str], params: dict, weights: dict) -> list[str]:
+    """The missing LoRA weights from peft's own conversion of the adapter file (``_peft_conversion``)."""
+    from tui_merger.core.verify.streaming import Weight
+
+    converted = _peft_conversion(model, {k: f.get_tensor(k) for k in keys if ".lora_" in k})
+    still = []
+    for name in missing:
+        tensor = converted.get(name.replace(".default.", ".", 1))
+        if ".lora_" in name and tensor is not None and tuple(tensor.shape) == tuple(params[name].shape):
+            weights[name] = Weight(tuple(params[name].shape), held=tensor)
+        else:
+            still.append(name)
+    return still
+
+
+def _peft_conversion(model, state: dict) -> dict:
+    """LoRA saved one pair per expert (``mlp.experts.3.gate_proj``: Megatron-Bridge's export, adapters
+    trained on transformers 4) for experts transformers 5 keeps packed: peft converts such a file
+    itself when it loads it onto a real model (target_parameters on the packed experts, gate and up
+    fused block-diagonally at 2r), which it cannot do onto a meta base, whose LoRA weights stay
+    empty. The reference takes peft's own conversion of the file's LoRA tensors: {saved name:
+    tensor}; {} when this peft has none or refuses."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+    except ImportError:  # a peft (or transformers) without it: said as missing weights
+        return {}
+    try:
+        return convert_peft_adapter_state_dict_for_transformers(model, model.peft_config["default"], state)
+    except Exception:  # noqa: BLE001 - peft's own refusal: the weights stay missing (the check says so)
+        return {}
 
 
 def _check_shapes(model, weights: dict, what: str) -> None:
