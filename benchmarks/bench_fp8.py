@@ -175,9 +175,9 @@ def child_check(ours: str, peft_out: str) -> None:
 
 def child_keep_twice(base: str, adapter: str, out: str) -> None:
     """``--keep-quantization`` with nothing kept between a weight's values and its scales: each changed
-    weight merged and quantized twice, as before requant.PairSource (the side-by-side baseline)."""
+    weight merged and quantized twice, as before pairs.PairSource (the side-by-side baseline)."""
     from tui_merger.cli import main as cli
-    from tui_merger.core.merge.requant import PairSource
+    from tui_merger.core.merge.pairs import PairSource
 
     PairSource.KEPT_BYTES = 0
     raise SystemExit(cli(["merge", "--base", base, "--adapter", adapter, "--out", out, "--plain", "--no-verify",

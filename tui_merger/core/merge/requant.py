@@ -8,8 +8,8 @@ embeddings, lm_head, norms, routers and experts packed in one tensor stay 16-bit
 ``output_plan`` is ``build_plan`` plus that rewrite, so the engine, the recompute and the dry run see the
 same output tensors. A re-quantized weight is two output tensors (the e4m3 values and the scale) read
 from ``RequantSource`` (or ``CompressedRequantSource``), which computes the merged 16-bit weight once
-(as the 16-bit output would hold it) and quantizes it. MXFP4 is refused here until
-``merge/requant_mxfp4.py`` writes it.
+(as the 16-bit output would hold it) and quantizes it for both (``pairs.PairSource``). MXFP4 (GPT-OSS's
+experts) is written by ``merge/requant_mxfp4.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.merge.pairs import PairSource
 from tui_merger.core.plan.plan import OutputTensor, TensorPlan, build_plan, shard_tensors
 
 KEEP = "keep"
@@ -114,60 +115,6 @@ def _fp8(plan, base):
 
 def _scale_name(weight_name: str, suffix: str = "weight_scale_inv") -> str:
     return weight_name[: -len("weight")] + suffix
-
-
-class PairSource:
-    """Two output tensors made by one computation (a quantized weight's values and its scales): the
-    first asked computes both and keeps the other until it is asked for, within ``KEPT_BYTES`` (a shard
-    puts a weight's values, then its scales, one after the other: plan.shard_tensors; what does not
-    fit is computed again when asked: the merge is deterministic, so both come from the same values).
-    The recompute's threads share it: the kept tensors are behind a lock."""
-
-    KEPT_BYTES = 256 << 20
-
-    def __init__(self) -> None:
-        import threading
-
-        self.weights = {}  # output name (either of the pair) -> the 16-bit OutputTensor it quantizes
-        self._kept: dict[str, object] = {}
-        self._kept_bytes = 0
-        self._lock = threading.Lock()
-
-    def _pair(self, ref) -> dict:
-        """{output name: tensor} of both tensors the 16-bit weight behind ``ref`` is written as."""
-        raise NotImplementedError
-
-    def load(self, ref):
-        with self._lock:
-            kept = self._kept.pop(ref.name, None)
-            if kept is not None:
-                self._kept_bytes -= kept.nbytes
-                return kept
-        pair = self._pair(ref)
-        with self._lock:
-            for name, tensor in pair.items():
-                if name != ref.name and self._kept_bytes + tensor.nbytes <= self.KEPT_BYTES:
-                    self._kept[name] = tensor
-                    self._kept_bytes += tensor.nbytes
-        return pair[ref.name]
-
-    def load_into(self, ref, out) -> None:
-        out.copy_(self.load(ref))
-
-    def raw_ranges(self, ref):
-        return None
-
-    def row_blocks(self, ref):
-        return None
-
-    def release(self, ref) -> None:
-        for x in self.weights[ref.name].inputs():
-            x.release()
-
-    def close(self) -> None:
-        with self._lock:
-            self._kept.clear()
-            self._kept_bytes = 0
 
 
 class RequantSource(PairSource):

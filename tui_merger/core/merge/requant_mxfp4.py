@@ -29,7 +29,7 @@ Values already on the MXFP4 grid (an expert of the dequantized base) come back u
 from __future__ import annotations
 
 from tui_merger.core.errors import MergeError
-from tui_merger.core.merge.requant import PairSource
+from tui_merger.core.merge.pairs import PairSource
 from tui_merger.core.plan.plan import OutputTensor
 
 GROUP = 32  # values per e8m0 scale
@@ -66,7 +66,7 @@ def _stored_pair(base, ref):
 
 class Mxfp4RequantSource(PairSource):
     """The blocks and scales of re-quantized experts: the merged 16-bit parameter computed once and
-    quantized for both (``requant.PairSource`` keeps the one asked second)."""
+    quantized for both (``pairs.PairSource`` keeps the one asked second)."""
 
     computes = True  # its tensors are not copies although their dtype is the output's (behaviour.rounded_by_depth)
 

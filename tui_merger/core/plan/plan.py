@@ -330,7 +330,7 @@ def shard_tensors(tensors: list[OutputTensor], shard_size: int) -> list[tuple[st
 def _place(t: OutputTensor) -> tuple[int, int]:
     """Where a tensor goes in its shard, keeping every tensor aligned to its element size: first, in plan
     order, those whose size is a multiple of 8 bytes (the offset stays a multiple of 8: a quantized
-    weight's values then its scales, which one computation makes: requant.PairSource), then the rest,
+    weight's values then its scales, which one computation makes: pairs.PairSource), then the rest,
     wider dtypes first."""
     return (0, 0) if t.nbytes % 8 == 0 else (1, -itemsize(t.dtype))
 
