@@ -912,25 +912,9 @@ def offered(app) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fp8_release(tmp_path_factory):
-    """A Qwen3 base written as an FP8-block release (with a tokenizer), and a peft LoRA on q_proj and v_proj
-    made on transformers' dequantizing load of it."""
-    import torch
-    import transformers
-    from fp8_factory import make_fp8_block_base
-    from peft import LoraConfig, get_peft_model
-    from test_gguf import byte_level_tokenizer, config_of
+    from fp8_factory import make_fp8_release_workspace
 
-    ws = tmp_path_factory.mktemp("fp8-release") / "ws"
-    base = ws / "Qwen3-tiny-FP8"
-    torch.manual_seed(0)
-    make_fp8_block_base(base, transformers.AutoModelForCausalLM.from_config(config_of("qwen3")))
-    byte_level_tokenizer("qwen").save_pretrained(base)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        base, quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
-    torch.manual_seed(2)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(loaded, lora).save_pretrained(ws / "qv-lora")
-    return ws
+    return make_fp8_release_workspace(tmp_path_factory.mktemp("fp8-release") / "ws")
 
 
 async def test_review_keeps_an_fp8_release_in_its_format_when_asked_and_the_merge_writes_it(fp8_release, tmp_path):
