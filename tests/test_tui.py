@@ -959,9 +959,14 @@ async def test_review_writes_a_16_bit_merge_as_fp8_blocks_for_serving(workspace,
         wizard = await to_review(pilot, app)
         assert offered(app) == ["as merged (default)", "FP8 128x128 blocks for serving (--quantize fp8)"]
         assert "output is" not in text(app, "#plan-text")
+        await pick_format(pilot, app, 1, "the plan with FP8 blocks")
+        assert "FP8 (e4m3), 128x128 blocks, weight-only" in text(app, "#plan-text")
+        await pilot.press("ctrl+b")  # back to Find and again to Review: the same checkpoint keeps its format
+        await to_review(pilot, app)
+        assert app.screen.query_one("#output-format", Select).value == "fp8"
+        assert wizard.options.output_quantization == "fp8"
         app.screen.query_one("#out", Input).value = str(out)
         await recheck(pilot, app)
-        await pick_format(pilot, app, 1, "the plan with FP8 blocks")
         assert "FP8 (e4m3), 128x128 blocks, weight-only" in text(app, "#plan-text")
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)

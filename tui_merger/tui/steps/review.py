@@ -42,6 +42,7 @@ class ReviewStep(Step, Vertical):
         self._format_ok = ""  # the output format of the last plan that the engine could write ("": default)
         self._format_refusal = ""  # the engine's sentence refusing the format chosen last (shown under it)
         self._format_offered: list = []  # the (words, value) pairs the select holds
+        self._format_for = None  # the checkpoint they were offered for
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="review-form"):
@@ -172,12 +173,15 @@ class ReviewStep(Step, Vertical):
             w.display = False
         self._roundtrip_offer = None
         for w in self.query(".format-field"):
-            w.display = False
-        fmt = self.query_one("#output-format", Select)
-        with fmt.prevent(Select.Changed):
-            fmt.set_options([("as merged (default)", "")])
-            fmt.value = ""
-        self._format_ok, self._format_refusal, self._format_offered = "", "", []
+            w.display = False  # shown again by the plan that offers formats
+        if c.path != self._format_for:  # another checkpoint: the default format (the same one: as chosen)
+            self._format_for = c.path
+            fmt = self.query_one("#output-format", Select)
+            with fmt.prevent(Select.Changed):
+                fmt.set_options([("as merged (default)", "")])
+                fmt.value = ""
+            self._format_ok, self._format_offered = "", []
+        self._format_refusal = ""
         self.query_one("#roundtrip", Select).set_options([("the 16-bit weights as stored (usual)", "")])
         self.query_one("#roundtrip", Select).value = ""
         wizard.plan = None
@@ -260,7 +264,7 @@ class ReviewStep(Step, Vertical):
         extra = {}
         if self.query_one("#roundtrip", Select).display and self.query_one("#roundtrip", Select).value:
             extra["base_roundtrip"] = self.query_one("#roundtrip", Select).value
-        if self.query_one("#output-format", Select).display and self.query_one("#output-format", Select).value:
+        if self.query_one("#output-format", Select).value:  # only ever set to a format a plan offered
             extra["output_quantization"] = self.query_one("#output-format", Select).value
         if self.query_one("#weight", Input).display:
             extra.update(weight=self.query_one("#weight", Input).value.strip() or "1", more=self.query_one("#more", Input).value)
