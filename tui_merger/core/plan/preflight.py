@@ -495,56 +495,6 @@ def _check_quantized(options: MergeOptions, inputs, add) -> tuple[str | None, st
     return _check_roundtrip(options, inputs, add), None
 
 
-OUTPUT_REFUSED = "output-format"  # the finding of an output format the engine cannot write for these inputs
-
-
-def _output_refused(options: MergeOptions, inputs, adapter, config: dict, dtype) -> str | None:
-    """OUTPUT_REFUSED when the tensor plan fails only because of the output format asked for (the same
-    plan without it is fine): the assistant then says the sentence and keeps the format it had."""
-    from tui_merger.core.plan.plan import build_plan
-
-    if options.output_quantization is None:
-        return None
-    try:
-        build_plan(inputs.base, adapter, config, dtype, options.shard_size)  # output_plan without the rewrite
-    except MergeError:
-        return None
-    return OUTPUT_REFUSED
-
-
-def _inputs_refused(options: MergeOptions) -> str | None:
-    """OUTPUT_REFUSED when the inputs open without the output format asked for."""
-    import dataclasses
-
-    from tui_merger.core.formats.inputs import open_inputs
-
-    if options.output_quantization is None:
-        return None
-    try:
-        open_inputs(dataclasses.replace(options, output_quantization=None)).close()
-    except Exception:  # noqa: BLE001 - not the format's fault: the plan reports the first error
-        return None
-    return OUTPUT_REFUSED
-
-
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-
-def output_choices(base_scheme: str | None, dtype: str | None) -> list[tuple[str, str | None]]:
-    """The output formats the assistant offers (Review's select, the plain flow's question), default
-    first, as (words, MergeOptions.output_quantization). Which of them the engine can write for a given
-    base is its own to say (a refused one becomes an OUTPUT_REFUSED finding), not decided here."""
-    if base_scheme is not None:  # released quantized: a plain model, or the base's own format again
-        return [(f"{SHORT_DTYPES.get(dtype, dtype or '16-bit')}, a plain model (default)", None),
-                (f"{base_scheme} as the base (--keep-quantization)", "keep")]
-    return [("as merged (default)", None), ("FP8 128x128 blocks for serving (--quantize fp8)", "fp8")]
-
-
-def output_refusal(plan: MergePlan) -> str | None:
-    """The engine's sentence refusing the output format of ``plan`` (None: it can be written)."""
-    return next((f.message for f in plan.findings if f.id == OUTPUT_REFUSED), None)
-
-
 def _quantized_output(mode: str, tplan, inputs, dtype) -> str:
     """What an output written quantized will be, for the plan's "output is" line."""
     requantized = [t for t in tplan.tensors if getattr(t.source.source, "computes", False) and t.dtype.startswith("float8")]
@@ -833,6 +783,59 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
             check_space(parent, max(plan.output_bytes - kept, 0))  # the engine's own check, with its sentence
         except MergeError as err:
             add(Finding("disk", ERROR, str(err)))
+
+
+# -- the output formats the assistant offers -------------------------------------------------------
+
+OUTPUT_REFUSED = "output-format"  # the finding of an output format the engine cannot write for these inputs
+
+
+def _output_refused(options: MergeOptions, inputs, adapter, config: dict, dtype) -> str | None:
+    """OUTPUT_REFUSED when the tensor plan fails only because of the output format asked for (the same
+    plan without it is fine): the assistant then says the sentence and keeps the format it had."""
+    from tui_merger.core.plan.plan import build_plan
+
+    if options.output_quantization is None:
+        return None
+    try:
+        build_plan(inputs.base, adapter, config, dtype, options.shard_size)  # output_plan without the rewrite
+    except MergeError:
+        return None
+    return OUTPUT_REFUSED
+
+
+def _inputs_refused(options: MergeOptions) -> str | None:
+    """OUTPUT_REFUSED when the inputs open without the output format asked for."""
+    import dataclasses
+
+    from tui_merger.core.formats.inputs import open_inputs
+
+    if options.output_quantization is None:
+        return None
+    try:
+        open_inputs(dataclasses.replace(options, output_quantization=None)).close()
+    except Exception:  # noqa: BLE001 - not the format's fault: the plan reports the first error
+        return None
+    return OUTPUT_REFUSED
+
+
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def output_choices(base_scheme: str | None, dtype: str | None) -> list[tuple[str, str | None]]:
+    """The output formats the assistant offers (Review's select, the plain flow's question), default
+    first, as (words, MergeOptions.output_quantization). Which of them the engine can write for a given
+    base is its own to say (a refused one becomes an OUTPUT_REFUSED finding), not decided here."""
+    if base_scheme is not None:  # released quantized: a plain model, or the base's own format again
+        return [(f"{SHORT_DTYPES.get(dtype, dtype or '16-bit')}, a plain model (default)", None),
+                (f"{base_scheme} as the base (--keep-quantization)", "keep")]
+    return [("as merged (default)", None), ("FP8 128x128 blocks for serving (--quantize fp8)", "fp8")]
+
+
+def output_refusal(plan: MergePlan) -> str | None:
+    """The engine's sentence refusing the output format of ``plan`` (None: it can be written)."""
+    return next((f.message for f in plan.findings if f.id == OUTPUT_REFUSED), None)
+
 
 
 # -- the suggested output name -------------------------------------------------------------------------
