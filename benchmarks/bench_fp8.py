@@ -173,7 +173,19 @@ def child_check(ours: str, peft_out: str) -> None:
     print("CHECK_OK" if ok else "CHECK_FAILED", flush=True)
 
 
-CHILDREN = {"_build": lambda a: child_build(*a), "_peft": lambda a: child_peft(*a), "_check": lambda a: child_check(*a)}
+def child_keep_twice(base: str, adapter: str, out: str) -> None:
+    """``--keep-quantization`` with nothing kept between a weight's values and its scales: each changed
+    weight merged and quantized twice, as before requant.PairSource (the side-by-side baseline)."""
+    from tui_merger.cli import main as cli
+    from tui_merger.core.merge.requant import PairSource
+
+    PairSource.KEPT_BYTES = 0
+    raise SystemExit(cli(["merge", "--base", base, "--adapter", adapter, "--out", out, "--plain", "--no-verify",
+                          "--keep-quantization"]))
+
+
+CHILDREN = {"_build": lambda a: child_build(*a), "_peft": lambda a: child_peft(*a), "_check": lambda a: child_check(*a),
+            "_keep_twice": lambda a: child_keep_twice(*a)}
 
 
 def py(*args) -> list[str]:
@@ -203,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=36, help="decoder layers (default 36: the 3B shape)")
     ap.add_argument("--skip-peft", action="store_true")
+    ap.add_argument("--keep", action="store_true",
+                    help="also --keep-quantization (FP8 out), and the same computing each changed weight twice")
     ap.add_argument("--settle", type=float, default=3.0)
     ap.add_argument("--clean", action="store_true", help="delete the cached models and exit")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
@@ -229,6 +243,11 @@ def main(argv=None) -> int:
     }
     if args.skip_peft:
         del cases["peft (dequantize=True)"]
+    if args.keep:
+        cases["ours --keep-quantization"] = lambda out: [
+            sys.executable, "-m", "tui_merger", "merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out),
+            "--plain", "--no-verify", "--keep-quantization"]
+        cases["ours --keep-quantization, computed twice"] = lambda out: py("_keep_twice", base, adapter, out)
     load0 = loadavg()
     rc = 0
     try:

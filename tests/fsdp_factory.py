@@ -1,7 +1,8 @@
 """Real verl-style FSDP checkpoints for tests, written by torch.distributed itself.
 
 Every checkpoint is produced the way verl's ``FSDPCheckpointManager.save_checkpoint`` produces one:
-``world_size`` processes join a gloo process group (CPU), build a tiny Qwen2 model with transformers
+``world_size`` processes join a gloo process group (CPU), build a tiny Qwen2 model (or another of ``FAMILIES``:
+VL, Qwen3.5, and MoE families with tests/moe_families.py's configs) with transformers
 (``from_pretrained`` of a bf16 "hub" copy, loaded in fp32 as verl's actor does), optionally wrap it
 with peft, shard it with FSDP1 (``FullyShardedDataParallel`` + device mesh) or FSDP2 (``fully_shard``
 on a ``DeviceMesh``), take one real AdamW step, and then every rank ``torch.save``s
@@ -108,8 +109,13 @@ _OPTION_DEFAULTS = dict(
     step=5,
     family="qwen2",
 )
-FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe")
-# text, vision-language, MoE, hybrid attention, packed experts, hybrid attention with MoE and a shared expert
+FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe") + (
+    "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe", "qwen3_next", "deepseek_v2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "flex_olmo", "minimax_m2", "granitemoe")
+# text, vision-language, MoE, hybrid attention, packed experts, hybrid attention with MoE and a shared expert;
+# then more MoE families verl trains through FSDP (HF models, generically), with tests/moe_families.py's
+# tiny configs: Mixtral, Qwen2-MoE (shared expert with its gate), DeepSeek-V3 (MLA, a dense first layer,
+# a router with a score-correction bias), GLM-4.5 (glm4_moe), OLMoE
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe", "qwen3_next", "deepseek_v2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "flex_olmo", "minimax_m2", "granitemoe")
 
 
 def _normalise(opts: dict) -> dict:
@@ -291,6 +297,7 @@ _HEAVY_MODULES = [
     "transformers",
     "transformers.models.qwen2.modeling_qwen2",
     "peft",
+    "moe_families",
 ]
 _TRANSFORMERS_NAMES = [
     "AutoConfig",
@@ -543,6 +550,10 @@ def _family_class(family: str, critic: bool = False):
 
     if critic:
         return transformers.Qwen2ForTokenClassification
+    if family in MOE_FAMILIES:
+        from moe_families import FAMILIES as TINY
+
+        return getattr(transformers, TINY[family][0])
     return getattr(transformers, {"qwen2": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
                                   "gpt_oss": "GptOssForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}[family])
@@ -554,6 +565,13 @@ def _family_config(family: str, tied: bool):
     ids = dict(tie_word_embeddings=tied, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     if family == "qwen2":
         return transformers.Qwen2Config(**QWEN_FSDP, **ids)
+    if family in MOE_FAMILIES:  # tests/moe_families.py's tiny config, with this tokenizer's vocabulary
+        from moe_families import FAMILIES as TINY
+
+        cls_name, kwargs = TINY[family]
+        kwargs = {**kwargs, "vocab_size": QWEN_FSDP["vocab_size"], "max_position_embeddings": QWEN_FSDP["max_position_embeddings"],
+                  **ids}
+        return getattr(transformers, cls_name).config_class(**kwargs)
     if family == "qwen3_5":  # linear-attention layers, then a full-attention one
         return transformers.Qwen3_5TextConfig(**{**QWEN_FSDP, "num_hidden_layers": 2}, **ids, head_dim=16,
                                               linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -940,11 +958,12 @@ def _write_reference(full: dict, ref_dir: Path, model_cls, config, lora_config, 
 def _cli(argv=None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(description="Write a real verl FSDP checkpoint (tiny Qwen2) into RUN_DIR.")
+    p = argparse.ArgumentParser(description="Write a real verl FSDP checkpoint (tiny Qwen2, or --family) into RUN_DIR.")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--fsdp-version", type=int, default=2, choices=(1, 2))
     p.add_argument("--world-size", type=int, default=2, choices=(1, 2, 4))
     p.add_argument("--step", type=int, default=5)
+    p.add_argument("--family", default="qwen2", choices=FAMILIES)
     for flag in ("hsdp", "tied", "critic", "buffer", "lora", "shard-dim1", "sft-layout"):
         p.add_argument(f"--{flag}", action="store_true")
     p.add_argument("--no-fsdp-config", action="store_true", help="omit fsdp_config.json (verl < 0.4.1)")
@@ -962,6 +981,7 @@ def _cli(argv=None) -> None:
         write_fsdp_config=not a.no_fsdp_config,
         sft_layout=a.sft_layout,
         step=a.step,
+        family=a.family,
     )
     print(json.dumps(info, indent=2))
 

@@ -116,7 +116,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                            spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=300, video_token_id=301, image_start_token_id=302, image_end_token_id=303)),
     # transformers 5.24 cannot run Llama4ForConditionalGeneration (its forward reads ``image_outputs`` its
-    # language model never returns): merged and compared tensor by tensor only
+    # language model never returns): its language model (a Llama4ForCausalLM) is what runs
     "llama4_vl": ("Llama4ForConditionalGeneration", dict(
         text_config=dict(ATTN, intermediate_size=I, intermediate_size_mlp=96, num_hidden_layers=2, num_local_experts=E,
                          num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 0]),
@@ -125,7 +125,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                            pixel_shuffle_ratio=0.5),
         image_token_index=300)),
 }
-CANNOT_RUN = {"llama4_vl"}  # transformers itself cannot run the model
+TEXT_ONLY = {"llama4_vl"}  # transformers cannot run the whole model on text: its language model runs
+
+
+def forward(model, family: str, ids):
+    """The logits of the family's model (a peft model too) on ``ids``: the language model's alone where
+    transformers cannot run the whole model (TEXT_ONLY), as tui-merger's behaviour check then runs it."""
+    if family in TEXT_ONLY:
+        model = (model.get_base_model() if hasattr(model, "get_base_model") else model).language_model
+    return model(ids).logits
 
 
 def build(name: str):

@@ -139,9 +139,9 @@ def _expert_pairs(case: str) -> dict:
 
 @pytest.mark.parametrize("case", MOE)
 def test_moe_shards_with_router_lora_merge_as_megatron_bridge_exports_them(tmp_path, bases, case):
-    """Qwen3-MoE, LoRA on attention, the router and every expert. peft cannot apply per-expert LoRA to
-    transformers 5's packed experts, so attention and the router are peft's merge of the export without
-    its expert pairs, and each expert is W + alpha/r * B @ A of its pair, computed here as peft does."""
+    """Qwen3-MoE, LoRA on attention, the router and every expert. Attention and the router are peft's
+    merge of the export without its expert pairs, and each expert is W + alpha/r * B @ A of its pair,
+    computed here as peft does (Megatron-Bridge's export leaves EP rank 1's experts out)."""
     from safetensors.torch import load_file, save_file
 
     base = bases(case)
@@ -165,9 +165,34 @@ def test_moe_shards_with_router_lora_merge_as_megatron_bridge_exports_them(tmp_p
     assert any("mlp.gate.weight" in k and not torch.equal(ours[k], plain[k]) for k in ours)
     unequal = [k for k in ours if not torch.equal(ours[k], want[k])]
     assert not unequal, unequal
-    checks = verification_checks(out)
-    assert checks["structure"] == checks["recompute"] == "pass"
-    assert checks["behaviour"] == "skip"  # peft cannot apply per-expert LoRA to packed experts (see above)
+    # the behaviour check runs: its reference is peft's own load of the per-expert pairs onto the packed
+    # experts (peft converts them: target_parameters, gate and up fused at 2r)
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+
+
+@pytest.mark.parametrize("case", ["moe_router", "moe_ep2_router"])
+def test_a_merge_missing_one_experts_lora_fails_the_behaviour_check(tmp_path, bases, case):
+    """The merged model with one expert's LoRA left out (expert 2 of layer 1: at EP2 the expert-parallel
+    rank Megatron-Bridge's own export leaves out) answers unlike the reference: the behaviour check
+    fails, as the recompute does."""
+    from safetensors.torch import load_file, save_file
+
+    from tui_merger.core.verify.checks import verify_merge
+
+    base = bases(case)
+    out = tmp_path / "merged"
+    assert _merge(case, out, "--base", str(base), "--lora-alpha", ALPHA) == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    tensors, plain = load_file(bad / "model.safetensors"), read_output(base)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.2.{proj}.weight"
+        assert not torch.equal(tensors[name], plain[name])
+        tensors[name] = plain[name]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    report = verify_merge(bad)
+    assert {c.name: c.status for c in report.checks} == {"structure": "pass", "recompute": "fail", "behaviour": "fail"}
+    assert "layer 1's output differs" in report.checks[2].details[0]
 
 
 @pytest.mark.parametrize("case", MERGED + MOE)
@@ -193,6 +218,8 @@ def test_export_adapter_equals_megatron_bridges_export(tmp_path, bases, case):
         assert said[key] == theirs[key], key
     assert sorted(said["target_modules"]) == sorted(theirs["target_modules"])
     assert read_output(out).keys() == read_output(base).keys()
+    # verified with the exported adapter through peft, per-expert pairs too (peft converts them)
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
 def test_a_run_with_virtual_pipeline_stages_says_what_verl_left_out(tmp_path, bases, capsys):

@@ -20,14 +20,14 @@ import pytest
 import torch
 from factory import read_output, verification_checks
 from safetensors.torch import load_file
-from moe_families import CANNOT_RUN, FAMILIES, build
+from moe_families import FAMILIES, TEXT_ONLY, build, forward
 
 from tui_merger.cli import main
 
 PROBE = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(7))
 # peft cannot run these unmerged with all-linear: it wraps their router, an nn.Linear whose forward
 # returns a tuple, as a LoRA Linear (its forward then fails); the hand-picked variant targets the rest
-PEFT_CANNOT_RUN = {("phimoe", "all-linear"), ("llama4", "all-linear")}
+PEFT_CANNOT_RUN = {("phimoe", "all-linear"), ("llama4", "all-linear"), ("llama4_vl", "all-linear")}
 
 
 def packed_parameters(model) -> tuple[str, list[str], str | None]:
@@ -67,13 +67,13 @@ CASES = [(family, "all-linear") for family in FAMILIES] + [
                                                                "moe_num_experts"))]
 
 
-def as_trained(peft_model) -> None:
+def as_trained(peft_model, family: str) -> None:
     """A LoRA whose module the model's forward never calls (Jamba's mamba reads ``dt_proj.weight``
     itself, LongCat its router's ``classifier.weight``) gets no gradient in training and keeps peft's
     zero lora_B: so it is here too (the random init would give it a delta training never saw, which
     peft's merge applies and its unmerged forward does not)."""
     peft_model.train()
-    peft_model(PROBE).logits.float().pow(2).mean().backward()
+    forward(peft_model, family, PROBE).float().pow(2).mean().backward()
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_" in name and param.requires_grad and param.grad is None and "lora_B" in name:
@@ -104,14 +104,14 @@ def made(tmp_path_factory):
             pytest.skip(f"{family} keeps no packed experts in transformers 5")
         torch.manual_seed(1)
         peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **kwargs))
-        if (family, variant) not in PEFT_CANNOT_RUN and family not in CANNOT_RUN:
-            as_trained(peft_model)
+        if (family, variant) not in PEFT_CANNOT_RUN:
+            as_trained(peft_model, family)
         peft_model.save_pretrained(root / "adapter")
         logits = None
-        if (family, variant) not in PEFT_CANNOT_RUN and family not in CANNOT_RUN:
+        if (family, variant) not in PEFT_CANNOT_RUN:
             reloaded = PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), root / "adapter")
             with torch.no_grad():
-                logits = reloaded.eval()(PROBE).logits
+                logits = forward(reloaded.eval(), family, PROBE)
         fresh = PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), root / "adapter")
         fresh.merge_and_unload().save_pretrained(root / "peft")
         cache[family, variant] = base, root / "adapter", root / "peft", logits
@@ -145,9 +145,11 @@ def test_family_merges_like_peft(family, variant, made, tmp_path, capsys):
     if logits is not None:
         merged = cls.from_pretrained(out, dtype=torch.float32).eval()
         with torch.no_grad():
-            torch.testing.assert_close(merged(PROBE).logits, logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(forward(merged, family, PROBE), logits, rtol=1e-5, atol=1e-5)
         checks = verification_checks(out)
         assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+        if family in TEXT_ONLY:  # said so, never passed off as the whole model's run
+            assert "the language model alone: Llama4ForConditionalGeneration's own forward fails on text" in said.out, said.out
     else:  # neither peft (its unmerged model) nor transformers can run it: said, never called a match
         assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}, said.out
 
@@ -278,3 +280,32 @@ def test_inspect_counts_the_modules_and_names_the_parameters(made, tmp_path, cap
     assert ("targets k_proj, o_proj, q_proj, v_proj; parameters down_proj, gate.weight, gate_up_proj (peft "
             "target_parameters: LoRA on packed experts, rank r per expert, and on routers); 8 modules") in shown
     assert r"r per module: .*\.gate_up_proj=8" in shown
+
+
+def test_a_lora_the_forward_never_calls_is_said_not_called_broken(tmp_path, capsys):
+    """Jamba's mamba mixer reads ``dt_proj.weight`` itself, so peft's unmerged model never applies a LoRA
+    there, while its merge_and_unload (and ours) puts it in. With a non-zero lora_B on it (not what
+    training through this forward leaves), merged and unmerged differ: the behaviour check says why and
+    judges nothing, never that the merge (equal to peft's) is broken."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    cls, config = build("jamba")
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    model = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)) \
+        .save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "adapter")
+    reference.merge_and_unload().save_pretrained(tmp_path / "peft")
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out),
+                 "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    got, expected = read_output(out), read_output(tmp_path / "peft")
+    for name, ref in expected.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}, said.out
+    assert "non-zero LoRA on model.layers.0.mamba.dt_proj" in said.out and "never calls" in said.out, said.out
+    assert "FAIL" not in said.out, said.out

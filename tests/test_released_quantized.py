@@ -415,9 +415,14 @@ def test_quantize_fp8_writes_any_merge_as_fp8_blocks(tmp_path, capsys):
     assert checks == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
 
 
-def test_quantized_outputs_that_cannot_be_written_are_refused(qwen3_fp8, qwen3_ct, tmp_path, capsys):
+def test_quantized_outputs_that_cannot_be_written_are_refused(qwen3_fp8, tmp_path, capsys):
+    torch.manual_seed(0)
+    plain = tmp_path / "Qwen3-tiny"
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).to(torch.bfloat16).save_pretrained(plain)
     for base, adapter, flag, needle in (
-        (*qwen3_ct, ["--keep-quantization"], "--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size) again; the base is compressed-tensors FP8"),
+        (plain, _qv_adapter(plain, tmp_path / "qv", kind=None), ["--keep-quantization"],
+         "--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size), compressed-tensors FP8 or "
+         "MXFP4 again; the base is not quantized"),
         (*qwen3_fp8, ["--quantize", "fp8"], "--quantize fp8 quantizes a 16-bit merge; the base is already FP8 (e4m3), 128x128 blocks: use --keep-quantization"),
     ):
         out = tmp_path / "out"

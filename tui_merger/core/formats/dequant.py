@@ -25,7 +25,8 @@ Everything is checked from the headers before anything is read: every FP8 weight
 scale a weight, the scale grid fits the weight, the dtype is the one the format declares. Each problem
 is one sentence naming the tensor and what was expected.
 
-``quantize_fp8_blocks`` is the other direction, for outputs written as FP8 blocks (``merge/requant.py``).
+``quantize_fp8_blocks`` and ``quantize_compressed_fp8`` are the other direction, for outputs written
+quantized (``merge/requant.py``).
 
 No torch at import time: it is imported where tensors are touched.
 """
@@ -59,6 +60,9 @@ class Scheme:
     # modules the config leaves 16-bit, as it says (informational: which weights are quantized is read from
     # the scales beside them, as transformers reads them)
     ignored: tuple[str, ...] = field(default_factory=tuple)
+    # fp8: "ue8m0" when every weight_scale_inv is a power of two (DeepSeek-V3.1/V3.2): re-quantized
+    # weights get power-of-two scales too
+    scale_fmt: str = "float"
 
     @property
     def label(self) -> str:
@@ -68,7 +72,8 @@ class Scheme:
         kind = "e4m3" if self.fp8_dtype == FP8_E4M3 else "e5m2"
         head = "FP8" if self.method == "fp8" else "compressed-tensors FP8"
         if self.block is not None:
-            return f"{head} ({kind}), {self.block[0]}x{self.block[1]} blocks"
+            pow2 = ", power-of-two (ue8m0) scales" if self.scale_fmt == "ue8m0" else ""
+            return f"{head} ({kind}), {self.block[0]}x{self.block[1]} blocks{pow2}"
         return f"{head} ({kind}), one scale per {'output channel' if self.strategy == 'channel' else 'tensor'}"
 
     @property
@@ -99,9 +104,15 @@ def _fp8_scheme(q: dict) -> Scheme:
                 "such as [128, 128]. Nothing was written."
             )
         block = (int(block[0]), int(block[1]))
+    scale_fmt = str(q.get("scale_fmt") or "float").lower()
+    if scale_fmt not in ("float", "ue8m0"):
+        raise MergeError(
+            f"The base's quantization_config says scale_fmt {scale_fmt!r}; FP8 checkpoints store their scales as "
+            "float (fp32) or ue8m0 (powers of two), which is all transformers loads. Nothing was written."
+        )
     skip = q.get("modules_to_not_convert") or ()
     return Scheme("fp8", "weight_scale_inv", FP8_E4M3, block, "block" if block else "tensor", True,
-                  tuple(str(s) for s in skip) if isinstance(skip, (list, tuple)) else ())
+                  tuple(str(s) for s in skip) if isinstance(skip, (list, tuple)) else (), scale_fmt)
 
 
 def _compressed_tensors_scheme(q: dict) -> Scheme | None:
@@ -492,13 +503,17 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-def quantize_fp8_blocks(w, block=(128, 128)):
+def quantize_fp8_blocks(w, block=(128, 128), pow2=False):
     """(float8_e4m3fn weight, fp32 ``weight_scale_inv`` per block) as transformers' own Fp8Quantize
     writes them (what ``save_pretrained`` of a dequantized FP8 model computes): per block, scale =
     448 / absmax (1 for an all-zero block), the stored inverse is 1 / scale, the values are
-    ``clamp(fp32(w) * scale, -448, 448)`` cast to e4m3. A last short block (rows or columns not a
-    whole number of blocks, DeepSeek-V3's 576-row kv_a_proj_with_mqa) takes the absmax of the values it
-    has. A block of rows at a time: one row block in fp32 besides the output."""
+    ``clamp(fp32(w) * scale, -448, 448)`` cast to e4m3. With ``pow2`` (``scale_fmt: ue8m0``, DeepSeek-V3.1)
+    the inverse is first rounded up to a power of two (``2 ** ceil(log2(inverse))``, so nothing clips)
+    and the values are multiplied by its exact reciprocal, as Fp8Quantize does for ue8m0 (it stores the
+    inverse as float8_e8m0fnu; the released checkpoints, and this, store the same value in fp32).
+    A last short block (rows or columns not a whole number of blocks, DeepSeek-V3's 576-row
+    kv_a_proj_with_mqa) takes the absmax of the values it has. A block of rows at a time: one row block
+    in fp32 besides the output."""
     import torch
 
     rows, cols = w.shape
@@ -515,6 +530,37 @@ def quantize_fp8_blocks(w, block=(128, 128)):
         amax = tiles.abs().amax(dim=(0, 2))
         scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
         inv[i] = 1.0 / scale
+        if pow2:
+            inv[i] = torch.pow(2.0, torch.ceil(torch.log2(inv[i].clamp(min=torch.finfo(torch.float32).tiny))))
+            scale = 1.0 / inv[i]
         scaled = (tiles * scale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
         q[i * bm : (i + 1) * bm] = scaled.view(part.shape[0], -1)[:, :cols].to(torch.float8_e4m3fn)
     return q, inv
+
+
+def quantize_compressed_fp8(w, strategy: str, block, scale_dtype):
+    """(float8_e4m3fn weight, ``weight_scale``) as compressed-tensors quantizes an FP8 weight (its
+    ``calculate_qparams`` on the weight's min and max, then ``quantize``), all in the scale's dtype (the
+    dtype of the weight it observed: bf16 for a bf16 model): per tensor, output row ([rows, 1]) or block,
+    scale = absmax / 448 (0 becomes the dtype's eps), values ``clamp(w / scale, -448, 448)`` cast to e4m3.
+    The block strategy needs whole blocks (checked when the base is opened)."""
+    import torch
+
+    x = w.to(scale_dtype)
+    rows, cols = x.shape
+    if strategy == "block":
+        bm, bn = block
+        tiles = x.reshape(rows // bm, bm, cols // bn, bn)
+        amax = tiles.abs().amax(dim=(1, 3))
+    elif strategy == "channel":
+        amax = x.abs().amax(dim=1, keepdim=True)
+    else:
+        amax = x.abs().amax()
+    scale = amax / torch.tensor(FP8_MAX, dtype=scale_dtype)
+    eps = torch.tensor(torch.finfo(scale_dtype).eps, dtype=scale_dtype)
+    scale = torch.where(scale == 0, eps, scale)
+    if strategy == "block":
+        scaled = (tiles / scale[:, None, :, None]).reshape(rows, cols)
+    else:
+        scaled = x / scale
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale

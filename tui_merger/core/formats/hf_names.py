@@ -551,6 +551,9 @@ def expert_gaps(config: dict, shapes: dict) -> list[str]:
                             f"(missing: expert {shown})")
         else:
             shape = shapes.get(spec[1])
+            blocks = shapes.get(spec[1] + "_blocks")
+            if shape is None and blocks is not None and len(blocks) == 4:  # MXFP4 (GPT-OSS): [experts, out, groups, 16]
+                shape = (blocks[0], blocks[2] * blocks[3] * 2, blocks[1])
             if shape is None:
                 gaps.append(f"{spec[1]} (the packed experts) is missing")
             elif len(shape) != 3 or shape[0] != spec[2]:

@@ -1,12 +1,15 @@
-"""Outputs written quantized: the base's own FP8-block format (``--keep-quantization``: tensors the adapter
-does not touch are copied byte for byte with their scales, changed ones quantized again the same way)
-and FP8 blocks for serving from any merge (``--quantize fp8``: every Linear weight of the decoder layers
-in 128x128 blocks, weight-only; embeddings, lm_head, norms and routers stay 16-bit).
+"""Outputs written quantized: the base's own format (``--keep-quantization``: tensors the adapter does
+not touch are copied byte for byte with their scales, changed ones quantized again the way that format's
+own code does it: FP8 blocks as transformers' Fp8Quantize, power-of-two scales for ``scale_fmt: ue8m0``,
+compressed-tensors FP8 as its calculate_qparams + quantize) and FP8 blocks for serving from any merge
+(``--quantize fp8``: every Linear weight of the decoder layers in 128x128 blocks, weight-only;
+embeddings, lm_head, norms, routers and experts packed in one tensor stay 16-bit).
 
 ``output_plan`` is ``build_plan`` plus that rewrite, so the engine, the recompute and the dry run see the
-same output tensors. A re-quantized weight is two output tensors (the e4m3 values and the fp32
-``weight_scale_inv``) read from ``RequantSource``, which computes the merged 16-bit weight once (as the
-16-bit output would hold it) and quantizes it as transformers' Fp8Quantize does.
+same output tensors. A re-quantized weight is two output tensors (the e4m3 values and the scale) read
+from ``RequantSource`` (or ``CompressedRequantSource``), which computes the merged 16-bit weight once
+(as the 16-bit output would hold it) and quantizes it. MXFP4 is refused here until
+``merge/requant_mxfp4.py`` writes it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ FP8 = "fp8"
 CHOICES = (KEEP, FP8)
 # Linear weights of the decoder layers; not routers (mlp.gate, mlp.router), norms or embeddings
 _QUANTIZABLE = re.compile(r"\.layers\.\d+\..*\.weight$")
+# packed expert tensors ([experts, ...] in one tensor: GPT-OSS's gate_up_proj, down_proj and their biases)
+_PACKED_EXPERTS = re.compile(r"^(.*\.layers\.\d+\..*experts)\.[^.]+$")
 _NOT_LINEAR = re.compile(r"(?:norm[^.]*|\.gate|\.router|embed[^.]*|lm_head|\.score|\.shared_expert_gate)\.weight$")
 
 
@@ -39,14 +44,24 @@ def output_plan(base, adapter, config: dict, dtype, shard_size: int) -> TensorPl
 
 
 def _keep(plan, base):
-    """The base's own FP8 blocks: untouched weights and their scales as stored, changed ones again."""
-    if getattr(base, "scheme", None) is None or base.scheme.method != "fp8" or base.scheme.block is None:
-        label = base.scheme.label if getattr(base, "scheme", None) is not None else "not quantized"
+    """The base's own format: untouched weights and their scales as stored, changed ones quantized again
+    the way that format's own code quantizes them. One branch per format."""
+    scheme = getattr(base, "scheme", None)
+    method = scheme.method if scheme is not None else None
+    if method == "fp8" and scheme.block is not None:
+        requant = RequantSource(scheme.block, pow2=scheme.scale_fmt == "ue8m0")
+    elif method == "compressed-tensors":
+        requant = CompressedRequantSource(scheme)
+    elif method == "mxfp4":  # GPT-OSS's experts
+        from tui_merger.core.merge.requant_mxfp4 import keep_mxfp4
+
+        return keep_mxfp4(plan, base)
+    else:
+        label = scheme.label if scheme is not None else "not quantized"
         raise MergeError(
-            f"--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size) again; the base is "
-            f"{label}. Leave it out for a 16-bit output. Nothing was written."
+            "--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size), compressed-tensors "
+            f"FP8 or MXFP4 again; the base is {label}. Leave it out for a 16-bit output. Nothing was written."
         )
-    requant = RequantSource(base.scheme.block)
     out = []
     for t in plan.tensors:
         pair = base.pair(t.source) if t.source.source is base else None
@@ -55,10 +70,10 @@ def _keep(plan, base):
         elif not t.ops:  # as stored: the e4m3 bytes and their scales
             w, s = pair
             out.append(OutputTensor(t.name, w, w.dtype, tuple(w.shape)))
-            out.append(OutputTensor(_scale_name(t.name), s, s.dtype, tuple(s.shape)))
+            out.append(OutputTensor(_scale_name(t.name, requant.scale_suffix), s, s.dtype, tuple(s.shape)))
         else:
-            out += requant.add(t)
-    for name in base.dropped:  # activation scales (a static scheme): kept with the model
+            out += requant.add(t, pair[1])
+    for name in base.dropped:  # activation scales (a static scheme): kept with the model as stored
         ref = base.inner.tensors[name]
         out.append(OutputTensor(name, ref, ref.dtype, tuple(ref.shape)))
     return out, {"quantization_config": base.quantization_config}
@@ -74,7 +89,7 @@ def _fp8(plan, base):
             "--keep-quantization to write its own format again. Nothing was written."
         )
     requant = RequantSource((128, 128))
-    out, skipped = [], []
+    out, skipped, packed = [], [], []
     for t in plan.tensors:
         linear = (len(t.shape) == 2 and t.dtype in ("bfloat16", "float16", "float32") and _QUANTIZABLE.search(t.name)
                   and not _NOT_LINEAR.search(t.name))
@@ -83,46 +98,58 @@ def _fp8(plan, base):
             continue
         if linear:
             skipped.append(t.name[: -len(".weight")])
+        elif len(t.shape) == 3 and _PACKED_EXPERTS.search(t.name):
+            # one tensor for all the experts (GPT-OSS): transformers' FP8Experts would replace the module
+            # and cannot take it (no biases, [experts, out, in]); left 16-bit and named so it is not replaced
+            module = _PACKED_EXPERTS.search(t.name).group(1)
+            if module not in packed:
+                packed.append(module)
         out.append(t)
     if not requant.weights:
         raise MergeError("--quantize fp8 found no Linear weight of whole 128x128 blocks in the decoder layers to "
                          "quantize. Nothing was written.")
-    config = {**FP8_BLOCK_CONFIG, "modules_to_not_convert": ["lm_head", *skipped]}
+    config = {**FP8_BLOCK_CONFIG, "modules_to_not_convert": ["lm_head", *skipped, *packed]}
     return out, {"quantization_config": config}
 
 
-def _scale_name(weight_name: str) -> str:
-    return weight_name[: -len("weight")] + "weight_scale_inv"
+def _scale_name(weight_name: str, suffix: str = "weight_scale_inv") -> str:
+    return weight_name[: -len("weight")] + suffix
 
 
-class RequantSource:
-    """The e4m3 values and scales of re-quantized weights: the merged 16-bit weight is computed and
-    quantized in 128x128 blocks for each of the two (within a shard the fp32 scales are written before
-    the one-byte values, so caching one for the other would hold a shard's worth; the merge is
-    deterministic, so both come from the same values). Stateless: the recompute's threads share it."""
+class PairSource:
+    """Two output tensors made by one computation (a quantized weight's values and its scales): the
+    first asked computes both and keeps the other until it is asked for, within ``KEPT_BYTES`` (a shard
+    puts a weight's values, then its scales, one after the other: plan.shard_tensors; what does not
+    fit is computed again when asked: the merge is deterministic, so both come from the same values).
+    The recompute's threads share it: the kept tensors are behind a lock."""
 
-    computes = True  # its tensors are not copies although their dtype is the output's (behaviour.rounded_by_depth)
+    KEPT_BYTES = 256 << 20
 
-    def __init__(self, block) -> None:
-        self.block = tuple(block)
-        self.weights = {}  # output name (values or scale) -> the 16-bit OutputTensor it quantizes
+    def __init__(self) -> None:
+        import threading
 
-    def add(self, t) -> list:
-        from tui_merger.core.io.sources import TensorRef
+        self.weights = {}  # output name (either of the pair) -> the 16-bit OutputTensor it quantizes
+        self._kept: dict[str, object] = {}
+        self._kept_bytes = 0
+        self._lock = threading.Lock()
 
-        rows, cols = t.shape
-        grid = (-(-rows // self.block[0]), -(-cols // self.block[1]))
-        w = TensorRef(self, "", t.name, "float8_e4m3fn", tuple(t.shape))
-        s = TensorRef(self, "", _scale_name(t.name), "float32", grid)
-        self.weights[w.name] = self.weights[s.name] = t
-        return [OutputTensor(t.name, w, w.dtype, w.shape), OutputTensor(s.name, s, s.dtype, s.shape)]
+    def _pair(self, ref) -> dict:
+        """{output name: tensor} of both tensors the 16-bit weight behind ``ref`` is written as."""
+        raise NotImplementedError
 
     def load(self, ref):
-        from tui_merger.core.formats.dequant import quantize_fp8_blocks
-        from tui_merger.core.merge.merge_math import compute
-
-        q, inv = quantize_fp8_blocks(compute(self.weights[ref.name]), self.block)
-        return inv if ref.name.endswith("weight_scale_inv") else q
+        with self._lock:
+            kept = self._kept.pop(ref.name, None)
+            if kept is not None:
+                self._kept_bytes -= kept.nbytes
+                return kept
+        pair = self._pair(ref)
+        with self._lock:
+            for name, tensor in pair.items():
+                if name != ref.name and self._kept_bytes + tensor.nbytes <= self.KEPT_BYTES:
+                    self._kept[name] = tensor
+                    self._kept_bytes += tensor.nbytes
+        return pair[ref.name]
 
     def load_into(self, ref, out) -> None:
         out.copy_(self.load(ref))
@@ -138,4 +165,80 @@ class RequantSource:
             x.release()
 
     def close(self) -> None:
-        pass
+        with self._lock:
+            self._kept.clear()
+            self._kept_bytes = 0
+
+
+class RequantSource(PairSource):
+    """The e4m3 values and scales of re-quantized weights: the merged 16-bit weight computed once and
+    quantized in blocks, as transformers' Fp8Quantize does. ``pow2``: power-of-two scales
+    (``scale_fmt: ue8m0``)."""
+
+    computes = True  # its tensors are not copies although their dtype is the output's (behaviour.rounded_by_depth)
+    scale_suffix = "weight_scale_inv"
+
+    def __init__(self, block, pow2: bool = False) -> None:
+        super().__init__()
+        self.block = tuple(block)
+        self.pow2 = pow2
+        self.shapes = {}  # scale name -> its shape
+
+    def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
+        rows, cols = t.shape
+        return (-(-rows // self.block[0]), -(-cols // self.block[1])), "float32"
+
+    def add(self, t, like=None) -> list:
+        """The two output tensors of the 16-bit OutputTensor ``t`` quantized; ``like``: the base's scale
+        of that weight (--keep-quantization), whose shape and dtype the new scale takes where they vary."""
+        from tui_merger.core.io.sources import TensorRef
+
+        shape, dtype = self._scale_shape_dtype(t, like)
+        w = TensorRef(self, "", t.name, "float8_e4m3fn", tuple(t.shape))
+        s = TensorRef(self, "", _scale_name(t.name, self.scale_suffix), dtype, shape)
+        self.weights[w.name] = self.weights[s.name] = t
+        self.shapes[s.name] = s.shape
+        return [OutputTensor(t.name, w, w.dtype, w.shape), OutputTensor(s.name, s, s.dtype, s.shape)]
+
+    def _quantize(self, w, ref):
+        from tui_merger.core.formats.dequant import quantize_fp8_blocks
+
+        return quantize_fp8_blocks(w, self.block, pow2=self.pow2)
+
+    def _pair(self, ref) -> dict:
+        from tui_merger.core.merge.merge_math import compute
+
+        t = self.weights[ref.name]
+        q, scale = self._quantize(compute(t), ref)
+        scale_name = _scale_name(t.name, self.scale_suffix)
+        return {t.name: q, scale_name: scale.reshape(self.shapes[scale_name])}
+
+
+class CompressedRequantSource(RequantSource):
+    """compressed-tensors FP8 (``weight_scale`` per tensor, output row or block) again: the merged weight
+    quantized as compressed-tensors does it, its scale in the dtype and shape the base stores that
+    weight's scale in (compressed-tensors keeps the scale in the dtype of the weight it observed)."""
+
+    scale_suffix = "weight_scale"
+
+    def __init__(self, scheme) -> None:
+        super().__init__(scheme.block or (1, 1))
+        self.strategy = scheme.strategy
+        self.scheme_block = scheme.block
+        self.scale_dtypes = {}  # scale name -> its dtype
+
+    def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
+        return tuple(like.shape), like.dtype
+
+    def add(self, t, like=None) -> list:
+        out = super().add(t, like)
+        self.scale_dtypes[out[1].name] = self.scale_dtypes[t.name] = like.dtype
+        return out
+
+    def _quantize(self, w, ref):
+        import torch
+
+        from tui_merger.core.formats.dequant import quantize_compressed_fp8
+
+        dtype = getattr(torch, self.scale_dtypes[ref.name])
+        return quantize_compressed_fp8(w, self.strategy, self.scheme_block, dtype)

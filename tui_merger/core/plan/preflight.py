@@ -124,7 +124,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         if tplan is not None:
             plan.tensors = len(tplan.tensors)
             plan.merged_tensors = sum(1 for t in tplan.tensors if t.ops or (  # or quantized again from merged values
-                getattr(t.source.source, "computes", False) and t.dtype.startswith("float8")))
+                getattr(t.source.source, "computes", False) and _quantized_weight(t)))
             plan.shards = len(tplan.shards)
             plan.output_bytes = tplan.total_bytes
             plan.estimated_seconds = round(1.0 + tplan.total_bytes / MERGE_BYTES_PER_S, 1)
@@ -495,19 +495,30 @@ def _check_quantized(options: MergeOptions, inputs, add) -> tuple[str | None, st
     return _check_roundtrip(options, inputs, add), None
 
 
+def _quantized_weight(t) -> bool:
+    """An output tensor holding quantized values (not their scales): FP8, or MXFP4's packed blocks."""
+    return t.dtype.startswith("float8") or (t.dtype == "uint8" and t.name.endswith("_blocks"))
+
+
 def _quantized_output(mode: str, tplan, inputs, dtype) -> str:
     """What an output written quantized will be, for the plan's "output is" line."""
-    requantized = [t for t in tplan.tensors if getattr(t.source.source, "computes", False) and t.dtype.startswith("float8")]
+    requantized = [t for t in tplan.tensors if getattr(t.source.source, "computes", False) and _quantized_weight(t)]
     if mode == "keep":
-        kept = sum(1 for t in tplan.tensors if t.dtype.startswith("float8") and t not in requantized)
+        kept = sum(1 for t in tplan.tensors if _quantized_weight(t) and t not in requantized)
         return (f"{inputs.base.scheme.label} as the base: {kept} weights copied with their scales, "
                 f"{len(requantized)} changed by the adapter quantized again; quantization_config kept")
     rest = dtype or inputs.dtype or next((t.dtype for t in tplan.tensors if t not in requantized
                                           and t.dtype in ("bfloat16", "float16", "float32")), "16-bit")
     skipped = (tplan.config_changes.get("quantization_config") or {}).get("modules_to_not_convert") or []
+    packed = [m for m in skipped if m.endswith("experts")]
+    packed_tensors = [t.name for t in tplan.tensors if len(t.shape) == 3 and t.name.rsplit(".", 1)[0] in packed]
+    whole = len(skipped) - 1 - len(packed)
     return (f"FP8 (e4m3), 128x128 blocks, weight-only: {len(requantized)} Linear weights of the decoder layers; "
             f"embeddings, lm_head, norms and routers stay {rest}"
-            + (f" (and {len(skipped) - 1} Linear weights that are not whole blocks)" if len(skipped) > 1 else ""))
+            + (f" (and {whole} Linear weights that are not whole blocks)" if whole > 0 else "")
+            + (f"; the {len(packed_tensors)} packed expert tensors ({packed_tensors[0]}, ...) stay {rest} too, "
+               "named in modules_to_not_convert (FP8 is written for one matrix per expert and projection only)"
+               if packed_tensors else ""))
 
 
 def _check_released_quantized(options: MergeOptions, inputs, scheme, add) -> None:
@@ -516,7 +527,9 @@ def _check_released_quantized(options: MergeOptions, inputs, scheme, add) -> Non
     from tui_merger.core.formats.quant import find_unquantized_base
 
     count = len(inputs.base.dequantized)
-    output = (f"the output is written in the same format again (--keep-quantization)"
+    output = (f"the output is written in the same format again (--keep-quantization)" + (
+              "; MXFP4 keeps one mantissa bit, so a change to an expert smaller than half a step of its group's "
+              "grid is rounded away (verification says how far that moves the logits)" if scheme.method == "mxfp4" else "")
               if options.output_quantization == "keep" else
               f"the output is a plain {options.dtype or inputs.base.dtype} model without quantization_config")
     add(Finding(

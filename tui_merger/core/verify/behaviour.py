@@ -24,8 +24,14 @@ from pathlib import Path
 
 from tui_merger.core.events import TensorProgress
 
-# float8_e4m3fn: 3 mantissa bits (the changed weights of an output written as FP8 blocks)
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "float8_e4m3fn": 2.0**-4}
+# float8_e4m3fn: 3 mantissa bits (the changed weights of an output written as FP8 blocks); mxfp4: e2m1's
+# 1 mantissa bit (the changed experts of an output kept in MXFP4). For MXFP4 that bounds the error
+# norm-wise, not per value: values under a quarter of their group's scale round to 0, but a group's
+# error is about 10-15% of its norm for bell-shaped or heavy-tailed weights (0.115 Gaussian, 0.132
+# Laplace, 0.151 Student-t(3), measured), below 2**-2. At that rounding the behaviour check only catches
+# gross faults (a scale off by 16x); the recompute check compares the blocks and scales bit for bit
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "float8_e4m3fn": 2.0**-4,
+                 "mxfp4": 2.0**-2}
 # fp32 compute itself: the unmerged model sums base and adapter products in another order; a dot
 # product of k terms rounds by up to about sqrt(k) units, k a few thousand
 COMPUTE_ROUNDOFF = 2.0**-24 * 64
@@ -227,7 +233,8 @@ def _streamer_with_adapter(cls, config, tensors: dict, adapters: list, what: str
 def _lazy_adapter(cls, config, tensors: dict, folder: Path, what: str, on_event=None, cancel=None):
     """One plain adapter: peft builds its layers on the meta device (``get_peft_model`` with
     ``low_cpu_mem_usage``) and each adapter weight streams from the adapter file under the name peft
-    saved it with, like the base's; memory holds no adapter weight (a 7B r=64 adapter is 300 MB).
+    saved it with, like the base's; memory holds no adapter weight (a 7B r=64 adapter is 300 MB), but
+    per-expert pairs of experts transformers 5 keeps packed, held as peft converts them (``_peft_conversion``).
     None when an adapter tensor has no such counterpart (DoRA's magnitudes, embeddings,
     modules_to_save, ...): then peft loads the adapter as usual."""
     from peft import PeftConfig, get_peft_model
@@ -261,12 +268,22 @@ def _lazy_adapter(cls, config, tensors: dict, folder: Path, what: str, on_event=
         return None
     model.eval()
     weights = {}
+    converted = None  # peft's conversion of the file's LoRA tensors, made when a name is not in the file
     for name, p in model.named_parameters(remove_duplicate=False):
         base_source = base_weights.get(first_name.get(id(p), ""))
         if base_source is not None:
             weights[name] = base_source
             continue
-        ref = source.tensors.get(name.replace(".default.", ".", 1)) if ".default." in name else None
+        key = name.replace(".default.", ".", 1) if ".default." in name else None
+        ref = source.tensors.get(key) if key else None
+        if ref is None and key and p.device.type == "meta":  # saved one pair per expert: as peft converts it
+            if converted is None:  # only the file's tensors peft has no weight of that name for
+                names = {n.replace(".default.", ".", 1) for n, _ in model.named_parameters(remove_duplicate=False)}
+                converted = _peft_conversion(model, {k: r.load() for k, r in source.tensors.items() if k not in names})
+            held = converted.get(key)
+            if held is not None and tuple(held.shape) == tuple(p.shape):
+                weights[name] = Weight(tuple(p.shape), held=held)
+                continue
         if ref is None or tuple(ref.shape) != tuple(p.shape) or p.device.type != "meta":
             source.close()
             return None
@@ -305,7 +322,41 @@ def _adapter_file_weights(model, folder: Path, missing: list[str], weights: dict
                 weights[name] = Weight(tuple(params[name].shape), held=f.get_tensor(key).to(torch.float32))
             else:
                 still.append(name)
+        if still and any(".lora_" in name for name in still):
+            still = _converted_by_peft(model, f, keys, still, params, weights)
     return still
+
+
+def _converted_by_peft(model, f, keys: set, missing: list[str], params: dict, weights: dict) -> list[str]:
+    """The missing LoRA weights from peft's own conversion of the adapter file (``_peft_conversion``)."""
+    from tui_merger.core.verify.streaming import Weight
+
+    converted = _peft_conversion(model, {k: f.get_tensor(k) for k in keys if ".lora_" in k})
+    still = []
+    for name in missing:
+        tensor = converted.get(name.replace(".default.", ".", 1))
+        if ".lora_" in name and tensor is not None and tuple(tensor.shape) == tuple(params[name].shape):
+            weights[name] = Weight(tuple(params[name].shape), held=tensor)
+        else:
+            still.append(name)
+    return still
+
+
+def _peft_conversion(model, state: dict) -> dict:
+    """LoRA saved one pair per expert (``mlp.experts.3.gate_proj``: Megatron-Bridge's export, adapters
+    trained on transformers 4) for experts transformers 5 keeps packed: peft converts such a file
+    itself when it loads it onto a real model (target_parameters on the packed experts, gate and up
+    fused block-diagonally at 2r), which it cannot do onto a meta base, whose LoRA weights stay
+    empty. The reference takes peft's own conversion of the file's LoRA tensors: {saved name:
+    tensor}; {} when this peft has none or refuses."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+    except ImportError:  # a peft (or transformers) without it: said as missing weights
+        return {}
+    try:
+        return convert_peft_adapter_state_dict_for_transformers(model, model.peft_config["default"], state)
+    except Exception:  # noqa: BLE001 - peft's own refusal: the weights stay missing (the check says so)
+        return {}
 
 
 def _check_shapes(model, weights: dict, what: str) -> None:
@@ -334,10 +385,74 @@ def first_line(err: Exception) -> str:
 
 
 def run(streamer, probes):
-    """(logits fp32, [hidden states] or None) of one pass over the probes."""
-    out = streamer(input_ids=probes, output_hidden_states=True)
+    """(logits fp32, [hidden states] or None) of one pass over the probes.
+
+    A multimodal model whose own forward cannot run on text alone (transformers 5.24's
+    Llama4ForConditionalGeneration reads ``image_outputs`` its language model never returns) is run
+    through its language model (a ``...ForCausalLM`` with its own lm_head, the LoRA layers of an
+    unmerged reference in place): ``streamer.text_only`` then says so, and both sides of the check
+    take the same path."""
+    try:
+        out = streamer(input_ids=probes, output_hidden_states=True)
+    except AttributeError as err:
+        inner = _language_model(streamer.model)
+        if inner is None:
+            raise
+        outer = type(getattr(streamer.model, "get_base_model", lambda: streamer.model)()).__name__
+        streamer.text_only = f"{type(inner).__name__} (the language model alone: {outer}'s own forward fails on text)"
+        out = streamer.run_module(inner, input_ids=probes, output_hidden_states=True)
     hidden = getattr(out, "hidden_states", None)
     return out.logits.float(), (list(hidden) if hidden is not None else None)
+
+
+def record_calls(model):
+    """(names of the modules whose forward runs from now on, a function that stops recording)."""
+    called: set[str] = set()
+    handles = [module.register_forward_pre_hook(lambda _m, _a, name=name: called.add(name))
+               for name, module in model.named_modules()]
+
+    def stop() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return called, stop
+
+
+def bypassed_loras(streamer, called: set[str]) -> list[str]:
+    """LoRA layers of an unmerged reference whose forward never ran although their parent's did (the
+    parent reads the wrapped weight itself: Jamba's mamba mixer its ``dt_proj.weight``, LongCat's router
+    its ``classifier.weight``) and whose lora_B is not zero: the unmerged model leaves them out, a merge
+    (peft's merge_and_unload too) puts them in. A LoRA trained there gets no gradient and keeps its zero
+    lora_B; one that is not zero was made some other way (or by a forward that does call it)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = streamer.model
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer) or name in called or name.rsplit(".", 1)[0] not in called:
+            continue
+        if any(n.startswith(name + ".") for n in called):  # a wrapper whose inner layer ran
+            continue
+        for key in (k for k in streamer.weights if k.startswith(name + ".lora_B.")):
+            value = streamer.materialize(key)
+            nonzero = bool(value.abs().sum() > 0)
+            streamer.give_back(key, value)
+            if nonzero:
+                out.append(_model_name(name))
+                break
+    return out
+
+
+def _model_name(name: str) -> str:
+    """A module's name in the model (peft's ``base_model.model.`` prefix dropped)."""
+    return name.removeprefix("base_model.model.")
+
+
+def _language_model(model):
+    """The causal LM inside a multimodal model (peft's wrapper looked through), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "language_model", None)
+    return inner if inner is not None and hasattr(inner, "lm_head") else None
 
 
 def relative(a, b, centre: bool) -> float:

@@ -241,8 +241,11 @@ def _reference_ahead(options: MergeOptions, cancel: CancelToken | None = None) -
             if spec is None:
                 return
             model = _reference_streamer(cls, config, transformers.AutoConfig.from_pretrained(folder), spec, inputs, None, cancel)
+            called, stop = bh.record_calls(model.model)
             logits, hidden = bh.run(model, probes)
-            _AHEAD[_ahead_key(options, config, probes)] = (logits, hidden, model.stats.peak_live_values)
+            stop()
+            _AHEAD[_ahead_key(options, config, probes)] = (logits, hidden, model.stats.peak_live_values, model.text_only,
+                                                           bh.bypassed_loras(model, called))
             model.close()
     finally:
         inputs.close()
@@ -593,6 +596,8 @@ class _Models:
         self.merged_out = self.reference_out = None
         self.peak = 0
         self.conversion = False
+        self.merged_text_only = self.reference_text_only = None  # run through the language model (behaviour.run)
+        self.bypassed: list[str] = []  # LoRA layers with non-zero B the reference's forward never called
 
     def _stop(self, checks: list[Check]) -> None:
         if self.early is None:
@@ -620,8 +625,9 @@ class _Models:
         quiet_transformers()
         bh.quiet()
         stored = self.options.dtype or self.inputs.dtype or config_dtype(self.config) or "float32"
-        if self.options.output_quantization is not None:  # the changed weights are rounded to e4m3
-            stored = "float8_e4m3fn"
+        if self.options.output_quantization is not None:  # the changed weights are rounded to e4m3 (MXFP4: e2m1)
+            scheme = getattr(self.inputs.base, "scheme", None)
+            stored = "mxfp4" if scheme is not None and scheme.method == "mxfp4" else "float8_e4m3fn"
         self.stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
         self.probes = probe_ids(self.config, self.plan)
         self.tokens = _perplexity_tokens(self.out, self.text) if self.text else None
@@ -677,6 +683,7 @@ class _Models:
                 return self._stop([_cannot_stream("merged model", why)])
             self.peak = max(self.peak, model.stats.peak_live_values)
             self.merged_out = (logits, hidden, ppl)
+            self.merged_text_only = model.text_only
             model.close()
         finally:
             written.close()
@@ -692,7 +699,7 @@ class _Models:
         _prewarm_finished()  # its run of the reference, if it is making one
         ahead = _AHEAD.pop(_ahead_key(self.options, self.config, self.probes), None) if self.tokens is None else None
         if ahead is not None:  # run while the merge was writing (prewarming)
-            logits, hidden, peak = ahead
+            logits, hidden, peak, self.reference_text_only, self.bypassed = ahead
             self.peak = max(self.peak, peak)
             self.reference_out = (logits, hidden, None)
             return
@@ -709,8 +716,11 @@ class _Models:
                 self.reference_out = Check("behaviour", "skip", f"skipped: {why}; not fully verified",
                                            metrics={"probes": list(PROBE_SHAPE)})
                 return
+            called, stop = bh.record_calls(model.model)
             try:
                 logits, hidden = bh.run(model, self.probes)
+                stop()
+                self.bypassed = bh.bypassed_loras(model, called)
                 ppl = _perplexity(model, self.tokens, self.config) if self.tokens is not None else None
             except (MergeCancelled, KeyboardInterrupt):
                 raise
@@ -719,6 +729,7 @@ class _Models:
                 return
             self.peak = max(self.peak, model.stats.peak_live_values)
             self.reference_out = (logits, hidden, ppl)
+            self.reference_text_only = model.text_only
             model.close()
             libc.trim_heap()
 
@@ -731,8 +742,16 @@ class _Models:
         if isinstance(self.reference_out, Check):
             return [self.reference_out]
         reference, ref_hidden, ppl_ref = self.reference_out
-        checks = [_layer_check(self.cls.__name__, self.plan, self.stored, merged, reference, merged_hidden, ref_hidden,
+        name = self.cls.__name__
+        if self.merged_text_only != self.reference_text_only:  # one side ran whole, the other only its text part
+            return [Check("behaviour", "skip", "skipped: the merged model and the unmerged reference could not be run "
+                          "the same way; not fully verified", metrics={"probes": list(PROBE_SHAPE)})]
+        if self.merged_text_only:
+            name = self.merged_text_only
+        checks = [_layer_check(name, self.plan, self.stored, merged, reference, merged_hidden, ref_hidden,
                                self.peak, _reference_words(self.options))]
+        if checks[0].status == "fail" and self.bypassed:
+            checks[0] = _bypassed_check(self.bypassed, name, checks[0])
         if self.tokens is not None:
             delta = abs(ppl_merged - ppl_ref)
             status = "pass" if delta <= PPL_TOLERANCE else "fail"
@@ -743,6 +762,22 @@ class _Models:
                 metrics={"merged": ppl_merged, "reference": ppl_ref, "tokens": self.tokens.numel()},
             ))
         return checks
+
+
+def _bypassed_check(bypassed: list[str], cls_name: str, compared: Check) -> Check:
+    """The outputs differ, and the adapter has LoRA the unmerged model never applies: the comparison
+    cannot tell a wrong merge from that, so it judges nothing (recompute still holds every tensor)."""
+    more = f" and {len(bypassed) - 1} more" if len(bypassed) > 1 else ""
+    return Check(
+        "behaviour", "skip",
+        f"skipped: the adapter has a non-zero LoRA on {bypassed[0]}{more}, which {cls_name}'s forward never calls "
+        "(it reads the weight itself), so the unmerged adapter leaves it out while the merge puts it in, as peft's "
+        "merge_and_unload does; the two cannot be compared. Training through this forward gives such a LoRA no "
+        "gradient (its lora_B stays zero), so check how the adapter was made. Not fully verified: structure and "
+        "recompute still hold",
+        [f"compared anyway: {compared.summary}", *compared.details, f"LoRA the unmerged forward never calls: {', '.join(bypassed[:10])}"],
+        {**compared.metrics, "bypassed_loras": bypassed},
+    )
 
 
 def _cannot_stream(what: str, why: Exception) -> Check:

@@ -427,7 +427,9 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
                 ref.release_rows(rows.start, rows.stop)
                 t.source.release_rows(rows.start, rows.stop)
         if not equal:
-            problem = f"{t.name}: differs from the input it was copied from"
+            what = ("the merged weight quantized again" if getattr(t.source.source, "computes", False)
+                    else "the input it was copied from")
+            problem = f"{t.name}: differs from {what}"
         for x in t.inputs():
             x.release()
     else:

@@ -101,6 +101,7 @@ class Streamer:
         self._converted: dict[str, object] = {}
         self._units: list[str] = []
         self.sources: list = []  # files it reads that it owns (closed with it)
+        self.text_only: str | None = None  # run through a multimodal model's language model (behaviour.run)
         self._attach()
 
     # -- loading -----------------------------------------------------------------------------
@@ -221,12 +222,16 @@ class Streamer:
         self.sources = []
 
     def __call__(self, *args, **kwargs):
+        return self.run_module(self.model, *args, **kwargs)
+
+    def run_module(self, module, *args, **kwargs):
+        """The forward of the model or of one of its submodules (a multimodal model's language model)."""
         import torch
 
         self.stats.units = 0
         self._bytes_done = 0
         with torch.no_grad():
-            return self.model(*args, **kwargs)
+            return module(*args, **kwargs)
 
 
 HOARD_BYTES = 256 << 20  # free heap memory kept past a unit before it is handed back
