@@ -179,3 +179,23 @@ def make_mxfp4_base(folder: Path, model) -> list[str]:
     config["quantization_config"] = MXFP4_CONFIG
     (Path(folder) / "config.json").write_text(json.dumps(config, indent=2))
     return done
+
+
+def make_fp8_release_workspace(ws: Path) -> Path:
+    """``ws/Qwen3-tiny-FP8`` (a Qwen3 base written as an FP8-block release, with a tokenizer) and
+    ``ws/qv-lora`` (a peft LoRA on q_proj and v_proj made on transformers' dequantizing load of it, which
+    names the base): what the assistant's tests start from. Returns ws."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from test_gguf import byte_level_tokenizer, config_of
+
+    base = Path(ws) / "Qwen3-tiny-FP8"
+    torch.manual_seed(0)
+    make_fp8_block_base(base, transformers.AutoModelForCausalLM.from_config(config_of("qwen3")))
+    byte_level_tokenizer("qwen").save_pretrained(base)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
+    torch.manual_seed(2)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(loaded, lora).save_pretrained(Path(ws) / "qv-lora")
+    return Path(ws)

@@ -143,14 +143,14 @@ def test_blocked_plan_shows_the_error_and_lets_the_user_change_the_base(ws, demo
         "2",  # Change the base model (there is no Start while blocked)
         str(ws / "adapter"),  # not a model folder: said, asked again
         str(demo / "base"),
-        "9",  # Quit
+        "10",  # Quit (the output format is offered now that the base can be read)
     )
     assert code == 0
     assert "ERROR   The base model is quantized (bitsandbytes)" in out
     assert "1 problem(s) stop this merge; what do you want to change?" in out
     assert "1) Start the merge" not in out.split("Change the base model")[0]
     assert f"{ws / 'adapter'} has no config.json, so it is not a Hugging Face model folder." in out
-    assert out.rstrip().endswith("9) Quit\nNumber [1]: 9")
+    assert out.rstrip().endswith("10) Quit\nNumber [1]: 10")
     assert "Start the merge?" in out  # the new base unblocked it
     assert not merged_folders(ws) and sorted(os.listdir(ws)) == ["adapter", "base"]
 
@@ -211,7 +211,7 @@ def test_no_checkpoints_then_typed_paths(ws, tmp_path):
         "3",  # Type a path...
         str(ws / "adapter"),  # one checkpoint there: taken at once
         "",  # output folder
-        "9",  # Quit
+        "10",  # Quit
     )
     assert code == 0
     assert f"No checkpoints found in {empty}; type the path of one, or quit." in out
@@ -267,8 +267,58 @@ def test_a_base_not_on_this_machine_is_proposed_and_enter_takes_it(ws, tmp_path,
     base question proposes it (with why) and a bare Enter takes it."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing from the machine's cache
     set_json(ws / "adapter" / "adapter_config.json", base_model_name_or_path="/home/someone/models/base")
-    code, out = lines(ws, "1", "", "", "9")  # the adapter, the proposed base, the output folder, Quit
+    code, out = lines(ws, "1", "", "", "10")  # the adapter, the proposed base, the output folder, Quit
     assert code == 0, out
     assert f"Proposed base model: {ws / 'base'}: named like the adapter's base; fits all 28 LoRA modules" in out
     assert f"Base model folder (the model the adapter was trained on): [{ws / 'base'}]" in out
     assert "Start the merge?" in out and "ERROR" not in out
+
+
+def test_dumb_flow_asks_the_output_format_and_merges_in_it(ws, tmp_path):
+    """Review's menu offers the output format (default first); FP8 blocks for serving are written and
+    verified. A base released quantized offers its own format again instead, and the merge keeps it."""
+    from fp8_factory import make_fp8_release_workspace
+
+    code, out = lines(
+        ws,
+        "1",  # the adapter
+        "",  # output folder
+        "6",  # Change the output format (now as merged)
+        "2",  # FP8 128x128 blocks for serving (--quantize fp8)
+        "1",  # Start the merge
+        "",  # Try the merged model with a prompt? No
+        "3",  # Finish: Done
+    )
+    assert code == 0, out
+    assert "6) Change the output format (now as merged)" in out
+    assert "  1) as merged (default)\n  2) FP8 128x128 blocks for serving (--quantize fp8)" in out
+    assert "output is  FP8 (e4m3), 128x128 blocks, weight-only" in out
+    [merged] = merged_folders(ws)
+    assert verification(merged)["passed"] is True
+    assert json.loads((merged / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+
+    release = make_fp8_release_workspace(tmp_path / "fp8")
+    code, out = lines(release / "qv-lora", "1", "", "6", "2", "1", "", "3")  # the same, for "as the base"
+    assert code == 0, out
+    assert "6) Change the output format (now bf16, a plain model)" in out
+    assert "2) FP8 (e4m3), 128x128 blocks as the base (--keep-quantization)" in out
+    [kept] = merged_folders(release)
+    assert verification(kept)["passed"] is True
+    base_config = json.loads((release / "Qwen3-tiny-FP8" / "config.json").read_text())
+    assert json.loads((kept / "config.json").read_text())["quantization_config"] == base_config["quantization_config"]
+    from safetensors import safe_open
+
+    with safe_open(kept / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.float8_e4m3fn
+
+
+def test_a_format_the_engine_refuses_is_said_and_the_previous_one_kept(tmp_path):
+    from factory import qwen_config, save_adapter, save_base
+
+    base = save_base(tmp_path / "ws" / "base", qwen_config())
+    save_adapter(tmp_path / "ws" / "adapter", base)
+    code, out = lines(tmp_path / "ws" / "adapter", "1", "", "6", "2", "10")  # the adapter, output, FP8 blocks, Quit
+    assert code == 0, out
+    assert "--quantize fp8 found no Linear weight of whole 128x128 blocks" in out
+    assert "The output stays as merged." in out
+    assert out.count("The plan:") == 1 and "Traceback" not in out

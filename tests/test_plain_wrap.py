@@ -47,7 +47,7 @@ def ws(demo, tmp_path) -> Path:
 
 
 def transcript(ws: Path, out) -> str:
-    answers = io.StringIO("1\n\n9\n")  # the adapter, the output folder, Quit at Review
+    answers = io.StringIO("1\n\n10\n")  # the adapter, the output folder, Quit at Review
     assert run_plain(ws, input=answers, output=out, dumb=True) == 0, out.getvalue()
     return out.getvalue()
 

@@ -294,3 +294,35 @@ def test_merge_stops_on_errors_before_writing(demo, tmp_path, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "awq" in errors[0]
     assert not out.exists()
+
+
+def test_the_plan_offers_the_output_formats_and_marks_one_the_engine_refuses(demo, tmp_path):
+    """plan.output_choices (default first) is what the assistant offers; a format the engine cannot write
+    for the base is the error "output-format" with the engine's sentence (the assistant keeps the one
+    before); a mismatch that is not the format's stays "adapter-fit"."""
+    from fp8_factory import make_fp8_release_workspace
+
+    from tui_merger.core.plan.preflight import output_refusal
+
+    base, adapter = demo
+    plan = make_plan(MergeOptions(base=base, adapter=adapter, out=tmp_path / "o"))
+    assert plan.output_choices == [("as merged (default)", None), ("FP8 128x128 blocks for serving (--quantize fp8)", "fp8")]
+    assert output_refusal(plan) is None
+    plan = make_plan(MergeOptions(base=base, adapter=adapter, out=tmp_path / "o", output_quantization="keep"))
+    assert plan.blocked and output_refusal(plan).startswith("--keep-quantization writes FP8 blocks")
+    small = save_base(tmp_path / "small", qwen_config())  # no Linear weight of whole 128x128 blocks
+    plan = make_plan(MergeOptions(base=small, adapter=save_adapter(tmp_path / "small-lora", small), output_quantization="fp8"))
+    assert "found no Linear weight of whole 128x128 blocks" in output_refusal(plan)
+    plan = make_plan(MergeOptions(base=small, adapter=adapter, output_quantization="fp8"))  # shapes do not fit
+    assert output_refusal(plan) is None and "adapter-fit" in {f.id for f in plan.findings}
+
+    ws = make_fp8_release_workspace(tmp_path / "fp8")
+    options = MergeOptions(base=ws / "Qwen3-tiny-FP8", adapter=ws / "qv-lora", out=tmp_path / "o")
+    plan = make_plan(options)
+    assert plan.base_scheme == "FP8 (e4m3), 128x128 blocks"
+    assert plan.output_choices == [("bf16, a plain model (default)", None),
+                                   ("FP8 (e4m3), 128x128 blocks as the base (--keep-quantization)", "keep")]
+    kept = make_plan(MergeOptions(base=options.base, adapter=options.adapter, out=options.out, output_quantization="keep"))
+    assert not kept.blocked and output_refusal(kept) is None and "as the base: 10 weights copied" in kept.output_format
+    fp8 = make_plan(MergeOptions(base=options.base, adapter=options.adapter, out=options.out, output_quantization="fp8"))
+    assert "the base is already FP8 (e4m3), 128x128 blocks" in output_refusal(fp8)

@@ -892,3 +892,106 @@ async def test_the_farewell_says_when_the_model_was_not_verified(tmp_path):
     wizard.report = SimpleNamespace(passed=False)
     assert "(verification FAILED: do not ship it)." in farewell(wizard)
     assert farewell(SimpleNamespace(result=None, report=None, job=None)) is None  # nothing merged: nothing said
+
+
+# -- the output format (issue 30): offered as the plan says, re-planned at once, refusals said ------------
+
+
+async def pick_format(pilot, app, position: int, what: str):
+    """Choose the output format with the keyboard: focus the select, open it, move, take."""
+    select = app.screen.query_one("#output-format", Select)
+    assert select.display
+    select.focus()
+    await pilot.press("enter", *["down"] * position, "enter")
+    await until(pilot, lambda: app.wizard.running is None and not app.wizard.plan_stale, what)
+
+
+def offered(app) -> list[str]:
+    return [str(prompt) for prompt, _ in app.screen.query_one("#output-format", Select)._options]
+
+
+@pytest.fixture(scope="module")
+def fp8_release(tmp_path_factory):
+    from fp8_factory import make_fp8_release_workspace
+
+    return make_fp8_release_workspace(tmp_path_factory.mktemp("fp8-release") / "ws")
+
+
+async def test_review_keeps_an_fp8_release_in_its_format_when_asked_and_the_merge_writes_it(fp8_release, tmp_path):
+    """Review offers bf16 (default) or the base's own FP8 blocks; picking "as the base" with the keyboard
+    re-plans at once (the plan's output line and size change) and the merge writes FP8, verified."""
+    from safetensors import safe_open
+
+    app = MergeApp(fp8_release / "qv-lora")
+    out = tmp_path / "kept"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert wizard.candidate.kind == "peft-adapter"
+        assert offered(app) == ["bf16, a plain model (default)",
+                                "FP8 (e4m3), 128x128 blocks as the base (--keep-quantization)"]
+        assert "bfloat16, a plain model (quantization_config removed)" in text(app, "#plan-text")
+        plain_bytes = wizard.plan.output_bytes
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pick_format(pilot, app, 1, "the plan with the base's format")
+        assert wizard.options.output_quantization == "keep"
+        plan = text(app, "#plan-text")
+        assert "FP8 (e4m3), 128x128 blocks as the base:" in plan and "quantization_config kept" in plan, plan
+        assert wizard.plan.output_bytes < plain_bytes  # the size estimate follows
+        assert not app.screen.query_one("#format-note", Static).display
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=2400)
+        assert "PASSED" in text(app, "#verify-status"), text(app, "#verify-status")
+    config = json.loads((out / "config.json").read_text())
+    base_config = json.loads((fp8_release / "Qwen3-tiny-FP8" / "config.json").read_text())
+    assert config["quantization_config"] == base_config["quantization_config"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert str(f.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype()) == "F8_E4M3"
+    manifest = read_manifest(out)
+    assert manifest["options"]["output_quantization"] == "keep" and manifest["verification"]["passed"] is True
+
+
+async def test_review_writes_a_16_bit_merge_as_fp8_blocks_for_serving(workspace, tmp_path):
+    """A 16-bit merge offers "as merged" (default) or FP8 blocks; the merge runs with --quantize fp8."""
+    app = MergeApp(workspace)
+    out = tmp_path / "fp8"
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        assert offered(app) == ["as merged (default)", "FP8 128x128 blocks for serving (--quantize fp8)"]
+        assert "output is" not in text(app, "#plan-text")
+        await pick_format(pilot, app, 1, "the plan with FP8 blocks")
+        assert "FP8 (e4m3), 128x128 blocks, weight-only" in text(app, "#plan-text")
+        await pilot.press("ctrl+b")  # back to Find and again to Review: the same checkpoint keeps its format
+        await to_review(pilot, app)
+        assert app.screen.query_one("#output-format", Select).value == "fp8"
+        assert wizard.options.output_quantization == "fp8"
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        assert "FP8 (e4m3), 128x128 blocks, weight-only" in text(app, "#plan-text")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status"), text(app, "#verify-status")
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128]
+    assert read_manifest(out)["options"]["output_quantization"] == "fp8"
+
+
+async def test_a_format_the_engine_refuses_is_said_and_the_previous_one_kept(tmp_path):
+    """A model with no Linear weight of whole 128x128 blocks: FP8 blocks are offered (the engine, not the
+    screen, decides), picking them shows the engine's sentence, and the format goes back to "as merged"."""
+    from factory import qwen_config, save_adapter, save_base
+
+    ws = tmp_path / "ws"
+    base = save_base(ws / "base", qwen_config())
+    save_adapter(ws / "adapter", base)
+    app = MergeApp(ws / "adapter")
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        before = wizard.plan
+        await pick_format(pilot, app, 1, "the refused format")
+        await until(pilot, lambda: app.screen.query_one("#format-note", Static).display, "the refusal shown")
+        note = text(app, "#format-note")
+        assert "found no Linear weight of whole 128x128 blocks" in note, note
+        assert app.screen.query_one("#output-format", Select).value == ""
+        assert wizard.options.output_quantization is None and wizard.plan is not before
+        assert not wizard.plan.blocked and "ERROR" not in text(app, "#findings"), text(app, "#findings")

@@ -162,6 +162,22 @@ def test_review_blocked_scrolled(snap_compare, workspace, size):
 
 
 @SIZES
+def test_review_output_format(snap_compare, workspace, size):
+    """The output format's choices, opened with the keyboard: they fit at 80 columns."""
+
+    async def opened(pilot):
+        from textual.widgets import Select
+
+        await review(pilot)
+        select = pilot.app.screen.query_one("#output-format", Select)
+        select.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+
+    assert snap_compare(app(), terminal_size=size, run_before=opened)
+
+
+@SIZES
 def test_review_proposed_base(snap_compare, unresolved, size):
     """The adapter's base is not here: the model of the folder that fits is proposed."""
     assert snap_compare(MergeApp(unresolved, today=TODAY), terminal_size=size, run_before=review)

@@ -21,7 +21,7 @@ from tui_merger.core.errors import MergeError
 from tui_merger.core.events import Notice
 from tui_merger.core.formats.scan import scan, shown
 from tui_merger.core.options import MergeOptions, human_bytes, parse_size, parse_weight
-from tui_merger.core.plan.preflight import ERROR, WARNING, describe, make_plan
+from tui_merger.core.plan.preflight import ERROR, WARNING, describe, make_plan, output_refusal
 
 STEPS = ("Find", "Review", "Merge", "Verify", "Finish")
 TRY_TOKENS = 64  # the longest answer of "Try the merged model with a prompt?"
@@ -377,11 +377,18 @@ class _Flow:
             elif choice in ("find", "quit"):
                 return choice
             else:
-                self.options = dataclasses.replace(self.options, **choice())
-                plan = self.show_plan()
+                before, self.options = self.options, dataclasses.replace(self.options, **choice())
+                new = make_plan(self.options)
+                refusal = output_refusal(new) if self.options.output_quantization != before.output_quantization else None
+                if refusal is not None:  # the engine cannot write that format for this base: keep the one before
+                    self.say(f"  {refusal}")
+                    self.options = before
+                    self.say(f"The output stays {_format_words(plan, before.output_quantization)}.")
+                    continue
+                plan = self.show_plan(new)
 
-    def show_plan(self):
-        plan = make_plan(self.options)
+    def show_plan(self, plan=None):
+        plan = plan or make_plan(self.options)
         self.say("The plan:")
         for line in describe(plan):
             self.say(line)
@@ -410,6 +417,11 @@ class _Flow:
             menu.append((f"Weight this adapter or blend in others (now {now})", self.edit_weights))
         menu += [
             (f"Change the dtype (now {dtype})", self.edit_dtype),
+        ]
+        if len(plan.output_choices) > 1:  # the question only where there is a choice to make
+            words = _format_words(plan, o.output_quantization)
+            menu.append((f"Change the output format (now {words})", lambda: self.edit_format(plan)))
+        menu += [
             (f"Change the shard size (now {human_bytes(o.shard_size)})", self.edit_shard_size),
             (f"Change where the tokenizer comes from (now {o.tokenizer_from})", self.edit_tokenizer),
             ("Pick another checkpoint", "find"),
@@ -434,6 +446,13 @@ class _Flow:
     def edit_dtype(self) -> dict:
         now = next(i for i, (_, value) in enumerate(DTYPES) if value == self.options.dtype)
         return {"dtype": self.ask.select("Output dtype:", DTYPES, default=now)}
+
+    def edit_format(self, plan) -> dict:
+        """The output formats the plan offers, default first (a plain model; the base's own format or FP8
+        blocks for serving); which one the engine can write is its own to say."""
+        choices = plan.output_choices
+        now = next((i for i, (_, value) in enumerate(choices) if value == self.options.output_quantization), 0)
+        return {"output_quantization": self.ask.select("Write the merged model as:", choices, default=now)}
 
     def edit_shard_size(self) -> dict:
         answer = self.ask.text(
@@ -607,6 +626,12 @@ class _Flow:
 
 
 # -- helpers -----------------------------------------------------------------------------------------
+
+
+def _format_words(plan, value) -> str:
+    """An output format in the plan's words (its choices), without "(default)"."""
+    words = next((w for w, v in plan.output_choices if v == value), value or "as merged")
+    return words.replace(" (default)", "")
 
 
 def _mtime(c) -> float:

@@ -34,6 +34,8 @@ Wizard { layout: vertical; }
 #ack { height: 1; border: none; padding: 0; margin: 0; background: transparent; }
 #base-note { height: auto; color: $text-muted; margin-bottom: 1; }
 #base-choice { width: 1fr; }
+#output-format { width: 1fr; }
+#format-note { height: auto; }
 .field { margin-top: 1; }
 #review-form Label { width: 1fr; }
 #replace, #detach { width: 1fr; height: auto; }

@@ -61,6 +61,10 @@ class MergePlan:
     suggested_roundtrip: str | None = None  # the --qlora-base value that reproduces the training's rounding
     base_format: str | None = None  # a base released quantized: what it is ("FP8 (e4m3), 128x128 blocks, as released")
     output_format: str | None = None  # and what the output will be
+    base_scheme: str | None = None  # that base's format in words ("FP8 (e4m3), 128x128 blocks")
+    # the output formats the assistant offers, default first: [(words, MergeOptions.output_quantization)];
+    # empty when there is no choice (a checkpoint, an exported adapter, inputs that could not be read)
+    output_choices: list = field(default_factory=list)
     resume: dict | None = None  # a partial folder of an earlier run: state, kept, kept_bytes (see journal.resumable)
 
     @property
@@ -93,7 +97,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         inputs = open_inputs(options)
     except MergeError as err:
         if not plan.blocked:
-            add(Finding("inputs", ERROR, str(err)))
+            add(Finding(_inputs_refused(options) or "inputs", ERROR, str(err)))
         plan.suggested_out = suggest_name(options, None, raw, today)
         _check_output(options, plan, paths_of(options), add)
         return plan
@@ -111,7 +115,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         try:
             tplan = output_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
         except MergeError as err:
-            add(Finding("adapter-fit", ERROR, str(err)))
+            add(Finding(_output_refused(options, inputs, merged_adapter, config, dtype) or "adapter-fit", ERROR, str(err)))
             tplan = None
         plan.dtype = dtype
         plan.tokenizer_source = inputs.files.tokenizer_source
@@ -143,12 +147,15 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             _check_vocab(options, inputs, add)
         plan.suggested_roundtrip, plan.suggested_base = _check_quantized(options, inputs, add)
         if getattr(inputs.base, "dequantized", None) is not None:
+            plan.base_scheme = inputs.base.scheme.label
             plan.base_format = f"{inputs.base.scheme.label}, as released ({len(inputs.base.dequantized)} weights)"
             plan.output_format = f"{dtype or inputs.base.dtype}, a plain model (quantization_config removed)"
         if tplan is not None and options.output_quantization is not None:
             plan.output_format = _quantized_output(options.output_quantization, tplan, inputs, dtype)
         _check_remote_code(inputs.config, add)
         _check_nan(inputs.adapter, add)
+        if options.checkpoint is None and not options.export_adapter:
+            plan.output_choices = output_choices(plan.base_scheme, dtype or getattr(inputs.base, "dtype", None))
     finally:
         inputs.close()
     _check_output(options, plan, paths_of(options), add)
@@ -789,6 +796,59 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
             check_space(parent, max(plan.output_bytes - kept, 0))  # the engine's own check, with its sentence
         except MergeError as err:
             add(Finding("disk", ERROR, str(err)))
+
+
+# -- the output formats the assistant offers -------------------------------------------------------
+
+OUTPUT_REFUSED = "output-format"  # the finding of an output format the engine cannot write for these inputs
+
+
+def _output_refused(options: MergeOptions, inputs, adapter, config: dict, dtype) -> str | None:
+    """OUTPUT_REFUSED when the tensor plan fails only because of the output format asked for (the same
+    plan without it is fine): the assistant then says the sentence and keeps the format it had."""
+    from tui_merger.core.plan.plan import build_plan
+
+    if options.output_quantization is None:
+        return None
+    try:
+        build_plan(inputs.base, adapter, config, dtype, options.shard_size)  # output_plan without the rewrite
+    except MergeError:
+        return None
+    return OUTPUT_REFUSED
+
+
+def _inputs_refused(options: MergeOptions) -> str | None:
+    """OUTPUT_REFUSED when the inputs open without the output format asked for."""
+    import dataclasses
+
+    from tui_merger.core.formats.inputs import open_inputs
+
+    if options.output_quantization is None:
+        return None
+    try:
+        open_inputs(dataclasses.replace(options, output_quantization=None)).close()
+    except Exception:  # noqa: BLE001 - not the format's fault: the plan reports the first error
+        return None
+    return OUTPUT_REFUSED
+
+
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def output_choices(base_scheme: str | None, dtype: str | None) -> list[tuple[str, str | None]]:
+    """The output formats the assistant offers (Review's select, the plain flow's question), default
+    first, as (words, MergeOptions.output_quantization). Which of them the engine can write for a given
+    base is its own to say (a refused one becomes an OUTPUT_REFUSED finding), not decided here."""
+    if base_scheme is not None:  # released quantized: a plain model, or the base's own format again
+        return [(f"{SHORT_DTYPES.get(dtype, dtype or '16-bit')}, a plain model (default)", None),
+                (f"{base_scheme} as the base (--keep-quantization)", "keep")]
+    return [("as merged (default)", None), ("FP8 128x128 blocks for serving (--quantize fp8)", "fp8")]
+
+
+def output_refusal(plan: MergePlan) -> str | None:
+    """The engine's sentence refusing the output format of ``plan`` (None: it can be written)."""
+    return next((f.message for f in plan.findings if f.id == OUTPUT_REFUSED), None)
+
 
 
 # -- the suggested output name -------------------------------------------------------------------------

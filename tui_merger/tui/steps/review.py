@@ -26,7 +26,8 @@ CHECKPOINT_SETTINGS = "Output dtype, largest shard (e.g. 5GB), tokenizer from (a
 class ReviewStep(Step, Vertical):
     # Focus order (tab): base model (when the checkpoint needs one: focused first then), the other
     # models that fit, output folder (focused first otherwise), replace, alpha, weight, more adapters,
-    # QLoRA base weights, dtype, shard size, tokenizer, background job, Check again, the warnings' tick.
+    # QLoRA base weights, dtype, shard size, tokenizer, output format, background job, Check again, the
+    # warnings' tick.
     FIRST = "#out"
     BACK = "find"
 
@@ -38,6 +39,10 @@ class ReviewStep(Step, Vertical):
         self._proposals: list = []  # [(path, why)]: the models here that fit an adapter whose base is not here
         self._searched = False  # the proposals were looked for (none found: the note says so)
         self._from_top = False  # the next plan shown scrolls the form to its top (entering the step)
+        self._format_ok = ""  # the output format of the last plan that the engine could write ("": default)
+        self._format_refusal = ""  # the engine's sentence refusing the format chosen last (shown under it)
+        self._format_offered: list = []  # the (words, value) pairs the select holds
+        self._format_for = None  # the checkpoint they were offered for
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="review-form"):
@@ -70,6 +75,10 @@ class ReviewStep(Step, Vertical):
                 yield Select(DTYPES, value="", allow_blank=False, id="dtype")
                 yield Input("5GB", id="shard", placeholder="shard size")
                 yield Select(TOKENIZERS, value="auto", allow_blank=False, id="tokenizer")
+            # the output format: offered as the plan says (plan.output_choices), hidden until a plan has some
+            yield Label("Output format (what the merged model is written as)", classes="field format-field")
+            yield Select([("as merged (default)", "")], value="", allow_blank=False, id="output-format", classes="format-field")
+            yield Static(id="format-note", classes="format-field")
             yield Checkbox("Keep running if I disconnect (a background job: tui-merger attach)", id="detach")
             yield Button("Check again", id="recheck")
         with VerticalScroll(id="problems"):  # pinned below the form: the checks stay in sight
@@ -163,6 +172,16 @@ class ReviewStep(Step, Vertical):
         for w in self.query(".qlora-field"):
             w.display = False
         self._roundtrip_offer = None
+        for w in self.query(".format-field"):
+            w.display = False  # shown again by the plan that offers formats
+        if c.path != self._format_for:  # another checkpoint: the default format (the same one: as chosen)
+            self._format_for = c.path
+            fmt = self.query_one("#output-format", Select)
+            with fmt.prevent(Select.Changed):
+                fmt.set_options([("as merged (default)", "")])
+                fmt.value = ""
+            self._format_ok, self._format_offered = "", []
+        self._format_refusal = ""
         self.query_one("#roundtrip", Select).set_options([("the 16-bit weights as stored (usual)", "")])
         self.query_one("#roundtrip", Select).value = ""
         wizard.plan = None
@@ -245,6 +264,8 @@ class ReviewStep(Step, Vertical):
         extra = {}
         if self.query_one("#roundtrip", Select).display and self.query_one("#roundtrip", Select).value:
             extra["base_roundtrip"] = self.query_one("#roundtrip", Select).value
+        if self.query_one("#output-format", Select).value:  # only ever set to a format a plan offered
+            extra["output_quantization"] = self.query_one("#output-format", Select).value
         if self.query_one("#weight", Input).display:
             extra.update(weight=self.query_one("#weight", Input).value.strip() or "1", more=self.query_one("#more", Input).value)
         return options_for(
@@ -313,6 +334,8 @@ class ReviewStep(Step, Vertical):
             out_input.value = str(free_output(default_out_folder(wizard.candidate)[0] / plan.suggested_out))
             self.replan()
             return
+        if self._format_refused(options, plan):
+            return
         wizard.options, wizard.plan, wizard.plan_stale = options, plan, False
         self._planned = self._fields()
         if self._from_top:  # the form starts at its top, the focused field (output or base) and its label in sight
@@ -333,6 +356,7 @@ class ReviewStep(Step, Vertical):
         title = ", ".join(counts) or ("" if not plan.findings else f"{len(plan.findings)} note{'s' * (len(plan.findings) != 1)}")
         self._show_checks("\n".join(lines), f"[b red]{title}[/]" if plan.blocked else title)
         self.query_one("#ack", Checkbox).display = bool(plan.of("warning"))
+        self._show_format(options, plan)
         roundtrip = self.query_one("#roundtrip", Select)
         offer = plan.suggested_roundtrip or options.base_roundtrip
         for w in self.query(".qlora-field"):
@@ -355,8 +379,51 @@ class ReviewStep(Step, Vertical):
                 base.value = plan.suggested_base
                 base.focus()
 
+    # -- the output format ------------------------------------------------------------------------
+    def _format_refused(self, options, plan) -> bool:
+        """The engine refused the output format of this plan: say its sentence under the format, choose
+        the format the last plan had again (the default when that was this one) and plan again."""
+        from tui_merger.core.plan.preflight import output_refusal
+
+        chosen = options.output_quantization or ""
+        refusal = output_refusal(plan) if chosen else None
+        if refusal is None:
+            self._format_ok = chosen
+            return False
+        self._format_refusal = refusal
+        fmt = self.query_one("#output-format", Select)
+        with fmt.prevent(Select.Changed):
+            fmt.value = self._format_ok if self._format_ok != chosen else ""
+        self.app.notify(f"Not available for this base: {in_app(refusal)}", severity="warning", timeout=8)
+        self.replan()
+        return True
+
+    def _show_format(self, options, plan) -> None:
+        """The formats the plan offers (none: as it was), the one the plan was made with, and the engine's
+        refusal of the one chosen before, if it refused it."""
+        fmt = self.query_one("#output-format", Select)
+        offered = [(words, value or "") for words, value in plan.output_choices]
+        chosen = options.output_quantization or ""
+        if offered and chosen in [value for _, value in offered]:
+            with fmt.prevent(Select.Changed):
+                if offered != self._format_offered:
+                    self._format_offered = offered
+                    fmt.set_options(offered)
+                fmt.value = chosen
+            for w in self.query(".format-field"):
+                w.display = True
+        note = self.query_one("#format-note", Static)
+        note.display = fmt.display and bool(self._format_refusal)
+        note.update(f"[b yellow]Not available:[/] {escape(in_app(self._format_refusal))}" if self._format_refusal else "")
+
+    @on(Select.Changed, "#output-format")
+    def _format_picked(self) -> None:
+        if self.wizard.step == "review" and self.wizard.plan is not None:
+            self._format_refusal = ""
+            self.replan()  # the plan's lines, the size and the checks change with it: at once
+
     def _fields(self) -> tuple:
-        return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer", "weight", "more", "roundtrip", "replace"))
+        return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer", "weight", "more", "roundtrip", "output-format", "replace"))
 
     @on(Button.Pressed, "#add-adapter")
     def _add_adapter(self) -> None:
