@@ -44,7 +44,8 @@ def _untouched_are_byte_identical(stored, got, changed):
     for name, value in stored.items():
         if name in changed:
             continue
-        assert got[name].dtype == value.dtype and torch.equal(got[name].view(torch.uint8), value.view(torch.uint8)), name
+        assert got[name].dtype == value.dtype and torch.equal(got[name].reshape(-1).view(torch.uint8),
+                                                              value.reshape(-1).view(torch.uint8)), name
 
 
 def _recompute_catches_a_flipped_byte(kept, name, tmp_path):
@@ -247,6 +248,45 @@ def test_keep_quantization_keeps_power_of_two_scales(qwen3_ue8m0, tmp_path, caps
     assert gap < 0.1 * scale, (gap, scale)
     assert verification_checks(kept) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said
     broken = _recompute_catches_a_flipped_byte(kept, "model.layers.1.self_attn.v_proj.weight", tmp_path)
+    assert broken["recompute"] == "fail", broken
+
+
+def test_keep_quantization_on_fp8_with_one_scale_per_tensor(tmp_path, capsys):
+    """quant_method fp8 without weight_block_size (one weight_scale_inv per tensor, stored as a scalar):
+    changed weights are quantized again as transformers' Fp8Quantize does without a block size (the
+    whole weight one block) and the scale keeps its stored shape; the rest is copied byte for byte."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    base = tmp_path / "Qwen3-tiny-FP8-tensor"
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).to(torch.bfloat16).save_pretrained(base)
+
+    def per_tensor(w):
+        scale = w.float().abs().max() / FP8_MAX
+        return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(())
+
+    entry = {k: v for k, v in FP8_CONFIG.items() if k != "weight_block_size"}
+    _rewrite(base, per_tensor, {**entry, "weight_block_size": None, "_scale": "weight_scale_inv"})
+    adapter = _qv_adapter(base, tmp_path / "qv", "fp8")
+    plan, plain, kept, said = _merge_plain_and_kept(base, adapter, tmp_path, capsys)
+    assert "4 changed by the adapter quantized again; quantization_config kept" in plan, plan
+    stored, got, bf16 = read_output(base), read_output(kept), read_output(plain)
+    changed = {n for n in stored if ".q_proj." in n or ".v_proj." in n}
+    _untouched_are_byte_identical(stored, got, changed)
+
+    class Quantizer:  # transformers' own quantizer with no block size
+        quantization_config = transformers.FineGrainedFP8Config(weight_block_size=None)
+
+    for name in (n for n in changed if n.endswith(".weight")):
+        out = Fp8Quantize(Quantizer())._quantize_one(name, bf16[name])
+        scale_name = name[: -len("weight")] + "weight_scale_inv"
+        assert got[scale_name].shape == stored[scale_name].shape == torch.Size([]), scale_name
+        assert torch.equal(got[scale_name], out[scale_name].reshape(())), name
+        assert torch.equal(got[name].view(torch.uint8), out[name].view(torch.uint8)), name
+    gap, scale = _logits_gap(kept, base, adapter, "fp8", "fp8")
+    assert gap < 0.1 * scale, (gap, scale)
+    assert verification_checks(kept) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said
+    broken = _recompute_catches_a_flipped_byte(kept, "model.layers.1.self_attn.q_proj.weight", tmp_path)
     assert broken["recompute"] == "fail", broken
 
 

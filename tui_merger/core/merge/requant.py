@@ -51,6 +51,8 @@ def _keep(plan, base):
     method = scheme.method if scheme is not None else None
     if method == "fp8" and scheme.block is not None:
         requant = RequantSource(scheme.block, pow2=scheme.scale_fmt == "ue8m0")
+    elif method == "fp8":  # one weight_scale_inv per tensor
+        requant = TensorRequantSource(pow2=scheme.scale_fmt == "ue8m0")
     elif method == "compressed-tensors":
         requant = CompressedRequantSource(scheme)
     elif method == "mxfp4":  # GPT-OSS's experts
@@ -60,8 +62,8 @@ def _keep(plan, base):
     else:
         label = scheme.label if scheme is not None else "not quantized"
         raise MergeError(
-            "--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size), compressed-tensors "
-            f"FP8 or MXFP4 again; the base is {label}. Leave it out for a 16-bit output. Nothing was written."
+            "--keep-quantization writes FP8 (quant_method fp8), compressed-tensors FP8 or MXFP4 again; the base "
+            f"is {label}. Leave it out for a 16-bit output. Nothing was written."
         )
     out = []
     for t in plan.tensors:
@@ -159,6 +161,23 @@ class RequantSource(PairSource):
         q, scale = self._quantize(compute(t), ref)
         scale_name = _scale_name(t.name, self.scale_suffix)
         return {t.name: q, scale_name: scale.reshape(self.shapes[scale_name])}
+
+
+class TensorRequantSource(RequantSource):
+    """FP8 with one ``weight_scale_inv`` per tensor (``quant_method: fp8`` without ``weight_block_size``):
+    the whole weight is one block, as transformers' Fp8Quantize takes it then; the scale keeps the shape
+    the base stores it in."""
+
+    def __init__(self, pow2: bool = False) -> None:
+        super().__init__((1, 1), pow2)
+
+    def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
+        return tuple(like.shape), "float32"
+
+    def _quantize(self, w, ref):
+        from tui_merger.core.formats.dequant import quantize_fp8_blocks
+
+        return quantize_fp8_blocks(w, tuple(w.shape[-2:]), pow2=self.pow2)
 
 
 class CompressedRequantSource(RequantSource):
