@@ -22,6 +22,7 @@ from tui_merger.cli import main
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.dequant import DequantSource, Scheme, dequantize, scheme_of
 from tui_merger.core.io.sources import open_model
+from tui_merger.core.verify.checks import verify_merge
 
 QWEN3 = dict(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=128, vocab_size=320, max_position_embeddings=64)
@@ -421,8 +422,8 @@ def test_quantized_outputs_that_cannot_be_written_are_refused(qwen3_fp8, tmp_pat
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).to(torch.bfloat16).save_pretrained(plain)
     for base, adapter, flag, needle in (
         (plain, _qv_adapter(plain, tmp_path / "qv", kind=None), ["--keep-quantization"],
-         "--keep-quantization writes FP8 blocks (quant_method fp8 with weight_block_size), compressed-tensors FP8 or "
-         "MXFP4 again; the base is not quantized"),
+         "--keep-quantization writes FP8 (quant_method fp8), compressed-tensors FP8 or MXFP4 again; the base is "
+         "not quantized"),
         (*qwen3_fp8, ["--quantize", "fp8"], "--quantize fp8 quantizes a 16-bit merge; the base is already FP8 (e4m3), 128x128 blocks: use --keep-quantization"),
     ):
         out = tmp_path / "out"
@@ -600,3 +601,54 @@ def _refused(base, adapter, edit, tmp_path, capsys, needles) -> str:
         assert needle in text, (needle, text)
     assert not out.exists()
     return text
+
+
+def test_packed_mxfp4_experts_are_merged_a_few_experts_at_a_time(gpt_oss_mxfp4, tmp_path, capsys, monkeypatch):
+    """GPT-OSS's packed experts with a LoRA on them (peft target_parameters) are dequantized, merged and
+    recomputed a few experts at a time, never whole (GPT-OSS-120B's gate_up_proj is 4.2 GB in bf16 per
+    layer): with blocks of two of the four experts, the merge and its verification read every expert
+    weight in two blocks and never whole, and the output is still peft's merge."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from tui_merger.core.merge import merge_math
+    from tui_merger.core.verify import recompute
+
+    base, _ = gpt_oss_mxfp4
+    torch.manual_seed(4)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    get_peft_model(_dequantized_load(base, "mxfp4"), lora).save_pretrained(tmp_path / "adapter")
+    expected = _disk_state(PeftModel.from_pretrained(_dequantized_load(base, "mxfp4").float(),
+                                                     tmp_path / "adapter").merge_and_unload())
+    whole, spans = [], []
+    load, load_experts = DequantSource.load, DequantSource.load_experts
+
+    def recorded_load(self, ref):
+        whole.append(ref.name)
+        return load(self, ref)
+
+    def recorded_experts(self, ref, i, j):
+        spans.append((ref.name, i, j))
+        return load_experts(self, ref, i, j)
+
+    monkeypatch.setattr(DequantSource, "load", recorded_load)
+    monkeypatch.setattr(DequantSource, "load_experts", recorded_experts)
+    monkeypatch.setattr(merge_math, "BLOCK_VALUES", 64 * 128 * 2 // 16)  # two experts of gate_up_proj a block
+    monkeypatch.setattr(recompute, "BLOCK_VALUES", 64 * 128 * 2)
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "--out", str(out), "--plain",
+                 "--no-verify"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    assert not [n for n in whole if "experts" in n], whole
+    gate_up = sorted((i, j) for name, i, j in spans if name == "model.layers.0.mlp.experts.gate_up_proj_blocks")
+    assert gate_up == [(0, 2), (2, 4)], spans
+    got = read_output(out)
+    for name in (n for n in got if ".experts." in n and not n.endswith("_bias")):
+        torch.testing.assert_close(got[name].float(), expected[name].to(got[name].dtype).float(), rtol=2 ** -8, atol=0,
+                                   msg=name)
+    spans.clear()
+    report = verify_merge(out, behaviour=False)
+    assert {c.name: c.status for c in report.checks} == {"structure": "pass", "recompute": "pass"}
+    assert not [n for n in whole if "experts" in n], whole
+    assert {(i, j) for name, i, j in spans if name.endswith("gate_up_proj_blocks")} == {(0, 2), (2, 4)}, spans

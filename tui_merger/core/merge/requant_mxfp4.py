@@ -83,10 +83,21 @@ class Mxfp4RequantSource(PairSource):
         return [OutputTensor(b.name, b, b.dtype, b.shape), OutputTensor(s.name, s, s.dtype, s.shape)]
 
     def _pair(self, ref) -> dict:
-        from tui_merger.core.merge.merge_math import compute
+        import torch
+
+        from tui_merger.core.merge.merge_math import ExpertBlocks, Workspace, compute, row_blocks
 
         t = self.weights[ref.name]
-        blocks, scales = quantize_mxfp4(compute(t), t.name)
+        merged = row_blocks(t, Workspace())
+        if not isinstance(merged, ExpertBlocks):  # not one LoRA on packed experts: merged whole
+            blocks, scales = quantize_mxfp4(compute(t), t.name)
+            return {t.name + "_blocks": blocks, t.name + "_scales": scales}
+        experts, cols, rows = t.shape
+        blocks = torch.empty(experts, rows, cols // GROUP, GROUP // 2, dtype=torch.uint8)
+        scales = torch.empty(experts, rows, cols // GROUP, dtype=torch.uint8)
+        for i, j, acc in merged:  # a few experts at a time, rounded as the 16-bit output holds them
+            part = acc.view(j - i, *merged.inner).to(getattr(torch, t.dtype))
+            blocks[i:j], scales[i:j] = quantize_mxfp4(part, t.name)
         return {t.name + "_blocks": blocks, t.name + "_scales": scales}
 
 

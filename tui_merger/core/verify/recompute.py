@@ -40,7 +40,12 @@ class _Recomputation:
         from tui_merger.core.plan.plan import BiasOp, ExpertsLoraOp, LoraOp
 
         self.t = t
-        self.w = t.source.load()
+        load = getattr(t.source.source, "load_experts", None)
+        if load is not None and len(t.ops) == 1 and isinstance(t.ops[0], ExpertsLoraOp):
+            # packed experts of a base released quantized: dequantized a block of experts at a time
+            self._experts, self.w = (lambda rows: load(t.source, rows.start, rows.stop)), None
+        else:
+            self._experts, self.w = None, t.source.load()
         self.ops = []
         for op in t.ops:
             if isinstance(op, ExpertsLoraOp):
@@ -53,7 +58,7 @@ class _Recomputation:
             else:
                 self.ops.append((op, op.rows.load().float(), None, None))
         plain = len(self.ops) == 1 and type(self.ops[0][0]) is LoraOp and self.ops[0][3] is None
-        plain = plain and not self.ops[0][0].transpose and self.w.dim() == 2
+        plain = plain and not self.ops[0][0].transpose and self.w is not None and self.w.dim() == 2
         self._plain = (self.ops[0][0], self.ops[0][1], self.ops[0][2]) if plain else None
 
     def rows(self, rows):
@@ -72,8 +77,8 @@ class _Recomputation:
                 return acc.addmm_(b[rows], a, alpha=op.scale)  # float(W) + s * (B @ A), as torch.addmm
             delta = torch.mm(b[rows], a, out=_scratch(torch.float32, tuple(acc.shape), "delta"))
             return acc.add_(delta.mul_(op.scale))
-        acc = (self.w if rows is None else self.w[rows]).float()
-        if acc.data_ptr() == self.w.data_ptr():
+        acc = self._base(rows).float()
+        if self.w is not None and acc.data_ptr() == self.w.data_ptr():
             acc = acc.clone()  # fp32 input: never write into the memory-mapped file
         kernel = None
         if acc.dim() > 2 and any(type(op) is LoraOp for op, *_ in self.ops):
@@ -108,12 +113,18 @@ class _Recomputation:
                             acc[hit[0, 0]] = x[j]
         return acc if kernel is None else acc.reshape(kernel)
 
+    def _base(self, rows):
+        """The base's values of ``rows`` (all for None)."""
+        if self.w is None:
+            return self.t.source.load() if not isinstance(rows, slice) else self._experts(rows)
+        return self.w if rows is None else self.w[rows]
+
     def magnitude(self, rows):
         """What fp32 rounding of the recomputation scales with, per value: |W| + sum of s * (|B| @ |A|)
         of the LoRA ops, times (terms + 2) (the classic bound of a dot product's rounding error)."""
         from tui_merger.core.plan.plan import ExpertsLoraOp, LoraOp
 
-        mag = (self.w if rows is None else self.w[rows]).float().abs()
+        mag = self._base(rows).float().abs()
         terms = 0
         for op, a, b, _ in self.ops:
             if isinstance(op, ExpertsLoraOp):
