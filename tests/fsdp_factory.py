@@ -110,12 +110,14 @@ _OPTION_DEFAULTS = dict(
     family="qwen2",
 )
 FAMILIES = ("qwen2", "qwen2_5_vl", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_5_moe") + (
-    "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe", "qwen3_next", "deepseek_v2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "flex_olmo", "minimax_m2", "granitemoe")
+    "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe", "qwen3_next", "deepseek_v2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "flex_olmo", "minimax_m2", "granitemoe",
+    "deepseek_v32", "glm_moe_dsa", "granitemoehybrid")
 # text, vision-language, MoE, hybrid attention, packed experts, hybrid attention with MoE and a shared expert;
 # then more MoE families verl trains through FSDP (HF models, generically), with tests/moe_families.py's
 # tiny configs: Mixtral, Qwen2-MoE (shared expert with its gate), DeepSeek-V3 (MLA, a dense first layer,
 # a router with a score-correction bias), GLM-4.5 (glm4_moe), OLMoE
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe", "qwen3_next", "deepseek_v2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "flex_olmo", "minimax_m2", "granitemoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe", "qwen3_next", "deepseek_v2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "flex_olmo", "minimax_m2", "granitemoe",
+    "deepseek_v32", "glm_moe_dsa", "granitemoehybrid")
 
 
 def _normalise(opts: dict) -> dict:
