@@ -442,7 +442,10 @@ class DequantSource:
         gate_up_proj is 4.2 GB in bf16 per layer); a weight without an experts dimension whole."""
         w, s = self._scales[(ref.file, ref.name)]
         if self.scheme.method == "mxfp4":
-            return dequantize_mxfp4(w.load()[i:j], s.load()[i:j], _torch_dtype(self.dtype))
+            out = dequantize_mxfp4(w.load()[i:j], s.load()[i:j], _torch_dtype(self.dtype))
+            w.release_rows(i, j)  # the stored experts' pages go back as they are read
+            s.release_rows(i, j)
+            return out
         scale = s.load()
         if len(ref.shape) == 3 and scale.dim() == 3 and scale.shape[0] == ref.shape[0]:  # a scale grid per expert
             return dequantize(w.load()[i:j], scale[i:j], self.scheme, _torch_dtype(self.dtype))

@@ -231,6 +231,8 @@ class ExpertBlocks:
             acc.copy_(w.reshape(j - i, -1))
             acc.add_(self.op.delta(self.a, self.b, slice(i, j)).reshape(j - i, -1))
             yield i, j, acc
+            if self.w is not None:
+                self.t.source.release_rows(i, j)  # a mapped file's pages of these experts go back
 
 
 def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | ExpertBlocks | None:

@@ -51,7 +51,7 @@ class ExpertsLoraOp:
         b = b.reshape(b.shape[0], -1, self.experts)  # out x r x experts
         if experts is not None:
             a, b = a[experts], b[..., experts]
-        return torch.einsum("ore,eri->eio" if self.transposed else "ore,eri->eoi", b, a) * self.scale
+        return torch.einsum("ore,eri->eio" if self.transposed else "ore,eri->eoi", b, a).mul_(self.scale)
 
 
 @dataclass(frozen=True)
