@@ -309,7 +309,7 @@ def test_the_plan_offers_the_output_formats_and_marks_one_the_engine_refuses(dem
     assert plan.output_choices == [("as merged (default)", None), ("FP8 128x128 blocks for serving (--quantize fp8)", "fp8")]
     assert output_refusal(plan) is None
     plan = make_plan(MergeOptions(base=base, adapter=adapter, out=tmp_path / "o", output_quantization="keep"))
-    assert plan.blocked and output_refusal(plan).startswith("--keep-quantization writes FP8 blocks")
+    assert plan.blocked and output_refusal(plan).startswith("--keep-quantization writes FP8 (quant_method fp8)")
     small = save_base(tmp_path / "small", qwen_config())  # no Linear weight of whole 128x128 blocks
     plan = make_plan(MergeOptions(base=small, adapter=save_adapter(tmp_path / "small-lora", small), output_quantization="fp8"))
     assert "found no Linear weight of whole 128x128 blocks" in output_refusal(plan)

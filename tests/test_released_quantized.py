@@ -652,3 +652,55 @@ def test_packed_mxfp4_experts_are_merged_a_few_experts_at_a_time(gpt_oss_mxfp4, 
     assert {c.name: c.status for c in report.checks} == {"structure": "pass", "recompute": "pass"}
     assert not [n for n in whole if "experts" in n], whole
     assert {(i, j) for name, i, j in spans if name.endswith("gate_up_proj_blocks")} == {(0, 2), (2, 4)}, spans
+
+
+def _experts_adapter(base, folder):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    get_peft_model(_dequantized_load(base, "mxfp4"), lora).save_pretrained(folder)
+    return folder
+
+
+def test_packed_experts_are_not_refused_for_memory_they_no_longer_take(gpt_oss_mxfp4, tmp_path, capsys, monkeypatch):
+    """The plan's memory check counts a block of experts for packed experts merged a few at a time, not
+    the whole parameter three times in fp32 (GPT-OSS-120B's gate_up_proj alone would be 25 GB): with
+    memory for a block but not for the whole, the merge goes ahead; with less, it is refused."""
+    from tui_merger.core.merge import merge_math
+    from tui_merger.core.verify import checks
+
+    base, _ = gpt_oss_mxfp4
+    adapter = _experts_adapter(base, tmp_path / "adapter")
+    monkeypatch.setattr(merge_math, "BLOCK_VALUES", 1024)  # blocks of three of the four experts at most
+    whole = 4 * 64 * 128 * 4 * 3  # gate_up_proj [4, 64, 128] in fp32, three times
+    block = 3 * 64 * 128 * 4 * 3
+    for available, ok in (((400 << 20) + (block + whole) // 2, True), ((400 << 20) + block // 2, False)):
+        monkeypatch.setattr(checks, "_available_memory", lambda available=available: available)
+        code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "out"),
+                     "--dry-run"])
+        said = capsys.readouterr()
+        assert (code == 0) == ok, said.out + said.err
+        assert ("Merging needs about" in said.out + said.err) != ok, said.out + said.err
+
+
+def test_the_behaviour_check_says_when_packed_experts_need_more_memory_than_there_is(gpt_oss_mxfp4, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """The behaviour check runs a packed experts parameter whole in fp32, in the merged model and the
+    reference at once; when that does not fit in the memory available it is skipped with the numbers,
+    instead of the process being killed, and structure and recompute still pass."""
+    from tui_merger.core.verify import behaviour, checks
+
+    base, _ = gpt_oss_mxfp4
+    adapter = _experts_adapter(base, tmp_path / "adapter")
+    out = tmp_path / "merged"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain",
+                 "--no-verify"]) == 0
+    monkeypatch.setattr(checks, "_available_memory", lambda: behaviour.BASE_MEMORY)  # less than it needs
+    report = verify_merge(out)
+    found = {c.name: c for c in report.checks}
+    assert {n: c.status for n, c in found.items()} == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}
+    assert "mlp.experts.gate_up_proj" in found["behaviour"].summary and "of memory" in found["behaviour"].summary
+    monkeypatch.setattr(checks, "_available_memory", lambda: None)  # unknown: it runs
+    assert {c.name: c.status for c in verify_merge(out).checks}["behaviour"] == "pass"

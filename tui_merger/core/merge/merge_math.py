@@ -235,6 +235,18 @@ class ExpertBlocks:
                 self.t.source.release_rows(i, j)  # a mapped file's pages of these experts go back
 
 
+def experts_streamed(t: OutputTensor) -> bool:
+    """``row_blocks`` merges ``t`` a few experts at a time (``ExpertBlocks``)."""
+    return (len(t.ops) == 1 and isinstance(t.ops[0], ExpertsLoraOp) and len(t.source.shape) == 3
+            and t.source.dtype in ("bfloat16", "float16", "float32"))
+
+
+def expert_block_values(shape) -> int:
+    """Values of the largest block ``ExpertBlocks`` computes for a packed experts tensor of ``shape``."""
+    per = math.prod(shape[1:])
+    return min(max(2, BLOCK_VALUES * 16 // max(per, 1)) + 1, shape[0]) * per
+
+
 def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | ExpertBlocks | None:
     """The merged values of a plain LoRA'd 2-D weight read from a mapped file (any output dtype: an
     fp32 one is copied from the block into the writer's piece instead of rounded),
@@ -249,8 +261,7 @@ def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | ExpertBlocks | Non
     buffers of 940 MB in each of the writer's two workspaces)."""
     if not math.prod(t.source.shape):
         return None
-    if (len(t.ops) == 1 and isinstance(t.ops[0], ExpertsLoraOp) and len(t.source.shape) == 3
-            and t.source.dtype in ("bfloat16", "float16", "float32")):
+    if experts_streamed(t):
         return ExpertBlocks(t, t.ops[0], ws)
     if len(t.source.shape) != 2:
         return None

@@ -691,14 +691,18 @@ def _check_fp16(tplan, options: MergeOptions, add) -> None:
 def _check_memory(tplan, add) -> None:
     from tui_merger.core.verify.checks import _available_memory
 
+    from tui_merger.core.merge.merge_math import expert_block_values, experts_streamed
+
     available = _available_memory()
-    biggest = max((math.prod(t.shape) for t in tplan.tensors if t.ops), default=0)
+    # packed experts are merged a few experts at a time: a block of them counts, not the tensor
+    biggest = max((expert_block_values(t.shape) if experts_streamed(t) else math.prod(t.shape)
+                   for t in tplan.tensors if t.ops), default=0)
     need = biggest * 4 * 3 + (400 << 20)  # fp32 working copies of the largest merged tensor + torch
     if available is not None and need > available:
         add(Finding(
             "memory", ERROR,
-            f"Merging needs about {human_bytes(need)} of memory (the largest merged tensor in fp32, three times) "
-            f"but {human_bytes(available)} is available.",
+            f"Merging needs about {human_bytes(need)} of memory (the largest merged tensor, or block of experts, in "
+            f"fp32, three times) but {human_bytes(available)} is available.",
             "Close other programs or merge on a machine with more memory.",
         ))
 

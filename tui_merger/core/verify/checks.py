@@ -630,6 +630,18 @@ class _Models:
             stored = "mxfp4" if scheme is not None and scheme.method == "mxfp4" else "float8_e4m3fn"
         self.stored = stored if stored in bh.UNIT_ROUNDOFF else "float32"
         self.probes = probe_ids(self.config, self.plan)
+        name, need = bh.whole_unit_bytes(self.plan)
+        available = _available_memory()
+        if name is not None and available is not None and need > available:
+            from tui_merger.core.options import human_bytes
+
+            return self._stop([Check(
+                "behaviour", "skip",
+                f"skipped: running the model needs {name} whole in fp32, for the merged model and the unmerged "
+                f"reference at once: about {human_bytes(need)} of memory, and {human_bytes(available)} is available; "
+                "not fully verified: structure and recompute still hold (a machine with more memory runs it)",
+                metrics={"probes": list(PROBE_SHAPE), "needs_bytes": need, "available_bytes": available},
+            )])
         self.tokens = _perplexity_tokens(self.out, self.text) if self.text else None
         try:
             self.out_config = transformers.AutoConfig.from_pretrained(self.out)
