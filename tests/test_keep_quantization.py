@@ -66,6 +66,17 @@ def _recompute_catches_a_flipped_byte(kept, name, tmp_path):
     return {c.name: c.status for c in report.checks}
 
 
+def _answers_verified_and_caught(kept, base, adapter, said, flip, tmp_path, kind="fp8"):
+    """A kept FP8 output (``kind``: fp8 or compressed-tensors): transformers' dequantizing load gives the
+    unmerged adapter's logits within e4m3's rounding (3 mantissa bits), verification passes, and one
+    flipped bit of the re-quantized weight ``flip`` fails it."""
+    gap, scale = _logits_gap(kept, base, adapter, kind, kind)
+    assert gap < 0.1 * scale, (gap, scale)
+    assert verification_checks(kept) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said
+    broken = _recompute_catches_a_flipped_byte(kept, flip, tmp_path)
+    assert broken["recompute"] == "fail", broken
+
+
 # -- compressed-tensors FP8 --------------------------------------------------------------------------------
 
 
@@ -142,11 +153,8 @@ def test_keep_quantization_writes_compressed_tensors_fp8_again(ct_base, tmp_path
         assert got[scale_name].dtype == stored[scale_name].dtype == scale.dtype
         assert got[scale_name].shape == stored[scale_name].shape
         assert torch.equal(got[scale_name].reshape(scale.shape), scale), name
-    gap, scale = _logits_gap(kept, base, adapter, "compressed-tensors", "compressed-tensors")
-    assert gap < 0.1 * scale, (gap, scale)  # e4m3 keeps 3 mantissa bits
-    assert verification_checks(kept) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said
-    broken = _recompute_catches_a_flipped_byte(kept, "model.layers.0.self_attn.q_proj.weight", tmp_path)
-    assert broken["recompute"] == "fail", broken
+    _answers_verified_and_caught(kept, base, adapter, said, "model.layers.0.self_attn.q_proj.weight", tmp_path,
+                                 "compressed-tensors")
 
 
 def test_an_ignored_module_changed_by_the_adapter_stays_16bit(tmp_path, capsys):
@@ -244,11 +252,7 @@ def test_keep_quantization_keeps_power_of_two_scales(qwen3_ue8m0, tmp_path, caps
         assert inv.dtype == torch.float32 and _is_pow2(inv), name
         assert torch.equal(inv, out[name[: -len("weight")] + "weight_scale_inv"].float()), name
         assert torch.equal(got[name].view(torch.uint8), out[name].view(torch.uint8)), name
-    gap, scale = _logits_gap(kept, base, adapter, "fp8", "fp8")
-    assert gap < 0.1 * scale, (gap, scale)
-    assert verification_checks(kept) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said
-    broken = _recompute_catches_a_flipped_byte(kept, "model.layers.1.self_attn.v_proj.weight", tmp_path)
-    assert broken["recompute"] == "fail", broken
+    _answers_verified_and_caught(kept, base, adapter, said, "model.layers.1.self_attn.v_proj.weight", tmp_path)
 
 
 def test_keep_quantization_on_fp8_with_one_scale_per_tensor(tmp_path, capsys):
@@ -283,11 +287,7 @@ def test_keep_quantization_on_fp8_with_one_scale_per_tensor(tmp_path, capsys):
         assert got[scale_name].shape == stored[scale_name].shape == torch.Size([]), scale_name
         assert torch.equal(got[scale_name], out[scale_name].reshape(())), name
         assert torch.equal(got[name].view(torch.uint8), out[name].view(torch.uint8)), name
-    gap, scale = _logits_gap(kept, base, adapter, "fp8", "fp8")
-    assert gap < 0.1 * scale, (gap, scale)
-    assert verification_checks(kept) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said
-    broken = _recompute_catches_a_flipped_byte(kept, "model.layers.1.self_attn.q_proj.weight", tmp_path)
-    assert broken["recompute"] == "fail", broken
+    _answers_verified_and_caught(kept, base, adapter, said, "model.layers.1.self_attn.q_proj.weight", tmp_path)
 
 
 # -- --quantize fp8 with packed experts (GPT-OSS) --------------------------------------------------------

@@ -154,21 +154,19 @@ def test_family_merges_like_peft(family, variant, made, tmp_path, capsys):
         assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}, said.out
 
 
-def test_a_convolution_lora_merges_like_peft(tmp_path, capsys):
-    """peft's all-linear on GLM-4.5V also wraps the vision patch embedding, a Conv3d (lora_A a Conv3d
-    with its kernel, lora_B a 1x1x1 one): its delta, peft's conv(A^T, B)^T, is merged as B @ A on the
-    flattened kernels, equal to peft's merge_and_unload; every other weight too; verified."""
+def _random_all_linear_merged(family: str, tmp_path, capsys):
+    """A tiny base of ``family`` with a random all-linear LoRA (every lora_B non-zero) made by peft, merged
+    by peft (``merge_and_unload``: tmp_path/peft, the reference) and by tui-merger (tmp_path/merged):
+    (what the merge printed, {name: (ours, peft's)} for every tensor), the names and shapes equal."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    cls, config = build("glm4v_moe")
+    cls, config = build(family)
     torch.manual_seed(0)
     cls(config).save_pretrained(tmp_path / "base")
     model = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
     torch.manual_seed(1)
     get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)) \
         .save_pretrained(tmp_path / "adapter")
-    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert saved["base_model.model.model.visual.patch_embed.proj.lora_A.weight"].dim() == 5
     reference = PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "adapter")
     reference.merge_and_unload().save_pretrained(tmp_path / "peft")
     out = tmp_path / "merged"
@@ -176,14 +174,25 @@ def test_a_convolution_lora_merges_like_peft(tmp_path, capsys):
                  "--plain"])
     said = capsys.readouterr()
     assert code == 0, said.out + said.err
-    got, expected, base = read_output(out), read_output(tmp_path / "peft"), read_output(tmp_path / "base")
+    got, expected = read_output(out), read_output(tmp_path / "peft")
     assert sorted(got) == sorted(expected)
     for name, ref in expected.items():
         assert got[name].shape == ref.shape, name
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    return said.out, got
+
+
+def test_a_convolution_lora_merges_like_peft(tmp_path, capsys):
+    """peft's all-linear on GLM-4.5V also wraps the vision patch embedding, a Conv3d (lora_A a Conv3d
+    with its kernel, lora_B a 1x1x1 one): its delta, peft's conv(A^T, B)^T, is merged as B @ A on the
+    flattened kernels, equal to peft's merge_and_unload; every other weight too; verified."""
+    _, got = _random_all_linear_merged("glm4v_moe", tmp_path, capsys)
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved["base_model.model.model.visual.patch_embed.proj.lora_A.weight"].dim() == 5
+    base = read_output(tmp_path / "base")
     conv = "model.visual.patch_embed.proj.weight"
     assert got[conv].dim() == 5 and not torch.equal(got[conv], base[conv])
-    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    assert verification_checks(tmp_path / "merged") == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
 
 
 def folder_of(made, family: str, folder):
@@ -287,25 +296,7 @@ def test_a_lora_the_forward_never_calls_is_said_not_called_broken(tmp_path, caps
     there, while its merge_and_unload (and ours) puts it in. With a non-zero lora_B on it (not what
     training through this forward leaves), merged and unmerged differ: the behaviour check says why and
     judges nothing, never that the merge (equal to peft's) is broken."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    cls, config = build("jamba")
-    torch.manual_seed(0)
-    cls(config).save_pretrained(tmp_path / "base")
-    torch.manual_seed(1)
-    model = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
-    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)) \
-        .save_pretrained(tmp_path / "adapter")
-    reference = PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "adapter")
-    reference.merge_and_unload().save_pretrained(tmp_path / "peft")
-    out = tmp_path / "merged"
-    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out),
-                 "--plain"])
-    said = capsys.readouterr()
-    assert code == 0, said.out + said.err
-    got, expected = read_output(out), read_output(tmp_path / "peft")
-    for name, ref in expected.items():
-        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
-    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}, said.out
-    assert "non-zero LoRA on model.layers.0.mamba.dt_proj" in said.out and "never calls" in said.out, said.out
-    assert "FAIL" not in said.out, said.out
+    said, _ = _random_all_linear_merged("jamba", tmp_path, capsys)
+    assert verification_checks(tmp_path / "merged") == {"structure": "pass", "recompute": "pass", "behaviour": "skip"}, said
+    assert "non-zero LoRA on model.layers.0.mamba.dt_proj" in said and "never calls" in said, said
+    assert "FAIL" not in said, said

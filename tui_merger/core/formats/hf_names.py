@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from tui_merger.core.io.sources import DerivedSource
+
 
 def model_class(config: dict):
     import transformers
@@ -176,27 +178,9 @@ def disk_layout(config_dir: Path) -> DiskLayout | None:
 _DERIVED_LOCK = threading.RLock()
 
 
-class _DerivedSource:
-    """A source whose tensors are computed from other sources' tensors: loaded whole, never copied as
-    raw file bytes nor in row blocks; its pieces go with the tensor they came from."""
-
-    folder = None
-    files: list[str] = []
-
-    def load(self, ref):
-        raise NotImplementedError
-
-    def load_into(self, ref, out) -> None:
-        out.copy_(self.load(ref))
-
-    def raw_ranges(self, ref):
-        return None
-
-    def row_blocks(self, ref):
-        return None
-
-    def release(self, ref) -> None:
-        pass
+class _DerivedSource(DerivedSource):
+    """A source whose tensors are computed from other sources' tensors, kept until handed out; its
+    pieces go with the tensor they came from."""
 
     def close(self) -> None:
         self._cache.clear()

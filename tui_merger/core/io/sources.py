@@ -292,19 +292,15 @@ class RenamedSource:
         pass  # the inner source is closed by its owner
 
 
-class _Flattened:
-    """Tensors seen as matrices [first dim, everything else] (a convolution kernel as a matrix): loaded
-    from the tensor they view, as a reshaped view of it."""
+class DerivedSource:
+    """A source whose tensors are computed from other tensors (``load``): loaded whole, never copied as
+    raw file bytes nor read in row blocks; no files of its own."""
 
     folder = None
     files: list[str] = []
 
-    def __init__(self) -> None:
-        self.tensors: dict = {}
-        self._parent: dict = {}
-
     def load(self, ref):
-        return self._parent[ref.name].load().reshape(ref.shape)
+        raise NotImplementedError
 
     def load_into(self, ref, out) -> None:
         out.copy_(self.load(ref))
@@ -316,10 +312,25 @@ class _Flattened:
         return None
 
     def release(self, ref) -> None:
-        self._parent[ref.name].release()
+        pass
 
     def close(self) -> None:
         pass
+
+
+class _Flattened(DerivedSource):
+    """Tensors seen as matrices [first dim, everything else] (a convolution kernel as a matrix): loaded
+    from the tensor they view, as a reshaped view of it."""
+
+    def __init__(self) -> None:
+        self.tensors: dict = {}
+        self._parent: dict = {}
+
+    def load(self, ref):
+        return self._parent[ref.name].load().reshape(ref.shape)
+
+    def release(self, ref) -> None:
+        self._parent[ref.name].release()
 
 
 def flattened(ref: TensorRef) -> TensorRef:

@@ -212,7 +212,7 @@ class ExpertBlocks:
         per = math.prod(shape[1:])
         self.inner = shape[1:]
         self.shape = (shape[0], per)
-        self.step = max(2, BLOCK_VALUES * 16 // max(per, 1))
+        self.step = _expert_step(per)
         most = min(self.step + 1, shape[0])
         self.block = ws.get("experts32", (most, per), torch.float32)
         self._load = getattr(t.source.source, "load_experts", None)
@@ -241,10 +241,15 @@ def experts_streamed(t: OutputTensor) -> bool:
             and t.source.dtype in ("bfloat16", "float16", "float32"))
 
 
+def _expert_step(per: int) -> int:
+    """Experts ``ExpertBlocks`` computes at a time, ``per`` values each (``row_spans`` may add one)."""
+    return max(2, BLOCK_VALUES * 16 // max(per, 1))
+
+
 def expert_block_values(shape) -> int:
     """Values of the largest block ``ExpertBlocks`` computes for a packed experts tensor of ``shape``."""
     per = math.prod(shape[1:])
-    return min(max(2, BLOCK_VALUES * 16 // max(per, 1)) + 1, shape[0]) * per
+    return min(_expert_step(per) + 1, shape[0]) * per
 
 
 def row_blocks(t: OutputTensor, ws: Workspace) -> RowBlocks | ExpertBlocks | None:

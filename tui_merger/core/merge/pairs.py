@@ -3,8 +3,10 @@ and one quantization (``requant.RequantSource``, ``requant_mxfp4.Mxfp4RequantSou
 
 from __future__ import annotations
 
+from tui_merger.core.io.sources import DerivedSource
 
-class PairSource:
+
+class PairSource(DerivedSource):
     """Two output tensors made by one computation (a quantized weight's values and its scales): the
     first asked computes both and keeps the other until it is asked for, within ``KEPT_BYTES`` (a shard
     puts a weight's values, then its scales, one after the other: plan.shard_tensors; what does not
@@ -38,15 +40,6 @@ class PairSource:
                     self._kept[name] = tensor
                     self._kept_bytes += tensor.nbytes
         return pair[ref.name]
-
-    def load_into(self, ref, out) -> None:
-        out.copy_(self.load(ref))
-
-    def raw_ranges(self, ref):
-        return None
-
-    def row_blocks(self, ref):
-        return None
 
     def release(self, ref) -> None:
         for x in self.weights[ref.name].inputs():

@@ -131,7 +131,7 @@ class RequantSource(PairSource):
         super().__init__()
         self.block = tuple(block)
         self.pow2 = pow2
-        self.shapes = {}  # scale name -> its shape
+        self.scales = {}  # 16-bit weight name -> the TensorRef of its new scale (shape and dtype)
 
     def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
         rows, cols = t.shape
@@ -146,10 +146,11 @@ class RequantSource(PairSource):
         w = TensorRef(self, "", t.name, "float8_e4m3fn", tuple(t.shape))
         s = TensorRef(self, "", _scale_name(t.name, self.scale_suffix), dtype, shape)
         self.weights[w.name] = self.weights[s.name] = t
-        self.shapes[s.name] = s.shape
+        self.scales[t.name] = s
         return [OutputTensor(t.name, w, w.dtype, w.shape), OutputTensor(s.name, s, s.dtype, s.shape)]
 
-    def _quantize(self, w, ref):
+    def _quantize(self, w, scale):
+        """(values, scale) of the merged weight ``w``; ``scale``: the TensorRef the scale is written as."""
         from tui_merger.core.formats.dequant import quantize_fp8_blocks
 
         return quantize_fp8_blocks(w, self.block, pow2=self.pow2)
@@ -158,9 +159,9 @@ class RequantSource(PairSource):
         from tui_merger.core.merge.merge_math import compute
 
         t = self.weights[ref.name]
-        q, scale = self._quantize(compute(t), ref)
-        scale_name = _scale_name(t.name, self.scale_suffix)
-        return {t.name: q, scale_name: scale.reshape(self.shapes[scale_name])}
+        s = self.scales[t.name]
+        q, scale = self._quantize(compute(t), s)
+        return {t.name: q, s.name: scale.reshape(s.shape)}
 
 
 class TensorRequantSource(RequantSource):
@@ -174,7 +175,7 @@ class TensorRequantSource(RequantSource):
     def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
         return tuple(like.shape), "float32"
 
-    def _quantize(self, w, ref):
+    def _quantize(self, w, scale):
         from tui_merger.core.formats.dequant import quantize_fp8_blocks
 
         return quantize_fp8_blocks(w, tuple(w.shape[-2:]), pow2=self.pow2)
@@ -191,20 +192,13 @@ class CompressedRequantSource(RequantSource):
         super().__init__(scheme.block or (1, 1))
         self.strategy = scheme.strategy
         self.scheme_block = scheme.block
-        self.scale_dtypes = {}  # scale name -> its dtype
 
     def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
         return tuple(like.shape), like.dtype
 
-    def add(self, t, like=None) -> list:
-        out = super().add(t, like)
-        self.scale_dtypes[out[1].name] = self.scale_dtypes[t.name] = like.dtype
-        return out
-
-    def _quantize(self, w, ref):
+    def _quantize(self, w, scale):
         import torch
 
         from tui_merger.core.formats.dequant import quantize_compressed_fp8
 
-        dtype = getattr(torch, self.scale_dtypes[ref.name])
-        return quantize_compressed_fp8(w, self.strategy, self.scheme_block, dtype)
+        return quantize_compressed_fp8(w, self.strategy, self.scheme_block, getattr(torch, scale.dtype))

@@ -419,17 +419,17 @@ def run(streamer, probes):
     return out.logits.float(), (list(hidden) if hidden is not None else None)
 
 
-def record_calls(model):
-    """(names of the modules whose forward runs from now on, a function that stops recording)."""
+@contextmanager
+def recording_calls(model):
+    """The names of the modules whose forward runs inside the block (a set filled as they run)."""
     called: set[str] = set()
     handles = [module.register_forward_pre_hook(lambda _m, _a, name=name: called.add(name))
                for name, module in model.named_modules()]
-
-    def stop() -> None:
+    try:
+        yield called
+    finally:
         for handle in handles:
             handle.remove()
-
-    return called, stop
 
 
 def bypassed_loras(streamer, called: set[str]) -> list[str]:

@@ -241,9 +241,8 @@ def _reference_ahead(options: MergeOptions, cancel: CancelToken | None = None) -
             if spec is None:
                 return
             model = _reference_streamer(cls, config, transformers.AutoConfig.from_pretrained(folder), spec, inputs, None, cancel)
-            called, stop = bh.record_calls(model.model)
-            logits, hidden = bh.run(model, probes)
-            stop()
+            with bh.recording_calls(model.model) as called:
+                logits, hidden = bh.run(model, probes)
             _AHEAD[_ahead_key(options, config, probes)] = (logits, hidden, model.stats.peak_live_values, model.text_only,
                                                            bh.bypassed_loras(model, called))
             model.close()
@@ -728,10 +727,9 @@ class _Models:
                 self.reference_out = Check("behaviour", "skip", f"skipped: {why}; not fully verified",
                                            metrics={"probes": list(PROBE_SHAPE)})
                 return
-            called, stop = bh.record_calls(model.model)
             try:
-                logits, hidden = bh.run(model, self.probes)
-                stop()
+                with bh.recording_calls(model.model) as called:
+                    logits, hidden = bh.run(model, self.probes)
                 self.bypassed = bh.bypassed_loras(model, called)
                 ppl = _perplexity(model, self.tokens, self.config) if self.tokens is not None else None
             except (MergeCancelled, KeyboardInterrupt):
