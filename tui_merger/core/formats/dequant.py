@@ -449,7 +449,9 @@ class DequantSource:
         scale = s.load()
         if len(ref.shape) == 3 and scale.dim() == 3 and scale.shape[0] == ref.shape[0]:  # a scale grid per expert
             return dequantize(w.load()[i:j], scale[i:j], self.scheme, _torch_dtype(self.dtype))
-        return self.load(ref)[i:j]
+        if scale.numel() == 1:  # one scale for the tensor
+            return dequantize(w.load()[i:j], scale, self.scheme, _torch_dtype(self.dtype))
+        return self.load(ref)[i:j]  # another layout: dequantized whole (each block again)
 
     def load_into(self, ref, out) -> None:
         if self.scheme.method == "mxfp4":
