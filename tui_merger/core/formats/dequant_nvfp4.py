@@ -2,17 +2,22 @@
 ``nvfp4-pack-quantized``): 4-bit floats (e2m1) two a byte, the even-indexed value in the low nibble, one
 float8_e4m3fn scale per 16 values along the input dimension, and one fp32 global scale per weight.
 
-The two spell the global scale inversely, and their own dequantizers apply it in a different order; each
-is followed exactly, so the values equal its library's bit for bit:
+transformers 5.25 cannot load either pre-quantized (its NVFP4Config quantizes 16-bit weights on a GPU), so
+the dequantized values a transformers + peft user can train on are compressed-tensors': its
+``NVFP4PackedCompressor.decompress`` (what ``CompressedTensorsConfig(run_compressed=False)`` runs), a
+ModelOpt checkpoint first through compressed-tensors' own ``ModelOptNvfp4Converter``. Those values are
+followed bit for bit:
 
-- ModelOpt: ``W.weight`` uint8 [rows, cols/2], ``W.weight_scale`` e4m3 [rows, cols/16], ``W.weight_scale_2``
-  fp32 (a scalar), ``W.input_scale`` (activations: dropped). Its ``NVFP4QTensor.dequantize`` computes the block
-  scale ``fp32(weight_scale) * weight_scale_2`` first, then ``fp32(code) * block scale``, cast to the
-  model's dtype.
-- compressed-tensors: ``W.weight_packed`` uint8, ``W.weight_scale`` e4m3, ``W.weight_global_scale`` fp32 [1]
-  (``1 / weight_scale_2``), ``W.input_global_scale`` (dropped). Its ``NVFP4PackedCompressor.decompress``
-  computes ``fp32(weight_scale) / weight_global_scale``, then ``fp32(code) *`` that, rounded to bfloat16
-  (its unpacking dtype), then cast to the model's dtype.
+- compressed-tensors: ``W.weight_packed`` uint8 [rows, cols/2], ``W.weight_scale`` e4m3 [rows, cols/16],
+  ``W.weight_global_scale`` fp32 [1], ``W.input_global_scale`` (activations: dropped). Each value is
+  ``fp32(code) * (fp32(weight_scale) / weight_global_scale)``, rounded to bfloat16 (the decompressor's
+  dtype), then cast to the model's dtype. torch's type promotion decides that fp32: with a 0-dim global
+  scale the block scale and the product are computed in bfloat16 instead.
+- ModelOpt: ``W.weight`` uint8, ``W.weight_scale`` e4m3, ``W.weight_scale_2`` fp32 (a scalar),
+  ``W.input_scale`` (dropped). The converter's global scale is ``1 / weight_scale_2``, a 0-dim fp32 tensor,
+  so the block scale ``bf16(weight_scale) / global`` and the product are bfloat16.
+  ModelOpt's own ``NVFP4QTensor.dequantize`` multiplies by ``weight_scale_2`` instead, which differs in the
+  last bfloat16 bits of some values.
 
 No torch at import time.
 """
@@ -74,7 +79,7 @@ def label(scheme) -> str:
 def loader(scheme) -> str:
     if scheme.strategy == CT:
         return "CompressedTensorsConfig(run_compressed=False)"
-    return "ModelOpt's NVFP4QTensor.dequantize (transformers 5.25 has no pre-quantized NVFP4 load)"
+    return "compressed-tensors' ModelOptNvfp4Converter, then CompressedTensorsConfig(run_compressed=False)"
 
 
 def parts(tensors: dict, scheme) -> tuple[dict, list[str]]:
@@ -121,17 +126,18 @@ def parts(tensors: dict, scheme) -> tuple[dict, list[str]]:
 
 
 def dequantize(packed, scale, global_scale, scheme, dtype):
-    """Rows of one weight (``packed`` uint8 [r, cols/2], ``scale`` e4m3 [r, cols/16]) as the flavour's own
-    library dequantizes them, in ``dtype``."""
+    """Rows of one weight (``packed`` uint8 [r, cols/2], ``scale`` e4m3 [r, cols/16]) as compressed-tensors
+    dequantizes them, in ``dtype``."""
     import torch
 
     rows, half = packed.shape
-    lut = torch.tensor(E2M1, dtype=torch.float32)
+    lut = torch.tensor(E2M1, dtype=torch.bfloat16)  # the decompressor unpacks to bfloat16 (exact)
     b = packed.to(torch.int64)
     codes = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).reshape(rows, half * 2 // GROUP, GROUP)
-    g = global_scale.reshape(1).to(torch.float32)
-    if scheme.strategy == MODELOPT:
-        block = scale.to(torch.float32) * g
-        return (codes * block[..., None]).reshape(rows, half * 2).to(dtype)
-    block = scale.to(torch.float32) / g
-    return (codes * block[..., None]).reshape(rows, half * 2).to(torch.bfloat16).to(dtype)
+    g = global_scale.to(torch.float32)
+    if scheme.strategy == MODELOPT:  # weight_scale_2 -> weight_global_scale, as the converter does
+        g = 1 / g
+    # torch's promotion decides the dtype, as in the decompressor: a global scale of shape [1] makes the block
+    # scale fp32; a 0-dim one (ModelOpt's scalar, through the converter) leaves it in bfloat16
+    block = scale.to(torch.bfloat16)[..., None] / g
+    return (codes.to(block.dtype) * block).reshape(rows, half * 2).to(torch.bfloat16).to(dtype)
