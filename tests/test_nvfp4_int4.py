@@ -153,8 +153,12 @@ def test_merge_equals_peft_on_the_dequantized_base(kind, built, merged):
     with torch.no_grad():
         logits = plain(PROBE).logits
     unmerged = _unmerged_logits(ref, adapter)
-    scale = unmerged.abs().max().item()
-    assert (logits - unmerged).abs().max().item() < 0.02 * scale
+    plain_base = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    with torch.no_grad():
+        without = plain_base(PROBE).logits
+    gap, moved = (logits - unmerged).abs().max().item(), (without - unmerged).abs().max().item()
+    # the merged bf16 weights (one rounding) against the fp32 unmerged adapter; the adapter moved them much more
+    assert gap < 0.05 * unmerged.abs().max().item() and gap < 0.2 * moved, (gap, moved)
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
     manifest = json.loads((out / "merge_manifest.json").read_text())
     assert manifest["base_weights"]["weights"] == "dequantized as released"
