@@ -59,6 +59,12 @@ def _keep(plan, base):
         from tui_merger.core.merge.requant_mxfp4 import keep_mxfp4
 
         return keep_mxfp4(plan, base)
+    elif method in ("nvfp4", "int4"):  # read dequantized only (docs/quantized-bases.md says why)
+        name = "NVFP4" if method == "nvfp4" else "INT4 pack-quantized"
+        raise MergeError(
+            f"--keep-quantization cannot write {name} again yet: the base is read dequantized only; leave it out "
+            "for a bfloat16 output. Nothing was written."
+        )
     else:
         label = scheme.label if scheme is not None else "not quantized"
         raise MergeError(
