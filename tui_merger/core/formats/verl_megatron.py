@@ -58,6 +58,8 @@ class MegatronLayout:
     step: int | None = None
     notices: list[str] = field(default_factory=list)
     lora: "LoraRun | None" = None  # a LoRA run (Megatron-Bridge PEFT): its adapter, not the model
+    run: "RunInfo | None" = None  # kind "mcore": saved by Megatron-LM, Megatron-Bridge, ms-swift or NeMo 2
+    missing_base: str | None = None  # kind "mcore" without a config: why --base is needed
 
 
 @dataclass
@@ -194,7 +196,17 @@ def _resolve(path: Path) -> tuple[Path | None, list[str]]:
 
 
 def is_megatron_checkpoint(path) -> bool:
-    """Cheap (names and stat only): whether ``path`` points at a verl Megatron checkpoint."""
+    """Cheap (names and stat only): whether ``path`` points at a Megatron checkpoint (verl's, or one of
+    the layouts of megatron_runs)."""
+    from tui_merger.core.formats.megatron_runs import resolve
+
+    try:
+        if resolve(Path(path))[0] is not None:
+            return True
+    except MergeError:
+        return True  # a Megatron save with a bad tracker file: opening it says so
+    except OSError:
+        return False
     try:
         return _resolve(Path(path))[0] is not None
     except (OSError, MergeError):
@@ -205,6 +217,9 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
     path = Path(path)
     if not path.is_dir():
         raise not_a_folder(path, "--local_dir", "checkpoint")
+    mcore = _mcore_layout(path)
+    if mcore is not None:
+        return mcore
     folder, notices = _resolve(path)
     if folder is None:
         latest = path / "latest_checkpointed_iteration.txt"
@@ -233,6 +248,24 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
         layout.lora = _lora_run(folder)
         if layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None:
             raise MergeError(lora_refusal(folder, layout.lora))
+    return layout
+
+
+def _mcore_layout(path: Path) -> MegatronLayout | None:
+    """A megatron-core dist checkpoint saved by Megatron-LM, Megatron-Bridge, ms-swift or NeMo 2
+    (megatron_runs): the iteration folder, its dist checkpoint, and the Hugging Face config its run
+    names when that is on this machine."""
+    from tui_merger.core.formats.megatron_runs import check_iteration, base_sentence, iteration_of, local_base, resolve, run_info
+
+    folder, notices = resolve(path)
+    if folder is None:
+        return None
+    info = run_info(folder)
+    check_iteration(folder, info)
+    base = local_base(info, folder)
+    layout = MegatronLayout("mcore", folder, info.model_dir, base, "actor", iteration_of(folder.name), notices, run=info)
+    if base is None:
+        layout.missing_base = base_sentence(info, folder)
     return layout
 
 
@@ -1063,7 +1096,17 @@ def open_megatron_inputs(options):
         if layout.lora.export is None:
             return open_lora_shards(layout, options)
         return open_lora_export(layout, options)
-    config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
+    if layout.kind == "mcore":  # the config: --base, else the model the run names (on this machine)
+        config_dir = Path(options.base) if options.base is not None else layout.hf_dir
+        if config_dir is None:
+            raise MergeError(layout.missing_base)
+        if options.base is None:
+            layout.notices.append(
+                f"The Hugging Face config and tokenizer are taken from {config_dir}, the model that "
+                f"{layout.run.config_file.name} names ({layout.run.hf_field}); pass --base to use another."
+            )
+    else:
+        config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
     if config_dir is None:
         where = "hf_config_and_tokenizer/" if layout.kind == "legacy" else "huggingface/"
         raise MergeError(
@@ -1324,6 +1367,7 @@ def _tie(inputs, options, source: MegatronSource, mapping: _Mapping) -> None:
 # -- the kind ---------------------------------------------------------------------------------------
 
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
+MCORE_BACKENDS = ("megatron-lm", "megatron-bridge", "ms-swift", "nemo2")  # megatron_runs.FRAMEWORKS
 
 
 class VerlMegatronFormat(Format):
@@ -1339,6 +1383,11 @@ class VerlMegatronFormat(Format):
     short = "a Megatron one"
 
     def detect(self, s, folder: Path, names: dict) -> Found | None:
+        from tui_merger.core.formats.megatron_runs import detect_run
+
+        mcore = detect_run(s, folder, names, self.kind)
+        if mcore is not None:
+            return mcore
         found = self._layout(s, folder, names)
         if found is None:
             return None
@@ -1449,6 +1498,14 @@ class VerlMegatronFormat(Format):
         return find_megatron_checkpoint(path)
 
     def why_not_mergeable(self, c: Candidate) -> str | None:
+        if c.backend in MCORE_BACKENDS:
+            from tui_merger.core.formats.megatron_runs import check_iteration, run_info
+
+            try:
+                check_iteration(Path(c.path), run_info(Path(c.path)))
+            except MergeError as err:
+                return str(err)
+            return None
         lora = _lora_run(Path(c.path)) if c.lora is not None else None
         if lora is not None and lora.export is None and lora.shard_dir is None:
             return lora_refusal(Path(c.path), lora)
@@ -1481,6 +1538,8 @@ class VerlMegatronFormat(Format):
             raise
 
     def needs_base(self, c: Candidate) -> bool:
+        if c.backend in MCORE_BACKENDS:  # the weights without a Hugging Face config
+            return not c.base_path
         # a LoRA run holds the adapter, not the base (unless its dist checkpoint holds the whole model);
         # any other checkpoint holds every weight and its config
         return c.lora is not None and c.needs_base and not c.base_path
@@ -1492,7 +1551,7 @@ class VerlMegatronFormat(Format):
         problem = self.why_not_mergeable(c)
         if problem:
             return problem
-        base = f" --base {base_arg}" if c.lora is not None and c.needs_base else ""
+        base = f" --base {base_arg}" if (c.lora is not None or c.backend in MCORE_BACKENDS) and self.needs_base(c) else ""
         alpha = " --lora-alpha ALPHA" if self.needs_alpha(c) else ""
         return f"tui-merger merge --backend megatron --local_dir {quote(path)}{base}{alpha} --target_dir {quote(out)}"
 

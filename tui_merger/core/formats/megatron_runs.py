@@ -1,0 +1,449 @@
+"""Where megatron-core dist checkpoints lie when verl did not save them (a helper of the verl Megatron
+kind, not a kind): Megatron-LM, Megatron-Bridge, ms-swift and NeMo 2 all save the same megatron-core
+``torch_dist`` checkpoint (``.metadata``, ``__{rank}_{i}.distcp``, ``common.pt``, ``metadata.json``),
+which ``verl_megatron``'s reader converts; only the folders around it and the run configuration
+beside it differ (docs/formats.md, "Megatron checkpoints saved outside verl", says what each writes
+and the source file it was read from):
+
+- Megatron-LM: ``<save>/latest_checkpointed_iteration.txt`` ("N" or "release") and
+  ``<save>/iter_{N:07d}/`` (or ``release/``) holding the dist checkpoint; its arguments are pickled in
+  ``common.pt`` (not read: an ``argparse.Namespace`` is code to unpickle). The legacy ``torch`` format
+  puts ``mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`` in the iteration folder instead (recognised, refused).
+- Megatron-Bridge: the same folders, plus ``iter_{N:07d}/run_config.yaml`` (``yaml.safe_dump`` of its
+  ConfigContainer) and ``train_state.pt`` (and ``latest_train_state.pt`` beside the tracker file).
+- ms-swift (``megatron sft``/``pt``): ``<output>/checkpoint-{N}/`` holding ``args.json``,
+  ``latest_checkpointed_iteration.txt`` and ``iter_{N:07d}/`` (ms-swift 3: ``args.json`` beside
+  ``iter_*`` in the output folder itself).
+- NeMo 2: a checkpoint folder holding ``weights/`` (the dist checkpoint, keys under ``module.``) and
+  ``context/`` (``io.json``, ``model.yaml``).
+
+What is read here is names, ``stat`` and small text files (YAML through ``yaml.safe_load``, whose
+loader builds plain values only; any tag is read as a plain value). Nothing a checkpoint holds runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+
+LATEST = "latest_checkpointed_iteration.txt"
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+RELEASE = "release"
+RUN_CONFIG = "run_config.yaml"  # Megatron-Bridge: training/utils/checkpoint_utils.py CONFIG_FILE
+ARGS_JSON = "args.json"  # ms-swift: arguments/base_args/base_args.py save_args
+DCP_METADATA = ".metadata"
+LEGACY_FILE = "model_optim_rng.pt"
+_MP_RANK = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
+MAX_TEXT = 4 << 20  # run configurations are kilobytes
+
+FRAMEWORKS = {"megatron-lm": "Megatron-LM", "megatron-bridge": "Megatron-Bridge", "ms-swift": "ms-swift", "nemo2": "NeMo 2"}
+
+
+def iteration_of(name: str) -> int | None:
+    """The iteration an ``iter_NNNNNNN`` folder holds; 0 for ``release`` (Megatron-LM's number for it)."""
+    if name == RELEASE:
+        return 0
+    m = ITER_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def iteration_name(n: int | str) -> str:
+    return RELEASE if n == RELEASE else f"iter_{int(n):07d}"
+
+
+def _names(folder: Path) -> set[str]:
+    try:
+        return {p.name for p in folder.iterdir()}
+    except OSError:
+        return set()
+
+
+def is_nemo2(folder: Path, names: set[str] | None = None) -> bool:
+    names = _names(folder) if names is None else names
+    return "weights" in names and "context" in names and (folder / "weights").is_dir() and (folder / "context").is_dir()
+
+
+def is_iteration(folder: Path, names: set[str] | None = None) -> bool:
+    """An ``iter_NNNNNNN`` / ``release`` folder (whatever it holds: an empty one is named when opened)."""
+    return iteration_of(folder.name) is not None and folder.is_dir()
+
+
+def iterations(run: Path) -> list[tuple[int, Path]]:
+    """The iteration folders of a save folder, oldest first (``release`` as 0)."""
+    try:
+        found = [(n, p) for p in run.iterdir() if (n := iteration_of(p.name)) is not None and p.is_dir()]
+    except OSError:
+        return []
+    return sorted(found)
+
+
+def read_latest(run: Path) -> int | str | None:
+    """What ``latest_checkpointed_iteration.txt`` names: a number, "release", or None (no file).
+    A file that holds neither is said in one sentence."""
+    path = run / LATEST
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_bytes()[:64].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return int(text)
+    except ValueError:
+        raise MergeError(
+            f"{path} holds neither an iteration number nor \"release\"; point at an iter_NNNNNNN folder."
+        ) from None
+
+
+def is_run(folder: Path) -> bool:
+    """A Megatron save folder: iteration folders, or the tracker file naming one (cheap)."""
+    return bool(iterations(folder)) or ((folder / LATEST).is_file() and not _verl_steps(folder))
+
+
+def _verl_steps(folder: Path) -> bool:
+    try:
+        return any(p.name.startswith("global_step_") for p in folder.iterdir())
+    except OSError:
+        return False
+
+
+def resolve(path: Path) -> tuple[Path | None, list[str]]:
+    """The iteration folder (or NeMo 2 checkpoint folder) that ``path`` names: itself, the one its
+    tracker file names, else its newest. None when ``path`` is no Megatron save of these layouts.
+    A tracker file naming a missing iteration, or a bad tracker file, is a MergeError."""
+    notices: list[str] = []
+    if is_iteration(path) or is_nemo2(path):
+        return path, notices
+    if path.name in ("weights", "context") and is_nemo2(path.parent):
+        notices.append(f"Reading the whole NeMo 2 checkpoint in {path.parent}.")
+        return path.parent, notices
+    if iteration_of(path.parent.name) is not None and _MP_RANK.match(path.name):
+        notices.append(f"Reading the whole checkpoint in {path.parent}.")
+        return path.parent, notices
+    if not is_run(path):
+        return None, notices
+    named = read_latest(path)
+    if named is not None:
+        folder = path / iteration_name(named)
+        if not folder.is_dir():
+            raise MergeError(
+                f"{path / LATEST} names {iteration_name(named)} but {folder} does not exist; point at an existing "
+                "iter_NNNNNNN folder."
+            )
+        return folder, notices
+    found = iterations(path)
+    if not found:
+        return None, notices
+    notices.append(f"Using the newest checkpoint, {found[-1][1].name}.")
+    return found[-1][1], notices
+
+
+# -- what a checkpoint records about its run ---------------------------------------------------------
+
+
+@dataclass
+class RunInfo:
+    """What the files around a dist checkpoint say: the framework, the dist checkpoint folder, the run
+    configuration read (None when there is none), the Hugging Face model it names and where that
+    was said, the parallel sizes and dtype recorded."""
+
+    framework: str  # a key of FRAMEWORKS
+    model_dir: Path  # the dist checkpoint folder
+    config_file: Path | None = None
+    hf_ref: str | None = None
+    hf_field: str | None = None  # where hf_ref was read ("model.hf_model_id")
+    parallel: dict = field(default_factory=dict)  # tp, pp, ep, vpp (recorded ones only)
+    dtype: str | None = None
+    lora: str | None = None  # a PEFT run, in words (its checkpoint holds adapters only)
+    legacy: bool = False  # the legacy torch format (mp_rank_*/model_optim_rng.pt)
+
+    @property
+    def name(self) -> str:
+        return FRAMEWORKS[self.framework]
+
+
+def _text(path: Path) -> str | None:
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_TEXT:
+            return None
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def read_yaml(path: Path) -> dict | None:
+    """A YAML mapping read with PyYAML's safe loader (a dependency of transformers): plain values only;
+    a tagged node (``!!python/...``) is read as the plain value under the tag, never constructed."""
+    text = _text(path)
+    if text is None:
+        return None
+    import yaml
+
+    class _Plain(yaml.SafeLoader):
+        pass
+
+    def _untagged(loader, suffix, node):
+        if isinstance(node, yaml.MappingNode):
+            return loader.construct_mapping(node, deep=True)
+        if isinstance(node, yaml.SequenceNode):
+            return loader.construct_sequence(node, deep=True)
+        return loader.construct_scalar(node)
+
+    _Plain.add_multi_constructor("!", _untagged)
+    _Plain.add_multi_constructor("tag:", _untagged)
+    try:
+        data = yaml.load(text, Loader=_Plain)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_json(path: Path) -> dict | None:
+    text = _text(path)
+    if text is None:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _sizes(d: dict) -> dict:
+    keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+            "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
+    return {k: v for k, key in keys.items() if (v := _int(d.get(key))) is not None}
+
+
+def _dtype(d: dict) -> str | None:
+    for key in ("params_dtype", "torch_dtype", "dtype"):
+        v = d.get(key)
+        if isinstance(v, str) and v:
+            return v.removeprefix("torch.")
+    if d.get("bf16") is True:
+        return "bfloat16"
+    if d.get("fp16") is True:
+        return "float16"
+    return None
+
+
+def _str(value) -> str | None:
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def run_info(folder: Path) -> RunInfo:
+    """What the iteration folder (or NeMo 2 checkpoint folder) ``folder`` is and what its run recorded."""
+    names = _names(folder)
+    if is_nemo2(folder, names):
+        info = RunInfo("nemo2", folder / "weights")
+        model = read_yaml(folder / "context" / "model.yaml")
+        if model is not None:
+            info.config_file = folder / "context" / "model.yaml"
+            config = model.get("config") if isinstance(model.get("config"), dict) else {}
+            info.dtype = _dtype(config)
+            tok = model.get("tokenizer") if isinstance(model.get("tokenizer"), dict) else {}
+            name = _str(tok.get("pretrained_model_name"))
+            if name:
+                info.hf_ref, info.hf_field = name, "tokenizer.pretrained_model_name"
+        return info
+    legacy = not (DCP_METADATA in names) and any(_MP_RANK.match(n) for n in names)
+    run = folder.parent
+    if RUN_CONFIG in names:
+        info = RunInfo("megatron-bridge", folder, folder / RUN_CONFIG, legacy=legacy)
+        cfg = read_yaml(folder / RUN_CONFIG) or {}
+        model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+        ckpt = cfg.get("checkpoint") if isinstance(cfg.get("checkpoint"), dict) else {}
+        extra = model.get("extra_checkpoint_metadata") if isinstance(model.get("extra_checkpoint_metadata"), dict) else {}
+        # Megatron-Bridge's own order (checkpointing.py _resolve_hf_source; checkpoint_utils.py get_hf_model_id_from_checkpoint)
+        for where, value in (("checkpoint.hf_source_path", ckpt.get("hf_source_path")),
+                             ("model.extra_checkpoint_metadata.hf_model_id", extra.get("hf_model_id")),
+                             ("model.hf_model_id", model.get("hf_model_id"))):
+            if _str(value):
+                info.hf_ref, info.hf_field = value, where
+                break
+        info.parallel = _sizes(model)
+        info.dtype = _dtype(model)
+        if cfg.get("peft"):
+            peft = cfg["peft"]
+            target = peft.get("_target_", "") if isinstance(peft, dict) else ""
+            info.lora = f"a Megatron-Bridge PEFT run ({str(target).rsplit('.', 1)[-1] or 'LoRA'})"
+        return info
+    args_file = next((d / ARGS_JSON for d in (run, folder) if (d / ARGS_JSON).is_file()), None)
+    if args_file is not None:
+        info = RunInfo("ms-swift", folder, args_file, legacy=legacy)
+        args = read_json(args_file) or {}
+        # the local folder the model was loaded from first (model_dir), then what the user named (model)
+        for where in ("model_dir", "model"):
+            if _str(args.get(where)):
+                info.hf_ref, info.hf_field = args[where], where
+                break
+        info.parallel = _sizes(args)
+        info.dtype = _dtype(args)
+        tuner = args.get("tuner_type") or args.get("train_type")
+        if isinstance(tuner, str) and tuner != "full":
+            info.lora = f"an ms-swift {tuner} run"
+        return info
+    return RunInfo("megatron-lm", folder, legacy=legacy)
+
+
+def base_sentence(info: RunInfo, folder: Path) -> str:
+    """Why --base is needed for a checkpoint whose Hugging Face config is not on this machine."""
+    if info.hf_ref and info.framework == "nemo2":
+        return (
+            f"{folder} is a NeMo 2 checkpoint: its weights have no Hugging Face config.json, and its "
+            f"{info.config_file.name} names only the tokenizer ({info.hf_ref}); pass --base with the Hugging Face "
+            "model the run started from (its config.json and tokenizer are used)."
+        )
+    if info.hf_ref:
+        return (
+            f"{folder} is a {info.name} checkpoint whose {info.config_file.name} names {info.hf_ref} "
+            f"({info.hf_field}), which is not on this machine; pass --base with that model's folder (its "
+            "config.json and tokenizer are used; tui-merger never downloads)."
+        )
+    said = f" and its {info.config_file.name} names no Hugging Face model" if info.config_file else ""
+    return (
+        f"{folder} is a {info.name} checkpoint: it holds no Hugging Face config.json{said}; pass --base with the "
+        "Hugging Face model the run started from (its config.json and tokenizer are used)."
+    )
+
+
+def local_base(info: RunInfo, folder: Path) -> Path | None:
+    """The folder with config.json that the run names, when it is on this machine (a path, relative
+    ones tried beside the checkpoint too, or a Hub id in the Hugging Face cache)."""
+    from tui_merger.core.io.hf_refs import resolve_model_reference
+
+    if not info.hf_ref or info.framework == "nemo2":
+        return None
+    p = Path(info.hf_ref).expanduser()
+    if not p.is_absolute():
+        for near in (folder, folder.parent, folder.parent.parent):
+            if (near / p / "config.json").is_file():
+                return near / p
+    return resolve_model_reference(info.hf_ref)
+
+
+def check_iteration(folder: Path, info: RunInfo) -> None:
+    """One sentence for an iteration folder that cannot be converted: nothing in it, the legacy format,
+    a PEFT run's adapter-only checkpoint."""
+    if info.lora:
+        raise MergeError(
+            f"{folder} is {info.lora}: its dist checkpoint holds the adapters only, which tui-merger does not "
+            "merge yet; export the adapter in Hugging Face PEFT format and merge it with --adapter and --base."
+        )
+    if info.legacy:
+        raise MergeError(
+            f"{folder} is a {info.name} checkpoint in the legacy torch format (mp_rank_*/{LEGACY_FILE}), which "
+            "tui-merger does not read; save it again with --ckpt-format torch_dist (Megatron-LM's "
+            "--ckpt-convert-format) and convert that."
+        )
+    if not (info.model_dir / DCP_METADATA).is_file():
+        raise MergeError(
+            f"{info.model_dir} has no {DCP_METADATA} file (the dist checkpoint's index), so it holds no complete "
+            "checkpoint; copy the whole folder again or point at another iteration."
+        )
+
+
+# -- inspect -------------------------------------------------------------------------------------------
+
+_DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def detect_run(s, folder: Path, names: dict, kind: str):
+    """inspect: an iteration folder (or NeMo 2 checkpoint folder) of these layouts as a Candidate of
+    ``kind``: its step and run (the save folder, whose tracker file marks the latest), the framework
+    (as the backend), the parallel sizes, dtype and Hugging Face model its run recorded, and that
+    model resolved on this machine like a PEFT adapter's base. None when it is none of them."""
+    from tui_merger.core.formats.base import ALL, Candidate, Found
+
+    nemo = "weights" in names and "context" in names and is_nemo2(folder, set(names))
+    step = iteration_of(folder.name)
+    if not nemo and step is None:
+        return None
+    info = run_info(folder)
+    c = Candidate(kind, str(folder), backend=info.framework)
+    if step is not None:
+        c.run, c.step = str(folder.parent), step
+        if folder.name == RELEASE:
+            try:
+                c.latest = read_latest(folder.parent) == RELEASE
+            except MergeError as err:
+                s.problem(folder.parent / LATEST, str(err).removeprefix(str(folder.parent / LATEST)).strip())
+            c.notes.append("the release checkpoint (Megatron-LM's name for a checkpoint without training state).")
+    dcp = s.names(info.model_dir) if info.model_dir != folder else names
+    c.world_size = len({m.group(1) for n in dcp if (m := _DISTCP.match(n))}) or None
+    c.dtype = info.dtype or _stored_dtype(s, info.model_dir)
+    parallel = ", ".join(f"{k.upper()} {v}" for k, v in info.parallel.items())
+    what = f"a megatron-core dist checkpoint saved by {info.name}"
+    if info.config_file is not None:
+        what += f" ({info.config_file.name}" + (f": {parallel})" if parallel else ")")
+    c.notes.append(what + ".")
+    try:
+        check_iteration(folder, info)
+    except MergeError as err:
+        c.notes.append(str(err))
+    if not info.legacy and not info.lora and (info.model_dir / DCP_METADATA).is_file():
+        family = _family(info)
+        if family:
+            c.notes.append(f"model family: {family}.")
+    tokenizer = folder / "tokenizer"  # Megatron-Bridge's save_tokenizer_assets
+    c.tokenizer = tokenizer.is_dir()
+    if info.framework == "nemo2" or not info.hf_ref:
+        c.needs_base = True
+        c.notes.append(base_sentence(info, folder))
+    else:
+        c.base_model = info.hf_ref
+        near = folder
+        p = Path(info.hf_ref).expanduser()
+        if not p.is_absolute():  # relative paths: beside the checkpoint or its run, as local_base tries them
+            near = next((d for d in (folder, folder.parent, folder.parent.parent) if (d / p / "config.json").is_file()), folder)
+        s.resolve_base(c, near)
+        c.needs_base = c.base_path is None
+        if c.base_path is not None:
+            c.notes.append(f"its Hugging Face config: {c.base_path} ({info.hf_field} in {info.config_file.name}).")
+    s.sized(c, names.values(), recursive=True)
+    return Found(c, ALL)
+
+
+def _family(info: RunInfo) -> str | None:
+    """The model family a run configuration records (Megatron-Bridge's provider class, ms-swift's
+    model_type, NeMo 2's model class), in its own words."""
+    if info.config_file is None:
+        return None
+    if info.framework == "ms-swift":
+        v = (read_json(info.config_file) or {}).get("model_type")
+        return v if isinstance(v, str) and v else None
+    data = read_yaml(info.config_file) or {}
+    target = data.get("_target_") if info.framework == "nemo2" else (data.get("model") or {}).get("_target_") if isinstance(data.get("model"), dict) else None
+    return str(target).rsplit(".", 1)[-1] if isinstance(target, str) and target else None
+
+
+def _stored_dtype(s, model_dir: Path) -> str | None:
+    """The dtype of the word embedding as the dist checkpoint's index (``.metadata``) records it."""
+    from tui_merger.core.io.dcp import read_metadata
+
+    if not (model_dir / DCP_METADATA).is_file():
+        return None
+    try:
+        meta = read_metadata(model_dir).state_dict_metadata
+    except MergeError as err:
+        s.problem(model_dir / DCP_METADATA, str(err))
+        return None
+    for key, value in meta.items():
+        if str(key).endswith("embedding.word_embeddings.weight"):
+            props = getattr(value, "properties", None)  # an inert record: its pickled state, dtype first
+            dtype = getattr(props, "dtype", None)
+            state = getattr(props, "state", None)
+            if dtype is None and isinstance(state, tuple) and state:
+                dtype = state[0]
+            return str(dtype).removeprefix("torch.") if dtype is not None else None
+    return None
