@@ -228,6 +228,8 @@ def _sizes(d: dict) -> dict:
 def _dtype(d: dict) -> str | None:
     for key in ("params_dtype", "torch_dtype", "dtype"):
         v = d.get(key)
+        if isinstance(v, dict):  # Megatron's YAML representer: {_target_: torch.bfloat16, _call_: false}
+            v = v.get("_target_")
         if isinstance(v, str) and v:
             return v.removeprefix("torch.")
     if d.get("bf16") is True:
@@ -343,8 +345,8 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
     if info.legacy:
         raise MergeError(
             f"{folder} is a {info.name} checkpoint in the legacy torch format (mp_rank_*/{LEGACY_FILE}), which "
-            "tui-merger does not read; save it again with --ckpt-format torch_dist (Megatron-LM's "
-            "--ckpt-convert-format) and convert that."
+            "tui-merger does not read yet; load it in Megatron-LM with --ckpt-convert-format torch_dist "
+            "--ckpt-convert-save DIR and convert the iteration that writes."
         )
     if not (info.model_dir / DCP_METADATA).is_file():
         raise MergeError(
