@@ -80,6 +80,34 @@ def _swift(tmp: Path, model_dir: str, case: str = "qwen2_tp2", **changes) -> Pat
     return checkpoint
 
 
+def test_swift_output_folder_proposes_the_newest_checkpoint(tmp_path):
+    first = _swift(tmp_path, "/nowhere/Qwen2-0.5B")
+    out = first.parent
+    second = out / "checkpoint-3"
+    _iteration(second / "iter_0000003")
+    (second / "latest_checkpointed_iteration.txt").write_text("3")
+    shutil.copy(first / "args.json", second / "args.json")
+    cands = scan(out).candidates
+    assert [(c.step, c.latest, c.run) for c in cands] == [(3, True, str(out)), (1, False, str(out))]
+    base = _base(tmp_path)
+    inputs = checkpoint_format(out).open(MergeOptions(checkpoint=out, out=tmp_path / "x", base=base))
+    inputs.close()
+    assert "Using the newest checkpoint, checkpoint-3." in inputs.notices
+    assert all(str(second / "iter_0000003") in str(f) for f in inputs.read_files if str(f).endswith(".distcp"))
+
+
+def test_swift_model_dir_elsewhere_falls_back_to_model(tmp_path, verl_converted):
+    base = _base(tmp_path)
+    checkpoint = _swift(tmp_path, "/root/.cache/modelscope/hub/models/Qwen/Qwen2-0.5B", model=str(base))
+    (c,) = scan(checkpoint).candidates
+    assert c.base_path == str(base) and not format_of(c).needs_base(c)
+    _merge(checkpoint, tmp_path / "out")
+    _same_tensors(tmp_path / "out", verl_converted("qwen2_tp2"))
+    nowhere = _swift(tmp_path / "n", "/root/.cache/modelscope/hub/models/Qwen/Qwen2-0.5B")
+    message = _refused(nowhere, tmp_path / "o", "(model_dir) and Qwen/Qwen2-0.5B (model), neither of which")
+    assert "--base" in message
+
+
 def _nemo2(tmp: Path) -> Path:
     folder = tmp / "checkpoints" / "default--reduced_train_loss=1.0-epoch=0-step=1"
     _iteration(folder / "weights")
@@ -96,6 +124,12 @@ def _same_tensors(a: Path, b: Path) -> None:
     assert sorted(ours) == sorted(want)
     for name, tensor in want.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+
+
+@pytest.fixture(autouse=True)
+def empty_cache(tmp_path, monkeypatch):
+    """The Hugging Face cache these tests see: empty unless a test puts a model there."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +208,18 @@ def test_bridge_base_from_run_config(tmp_path, verl_converted):
     inputs.close()
     assert any(str(base) in n and "model.hf_model_id" in n for n in inputs.notices)
     _merge(ckpt, tmp_path / "out")  # no --base: the model run_config.yaml names
+    _same_tensors(tmp_path / "out", verl_converted("qwen2_tp2"))
+
+
+def test_bridge_hub_id_found_in_the_hugging_face_cache(tmp_path, verl_converted):
+    snapshot = tmp_path / "hub" / ("models--" + HUB_ID.replace("/", "--")) / "snapshots" / "abc123"
+    shutil.copytree(_payload("qwen2_tp2")[1], snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    ckpt = _bridge(tmp_path, HUB_ID)
+    (c,) = scan(ckpt).candidates
+    assert c.base_model == HUB_ID and c.base_path == str(snapshot) and c.base_resolves == "hf-cache"
+    _merge(ckpt, tmp_path / "out")
     _same_tensors(tmp_path / "out", verl_converted("qwen2_tp2"))
 
 

@@ -106,6 +106,19 @@ def is_run(folder: Path) -> bool:
     return bool(iterations(folder)) or ((folder / LATEST).is_file() and not _verl_steps(folder))
 
 
+_SWIFT_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _swift_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """ms-swift's output folder: its checkpoint-N folders that hold Megatron iterations, oldest first."""
+    try:
+        found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _SWIFT_CHECKPOINT.match(p.name))
+                 and p.is_dir() and iterations(p)]
+    except OSError:
+        return []
+    return sorted(found)
+
+
 def _verl_steps(folder: Path) -> bool:
     try:
         return any(p.name.startswith("global_step_") for p in folder.iterdir())
@@ -127,7 +140,12 @@ def resolve(path: Path) -> tuple[Path | None, list[str]]:
         notices.append(f"Reading the whole checkpoint in {path.parent}.")
         return path.parent, notices
     if not is_run(path):
-        return None, notices
+        swift = _swift_checkpoints(path)
+        if not swift:
+            return None, notices
+        folder, more = resolve(swift[-1][1])
+        notices.append(f"Using the newest checkpoint, {swift[-1][1].name}.")
+        return folder, notices + more
     named = read_latest(path)
     if named is not None:
         folder = path / iteration_name(named)
@@ -158,6 +176,7 @@ class RunInfo:
     config_file: Path | None = None
     hf_ref: str | None = None
     hf_field: str | None = None  # where hf_ref was read ("model.hf_model_id")
+    refs: list = field(default_factory=list)  # every (field, model) recorded, in the framework's order
     parallel: dict = field(default_factory=dict)  # tp, pp, ep, vpp (recorded ones only)
     dtype: str | None = None
     lora: str | None = None  # a PEFT run, in words (its checkpoint holds adapters only)
@@ -245,6 +264,11 @@ def _str(value) -> str | None:
 
 def run_info(folder: Path) -> RunInfo:
     """What the iteration folder (or NeMo 2 checkpoint folder) ``folder`` is and what its run recorded."""
+    return _first_ref(_run_info(folder))
+
+
+def _run_info(folder: Path) -> RunInfo:
+    """What the iteration folder (or NeMo 2 checkpoint folder) ``folder`` is and what its run recorded."""
     names = _names(folder)
     if is_nemo2(folder, names):
         info = RunInfo("nemo2", folder / "weights")
@@ -270,9 +294,8 @@ def run_info(folder: Path) -> RunInfo:
         for where, value in (("checkpoint.hf_source_path", ckpt.get("hf_source_path")),
                              ("model.extra_checkpoint_metadata.hf_model_id", extra.get("hf_model_id")),
                              ("model.hf_model_id", model.get("hf_model_id"))):
-            if _str(value):
-                info.hf_ref, info.hf_field = value, where
-                break
+            if _str(value) and value not in (v for _, v in info.refs):
+                info.refs.append((where, value))
         info.parallel = _sizes(model)
         info.dtype = _dtype(model)
         if cfg.get("peft"):
@@ -286,9 +309,8 @@ def run_info(folder: Path) -> RunInfo:
         args = read_json(args_file) or {}
         # the local folder the model was loaded from first (model_dir), then what the user named (model)
         for where in ("model_dir", "model"):
-            if _str(args.get(where)):
-                info.hf_ref, info.hf_field = args[where], where
-                break
+            if _str(args.get(where)) and args[where] not in (v for _, v in info.refs):
+                info.refs.append((where, args[where]))
         info.parallel = _sizes(args)
         info.dtype = _dtype(args)
         tuner = args.get("tuner_type") or args.get("train_type")
@@ -296,6 +318,12 @@ def run_info(folder: Path) -> RunInfo:
             info.lora = f"an ms-swift {tuner} run"
         return info
     return RunInfo("megatron-lm", folder, legacy=legacy)
+
+
+def _first_ref(info: RunInfo) -> RunInfo:
+    if info.refs and info.hf_ref is None:
+        info.hf_field, info.hf_ref = info.refs[0]
+    return info
 
 
 def base_sentence(info: RunInfo, folder: Path) -> str:
@@ -306,11 +334,13 @@ def base_sentence(info: RunInfo, folder: Path) -> str:
             f"{info.config_file.name} names only the tokenizer ({info.hf_ref}); pass --base with the Hugging Face "
             "model the run started from (its config.json and tokenizer are used)."
         )
-    if info.hf_ref:
+    if info.refs:
+        named = " and ".join(f"{v} ({f})" for f, v in info.refs)
+        which = "which is not" if len(info.refs) == 1 else "neither of which is"
         return (
-            f"{folder} is a {info.name} checkpoint whose {info.config_file.name} names {info.hf_ref} "
-            f"({info.hf_field}), which is not on this machine; pass --base with that model's folder (its "
-            "config.json and tokenizer are used; tui-merger never downloads)."
+            f"{folder} is a {info.name} checkpoint whose {info.config_file.name} names {named}, {which} on this "
+            "machine; pass --base with that model's folder (its config.json and tokenizer are used; tui-merger "
+            "never downloads)."
         )
     said = f" and its {info.config_file.name} names no Hugging Face model" if info.config_file else ""
     return (
@@ -324,14 +354,19 @@ def local_base(info: RunInfo, folder: Path) -> Path | None:
     ones tried beside the checkpoint too, or a Hub id in the Hugging Face cache)."""
     from tui_merger.core.io.hf_refs import resolve_model_reference
 
-    if not info.hf_ref or info.framework == "nemo2":
+    if info.framework == "nemo2":
         return None
-    p = Path(info.hf_ref).expanduser()
-    if not p.is_absolute():
-        for near in (folder, folder.parent, folder.parent.parent):
-            if (near / p / "config.json").is_file():
-                return near / p
-    return resolve_model_reference(info.hf_ref)
+    for where, ref in info.refs:
+        p = Path(ref).expanduser()
+        found = None
+        if not p.is_absolute():
+            found = next((near / p for near in (folder, folder.parent, folder.parent.parent)
+                          if (near / p / "config.json").is_file()), None)
+        found = found or resolve_model_reference(ref)
+        if found is not None:
+            info.hf_field, info.hf_ref = where, ref
+            return found
+    return None
 
 
 def check_iteration(folder: Path, info: RunInfo) -> None:
@@ -375,6 +410,8 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     c = Candidate(kind, str(folder), backend=info.framework)
     if step is not None:
         c.run, c.step = str(folder.parent), step
+        if info.framework == "ms-swift" and _SWIFT_CHECKPOINT.match(folder.parent.name):
+            c.run = str(folder.parent.parent)  # one iteration per checkpoint-N: the run is the output folder
         if folder.name == RELEASE:
             try:
                 c.latest = read_latest(folder.parent) == RELEASE
@@ -399,19 +436,16 @@ def detect_run(s, folder: Path, names: dict, kind: str):
             c.notes.append(f"model family: {family}.")
     tokenizer = folder / "tokenizer"  # Megatron-Bridge's save_tokenizer_assets
     c.tokenizer = tokenizer.is_dir()
-    if info.framework == "nemo2" or not info.hf_ref:
-        c.needs_base = True
-        c.notes.append(base_sentence(info, folder))
+    found = local_base(info, folder)
+    c.needs_base = found is None
+    c.base_model = info.hf_ref if info.framework != "nemo2" else None
+    if found is not None:
+        c.base_path = str(found)
+        c.base_resolves = "hf-cache" if any(part.startswith("models--") for part in found.parts) else "path"
+        c.notes.append(f"its Hugging Face config: {found} ({info.hf_field} in {info.config_file.name}).")
     else:
-        c.base_model = info.hf_ref
-        near = folder
-        p = Path(info.hf_ref).expanduser()
-        if not p.is_absolute():  # relative paths: beside the checkpoint or its run, as local_base tries them
-            near = next((d for d in (folder, folder.parent, folder.parent.parent) if (d / p / "config.json").is_file()), folder)
-        s.resolve_base(c, near)
-        c.needs_base = c.base_path is None
-        if c.base_path is not None:
-            c.notes.append(f"its Hugging Face config: {c.base_path} ({info.hf_field} in {info.config_file.name}).")
+        c.base_resolves = "missing" if c.base_model else None
+        c.notes.append(base_sentence(info, folder))
     s.sized(c, names.values(), recursive=True)
     return Found(c, ALL)
 
