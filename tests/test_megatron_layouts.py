@@ -60,6 +60,34 @@ def _megatron_lm(tmp: Path, iters=(1, 2), latest="2", case: str = "qwen2_tp2") -
     return ckpt
 
 
+def _megatron_lm_legacy(tmp: Path, case: str) -> Path:
+    """Megatron-LM's legacy torch format (training/checkpointing.py: get_checkpoint_name with its
+    mp_rank_XX[_YYY][_ZZZ] folders, generate_state_dict's {"args", "checkpoint_version", "iteration",
+    "model" | "model0".., "optimizer", "opt_param_scheduler", "rng_state", ...}), written by torch.save from
+    the state dicts megatron-core wrote for the verl legacy fixture of the same ranks."""
+    import argparse
+    import random
+
+    import numpy as np
+
+    src = MEGATRON / case / "global_step_1" / "actor" / "model"
+    ckpt = tmp / "ckpt"
+    for rank in sorted(p for p in src.iterdir() if p.name.startswith("mp_rank_")):
+        chunks = torch.load(rank / "model.pt", weights_only=True)
+        models = {"model": chunks[0]} if len(chunks) == 1 else {f"model{i}": c for i, c in enumerate(chunks)}
+        args = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, params_dtype=torch.float32,
+                                  ckpt_format="torch", save="/runs/ckpt", iteration=1)
+        rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+               "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 1, **models,
+                 "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": 1}, "rng_state": [rng],
+                 "num_floating_point_operations_so_far": 0}
+        (ckpt / "iter_0000001" / rank.name).mkdir(parents=True)
+        torch.save(state, ckpt / "iter_0000001" / rank.name / "model_optim_rng.pt")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
+    return ckpt
+
+
 def _bridge(tmp: Path, hf_model_id: str) -> Path:
     ckpt = _megatron_lm(tmp, iters=(1,), latest="1")
     text = (LAYOUTS / "megatron_bridge" / "run_config.yaml").read_text().replace(HUB_ID, hf_model_id)
@@ -201,6 +229,20 @@ def test_megatron_lm_layout_converts_like_the_verl_layout(tmp_path, verl_convert
     _same_tensors(tmp_path / "out", verl_converted(case))
 
 
+@pytest.mark.parametrize("case", ["legacy_tp2pp2", "legacy_moe_pp2ep2"])
+def test_megatron_lm_legacy_format_converts_like_verls_legacy_layout(tmp_path, verl_converted, case):
+    if not (MEGATRON / case / "reference.pt").is_file():
+        pytest.skip(f"fixture {case} is not generated")
+    ckpt = _megatron_lm_legacy(tmp_path, case)
+    (c,) = scan(ckpt).candidates
+    assert c.backend == "megatron-lm" and c.latest and c.world_size == 4
+    assert any("legacy Megatron checkpoint" in n for n in c.notes)
+    base = tmp_path / "hf-base"
+    shutil.copytree(MEGATRON / case / "global_step_1" / "actor" / "hf_config_and_tokenizer", base)
+    _merge(ckpt, tmp_path / "out", base=base)
+    _same_tensors(tmp_path / "out", verl_converted(case))
+
+
 def test_bridge_base_from_run_config(tmp_path, verl_converted):
     base = _base(tmp_path)
     ckpt = _bridge(tmp_path, str(base))
@@ -257,8 +299,9 @@ def test_refusals(tmp_path):
     _refused(_nemo2(tmp_path / "nemo"), tmp_path / "o5", "NeMo 2", HUB_ID, "--base")
     legacy = tmp_path / "legacy" / "iter_0000001" / "mp_rank_00"
     legacy.mkdir(parents=True)
-    (legacy / "model_optim_rng.pt").write_bytes(b"")
-    _refused(legacy.parent, tmp_path / "o6", "legacy torch format", "--ckpt-convert-format torch_dist", base=base)
+    _refused(legacy.parent, tmp_path / "o6", "mp_rank_00/model_optim_rng.pt is missing", base=base)
+    torch.save({"checkpoint_version": 3.0, "iteration": 1, "hook": print}, legacy / "model_optim_rng.pt")
+    _refused(legacy.parent, tmp_path / "o6", "print, which a checkpoint of weights never needs", "refuses to load it", base=base)
     peft = _bridge(tmp_path / "peft", str(base))
     cfg = peft / "iter_0000001" / "run_config.yaml"
     cfg.write_text(cfg.read_text().replace("peft: null", "peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 8"))

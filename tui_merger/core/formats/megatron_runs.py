@@ -7,8 +7,9 @@ and the source file it was read from):
 
 - Megatron-LM: ``<save>/latest_checkpointed_iteration.txt`` ("N" or "release") and
   ``<save>/iter_{N:07d}/`` (or ``release/``) holding the dist checkpoint; its arguments are pickled in
-  ``common.pt`` (not read: an ``argparse.Namespace`` is code to unpickle). The legacy ``torch`` format
-  puts ``mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`` in the iteration folder instead (recognised, refused).
+  ``common.pt`` (not read). The legacy ``torch`` format puts ``mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt``
+  in the iteration folder instead: read by verl_megatron's LegacyStore, the args, optimizer and RNG
+  state in them unpickled as inert records.
 - Megatron-Bridge: the same folders, plus ``iter_{N:07d}/run_config.yaml`` (``yaml.safe_dump`` of its
   ConfigContainer) and ``train_state.pt`` (and ``latest_train_state.pt`` beside the tracker file).
 - ms-swift (``megatron sft``/``pt``): ``<output>/checkpoint-{N}/`` holding ``args.json``,
@@ -378,11 +379,7 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
             "merge yet; export the adapter in Hugging Face PEFT format and merge it with --adapter and --base."
         )
     if info.legacy:
-        raise MergeError(
-            f"{folder} is a {info.name} checkpoint in the legacy torch format (mp_rank_*/{LEGACY_FILE}), which "
-            "tui-merger does not read yet; load it in Megatron-LM with --ckpt-convert-format torch_dist "
-            "--ckpt-convert-save DIR and convert the iteration that writes."
-        )
+        return  # the rank files are checked when they are read (LegacyStore)
     if not (info.model_dir / DCP_METADATA).is_file():
         raise MergeError(
             f"{info.model_dir} has no {DCP_METADATA} file (the dist checkpoint's index), so it holds no complete "
@@ -419,10 +416,14 @@ def detect_run(s, folder: Path, names: dict, kind: str):
                 s.problem(folder.parent / LATEST, str(err).removeprefix(str(folder.parent / LATEST)).strip())
             c.notes.append("the release checkpoint (Megatron-LM's name for a checkpoint without training state).")
     dcp = s.names(info.model_dir) if info.model_dir != folder else names
-    c.world_size = len({m.group(1) for n in dcp if (m := _DISTCP.match(n))}) or None
+    if info.legacy:
+        c.world_size = sum(1 for n in names if _MP_RANK.match(n)) or None
+    else:
+        c.world_size = len({m.group(1) for n in dcp if (m := _DISTCP.match(n))}) or None
     c.dtype = info.dtype or _stored_dtype(s, info.model_dir)
     parallel = ", ".join(f"{k.upper()} {v}" for k, v in info.parallel.items())
-    what = f"a megatron-core dist checkpoint saved by {info.name}"
+    what = (f"a legacy Megatron checkpoint (mp_rank_*/{LEGACY_FILE}) saved by {info.name}" if info.legacy
+            else f"a megatron-core dist checkpoint saved by {info.name}")
     if info.config_file is not None:
         what += f" ({info.config_file.name}" + (f": {parallel})" if parallel else ")")
     c.notes.append(what + ".")

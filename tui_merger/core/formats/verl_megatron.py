@@ -292,6 +292,9 @@ def canonical(key: str) -> str:
 
 # -- legacy mp_rank files ---------------------------------------------------------------------------
 
+# what Megatron-LM's model_optim_rng.pt holds besides tensors (its args, numpy RNG state, enums): read as
+# inert records (torch_pickle), never constructed
+MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_engine", "_io", "io", "enum")
 _DIM1 = ("linear_proj.weight", "linear_fc2.weight")
 _DIM0 = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
 _GLU = ("linear_fc1.weight", "linear_fc1.bias")
@@ -322,8 +325,12 @@ class LegacyStore(ChunkStore):
     / (E_local, columns, hidden) and multiplies untransposed (``experts`` says how many experts the
     config has: the only place the grouped tensors' expert count is said)."""
 
-    def __init__(self, model_dir: Path, experts: int | None = None, expert_ffn: int | None = None) -> None:
+    def __init__(self, model_dir: Path, experts: int | None = None, expert_ffn: int | None = None,
+                 rank_file: str = "model.pt") -> None:
         self.model_dir = Path(model_dir)
+        # Megatron-LM's own rank files (model_optim_rng.pt) also hold its args, optimizer and RNG state
+        self.rank_file = rank_file
+        self.inert = MEGATRON_LM_STATE if rank_file != "model.pt" else ()
         self.experts = experts if isinstance(experts, int) and experts > 0 else None
         self.expert_ffn = expert_ffn if isinstance(expert_ffn, int) and expert_ffn > 0 else None
         self.files = []
@@ -348,9 +355,9 @@ class LegacyStore(ChunkStore):
                 "from different runs: keep the folders of one run only."
             )
         for d in found.values():
-            if not (d / "model.pt").is_file():
+            if not (d / self.rank_file).is_file():
                 raise MergeError(
-                    f"{d / 'model.pt'} is missing from this legacy Megatron checkpoint; copy the whole model/ folder "
+                    f"{d / self.rank_file} is missing from this legacy Megatron checkpoint; copy the whole model/ folder "
                     "again."
                 )
         width = len(next(iter(found)))
@@ -369,10 +376,10 @@ class LegacyStore(ChunkStore):
                         what = "tensor x pipeline" + (" x expert" if eps > 1 else "")
                         size = f"{tps}x{pps}" + (f"x{eps}" if eps > 1 else "")
                         raise MergeError(
-                            f"{self.model_dir / name / 'model.pt'} is missing from this {size} ({what}) legacy Megatron "
+                            f"{self.model_dir / name / self.rank_file} is missing from this {size} ({what}) legacy Megatron "
                             "checkpoint; copy the whole model/ folder again."
                         )
-        return {k: v / "model.pt" for k, v in grid.items()}
+        return {k: v / self.rank_file for k, v in grid.items()}
 
     def _second_is_expert_rank(self, found) -> bool:
         """mp_rank_XX_YYY: YYY is an expert-parallel rank when every rank file holds the embedding (no
@@ -382,9 +389,9 @@ class LegacyStore(ChunkStore):
         from tui_merger.core.io.torch_pickle import TorchFile
 
         for d in found.values():
-            tf = TorchFile(d / "model.pt")
+            tf = TorchFile(d / self.rank_file, self.inert)
             try:
-                chunks = self._chunks(d / "model.pt", tf.obj)
+                chunks = self._chunks(d / self.rank_file, tf.obj)
                 if not chunks or "embedding.word_embeddings.weight" not in chunks[0]:
                     return False
             finally:
@@ -393,6 +400,10 @@ class LegacyStore(ChunkStore):
 
     @staticmethod
     def _chunks(path: Path, obj) -> list[dict]:
+        if isinstance(obj, dict) and "checkpoint_version" in obj:  # Megatron-LM: {"args", "model"|"model0".., ...}
+            obj = {k: v for k, v in obj.items() if isinstance(k, str) and re.fullmatch(r"model\d*", k)}
+            if not obj:
+                raise MergeError(f"{path} holds no model state (no model key); it is not a complete Megatron-LM checkpoint.")
         if isinstance(obj, dict) and obj and all(isinstance(k, str) and re.fullmatch(r"model\d*", k) for k in obj):
             obj = [obj[k] for k in sorted(obj, key=lambda k: int(k[5:] or 0))]
         if isinstance(obj, dict):
@@ -404,7 +415,7 @@ class LegacyStore(ChunkStore):
     def _load(self, path: Path) -> list[dict]:
         from tui_merger.core.io.torch_pickle import TorchFile, require_names
 
-        tf = TorchFile(path)
+        tf = TorchFile(path, self.inert)
         self.files.append(tf)
         self.data_files.append(str(path.relative_to(self.model_dir)))
         obj = self._chunks(path, tf.obj)
@@ -1048,9 +1059,9 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     """The checkpoint's model converted to Hugging Face names as ``inputs.base`` (a MegatronSource);
     returns the files it reads."""
     model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
-    if layout.kind == "legacy":
+    if layout.kind == "legacy" or layout.run is not None and layout.run.legacy:
         store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
-                            _cfg(config, "moe_intermediate_size"))
+                            _cfg(config, "moe_intermediate_size"), "model_optim_rng.pt" if layout.run else "model.pt")
     else:
         if not layout.model_dir.is_dir():
             raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
@@ -1061,7 +1072,7 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     inputs.base = source
     inputs.notices += mapping.notices
     _tie(inputs, options, source, mapping)
-    if layout.kind == "legacy":
+    if isinstance(store, LegacyStore):
         return [layout.model_dir / f for f in store.data_files]
     return [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
 
