@@ -300,6 +300,14 @@ def test_refusals(tmp_path):
     legacy = tmp_path / "legacy" / "iter_0000001" / "mp_rank_00"
     legacy.mkdir(parents=True)
     _refused(legacy.parent, tmp_path / "o6", "mp_rank_00/model_optim_rng.pt is missing", base=base)
+    import numpy as np
+
+    # an object of an inert module where a tensor belongs is no tensor: said, never used
+    torch.save({"checkpoint_version": 3.0, "model": {"embedding.word_embeddings.weight": np.zeros((4, 4))}},
+               legacy / "model_optim_rng.pt")
+    with pytest.raises(MergeError):
+        _merge(legacy.parent, tmp_path / "o6", base=base)
+    assert not (tmp_path / "o6").exists()
     torch.save({"checkpoint_version": 3.0, "iteration": 1, "hook": print}, legacy / "model_optim_rng.pt")
     _refused(legacy.parent, tmp_path / "o6", "print, which a checkpoint of weights never needs", "refuses to load it", base=base)
     peft = _bridge(tmp_path / "peft", str(base))

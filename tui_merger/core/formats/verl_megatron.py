@@ -425,9 +425,11 @@ class LegacyStore(ChunkStore):
 
     def _tensors_of(self, sd: dict, ep: int, eps: int, tps: int, path: Path) -> dict:
         """A rank's tensors with its experts under global SequentialMLP names (see the class)."""
+        from tui_merger.core.io.torch_pickle import Record
+
         out, local = {}, {}
         for key, t in sd.items():
-            if skip_key(key) or not hasattr(t, "shape"):
+            if skip_key(key) or not hasattr(t, "shape") or isinstance(t, Record):  # an inert record is no tensor
                 continue
             m = _EXPERT.match(key)
             if m is None:
