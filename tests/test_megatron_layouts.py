@@ -60,6 +60,21 @@ def _megatron_lm(tmp: Path, iters=(1, 2), latest="2", case: str = "qwen2_tp2") -
     return ckpt
 
 
+def _megatron_lm_common(iteration: Path, **args) -> None:
+    """common.pt as megatron-core's save_common writes it (dist_checkpointing/strategies/common.py:20-29,
+    torch.save of the non-sharded part of Megatron-LM's generate_state_dict: args, version, iteration, the
+    scheduler's and RNG-free state)."""
+    import argparse
+
+    values = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                  virtual_pipeline_model_parallel_size=None, params_dtype=torch.bfloat16, ckpt_format="torch_dist",
+                  tokenizer_type="GPT2BPETokenizer", tokenizer_model=None)
+    values.update(args)
+    torch.save({"args": argparse.Namespace(**values), "checkpoint_version": 3.0, "iteration": 1,
+                "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": 1}, "num_floating_point_operations_so_far": 0},
+               iteration / "common.pt")
+
+
 def _megatron_lm_legacy(tmp: Path, case: str) -> Path:
     """Megatron-LM's legacy torch format (training/checkpointing.py: get_checkpoint_name with its
     mp_rank_XX[_YYY][_ZZZ] folders, generate_state_dict's {"args", "checkpoint_version", "iteration",
@@ -194,6 +209,21 @@ def test_inspect_lists_megatron_lm_iterations_and_proposes_the_tracked_one(tmp_p
     assert "--base BASE" in step and "iter_0000002" in step
 
 
+def test_inspect_reads_megatron_lms_args_and_its_hugging_face_tokenizer(tmp_path, verl_converted):
+    base = _base(tmp_path)
+    ckpt = _megatron_lm(tmp_path, iters=(1,), latest="1")
+    _megatron_lm_common(ckpt / "iter_0000001", tensor_model_parallel_size=2, expert_model_parallel_size=4,
+                        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(base))
+    (c,) = scan(ckpt).candidates
+    assert c.dtype == "bfloat16" and any("common.pt: TP 2, PP 1, EP 4)" in n for n in c.notes), c.notes
+    assert c.base_path == str(base) and not format_of(c).needs_base(c)
+    _merge(ckpt, tmp_path / "out")  # the config from the tokenizer's folder, said so
+    _same_tensors(tmp_path / "out", verl_converted("qwen2_tp2"))
+    _megatron_lm_common(ckpt / "iter_0000001")  # a tokenizer that names no model: --base is needed
+    (c,) = scan(ckpt).candidates
+    assert c.needs_base and c.base_path is None and c.dtype == "bfloat16"
+
+
 def test_inspect_newest_without_tracker_and_release(tmp_path):
     ckpt = _megatron_lm(tmp_path, iters=(1, 20), latest=None)
     assert [c.latest for c in scan(ckpt).candidates] == [True, False]  # the highest step
@@ -291,6 +321,8 @@ def test_refusals(tmp_path):
     base = _base(tmp_path)
     ckpt = _megatron_lm(tmp_path, iters=(1,), latest="5")
     _refused(ckpt, tmp_path / "o1", "names iter_0000005", "does not exist", base=base)
+    ckpt = _megatron_lm(tmp_path / "none", iters=(), latest="7")
+    _refused(ckpt, tmp_path / "o1", "neither iter_0000007 (Megatron) nor global_step_7 (verl)", base=base)
     ckpt = _megatron_lm(tmp_path / "empty", iters=(), latest="1")
     (ckpt / "iter_0000001").mkdir()
     _refused(ckpt, tmp_path / "o2", "has no .metadata", base=base)

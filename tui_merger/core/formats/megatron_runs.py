@@ -40,6 +40,10 @@ DCP_METADATA = ".metadata"
 LEGACY_FILE = "model_optim_rng.pt"
 _MP_RANK = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
 MAX_TEXT = 4 << 20  # run configurations are kilobytes
+MAX_COMMON = 16 << 20  # common.pt: args and small training state
+# what Megatron-LM's model_optim_rng.pt / common.pt hold besides tensors (its args, numpy RNG state,
+# enums): unpickled as inert records (torch_pickle), never constructed
+MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_engine", "_io", "io", "enum")
 
 FRAMEWORKS = {"megatron-lm": "Megatron-LM", "megatron-bridge": "Megatron-Bridge", "ms-swift": "ms-swift", "nemo2": "NeMo 2"}
 
@@ -151,6 +155,11 @@ def resolve(path: Path) -> tuple[Path | None, list[str]]:
     if named is not None:
         folder = path / iteration_name(named)
         if not folder.is_dir():
+            if not iterations(path):  # nothing says which trainer wrote it: verl names its steps global_step_N
+                raise MergeError(
+                    f"{path / LATEST} names {named}, but {path} holds neither {iteration_name(named)} (Megatron) nor "
+                    f"global_step_{named} (verl); point at an existing checkpoint folder."
+                )
             raise MergeError(
                 f"{path / LATEST} names {iteration_name(named)} but {folder} does not exist; point at an existing "
                 "iter_NNNNNNN folder."
@@ -318,7 +327,39 @@ def _run_info(folder: Path) -> RunInfo:
         if isinstance(tuner, str) and tuner != "full":
             info.lora = f"an ms-swift {tuner} run"
         return info
-    return RunInfo("megatron-lm", folder, legacy=legacy)
+    info = RunInfo("megatron-lm", folder, legacy=legacy)
+    args = _megatron_lm_args(folder / "common.pt") if not legacy else None
+    if args is not None:
+        info.config_file = folder / "common.pt"
+        info.parallel = _sizes(args)
+        info.dtype = _dtype(args)
+        # --tokenizer-model with a Hugging Face tokenizer: often the model's folder or hub id
+        tok = args.get("tokenizer_model")
+        if args.get("tokenizer_type") == "HuggingFaceTokenizer" and _str(tok):
+            info.refs.append(("args.tokenizer_model", tok))
+    return info
+
+
+def _megatron_lm_args(path: Path) -> dict | None:
+    """The arguments Megatron-LM pickled into a dist checkpoint's common.pt, as plain values (the
+    ``argparse.Namespace`` is an inert record: its fields are read, nothing is constructed)."""
+    from tui_merger.core.io.torch_pickle import Record, TorchFile
+
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_COMMON:
+            return None
+        tf = TorchFile(path, MEGATRON_LM_STATE)
+    except (OSError, MergeError):
+        return None
+    try:
+        args = tf.obj.get("args") if isinstance(tf.obj, dict) else None
+        if not isinstance(args, Record):
+            return None
+        fields = {k: v for k, v in vars(args).items() if k not in ("args", "kwargs") and isinstance(k, str)}
+        return {k: (str(v) if type(v).__module__ == "torch" else v) for k, v in fields.items()
+                if v is None or isinstance(v, (str, int, float, bool)) or type(v).__module__ == "torch"}
+    finally:
+        tf.close()
 
 
 def _first_ref(info: RunInfo) -> RunInfo:

@@ -30,6 +30,7 @@ from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, D
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.adapter import export_peft_adapter
 from tui_merger.core.formats.megatron_lora import SHARDS_DIR, shard_files
+from tui_merger.core.formats.megatron_runs import MEGATRON_LM_STATE
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
 from tui_merger.core.formats.verl_fsdp import _rank_files
 from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
@@ -292,9 +293,6 @@ def canonical(key: str) -> str:
 
 # -- legacy mp_rank files ---------------------------------------------------------------------------
 
-# what Megatron-LM's model_optim_rng.pt holds besides tensors (its args, numpy RNG state, enums): read as
-# inert records (torch_pickle), never constructed
-MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_engine", "_io", "io", "enum")
 _DIM1 = ("linear_proj.weight", "linear_fc2.weight")
 _DIM0 = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
 _GLU = ("linear_fc1.weight", "linear_fc1.bias")
