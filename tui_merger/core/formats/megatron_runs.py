@@ -7,7 +7,7 @@ and the source file it was read from):
 
 - Megatron-LM: ``<save>/latest_checkpointed_iteration.txt`` ("N" or "release") and
   ``<save>/iter_{N:07d}/`` (or ``release/``) holding the dist checkpoint; its arguments are pickled in
-  ``common.pt`` (not read). The legacy ``torch`` format puts ``mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt``
+  ``common.pt`` (read with inert records: TP/PP/EP/VPP, dtype, a Hugging Face tokenizer). The legacy ``torch`` format puts ``mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt``
   in the iteration folder instead: read by verl_megatron's LegacyStore, the args, optimizer and RNG
   state in them unpickled as inert records.
 - Megatron-Bridge: the same folders, plus ``iter_{N:07d}/run_config.yaml`` (``yaml.safe_dump`` of its
