@@ -227,9 +227,13 @@ def test_inspect_reads_megatron_lms_args_and_its_hugging_face_tokenizer(tmp_path
 def test_inspect_newest_without_tracker_and_release(tmp_path):
     ckpt = _megatron_lm(tmp_path, iters=(1, 20), latest=None)
     assert [c.latest for c in scan(ckpt).candidates] == [True, False]  # the highest step
-    other = _megatron_lm(tmp_path / "rel", iters=("release",), latest="release")
-    (c,) = scan(other).candidates
-    assert c.latest and Path(c.path).name == "release"
+    other = _megatron_lm(tmp_path / "rel", iters=("release", 5), latest="release")
+    result = scan(other)
+    assert not result.problems
+    assert [(Path(c.path).name, c.step, c.latest) for c in result.candidates] == [
+        ("iter_0000005", 5, False), ("release", None, True)]
+    (other / "latest_checkpointed_iteration.txt").write_text("5")
+    assert [c.latest for c in scan(other).candidates] == [True, False]
 
 
 def test_inspect_shows_what_the_run_configuration_records(tmp_path):

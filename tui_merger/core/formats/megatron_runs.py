@@ -72,7 +72,7 @@ def is_nemo2(folder: Path, names: set[str] | None = None) -> bool:
     return "weights" in names and "context" in names and (folder / "weights").is_dir() and (folder / "context").is_dir()
 
 
-def is_iteration(folder: Path, names: set[str] | None = None) -> bool:
+def is_iteration(folder: Path) -> bool:
     """An ``iter_NNNNNNN`` / ``release`` folder (whatever it holds: an empty one is named when opened)."""
     return iteration_of(folder.name) is not None and folder.is_dir()
 
@@ -446,16 +446,16 @@ def detect_run(s, folder: Path, names: dict, kind: str):
         return None
     info = run_info(folder)
     c = Candidate(kind, str(folder), backend=info.framework)
-    if step is not None:
+    if step is not None and folder.name != RELEASE:
         c.run, c.step = str(folder.parent), step
         if info.framework == "ms-swift" and _SWIFT_CHECKPOINT.match(folder.parent.name):
             c.run = str(folder.parent.parent)  # one iteration per checkpoint-N: the run is the output folder
-        if folder.name == RELEASE:
-            try:
-                c.latest = read_latest(folder.parent) == RELEASE
-            except MergeError as err:
-                s.problem(folder.parent / LATEST, str(err).removeprefix(str(folder.parent / LATEST)).strip())
-            c.notes.append("the release checkpoint (Megatron-LM's name for a checkpoint without training state).")
+    elif step is not None:  # release/: no step; latest when the tracker file says so
+        try:
+            c.latest = read_latest(folder.parent) == RELEASE
+        except MergeError as err:
+            s.problem(folder.parent / LATEST, str(err).removeprefix(str(folder.parent / LATEST)).strip())
+        c.notes.append("the release checkpoint (Megatron-LM loads it without optimizer or RNG state).")
     dcp = s.names(info.model_dir) if info.model_dir != folder else names
     if info.legacy:
         c.world_size = sum(1 for n in names if _MP_RANK.match(n)) or None

@@ -30,7 +30,7 @@ from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, D
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.adapter import export_peft_adapter
 from tui_merger.core.formats.megatron_lora import SHARDS_DIR, shard_files
-from tui_merger.core.formats.megatron_runs import MEGATRON_LM_STATE
+from tui_merger.core.formats.megatron_runs import FRAMEWORKS, MEGATRON_LM_STATE
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
 from tui_merger.core.formats.verl_fsdp import _rank_files
 from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
@@ -1378,7 +1378,7 @@ def _tie(inputs, options, source: MegatronSource, mapping: _Mapping) -> None:
 # -- the kind ---------------------------------------------------------------------------------------
 
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
-MCORE_BACKENDS = ("megatron-lm", "megatron-bridge", "ms-swift", "nemo2")  # megatron_runs.FRAMEWORKS
+MCORE_BACKENDS = tuple(FRAMEWORKS)  # the backends of megatron_runs' layouts
 
 
 class VerlMegatronFormat(Format):
