@@ -282,8 +282,18 @@ def test_bridge_base_from_run_config(tmp_path, verl_converted):
     ckpt = _bridge(tmp_path, str(base))
     inputs = checkpoint_format(ckpt).open(MergeOptions(checkpoint=ckpt, out=tmp_path / "x"))
     inputs.close()
-    assert any(str(base) in n and "model.hf_model_id" in n for n in inputs.notices)
+    assert f"The Hugging Face config and tokenizer are taken from {base}, named by model.hf_model_id in run_config.yaml; " \
+        "pass --base to use another." in inputs.notices
     _merge(ckpt, tmp_path / "out")  # no --base: the model run_config.yaml names
+    _same_tensors(tmp_path / "out", verl_converted("qwen2_tp2"))
+
+
+def test_bridge_hf_export_beside_the_iteration_gives_the_config(tmp_path, verl_converted):
+    ckpt = _bridge(tmp_path, HUB_ID)  # checkpoint.also_save_hf_checkpoint: iter_N/hf/ (checkpointing.py:905-908)
+    shutil.copytree(_payload("qwen2_tp2")[1], ckpt / "iter_0000001" / "hf")
+    (c,) = scan(ckpt).candidates
+    assert c.base_path == str(ckpt / "iter_0000001" / "hf") and not format_of(c).needs_base(c)
+    _merge(ckpt, tmp_path / "out")
     _same_tensors(tmp_path / "out", verl_converted("qwen2_tp2"))
 
 

@@ -39,6 +39,7 @@ ARGS_JSON = "args.json"  # ms-swift: arguments/base_args/base_args.py save_args
 DCP_METADATA = ".metadata"
 LEGACY_FILE = "model_optim_rng.pt"
 _MP_RANK = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
+HF_EXPORT = "hf/"  # Megatron-Bridge's checkpoint.also_save_hf_checkpoint (checkpointing.py HF_WEIGHTS_SUBDIR)
 MAX_TEXT = 4 << 20  # run configurations are kilobytes
 MAX_COMMON = 16 << 20  # common.pt: args and small training state
 # what Megatron-LM's model_optim_rng.pt / common.pt hold besides tensors (its args, numpy RNG state,
@@ -196,6 +197,12 @@ class RunInfo:
     def name(self) -> str:
         return FRAMEWORKS[self.framework]
 
+    def source(self) -> str:
+        """Where the Hugging Face model used was recorded, in words."""
+        if self.hf_field == HF_EXPORT:
+            return "the Hugging Face export Megatron-Bridge saved beside the iteration (also_save_hf_checkpoint)"
+        return f"named by {self.hf_field} in {self.config_file.name}"
+
 
 def _text(path: Path) -> str | None:
     try:
@@ -306,6 +313,8 @@ def _run_info(folder: Path) -> RunInfo:
                              ("model.hf_model_id", model.get("hf_model_id"))):
             if _str(value) and value not in (v for _, v in info.refs):
                 info.refs.append((where, value))
+        if (folder / "hf" / "config.json").is_file():  # checkpoint.also_save_hf_checkpoint: the model in HF format
+            info.refs.insert(0, (HF_EXPORT, str(folder / "hf")))
         info.parallel = _sizes(model)
         info.dtype = _dtype(model)
         if cfg.get("peft"):
@@ -484,7 +493,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     if found is not None:
         c.base_path = str(found)
         c.base_resolves = "hf-cache" if any(part.startswith("models--") for part in found.parts) else "path"
-        c.notes.append(f"its Hugging Face config: {found} ({info.hf_field} in {info.config_file.name}).")
+        c.notes.append(f"its Hugging Face config: {found}, {info.source()}.")
     else:
         c.base_resolves = "missing" if c.base_model else None
         c.notes.append(base_sentence(info, folder))

@@ -1113,8 +1113,8 @@ def open_megatron_inputs(options):
             raise MergeError(layout.missing_base)
         if options.base is None:
             layout.notices.append(
-                f"The Hugging Face config and tokenizer are taken from {config_dir}, the model that "
-                f"{layout.run.config_file.name} names ({layout.run.hf_field}); pass --base to use another."
+                f"The Hugging Face config and tokenizer are taken from {config_dir}, {layout.run.source()}; pass "
+                "--base to use another."
             )
     else:
         config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
