@@ -340,6 +340,8 @@ def test_refusals(tmp_path):
     ckpt = _megatron_lm(tmp_path / "empty", iters=(), latest="1")
     (ckpt / "iter_0000001").mkdir()
     _refused(ckpt, tmp_path / "o2", "has no .metadata", base=base)
+    (ckpt / "iter_0000001" / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
+    _refused(ckpt, tmp_path / "o2", "in the zarr format", "--ckpt-convert-format torch_dist", base=base)
     _refused(_bridge(tmp_path / "hub", HUB_ID), tmp_path / "o3", HUB_ID, "model.hf_model_id", "--base")
     _refused(_megatron_lm(tmp_path / "nobase", iters=(1,), latest="1"), tmp_path / "o4", "Megatron-LM", "--base")
     _refused(_nemo2(tmp_path / "nemo"), tmp_path / "o5", "NeMo 2", HUB_ID, "--base")

@@ -430,6 +430,13 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
         )
     if info.legacy:
         return  # the rank files are checked when they are read (LegacyStore)
+    backend = (read_json(info.model_dir / "metadata.json") or {}).get("sharded_backend")
+    if isinstance(backend, str) and backend != "torch_dist":
+        raise MergeError(
+            f"{info.model_dir} is a megatron-core dist checkpoint in the {backend} format (its metadata.json), which "
+            "tui-merger does not read; save it as torch_dist (Megatron-LM: --ckpt-convert-format torch_dist "
+            "--ckpt-convert-save DIR) and convert that."
+        )
     if not (info.model_dir / DCP_METADATA).is_file():
         raise MergeError(
             f"{info.model_dir} has no {DCP_METADATA} file (the dist checkpoint's index), so it holds no complete "
