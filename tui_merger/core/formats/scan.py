@@ -435,6 +435,10 @@ class _Scanner:
             steps = {c.step for c in group}
             mark = max(steps)
             named = self.latest_named(Path(run) / LATEST_FILE)
+            if named == "release":  # Megatron's tracker naming its release/ folder (listed on its own)
+                for c in group:
+                    c.latest = False
+                continue
             if named is not None:
                 if named in steps:
                     mark = named
@@ -446,13 +450,13 @@ class _Scanner:
             for c in group:
                 c.latest = c.step == mark
 
-    def latest_named(self, path: Path) -> int | None:
+    def latest_named(self, path: Path) -> int | str | None:
         if self.regular(path, quiet_missing=True) is None:
             return None
         try:
             with open(path, "rb") as f:
                 text = f.read(64).decode("ascii").strip()
-            return int(text)
+            return "release" if text == "release" else int(text)
         except OSError as err:
             self.bad_entry(path, err)
         except ValueError:

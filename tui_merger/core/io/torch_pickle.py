@@ -131,10 +131,11 @@ class _StorageType:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, storage_loader, path: Path) -> None:
+    def __init__(self, file, storage_loader, path: Path, inert: tuple[str, ...] = ()) -> None:
         super().__init__(file)
         self._load_storage = storage_loader
         self._path = path
+        self._inert = inert
 
     def find_class(self, module: str, name: str):
         import torch
@@ -163,6 +164,10 @@ class _Unpickler(pickle.Unpickler):
         if full == "torch.Tensor" or full == "torch.nn.parameter.Parameter":
             return _record_class(full)
         if module.startswith("torch.distributed"):
+            return _record_class(full)
+        if module.split(".")[0] in self._inert:
+            # a file that also holds a trainer's state (Megatron-LM's args, numpy RNG state, ...): those
+            # objects become inert records, never the real classes or functions (nothing runs)
             return _record_class(full)
         if full in ("__builtin__.getattr", "builtins.getattr"):
             # ShardedTensor pickles getattr(ShardedTensor, "ProcessGroupState"); the file is named in a refusal
@@ -287,7 +292,9 @@ def _argument_sizes() -> dict[int, int]:
 class TorchFile(MappedFile):
     """One torch.save zip file, unpickled safely; tensors are views on an mmap of the file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, inert: tuple[str, ...] = ()) -> None:
+        """``inert``: top-level modules whose pickled objects become inert records instead of being
+        refused (for files that also hold non-tensor training state)."""
         super().__init__(path)
         self._members: dict[str, tuple[int, int]] = {}
         try:
@@ -322,7 +329,7 @@ class TorchFile(MappedFile):
             self.advise("random")
         try:
             _check_memo_indices(data)
-            self.obj = _Unpickler(io.BytesIO(data), self._storage, self.path).load()
+            self.obj = _Unpickler(io.BytesIO(data), self._storage, self.path, inert).load()
         except MergeError:
             self.close()
             raise
