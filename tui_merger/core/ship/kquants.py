@@ -65,11 +65,28 @@ def _nearest_int(v: np.ndarray) -> np.ndarray:
 
 
 def _seqsum(a: np.ndarray) -> np.ndarray:
-    """sum over axis 0 in C's order: ((a0 + a1) + a2) + ..."""
-    out = a[0].copy()
-    for row in a[1:]:
-        out += row
-    return out
+    """sum over axis 0 in C's order, ((a0 + a1) + a2) + ...: numpy reduces a C-contiguous array over
+    its first axis row after row (pairwise summation is only used along the contiguous axis);
+    tests/test_kquants.py holds it to the explicit loop."""
+    return np.add.reduce(a, axis=0)
+
+
+def _levels(v: np.ndarray, lo: int, hi: int, vmin: np.ndarray, vmax: np.ndarray) -> np.ndarray:
+    """clamp(nearest_int(v), lo, hi) as float32, in place of v. ``vmin``/``vmax`` bound v per column
+    (the caller knows them without a pass over v): when every value lies where nearest_int equals
+    round-half-even (|v| < 2^22) it is np.rint, and the clamp is skipped where the bounds show it
+    changes nothing; otherwise ggml's integer trick, out-of-range results included."""
+    if not bool(np.all((vmin > F(-4194304)) & (vmax < F(4194304)))):  # NaN fails too
+        return np.clip(_nearest_int(v), lo, hi).astype(F)
+    np.rint(v, out=v)
+    low, high = bool((vmin < F(lo)).any()), bool((vmax > F(hi)).any())
+    if low and high:
+        np.clip(v, F(lo), F(hi), out=v)
+    elif low:
+        np.maximum(v, F(lo), out=v)
+    elif high:
+        np.minimum(v, F(hi), out=v)
+    return v
 
 
 def _first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,39 +101,61 @@ def _first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
     """make_qkx2_quants over (n, S): (scale (S,), the_min (S,), L (n, S) float32 levels)."""
     nmax_f = F(nmax)
-    mn = x.min(axis=0)
+    xlo = x.min(axis=0)
     mx = x.max(axis=0)
     sum_w = _seqsum(w)
     sum_x = _seqsum(w * x)
-    mn = np.where(mn > 0, F(0), mn)
+    mn = np.where(xlo > 0, F(0), xlo)
     flat = mx == mn
+    live = ~flat
     iscale = nmax_f / (mx - mn)
     scale = F(1) / iscale
-    L = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax).astype(F)
-    diff = scale * L + mn - x
-    best = _seqsum(w * (diff * diff))
-    live = ~flat
+    xm = x - mn
+
+    def levels(iscale):
+        v = xm * iscale
+        a, b = iscale * (xlo - mn), iscale * (mx - mn)  # v's bounds per column: rounding is monotone
+        a, b = np.where(live, np.minimum(a, b), F(0)), np.where(live, np.maximum(a, b), F(0))
+        return _levels(v, 0, nmax, a, b)
+
+    L = levels(iscale)
+    diff = L * scale
+    diff += mn
+    diff -= x
+    diff *= diff
+    diff *= w
+    best = _seqsum(diff)
+    wl = np.empty_like(x)
     for step in range(nstep + 1):
         iscale = (F(rmin) + F(rdelta) * F(step) + nmax_f) / (mx - mn)
-        laux = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax).astype(F)
-        wl = w * laux
+        laux = levels(iscale)
+        np.multiply(w, laux, out=wl)
         sum_l = _seqsum(wl)
-        sum_l2 = _seqsum(wl * laux)
-        sum_xl = _seqsum(wl * x)
+        np.multiply(wl, laux, out=diff)
+        sum_l2 = _seqsum(diff)
+        np.multiply(wl, x, out=diff)
+        sum_xl = _seqsum(diff)
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
         pos = this_min > 0
         this_min = np.where(pos, F(0), this_min)
         this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-        diff = this_scale * laux + this_min - x
-        cur = _seqsum(w * (diff * diff))
+        np.multiply(laux, this_scale, out=diff)  # (this_scale*l + this_min - x)^2 * w
+        diff += this_min
+        diff -= x
+        diff *= diff
+        diff *= w
+        cur = _seqsum(diff)
         take = live & (D > 0) & (cur < best)
-        if take.any():
-            L[:, take] = laux[:, take]
+        if take.any():  # L = where(take, laux, L) as exact arithmetic on small integers (a masked copy is 10x slower)
+            laux -= L
+            laux *= take.astype(F)
+            L += laux
             best = np.where(take, cur, best)
             scale = np.where(take, this_scale, scale)
             mn = np.where(take, this_min, mn)
+            np.subtract(x, mn, out=xm)
     L[:, flat] = 0
     scale = np.where(flat, F(0), scale)
     return scale, -mn, L
