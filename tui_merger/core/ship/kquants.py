@@ -344,3 +344,172 @@ def _q3_k(blocks: np.ndarray) -> np.ndarray:
     low = (L & 3).reshape(B, 2, 4, 32)
     qs = (low[:, :, 0] | (low[:, :, 1] << 2) | (low[:, :, 2] << 4) | (low[:, :, 3] << 6)).reshape(B, 64)
     return np.concatenate([hmask, qs, packed, d.view(np.uint8).reshape(B, 2)], axis=1)
+
+
+# -- llama.cpp's per-tensor mixes (llama_tensor_get_type, src/llama-quant.cpp) ---------------------------
+
+
+def more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A llama.cpp file type: its LLAMA_FTYPE id, the type most matrices get, and per tensor category
+    the rules that give some of them more bits: (condition on (i, n), type), the first that holds wins.
+    For attn_v (and the fused attn_qkv / attn_kv_b, which llama.cpp treats as attn_v), i counts those
+    tensors in llama.cpp's order and n is their number; for ffn_down, i is the layer and n the layer
+    count."""
+
+    ftype: int
+    default: int
+    rules: dict  # category -> ((condition, type), ...)
+
+
+def _always(i: int, n: int) -> bool:
+    return True
+
+
+MIXES = {
+    "q3_k_m": Mix(12, Q3_K, {
+        "attn_v": ((lambda i, n: i < 2, Q5_K), (_always, Q4_K)),
+        "ffn_down": ((lambda i, n: i < n // 16, Q5_K), (_always, Q4_K)),
+        "attn_output": ((_always, Q4_K),),
+    }),
+    "q4_k_s": Mix(14, Q4_K, {
+        "attn_v": ((lambda i, n: i < 4, Q5_K),),
+        "ffn_down": ((lambda i, n: i < n // 8, Q5_K),),
+    }),
+    "q4_k_m": Mix(15, Q4_K, {
+        "attn_v": ((more_bits, Q6_K),),
+        "ffn_down": ((more_bits, Q6_K),),
+    }),
+    "q5_k_s": Mix(16, Q5_K, {}),
+    "q5_k_m": Mix(17, Q5_K, {
+        "attn_v": ((more_bits, Q6_K),),
+        "ffn_down": ((more_bits, Q6_K),),
+    }),
+    "q6_k": Mix(18, Q6_K, {}),
+}
+# With exactly 8 experts (Mixtral-like) llama.cpp spends more on attention: attn_v and attn_k Q8_0, and
+# attn_output Q5_K for these mixes (instead of the rule above).
+_EIGHT_EXPERTS_ATTN_OUTPUT = {"q3_k_m", "q4_k_s", "q4_k_m"}
+# A row length that is not a multiple of the type's block: llama.cpp's tensor_type_fallback.
+FALLBACK = {Q3_K: Q4_0, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
+# Substrings of matrices llama.cpp never quantizes (tensor_allows_quantization), besides 1-D tensors.
+_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel", "per_layer_model_proj",
+                  "ssm_conv1d", "shortconv.conv.weight", "attn_rel_b.weight", "time_mix_")
+_CATEGORIES = (  # tensor_get_category: the first whose test holds
+    ("attn_qkv", "attn_qkv.weight"), ("attn_kv_b", "attn_kv_b.weight"), ("attn_v", "attn_v.weight"),
+    ("attn_k", "attn_k.weight"), ("attn_q", "attn_q.weight"), ("attn_output", "attn_output.weight"),
+    ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"), ("ffn_down", "ffn_down"),
+)
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def category(name: str) -> str:
+    if name == "output.weight":
+        return "output"
+    if name in ("token_embd.weight", "per_layer_token_embd.weight"):
+        return "token_embd"
+    return next((cat for cat, part in _CATEGORIES if part in name), "other")
+
+
+def quantizable(name: str, shape) -> bool:
+    return len(shape) >= 2 and name.endswith("weight") and not any(part in name for part in _NOT_QUANTIZED)
+
+
+def _layer(name: str) -> int:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def llama_order(names) -> list[str]:
+    """The order llama.cpp's loader walks tensors in (weight_name_comparer): by layer (-1 for the
+    tensors outside layers), then by name. Its counters (the i of attn_v's rules) follow this order."""
+    return sorted(names, key=lambda n: (_layer(n), n))
+
+
+@dataclass(frozen=True)
+class Model:
+    """What llama_tensor_get_type reads of the model besides the tensors."""
+
+    arch: str  # llama.cpp's architecture name
+    n_layer: int
+    n_expert: int = 0
+    n_head: int = 0
+    n_head_kv: int = 0
+
+    @property
+    def is_70b(self) -> bool:  # LLM_TYPE_70B, as the loaders of these architectures set it
+        return self.n_layer == 80 and (self.arch == "qwen2" or (self.arch == "llama" and self.n_head != self.n_head_kv))
+
+
+def tensor_types(tensors, mix_name: str, model: Model) -> tuple[dict[str, int], list[str]]:
+    """{GGUF name: ggml type} for the tensors llama.cpp quantizes in this mix (others keep their type),
+    and the names that fell back to another type because their rows are not a multiple of 256.
+    ``tensors``: (GGUF name, shape in numpy order: the last dimension is the row)."""
+    mix = MIXES[mix_name]
+    shapes = {name: tuple(shape) for name, shape in tensors}
+    n_attn_v = sum(1 for n in shapes if category(n) in ("attn_v", "attn_qkv", "attn_kv_b"))
+    tied = "output.weight" not in shapes
+    counters = {"attn_v": 0, "ffn_down": 0, "ffn_gate": 0, "ffn_up": 0}
+    types: dict[str, int] = {}
+    fallbacks: list[str] = []
+    for name in llama_order(shapes):
+        shape = shapes[name]
+        if not quantizable(name, shape):
+            continue
+        cat = category(name)
+        ncols = shape[-1]
+        new = mix.default
+        if cat == "output" or (tied and cat == "token_embd"):
+            new = Q8_0 if model.arch == "falcon" or ncols % _BLOCK[new] else Q6_K
+        elif cat == "token_embd":
+            pass
+        elif cat in ("attn_v", "attn_qkv", "attn_kv_b"):
+            i = counters["attn_v"]
+            new = _rule(mix, "attn_v", i, n_attn_v, new)
+            if model.is_70b and new in (Q3_K, Q4_K):
+                new = Q5_K  # 8 heads share attn_v in the 70B: more bits for little size
+            if model.n_expert == 8:
+                new = Q8_0
+            counters["attn_v"] += 1
+        elif cat == "attn_k":
+            if model.n_expert == 8:
+                new = Q8_0
+        elif cat == "ffn_down":
+            i = _layer(name) if model.n_expert > 1 else counters["ffn_down"]
+            if model.arch == "falcon" and mix_name in ("q4_k_m", "q3_k_m", "q4_k_s"):
+                new = _falcon_ffn_down(mix_name, i, model.n_layer, new)
+            else:
+                new = _rule(mix, "ffn_down", i, model.n_layer, new)
+            counters["ffn_down"] += 1
+        elif cat == "attn_output":
+            if model.arch != "falcon":
+                if model.n_expert == 8:
+                    new = Q5_K if mix_name in _EIGHT_EXPERTS_ATTN_OUTPUT else new
+                else:
+                    new = _rule(mix, "attn_output", 0, 0, new)
+        elif cat in ("ffn_gate", "ffn_up"):
+            counters[cat] += 1  # counted by llama.cpp; no rule of these mixes uses them
+        if ncols % _BLOCK[new]:
+            fallbacks.append(name)
+            new = FALLBACK.get(new, new)
+            if ncols % _BLOCK[new]:
+                new = F16
+        types[name] = new
+    return types, fallbacks
+
+
+def _rule(mix: Mix, cat: str, i: int, n: int, default: int) -> int:
+    return next((t for cond, t in mix.rules.get(cat, ()) if cond(i, n)), default)
+
+
+def _falcon_ffn_down(mix_name: str, i: int, n: int, default: int) -> int:
+    if mix_name == "q4_k_m":
+        return Q6_K if i < n // 16 else Q5_K if more_bits(i, n) else Q4_K
+    if mix_name == "q3_k_m":
+        return Q5_K if i < n // 16 else Q4_K if more_bits(i, n) else Q3_K
+    return default  # q4_k_s: no change for Falcon
