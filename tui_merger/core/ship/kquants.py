@@ -65,10 +65,12 @@ def _nearest_int(v: np.ndarray) -> np.ndarray:
 
 
 def _seqsum(a: np.ndarray) -> np.ndarray:
-    """sum over axis 0 in C's order, ((a0 + a1) + a2) + ...: numpy reduces a C-contiguous array over
-    its first axis row after row (pairwise summation is only used along the contiguous axis);
-    tests/test_kquants.py holds it to the explicit loop."""
-    return np.add.reduce(a, axis=0)
+    """sum over axis 0 in C's order, ((a0 + a1) + a2) + ..., one row at a time (numpy's own reduce
+    may sum pairwise, e.g. when a has a single column)."""
+    out = a[0].copy()
+    for row in a[1:]:
+        np.add(out, row, out=out)
+    return out
 
 
 def _levels(v: np.ndarray, lo: int, hi: int, vmin: np.ndarray, vmax: np.ndarray) -> np.ndarray:
