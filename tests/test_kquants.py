@@ -104,7 +104,7 @@ def test_the_mix_rules_choose_llama_cpps_types(name, mix):
 def test_sums_follow_cs_order():
     """_seqsum adds row after row as C's loop does (a pairwise sum gives other float32 bits)."""
     rng = np.random.default_rng(0)
-    for shape in ((32, 4099), (16, 7), (32, 1)):
+    for shape in ((32, 4099), (32, 4096), (16, 7), (32, 2), (16, 3), (32, 17), (32, 1), (16, 1)):
         a = (rng.standard_normal(shape) * rng.standard_normal((shape[0], 1)) * 1e3).astype(np.float32)
         loop = a[0].copy()
         for row in a[1:]:

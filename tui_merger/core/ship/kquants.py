@@ -30,7 +30,7 @@ QK_K = 256
 F = np.float32
 _MAGIC = F(12582912.0)  # 1.5 * 2**23
 _GROUP_MAX_EPS = F(1e-15)
-_CHUNK = 4096  # super-blocks quantized at a time (their working arrays stay in the caches)
+_CHUNK = 512  # super-blocks quantized at a time by one thread (their working arrays stay in the caches)
 
 # ggml type ids (gguf.GGMLQuantizationType), kept here so that the rules below read as data
 Q4_0, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, F16 = 2, 6, 7, 8, 11, 12, 13, 14, 1
@@ -38,19 +38,42 @@ K_TYPES = {Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block 
 _BLOCK = {Q4_0: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q3_K: 256, Q4_K: 256, Q5_K: 256, Q6_K: 256, F16: 1}
 
 
-def quantize(rows: np.ndarray, qtype: int) -> np.ndarray:
+def quantize(rows: np.ndarray, qtype: int, threads: int | None = None) -> np.ndarray:
     """float32 rows (..., n with n a multiple of 256) as ggml stores them in ``qtype`` (a k-quant):
-    uint8 (..., n / 256 * block bytes)."""
+    uint8 (..., n / 256 * block bytes). Chunks of super-blocks are quantized on ``threads`` threads
+    (default: the cores this process may use); numpy releases the GIL inside each operation."""
     x = np.ascontiguousarray(rows, dtype=F)
     if x.shape[-1] % QK_K:
         raise ValueError(f"rows of {x.shape[-1]} values are not a multiple of {QK_K}")
     blocks = x.reshape(-1, QK_K)
     fn = {Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}[qtype]
     out = np.empty((blocks.shape[0], K_TYPES[qtype]), dtype=np.uint8)
-    with np.errstate(all="ignore"):  # ggml divides by zero too, and then does not use the result
-        for start in range(0, blocks.shape[0], _CHUNK):
+    starts = range(0, blocks.shape[0], _CHUNK)
+
+    def one(start: int) -> None:
+        with np.errstate(all="ignore"):  # ggml divides by zero too, and then does not use the result
             out[start:start + _CHUNK] = fn(blocks[start:start + _CHUNK])
+
+    n = min(threads or _cores(), len(starts))
+    if n <= 1:
+        for start in starts:
+            one(start)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(n, thread_name_prefix="kquants") as pool:
+            for _ in pool.map(one, starts):
+                pass
     return out.reshape(*x.shape[:-1], -1)
+
+
+def _cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 # -- ggml's helpers, vectorized over blocks ------------------------------------------------------------
@@ -65,8 +88,12 @@ def _nearest_int(v: np.ndarray) -> np.ndarray:
 
 
 def _seqsum(a: np.ndarray) -> np.ndarray:
-    """sum over axis 0 in C's order, ((a0 + a1) + a2) + ..., one row at a time (numpy's own reduce
-    may sum pairwise, e.g. when a has a single column)."""
+    """sum over axis 0 in C's order, ((a0 + a1) + a2) + ... With two columns or more, numpy reduces a
+    C-contiguous array over its first axis one row after the other (its pairwise summation only runs
+    along the contiguous axis); a single column would be summed pairwise, so it is summed row by row
+    here. tests/test_kquants.py holds both to the explicit loop."""
+    if a.ndim == 2 and a.shape[1] >= 2 and a.flags.c_contiguous:
+        return np.add.reduce(a, axis=0)
     out = a[0].copy()
     for row in a[1:]:
         np.add(out, row, out=out)
@@ -164,22 +191,29 @@ def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
 
 
 def _make_qx(x, nmax: int):
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) over (n, S): (scale (S,), L (n, S) int32 in 0..2*nmax-1)."""
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) over (n, S): (scale (S,), L (n, S) float32 in 0..2*nmax-1)."""
     amax, vmax = _first_absmax(x)
     zero = amax < _GROUP_MAX_EPS
     nmax_f = F(nmax)
+    xlo, xhi = x.min(axis=0), x.max(axis=0)
     w = x * x
     wx = w * x
+    tmp = np.empty_like(x)
 
     def levels(iscale):
-        return np.clip(_nearest_int(iscale * x), -nmax, nmax - 1)
+        a, b = iscale * xlo, iscale * xhi  # bounds of iscale * x per column (rounding is monotone)
+        a, b = np.where(zero, F(0), np.minimum(a, b)), np.where(zero, F(0), np.maximum(a, b))
+        return _levels(x * iscale, -nmax, nmax - 1, a, b)
 
     def sums(l):
-        lf = l.astype(F)
-        return _seqsum(wx * lf), _seqsum(w * lf * lf)
+        np.multiply(wx, l, out=tmp)
+        slx = _seqsum(tmp)
+        np.multiply(w, l, out=tmp)
+        np.multiply(tmp, l, out=tmp)
+        return slx, _seqsum(tmp)
 
     l = levels(F(-nmax) / vmax)
-    L = l + nmax
+    L = l + nmax_f
     sumlx, suml2 = sums(l)
     scale = np.where(suml2 != 0, sumlx / suml2, F(0))
     best = scale * sumlx
@@ -190,12 +224,14 @@ def _make_qx(x, nmax: int):
         l = levels(iscale)
         slx, sl2 = sums(l)
         take = (sl2 > 0) & (slx * slx > best * sl2)
-        if take.any():
-            L[:, take] = l[:, take] + nmax
+        if take.any():  # L = where(take, l + nmax, L): exact arithmetic on small integers
+            l += nmax_f
+            l -= L
+            l *= take.astype(F)
+            L += l
             scale = np.where(take, slx / sl2, scale)
             best = np.where(take, scale * slx, best)
-    L[:, zero] = 0
-    return np.where(zero, F(0), scale), L
+    return np.where(zero, F(0), scale), np.where(zero, F(0), L)
 
 
 def _make_q3(x, nmax: int):
