@@ -128,7 +128,10 @@ def _first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
-    """make_qkx2_quants over (n, S): (scale (S,), the_min (S,), L (n, S) float32 levels)."""
+    """make_qkx2_quants over (n, S): (scale (S,), the_min (S,), L (n, S) float32 levels).
+
+    The levels of the best step are not copied at each step: they are a function of the step's
+    iscale and min, which are kept, and computed once more at the end (the same operations)."""
     nmax_f = F(nmax)
     xlo = x.min(axis=0)
     mx = x.max(axis=0)
@@ -140,14 +143,16 @@ def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
     iscale = nmax_f / (mx - mn)
     scale = F(1) / iscale
     xm = x - mn
+    v = np.empty_like(x)
 
-    def levels(iscale):
-        v = xm * iscale
-        a, b = iscale * (xlo - mn), iscale * (mx - mn)  # v's bounds per column: rounding is monotone
+    def levels(iscale, base):
+        np.multiply(xm, iscale, out=v)
+        a, b = iscale * (xlo - base), iscale * (mx - base)  # v's bounds per column: rounding is monotone
         a, b = np.where(live, np.minimum(a, b), F(0)), np.where(live, np.maximum(a, b), F(0))
         return _levels(v, 0, nmax, a, b)
 
-    L = levels(iscale)
+    keep_is, keep_base = iscale, mn  # what the best levels are made from
+    L = levels(iscale, mn)
     diff = L * scale
     diff += mn
     diff -= x
@@ -157,7 +162,7 @@ def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
     wl = np.empty_like(x)
     for step in range(nstep + 1):
         iscale = (F(rmin) + F(rdelta) * F(step) + nmax_f) / (mx - mn)
-        laux = levels(iscale)
+        laux = levels(iscale, mn)
         np.multiply(w, laux, out=wl)
         sum_l = _seqsum(wl)
         np.multiply(wl, laux, out=diff)
@@ -177,14 +182,15 @@ def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
         diff *= w
         cur = _seqsum(diff)
         take = live & (D > 0) & (cur < best)
-        if take.any():  # L = where(take, laux, L) as exact arithmetic on small integers (a masked copy is 10x slower)
-            laux -= L
-            laux *= take.astype(F)
-            L += laux
+        if take.any():
+            keep_is = np.where(take, iscale, keep_is)
+            keep_base = np.where(take, mn, keep_base)
             best = np.where(take, cur, best)
             scale = np.where(take, this_scale, scale)
             mn = np.where(take, this_min, mn)
             np.subtract(x, mn, out=xm)
+    np.subtract(x, keep_base, out=xm)
+    L = levels(keep_is, keep_base)
     L[:, flat] = 0
     scale = np.where(flat, F(0), scale)
     return scale, -mn, L
