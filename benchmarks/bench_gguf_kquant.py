@@ -47,6 +47,7 @@ def child_build(folder: str, layers: str) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the tied head its own storage
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.05 * torch.randn_like(p) if p.ndim == 1 else 0.02 * torch.randn_like(p))

@@ -133,3 +133,12 @@ def test_fallbacks_are_said_and_the_cli_takes_the_types(folders, tmp_path, capsy
     assert main(["gguf", str(folders["qwen3"]), "--type", "q6_k", "--out", str(tmp_path / "b.gguf"), "--plain"]) == 0
     assert "Q6_K" in capsys.readouterr().out
     assert tensors(tmp_path / "b.gguf")["token_embd.weight"][0] == "Q6_K"
+
+
+def test_chunks_and_threads_change_nothing(monkeypatch):
+    """The hard rows cut into chunks of one to a few super-blocks, on three threads: ggml's bytes still."""
+    with np.load(FIXTURES / "blocks.npz") as made:
+        rows, want = made["rows"].astype(np.float32), {k: made[k] for k in ("q4_k", "q6_k")}
+    monkeypatch.setattr(kquants, "_COLUMNS", 24)  # 3 super-blocks of Q4_K, 1.5 -> 1 of Q6_K per step
+    for name, t in (("q4_k", kquants.Q4_K), ("q6_k", kquants.Q6_K)):
+        assert np.array_equal(kquants.quantize(rows, t, threads=3), want[name]), name

@@ -30,7 +30,7 @@ QK_K = 256
 F = np.float32
 _MAGIC = F(12582912.0)  # 1.5 * 2**23
 _GROUP_MAX_EPS = F(1e-15)
-_CHUNK = 512  # super-blocks quantized at a time by one thread (their working arrays stay in the caches)
+_COLUMNS = 8192  # sub-blocks a thread quantizes at a time: arrays of 0.5-1 MiB, near the caches, few Python steps
 
 # ggml type ids (gguf.GGMLQuantizationType), kept here so that the rules below read as data
 Q4_0, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, F16 = 2, 6, 7, 8, 11, 12, 13, 14, 1
@@ -48,11 +48,12 @@ def quantize(rows: np.ndarray, qtype: int, threads: int | None = None) -> np.nda
     blocks = x.reshape(-1, QK_K)
     fn = {Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}[qtype]
     out = np.empty((blocks.shape[0], K_TYPES[qtype]), dtype=np.uint8)
-    starts = range(0, blocks.shape[0], _CHUNK)
+    chunk = _COLUMNS // (QK_K // (16 if qtype in (Q3_K, Q6_K) else 32))  # super-blocks per thread step
+    starts = range(0, blocks.shape[0], chunk)
 
     def one(start: int) -> None:
         with np.errstate(all="ignore"):  # ggml divides by zero too, and then does not use the result
-            out[start:start + _CHUNK] = fn(blocks[start:start + _CHUNK])
+            out[start:start + chunk] = fn(blocks[start:start + chunk])
 
     n = min(threads or _cores(), len(starts))
     if n <= 1:
@@ -218,25 +219,22 @@ def _make_qx(x, nmax: int):
         np.multiply(tmp, l, out=tmp)
         return slx, _seqsum(tmp)
 
-    l = levels(F(-nmax) / vmax)
-    L = l + nmax_f
-    sumlx, suml2 = sums(l)
+    keep_is = F(-nmax) / vmax  # the levels kept are levels(keep_is): computed once, at the end
+    sumlx, suml2 = sums(levels(keep_is))
     scale = np.where(suml2 != 0, sumlx / suml2, F(0))
     best = scale * sumlx
     for k in range(-9, 10):
         if k == 0:
             continue
         iscale = -(nmax_f + F(0.1) * F(k)) / vmax
-        l = levels(iscale)
-        slx, sl2 = sums(l)
+        slx, sl2 = sums(levels(iscale))
         take = (sl2 > 0) & (slx * slx > best * sl2)
-        if take.any():  # L = where(take, l + nmax, L): exact arithmetic on small integers
-            l += nmax_f
-            l -= L
-            l *= take.astype(F)
-            L += l
+        if take.any():
+            keep_is = np.where(take, iscale, keep_is)
             scale = np.where(take, slx / sl2, scale)
             best = np.where(take, scale * slx, best)
+    L = levels(keep_is)
+    L += nmax_f
     return np.where(zero, F(0), scale), np.where(zero, F(0), L)
 
 
