@@ -551,7 +551,7 @@ def test_cli_help_lists_the_command_fast():
 
     started = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "tui_merger", "gguf", "--help"], capture_output=True, text=True, check=True)
-    assert "--type {f16,bf16,q8_0}" in run.stdout and time.perf_counter() - started < 5
+    assert "--type {f16,bf16,q8_0,q4_k_m,q5_k_m,q6_k,q4_k_s,q5_k_s,q3_k_m}" in run.stdout and time.perf_counter() - started < 5
     code = "import sys, tui_merger.cli.gguf, tui_merger.core.ship.gguf; print(sorted(m for m in sys.modules if m.split('.')[0] in ('gguf', 'numpy', 'torch')))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
 
