@@ -1562,7 +1562,8 @@ class VerlMegatronFormat(Format):
         problem = self.why_not_mergeable(c)
         if problem:
             return problem
-        base = f" --base {base_arg}" if (c.lora is not None or c.backend in MCORE_BACKENDS) and self.needs_base(c) else ""
+        needed = self.needs_base(c) if c.backend in MCORE_BACKENDS else c.lora is not None and c.needs_base
+        base = f" --base {base_arg}" if needed else ""
         alpha = " --lora-alpha ALPHA" if self.needs_alpha(c) else ""
         return f"tui-merger merge --backend megatron --local_dir {quote(path)}{base}{alpha} --target_dir {quote(out)}"
 
