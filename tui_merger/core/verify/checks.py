@@ -318,6 +318,7 @@ def verify_merge(
     from tui_merger.core.formats.adapter import empty_adapter
     from tui_merger.core.formats.inputs import open_inputs
     from tui_merger.core.merge.requant import output_plan
+    from tui_merger.core.plan.plan import embeddings_of
 
     started = time.perf_counter()
     out = Path(out)
@@ -351,7 +352,8 @@ def verify_merge(
             modules = len({t.name.rsplit(".", 1)[0] for t in plan.tensors})  # the units each model run loads
             text = out_config.get("text_config") if isinstance(out_config.get("text_config"), dict) else {}
             tied = out_config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
-            modules += bool(tied) and not any(t.name.rsplit(".", 1)[0].endswith("lm_head") for t in plan.tensors)
+            head = embeddings_of(config, {t.name: t.shape for t in plan.tensors}).output
+            modules += bool(tied) and head is not None and not any(t.name == head for t in plan.tensors)
             lora = 0 if adapter.config.get("use_dora") else 2 * len(adapter.lora)  # peft's lora_A / lora_B, plain LoRA
             models = _Models(out, out_config, options, inputs, plan, perplexity_text,
                              shares.add("merged", size, count=modules), shares.add("reference", size, count=modules + lora))
@@ -500,7 +502,8 @@ def _structure(out: Path, plan, config: dict) -> tuple[Check, dict | None]:
                     t = expected[k]
                     if shape != tuple(t.shape) or dtype != t.dtype:
                         problems.append(f"{k} is {dtype}{list(shape)}, expected {t.dtype}{list(t.shape)}")
-    problems += _config_problems(config, {k: expected[k].shape for k in expected})
+    # config.json against the tensors the files hold (the plan's, where the files cannot all be read)
+    problems += _config_problems(config, {k: expected[k].shape for k in expected if k in located or not readable})
     if readable:
         from tui_merger.core.formats.hf_names import expert_gaps
 
@@ -521,19 +524,22 @@ def _dtype_name(st_dtype: str) -> str:
 
 
 def _config_problems(config: dict, shapes: dict) -> list[str]:
-    from tui_merger.core.plan.plan import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING, _has_lm_head
+    """vocab_size against the input embedding's rows, and a head that transformers would start random:
+    the embeddings are the ones transformers names for this model (``plan.embeddings_of``)."""
+    from tui_merger.core.plan.plan import embeddings_of
 
     problems = []
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size", text.get("vocab_size"))
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    embeds = [k for k in shapes if k.endswith(INPUT_EMBEDDING_SUFFIXES) and len(shapes[k]) == 2]
-    if vocab and embeds and all(shapes[k][0] != vocab for k in embeds):
-        problems.append(f"config.json says vocab_size {vocab} but the embedding has {shapes[embeds[0]][0]} rows")
-    head = [k for k in shapes if k.endswith(OUTPUT_EMBEDDING)]
-    if _has_lm_head(config) and embeds and not head and tie is False:
+    embeddings = embeddings_of(config, shapes)
+    embed = embeddings.input if embeddings.input in shapes and len(shapes[embeddings.input]) == 2 else None
+    if vocab and embed and shapes[embed][0] != vocab:
+        problems.append(f"config.json says vocab_size {vocab} but the embedding {embed} has {shapes[embed][0]} rows")
+    head = embeddings.output
+    if head and embed and head not in shapes and tie is False:
         problems.append(
-            "tie_word_embeddings is false but there is no lm_head.weight: transformers would start it random"
+            f"tie_word_embeddings is false but there is no {head}: transformers would start the output head random"
         )
     return problems
 
@@ -548,9 +554,11 @@ def probe_ids(config: dict, plan):
     """Fixed token ids within both the config's vocabulary and the model's input embedding rows."""
     import torch
 
-    from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES
+    from tui_merger.core.plan.plan import embeddings_of
 
-    rows = next((t.shape[0] for t in plan.tensors if t.name.endswith(INPUT_EMBEDDING_SUFFIXES)), None)
+    shapes = {t.name: t.shape for t in plan.tensors}
+    embed = embeddings_of(config, shapes).input
+    rows = shapes[embed][0] if embed in shapes and len(shapes[embed]) == 2 else None
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = min(v for v in (config.get("vocab_size", text.get("vocab_size")), rows, 1 << 30) if v)
     g = torch.Generator().manual_seed(PROBE_SEED)
