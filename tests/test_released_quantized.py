@@ -621,18 +621,21 @@ def test_packed_mxfp4_experts_are_merged_a_few_experts_at_a_time(gpt_oss_mxfp4, 
     expected = _disk_state(PeftModel.from_pretrained(_dequantized_load(base, "mxfp4").float(),
                                                      tmp_path / "adapter").merge_and_unload())
     whole, spans = [], []
-    load, load_experts = DequantSource.load, DequantSource.load_experts
 
-    def recorded_load(self, ref):
-        whole.append(ref.name)
-        return load(self, ref)
+    def recording(real):
+        def load(self, ref):
+            whole.append(ref.name)
+            return real(self, ref)
+        return load
 
-    def recorded_experts(self, ref, i, j):
-        spans.append((ref.name, i, j))
-        return load_experts(self, ref, i, j)
+    def recording_experts(real):
+        def load_experts(self, ref, i, j):
+            spans.append((ref.name, i, j))
+            return real(self, ref, i, j)
+        return load_experts
 
-    monkeypatch.setattr(DequantSource, "load", recorded_load)
-    monkeypatch.setattr(DequantSource, "load_experts", recorded_experts)
+    monkeypatch.setattr(DequantSource, "load", recording(DequantSource.load))
+    monkeypatch.setattr(DequantSource, "load_experts", recording_experts(DequantSource.load_experts))
     monkeypatch.setattr(merge_math, "BLOCK_VALUES", 64 * 128 * 2 // 16)  # two experts of gate_up_proj a block
     monkeypatch.setattr(recompute, "BLOCK_VALUES", 64 * 128 * 2)
     out = tmp_path / "merged"
@@ -648,6 +651,11 @@ def test_packed_mxfp4_experts_are_merged_a_few_experts_at_a_time(gpt_oss_mxfp4, 
         torch.testing.assert_close(got[name].float(), expected[name].to(got[name].dtype).float(), rtol=2 ** -8, atol=0,
                                    msg=name)
     spans.clear()
+    # verification dequantizes with the format's own code (verify/dequant_ref.py), a few experts at a time too
+    from tui_merger.core.verify.dequant_ref import IndependentDequant
+
+    monkeypatch.setattr(IndependentDequant, "load", recording(IndependentDequant.load))
+    monkeypatch.setattr(IndependentDequant, "load_experts", recording_experts(IndependentDequant.load_experts))
     report = verify_merge(out, behaviour=False)
     assert {c.name: c.status for c in report.checks} == {"structure": "pass", "recompute": "pass"}
     assert not [n for n in whole if "experts" in n], whole
@@ -704,3 +712,89 @@ def test_the_behaviour_check_says_when_packed_experts_need_more_memory_than_ther
     assert "mlp.experts.gate_up_proj" in found["behaviour"].summary and "of memory" in found["behaviour"].summary
     monkeypatch.setattr(checks, "_available_memory", lambda: None)  # unknown: it runs
     assert {c.name: c.status for c in verify_merge(out).checks}["behaviour"] == "pass"
+
+
+# -- the checks dequantize with the formats' own code, not the merge's ------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_checks_dequantize_by_the_formats_own_code_as_transformers_loads(case, request):
+    """What the recompute and the behaviour check's reference read (verify/dequant_ref.py: transformers'
+    FP8 and MXFP4 functions, compressed-tensors' dequantize) equals transformers' dequantizing load bit for
+    bit, in bf16 and, for --dtype fp32, in fp32 (dequantized straight to fp32, no bf16 stop)."""
+    from tui_merger.core.verify.dequant_ref import independent_base
+
+    base, _, kind = _case(request, case)
+    config = json.loads((base / "config.json").read_text())
+    for dtype in ("bfloat16", "float32"):
+        view = DequantSource(open_model(base), scheme_of(config), config, None if dtype == "bfloat16" else dtype)
+        checked = independent_base(view)
+        assert checked is not view and sorted(checked.tensors) == sorted(view.tensors)
+        loaded = _dequantized_load(base, kind) if dtype == "bfloat16" else _dequantized_load_as(base, kind, torch.float32)
+        expected = _disk_state(loaded)
+        for name in view.dequantized:
+            want = expected[name]
+            assert want.dtype == getattr(torch, dtype), name
+            assert torch.equal(checked.tensors[name].load(), want), name
+            assert torch.equal(view.tensors[name].load(), want), name  # the merge's own, as well
+
+
+def _dequantized_load_as(folder, kind, dtype):
+    """transformers' dequantizing load in ``dtype``."""
+    if kind == "compressed-tensors":
+        config = transformers.CompressedTensorsConfig(dequantize=True)
+    elif kind == "mxfp4":
+        config = transformers.Mxfp4Config(dequantize=True)
+    else:
+        config = transformers.FineGrainedFP8Config(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=dtype).eval()
+
+
+def test_an_fp32_output_of_an_fp8_base_is_dequantized_straight_to_fp32(qwen3_fp8, tmp_path, capsys):
+    """--dtype fp32 on an FP8 base: every weight is peft's fp32 merge on transformers' fp32 dequantized load
+    (before, the base weights were rounded to bf16 first: 2.4e-4 off), and verification passes."""
+    from peft import PeftModel
+
+    base, adapter = qwen3_fp8
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--dtype", "fp32", "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    merged = PeftModel.from_pretrained(_dequantized_load_as(base, "fp8", torch.float32), adapter).merge_and_unload()
+    expected, got = _disk_state(merged), read_output(out)
+    assert sorted(got) == sorted(expected)
+    for name, want in expected.items():
+        assert got[name].dtype == want.dtype == torch.float32, name
+        torch.testing.assert_close(got[name], want, rtol=2 ** -20, atol=1e-7, msg=name)
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+
+
+@pytest.mark.parametrize("wrong", ["bf16-stop", "scale-off-by-one-block"])
+def test_a_wrongly_dequantized_merge_fails_verification(wrong, qwen3_fp8, tmp_path, monkeypatch, capsys):
+    """The merge's dequantizer made wrong (the old bf16 stop on the way to fp32; each weight's scales
+    shifted by one block row) gives a merge the verifier calls FAILED: it dequantizes with the format's own
+    code, not the merge's."""
+    import tui_merger.core.formats.dequant as dequant
+
+    real = dequant.dequantize
+
+    def bad(q, scale, scheme, dtype, out=None):
+        if wrong == "bf16-stop":
+            values = real(q, scale, scheme, torch.bfloat16).to(dtype)
+        else:
+            values = real(q, torch.roll(scale, 1, dims=0) if scale.dim() == 2 and scale.shape[0] > 1 else scale * 2,
+                          scheme, dtype)
+        if out is None:
+            return values
+        out.copy_(values)
+        return out
+
+    monkeypatch.setattr(dequant, "dequantize", bad)
+    base, adapter = qwen3_fp8
+    out = tmp_path / "merged"
+    dtype = ["--dtype", "fp32"] if wrong == "bf16-stop" else []
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), *dtype, "--plain"])
+    said = capsys.readouterr()
+    assert code == 4, said.out + said.err
+    checks = verification_checks(out)
+    assert checks["recompute"] == "fail" and checks["behaviour"] == "fail", said.out

@@ -358,14 +358,16 @@ class DequantSource:
     the weight, in the model's dtype), its scale and activation scales are hidden, the rest passes
     through as stored."""
 
-    def __init__(self, inner, scheme: Scheme, config: dict) -> None:
+    def __init__(self, inner, scheme: Scheme, config: dict, dtype: str | None = None) -> None:
         from tui_merger.core.io.sources import TensorRef
 
         self.inner = inner
         self.scheme = scheme
         self.folder = getattr(inner, "folder", None)
         self.files = getattr(inner, "files", [])
-        self.dtype = model_dtype(config)
+        # the output's dtype when one is asked for (--dtype): dequantized straight to it, rounded once (a
+        # stop in the model's bf16 first rounded fp32 outputs' base weights to bf16)
+        self.dtype = dtype if dtype in OUT_DTYPES else model_dtype(config)
         self.quantization_config = config.get("quantization_config")
         self.output_quantization = None  # "keep": the output in this format again (merge.requant)
         if scheme.method == "mxfp4":

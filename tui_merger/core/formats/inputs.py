@@ -110,7 +110,7 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
 
     scheme = scheme_of(inputs.config)
     if scheme is not None:  # released quantized (FP8 blocks, compressed-tensors FP8): no other original
-        source = DequantSource(inputs.base, scheme, inputs.config)
+        source = DequantSource(inputs.base, scheme, inputs.config, options.dtype)
         inputs.base = source
         inputs.base_weights = source.describe()
         inputs.config_changes["quantization_config"] = None  # the output is a plain model, unless:

@@ -30,6 +30,7 @@ from tui_merger.core.io.files import config_dtype, json_object_or_none, read_jso
 from tui_merger.core.record.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions, check_option_types
 
+from tui_merger.core.verify.dequant_ref import independent_base
 from tui_merger.core.verify.recompute import PROBE_SEED, WhileWriting, _Recompute, writing_key
 from tui_merger.core.verify.report import Check, VerifyReport
 
@@ -827,7 +828,7 @@ def _reference_streamer(cls, config_dict: dict, out_config, spec, inputs, on_eve
         if vocab and getattr(holder, "vocab_size", vocab) != vocab:
             holder.vocab_size = vocab  # as the adapter's training resized it; its saved rows replace the base's
     streamer, missing = bh.streamer_with_adapter(
-        cls, config, inputs.base.tensors, spec.adapters, "unmerged reference", on_event, cancel)
+        cls, config, independent_base(inputs.base).tensors, spec.adapters, "unmerged reference", on_event, cancel)
     if missing:
         raise bh.NoReference(
             f"the unmerged reference lacks {len(missing)} weight(s) transformers expects ({', '.join(missing[:3])})"
@@ -994,6 +995,7 @@ def _dequantized(written, out: Path):
     scheme = scheme_of(config)
     if scheme is None:
         return written
-    view = DequantSource(written, scheme, config)
+    # read by the format's own dequantizing code (verify/dequant_ref.py), not the one the merge used
+    view = independent_base(DequantSource(written, scheme, config))
     view.close = written.close  # the behaviour check closes what it opened
     return view
