@@ -15,7 +15,8 @@ import pytest
 import torch
 import transformers
 from factory import read_output, verification_checks
-from fp8_factory import fp8_blocks, make_compressed_fp8_base, make_fp8_block_base, make_mxfp4_base
+from fp8_factory import (fp8_blocks, make_compressed_fp8_base, make_fp8_block_base, make_fp8_ue8m0_base,
+                         make_mxfp4_base)
 from safetensors.torch import load_file, save_file
 
 from tui_merger.cli import main
@@ -38,15 +39,20 @@ DEEPSEEK_V3 = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size
 PROBE = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(7))
 
 
+def _quantization_config(kind):
+    """transformers' dequantizing config for the format ``kind``."""
+    if kind == "compressed-tensors":
+        return transformers.CompressedTensorsConfig(dequantize=True)
+    if kind == "mxfp4":
+        return transformers.Mxfp4Config(dequantize=True)
+    if kind == "fp8-ue8m0":
+        return transformers.FineGrainedFP8Config(dequantize=True, scale_fmt="ue8m0")
+    return transformers.FineGrainedFP8Config(dequantize=True)
+
+
 def _dequantized_load(folder, kind):
     """transformers' own dequantizing load (the reference for every dequantized value)."""
-    if kind == "compressed-tensors":
-        config = transformers.CompressedTensorsConfig(dequantize=True)
-    elif kind == "mxfp4":
-        config = transformers.Mxfp4Config(dequantize=True)
-    else:
-        config = transformers.FineGrainedFP8Config(dequantize=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=_quantization_config(kind))
     return model.eval()
 
 
@@ -99,7 +105,23 @@ def gpt_oss_mxfp4(tmp_path_factory):
                   make_mxfp4_base, "mxfp4", ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+@pytest.fixture(scope="module")
+def qwen3_ue8m0(tmp_path_factory):
+    """Qwen3 FP8 blocks with power-of-two scales stored as float8_e8m0fnu (DeepSeek-V3.1/V3.2's scale_fmt ue8m0)."""
+    root = tmp_path_factory.mktemp("qwen3_ue8m0")
+    return _build(root, "Qwen3-tiny-FP8-ue8m0", transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**QWEN3),
+                  make_fp8_ue8m0_base, "fp8-ue8m0")
+
+
+@pytest.fixture(scope="module")
+def deepseek_ue8m0(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_ue8m0")
+    return _build(root, "DeepSeek-V3.1-tiny", transformers.DeepseekV3ForCausalLM,
+                  transformers.DeepseekV3Config(**DEEPSEEK_V3), make_fp8_ue8m0_base, "fp8-ue8m0")
+
+
 CASES = {"qwen3-fp8": ("qwen3_fp8", "fp8"), "deepseek_v3-fp8": ("deepseek_fp8", "fp8"),
+         "qwen3-fp8-ue8m0": ("qwen3_ue8m0", "fp8-ue8m0"), "deepseek_v3-fp8-ue8m0": ("deepseek_ue8m0", "fp8-ue8m0"),
          "qwen3-compressed-tensors": ("qwen3_ct", "compressed-tensors"), "gpt_oss-mxfp4": ("gpt_oss_mxfp4", "mxfp4")}
 
 
@@ -741,13 +763,8 @@ def test_the_checks_dequantize_by_the_formats_own_code_as_transformers_loads(cas
 
 def _dequantized_load_as(folder, kind, dtype):
     """transformers' dequantizing load in ``dtype``."""
-    if kind == "compressed-tensors":
-        config = transformers.CompressedTensorsConfig(dequantize=True)
-    elif kind == "mxfp4":
-        config = transformers.Mxfp4Config(dequantize=True)
-    else:
-        config = transformers.FineGrainedFP8Config(dequantize=True)
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=_quantization_config(kind), dtype=dtype).eval()
 
 
 def test_an_fp32_output_of_an_fp8_base_is_dequantized_straight_to_fp32(qwen3_fp8, tmp_path, capsys):
@@ -798,3 +815,39 @@ def test_a_wrongly_dequantized_merge_fails_verification(wrong, qwen3_fp8, tmp_pa
     assert code == 4, said.out + said.err
     checks = verification_checks(out)
     assert checks["recompute"] == "fail" and checks["behaviour"] == "fail", said.out
+
+
+def test_keep_quantization_on_ue8m0_scales_stored_as_e8m0_writes_them_so_again(qwen3_ue8m0, tmp_path, capsys):
+    """An FP8 base whose power-of-two scales are stored as float8_e8m0fnu (read: it was called "not a valid
+    safetensors file" before) kept in its format: untouched weights and scales byte for byte, changed ones
+    as transformers' Fp8Quantize with scale_fmt="ue8m0" writes them (the scale as float8_e8m0fnu), and
+    transformers' dequantizing load of the output gives the unmerged adapter's logits within e4m3's rounding."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    class Quantizer:
+        quantization_config = transformers.FineGrainedFP8Config(weight_block_size=[128, 128], scale_fmt="ue8m0")
+
+    base, _ = qwen3_ue8m0
+    stored = read_output(base)
+    assert {v.dtype for n, v in stored.items() if n.endswith("weight_scale_inv")} == {torch.float8_e8m0fnu}
+    adapter = _qv_adapter(base, tmp_path / "qv", "fp8-ue8m0")
+    plain, kept = tmp_path / "plain", tmp_path / "kept"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(plain), "--plain", "--no-verify"]) == 0
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(kept), "--plain", "--keep-quantization"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    got, bf16 = read_output(kept), read_output(plain)
+    assert sorted(got) == sorted(stored)
+    changed = {n for n in stored if ".q_proj." in n or ".v_proj." in n}
+    for name, value in stored.items():
+        if name not in changed:
+            assert got[name].dtype == value.dtype and torch.equal(got[name].view(torch.uint8), value.view(torch.uint8)), name
+    for name in (n for n in changed if n.endswith(".weight")):
+        out = Fp8Quantize(Quantizer())._quantize_one("x.weight", bf16[name])
+        scale = name[: -len("weight")] + "weight_scale_inv"
+        assert got[scale].dtype == out["x.weight_scale_inv"].dtype == torch.float8_e8m0fnu, name
+        assert torch.equal(got[name].view(torch.uint8), out["x.weight"].view(torch.uint8)), name
+        assert torch.equal(got[scale].view(torch.uint8), out["x.weight_scale_inv"].view(torch.uint8)), name
+    gap, scale = _logits_gap(kept, base, adapter, "fp8-ue8m0", "fp8-ue8m0")
+    assert gap < 0.1 * scale, (gap, scale)
+    assert verification_checks(kept) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out

@@ -521,7 +521,7 @@ def _structure(out: Path, plan, config: dict) -> tuple[Check, dict | None]:
 def _dtype_name(st_dtype: str) -> str:
     return {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(st_dtype, st_dtype.lower())
+            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}.get(st_dtype, st_dtype.lower())
 
 
 def _config_problems(config: dict, shapes: dict) -> list[str]:
