@@ -275,7 +275,7 @@ NAME = "model.layers.0.mlp.down_proj.weight"
     (lambda t: t.update({NAME: t[NAME].float().to(torch.float8_e5m2)}),
      [NAME, "float8_e5m2", "float8_e4m3fn"]),
     (lambda t: t.update({NAME[:-6] + "weight_scale_inv": t[NAME[:-6] + "weight_scale_inv"].to(torch.float8_e4m3fn)}),
-     ["weight_scale_inv is stored in float8_e4m3fn", "float32, bfloat16 or float16"]),
+     ["weight_scale_inv is stored in float8_e4m3fn", "float32, bfloat16, float16 or float8_e8m0fnu (ue8m0)"]),
     (lambda t: t.update({"model.layers.0.mlp.extra.weight_scale_inv": torch.ones(1, 1)}),
      ["model.layers.0.mlp.extra.weight_scale_inv", "no weight model.layers.0.mlp.extra.weight"]),
 ], ids=["scale-missing", "scale-shape", "e5m2", "scale-dtype", "scale-alone"])

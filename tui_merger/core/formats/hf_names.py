@@ -597,6 +597,36 @@ def embedding_names(config: dict, names=()) -> EmbeddingNames:
         return UNKNOWN_EMBEDDINGS
 
 
+def quantizable_linears(config: dict, names) -> dict[str, str] | None:
+    """{on-disk weight name: in-memory module name} of the Linear layers (and GPT-2's Conv1D) among
+    ``names`` that transformers' quantizers replace (bitsandbytes' ``replace_with_bnb_linear``): every such
+    module but those ``get_keys_to_not_convert`` keeps (tied weights, the output embedding, the module of
+    the last parameter). None when transformers cannot build the model here."""
+    model = meta_of_config(config)
+    if model is None:
+        return None
+    try:
+        import torch.nn as nn
+        from transformers.pytorch_utils import Conv1D
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        keep = set(get_keys_to_not_convert(model))
+        linears = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and n not in keep}
+        state = dict(model.state_dict(keep_vars=True))
+        rename = renamer(model, state)
+        out = {}
+        for disk in names:
+            if not disk.endswith(".weight"):
+                continue
+            target, _pattern, converter = rename(disk)
+            module = target.removesuffix(".weight")
+            if converter is None and target.endswith(".weight") and module in linears:
+                out[disk] = module
+        return out
+    except Exception:  # noqa: BLE001 - rules this model cannot take
+        return None
+
+
 def _saved_name(model, name: str, state: dict) -> str:
     """The name ``save_pretrained`` writes the in-memory parameter ``name`` under."""
     import torch

@@ -128,7 +128,10 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
         inputs.base.output_quantization = options.output_quantization
     if options.base_roundtrip:
         conv1d = True if getattr(inputs.adapter, "fan_in_fan_out", False) else None  # else: by model_type
-        source = RoundTripSource(inputs.base, parse_roundtrip(options.base_roundtrip), inputs.config, conv1d)
+        from tui_merger.core.formats.hf_names import quantizable_linears
+
+        linears = quantizable_linears(inputs.config, inputs.base.tensors)  # the Linear layers transformers replaces
+        source = RoundTripSource(inputs.base, parse_roundtrip(options.base_roundtrip), inputs.config, conv1d, linears)
         inputs.base = source
         inputs.base_weights = source.describe()
 
