@@ -110,7 +110,7 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
 
     scheme = scheme_of(inputs.config)
     if scheme is not None:  # released quantized (FP8 blocks, compressed-tensors FP8): no other original
-        source = DequantSource(inputs.base, scheme, inputs.config)
+        source = DequantSource(inputs.base, scheme, inputs.config, options.dtype)
         inputs.base = source
         inputs.base_weights = source.describe()
         inputs.config_changes["quantization_config"] = None  # the output is a plain model, unless:
@@ -128,7 +128,10 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
         inputs.base.output_quantization = options.output_quantization
     if options.base_roundtrip:
         conv1d = True if getattr(inputs.adapter, "fan_in_fan_out", False) else None  # else: by model_type
-        source = RoundTripSource(inputs.base, parse_roundtrip(options.base_roundtrip), inputs.config, conv1d)
+        from tui_merger.core.formats.hf_names import quantizable_linears
+
+        linears = quantizable_linears(inputs.config, inputs.base.tensors)  # the Linear layers transformers replaces
+        source = RoundTripSource(inputs.base, parse_roundtrip(options.base_roundtrip), inputs.config, conv1d, linears)
         inputs.base = source
         inputs.base_weights = source.describe()
 

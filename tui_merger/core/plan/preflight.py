@@ -431,10 +431,13 @@ def _field(config: dict, key: str):
 def _check_vocab(options: MergeOptions, inputs, add) -> None:
     """A tokenizer beside the adapter with more tokens than the base embedding has rows, and no
     resized embedding saved in the adapter: the new tokens would point past the embedding."""
-    from tui_merger.core.plan.plan import INPUT_EMBEDDING_SUFFIXES
+    from tui_merger.core.plan.plan import _Resolver, embeddings_of
 
-    rows = next((r.shape[0] for n, r in inputs.base.tensors.items() if n.endswith(INPUT_EMBEDDING_SUFFIXES) and len(r.shape) == 2), None)
-    saved = [n for n in inputs.adapter.replacements if n.endswith(INPUT_EMBEDDING_SUFFIXES)]
+    embed = embeddings_of(inputs.config, inputs.base.tensors).input
+    ref = inputs.base.tensors.get(embed or "")
+    rows = ref.shape[0] if ref is not None and len(ref.shape) == 2 else None
+    resolver = _Resolver(inputs.base.tensors)
+    saved = [n for n in inputs.adapter.replacements if embed and resolver.find(*_module_param(n)) == embed]
     if saved:
         new_rows = inputs.adapter.replacements[saved[0]].shape[0]
         if rows and new_rows != rows:
@@ -451,6 +454,12 @@ def _check_vocab(options: MergeOptions, inputs, add) -> None:
                 "does not carry a resized embedding (modules_to_save).",
                 "Save the adapter with modules_to_save=['embed_tokens', 'lm_head'] after resizing, or use the base's tokenizer (--tokenizer-from base).",
             ))
+
+
+def _module_param(name: str) -> tuple[str, str]:
+    """``model.embed_tokens.weight`` -> (``model.embed_tokens``, ``weight``)."""
+    module, _, param = name.rpartition(".")
+    return module, param
 
 
 def _tokenizer_size(folder: Path) -> int | None:
@@ -646,12 +655,16 @@ def _check_remote_code(config: dict, add) -> None:
 def _check_tied(config: dict, base_config: dict, tplan, add) -> None:
     was_tied = bool(_field(base_config, "tie_word_embeddings"))
     if was_tied and tplan.config_changes.get("tie_word_embeddings") is False:
-        head = next((t for t in tplan.tensors if t.name.endswith("lm_head.weight")), None)
+        from tui_merger.core.plan.plan import embeddings_of
+
+        name = embeddings_of(base_config, {t.name: t.shape for t in tplan.tensors}).output
+        head = next((t for t in tplan.tensors if t.name == name), None)
         extra = f" (+{human_bytes(head.nbytes)})" if head else ""
+        module = name.removesuffix(".weight") if name else "output head"
         add(Finding(
             "tied", WARNING,
             f"The base ties its input and output embeddings, but the adapter changes only one of them, so the "
-            f"merged model gets its own lm_head{extra} and tie_word_embeddings false.",
+            f"merged model gets its own {module}{extra} and tie_word_embeddings false.",
             "Nothing to do if that is what training did; it is what the unmerged model computes.",
         ))
 
