@@ -172,6 +172,36 @@ async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
         assert not app.screen.query_one("#next", Button).disabled
 
 
+async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_merged(workspace, tmp_path):
+    """Issue 38: Review had no way to give lora_alpha to a PEFT adapter that records none. The field is
+    shown (empty: peft's 8, said in it), a typed value is planned, merged and recorded."""
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(workspace / name, ws / name)
+    cfg_path = ws / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["lora_alpha"]
+    cfg["base_model_name_or_path"] = str(ws / "base")
+    cfg_path.write_text(json.dumps(cfg))
+    app = MergeApp(ws)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        alpha = app.screen.query_one("#alpha", Input)
+        assert alpha.display and "8, peft's default" in alpha.placeholder
+        assert "has no lora_alpha" in text(app, "#findings") and 'type it in "LoRA alpha"' in text(app, "#findings")
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        alpha.value = "32"
+        await recheck(pilot, app)
+        assert 'alpha=32 (from "LoRA alpha")' in text(app, "#plan-text")
+        assert "has no lora_alpha" not in text(app, "#findings") and "alpha 32, from" in text(app, "#findings")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
+    manifest = read_manifest(out)
+    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+
+
 async def test_full_run_to_a_verified_model(workspace, tmp_path):
     app = MergeApp(workspace)
     async with app.run_test(size=(100, 30)) as pilot:

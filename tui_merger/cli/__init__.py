@@ -148,7 +148,7 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
     p.add_argument("--backend", choices=["auto", *BACKENDS], default="auto", help="checkpoint format")
     p.add_argument("--base", type=Path, help="base model folder (config.json + weights)")
-    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=_finite_number, help="LoRA alpha when the checkpoint does not record it")
+    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=_finite_number, help="the lora_alpha training used: needed when the checkpoint does not record it; over a recorded one it is used instead, and said")
     p.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic: a TokenClassification model")
     p.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help="keep one embedding for input and output when they are equal")
     p.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help="accepted for verl compatibility; tui-merger never runs model code")

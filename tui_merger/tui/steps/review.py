@@ -141,13 +141,15 @@ class ReviewStep(Step, Vertical):
 
     # -- entering --------------------------------------------------------------------------------
     def enter(self) -> None:
-        from tui_merger.core.plan.choices import can_weight, is_checkpoint, models_found, needs_alpha, needs_base
+        from tui_merger.core.plan.choices import alpha_default, can_weight, is_checkpoint, models_found, needs_alpha, needs_base
 
         wizard = self.wizard
         c = wizard.candidate
         for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
             for w in self.query(cls):
                 w.display = shown
+        default = alpha_default(c)  # an empty alpha: the merge's default (peft's 8), said in the field
+        self.query_one("#alpha", Input).placeholder = f"empty: {default:g}, peft's default" if default is not None else ""
         checkpoint = is_checkpoint(c)
         self.query_one("#settings-label", Label).update(CHECKPOINT_SETTINGS if checkpoint else SETTINGS)
         for selector, choices in (("#dtype", CHECKPOINT_DTYPES if checkpoint else DTYPES),
@@ -162,6 +164,7 @@ class ReviewStep(Step, Vertical):
             self._reviewed = c.path
             self.query_one("#weight", Input).value = "1"
             self.query_one("#more", Input).value = ""
+            self.query_one("#alpha", Input).value = ""
             base.value = ""
             self._proposals, self._searched = [], False
         if needs_base(c) and not base.value and c.base_path:
@@ -342,7 +345,7 @@ class ReviewStep(Step, Vertical):
             self._from_top = False
             form = self.query_one("#review-form")
             self.call_after_refresh(form.scroll_home, animate=False)
-        self.query_one("#plan-text", Static).update(_plan_grid(describe(plan), fields))
+        self.query_one("#plan-text", Static).update(_plan_grid([in_app(line) for line in describe(plan)], fields))
         colours = {"error": "red", "warning": "yellow", "info": "cyan"}
         replace = self.query_one("#replace", Checkbox)
         replace.display = options.out is not None and holds_files(options.out)
