@@ -176,7 +176,7 @@ def test_warning_needs_acknowledgement_and_ctrl_c_cancels_cleanly(ws, monkeypatc
     assert code == 1
     assert "WARNING " in out and "has no lora_alpha" in out
     assert out.count("Step 3 of 5: Merge") == 1
-    assert "Merge cancelled: the partial output was removed and the inputs are untouched." in out
+    assert "Merge cancelled: nothing of the merge is left on disk (no " in out and "the inputs are untouched." in out
     assert sorted(os.listdir(ws)) == ["adapter", "base"]
 
 

@@ -283,12 +283,74 @@ async def test_cancel_mid_merge_stops_the_thread_and_leaves_no_model(workspace, 
         await pilot.click("#cancel")
         await pilot.click("#yes")  # the confirmation
         assert wizard.cancel_token.cancelled
+        assert "Stopping..." in text(app, "#merge-status")  # said at once, before the thread has stopped
         release.set()
         await until(pilot, lambda: wizard.running is None, "the merge thread to stop")
-        assert "Cancelled" in text(app, "#merge-status")
+        assert "Cancelled:[/] nothing of the merge is left on disk" in text(app, "#merge-status")
         assert wizard.result is None and wizard.step == "merge"
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+async def test_stop_and_quit_says_stopping_waits_for_the_stop_and_says_what_is_on_disk(workspace, tmp_path):
+    """Issue 38: "Stop and quit" closed the app at once with "The partial output is removed" whatever the
+    merge then did (once it went on to a verified model), the screen frozen while Textual waited for the
+    thread. Now "Stopping..." at once, the app closes when the merge has stopped, and the terminal says
+    what the disk holds."""
+    reached, release = threading.Event(), threading.Event()
+
+    def hook(event):
+        if isinstance(event, TensorProgress) and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    app = MergeApp(workspace, engine_hook=hook)
+    out = tmp_path / "out"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, reached.is_set, "the merge to start")
+        await pilot.press("ctrl+q")
+        await pilot.click("#yes")  # Stop and quit
+        assert wizard.cancel_token.cancelled and app.is_running  # not closed before the merge stopped
+        assert "Stopping..." in text(app, "#merge-status")
+        release.set()
+        await until(pilot, lambda: not app.is_running, "the app to close once the merge stopped")
+    assert app.return_value == 130  # what run_tui returns, the exit code
+    assert app.farewell() == f"The merge was stopped: nothing of the merge is left on disk (no {out.name}, no partial folder); the inputs are untouched."
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+async def test_stop_and_quit_after_the_merge_finished_keeps_the_model_and_says_so(workspace, tmp_path):
+    """The merge ended while "Stop and quit?" was open: the model it wrote is kept, and the terminal says
+    so (verified or not, as the folder records it), instead of "the partial output is removed"."""
+    reached, release = threading.Event(), threading.Event()
+
+    def hook(event):
+        if isinstance(event, TensorProgress) and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    app = MergeApp(workspace, engine_hook=hook)
+    out = tmp_path / "out"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, reached.is_set, "the merge to start")
+        await pilot.press("ctrl+q")
+        await pilot.pause()
+        release.set()  # the merge finishes while the question is open
+        await until(pilot, lambda: wizard.running != "merge", "the merge to end", tries=1200)
+        await pilot.click("#yes")
+        await until(pilot, lambda: not app.is_running, "the app to close")
+    assert app.return_value == 0
+    assert (out / "config.json").is_file()
+    said = app.farewell()
+    assert said.startswith(f"The merged model is in {out}") and "removed" not in said
 
 
 async def test_help_and_command_palette(workspace):

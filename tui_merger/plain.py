@@ -17,7 +17,7 @@ from pathlib import Path
 from tui_merger.cli.common import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
 from tui_merger.core.plan.choices import alpha_default, default_out_folder, free_output, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
-from tui_merger.core.errors import MergeError
+from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import Notice
 from tui_merger.core.formats.scan import scan, shown
 from tui_merger.core.options import MergeOptions, human_bytes, parse_size, parse_weight
@@ -488,7 +488,11 @@ class _Flow:
         try:  # verification follows: its recompute and the unmerged run start while the merge writes
             return merge_prewarmed(self.options, PlainProgress(stream=self.out))
         except KeyboardInterrupt:
-            self.say("Merge cancelled: the partial output was removed and the inputs are untouched.")
+            from tui_merger.core.merge.output import left_on_disk
+
+            self.say(f"Merge cancelled: {left_on_disk(self.options.out)}; the inputs are untouched.")  # as the disk says
+        except MergeCancelled as err:  # stopped with finished shards kept: the sentence says where
+            self.say(str(err))
         except MergeError as err:
             self.say(f"error: {err}")
         return None

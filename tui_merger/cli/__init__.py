@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: the partial output was removed; the inputs are untouched.", file=sys.stderr)
+        print(_left_behind(args), file=sys.stderr)
         return 130
     except Exception as err:  # an unexpected failure: a library outside its range, else a bug of ours
         if args.debug:
@@ -233,6 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     return 2  # pragma: no cover
 
 
+def _left_behind(args) -> str:
+    """After Ctrl-C: what is on disk now (a second Ctrl-C can stop the cleanup of the first, a stop
+    during verification leaves a complete model), and that the inputs were only read."""
+    out = getattr(args, "out", None) if getattr(args, "command", None) == "merge" else None
+    if out is None:  # another command: it says what it keeps on its own way out, if anything
+        return "interrupted."
+    from tui_merger.core.merge.output import left_on_disk
+
+    return f"interrupted: {left_on_disk(out)}; the inputs are untouched."
+
+
 def _interrupt_on_signals() -> None:
     """SIGTERM and SIGHUP (a closed SSH session) stop a merge like Ctrl-C: between tensors, keeping the
     finished shards for a resume."""
@@ -241,6 +252,20 @@ def _interrupt_on_signals() -> None:
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    said = []
+
+    def ctrl_c(signum, frame):
+        """Said at once (the merge stops after the tensor it is on; verification after its module)."""
+        if not said:
+            said.append(True)
+            print("\nStopping...", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+        try:
+            signal.signal(signal.SIGINT, ctrl_c)
+        except (ValueError, OSError):  # not the main thread
+            pass
     for sig in (signal.SIGTERM, signal.SIGHUP):
         try:
             signal.signal(sig, interrupt)
