@@ -202,6 +202,34 @@ async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_mer
     assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
 
 
+async def test_a_named_base_that_does_not_fit_gets_the_base_field_and_a_fitting_proposal(workspace, tmp_path):
+    """Issue 38 item 3: the adapter names a base that is here but is another model (shapes do not fit):
+    Review showed the error with no base field and no proposal (a dead end), though a model that fits
+    was beside it. The base field appears, holding the named base, with the model that fits proposed."""
+    from factory import qwen_config, save_base
+
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(workspace / name, ws / name)
+    wrong = save_base(ws / "other-model", qwen_config(hidden_size=96, num_attention_heads=4, num_key_value_heads=2))
+    cfg_path = ws / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = str(wrong)
+    cfg_path.write_text(json.dumps(cfg))
+    app = MergeApp(ws)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidate is not None, "a candidate")
+        await pilot.press("ctrl+n")
+        base = app.screen.query_one("#base", Input)
+        await until(pilot, lambda: base.display and base.value == str(ws / "base") and wizard.running is None
+                    and wizard.plan is not None and not wizard.plan_stale, "the fitting base proposed and planned")
+        note = text(app, "#base-note")
+        assert f"the base the adapter names, {wrong}, does not fit it" in note and "Proposed" in note
+        assert not wizard.plan.of("error") and wizard.options.base == ws / "base"
+        assert base.has_focus
+
+
 async def test_full_run_to_a_verified_model(workspace, tmp_path):
     app = MergeApp(workspace)
     async with app.run_test(size=(100, 30)) as pilot:

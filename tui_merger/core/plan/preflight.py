@@ -24,6 +24,9 @@ from tui_merger.core.io.files import json_object_or_none
 from tui_merger.core.options import MergeOptions, human_bytes
 
 ERROR, WARNING, INFO = "error", "warning", "info"
+# errors that another base model fixes (the adapter does not fit the base given or named): the assistant
+# shows its base field, with the models here that fit, beside them
+BASE_FINDINGS = frozenset({"adapter-fit", "architecture", "experts-missing", "merged-twice"})
 ENGINE_SAYS = ("notice", "tokenizer", "lora-alpha")  # findings the merge itself reports again as notices
 MERGE_BYTES_PER_S = 0.5e9  # output bytes per second, measured on this project's 2-core machine (~2 s/GB)
 FP16_MAX = 65504.0
