@@ -231,3 +231,21 @@ def test_lora_alpha_given_over_a_recorded_one_is_used_and_said(pair, tmp_path):
             torch.testing.assert_close(got[key], value, atol=1e-6, rtol=0)
     same = run_cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "same", "--lora-alpha", "8", "--dry-run")
     assert same.returncode == 0 and "from --lora-alpha" not in same.stdout  # the recorded value: nothing to say
+
+
+def test_adapter_option_without_base_takes_the_base_the_adapter_names(pair, tmp_path):
+    """Issue 38 item 10: `merge --adapter A --out O` failed ("Say what to merge") when A names a base on
+    this machine, while `merge A --out O` worked. Both take it; one that names no local base is told
+    to give --base."""
+    base, adapter = pair
+    out = tmp_path / "merged"
+    proc = run_cli("merge", "--adapter", adapter, "--out", out, "--no-verify")
+    assert proc.returncode == 0, proc.stderr
+    assert f"it is merged into {base}, the base model it names" in proc.stderr
+    probe = probe_ids()
+    ref_logits, _, _ = reference(base, adapter, probe=probe)
+    torch.testing.assert_close(logits_of(out, probe), ref_logits, atol=1e-5, rtol=0)
+    elsewhere = _adapter_copy(adapter, tmp_path / "elsewhere", base_model_name_or_path="someone/not-here")
+    refused = run_cli("merge", "--adapter", elsewhere, "--out", tmp_path / "other")
+    assert refused.returncode == 1 and "--base MODEL" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.stderr.count("\n") == 1 and not (tmp_path / "other").exists()

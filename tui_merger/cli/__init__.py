@@ -332,6 +332,8 @@ def cmd_merge(args) -> int:
         if args.adapter is not None:
             raise MergeError("--adapter is for PEFT adapter folders; a checkpoint carries its LoRA itself.")
         _check_backend(checkpoint, args.backend)
+    elif args.base is None and args.adapter:  # the base the (first) adapter names, as `merge ADAPTER` takes it
+        args.base = _base_named_by(args)
     elif args.base is None or args.adapter is None:
         raise MergeError(
             "Say what to merge: --base MODEL --adapter ADAPTER, or a verl checkpoint folder (CHECKPOINT or --local_dir)."
@@ -395,6 +397,24 @@ def _adapter_given_as_checkpoint(args, path: Path) -> Path | None:
         args.adapter = [str(adapter)]
     args.base, args.checkpoint, args.local_dir = base, None, None
     return None
+
+
+def _base_named_by(args) -> Path:
+    """``merge --adapter A --out O`` without --base: the base A names when it is on this machine (said on
+    stderr, as for ``merge A``); else the sentence saying to give --base."""
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.options import parse_adapter_spec
+    from tui_merger.core.plan.choices import not_a_checkpoint
+
+    first = parse_adapter_spec(str(args.adapter[0]))[0]
+    taken = not_a_checkpoint(first, None, args.out)
+    if taken is None or taken[0] is None:
+        raise MergeError(
+            f"{first} names no base model that is on this machine; give the model it was trained on with --base MODEL."
+        )
+    _, base, said = taken
+    print(f"note: {said}", file=sys.stderr)
+    return base
 
 
 def _checkpoint(args) -> Path | None:
