@@ -794,12 +794,19 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not os.access(parent, os.W_OK):
-        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
-        why = "Read-only file system" if read_only else "Permission denied"
         add(Finding(
             "output", ERROR,
-            f"Cannot write in {parent} ({why}), so the merged model cannot be created there.",
+            f"Cannot write in {parent} ({_unwritable_why(parent)}), so the merged model cannot be created there.",
             "Choose an output folder you can write to.",
+        ))
+        return
+    if Path(out).is_dir() and (not os.access(out, os.W_OK) or _immutable(Path(out))):  # append-only: writable, not removable
+        # the finished model replaces this folder at the end (removed when empty, swapped out with
+        # --overwrite): an immutable one, or one not writable, fails only then, after the whole merge
+        add(Finding(
+            "output", ERROR,
+            f"Cannot write in {out} ({_unwritable_why(Path(out))}), so the merged model cannot be put there.",
+            "Choose another output folder" + (", or clear the flag (chattr -i -a)." if _immutable(Path(out)) else "."),
         ))
         return
     if plan.output_bytes:
@@ -810,6 +817,29 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
             check_space(parent, max(plan.output_bytes - kept, 0))  # the engine's own check, with its sentence
         except MergeError as err:
             add(Finding("disk", ERROR, str(err)))
+
+
+def _immutable(path: Path) -> bool:
+    """The folder carries Linux's immutable or append-only flag (chattr +i / +a): even root may not
+    remove, rename or fill it. Read with FS_IOC_GETFLAGS; False where that cannot be asked."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            buf = bytearray(8)
+            fcntl.ioctl(fd, 0x80086601, buf)  # FS_IOC_GETFLAGS
+        finally:
+            os.close(fd)
+    except (OSError, ImportError):
+        return False
+    return bool(int.from_bytes(buf[:4], "little") & (0x10 | 0x20))  # FS_IMMUTABLE_FL | FS_APPEND_FL
+
+
+def _unwritable_why(path: Path) -> str:
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        return "Read-only file system"
+    return "immutable or append-only: lsattr -d shows i or a" if _immutable(path) else "Permission denied"
 
 
 # -- the output formats the assistant offers -------------------------------------------------------
