@@ -172,6 +172,64 @@ async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
         assert not app.screen.query_one("#next", Button).disabled
 
 
+async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_merged(workspace, tmp_path):
+    """Issue 38: Review had no way to give lora_alpha to a PEFT adapter that records none. The field is
+    shown (empty: peft's 8, said in it), a typed value is planned, merged and recorded."""
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(workspace / name, ws / name)
+    cfg_path = ws / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["lora_alpha"]
+    cfg["base_model_name_or_path"] = str(ws / "base")
+    cfg_path.write_text(json.dumps(cfg))
+    app = MergeApp(ws)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        alpha = app.screen.query_one("#alpha", Input)
+        assert alpha.display and "8, peft's default" in alpha.placeholder
+        assert "has no lora_alpha" in text(app, "#findings") and 'type it in "LoRA alpha"' in text(app, "#findings")
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        alpha.value = "32"
+        await recheck(pilot, app)
+        assert 'alpha=32 (from "LoRA alpha")' in text(app, "#plan-text")
+        assert "has no lora_alpha" not in text(app, "#findings") and "alpha 32, from" in text(app, "#findings")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
+    manifest = read_manifest(out)
+    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+
+
+async def test_a_named_base_that_does_not_fit_gets_the_base_field_and_a_fitting_proposal(workspace, tmp_path):
+    """Issue 38 item 3: the adapter names a base that is here but is another model (shapes do not fit):
+    Review showed the error with no base field and no proposal (a dead end), though a model that fits
+    was beside it. The base field appears, holding the named base, with the model that fits proposed."""
+    from factory import qwen_config, save_base
+
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(workspace / name, ws / name)
+    wrong = save_base(ws / "other-model", qwen_config(hidden_size=96, num_attention_heads=4, num_key_value_heads=2))
+    cfg_path = ws / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = str(wrong)
+    cfg_path.write_text(json.dumps(cfg))
+    app = MergeApp(ws)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidate is not None, "a candidate")
+        await pilot.press("ctrl+n")
+        base = app.screen.query_one("#base", Input)
+        await until(pilot, lambda: base.display and base.value == str(ws / "base") and wizard.running is None
+                    and wizard.plan is not None and not wizard.plan_stale, "the fitting base proposed and planned")
+        note = text(app, "#base-note")
+        assert f"the base the adapter names, {wrong}, does not fit it" in note and "Proposed" in note
+        assert not wizard.plan.of("error") and wizard.options.base == ws / "base"
+        assert base.has_focus
+
+
 async def test_full_run_to_a_verified_model(workspace, tmp_path):
     app = MergeApp(workspace)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -253,12 +311,74 @@ async def test_cancel_mid_merge_stops_the_thread_and_leaves_no_model(workspace, 
         await pilot.click("#cancel")
         await pilot.click("#yes")  # the confirmation
         assert wizard.cancel_token.cancelled
+        assert "Stopping..." in text(app, "#merge-status")  # said at once, before the thread has stopped
         release.set()
         await until(pilot, lambda: wizard.running is None, "the merge thread to stop")
-        assert "Cancelled" in text(app, "#merge-status")
+        assert "Cancelled:[/] nothing of the merge is left on disk" in text(app, "#merge-status")
         assert wizard.result is None and wizard.step == "merge"
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+async def test_stop_and_quit_says_stopping_waits_for_the_stop_and_says_what_is_on_disk(workspace, tmp_path):
+    """Issue 38: "Stop and quit" closed the app at once with "The partial output is removed" whatever the
+    merge then did (once it went on to a verified model), the screen frozen while Textual waited for the
+    thread. Now "Stopping..." at once, the app closes when the merge has stopped, and the terminal says
+    what the disk holds."""
+    reached, release = threading.Event(), threading.Event()
+
+    def hook(event):
+        if isinstance(event, TensorProgress) and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    app = MergeApp(workspace, engine_hook=hook)
+    out = tmp_path / "out"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, reached.is_set, "the merge to start")
+        await pilot.press("ctrl+q")
+        await pilot.click("#yes")  # Stop and quit
+        assert wizard.cancel_token.cancelled and app.is_running  # not closed before the merge stopped
+        assert "Stopping..." in text(app, "#merge-status")
+        release.set()
+        await until(pilot, lambda: not app.is_running, "the app to close once the merge stopped")
+    assert app.return_value == 130  # what run_tui returns, the exit code
+    assert app.farewell() == f"The merge was stopped: nothing of the merge is left on disk (no {out.name}, no partial folder); the inputs are untouched."
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+async def test_stop_and_quit_after_the_merge_finished_keeps_the_model_and_says_so(workspace, tmp_path):
+    """The merge ended while "Stop and quit?" was open: the model it wrote is kept, and the terminal says
+    so (verified or not, as the folder records it), instead of "the partial output is removed"."""
+    reached, release = threading.Event(), threading.Event()
+
+    def hook(event):
+        if isinstance(event, TensorProgress) and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    app = MergeApp(workspace, engine_hook=hook)
+    out = tmp_path / "out"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, reached.is_set, "the merge to start")
+        await pilot.press("ctrl+q")
+        await pilot.pause()
+        release.set()  # the merge finishes while the question is open
+        await until(pilot, lambda: wizard.running != "merge", "the merge to end", tries=1200)
+        await pilot.click("#yes")
+        await until(pilot, lambda: not app.is_running, "the app to close")
+    assert app.return_value == 0
+    assert (out / "config.json").is_file()
+    said = app.farewell()
+    assert said.startswith(f"The merged model is in {out}") and "removed" not in said
 
 
 async def test_help_and_command_palette(workspace):

@@ -149,17 +149,27 @@ def test_upload_stores_every_byte_private_by_default_and_a_rerun_changes_nothing
     assert hub.count("lfs-put") == 3 and hub.count("lfs-part") == 3  # nothing sent again
 
 
-def test_dry_run_checks_the_token_and_sends_nothing(upload, hub, folder):
-    run = upload(hub.url, folder, "--repo-id", "alice/merged", "--dry-run")
+def test_dry_run_lists_the_files_offline_with_no_token_and_writes_nothing(upload, folder):
+    """Issue 38 item 11: the dry run needed a token and the network before it listed anything, and then
+    said "run the same command again to resume". It lists offline, with no token, writes nothing (the
+    card it would write is listed), and says only what is true."""
+    (folder / "README.md").unlink(missing_ok=True)  # the card an upload writes from merge_manifest.json
+    before = local_files(folder)
+    with socket.socket() as s:  # nothing listens there: any call to the Hub would fail
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = upload(f"http://127.0.0.1:{port}", folder, "--repo-id", "alice/merged", "--dry-run", token=None)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert "alice/merged (private, new repo" in lines[0]
+    assert "to alice/merged (branch main; a new repo is created private; the Hub was not contacted" in lines[0]
     assert any(line.split()[:3] == ["LFS", "10.50", "MB"] and line.endswith("tokenizer.json") for line in lines)
     assert any(line.split()[0] == "LFS" and line.endswith("model-00001-of-00003.safetensors") for line in lines)
     assert any(line.split()[0] == "regular" and line.endswith("config.json") for line in lines)
-    assert "nothing was sent" in run.stdout
-    assert dict(hub.counts) == {"whoami": 1, "repo-info": 1}
-    assert hub.repos == {}
+    assert any(line.split()[0] == "regular" and line.endswith("README.md") for line in lines)
+    assert "The model card README.md would be written from merge_manifest.json" in run.stdout
+    assert "Dry run: nothing was written or sent." in run.stdout
+    assert "resume" not in run.stdout + run.stderr and "error" not in run.stderr
+    assert local_files(folder) == before  # no README.md written
 
 
 @pytest.mark.parametrize("existing, flag, private", [(None, "--public", False), (False, None, False), (True, "--public", True)])

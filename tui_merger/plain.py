@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tui_merger.cli.common import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
-from tui_merger.core.plan.choices import default_out_folder, free_output, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
-from tui_merger.core.errors import MergeError
+from tui_merger.core.plan.choices import alpha_default, default_out_folder, free_output, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
+from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import Notice
 from tui_merger.core.formats.scan import scan, shown
 from tui_merger.core.options import MergeOptions, human_bytes, parse_size, parse_weight
@@ -232,6 +232,8 @@ class _Flow:
         self.root = root
         self.candidate = None
         self.options: MergeOptions | None = None
+        self.alpha_asked = False  # the checkpoint records no lora_alpha: Review offers to change the answer
+        self.alpha_default: float | None = None  # what an empty answer means (peft's 8; None: one is needed)
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
@@ -323,6 +325,8 @@ class _Flow:
                 self.say(f"Base model: {shown(base)} (named by the checkpoint).")
             else:
                 base = self.ask_base(self.propose_base(c))
+        self.alpha_default = alpha_default(c)
+        self.alpha_asked = needs_alpha(c)
         options = options_for(c, base=base, lora_alpha=self.ask_alpha() if needs_alpha(c) else None)
         folder, where = default_out_folder(c)
         self.say(f"The merged model goes {where}; type another folder if you like.")
@@ -355,9 +359,17 @@ class _Flow:
         )
         return Path(answer).expanduser().absolute()
 
-    def ask_alpha(self) -> float:
+    def ask_alpha(self, now: float | None = None) -> float | None:
+        """The lora_alpha training used; None (an empty answer) where the merge has a default (peft's 8)."""
+        default = self.alpha_default
         self.say("The checkpoint does not record lora_alpha; look it up in the training config.")
-        return float(self.ask.text("lora_alpha used in training:", validate=_check_alpha))
+        if default is None:
+            return float(self.ask.text("lora_alpha used in training:", default=f"{now:g}" if now else "", validate=_check_alpha))
+        answer = self.ask.text(
+            f"lora_alpha used in training (empty: {default:g}, peft's default):",
+            default=f"{now:g}" if now else "", validate=lambda text: None if not text.strip() else _check_alpha(text),
+        )
+        return float(answer) if answer.strip() else None
 
     def review(self) -> str:
         """Show the plan and its findings until the user starts ("start"), picks again ("find") or quits."""
@@ -391,9 +403,9 @@ class _Flow:
         plan = plan or make_plan(self.options)
         self.say("The plan:")
         for line in describe(plan):
-            self.say(line)
+            self.say(_in_flow(line))
         for f in plan.findings:
-            self.say(f"  {f.severity.upper():7} {f.message}")
+            self.say(f"  {f.severity.upper():7} {_in_flow(f.message)}")
             if f.fix:
                 self.say(f"          fix: {f.fix}")
         if not plan.findings:
@@ -410,8 +422,9 @@ class _Flow:
             menu.append(("Replace the existing output folder once the new model is complete", lambda: {"overwrite": True}))
         if o.base is not None:
             menu.append((f"Change the base model (now {shown(o.base)})", lambda: {"base": self.ask_base(o.base)}))
-        if o.lora_alpha is not None:
-            menu.append((f"Change lora_alpha (now {o.lora_alpha:g})", lambda: {"lora_alpha": self.ask_alpha()}))
+        if o.lora_alpha is not None or self.alpha_asked:
+            now = f"{o.lora_alpha:g}" if o.lora_alpha is not None else f"{self.alpha_default:g}, peft's default"
+            menu.append((f"Change lora_alpha (now {now})", lambda: {"lora_alpha": self.ask_alpha(o.lora_alpha)}))
         if o.adapter is not None and o.checkpoint is None:
             now = ", ".join(f"{p.name} x {w:g}" for p, w in o.adapter_weights())
             menu.append((f"Weight this adapter or blend in others (now {now})", self.edit_weights))
@@ -475,7 +488,11 @@ class _Flow:
         try:  # verification follows: its recompute and the unmerged run start while the merge writes
             return merge_prewarmed(self.options, PlainProgress(stream=self.out))
         except KeyboardInterrupt:
-            self.say("Merge cancelled: the partial output was removed and the inputs are untouched.")
+            from tui_merger.core.merge.output import left_on_disk
+
+            self.say(f"Merge cancelled: {left_on_disk(self.options.out)}; the inputs are untouched.")  # as the disk says
+        except MergeCancelled as err:  # stopped with finished shards kept: the sentence says where
+            self.say(str(err))
         except MergeError as err:
             self.say(f"error: {err}")
         return None
@@ -694,6 +711,18 @@ def _check_more(text: str) -> str | None:
     except MergeError as err:
         return str(err)
     return None
+
+
+IN_FLOW = (  # the engine's words for flags, as this flow asks them
+    ("give it with --lora-alpha", 'pick "Change lora_alpha" below'),
+    ("from --lora-alpha", "from your answer"),
+)
+
+
+def _in_flow(text: str) -> str:
+    for flag, words in IN_FLOW:
+        text = text.replace(flag, words)
+    return text
 
 
 def _check_alpha(text: str) -> str | None:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from pathlib import Path
 
-from tui_merger.core.formats.adapter import empty_adapter
+from tui_merger.core.formats.adapter import empty_adapter, use_alpha
 from tui_merger.core.formats.base import Reference
 from tui_merger.core.formats.combine import combine_adapters
 from tui_merger.core.formats.input_types import Inputs, paths_of
@@ -53,6 +53,10 @@ def _open_inputs(options: MergeOptions) -> Inputs:
         for path, weight in options.adapter_weights():
             part = open_adapter(path, base.tensors)
             inputs.closers.append(part)
+            if options.lora_alpha is not None:  # the user's value: used, and said (never dropped)
+                said = use_alpha(part, options.lora_alpha)
+                if said:
+                    inputs.infos.append(said)
             parts.append((_on_disk_names(part, base, options.base, inputs.closers), weight, path))
         inputs.parts = parts
         adapter = inputs.adapter = combine_adapters(parts)

@@ -24,7 +24,10 @@ from tui_merger.core.io.files import json_object_or_none
 from tui_merger.core.options import MergeOptions, human_bytes
 
 ERROR, WARNING, INFO = "error", "warning", "info"
-ENGINE_SAYS = ("notice", "tokenizer")  # findings the merge itself reports again as notices
+# errors that another base model fixes (the adapter does not fit the base given or named): the assistant
+# shows its base field, with the models here that fit, beside them
+BASE_FINDINGS = frozenset({"adapter-fit", "architecture", "experts-missing", "merged-twice"})
+ENGINE_SAYS = ("notice", "tokenizer", "lora-alpha")  # findings the merge itself reports again as notices
 MERGE_BYTES_PER_S = 0.5e9  # output bytes per second, measured on this project's 2-core machine (~2 s/GB)
 FP16_MAX = 65504.0
 
@@ -109,8 +112,10 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             from tui_merger.core.formats.adapter import empty_adapter
 
             merged_adapter = empty_adapter(inputs.adapter.folder)
+        for note in inputs.infos:
+            add(Finding("notice", INFO, note))
         for note in inputs.notices:
-            if "no lora_alpha" not in note:  # said by the lora-alpha check
+            if "has no lora_alpha" not in note:  # said by the lora-alpha check
                 add(_notice_finding(note))
         try:
             tplan = output_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
@@ -181,11 +186,11 @@ def _check_merged_twice(options: MergeOptions, add) -> None:
 def _raw_adapter(options: MergeOptions, add) -> dict | None:
     """adapter_config.json of the (first) PEFT adapter, with the checks that make the parser refuse
     it; each adapter of a weighted merge is checked."""
-    configs = [_raw_one(Path(path), add) for path, _ in options.adapter_weights()]
+    configs = [_raw_one(Path(path), add, options.lora_alpha) for path, _ in options.adapter_weights()]
     return configs[0] if configs else None
 
 
-def _raw_one(folder: Path, add) -> dict | None:
+def _raw_one(folder: Path, add, given_alpha=None) -> dict | None:
     path = folder / "adapter_config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -200,11 +205,10 @@ def _raw_one(folder: Path, add) -> dict | None:
     except MergeError:
         return None  # the parser says what is wrong with it
     if cfg.get("lora_alpha") is None:
-        add(Finding(
-            "lora-alpha", WARNING,
-            f"{path} has no lora_alpha, so peft's default of 8 will be used, as peft itself would.",
-            "If training used another alpha, set lora_alpha in adapter_config.json.",
-        ))
+        if given_alpha is None:  # given: the merge uses it and says so (a notice of the inputs)
+            from tui_merger.core.formats.adapter import no_alpha_sentence
+
+            add(Finding("lora-alpha", WARNING, no_alpha_sentence(path)))
     elif not cfg.get("lora_alpha") and not cfg.get("alpha_pattern"):
         add(Finding(
             "lora-alpha", ERROR,
@@ -288,11 +292,17 @@ def _adapter_summary(adapter) -> dict | None:
         **experts,
         "r": ranks[0] if len(ranks) == 1 else ranks,
         "alpha": alphas[0] if len(alphas) == 1 else alphas,
+        "alpha_from": getattr(adapter, "alpha_from", ""),  # "" recorded, "--lora-alpha", "peft's default"...
         "variant": "dora" if cfg.get("use_dora") else ("rslora" if cfg.get("use_rslora") else "lora"),
         "target_modules": cfg.get("target_modules") or sorted({m.rsplit(".", 1)[-1] for m in adapter.lora}),
         "modules_to_save": cfg.get("modules_to_save") or [],
         **(_weighted_summary(adapter) if cfg.get("combined") else {}),
     }
+
+
+def _g(value):
+    """A number as people write it (32, not 32.0); lists and the rest as they are."""
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def _weighted_summary(adapter) -> dict:
@@ -301,7 +311,7 @@ def _weighted_summary(adapter) -> dict:
     parts = adapter.config["adapters"]
     return {
         "variant": "weighted lora",
-        "adapters": [{k: d[k] for k in ("path", "weight", "r", "lora_alpha", "modules")} for d in parts],
+        "adapters": [{k: d.get(k, "") for k in ("path", "weight", "r", "lora_alpha", "alpha_from", "modules")} for d in parts],
         "overlaps": overlap_summary(adapter),
         "overlap_modules": {mod: [parts[i]["path"] for i in who] for mod, who in overlaps(adapter).items()},
     }
@@ -797,12 +807,19 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not os.access(parent, os.W_OK):
-        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
-        why = "Read-only file system" if read_only else "Permission denied"
         add(Finding(
             "output", ERROR,
-            f"Cannot write in {parent} ({why}), so the merged model cannot be created there.",
+            f"Cannot write in {parent} ({_unwritable_why(parent)}), so the merged model cannot be created there.",
             "Choose an output folder you can write to.",
+        ))
+        return
+    if Path(out).is_dir() and (not os.access(out, os.W_OK) or _immutable(Path(out))):  # append-only: writable, not removable
+        # the finished model replaces this folder at the end (removed when empty, swapped out with
+        # --overwrite): an immutable one, or one not writable, fails only then, after the whole merge
+        add(Finding(
+            "output", ERROR,
+            f"Cannot write in {out} ({_unwritable_why(Path(out))}), so the merged model cannot be put there.",
+            "Choose another output folder" + (", or clear the flag (chattr -i -a)." if _immutable(Path(out)) else "."),
         ))
         return
     if plan.output_bytes:
@@ -813,6 +830,29 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
             check_space(parent, max(plan.output_bytes - kept, 0))  # the engine's own check, with its sentence
         except MergeError as err:
             add(Finding("disk", ERROR, str(err)))
+
+
+def _immutable(path: Path) -> bool:
+    """The folder carries Linux's immutable or append-only flag (chattr +i / +a): even root may not
+    remove, rename or fill it. Read with FS_IOC_GETFLAGS; False where that cannot be asked."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            buf = bytearray(8)
+            fcntl.ioctl(fd, 0x80086601, buf)  # FS_IOC_GETFLAGS
+        finally:
+            os.close(fd)
+    except (OSError, ImportError):
+        return False
+    return bool(int.from_bytes(buf[:4], "little") & (0x10 | 0x20))  # FS_IMMUTABLE_FL | FS_APPEND_FL
+
+
+def _unwritable_why(path: Path) -> str:
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        return "Read-only file system"
+    return "immutable or append-only: lsattr -d shows i or a" if _immutable(path) else "Permission denied"
 
 
 # -- the output formats the assistant offers -------------------------------------------------------
@@ -920,11 +960,13 @@ def describe(plan: MergePlan) -> list[str]:
         elif a.get("expert_parameters"):
             experts = (f" + LoRA on {a['expert_parameters']} expert parameter(s) "
                        f"({', '.join(sorted(map(str, a['target_parameters'])))}; rank r per expert)")
-        lines.append(f"  {'LoRA':10} r={a['r']} alpha={a['alpha']} {a['variant']}, {a['modules']} modules ({targets}){experts}")
+        alpha_from = f" (from {a['alpha_from']})" if a.get("alpha_from") else ""
+        lines.append(f"  {'LoRA':10} r={a['r']} alpha={_g(a['alpha'])}{alpha_from} {a['variant']}, {a['modules']} modules ({targets}){experts}")
         for number, part in enumerate(a.get("adapters") or [], start=1):
+            alpha_from = f" (from {part['alpha_from']})" if part.get("alpha_from") else ""
             lines.append(
                 f"  {'weight':10} {part['weight']:g} x adapter {number} ({Path(part['path']).name}: r={part['r']} "
-                f"alpha={part['lora_alpha']}, {part['modules']} modules)"
+                f"alpha={_g(part['lora_alpha'])}{alpha_from}, {part['modules']} modules)"
             )
         for line in a.get("overlaps") or []:
             lines.append(f"  {'touches':10} {line}")

@@ -142,6 +142,8 @@ def render_model_card(manifest: dict) -> str:
             value = adapter.get(key)
             if value not in (None, [], ""):
                 shown = ", ".join(map(str, value)) if isinstance(value, list) else value
+                if key == "alpha" and adapter.get("alpha_from"):  # not recorded by the adapter
+                    shown = f"{shown} (from {adapter['alpha_from']})"
                 lines.append(f"| {key} | {shown} |")
         for part in adapter.get("adapters") or []:  # a weighted merge of several adapters
             lines.append(f"| adapter | {Path(str(part.get('path'))).name} × {part.get('weight')} (r={part.get('r')}) |")

@@ -49,9 +49,9 @@ class PlannedFile:
 class UploadPlan:
     folder: Path
     repo_id: str
-    user: str  # whom the token belongs to
+    user: str | None  # whom the token belongs to (None: the Hub was not asked, a dry run)
     private: bool  # the visibility the repo has (when it exists) or will be created with
-    exists: bool
+    exists: bool | None  # None: not asked (a dry run: offline, no token)
     revision: str
     head: str | None  # the revision's commit before the upload; None for a new repo
     files: tuple[PlannedFile, ...]
@@ -82,9 +82,12 @@ def plan_upload(
     token: str | None = None,
     endpoint: str | None = None,
     revision: str = "main",
+    offline: bool = False,
 ) -> UploadPlan:
     """Check the folder and repo id, then the token (the first call to the Hub), then the repo.
-    Writes the model card (README.md) from merge_manifest.json when the folder has none; sends no file."""
+    Writes the model card (README.md) from merge_manifest.json when the folder has none; sends no file.
+    ``offline`` (a dry run): the files only, with neither token nor network, and nothing written (the
+    card that would be written is listed with its size)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise MergeError(f"{folder} does not exist or is not a folder; give the folder the merge wrote.")
@@ -96,16 +99,27 @@ def plan_upload(
     _check_repo_id(repo_id)
     notices = []
     had_card = (folder / CARD_NAME).is_file()
-    if ensure_model_card(folder) is None:
+    card = None if had_card or not offline else _card_text(folder)
+    if had_card:
+        pass
+    elif offline and card is not None:
+        notices.append(f"The model card {CARD_NAME} would be written from merge_manifest.json before uploading.")
+    elif offline or ensure_model_card(folder) is None:
         notices.append(f"{folder} has no README.md and no merge_manifest.json to write one from: the repo gets no model card.")
-    elif not had_card:
+    else:
         notices.append(f"Wrote the model card {folder / CARD_NAME} from merge_manifest.json; edit it before uploading if you like.")
     files, left_out = _list_files(folder)
+    if card is not None:
+        files = sorted([*files, PlannedFile(CARD_NAME, len(card.encode()), False)], key=lambda f: f.path)
     if left_out:
         notices.append(f"Left out (hidden, often partial downloads or caches): {', '.join(left_out)}.")
     outside, said = _recorded_outside(folder, {f.path for f in files})
     files += outside
     notices += said
+    if offline:  # a dry run: nothing asked of the Hub, so neither token nor network is needed
+        return UploadPlan(folder=folder, repo_id=repo_id, user=None, private=private, exists=None, revision=revision,
+                          head=None, files=tuple(files), left_out=tuple(left_out), notices=tuple(notices),
+                          endpoint=endpoint, token=token)
 
     from huggingface_hub.errors import RepositoryNotFoundError
 
@@ -145,6 +159,15 @@ def plan_upload(
         endpoint=endpoint,
         token=token,
     )
+
+
+def _card_text(folder: Path) -> str | None:
+    """The model card an upload would write from the folder's manifest (None: no manifest)."""
+    from tui_merger.core.record.card import render_model_card
+    from tui_merger.core.record.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    return None if manifest is None else render_model_card({**manifest, "out": str(folder)})
 
 
 def check_token(repo_id: str, token: str | None = None, endpoint: str | None = None) -> str:

@@ -67,6 +67,9 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
 
     imported = threading.Event()
     halt = CancelToken()  # the merge failed: stop reading the inputs
+    # the thread reads the inputs (the reference's run) only once ``reading`` is set, under ``gate``: a
+    # merge stopped before that does not wait for its imports (seconds that cannot be interrupted)
+    gate, reading, ours = threading.Lock(), threading.Event(), []
 
     def load() -> None:
         import sys
@@ -90,10 +93,16 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
                     if folder and (Path(folder) / "config.json").is_file():
                         model_class(read_json_object(Path(folder) / "config.json", ""))
                         break
-                _freeze()
+                with gate:
+                    if not halt.cancelled:  # else abandon() has thawed already: nothing would thaw this
+                        _freeze()
             sys.setswitchinterval(interval)
             imported.set()  # verification may build and run the merged model from here on
-            if options.checkpoint is None and options.base is not None and not halt.cancelled:
+            if options.checkpoint is None and options.base is not None:
+                with gate:
+                    if halt.cancelled:
+                        return
+                    reading.set()
                 _reference_ahead(options, halt)
         except Exception:  # noqa: BLE001 - a best effort; the real import reports
             pass
@@ -105,6 +114,7 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         started.set()
         thread = threading.Thread(target=load, name="tui-merger-prewarm", daemon=True)
         _PREWARMING.append((thread, imported))
+        ours.append(thread)
         thread.start()
 
     def sink(event) -> None:
@@ -121,10 +131,13 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         """The merge failed or was cancelled: the threads reading its inputs stop (after the tensor
         or module they are on) and are waited for, so nothing reads a file the user may now change
         (a file truncated under a mapping that is read kills the process with SIGBUS)."""
-        halt.cancel()
+        with gate:
+            halt.cancel()
+            importing = [] if reading.is_set() else ours  # only importing: nothing of the inputs is read
         writing.take()
         for thread, _ in list(_PREWARMING):
-            thread.join()
+            if thread not in importing:
+                thread.join()
         _thaw()
 
     sink.abandon = abandon

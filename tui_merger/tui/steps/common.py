@@ -72,6 +72,8 @@ IN_APP = (
     ("the merge needs --lora-alpha", 'the merge needs "LoRA alpha" (in Review)'),
     ("fix it or pass --lora-alpha", 'fix it or type "LoRA alpha" in Review'),
     ("(--lora-alpha)", '("LoRA alpha")'),
+    ("give it with --lora-alpha", 'type it in "LoRA alpha" in Review'),
+    ("from --lora-alpha", 'from "LoRA alpha"'),
     ("say which model to compare with (--against BASE_OR_ADAPTER)", 'pick "compare with the unmerged adapter" if it is offered'),
     ("give a base model or an adapter to compare with (--against BASE_OR_ADAPTER)", "it answers alone here"),
     ("log in with `hf auth login` or set HF_TOKEN to a token with write access.",

@@ -121,11 +121,11 @@ class MergeStep(Step, Vertical):
                 return
             if yes and wizard.running == "merge" and wizard.cancel_token is not None:
                 wizard.cancel_token.cancel()
-                self.query_one("#cancel", Button).disabled = True
-                self.query_one("#merge-status", Static).update("Cancelling: stopping after the current tensor...")
+                self.stopping()
 
         self.app.push_screen(
-            Confirm("Cancel the merge? The partial output is removed; the inputs are untouched.", "Cancel the merge", "Keep merging"),
+            Confirm("Cancel the merge? It stops within a second or two and its partial output is removed; if it has "
+                    "already finished, the model is kept. The inputs are untouched.", "Cancel the merge", "Keep merging"),
             answer,
         )
 
@@ -135,7 +135,8 @@ class MergeStep(Step, Vertical):
 
         message.stop()
         ev = message.event
-        if isinstance(ev, PhaseStarted):
+        stopping = self.wizard.cancel_token is not None and self.wizard.cancel_token.cancelled
+        if isinstance(ev, PhaseStarted) and not stopping:  # "Stopping..." stays until the merge has stopped
             self.query_one("#merge-status", Static).update(f"[b]{ev.phase}[/b]  {escape(ev.message)}")
             if ev.phase in ("merge", "verify"):
                 self.query_one("#merge-progress", ProgressBar).update(total=None, progress=0)
@@ -158,15 +159,27 @@ class MergeStep(Step, Vertical):
         notes = self.query_one("#merge-notes", Static)
         notes.update(f"{notes.content}\n[yellow]{ev.level}:[/] {escape(ev.message)}".strip())
 
+    def stopping(self) -> None:
+        """Cancel or "Stop and quit" was answered: said at once; the merge stops after its current tensor."""
+        self.query_one("#cancel", Button).disabled = True
+        self.query_one("#merge-status", Static).update("[b yellow]Stopping...[/] the merge stops after the tensor it is on.")
+
     def done_merge(self, done: Done) -> None:
+        from tui_merger.core.merge.output import left_on_disk
+
         wizard = self.wizard
         self.query_one("#cancel", Button).disabled = True
         status = self.query_one("#merge-status", Static)
         bar = self.query_one("#merge-progress", ProgressBar)
         if bar.total is None:
             bar.update(total=1, progress=0)  # no animation left running after a stop
-        if done.cancelled:
-            status.update("[b yellow]Cancelled.[/] The partial output was removed; the inputs are untouched.")
+        if wizard.quit_when_stopped:  # "Stop and quit": leave now; the terminal says what is on disk
+            wizard.result = None if (done.cancelled or done.error) else done.value
+            wizard.stopped = Path(wizard.options.out)
+            self.app.exit(130 if wizard.result is None else 0)
+            return
+        if done.cancelled:  # read from the disk, not assumed
+            status.update(f"[b yellow]Cancelled:[/] {escape(left_on_disk(wizard.options.out))}; the inputs are untouched.")
         elif done.error:
             status.update(f"[b red]The merge failed:[/] {escape(in_app(done.error))}\nGo back to Review to change something.")
         else:

@@ -38,6 +38,7 @@ class ReviewStep(Step, Vertical):
         self._reviewed = None  # the checkpoint the Review fields were last filled for
         self._proposals: list = []  # [(path, why)]: the models here that fit an adapter whose base is not here
         self._searched = False  # the proposals were looked for (none found: the note says so)
+        self._misfit = None  # the adapter (path) whose named base the plan found not to fit: base field shown
         self._from_top = False  # the next plan shown scrolls the form to its top (entering the step)
         self._format_ok = ""  # the output format of the last plan that the engine could write ("": default)
         self._format_refusal = ""  # the engine's sentence refusing the format chosen last (shown under it)
@@ -141,13 +142,18 @@ class ReviewStep(Step, Vertical):
 
     # -- entering --------------------------------------------------------------------------------
     def enter(self) -> None:
-        from tui_merger.core.plan.choices import can_weight, is_checkpoint, models_found, needs_alpha, needs_base
+        from tui_merger.core.plan.choices import alpha_default, can_weight, is_checkpoint, models_found, needs_alpha, needs_base
 
         wizard = self.wizard
         c = wizard.candidate
-        for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
+        if c.path != self._reviewed:
+            self._misfit = None
+        base_shown = needs_base(c) or self._misfit == c.path  # a named base that did not fit: still asked
+        for cls, shown in ((".base-field", base_shown), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
             for w in self.query(cls):
                 w.display = shown
+        default = alpha_default(c)  # an empty alpha: the merge's default (peft's 8), said in the field
+        self.query_one("#alpha", Input).placeholder = f"empty: {default:g}, peft's default" if default is not None else ""
         checkpoint = is_checkpoint(c)
         self.query_one("#settings-label", Label).update(CHECKPOINT_SETTINGS if checkpoint else SETTINGS)
         for selector, choices in (("#dtype", CHECKPOINT_DTYPES if checkpoint else DTYPES),
@@ -162,6 +168,7 @@ class ReviewStep(Step, Vertical):
             self._reviewed = c.path
             self.query_one("#weight", Input).value = "1"
             self.query_one("#more", Input).value = ""
+            self.query_one("#alpha", Input).value = ""
             base.value = ""
             self._proposals, self._searched = [], False
         if needs_base(c) and not base.value and c.base_path:
@@ -225,11 +232,13 @@ class ReviewStep(Step, Vertical):
         choice, note = self.query_one("#base-choice", Select), self.query_one("#base-note", Static)
         c = self.wizard.candidate
         choice.display = base.display and len(self._proposals) > 1
-        note.display = base.display and (bool(self._proposals) or not c.base_path)
+        misfit = self._misfit == c.path
+        note.display = base.display and (bool(self._proposals) or not c.base_path or misfit)
         if not note.display:
             return
         named = (
-            f"the adapter's base {escape(c.base_model)} is not on this machine" if c.base_model
+            f"the base the adapter names, {escape(c.base_path)}, does not fit it" if misfit
+            else f"the adapter's base {escape(c.base_model)} is not on this machine" if c.base_model
             else "the adapter does not say which base model it was trained on"
         )
         if not self._proposals:
@@ -342,7 +351,7 @@ class ReviewStep(Step, Vertical):
             self._from_top = False
             form = self.query_one("#review-form")
             self.call_after_refresh(form.scroll_home, animate=False)
-        self.query_one("#plan-text", Static).update(_plan_grid(describe(plan), fields))
+        self.query_one("#plan-text", Static).update(_plan_grid([in_app(line) for line in describe(plan)], fields))
         colours = {"error": "red", "warning": "yellow", "info": "cyan"}
         replace = self.query_one("#replace", Checkbox)
         replace.display = options.out is not None and holds_files(options.out)
@@ -369,6 +378,8 @@ class ReviewStep(Step, Vertical):
             ])
             roundtrip.value = options.base_roundtrip or ""
             self._planned = self._fields()
+        if self._base_misfit(options, plan):
+            return
         if any(f.id == "quantized" for f in plan.findings) and not is_checkpoint(wizard.candidate):
             # a quantized base: ask for the 16-bit one, filled in when it was found on this machine
             for w in self.query(".base-field"):
@@ -378,6 +389,34 @@ class ReviewStep(Step, Vertical):
             if plan.suggested_base and base.value.strip() != plan.suggested_base:
                 base.value = plan.suggested_base
                 base.focus()
+
+    def _base_misfit(self, options, plan) -> bool:
+        """The base the adapter names is here but does not fit it (another model: shapes, architecture):
+        the error's control goes on this screen: the base field, holding that base, and the models here
+        that fit, proposed as for an adapter whose base is missing (a worker; the plan follows)."""
+        from tui_merger.core.plan.choices import is_checkpoint, models_found
+        from tui_merger.core.plan.preflight import BASE_FINDINGS
+
+        wizard = self.wizard
+        base = self.query_one("#base", Input)
+        if base.display or is_checkpoint(wizard.candidate) or options.base is None:
+            return False
+        if not any(f.id in BASE_FINDINGS for f in plan.of("error")):
+            return False
+        self._misfit = wizard.candidate.path
+        for w in self.query(".base-field"):
+            w.display = True
+        with base.prevent(Input.Changed):
+            base.value = str(options.base)  # what the plan used: the same plan, not a stale one
+        self._planned = self._fields()
+        base.focus()
+        if self._searched:
+            self._show_proposals()
+            return False
+        wizard.running = "bases"
+        wizard.refresh_nav()
+        self._bases_worker(wizard.candidate.path, models_found(wizard.candidates))
+        return True
 
     # -- the output format ------------------------------------------------------------------------
     def _format_refused(self, options, plan) -> bool:
