@@ -74,7 +74,7 @@ class HfModelFormat(Format):
 
     def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
         if _weightless(c):
-            return f"{path} has {_weightless(c).rstrip('.')}: nothing to merge or load."
+            return f"{path} holds no model weights (see its notes): nothing to merge or load."
         return f"{path} is a full model, not an adapter: nothing to merge; load it as it is."
 
     def open_base(self, path: Path):
