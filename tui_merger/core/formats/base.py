@@ -82,6 +82,7 @@ class Candidate:
     path: str
     step: int | None = None
     latest: bool = False
+    best: bool = False  # the run's trainer_state.json names it best_model_checkpoint
     run: str | None = None  # the folder holding this run's checkpoint-N / global_step_N folders
     role: str | None = None  # verl: actor, critic or sft
     backend: str | None = None  # fsdp1, fsdp2, fsdp (version unknown), megatron-legacy/-v1/-v2

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.io.mapped import MappedFile
-from tui_merger.core.io.torch_pickle import Record, _check_memo_indices, _Unpickler
+from tui_merger.core.io.torch_pickle import _DTYPE_NAMES, Record, _check_memo_indices, _record_class, _Unpickler
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30  # a 1 TB model's metadata is tens of MB
@@ -33,6 +33,8 @@ _DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16
 _ZIP_MAGIC = b"PK\x03\x04"
 _PLAIN_NAME = re.compile(r"^[\w.-]+$")
 _PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+_TORCH_PLAIN = {"torch.Size": tuple, "torch.device": str, "torch.serialization._get_layout": str,
+                "collections.OrderedDict": dict}
 
 
 @dataclass
@@ -89,6 +91,13 @@ class _MetadataUnpickler(_Unpickler):
                 f"{self._path} contains a pickled {module}.{name}, which DCP metadata never needs; "
                 "tui-merger refuses to load it because unpickling it could run code."
             )
+        # without importing torch (inspect reads metadata in milliseconds): a dtype is its name
+        if module == "torch" and name in _DTYPE_NAMES:
+            return name
+        if f"{module}.{name}" in _TORCH_PLAIN:
+            return _TORCH_PLAIN[f"{module}.{name}"]
+        if module.startswith("torch.distributed.checkpoint"):
+            return _record_class(f"{module}.{name}")
         return super().find_class(module, name)
 
 

@@ -45,6 +45,67 @@ def is_checkpoint(c) -> bool:
     return fmt is not None and fmt.role == "checkpoint"
 
 
+def _written(c) -> float:
+    """When a checkpoint was last written: its newest file (not looking into sub-folders: a run folder's
+    own final save is not made newer by the checkpoint-N folders beside it), else its folder."""
+    newest = 0.0
+    try:
+        with os.scandir(c.path) as it:
+            for e in it:
+                try:
+                    if e.is_file():
+                        newest = max(newest, e.stat().st_mtime)
+                except OSError:
+                    continue
+        return newest or os.stat(c.path).st_mtime
+    except OSError:
+        try:
+            return os.stat(c.path).st_mtime
+        except OSError:
+            return 0.0
+
+
+def proposed(candidates) -> tuple[object, str] | None:
+    """The one checkpoint the front ends propose (inspect's "Next:", the plain flow's first choice, the
+    assistant's highlighted row), and why, in words; None when none can be merged.
+
+    The rule: the run of the most recently written checkpoint that can be merged; in a run (checkpoint-N or
+    global_step_N folders) its newest step (the one ``latest_checkpointed_iteration.txt`` names, else the
+    highest), unless the run folder itself holds a final save (HF Trainer's ``save_model`` after training)
+    written no earlier than that step: that is what the training ended with, so it is proposed."""
+    mergeable = [c for c in candidates if why_not_mergeable(c) is None]
+    if not mergeable:
+        return None
+    newest = max(mergeable, key=_written)
+    run = os.path.realpath(newest.run if newest.run is not None else newest.path)
+    steps = [c for c in mergeable if c.run is not None and c.step is not None and os.path.realpath(c.run) == run]
+    final = next((c for c in mergeable if c.step is None and os.path.realpath(c.path) == run), None)
+    top = next((c for c in candidates if c.step is None and os.path.realpath(c.path) == run), None)
+    if steps and final is None and top is not None:
+        also_top = "; the model at the top of the run is already complete (nothing to merge)"
+    else:
+        also_top = ""
+    if not steps:
+        if len(mergeable) == 1:
+            return newest, "the only checkpoint here that can be merged"
+        return newest, "the most recently written checkpoint here"
+    last = next((c for c in steps if c.latest), None) or max(steps, key=lambda c: c.step)
+    best = next((c for c in steps if c.best), None)
+    also = f"; best_model_checkpoint is step {best.step}" if best is not None and best is not last else ""
+    if final is not None:
+        if _written(final) >= _written(last):
+            return final, (f"the final save at the top of the run: written after its newest checkpoint, step "
+                           f"{last.step}, it is what the training ended with{also}")
+        return last, f"the newest step, {last.step}: the save at the top of the run is older than it{also}"
+    return last, f"the newest step of the run, {last.step}{also}{also_top}"
+
+
+def proposed_index(candidates) -> int | None:
+    """Where ``proposed`` is in the list (the assistant highlights it)."""
+    found = proposed(candidates)
+    return None if found is None else next(i for i, c in enumerate(candidates) if c is found[0])
+
+
 def parse_more_adapters(text: str) -> list:
     """'a:0.3; b:0.5' -> [(a, 0.3), (b, 0.5)] (what the TUI's "more adapters" field holds)."""
     from tui_merger.core.options import parse_adapter_spec
@@ -158,7 +219,7 @@ def describe_candidate(c, root: Path | None = None) -> str:
         shown = str(path)
     parts = [c.kind, shown or "."]
     if c.step is not None:
-        parts.append(f"step {c.step}" + (" (latest)" if c.latest else ""))
+        parts.append(f"step {c.step}" + (" (latest)" if c.latest else "") + (" (best)" if c.best else ""))
     if c.lora:
         alpha = c.lora.get("alpha")
         parts.append(f"LoRA r={c.lora.get('r')} alpha={'missing' if not alpha else alpha}")

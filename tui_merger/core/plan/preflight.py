@@ -876,6 +876,9 @@ def suggest_name(options: MergeOptions, inputs, raw: dict | None, today: datetim
         r = ranks.pop() if len(ranks) == 1 else max(ranks)
     if r:
         parts.append(f"r{r}")
+    step = next((m for p in (source, source.parent) if (m := re.match(r"^(?:checkpoint-|global_step_)(\d+)$", p.name))), None)
+    if step:  # which step of the run this is
+        parts.append(f"step{step.group(1)}")
     parts.append(today.strftime("%Y%m%d"))
     name = "-".join(dict.fromkeys(p for p in parts if p))
     return re.sub(r"[^\w.\-]+", "-", name)
