@@ -242,6 +242,8 @@ def next_step(result, where) -> str | None:
     base_arg = q(shown(c.base_path)) if c.base_resolves in ("path", "hf-cache") else "BASE_MODEL"
     if c.run is not None:  # beside the run's checkpoints
         out = os.path.join(where(c.run), f"merged-step-{c.step}" + ("-critic" if c.role == "critic" else ""))
+    elif any(x.run is not None and os.path.realpath(x.run) == os.path.realpath(c.path) for x in result.candidates):
+        out = f"{path}-merged-final"  # a run's final save, beside its checkpoint-N folders
     else:
         out = f"{path}-merged"
     text = format_of(c).next_step(c, path, base_arg, out)
