@@ -148,7 +148,7 @@ def test_fsdp_run_proposes_its_newest_step_with_the_step_in_the_name(tmp_path):
     found = _by_name(result)
     assert found["checkpoint-4"].best and found["checkpoint-4"].latest and not found["checkpoint-2"].best
     hint = next_step(result, str)
-    assert hint == (f"tui-merger merge {run / 'checkpoint-4'} --base BASE_MODEL --out {run / "merged-step-4"}"
+    assert hint == (f"tui-merger merge {run / 'checkpoint-4'} --base BASE_MODEL --out {run / 'merged-step-4'}"
                     "  # the newest step of the run, 4")
     plan = make_plan(MergeOptions(checkpoint=run / "checkpoint-4", base=run / "base_model"))
     assert "-step4-" in plan.suggested_out
