@@ -194,3 +194,17 @@ def test_damaged_checkpoint_is_one_sentence(tmp_path):
     with pytest.raises(MergeError, match="truncated"):
         run_merge(MergeOptions(checkpoint=ckpt, base=run / "base_model", out=out))
     assert not out.exists()
+
+
+def test_the_base_beside_the_run_is_proposed():
+    """No config names the base: the models whose weights match the checkpoint's, name for name and shape
+    for shape, are proposed, the one beside the run first; a model of another shape is not."""
+    from tui_merger.core.plan.choices import base_candidates
+
+    models = [FIXTURES / r / "base_model" for r in ("fsdp1_fp32_tied", "fsdp2_bf16load_tied", "fsdp2_fp32")]
+    found = base_candidates(_newest("fsdp2_fp32"), models, cache=False)
+    assert found[0] == (FIXTURES / "fsdp2_fp32" / "base_model",
+                        "fits all 21 weights; LlamaForCausalLM, 2 layers; found in the folder")
+    assert FIXTURES / "fsdp1_fp32_tied" / "base_model" not in [p for p, _ in found]
+    lora = base_candidates(_newest("fsdp2_lora"), [FIXTURES / "fsdp2_lora" / "base_model"], cache=False)
+    assert lora[0][1].startswith("fits all 4 LoRA modules")

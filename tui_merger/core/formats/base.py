@@ -200,6 +200,11 @@ class Format:
         raise NotImplementedError
 
     # -- the base proposal -----------------------------------------------------------------------------
+    def weights_to_fit(self, path: Path) -> dict | None:
+        """Checkpoint kinds that hold a full model's weights without its config: {name: shape} as
+        save_pretrained names them (what a proposed base must match, name for name), or None."""
+        return None
+
     def lora_to_fit(self, path: Path):
         """Checkpoint kinds that hold a LoRA without its base: that LoRA as a ``PeftAdapter`` (its
         shapes are what a proposed base must fit; alpha need not be known), or None."""

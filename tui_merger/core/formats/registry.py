@@ -109,6 +109,16 @@ def checkpoint_lora(path):
     return None
 
 
+def checkpoint_weights(path) -> dict | None:
+    """The full weights a checkpoint folder holds without a config ({name: shape}), for proposing the
+    base it was trained from; None when no checkpoint kind claims the folder or it holds none."""
+    path = Path(path)
+    for fmt in formats("checkpoint"):
+        if fmt.recognizes(path):
+            return fmt.weights_to_fit(path)
+    return None
+
+
 def adapter_format(path) -> Format:
     path = Path(path)
     return next(f for f in formats("adapter") if f.recognizes(path))

@@ -282,6 +282,27 @@ class TrainerFsdpFormat(Format):
         export_peft_adapter(inputs.adapter, folder, fsync=False)
         return Reference([(folder, None)])
 
+    def weights_to_fit(self, path: Path) -> dict | None:
+        """A full fine-tune's weights and shapes (from .metadata), when no config comes with them."""
+        try:
+            layout = find_trainer_fsdp(path)
+        except (OSError, MergeError):
+            return None
+        if _config_dir(layout.folder, None)[0] is not None:
+            return None
+        from tui_merger.core.io.dcp import read_metadata
+
+        try:
+            md = read_metadata(layout.model_dir)
+        except MergeError:
+            return None
+        shapes = {k: tuple(m.__dict__["size"]) for k, m in md.state_dict_metadata.items()
+                  if isinstance(k, str) and hasattr(m, "__dict__") and "chunks" in m.__dict__}
+        base, adapter = split_keys(shapes)
+        if adapter or not base:
+            return None
+        return {name: shapes[key] for name, key in base.items()}
+
     def lora_to_fit(self, path: Path):
         """A LoRA run's adapter (alpha unknown: 1), for proposing the base it fits."""
         try:

@@ -286,11 +286,11 @@ def base_candidates(adapter_path, found_models=(), *, cache: bool = True) -> lis
         fit = _fit(adapter_path, path, side)
         if fit is None:
             continue
-        modules, config = fit
+        modules, config, what = fit
         by_name = bool(named) and (named in (path.name, str(path)) or Path(named).name == path.name
                                    or _repo_of(path) in (named, Path(named).name))
         same_arch = bool(side) and (side.get("architectures") or None) == (config.get("architectures") or None)
-        why = [f"fits all {modules} LoRA modules", _arch_words(config)]
+        why = [f"fits all {modules} {what}", _arch_words(config)]
         if by_name:
             why.insert(0, "named like the adapter's base")
         why.append("found in the folder" if local else "in the Hugging Face cache")
@@ -336,10 +336,12 @@ def _arch_words(config: dict) -> str:
     return f"{arch}, {layers} layers" if arch and layers else str(arch or "")
 
 
-def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict] | None:
-    """(the adapter's LoRA modules, the model's config) when the adapter fits the model, else None."""
+def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict, str] | None:
+    """(how many LoRA modules or weights fit, the model's config, what they are in words) when the
+    adapter fits the model (a checkpoint of full weights without config: when the model has every one
+    of its weights, shape for shape, and no other), else None."""
     from tui_merger.core.errors import MergeError
-    from tui_merger.core.formats.registry import checkpoint_lora, model_format, open_adapter
+    from tui_merger.core.formats.registry import checkpoint_lora, checkpoint_weights, model_format, open_adapter
     from tui_merger.core.io.files import json_object_or_none
     from tui_merger.core.io.sources import find_weight_files
 
@@ -356,13 +358,19 @@ def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict]
     except (MergeError, OSError, ValueError):
         return None
     try:
+        weights = checkpoint_weights(adapter_path) if adapter_path.is_dir() else None
+        if weights:
+            have = {name: tuple(ref.shape) for name, ref in base.tensors.items()}
+            tied_head = "lm_head.weight" in weights and "lm_head.weight" not in have
+            same = all(have.get(n) == tuple(s) for n, s in weights.items() if not (tied_head and n == "lm_head.weight"))
+            return (len(weights), config, "weights") if same and set(have) <= set(weights) else None
         try:
             adapter = (adapter_path.is_dir() and checkpoint_lora(adapter_path)) or open_adapter(adapter_path, base.tensors)
         except (MergeError, OSError, ValueError):
             return None  # a kohya file whose names fit none of this model's modules, or unreadable
         try:
             shapes = {name: tuple(ref.shape) for name, ref in base.tensors.items()}
-            return (len(adapter.lora), config) if adapter.lora and _shapes_fit(adapter, shapes) else None
+            return (len(adapter.lora), config, "LoRA modules") if adapter.lora and _shapes_fit(adapter, shapes) else None
         finally:
             adapter.close()
     finally:

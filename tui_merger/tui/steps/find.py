@@ -106,7 +106,8 @@ class FindStep(Step, Vertical):
     def _candidate_text(self, c) -> str:
         from tui_merger.core.options import human_bytes
 
-        bits = [f"{c.kind}, {human_bytes(c.size_bytes)}"]
+        bits = [f"{c.kind}, {human_bytes(c.size_bytes)}"
+                + (f", {c.dtype}" if c.dtype else "") + (f", world size {c.world_size}" if c.world_size else "")]
         if c.lora:
             bits.append(f"LoRA rank {c.lora.get('r')}, alpha {c.lora.get('alpha') or 'missing'}")
             if c.lora.get("target_parameters"):
