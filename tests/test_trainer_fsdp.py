@@ -208,3 +208,15 @@ def test_the_base_beside_the_run_is_proposed():
     assert FIXTURES / "fsdp1_fp32_tied" / "base_model" not in [p for p, _ in found]
     lora = base_candidates(_newest("fsdp2_lora"), [FIXTURES / "fsdp2_lora" / "base_model"], cache=False)
     assert lora[0][1].startswith("fits all 4 LoRA modules")
+
+
+def test_a_checkpoint_with_only_trainer_state_is_not_called_a_model(tmp_path):
+    """A checkpoint-N that holds no weights at all (trainer_state.json only) says so, not "full weights"."""
+    from tui_merger.core.plan.choices import why_not_mergeable
+
+    ckpt = tmp_path / "run" / "checkpoint-7"
+    ckpt.mkdir(parents=True)
+    shutil.copy(_newest("fsdp2_fp32") / "trainer_state.json", ckpt)
+    (c,) = scan(tmp_path).candidates
+    said = why_not_mergeable(c)
+    assert said == "This checkpoint has no model weights or adapter: only trainer state, so there is nothing to merge."
