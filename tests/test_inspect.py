@@ -458,7 +458,7 @@ def test_cli_json_matches_the_api(found, tree):
     data.pop("seconds"), expected.pop("seconds")
     assert data == expected
     assert set(data["candidates"][0]) == {
-        "kind", "path", "step", "latest", "run", "role", "backend", "world_size", "dtype", "size_bytes",
+        "kind", "path", "step", "latest", "best", "run", "role", "backend", "world_size", "dtype", "size_bytes",
         "base_model", "base_resolves", "base_path", "needs_base", "tokenizer", "lora", "notes",
     }
 

@@ -264,7 +264,7 @@ def test_fsdp_checkpoint_plan(tmp_path_factory, tmp_path):
 def test_suggested_name(tmp_path):
     opts = MergeOptions(base=tmp_path / "Qwen2.5-0.5B", adapter=tmp_path / "alpaca-lora" / "checkpoint-500", out=None)
     name = suggest_name(opts, None, {"r": 16, "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}, datetime.date(2026, 11, 30))
-    assert name == "Qwen2.5-0.5B-alpaca-lora-r16-20261130"
+    assert name == "Qwen2.5-0.5B-alpaca-lora-r16-step500-20261130"  # the step of the run (issue 38 item 5)
 
 
 def test_dry_run_writes_nothing_and_exits_1_when_blocked(demo, tmp_path, capsys):

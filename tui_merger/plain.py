@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tui_merger.cli.common import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
-from tui_merger.core.plan.choices import alpha_default, default_out_folder, free_output, needs_alpha, options_for, parse_more_adapters, why_not_mergeable
+from tui_merger.core.plan.choices import (alpha_default, default_out_folder, free_output, needs_alpha, options_for,
+                                          parse_more_adapters, proposed, why_not_mergeable)
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import Notice
 from tui_merger.core.formats.scan import scan, shown
@@ -294,10 +295,18 @@ class _Flow:
             return []
         n = len(result.candidates)
         self.say(f"Found {n} checkpoint{'s' * (n != 1)} in {shown(root)}.")
-        return sorted(result.candidates, key=lambda c: (why_not_mergeable(c) is not None, -_mtime(c)))
+        ordered = sorted(result.candidates, key=lambda c: (why_not_mergeable(c) is not None, -_mtime(c)))
+        found = proposed(result.candidates)
+        if found is not None:
+            c, reason = found
+            ordered.remove(c)
+            ordered.insert(0, c)
+            if n > 1:
+                self.say(f"Proposed first: {self.label(c, root)}, {reason}.")
+        return ordered
 
-    def label(self, c) -> str:
-        rel = os.path.relpath(c.path, self.root)
+    def label(self, c, root: Path | None = None) -> str:
+        rel = os.path.relpath(c.path, root or self.root)
         parts = [c.kind, shown(c.path) if rel == "." or rel.startswith("..") else shown(rel)]
         if c.step is not None:
             parts.append(f"step {c.step}")
@@ -306,6 +315,8 @@ class _Flow:
             parts.append(f"r={c.lora['r'] if c.lora['r'] is not None else '?'} alpha={'?' if alpha is None else alpha}")
         if c.latest:
             parts.append("(latest)")
+        if c.best:
+            parts.append("(best)")
         return "  ".join(parts)
 
     # -- 2. Review ----------------------------------------------------------------------------------

@@ -224,26 +224,38 @@ def _rich_bar():
 
 
 def next_step(result, where) -> str | None:
-    """What to run for the newest latest-marked checkpoint (else the newest one)."""
+    """What to run for the checkpoint the front ends propose (``choices.proposed``: one rule, its reason
+    after the command as a shell comment); when none can be merged, why not, for the newest
+    latest-marked one (else the newest one)."""
     from tui_merger.core.formats.base import shown
     from tui_merger.core.formats.registry import format_of
+    from tui_merger.core.plan.choices import proposed
 
-    pool = [c for c in result.candidates if c.latest] or result.candidates
-    if not pool:
-        return None
+    found = proposed(result.candidates)
+    if found is not None:
+        c, reason = found
+    else:
+        pool = [c for c in result.candidates if c.latest] or result.candidates
+        if not pool:
+            return None
 
-    def mtime(c) -> float:
-        try:
-            return os.stat(c.path).st_mtime
-        except OSError:
-            return 0.0
+        def mtime(c) -> float:
+            try:
+                return os.stat(c.path).st_mtime
+            except OSError:
+                return 0.0
 
-    c = max(pool, key=mtime)
+        c, reason = max(pool, key=mtime), None
     path = where(c.path)
     q = shlex.quote
     base_arg = q(shown(c.base_path)) if c.base_resolves in ("path", "hf-cache") else "BASE_MODEL"
     if c.run is not None:  # beside the run's checkpoints
         out = os.path.join(where(c.run), f"merged-step-{c.step}" + ("-critic" if c.role == "critic" else ""))
+    elif any(x.run is not None and os.path.realpath(x.run) == os.path.realpath(c.path) for x in result.candidates):
+        out = f"{path}-merged-final"  # a run's final save, beside its checkpoint-N folders
     else:
         out = f"{path}-merged"
-    return format_of(c).next_step(c, path, base_arg, out)
+    text = format_of(c).next_step(c, path, base_arg, out)
+    if reason and text.startswith("tui-merger ") and len(result.candidates) > 1:
+        text += f"  # {reason}"
+    return text

@@ -69,7 +69,7 @@ def render(result, given: str) -> list[tuple[str, str | None]]:
         out.append(("", None))
         head = f"{c.kind:<18} {where(c.path)}"
         if c.step is not None:
-            head += f"  step {c.step}" + ("  (latest)" if c.latest else "")
+            head += f"  step {c.step}" + ("  (latest)" if c.latest else "") + ("  (best)" if c.best else "")
         out.append((head, "bold green" if c.latest else "bold"))
         rows = []
         backend = [b for b in (c.backend, c.world_size and f"world size {c.world_size}", c.role) if b]

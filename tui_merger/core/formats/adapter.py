@@ -621,3 +621,47 @@ def _write_tensors(path: Path, entries, fsync: bool) -> None:
     except BaseException:
         writer.abort()
         raise
+
+
+LORA_TRAIN_META = "lora_train_meta.json"  # verl: {"r", "lora_alpha", "task_type"}
+
+
+def lora_train_meta_path(folder: Path) -> Path | None:
+    """Where verl recorded a LoRA run's r and lora_alpha: ``lora_train_meta.json`` in the folder of the
+    engine's files (the FSDP checkpoint manager), else in the ``global_step_N`` folder above an actor /
+    critic folder (the SFT trainer's checkpoint handler writes it there, beside the engine's files)."""
+    folder = Path(folder)
+    for place in (folder, folder.parent) if folder.name in ("actor", "critic") else (folder,):
+        if (place / LORA_TRAIN_META).is_file():
+            return place / LORA_TRAIN_META
+    return None
+
+
+def read_lora_train_meta(folder: Path) -> tuple[dict, Path] | None:
+    """verl's lora_train_meta.json for the checkpoint in ``folder`` (checked like an adapter_config.json),
+    or None when verl wrote none."""
+    import json
+
+    path = lora_train_meta_path(folder)
+    if path is None:
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise MergeError(f"{path} is not valid JSON; fix it or pass --lora-alpha.") from None
+    if not isinstance(meta, dict):
+        raise MergeError(f"{path} does not hold a JSON object; fix it or pass --lora-alpha.")
+    check_adapter_config(meta, path)
+    return meta, path
+
+
+def chosen_alpha(given: float | None, recorded, where: str) -> tuple[float | None, str | None]:
+    """lora_alpha for a merge: the one the user gave (``--lora-alpha``) is used, and said when the run
+    records another; else the recorded one, said with where it comes from. (alpha or None, sentence)."""
+    if given is not None:
+        if recorded and float(recorded) != float(given):
+            return given, f"lora_alpha {given:g} (--lora-alpha) is used; {where} records {float(recorded):g}."
+        return given, None
+    if recorded:
+        return float(recorded), f"alpha {float(recorded):g}, from {where}."
+    return None, None

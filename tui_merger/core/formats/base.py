@@ -82,6 +82,7 @@ class Candidate:
     path: str
     step: int | None = None
     latest: bool = False
+    best: bool = False  # the run's trainer_state.json names it best_model_checkpoint
     run: str | None = None  # the folder holding this run's checkpoint-N / global_step_N folders
     role: str | None = None  # verl: actor, critic or sft
     backend: str | None = None  # fsdp1, fsdp2, fsdp (version unknown), megatron-legacy/-v1/-v2
@@ -204,6 +205,11 @@ class Format:
         raise NotImplementedError
 
     # -- the base proposal -----------------------------------------------------------------------------
+    def weights_to_fit(self, path: Path) -> dict | None:
+        """Checkpoint kinds that hold a full model's weights without its config: {name: shape} as
+        save_pretrained names them (what a proposed base must match, name for name), or None."""
+        return None
+
     def lora_to_fit(self, path: Path):
         """Checkpoint kinds that hold a LoRA without its base: that LoRA as a ``PeftAdapter`` (its
         shapes are what a proposed base must fit; alpha need not be known), or None."""

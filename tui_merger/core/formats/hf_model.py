@@ -63,6 +63,8 @@ class HfModelFormat(Format):
         return (path / "config.json").is_file()
 
     def why_not_mergeable(self, c: Candidate) -> str | None:
+        if _weightless(c):
+            return f"This checkpoint has {_weightless(c).rstrip('.')}, so there is nothing to merge."
         if c.step is not None:
             return "This checkpoint holds full weights, already a model: there is nothing to merge."
         return "This is already a complete Hugging Face model: there is nothing to merge."
@@ -71,10 +73,17 @@ class HfModelFormat(Format):
         return False
 
     def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
+        if _weightless(c):
+            return f"{path} holds no model weights (see its notes): nothing to merge or load."
         return f"{path} is a full model, not an adapter: nothing to merge; load it as it is."
 
     def open_base(self, path: Path):
         return open_model(path)
+
+
+def _weightless(c: Candidate) -> str | None:
+    """The note of a trainer checkpoint that holds no weights (only trainer state), if it is one."""
+    return next((n for n in c.notes if n.startswith("no model weights")), None)
 
 
 def vision_note(config: dict, names) -> str:

@@ -32,6 +32,7 @@ class Entry:
 ENTRIES = (
     Entry("verl-fsdp", "checkpoint", "verl_fsdp", "VerlFsdpFormat", backend="fsdp"),
     Entry("verl-megatron", "checkpoint", "verl_megatron", "VerlMegatronFormat", backend="megatron"),
+    Entry("trainer-fsdp", "checkpoint", "trainer_fsdp", "TrainerFsdpFormat", backend="accelerate-fsdp"),
     Entry("peft-adapter", "adapter", "peft_adapter", "PeftAdapterFormat"),
     Entry("hf-model", "model", "hf_model", "HfModelFormat"),
     Entry("kohya-lora", "adapter", "kohya", "KohyaFormat"),
@@ -105,6 +106,16 @@ def checkpoint_lora(path):
     for fmt in formats("checkpoint"):
         if fmt.recognizes(path):
             return fmt.lora_to_fit(path)
+    return None
+
+
+def checkpoint_weights(path) -> dict | None:
+    """The full weights a checkpoint folder holds without a config ({name: shape}), for proposing the
+    base it was trained from; None when no checkpoint kind claims the folder or it holds none."""
+    path = Path(path)
+    for fmt in formats("checkpoint"):
+        if fmt.recognizes(path):
+            return fmt.weights_to_fit(path)
     return None
 
 

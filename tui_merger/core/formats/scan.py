@@ -26,7 +26,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tui_merger.core.ship.cleanup import OPTIMIZER_FILE
+from tui_merger.core.ship.cleanup import OPTIMIZER_DIR, OPTIMIZER_FILE
 from tui_merger.core.io.hf_refs import cached_snapshot, hub_cache
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.base import Candidate, dominant_dtype, shown
@@ -327,7 +327,7 @@ class _Scanner:
                 if e.is_dir(follow_symlinks=False):
                     if recursive:
                         sub = self.listing(Path(e.path)) or ()
-                        t, o = self.size(sub, True, optimizer or e.name == "optimizer", seen)
+                        t, o = self.size(sub, True, optimizer or e.name == "optimizer" or OPTIMIZER_DIR.fullmatch(e.name) is not None, seen)
                         total, optim = total + t, optim + o
                     continue
                 st = e.stat()
@@ -449,6 +449,24 @@ class _Scanner:
                     )
             for c in group:
                 c.latest = c.step == mark
+            self._mark_best(Path(run), group)
+
+    def _mark_best(self, run: Path, group: list[Candidate]) -> None:
+        """The checkpoint HF Trainer's ``best_model_checkpoint`` names (read from the newest
+        trainer_state.json of the run: each checkpoint-N keeps the state as of its step). The path it
+        records is where the run was written; the folder name is what is matched, so a moved or copied
+        run still gets its mark."""
+        states = sorted((c.step, Path(c.path) / "trainer_state.json") for c in group)
+        for _, path in reversed(states):
+            if self.regular(path, quiet_missing=True) is None:
+                continue
+            state = self.json(path)
+            named = state.get("best_model_checkpoint") if state else None
+            if isinstance(named, str) and named:
+                name = Path(named.rstrip("/\\")).name
+                for c in group:
+                    c.best = Path(c.path).name == name
+            return
 
     def latest_named(self, path: Path) -> int | str | None:
         if self.regular(path, quiet_missing=True) is None:

@@ -15,7 +15,8 @@ from pathlib import Path
 from shlex import quote
 
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.adapter import adapter_from_source, check_adapter_config, empty_adapter, export_peft_adapter, renamed
+from tui_merger.core.formats.adapter import (adapter_from_source, check_adapter_config, chosen_alpha, empty_adapter,
+                                             export_peft_adapter, lora_train_meta_path, read_lora_train_meta, renamed)
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, lora_info, step_of
 from tui_merger.core.formats.input_types import Inputs, _value_model, paths_of
 from tui_merger.core.io.files import TOKENIZER_MARKERS, FilePlan, architecture, config_dtype, is_vision_language, plan_files, read_config
@@ -490,7 +491,8 @@ class VerlFsdpFormat(Format):
     def _lora(self, s, c: Candidate, folder: Path, names: dict, keys: bytes | None, config: dict | None) -> None:
         """r and alpha from lora_train_meta.json (verl >= 0.8) or lora_adapter/adapter_config.json
         (<= 0.7); the LoRA modules from the key names of rank 0. lora_alpha is never assumed."""
-        meta = s.json(folder / "lora_train_meta.json") if "lora_train_meta.json" in names else None
+        meta_path = lora_train_meta_path(folder)
+        meta = s.json(meta_path) if meta_path is not None else None
         exported = s.json(folder / "lora_adapter" / "adapter_config.json") if "lora_adapter" in names else None
         modules = sorted({m.group(1) for m in _PICKLED_LORA_A.finditer(keys)}) if keys else []
         if meta is None and exported is None and not modules:
@@ -499,6 +501,9 @@ class VerlFsdpFormat(Format):
         if meta is not None:
             lora["r"] = meta.get("r", lora["r"])
             lora["alpha"] = meta.get("lora_alpha", lora["alpha"])
+            if lora["alpha"]:
+                where = meta_path.name if meta_path.parent == folder else f"{meta_path.parent.name}/{meta_path.name}"
+                c.notes.append(f"alpha {lora['alpha']:g}, from {where}.")
         if modules and not lora["target_modules"]:
             lora["target_modules"] = sorted({m.rsplit(b".", 1)[-1].decode("ascii", "replace") for m in modules})
         c.lora = lora
@@ -596,10 +601,18 @@ def _infer_parameters(cfg: dict, config_dir: Path, adapter_keys) -> None:
         cfg.setdefault("peft_version", _installed_peft())
 
 
-def _lora_config(folder: Path, options: MergeOptions, ranks: set[int]) -> dict:
-    """r and alpha of a verl LoRA run: lora_train_meta.json (verl >= 0.8) or lora_adapter/ (<= 0.7)."""
+def _lora_config(folder: Path, options: MergeOptions, ranks: set[int], notices: list) -> dict:
+    """r and alpha of a verl LoRA run: lora_train_meta.json (verl >= 0.8; beside the rank files or in the
+    global_step_N folder above them) or lora_adapter/ (<= 0.7). --lora-alpha is used when given, and said
+    when the run records another value."""
     cfg: dict = {}
-    for path in (folder / "lora_train_meta.json", folder / "lora_adapter" / "adapter_config.json"):
+    where = None
+    found = read_lora_train_meta(folder)
+    if found is not None:
+        cfg, meta_path = found
+        where = meta_path.name if meta_path.parent == folder else f"{meta_path.parent.name}/{meta_path.name}"
+    else:
+        path = folder / "lora_adapter" / "adapter_config.json"
         if path.is_file():
             try:
                 cfg = json.loads(path.read_text())
@@ -608,9 +621,12 @@ def _lora_config(folder: Path, options: MergeOptions, ranks: set[int]) -> dict:
             if not isinstance(cfg, dict):
                 raise MergeError(f"{path} does not hold a JSON object; fix it or pass --lora-alpha.")
             check_adapter_config(cfg, path)
-            break
-    if options.lora_alpha is not None:
-        cfg["lora_alpha"] = options.lora_alpha
+            where = "lora_adapter/adapter_config.json"
+    alpha, said = chosen_alpha(options.lora_alpha, cfg.get("lora_alpha"), where or "the checkpoint")
+    if alpha is not None:
+        cfg["lora_alpha"] = alpha
+    if said:
+        notices.append(said)
     if not cfg.get("lora_alpha"):
         said = "is 0" if "lora_alpha" in cfg else "is not recorded"
         raise MergeError(
@@ -654,7 +670,7 @@ def _open(options) -> Inputs:
         names = _disk_layout(config_dir, base_map)  # in-memory names -> what save_pretrained writes
         if adapter_map:
             ranks = {source.tensors[k].shape[0] for k in adapter_map if ".lora_A" in k}
-            cfg = _lora_config(layout.folder, options, ranks)
+            cfg = _lora_config(layout.folder, options, ranks, inputs.notices)
             if not cfg.get("target_parameters"):
                 _infer_parameters(cfg, config_dir, adapter_map)
             inputs.adapter = adapter_from_source(layout.folder, cfg, RenamedSource(source, adapter_map))
@@ -699,11 +715,11 @@ def _open(options) -> Inputs:
         files_dir = hf_dir if hf_dir is not None else config_dir
         inputs.files = plan_files(files_dir, files_dir, inputs.config, options.tokenizer_from)
         inputs.notices += inputs.files.notices
-        meta = [layout.folder / n for n in ("lora_train_meta.json", "lora_adapter/adapter_config.json")]
+        meta = [lora_train_meta_path(layout.folder), layout.folder / "lora_adapter/adapter_config.json"]
         inputs.read_files = (
             list(layout.rank_files)
             + [config_dir / "config.json"]
-            + [p for p in meta if p.is_file()]
+            + [p for p in meta if p is not None and p.is_file()]
             + ([options.base / f for f in inputs.base.files] if base_only_lora else [])
             + [src for src, _ in inputs.files.copies]
         )

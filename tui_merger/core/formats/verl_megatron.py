@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, DcpStore, check_coverage
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.adapter import export_peft_adapter
+from tui_merger.core.formats.adapter import chosen_alpha, export_peft_adapter, lora_train_meta_path, read_lora_train_meta
 from tui_merger.core.formats.megatron_lora import SHARDS_DIR, shard_files
 from tui_merger.core.formats.megatron_runs import FRAMEWORKS, MEGATRON_LM_STATE
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
@@ -1287,10 +1287,15 @@ def open_lora_shards(layout: MegatronLayout, options):
     # verl with use_dist_checkpointing=True also saved the whole model: its own base weights
     own = options.base is None and layout.kind in ("v1", "v2") and holds_model(layout.model_dir)
     try:
-        if options.lora_alpha is None:
+        found = read_lora_train_meta(layout.folder)
+        meta_path = found[1] if found else None
+        where = ("lora_train_meta.json" if meta_path is None or meta_path.parent == layout.folder
+                 else f"{meta_path.parent.name}/{meta_path.name}")
+        alpha, said = chosen_alpha(options.lora_alpha, found[0].get("lora_alpha") if found else None, where)
+        if alpha is None:
             raise MergeError(
-                f"The adapter shards in {shard_dir} do not record lora_alpha (verl keeps it in the training config, "
-                "actor_rollout_ref.model.lora.alpha); pass --lora-alpha with that value."
+                f"The adapter shards in {shard_dir} do not record lora_alpha, and no lora_train_meta.json does (verl "
+                "keeps it in the training config, actor_rollout_ref.model.lora.alpha); pass --lora-alpha with that value."
             )
         base_dir = layout.hf_dir if own else _lora_base(layout, options, {})
         if not own:
@@ -1299,10 +1304,10 @@ def open_lora_shards(layout: MegatronLayout, options):
     except BaseException:
         shards.source.close()
         raise
-    config = peft_config(shards, options.lora_alpha, lora_base_named(layout, None))
+    config = peft_config(shards, alpha, lora_base_named(layout, None))
     adapter = adapter_from_source(shard_dir, config, shards.source)
     inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
-    inputs.notices = list(layout.notices)
+    inputs.notices = list(layout.notices) + ([said] if said else [])
     try:
         if own:
             inputs.config = run_config
@@ -1317,7 +1322,7 @@ def open_lora_shards(layout: MegatronLayout, options):
         parallel = ", ".join(f"{n} {w}" for n, w in (("TP", grid.tp), ("PP", grid.pp), ("EP", grid.ep)) if n == "TP" or w > 1)
         inputs.notices.append(
             f"A Megatron {KINDS[shards.kind]} run: its adapter shards ({parallel}; rank {shards.r}, alpha "
-            f"{options.lora_alpha:g}) are merged into "
+            f"{alpha:g}) are merged into "
             + (f"the base weights its own dist checkpoint holds ({base_dir}; --base merges into another)." if own
                else f"{base_dir}.")
         )
@@ -1337,6 +1342,8 @@ def open_lora_shards(layout: MegatronLayout, options):
         )
         if (layout.folder / "transformer_config.json").is_file():
             inputs.read_files.append(layout.folder / "transformer_config.json")
+        if meta_path is not None and options.lora_alpha is None:
+            inputs.read_files.append(meta_path)  # alpha came from it
     except BaseException:
         inputs.close()
         raise
@@ -1477,7 +1484,18 @@ class VerlMegatronFormat(Format):
                            "from." if not info["problem"] else f"{what}, its adapters in {SHARDS_DIR}/.")
         if info["problem"]:
             c.notes.append(info["problem"])
-        c.notes.append("the adapter shards do not record lora_alpha: the merge needs --lora-alpha.")
+        meta_path = lora_train_meta_path(folder)
+        meta = s.json(meta_path) if meta_path is not None else None
+        alpha = (meta or {}).get("lora_alpha")
+        if alpha:
+            c.lora["alpha"] = alpha
+            where = meta_path.name if meta_path.parent == folder else f"{meta_path.parent.name}/{meta_path.name}"
+            c.notes.append(f"alpha {alpha:g}, from {where} (the adapter shards do not record it).")
+            if meta.get("r") not in (None, c.lora["r"]):
+                c.notes.append(f"{where} says r {meta['r']} but the adapter shards have rank {c.lora['r']}.")
+        else:
+            c.notes.append("the adapter shards do not record lora_alpha (nor does a lora_train_meta.json): the merge "
+                           "needs --lora-alpha.")
         if own is not None:
             c.notes.append(f"{own.relative_to(folder)}/ holds the run's base weights too (use_dist_checkpointing): "
                            "the shards are merged into them unless --base names another model.")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.io.mapped import MappedFile
-from tui_merger.core.io.torch_pickle import Record, _check_memo_indices, _Unpickler
+from tui_merger.core.io.torch_pickle import _DTYPE_NAMES, Record, _check_memo_indices, _record_class, _Unpickler
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30  # a 1 TB model's metadata is tens of MB
@@ -33,6 +33,8 @@ _DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16
 _ZIP_MAGIC = b"PK\x03\x04"
 _PLAIN_NAME = re.compile(r"^[\w.-]+$")
 _PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+_TORCH_PLAIN = {"torch.Size": tuple, "torch.device": str, "torch.serialization._get_layout": str,
+                "collections.OrderedDict": dict}
 
 
 @dataclass
@@ -89,6 +91,13 @@ class _MetadataUnpickler(_Unpickler):
                 f"{self._path} contains a pickled {module}.{name}, which DCP metadata never needs; "
                 "tui-merger refuses to load it because unpickling it could run code."
             )
+        # without importing torch (inspect reads metadata in milliseconds): a dtype is its name
+        if module == "torch" and name in _DTYPE_NAMES:
+            return name
+        if f"{module}.{name}" in _TORCH_PLAIN:
+            return _TORCH_PLAIN[f"{module}.{name}"]
+        if module.startswith("torch.distributed.checkpoint"):
+            return _record_class(f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -516,3 +525,96 @@ def _load_archive(f: MappedFile, chunk: Chunk, entry: ChunkedTensor):
             f"{path}: the stored chunk of {entry.key} is not a {entry.dtype} tensor; the checkpoint is damaged."
         )
     return tensor
+
+
+BLOCK_BYTES = 16 << 20  # the largest row block converted at once
+
+
+class DcpSource:
+    """A TensorSource over a DCP folder whose keys are whole tensors under other names (accelerate's
+    FSDP checkpoints: ``model.`` + the Hugging Face name): ``names`` maps each name given to its key.
+    Each tensor is read chunk by chunk into its output (rank slices are rows), its pages handed back
+    once copied."""
+
+    def __init__(self, store: DcpStore, names: dict[str, str]) -> None:
+        from tui_merger.core.io.sources import TensorRef
+
+        self.store = store
+        self.folder = store.folder
+        self.files = list(store.data_files)
+        self.keys = dict(names)
+        self.tensors = {
+            name: TensorRef(self, "", name, store.tensors[key].dtype, store.tensors[key].shape)
+            for name, key in self.keys.items()
+        }
+        store.users_of = {(key, ()): {name} for name, key in self.keys.items()}
+
+    def load(self, ref):
+        import torch
+
+        out = torch.empty(ref.shape, dtype=getattr(torch, ref.dtype))
+        self.load_into(ref, out)
+        return out
+
+    def load_into(self, ref, out) -> None:
+        key = self.keys[ref.name]
+        self.store.read_region(key, (), None, out, group=(key, ()))
+
+    def _views(self, ref, max_bytes: int | None):
+        if not ref.shape or not math.prod(ref.shape):
+            return None
+        return self.store.row_views(self.keys[ref.name], (), None, max_bytes)
+
+    def raw_ranges(self, ref):
+        """The tensor's bytes in order, when its chunks hold whole rows (FSDP shards dim 0): copied in
+        the kernel when the output keeps the dtype."""
+        views = self._views(ref, None)
+        if views is None:
+            return None
+        ranges = []
+        for view, chunk in views:
+            f = self.store.file_of(chunk)
+            start = f.offset_of(view) if view.is_contiguous() else None
+            if start is None:
+                return None
+            ranges.append((f.fileno(), start, view.numel() * view.element_size()))
+        return ranges
+
+    def row_blocks(self, ref):
+        """The tensor as row blocks (views on the files, handed back once written)."""
+        views = self._views(ref, BLOCK_BYTES)
+        if views is None:
+            return None
+        return [(view, lambda v=view, c=chunk: self.store.release_view(c, v)) for view, chunk in views]
+
+    def release(self, ref) -> None:
+        key = self.keys.get(ref.name)
+        if key is not None:
+            self.store.done(ref.name, {(key, ())})
+
+    def same_values(self, a: str, b: str) -> bool:
+        """Whether two tensors hold equal values (tied embeddings stored twice), compared a block of
+        rows at a time (an embedding is never held whole)."""
+        import torch
+
+        ra, rb = self.tensors[a], self.tensors[b]
+        if (ra.shape, ra.dtype) != (rb.shape, rb.dtype) or not ra.shape:
+            return False
+        rows = ra.shape[0]
+        row_bytes = max(1, ra.nbytes // max(rows, 1))
+        block = max(1, BLOCK_BYTES // row_bytes)
+        try:
+            for r in range(0, rows, block):
+                n = min(block, rows - r)
+                x = torch.empty((n,) + tuple(ra.shape[1:]), dtype=getattr(torch, ra.dtype))
+                y = torch.empty_like(x)
+                self.store.read_region(self.keys[a], (), (r, r + n), x, group=(self.keys[a], "cmp"))
+                self.store.read_region(self.keys[b], (), (r, r + n), y, group=(self.keys[b], "cmp"))
+                if not torch.equal(x, y):
+                    return False
+            return True
+        finally:
+            self.store.drop()
+
+    def close(self) -> None:
+        self.store.close()

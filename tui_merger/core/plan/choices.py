@@ -51,6 +51,67 @@ def is_checkpoint(c) -> bool:
     return fmt is not None and fmt.role == "checkpoint"
 
 
+def _written(c) -> float:
+    """When a checkpoint was last written: its newest file (not looking into sub-folders: a run folder's
+    own final save is not made newer by the checkpoint-N folders beside it), else its folder."""
+    newest = 0.0
+    try:
+        with os.scandir(c.path) as it:
+            for e in it:
+                try:
+                    if e.is_file():
+                        newest = max(newest, e.stat().st_mtime)
+                except OSError:
+                    continue
+        return newest or os.stat(c.path).st_mtime
+    except OSError:
+        try:
+            return os.stat(c.path).st_mtime
+        except OSError:
+            return 0.0
+
+
+def proposed(candidates) -> tuple[object, str] | None:
+    """The one checkpoint the front ends propose (inspect's "Next:", the plain flow's first choice, the
+    assistant's highlighted row), and why, in words; None when none can be merged.
+
+    The rule: the run of the most recently written checkpoint that can be merged; in a run (checkpoint-N or
+    global_step_N folders) its newest step (the one ``latest_checkpointed_iteration.txt`` names, else the
+    highest), unless the run folder itself holds a final save (HF Trainer's ``save_model`` after training)
+    written no earlier than that step: that is what the training ended with, so it is proposed."""
+    mergeable = [c for c in candidates if why_not_mergeable(c) is None]
+    if not mergeable:
+        return None
+    newest = max(mergeable, key=_written)
+    run = os.path.realpath(newest.run if newest.run is not None else newest.path)
+    steps = [c for c in mergeable if c.run is not None and c.step is not None and os.path.realpath(c.run) == run]
+    final = next((c for c in mergeable if c.step is None and os.path.realpath(c.path) == run), None)
+    top = next((c for c in candidates if c.step is None and os.path.realpath(c.path) == run), None)
+    if steps and final is None and top is not None:
+        also_top = "; the model at the top of the run is already complete (nothing to merge)"
+    else:
+        also_top = ""
+    if not steps:
+        if len(mergeable) == 1:
+            return newest, "the only checkpoint here that can be merged"
+        return newest, "the most recently written checkpoint here"
+    last = next((c for c in steps if c.latest), None) or max(steps, key=lambda c: c.step)
+    best = next((c for c in steps if c.best), None)
+    also = f"; best_model_checkpoint is step {best.step}" if best is not None and best is not last else ""
+    if final is not None:
+        if _written(final) >= _written(last):
+            return final, (f"the final save at the top of the run: written after its newest checkpoint, step "
+                           f"{last.step}, it is what the training ended with{also}")
+        return last, f"the newest step, {last.step}: the save at the top of the run is older than it{also}"
+    return last, f"the newest step of the run, {last.step}{also}{also_top}"
+
+
+def proposed_index(candidates) -> int | None:
+    """Where ``proposed`` is in the list (the assistant highlights it)."""
+    found = proposed(candidates)
+    return None if found is None else next(i for i, c in enumerate(candidates) if c is found[0])
+
+
 def parse_more_adapters(text: str) -> list:
     """'a:0.3; b:0.5' -> [(a, 0.3), (b, 0.5)] (what the TUI's "more adapters" field holds)."""
     from tui_merger.core.options import parse_adapter_spec
@@ -164,7 +225,7 @@ def describe_candidate(c, root: Path | None = None) -> str:
         shown = str(path)
     parts = [c.kind, shown or "."]
     if c.step is not None:
-        parts.append(f"step {c.step}" + (" (latest)" if c.latest else ""))
+        parts.append(f"step {c.step}" + (" (latest)" if c.latest else "") + (" (best)" if c.best else ""))
     if c.lora:
         alpha = c.lora.get("alpha")
         parts.append(f"LoRA r={c.lora.get('r')} alpha={'missing' if not alpha else alpha}")
@@ -231,11 +292,11 @@ def base_candidates(adapter_path, found_models=(), *, cache: bool = True) -> lis
         fit = _fit(adapter_path, path, side)
         if fit is None:
             continue
-        modules, config = fit
+        modules, config, what = fit
         by_name = bool(named) and (named in (path.name, str(path)) or Path(named).name == path.name
                                    or _repo_of(path) in (named, Path(named).name))
         same_arch = bool(side) and (side.get("architectures") or None) == (config.get("architectures") or None)
-        why = [f"fits all {modules} LoRA modules", _arch_words(config)]
+        why = [f"fits all {modules} {what}", _arch_words(config)]
         if by_name:
             why.insert(0, "named like the adapter's base")
         why.append("found in the folder" if local else "in the Hugging Face cache")
@@ -281,10 +342,12 @@ def _arch_words(config: dict) -> str:
     return f"{arch}, {layers} layers" if arch and layers else str(arch or "")
 
 
-def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict] | None:
-    """(the adapter's LoRA modules, the model's config) when the adapter fits the model, else None."""
+def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict, str] | None:
+    """(how many LoRA modules or weights fit, the model's config, what they are in words) when the
+    adapter fits the model (a checkpoint of full weights without config: when the model has every one
+    of its weights, shape for shape, and no other), else None."""
     from tui_merger.core.errors import MergeError
-    from tui_merger.core.formats.registry import checkpoint_lora, model_format, open_adapter
+    from tui_merger.core.formats.registry import checkpoint_lora, checkpoint_weights, model_format, open_adapter
     from tui_merger.core.io.files import json_object_or_none
     from tui_merger.core.io.sources import find_weight_files
 
@@ -301,13 +364,19 @@ def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict]
     except (MergeError, OSError, ValueError):
         return None
     try:
+        weights = checkpoint_weights(adapter_path) if adapter_path.is_dir() else None
+        if weights:
+            have = {name: tuple(ref.shape) for name, ref in base.tensors.items()}
+            tied_head = "lm_head.weight" in weights and "lm_head.weight" not in have
+            same = all(have.get(n) == tuple(s) for n, s in weights.items() if not (tied_head and n == "lm_head.weight"))
+            return (len(weights), config, "weights") if same and set(have) <= set(weights) else None
         try:
             adapter = (adapter_path.is_dir() and checkpoint_lora(adapter_path)) or open_adapter(adapter_path, base.tensors)
         except (MergeError, OSError, ValueError):
             return None  # a kohya file whose names fit none of this model's modules, or unreadable
         try:
             shapes = {name: tuple(ref.shape) for name, ref in base.tensors.items()}
-            return (len(adapter.lora), config) if adapter.lora and _shapes_fit(adapter, shapes) else None
+            return (len(adapter.lora), config, "LoRA modules") if adapter.lora and _shapes_fit(adapter, shapes) else None
         finally:
             adapter.close()
     finally:

@@ -913,6 +913,16 @@ def output_refusal(plan: MergePlan) -> str | None:
 _GENERIC = re.compile(r"^(adapter|adapters|lora|lora_adapter|lora-adapter|output|outputs|actor|critic|final|checkpoint-\d+|global_step_\d+|\d+)$", re.I)
 
 
+_STEP_NAME = re.compile(r"^(?:checkpoint-|global_step_)(\d+)$")
+
+
+def _children(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.is_dir()]
+    except OSError:
+        return []
+
+
 def suggest_name(options: MergeOptions, inputs, raw: dict | None, today: datetime.date | None = None) -> str:
     """``{base}-{task}-r{rank}-{date}``, e.g. ``Qwen2.5-0.5B-alpaca-r16-20261130`` (editable)."""
     today = today or datetime.date.today()
@@ -929,6 +939,11 @@ def suggest_name(options: MergeOptions, inputs, raw: dict | None, today: datetim
         r = ranks.pop() if len(ranks) == 1 else max(ranks)
     if r:
         parts.append(f"r{r}")
+    step = next((m for p in (source, source.parent) if (m := _STEP_NAME.match(p.name))), None)
+    if step:  # which step of the run this is
+        parts.append(f"step{step.group(1)}")
+    elif source.is_dir() and any(_STEP_NAME.match(p.name) for p in _children(source)):
+        parts.append("final")  # the final save at the top of a run, beside its checkpoint-N folders
     parts.append(today.strftime("%Y%m%d"))
     name = "-".join(dict.fromkeys(p for p in parts if p))
     return re.sub(r"[^\w.\-]+", "-", name)

@@ -34,6 +34,7 @@ RESUME_FILE = re.compile(
     r"extra_state_world_size_\d+_rank_\d+\.pt|scheduler\.(?:pt|bin)|rng_state.*\.pth|random_states_\d+\.pkl"
 )
 DATALOADER_FILE = re.compile(r"data(?:_\d+)?\.pt")  # verl's dataloader state, directly in global_step_N/
+OPTIMIZER_DIR = re.compile(r"optimizer_\d+")  # accelerate FSDP's sharded optimizer (a DCP folder) in checkpoint-N/
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,12 @@ def _step_dir(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if _step(p) is not None), None)
 
 
+def _unit(path: Path) -> Path:
+    """The checkpoint a path belongs to: its checkpoint-N / global_step_N folder, else the folder itself
+    (a final save at the top of a run is not the checkpoint-N folders beside it)."""
+    return _step_dir(path) or path
+
+
 def _size(path: Path, seen: set) -> int:
     """Bytes under ``path`` from lstat, not following links; a hard-linked file counts once in ``seen``."""
     try:
@@ -180,6 +187,9 @@ class _Scan:
                     dirnames.remove(name)
                 elif STEP_DIR.fullmatch(name):
                     self.steps.append(folder / name)
+                elif OPTIMIZER_DIR.fullmatch(name) and _step_dir(folder) is not None:
+                    self.files.append((OPTIMIZER, folder / name))
+                    dirnames.remove(name)
             for name in sorted(filenames):
                 if OPTIMIZER_FILE.fullmatch(name):
                     self.files.append((OPTIMIZER, folder / name))
@@ -262,6 +272,9 @@ class _Planner:
         self.root, self.scan, self.merges, self.protected = root, scan, merges, protected
         self.verified = [m for m in merges if m.verified]
         self.merged_roots = [p for m in self.verified for p in m.inputs]
+        self.merged_units = {_unit(p) for p in self.merged_roots}
+        # run folders whose own final save (not a checkpoint-N in them) was merged and verified
+        self.final_merged = {p for p in self.merged_roots if _step_dir(p) is None}
         self.newest: dict[Path, Path] = {}  # folder -> its newest checkpoint that was merged and verified
         for p in self.merged_roots:
             step = _step_dir(p)
@@ -275,7 +288,7 @@ class _Planner:
     def plan(self) -> CleanupPlan:
         inputs = [p for m in self.merges for p in m.inputs]
         for step in sorted(self.scan.steps, key=lambda p: (p.parent, _step(p))):
-            if not any(_overlaps(step, p) for p in inputs):
+            if not any(p.is_relative_to(step) for p in inputs):  # not a checkpoint a merge read from
                 self._checkpoint(step)
         groups: dict[tuple[str, Path], list[Path]] = {}
         for kind, path in self.scan.files:
@@ -290,7 +303,12 @@ class _Planner:
 
     def _checkpoint(self, step: Path) -> None:
         newest = self.newest.get(step.parent)
-        if newest is None:
+        if newest is None and step.parent in self.final_merged:
+            where = "this folder" if step.parent == self.root else _rel(step.parent, self.root)
+            why, selected = (
+                f"checkpoint that was not merged; the final save of its run (at the top of {where}) was merged and "
+                "verified, so it is only needed to resume training or to merge this step", False)
+        elif newest is None:
             why, selected = "checkpoint that was not merged", False
         elif _step(step) < _step(newest):
             why, selected = f"checkpoint older than {newest.name}, which was merged and verified", True
@@ -302,8 +320,8 @@ class _Planner:
         what = "optimizer state" if kind == OPTIMIZER else "scheduler, RNG or data-loader state"
         step = _step_dir(folder)
         newest = self.newest.get(step.parent) if step else None
-        if any(folder.is_relative_to(p) for p in self.merged_roots):
-            why, selected = f"{what} of the merged checkpoint, only needed to resume training", True
+        if _unit(folder) in self.merged_units:
+            why, selected = f"{what} of {_unit(folder).name}, the merged checkpoint, only needed to resume training", True
         elif step and newest and _step(step) <= _step(newest):
             why, selected = f"{what} of {step.name}, only needed to resume training", True
         else:

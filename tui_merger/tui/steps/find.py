@@ -20,6 +20,7 @@ class FindStep(Step, Vertical):
     def __init__(self, wizard, **kwargs) -> None:
         super().__init__(wizard, **kwargs)
         self.broken: dict[str, str] = {}  # candidate path -> why it cannot be read (a file of it is broken)
+        self.proposal = None  # (the candidate proposed first, why in words): choices.proposed
 
     def compose(self) -> ComposeResult:
         yield Label("Checkpoints found (newest first):")
@@ -71,8 +72,12 @@ class FindStep(Step, Vertical):
         problems = f"; {unread} entries could not be read" if unread else ""
         if wizard.candidates:
             status.update(f"Found {len(wizard.candidates)} checkpoint(s) in {escape(wizard.root)}{problems}.")
+            from tui_merger.core.plan.choices import proposed
+
             mergeable = [n for n, c in enumerate(wizard.candidates) if not self.why_not(c)]
-            options.highlighted = mergeable[0] if mergeable else 0
+            self.proposal = proposed([c for c in wizard.candidates if c.path not in self.broken])
+            at = next((n for n, c in enumerate(wizard.candidates) if self.proposal and c is self.proposal[0]), None)
+            options.highlighted = at if at is not None else (mergeable[0] if mergeable else 0)
         else:
             status.update(f"No checkpoint found in {escape(wizard.root)}{problems}; type a path or browse.")
         wizard.candidate = None
@@ -101,7 +106,8 @@ class FindStep(Step, Vertical):
     def _candidate_text(self, c) -> str:
         from tui_merger.core.options import human_bytes
 
-        bits = [f"{c.kind}, {human_bytes(c.size_bytes)}"]
+        bits = [f"{c.kind}, {human_bytes(c.size_bytes)}"
+                + (f", {c.dtype}" if c.dtype else "") + (f", world size {c.world_size}" if c.world_size else "")]
         if c.lora:
             bits.append(f"LoRA rank {c.lora.get('r')}, alpha {c.lora.get('alpha') or 'missing'}")
             if c.lora.get("target_parameters"):
@@ -109,7 +115,12 @@ class FindStep(Step, Vertical):
         if c.base_model:
             where = {"path": "found here", "hf-cache": "in the HF cache", "missing": "not on this machine"}.get(c.base_resolves, "")
             bits.append(f"base {c.base_model} ({where})")
-        return "; ".join(bits) + "."
+        text = "; ".join(bits) + "."
+        if self.proposal is not None and c is self.proposal[0] and len(self.wizard.candidates) > 1:
+            text += f" Proposed: {self.proposal[1]}."
+        elif c.best:
+            text += " The run's best_model_checkpoint."
+        return text
 
     @on(Input.Submitted, "#path")
     def _typed(self, event: Input.Submitted) -> None:

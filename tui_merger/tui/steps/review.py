@@ -236,10 +236,13 @@ class ReviewStep(Step, Vertical):
         note.display = base.display and (bool(self._proposals) or not c.base_path or misfit)
         if not note.display:
             return
+        from tui_merger.core.plan.choices import is_checkpoint
+
+        what = "the checkpoint" if is_checkpoint(c) else "the adapter"
         named = (
-            f"the base the adapter names, {escape(c.base_path)}, does not fit it" if misfit
-            else f"the adapter's base {escape(c.base_model)} is not on this machine" if c.base_model
-            else "the adapter does not say which base model it was trained on"
+            f"the base {what} names, {escape(c.base_path)}, does not fit it" if misfit
+            else f"{what}'s base {escape(c.base_model)} is not on this machine" if c.base_model
+            else f"{what} does not say which base model it was trained on"
         )
         if not self._proposals:
             searched = "; no model in this folder or in the Hugging Face cache fits it" if self._searched else ""
