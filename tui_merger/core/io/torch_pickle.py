@@ -37,6 +37,17 @@ _DTYPE_NAMES = {
 }
 
 
+# DeepSpeed's optimizer files pickle a few of its own classes beside the tensors; each becomes an inert
+# record (an enum's value is its constructor argument, an object's fields its state). Only these names:
+# any other DeepSpeed class is refused like every unknown global.
+DEEPSPEED_RECORDS = frozenset({
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+
+
 class Record:
     """An inert stand-in for a pickled object of a class we do not import (DTensorSpec, Shard, ...)."""
 
@@ -162,7 +173,7 @@ class _Unpickler(pickle.Unpickler):
             return str
         if full == "torch.Tensor" or full == "torch.nn.parameter.Parameter":
             return _record_class(full)
-        if module.startswith("torch.distributed"):
+        if module.startswith("torch.distributed") or full in DEEPSPEED_RECORDS:
             return _record_class(full)
         if full in ("__builtin__.getattr", "builtins.getattr"):
             # ShardedTensor pickles getattr(ShardedTensor, "ProcessGroupState"); the file is named in a refusal
