@@ -365,12 +365,15 @@ class ZeroSource:
         mappings = [o.get("param_slice_mappings") for o in osds]
         for g, group in enumerate(shapes):
             parts = [groups[r][g] for r in range(world)]
-            if len({p.numel() for p in parts}) != 1:
+            # each rank's equal share of the group, saved without the padding its group_paddings records
+            # (only the last rank's share is padded)
+            padded = {p.numel() + _padding(o, g) for p, o in zip(parts, osds)}
+            if len(padded) != 1:
                 raise MergeError(
                     f"The ranks' partitions of parameter group {g} differ in size in {self.layout.folder}; the "
                     "rank files come from different runs."
                 )
-            total = parts[0].numel() * world
+            total = sum(p.numel() for p in parts)
             pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
             if pads is not None and (not isinstance(pads, list) or len(pads) != len(group)):
                 raise MergeError(f"{optims[0].path}: param_alignment_paddings does not match param_shapes; the file is damaged.")
@@ -525,6 +528,12 @@ class ZeroSource:
         self.files = []
 
 
+def _padding(osd: dict, g: int) -> int:
+    pads = osd.get("group_paddings")
+    pad = pads[g] if isinstance(pads, list) and g < len(pads) else 0
+    return pad if type(pad) is int and pad >= 0 else 0
+
+
 def _mapping_ok(m, g) -> bool:
     return isinstance(m, list) and g < len(m) and isinstance(m[g], dict)
 
@@ -625,6 +634,16 @@ def _tag_folder(folder: Path, names: dict) -> tuple[Path | None, str | None]:
     if not any(_is_zero_name(n) for n in _listing(tag_dir)) and not (tag_dir / "zero").is_dir():
         return None, None
     return tag_dir, None
+
+
+def zero_files_note(folder: Path, names: dict) -> str | None:
+    """What inspect says of a PEFT adapter folder with DeepSpeed ZeRO files beside it (a LoRA run's
+    checkpoint-N under DeepSpeed), or None."""
+    tag_dir, _ = _tag_folder(folder, names)
+    if tag_dir is None or tag_dir == folder:
+        return None
+    return (f"DeepSpeed ZeRO files beside it ({tag_dir.name}/) hold this run's optimizer state; the adapter the "
+            "Trainer saved (adapter_model.safetensors) is what the merge takes.")
 
 
 class DeepSpeedZeroFormat(Format):
