@@ -96,25 +96,27 @@ def test_default_dtype_is_the_config_dtype_rounded_once(tmp_path, case):
             assert torch.equal(ours[name], tensor), name
 
 
-@pytest.mark.parametrize("case", [c for c in FULL if c.startswith("z3")][:1] + [c for c in FULL if c.startswith("z2")][:1])
-def test_output_is_a_model_transformers_loads_with_tokenizer_and_verification_passes(tmp_path, case):
+@pytest.mark.parametrize("case,dtype", [("z3_bf16_llama_tied", "fp32"), ("z2_bf16_llama", "fp32"),
+                                        ("z3_bf16_freeze_odd", None), ("z2_fp32_qwen2_odd_tied", "bf16")])
+def test_output_is_a_model_transformers_loads_with_tokenizer_and_verification_passes(tmp_path, case, dtype):
     from transformers import AutoModelForCausalLM
 
     from tui_merger.core.verify.checks import verify_merge
 
     out = tmp_path / "merged"
-    run_merge(MergeOptions(checkpoint=_ckpt(case), out=out, dtype="fp32"))
-    model = AutoModelForCausalLM.from_pretrained(out)
+    options = MergeOptions(checkpoint=_ckpt(case), out=out, dtype=dtype)
+    run_merge(options)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ref = _reference(case)
     for name, tensor in model.state_dict().items():
         if name in ref:
-            assert torch.equal(tensor, ref[name]), name
+            assert torch.equal(tensor, ref[name].to(getattr(torch, options.dtype or "bfloat16")).float()), name
     for name in ("config.json", "generation_config.json"):
         assert (out / name).is_file()
     if (_ckpt(case) / "tokenizer.json").is_file():
         assert (out / "tokenizer.json").read_bytes() == (_ckpt(case) / "tokenizer.json").read_bytes()
         assert (out / "chat_template.jinja").is_file()
-    report = verify_merge(out, MergeOptions(checkpoint=_ckpt(case), out=out, dtype="fp32"), behaviour=False)
+    report = verify_merge(out, options, behaviour=False)
     checks = {c.name: c for c in report.checks}
     assert checks["recompute"].status == "pass", checks["recompute"].detail
     assert checks["structure"].status == "pass"
@@ -140,6 +142,24 @@ def test_recompute_catches_a_changed_value(tmp_path):
     assert checks["recompute"].status == "fail"
 
 
+@pytest.mark.parametrize("stage", ["z2", "z3"])
+def test_recompute_does_not_share_the_merges_slicing(tmp_path, monkeypatch, stage):
+    """An off-by-one in the slicing the merge reads with (``_cut``) is caught by the recompute, which
+    gathers every value its own way (DeepSpeed's param_slice_mappings, the ranks' slices by arithmetic)."""
+    from tui_merger.core.formats import deepspeed_zero
+    from tui_merger.core.verify.checks import verify_merge
+
+    cut = deepspeed_zero._cut
+    monkeypatch.setattr(deepspeed_zero, "_cut", lambda segments, start, length: cut(segments, max(start - 1, 0), length))
+    case = next(c for c in FULL if c.startswith(stage))
+    out = tmp_path / "merged"
+    options = MergeOptions(checkpoint=_ckpt(case), out=out, dtype="fp32")
+    run_merge(options)
+    assert not torch.equal(read_output(out)["model.norm.weight"], _reference(case)["model.norm.weight"])
+    checks = {c.name: c for c in verify_merge(out, options, behaviour=False).checks}
+    assert checks["recompute"].status == "fail"
+
+
 def test_independent_gather_agrees_with_the_merge_pieces():
     from tui_merger.core.formats.deepspeed_zero import ZeroSource, find_zero_checkpoint
 
@@ -150,6 +170,11 @@ def test_independent_gather_agrees_with_the_merge_pieces():
                 out = torch.empty(ref.shape, dtype=torch.float32)
                 source.load_into(ref, out)
                 assert torch.equal(out, source.load(ref).float()), (case, name)
+                for way in (source.row_blocks, source.check_blocks):  # the merge's blocks, the recompute's
+                    blocks = [b for b, _ in way(ref)]
+                    assert all(tuple(b.shape[1:]) == tuple(ref.shape[1:]) for b in blocks), (case, name)
+                    whole = torch.cat([b.reshape(-1) for b in blocks]).float()
+                    assert torch.equal(whole, out.reshape(-1)), (case, name, way.__name__)
         finally:
             source.close()
 
@@ -343,3 +368,33 @@ def test_read_without_deepspeed_importable(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "HF_HUB_OFFLINE": "1"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_without_config_the_base_gives_config_and_tokenizer(tmp_path, capsys):
+    """A checkpoint saved by DeepSpeed alone (no config.json): inspect asks for --base; without it the merge
+    says so; with it the base's config and tokenizer are used and the tensors are the masters'."""
+    from tui_merger.core.plan.choices import needs_base
+
+    case = next(c for c in FULL if c.startswith("z3") and (_ckpt(c) / "tokenizer.json").is_file())
+    ckpt = _copy(case, tmp_path)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        (ckpt / name).unlink(missing_ok=True)
+    base = ckpt.parent / "base_model"
+    c = _candidate(ckpt)
+    assert needs_base(c) and "--base" in " ".join(c.notes)
+    _refused(capsys, tmp_path, ckpt, "no config.json", "--base")
+    out = tmp_path / "merged"
+    run_merge(MergeOptions(checkpoint=ckpt, base=base, out=out, dtype="fp32"))
+    ours, ref = read_output(out), _reference(case)
+    assert set(ours) == set(ref) and all(torch.equal(ours[n], ref[n]) for n in ref)
+    assert (out / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+
+
+def test_the_assistant_opens_it_as_a_checkpoint():
+    from tui_merger.core.plan.choices import can_weight, is_checkpoint, needs_alpha, options_for
+
+    case = next(c for c in FULL if c.startswith("z3"))
+    c = _candidate(_ckpt(case))
+    assert is_checkpoint(c) and not needs_alpha(c) and not can_weight(c)
+    options = options_for(c, out=Path("/tmp/unused"))
+    assert options.checkpoint == _ckpt(case) and options.base is None

@@ -464,7 +464,43 @@ class ZeroSource:
         return [r for r in ranges if r[2]]
 
     def row_blocks(self, ref: TensorRef):
-        return None
+        """The tensor as consecutive blocks of whole rows (views on the files, a row that straddles two
+        pieces copied), each piece's pages handed back once used: the merge never holds it whole."""
+        entry = self.entries[ref.name]
+        return _row_aligned([(p, lambda p=p: self._release_piece(p)) for p in entry.pieces], entry.shape)
+
+    def check_blocks(self, ref: TensorRef):
+        """The same rows gathered independently of ``row_blocks``' pieces (what the recompute compares
+        the output with): ZeRO-1/2 from each rank's ``param_slice_mappings``, ZeRO-3 from each rank's
+        slice located by ``_rank_slice``, frozen parameters and buffers as stored."""
+        entry = self.entries[self.shared.get(ref.name, ref.name)]
+        numel = math.prod(entry.shape)
+        where = entry.where
+        if where and where[0] == "mapped" and all(a is not None for a in where[2]):
+            parts = []
+            for r, address in enumerate(where[2]):
+                count, start = _address(address)
+                if count:
+                    parts.append(self._rank_group(r, where[1])[start : start + count])
+        elif where and where[0] == "ranks":
+            size = -(-numel // self.layout.world_size)
+            parts, left = [], numel
+            for r in range(self.layout.world_size):
+                piece = self._rank_slice(r, where[1], size)[: max(left, 0)]
+                left -= piece.numel()
+                if piece.numel():
+                    parts.append(piece)
+        else:
+            parts = list(entry.pieces)
+        if sum(p.numel() for p in parts) != numel:
+            raise MergeError(f"{ref.name}: the rank files hold {sum(p.numel() for p in parts)} of its {numel} values; the checkpoint is incomplete.")
+        return _row_aligned([(p, lambda p=p: self._release_piece(p)) for p in parts], entry.shape)
+
+    def _release_piece(self, piece) -> None:
+        place = self._place(piece)
+        if place is not None:
+            tf, start = place
+            tf.release(start, start + piece.numel() * piece.element_size())
 
     def load(self, ref: TensorRef):
         """The whole tensor, gathered independently of the pieces the merge copies (see the class)."""
@@ -517,10 +553,7 @@ class ZeroSource:
 
     def release(self, ref: TensorRef) -> None:
         for piece in self.entries[ref.name].pieces:
-            place = self._place(piece)
-            if place is not None:
-                tf, start = place
-                tf.release(start, start + piece.numel() * piece.element_size())
+            self._release_piece(piece)
 
     def close(self) -> None:
         for tf in self.files:
@@ -545,6 +578,38 @@ def _address(address) -> tuple[int, int]:
     if type(numel) is not int or type(start) is not int:
         raise MergeError("A param_slice_mappings entry of the optimizer files is damaged.")
     return numel, start
+
+
+def _row_aligned(pieces: list, shape: tuple) -> list:
+    """[(block of whole rows of ``shape``, release)] from 1-D ``pieces`` [(values, release)] laid end to
+    end: each piece's whole rows as a view, a row cut between two pieces joined in a small copy."""
+    import torch
+
+    if not shape:
+        flat = torch.cat([p for p, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
+        return [(flat.view(()), lambda: [r() for _, r in pieces])]
+    row = math.prod(shape[1:])
+    blocks, carry = [], None
+    for piece, release in pieces:
+        if row == 0:
+            break
+        if carry is not None:
+            take = piece[: row - carry.numel()]
+            carry = torch.cat([carry, take])
+            piece = piece[take.numel() :]
+            if carry.numel() == row:
+                blocks.append((carry.view(1, *shape[1:]), lambda: None))
+                carry = None
+        whole = piece.numel() // row * row
+        # a piece holding no whole row still comes as an empty block: its pages are handed back in turn
+        blocks.append((piece[:whole].view(-1, *shape[1:]), release))
+        if piece.numel() > whole:
+            carry = piece[whole:].clone()
+    if carry is not None:
+        raise MergeError("A tensor's pieces in the rank files do not end on a whole row; the checkpoint is damaged.")
+    if row == 0 or not blocks:
+        blocks.append((torch.empty((0, *shape[1:]), dtype=pieces[0][0].dtype if pieces else torch.float32), lambda: None))
+    return blocks
 
 
 def _trim(pieces: list, numel: int) -> list:
