@@ -398,3 +398,29 @@ def test_the_assistant_opens_it_as_a_checkpoint():
     assert is_checkpoint(c) and not needs_alpha(c) and not can_weight(c)
     options = options_for(c, out=Path("/tmp/unused"))
     assert options.checkpoint == _ckpt(case) and options.base is None
+
+
+def test_without_latest_the_newest_tag_is_read_and_said(tmp_path):
+    ckpt = _copy(FULL[0], tmp_path)
+    (ckpt / "latest").unlink()
+    c = _candidate(ckpt)
+    assert c.kind == "deepspeed-zero" and scan(ckpt.parent).candidates
+    from tui_merger.core.formats.inputs import open_inputs
+
+    inputs = open_inputs(MergeOptions(checkpoint=ckpt, out=tmp_path / "m"))
+    try:
+        assert any("no latest file" in n and "global_step3" in n for n in inputs.notices)
+    finally:
+        inputs.close()
+
+
+def test_a_universal_copy_beside_the_zero_files_does_not_stop_the_merge(tmp_path):
+    ckpt = _copy(FULL[0], tmp_path)
+    (ckpt / "global_step3_universal" / "zero").mkdir(parents=True)
+    (ckpt / "latest_universal").write_text("global_step3_universal")
+    from tui_merger.core.plan.choices import why_not_mergeable
+
+    assert why_not_mergeable(_candidate(ckpt)) is None
+    run_merge(MergeOptions(checkpoint=ckpt, out=tmp_path / "m", dtype="fp32"))
+    ref = _reference(FULL[0])
+    assert all(torch.equal(t, ref[n]) for n, t in read_output(tmp_path / "m").items())

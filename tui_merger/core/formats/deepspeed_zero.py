@@ -125,7 +125,7 @@ def find_zero_checkpoint(path: Path) -> ZeroLayout:
         folder = tags[-1][1]
         notices.append(f"{path} has no latest file; using the newest tag, {folder.name}.")
     names = _listing(folder)
-    if (folder / "zero").is_dir() or (path / "latest_universal").is_file():
+    if (folder / "zero").is_dir():  # a ZeRO checkpoint beside its universal copy is still read
         raise _universal(folder)
     if any(EXPERT.match(n) for n in names):
         raise MergeError(
@@ -687,8 +687,10 @@ def _tag_folder(folder: Path, names: dict) -> tuple[Path | None, str | None]:
     """(the tag folder, a problem) of a checkpoint-N folder, or of a tag folder itself."""
     if any(_is_zero_name(n) for n in names):
         return folder, None
-    if LATEST not in names:
-        return None, None
+    if LATEST not in names:  # no latest file: the newest tag folder holding ZeRO files
+        tags = sorted((n, name) for name in names if (n := step_of(name, TAG_STEP)) is not None
+                      and any(_is_zero_name(x) for x in _listing(folder / name)))
+        return (folder / tags[-1][1], None) if tags else (None, None)
     try:
         tag = _read_tag(folder / LATEST)
     except MergeError as err:
@@ -746,8 +748,8 @@ class DeepSpeedZeroFormat(Format):
     def _describe(self, s, c: Candidate, ckpt: Path, tag_dir: Path, tag_names: dict, ckpt_names: dict) -> None:
         z3 = sorted(n for n in tag_names if Z3_MODEL.match(n))
         optim = sorted(n for n in tag_names if OPTIM.match(n))
-        if "zero" in tag_names or "latest_universal" in ckpt_names:
-            c.notes.append("a DeepSpeed universal checkpoint (ds_to_universal.py): tui-merger reads the ZeRO checkpoint it was made from.")
+        if "zero" in tag_names:
+            c.notes.append("a DeepSpeed universal checkpoint (ds_to_universal.py), which tui-merger does not read: merge the ZeRO checkpoint it was made from.")
         if any(EXPERT.match(n) for n in tag_names):
             c.notes.append("expert-parallel files (expp_rank_*): tui-merger does not read this layout yet.")
         stage = 3 if z3 else 2
@@ -822,7 +824,7 @@ class DeepSpeedZeroFormat(Format):
 
     def why_not_mergeable(self, c: Candidate) -> str | None:
         for note in c.notes:
-            if "cannot be read" in note or "cannot be merged" in note or "does not read" in note:
+            if any(w in note for w in ("cannot be read", "cannot be merged", "does not read", "cannot tell", "incomplete")):
                 return f"This DeepSpeed checkpoint cannot be merged: {note}"
         return None
 
