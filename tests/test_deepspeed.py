@@ -424,3 +424,19 @@ def test_a_universal_copy_beside_the_zero_files_does_not_stop_the_merge(tmp_path
     run_merge(MergeOptions(checkpoint=ckpt, out=tmp_path / "m", dtype="fp32"))
     ref = _reference(FULL[0])
     assert all(torch.equal(t, ref[n]) for n, t in read_output(tmp_path / "m").items())
+
+
+def test_cleanup_after_the_merge_keeps_the_masters_as_merged_inputs(tmp_path):
+    """The optimizer files of a ZeRO run hold its fp32 master weights: after a verified merge, cleanup
+    lists them with the merge's inputs (not selected), never as optimizer state "only needed to resume"."""
+    from tui_merger.core.ship.cleanup import MERGED_INPUTS, OPTIMIZER, find_cleanup
+
+    case = next(c for c in FULL if c.startswith("z3"))
+    ckpt = _copy(case, tmp_path)
+    out = ckpt.parent / "merged"
+    assert cli_main(["merge", str(ckpt), "--out", str(out), "--plain", "--no-behaviour"]) == 0
+    plan = find_cleanup(ckpt.parent)
+    optim = {p for p in (ckpt / "global_step3").glob("*optim_states.pt")}
+    assert not [i for i in plan.items if i.kind == OPTIMIZER and optim & set(i.paths)]
+    held = [i for i in plan.items if optim & set(i.paths)]
+    assert held and all(i.kind == MERGED_INPUTS and not i.selected_by_default for i in held)
