@@ -72,6 +72,12 @@ class PeftAdapterFormat(Format):
             base_config = s.json(Path(c.base_path) / "config.json") if c.base_path else None
             if base_config and is_vision_language(base_config):
                 c.notes.append(f"for a vision-language model ({architecture(base_config)}).")
+        if "latest" in names:  # a LoRA run under DeepSpeed: its ZeRO files are beside the adapter
+            from tui_merger.core.formats.deepspeed_zero import zero_files_note
+
+            note = zero_files_note(folder, names)
+            if note:
+                c.notes.append(note)
         c.tokenizer = any(m in names for m in TOKENIZER_MARKERS)
         s.sized(c, names.values(), recursive=step is not None)
         return Found(c, ALL if step is not None else {"adapter_config.json", *ADAPTER_WEIGHTS})

@@ -37,6 +37,17 @@ _DTYPE_NAMES = {
 }
 
 
+# DeepSpeed's optimizer files pickle a few of its own classes beside the tensors; each becomes an inert
+# record (an enum's value is its constructor argument, an object's fields its state). Only these names:
+# any other DeepSpeed class is refused like every unknown global.
+DEEPSPEED_RECORDS = frozenset({
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+
+
 class Record:
     """An inert stand-in for a pickled object of a class we do not import (DTensorSpec, Shard, ...)."""
 
@@ -163,7 +174,7 @@ class _Unpickler(pickle.Unpickler):
             return str
         if full == "torch.Tensor" or full == "torch.nn.parameter.Parameter":
             return _record_class(full)
-        if module.startswith("torch.distributed"):
+        if module.startswith("torch.distributed") or full in DEEPSPEED_RECORDS:
             return _record_class(full)
         if module.split(".")[0] in self._inert:
             # a file that also holds a trainer's state (Megatron-LM's args, numpy RNG state, ...): those

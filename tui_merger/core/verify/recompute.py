@@ -415,8 +415,10 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
 
     got_all = ref.load()
     finite = True
-    source = independent_ref(t.source)  # a base released quantized: dequantized by the format's own code
-    pieces = None if t.ops else source.source.row_blocks(source)
+    # a base released quantized: dequantized by the format's own code; a checkpoint's tensor in its
+    # shards: a source that reads them two ways gives the check its own
+    source = independent_ref(t.source)
+    pieces = None if t.ops else getattr(source.source, "check_blocks", source.source.row_blocks)(source)
     if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
         bad, diff, start = 0, 0.0, 0
         for piece, release in pieces:
