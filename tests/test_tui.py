@@ -201,13 +201,17 @@ async def test_full_run_to_a_verified_model(workspace, tmp_path):
     # issue 32 item 6: what the terminal keeps once the app has closed, and its transformers line works
     lines = app.farewell().splitlines()
     assert lines[0] == f"The merged model is in {out} (verified)."
-    assert lines[1].startswith("  transformers: python -c ") and lines[2] == f"  vLLM:         vllm serve {out}"
-    assert len(lines) == 3  # no GGUF made: no llama.cpp line
+    import os
     import subprocess
     import sys
 
-    command = lines[1].split(": ", 1)[1].replace("python", shlex_quote(sys.executable), 1)
-    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    # issue 38 item 7: the Python tui-merger runs in, by its full path (after pipx, `python` has no transformers)
+    assert lines[1].startswith(f"  transformers: {shlex_quote(sys.executable)} -c ")
+    assert lines[2] == f"  vLLM:         vllm serve {out}"
+    assert len(lines) == 3  # no GGUF made: no llama.cpp line
+    command = lines[1].split(": ", 1)[1]
+    env = {**os.environ, "PATH": str(tmp_path), "HF_HUB_OFFLINE": "1"}  # no python on the PATH
+    run = subprocess.run(["/bin/bash", "-c", command], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0 and run.stdout.startswith("Hello"), run.stderr[-2000:]
 
 

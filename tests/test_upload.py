@@ -347,3 +347,22 @@ def test_merge_with_upload_checks_the_token_before_merging(upload, hub, merged, 
                  token="bad_token_5ecret", command="merge")
     assert "rejected" in one_error(run)
     assert not out.exists() and "alice/x" not in hub.repos
+
+
+def test_an_upload_from_the_demo_says_the_demo_went_offline(tmp_path):
+    """Issue 38 item 8: the demo sets HF_HUB_OFFLINE itself; a refused upload says so instead of telling the
+    user to unset a variable they never set. Where the user set it, the sentence tells them to unset it."""
+    script = ("import sys; from tui_merger.demo import build_demo; from tui_merger.core.ship.hub import plan_upload\n"
+              "from tui_merger.core.errors import MergeError\n"
+              "base, _ = build_demo(sys.argv[1])\n"
+              "try:\n    plan_upload(base, 'alice/demo')\nexcept MergeError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf-home"), HF_TOKEN="hf_x")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ws")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.strip() == ("The demo runs offline (tui-merger demo set HF_HUB_OFFLINE for itself), so it "
+                                  "does not upload; upload a model you merged with tui-merger outside the demo."), run
+    env["HF_HUB_OFFLINE"] = "1"
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ws")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.strip() == "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to upload.", run

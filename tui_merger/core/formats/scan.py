@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tui_merger.core.ship.cleanup import OPTIMIZER_FILE
-from tui_merger.core.io.hf_refs import cached_snapshot, hub_cache
+from tui_merger.core.io.hf_refs import cached_snapshot, hf_command, hub_cache
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.base import Candidate, dominant_dtype, shown
 from tui_merger.core.formats.registry import formats
@@ -366,7 +366,7 @@ class _Scanner:
             c.base_resolves = "missing"
             c.notes.append(
                 f"base model {ref} is neither a local folder nor in the Hugging Face cache ({shown(hub_cache())}): "
-                f"it would need a download, which tui-merger never does: `hf download {ref}` puts it in that cache, "
+                f"it would need a download, which tui-merger never does: `{hf_command()} download {ref}` puts it in that cache, "
                 "where tui-merger finds it."
             )
         else:

@@ -85,7 +85,9 @@ IN_APP = (
 
 def in_app(message) -> str:
     """An engine sentence as the app says it: the fields and switches, not the flags."""
-    message = str(message)
+    from tui_merger.core.io.hf_refs import hf_command
+
+    message = str(message).replace(f"`{hf_command()} auth login", "`hf auth login")  # (the full path outside PATH)
     for flag, field in IN_APP:
         message = message.replace(flag, field)
     return message

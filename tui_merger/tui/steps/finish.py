@@ -21,6 +21,7 @@ def farewell(wizard) -> str | None:
     import json
     import shlex
 
+    from tui_merger.core.options import python_command
     from tui_merger.core.record.manifest import read_manifest
 
     if wizard.result is None and (wizard.job is None or not (Path(wizard.job.out) / "config.json").is_file()):
@@ -37,7 +38,7 @@ def farewell(wizard) -> str | None:
     code = f'from transformers import pipeline; print(pipeline("text-generation", model={json.dumps(str(out))})("Hello")[0]["generated_text"])'
     lines = [
         f"The merged model is in {out} ({verified}).",
-        f"  transformers: python -c {shlex.quote(code)}",
+        f"  transformers: {python_command()} -c {shlex.quote(code)}",
         f"  vLLM:         vllm serve {shlex.quote(str(out))}",
     ]
     for gguf in manifest.get("gguf") or []:
