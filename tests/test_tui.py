@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import threading
 from shlex import quote as shlex_quote
 from pathlib import Path
 
 import pytest
-from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, Select, Static
+from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, ProgressBar, Select, Static
 
 from tui_merger.core.events import TensorProgress, TrialToken
 from tui_merger.core.record.manifest import read_manifest
@@ -361,11 +362,22 @@ async def test_keep_running_if_i_disconnect_runs_a_background_job(workspace, tmp
         app.screen.query_one("#detach", Checkbox).value = True
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "the job", tries=2400)
-        assert "verification" in text(app, "#verify-status") and "PASSED" in text(app, "#verify-status")
+        # issue 38 item 9: said once ("verification PASSED. the merged model ... passed verification." was twice)
+        from rich.text import Text
+
+        assert Text.from_markup(text(app, "#verify-status")).plain == f"Job {wizard.job.id}: verification PASSED."
+        # the Merge step shows the merge complete, not the last count the follower happened to see
+        assert app.screen.query_one("#merge-progress", ProgressBar).percentage == 1.0
+        detail = text(app, "#merge-detail")
+        assert detail == "" or re.search(r" (\d+)/\1 tensors", detail), detail
         table = app.screen.query_one("#checks", DataTable)
         assert [table.get_row_at(i)[1] for i in range(table.row_count)] == ["structure", "recompute", "behaviour"]
         await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         assert "verified" in text(app, "#summary") and "written by job" in text(app, "#summary")
+        # every file in the folder is listed, the model card and the manifest too
+        listed = Text.from_markup(text(app, "#summary")).plain.split("Files: ", 1)[1].split(", ")
+        assert listed == sorted(p.name for p in out.iterdir() if not p.name.startswith(".")), listed
+        assert "README.md" in listed and "merge_manifest.json" in listed
     [job] = list_jobs()
     assert job.state == FINISHED and job.out == str(out)
     assert read_manifest(out)["verification"]["passed"] is True

@@ -49,6 +49,26 @@ def farewell(wizard) -> str | None:
     return "\n".join(lines)
 
 
+def folder_files(folder: Path) -> tuple[list[str], int]:
+    """The names in the output folder as a listing shows them (a folder with a trailing /, hidden ones
+    left out) and the bytes of its files, folders included."""
+    names, size = [], 0
+    try:
+        entries = sorted(Path(folder).iterdir())
+    except OSError:
+        return names, size
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            names.append(entry.name + "/")
+            size += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        else:
+            names.append(entry.name)
+            size += entry.stat().st_size
+    return names, size
+
+
 class FinishStep(Step, VerticalScroll):
     FIRST = "#quit"
     BACK = "try"
@@ -75,21 +95,21 @@ class FinishStep(Step, VerticalScroll):
         from tui_merger.core.record.manifest import read_manifest
 
         wizard = self.wizard
+        names, size = folder_files(wizard.out_path)  # what is there now: the model card and manifest too
         if wizard.result is not None:
             r = wizard.result
             verified = wizard.report is not None and wizard.report.passed
             details = (
                 f"{r.tensors_text()}, "
                 f"{human_bytes(r.bytes_written)} in {len(r.shards)} shard(s), written in {r.seconds:.1f} s.\n"
-                f"Files: {escape(', '.join(r.files))}"
+                f"Files: {escape(', '.join(names))}"
             )
-        else:  # a background job: what its manifest says
+        else:  # a background job: its verification as its manifest records it
             manifest = read_manifest(wizard.out_path) or {}
             verified = bool((manifest.get("verification") or {}).get("passed"))
-            outputs = manifest.get("outputs") or []
             details = (
-                f"{human_bytes(sum(f.get('size', 0) for f in outputs))} in {len(outputs)} file(s), "
-                f"written by job {wizard.job.id}.\nFiles: {escape(', '.join(f.get('path', '') for f in outputs))}"
+                f"{human_bytes(size)} in {len(names)} file(s), written by job {wizard.job.id}.\n"
+                f"Files: {escape(', '.join(names))}"
             )
         verdict = "[b green]verified[/]" if verified else "[b red]NOT verified: do not ship it[/]"
         self.query_one("#summary", Static).update(
