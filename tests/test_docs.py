@@ -57,8 +57,9 @@ def test_the_readme_fits_on_a_screen_and_keeps_its_two_commands():
     assert len(text.splitlines()) <= 50
     blocks = [s for s in snippets(text) if "pip install" in s]
     # the app in an environment of its own, then the demo; the tests as .ci/run runs them
+    # (issue 38 item 7: pipx ensurepath leaves `tui-merger` on the PATH of the shells opened after it)
     assert ("python -m pip install pipx && python -m pipx install --preinstall torch==2.13.0 . && "
-            "~/.local/bin/tui-merger demo") in blocks
+            "python -m pipx ensurepath && ~/.local/bin/tui-merger demo") in blocks
     assert "pip install torch==2.13.0 -e '.[dev]' && python -m pytest -q" in blocks
     for page in ("assistant", "command-line", "formats", "verification", "troubleshooting", "performance", "install",
                  "megatron-lora"):
