@@ -288,7 +288,7 @@ class UploadDialog(ModalScreen[tuple | None]):
 
 
 GGUF_TYPES = [
-    ("f16: 16-bit half precision, what every llama.cpp build runs", "f16"),
+    ("f16 (default): 16-bit half precision, what every llama.cpp build runs", "f16"),
     ("bf16: 16-bit, bf16 weights kept exactly", "bf16"),
     ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
 ]
@@ -306,13 +306,13 @@ class GgufDialog(ModalScreen[tuple | None]):
     def compose(self) -> ComposeResult:
         from textual.widgets import Select
 
-        from tui_merger.core.ship.gguf import default_out
+        from tui_merger.core.ship.gguf import DEFAULT_TYPE, default_out
 
         with Vertical(classes="dialog"):
             yield Label("A GGUF file for llama.cpp, Ollama and LM Studio. Type:")
-            yield Select(GGUF_TYPES, value="q8_0", allow_blank=False, id="gguf-type")
+            yield Select(GGUF_TYPES, value=DEFAULT_TYPE, allow_blank=False, id="gguf-type")
             yield Label("File (in the model folder, an upload of the folder includes it):")
-            yield Input(str(default_out(self.folder, "q8_0")), id="gguf-out")
+            yield Input(str(default_out(self.folder, DEFAULT_TYPE)), id="gguf-out")
             with Horizontal(classes="buttons"):
                 yield Button("Make the GGUF", variant="primary", id="make")
                 yield Button("Cancel", id="cancel")

@@ -34,7 +34,7 @@ from tui_merger.core.merge.output import check_space
 from tui_merger.core.options import human_bytes
 
 TYPES = ("f16", "bf16", "q8_0")
-DEFAULT_TYPE = "f16"
+DEFAULT_TYPE = "f16"  # the one default of the command, the assistant and the plain flow (docs/command-line.md says why)
 # model_type in config.json -> llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES)
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 FAMILY_NAMES = "Llama, Qwen2, Qwen3 and Qwen3-MoE"
