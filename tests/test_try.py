@@ -249,7 +249,7 @@ def test_plain_flow_offers_try_it_after_verification(demo, tmp_path, monkeypatch
         shutil.copytree(demo["ws"] / name, ws / name)
     config = ws / "adapter" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": str(ws / "base")}))
-    answers = ["1", "", "1", "y", PROMPT, "3"]  # adapter, output folder, Start; Try it: yes, the prompt; Done
+    answers = ["1", "", "1", "y", PROMPT, "4"]  # adapter, output folder, Start; Try it: yes, the prompt; Done
     out = io.StringIO()
     code = run_plain(ws, input=io.StringIO("".join(a + "\n" for a in answers)), output=out, dumb=True)
     text = out.getvalue()

@@ -287,13 +287,6 @@ class UploadDialog(ModalScreen[tuple | None]):
         self.dismiss(None)
 
 
-GGUF_TYPES = [
-    ("f16 (default): 16-bit half precision, what every llama.cpp build runs", "f16"),
-    ("bf16: 16-bit, bf16 weights kept exactly", "bf16"),
-    ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
-]
-
-
 class GgufDialog(ModalScreen[tuple | None]):
     """Asks the GGUF type and file; returns (type, path) or None."""
 
@@ -306,11 +299,11 @@ class GgufDialog(ModalScreen[tuple | None]):
     def compose(self) -> ComposeResult:
         from textual.widgets import Select
 
-        from tui_merger.core.ship.gguf import DEFAULT_TYPE, default_out
+        from tui_merger.core.ship.gguf import DEFAULT_TYPE, TYPE_WORDS, default_out
 
         with Vertical(classes="dialog"):
             yield Label("A GGUF file for llama.cpp, Ollama and LM Studio. Type:")
-            yield Select(GGUF_TYPES, value=DEFAULT_TYPE, allow_blank=False, id="gguf-type")
+            yield Select(TYPE_WORDS, value=DEFAULT_TYPE, allow_blank=False, id="gguf-type")
             yield Label("File (in the model folder, an upload of the folder includes it):")
             yield Input(str(default_out(self.folder, DEFAULT_TYPE)), id="gguf-out")
             with Horizontal(classes="buttons"):

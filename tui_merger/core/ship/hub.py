@@ -148,6 +148,30 @@ def plan_upload(
     )
 
 
+def save_login(token: str) -> str | None:
+    """Save a token that worked as `hf auth login` saves it (huggingface_hub's own login), so that the next
+    upload needs none; None, or the sentence saying it was used but not saved."""
+    from huggingface_hub import login
+    from huggingface_hub.utils import logging as hub_logging
+
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # its log lines would go to the terminal (where the app draws)
+    try:
+        login(token=token, add_to_git_credential=False)
+    except Exception as err:  # noqa: BLE001 - the upload goes on with the token; only saving it failed
+        return f"The token was used but not saved for next time ({(str(err).splitlines() or [''])[0][:120]})."
+    finally:
+        hub_logging.set_verbosity(verbosity)
+    return None
+
+
+def login_state() -> tuple[bool, str]:
+    """(whether this machine has a Hub token: HF_TOKEN or a saved login, where write tokens are made)."""
+    from huggingface_hub import constants, get_token
+
+    return get_token() is not None, f"{constants.ENDPOINT}/settings/tokens"
+
+
 def check_token(repo_id: str, token: str | None = None, endpoint: str | None = None) -> str:
     """Check the repo id and that the token may write, before hours of merging; returns the user name."""
     _check_repo_id(repo_id)

@@ -187,33 +187,18 @@ class FinishStep(Step, VerticalScroll):
 
     @work(thread=True, exclusive=True, group="upload", exit_on_error=False)
     def _upload_worker(self, repo_id: str, private: bool, token: str | None = None) -> None:
-        from tui_merger.core.ship.hub import plan_upload, upload
+        from tui_merger.core.ship.hub import plan_upload, save_login, upload
 
         out = self.wizard.out_path
         self._login_problem = None
 
         def send():
             plan = plan_upload(out, repo_id, private=private, token=token)  # checks the token first
-            if token:
-                self._save_login(token)
+            if token:  # it works (the plan checked it): saved, so that the next upload needs none
+                self._login_problem = save_login(token)
             return upload(plan, on_event=self.forward)
 
         self.post_outcome("upload", send)
-
-    def _save_login(self, token: str) -> None:
-        """A token typed in the Upload dialog (it works: the plan checked it) is saved as `hf auth login`
-        saves it, with huggingface_hub's own login, so that the next upload needs none."""
-        from huggingface_hub import login
-        from huggingface_hub.utils import logging as hub_logging
-
-        verbosity = hub_logging.get_verbosity()
-        hub_logging.set_verbosity_error()  # its log lines go to the terminal's stderr, where the app draws
-        try:
-            login(token=token, add_to_git_credential=False)
-        except Exception as err:  # noqa: BLE001 - the upload goes on with the token; only saving it failed
-            self._login_problem = f"The token was used but not saved for next time ({(str(err).splitlines() or [''])[0][:120]})."
-        finally:
-            hub_logging.set_verbosity(verbosity)
 
     def done_upload(self, done: Done) -> None:
         notes = self.query_one("#finish-notes", Static)
