@@ -720,7 +720,12 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         await until(pilot, lambda: wizard.panes["try"].trial_plan is not None, "the trial plan")
         status = text(app, "#try-status")
         assert status.startswith("Needs about ") and "(one model at a time), in bfloat16; " in status
-        assert [s.label for s in wizard.panes["try"].trial_plan.sides] == ["merged model", "base model"]
+        # issue 38 item 19: on the demo (random models) the unmerged adapter is compared by default, where the
+        # answers agree; the base is one choice away
+        assert [s.label for s in wizard.panes["try"].trial_plan.sides] == ["merged model", "unmerged adapter"]
+        app.screen.query_one("#against", Select).value = "base"
+        await until(pilot, lambda: (plan := wizard.panes["try"].trial_plan) is not None
+                    and [s.label for s in plan.sides] == ["merged model", "base model"], "the plan against the base")
         assert app.screen.query_one("#answers").has_class("stacked")  # 80 columns: one above the other
         wizard.panes["try"].try_tokens = 12
         prompt = app.screen.query_one("#prompt", Input)
@@ -737,6 +742,9 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         for side in ("merged", "other"):
             subtitle = str(app.screen.query_one(f"#answer-{side}").border_subtitle)
             assert subtitle.startswith("12 tokens, ") and subtitle.endswith(" tokens/s")
+        same = next(i for i, (a, b) in enumerate(zip(merged_ids, base_ids)) if a != b)
+        where = "differ from the first token" if same == 0 else f"are the same for {same} token"
+        assert f"The two answers {where}" in plain(app, "#try-status")  # where they part, said
 
         armed.set()
         await pilot.click("#ask")

@@ -521,7 +521,7 @@ class _Flow:
         if not self.ask.confirm("Try the merged model with a prompt?", default=False):
             return
         from tui_merger.console import TrialPrinter
-        from tui_merger.core.ship.trial import STOPPED, plan_trial, run_trial
+        from tui_merger.core.ship.trial import STOPPED, agreement, plan_trial, run_trial
 
         try:
             plan = plan_trial(out)
@@ -529,7 +529,9 @@ class _Flow:
                 self.say(note)
             prompt = self.ask.text("Prompt:", validate=_not_empty)
             self.say("Press Ctrl-C to stop.")
-            run_trial(plan, prompt, max_new_tokens=TRY_TOKENS, on_event=TrialPrinter(self.out))
+            said = agreement(run_trial(plan, prompt, max_new_tokens=TRY_TOKENS, on_event=TrialPrinter(self.out)))
+            if said:
+                self.say(said)
         except MergeError as err:
             self.say(f"error: {err}")
         except KeyboardInterrupt:
