@@ -580,6 +580,7 @@ def anyio_backend():
 async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch):
     """After a verified merge in the assistant: Make a GGUF... asks type and file; Stop (the engine thread
     held at its first tensor until the test has pressed it) leaves nothing; made again, the notes say where."""
+    from rich.text import Text
     from textual.widgets import Button, Input, ProgressBar, Select, Static
 
     from tui_merger.demo import build_demo
@@ -628,6 +629,9 @@ async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch)
         # issue 38 item 13: the command's default, preselected (it was q8_0 here, f16 there, BF16 in the docs)
         assert app.screen.query_one("#gguf-type", Select).value == "f16"
         assert app.screen.query_one("#gguf-out", Input).value == str(out / "merged-F16.gguf")
+        # issue 38 item 14: a path longer than the field shows its end (the file's name), not its start
+        field = app.screen.query_one("#gguf-out", Input)
+        assert len(field.value) > field.content_region.width and field.scroll_offset.x > 0
         app.screen.query_one("#gguf-type", Select).value = "q8_0"
         await pilot.pause()
         assert app.screen.query_one("#gguf-out", Input).value == str(out / "merged-Q8_0.gguf")  # follows the type
@@ -649,6 +653,15 @@ async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch)
         await pilot.click("#make")
         await until(lambda: wizard.running is None and "GGUF written" in notes(), "the GGUF")
         assert "merged-Q8_0.gguf" in notes() and "Upload... includes it" in notes()
+        # the file and the command on lines of their own, broken after a "/" only (never mid-name)
+        width = app.size.width - 4
+        lines = Text.from_markup(notes()).plain.splitlines()
+        run = lines.index("Run it with (or FROM it in an Ollama Modelfile):")
+        path_lines, command_lines = lines[1:run], lines[run + 1:]
+        assert "".join(path_lines) == str(out / "merged-Q8_0.gguf")
+        assert "".join(command_lines) == f"llama-cli -m {out / 'merged-Q8_0.gguf'}"
+        assert all(len(line) <= width for line in path_lines + command_lines)
+        assert all(line.endswith("/") for line in path_lines[:-1] + command_lines[:-1])
         assert not app.screen.query_one("#upload", Button).disabled
         assert str(app.screen.query_one("#gguf", Button).label) == "Make a GGUF..."
     assert [e["path"] for e in read_manifest(out)["gguf"]] == ["merged-Q8_0.gguf"]

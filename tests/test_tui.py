@@ -1019,3 +1019,20 @@ async def test_a_format_the_engine_refuses_is_said_and_the_previous_one_kept(tmp
         assert app.screen.query_one("#output-format", Select).value == ""
         assert wizard.options.output_quantization is None and wizard.plan is not before
         assert not wizard.plan.blocked and "ERROR" not in text(app, "#findings"), text(app, "#findings")
+
+
+def test_a_long_path_is_broken_after_a_slash_never_inside_a_name():
+    """Issue 38 item 14: at 80 columns a terminal folds a long path wherever the edge falls
+    ("base-run-2026-1" / "2-04"); fold_path breaks it after a "/", or inside a long name after a "-"."""
+    from tui_merger.tui.steps.common import fold_path
+
+    path = "/tmp/b-walk/projects/llama-finetune-experiments/run-2026-12-04/base-run-2026-12-04-r8-20261204"
+    lines = fold_path(path, 76).splitlines()
+    assert lines == ["/tmp/b-walk/projects/llama-finetune-experiments/run-2026-12-04/",
+                     "base-run-2026-12-04-r8-20261204"]
+    assert fold_path("/short/path", 76) == "/short/path"
+    long_name = "/m/" + "-".join(["segment"] * 12)  # one name longer than the width: broken after a "-"
+    lines = fold_path(long_name, 30).splitlines()
+    assert "".join(lines) == long_name and all(len(line) <= 30 for line in lines)
+    assert all(line.endswith(("/", "-")) for line in lines[:-1])
+    assert fold_path("x" * 20, 8).splitlines() == ["x" * 8, "x" * 8, "x" * 4]  # nowhere to break: folded

@@ -310,13 +310,20 @@ class GgufDialog(ModalScreen[tuple | None]):
                 yield Button("Make the GGUF", variant="primary", id="make")
                 yield Button("Cancel", id="cancel")
 
+    def on_mount(self) -> None:
+        from tui_merger.tui.steps.common import show_end
+
+        show_end(self.query_one("#gguf-out", Input))  # the file's name, not only its folder's start
+
     def on_select_changed(self, event) -> None:
         from tui_merger.core.ship.gguf import TYPES, default_out
+        from tui_merger.tui.steps.common import show_end
 
         out = self.query_one("#gguf-out", Input)
         suggested = {str(default_out(self.folder, t)) for t in TYPES}
         if out.value in suggested:  # still the suggestion: follow the type
             out.value = str(default_out(self.folder, event.value))
+            show_end(out)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         from textual.widgets import Select

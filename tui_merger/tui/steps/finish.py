@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Button, ProgressBar, Static
 
-from tui_merger.tui.steps.common import Done, EngineEvent, Step, WorkDone, escape, in_app
+from tui_merger.tui.steps.common import Done, EngineEvent, Step, WorkDone, escape, fold_path, in_app
 from tui_merger.tui.widgets import CleanupDialog, GgufDialog, UploadDialog
 
 
@@ -112,13 +112,16 @@ class FinishStep(Step, VerticalScroll):
                 f"Files: {escape(', '.join(names))}"
             )
         verdict = "[b green]verified[/]" if verified else "[b red]NOT verified: do not ship it[/]"
-        self.query_one("#summary", Static).update(
-            f"The merged model is in [b]{escape(wizard.out_path)}[/b] ({verdict}).\n{details}"
-        )
+        where = fold_path(wizard.out_path, self.text_width())  # on its own lines, broken after a "/"
+        self.query_one("#summary", Static).update(f"The merged model is in\n[b]{escape(where)}[/b] ({verdict}).\n{details}")
         self.query_one("#cleanup", Button).disabled = not verified
         self.query_one("#upload", Button).disabled = not verified
         self.query_one("#gguf", Button).disabled = not verified
         wizard.show("finish")
+
+    def text_width(self) -> int:
+        """The columns the step's text gets: the screen's, less the step's padding and a scrollbar."""
+        return self.app.size.width - 4
 
     @on(Button.Pressed, "#quit")
     def _quit(self) -> None:
@@ -266,7 +269,10 @@ class FinishStep(Step, VerticalScroll):
             return
         r = done.value
         where = "recorded in merge_manifest.json; Upload... includes it" if r.recorded else "not recorded (no merge_manifest.json)"
+        width = self.text_width()
+        command = f"llama-cli -m {r.path}"  # on its own line, broken after a "/" where it must be
         notes.update(
-            f"GGUF written: [b]{escape(r.path)}[/b] ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; "
-            f"{where}).\nRun it with llama-cli -m {escape(r.path)}, or FROM it in an Ollama Modelfile."
+            f"GGUF written ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}):\n"
+            f"[b]{escape(fold_path(r.path, width))}[/b]\n"
+            f"Run it with (or FROM it in an Ollama Modelfile):\n{escape(fold_path(command, width))}"
         )

@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 
-from tui_merger.tui.steps.common import Done, Step, WorkDone, escape, in_app
+from tui_merger.tui.steps.common import Done, Step, WorkDone, escape, in_app, show_end
 from tui_merger.tui.widgets import FolderPicker
 
 DTYPES = [("dtype: as the base", ""), ("dtype: bf16", "bf16"), ("dtype: fp16", "fp16"), ("dtype: fp32", "fp32")]
@@ -332,6 +332,7 @@ class ReviewStep(Step, Vertical):
         out_input = self.query_one("#out", Input)
         if options.out is None:  # first plan: propose the suggested name (never a taken one), then plan again
             out_input.value = str(free_output(default_out_folder(wizard.candidate)[0] / plan.suggested_out))
+            show_end(out_input)  # the suggested name, not only the start of its folder
             self.replan()
             return
         if self._format_refused(options, plan):
