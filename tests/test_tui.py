@@ -155,6 +155,7 @@ async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
         assert "ERROR" in text(app, "#findings") and "not empty" in text(app, "#findings")
         assert app.screen.query_one("#next", Button).disabled
         assert "1 error to fix first" in text(app, "#nav-status")
+        assert not app.screen.query_one("#ack", Checkbox).display  # issue 38 item 15: an error only: no box
         # a warning: the adapter config lost its lora_alpha (peft would use 8)
         app.screen.query_one("#out", Input).value = str(tmp_path / "fresh")
         cfg = workspace / "adapter" / "adapter_config.json"
@@ -164,9 +165,14 @@ async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
             del data["lora_alpha"]
             cfg.write_text(json.dumps(data))
             await recheck(pilot, app, "the plan with a warning")
+            assert "WARNING" in text(app, "#findings") and app.screen.query_one("#ack", Checkbox).display
+            # while the checks run again the box asks nothing (issue 38 item 15)
+            wizard.panes["review"].replan()
+            assert wizard.running == "plan" and not app.screen.query_one("#ack", Checkbox).display
+            await until(pilot, lambda: wizard.running is None, "the plan again")
+            assert app.screen.query_one("#ack", Checkbox).display
         finally:
             cfg.write_text(saved)
-        assert "WARNING" in text(app, "#findings")
         assert app.screen.query_one("#next", Button).disabled
         app.screen.query_one("#ack", Checkbox).value = True
         await pilot.pause()
@@ -589,7 +595,9 @@ async def test_a_base_not_on_this_machine_is_proposed_and_ctrl_n_accepts_it(unre
         nxt = app.screen.query_one("#next", Button)
         assert not nxt.disabled and str(nxt.label) == "Use this base >"
         await pilot.press("ctrl+n")  # accepts the proposal
-        assert app.screen.query_one("#ack", Checkbox).value and wizard.step == "review"
+        # issue 38 item 15: accepting answers the "names another base" warning; the box is not ticked for the user
+        ack = app.screen.query_one("#ack", Checkbox)
+        assert not ack.value and not ack.display and wizard.step == "review"
         assert str(nxt.label) == "Merge >" and not nxt.disabled
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
