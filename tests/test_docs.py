@@ -112,3 +112,18 @@ def test_every_relative_link_leads_to_a_file():
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_both_exit_code_tables_list_every_code_the_command_line_returns():
+    """Issue 38 item 16: with no terminal the assistant exits 2, which neither table listed. The codes:
+    0 done, 1 bad input, 2 nothing done (no terminal, or argparse's usage error), 3 a bug, 4 verification
+    failed (cli.common.VERIFY_FAILED), 130 cancelled."""
+    import re
+
+    from tui_merger.cli.common import VERIFY_FAILED
+
+    codes = {0, 1, 2, 3, VERIFY_FAILED, 130}
+    table = (ROOT / "docs" / "troubleshooting.md").read_text().split("## Exit codes", 1)[1]
+    assert {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)} == codes
+    line = (ROOT / "docs" / "command-line.md").read_text().split("Exit codes:", 1)[1].split("\n\n", 1)[0]
+    assert {int(m) for m in re.findall(r"(?:^ ?|; )(\d+) ", line.replace("\n", " "))} == codes, line

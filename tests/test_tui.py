@@ -1044,3 +1044,19 @@ def test_a_long_path_is_broken_after_a_slash_never_inside_a_name():
     assert "".join(lines) == long_name and all(len(line) <= 30 for line in lines)
     assert all(line.endswith(("/", "-")) for line in lines[:-1])
     assert fold_path("x" * 20, 8).splitlines() == ["x" * 8, "x" * 8, "x" * 4]  # nowhere to break: folded
+
+
+async def test_the_folder_itself_is_named_and_a_local_base_is_on_this_machine(workspace):
+    """Issue 38 item 16: opened on an adapter folder, Find listed it as "." and said its base, in another
+    folder, was "(found here)"."""
+    from textual.widgets import OptionList
+
+    app = MergeApp(workspace / "adapter")
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidates, "the scan")
+        first = str(app.screen.query_one("#candidates", OptionList).get_option_at_index(0).prompt)
+        assert first.startswith("peft-adapter  adapter (this folder)  LoRA r=8"), first
+        await until(pilot, lambda: wizard.candidate is not None, "the pick")
+        note = text(app, "#path-status")
+        assert f"base {workspace / 'base'} (on this machine)." in note and "found here" not in note, note
