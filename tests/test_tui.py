@@ -1060,3 +1060,31 @@ async def test_the_folder_itself_is_named_and_a_local_base_is_on_this_machine(wo
         await until(pilot, lambda: wizard.candidate is not None, "the pick")
         note = text(app, "#path-status")
         assert f"base {workspace / 'base'} (on this machine)." in note and "found here" not in note, note
+
+
+async def test_a_missing_hub_base_says_hf_download_and_browse_picks_a_folder(unresolved, tmp_path):
+    """Issue 38 item 17: the base field of an adapter whose Hub base is not here says the `hf download`
+    command inspect says, and has a Browse... that fills it with a folder from anywhere."""
+    from factory import edit_adapter_config
+
+    far = tmp_path / "far" / "models" / "Qwen2-tiny"
+    far.parent.mkdir(parents=True)
+    shutil.move(unresolved / "base", far)  # outside the folder: not proposed
+    edit_adapter_config(unresolved / "lora", base_model_name_or_path="Qwen/Qwen2-tiny-not-here")
+    app = MergeApp(unresolved)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidate is not None, "a candidate")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.panes["review"]._searched and wizard.running is None, "the search")
+        note = plain(app, "#base-note")
+        assert "find it with Browse..." in note
+        assert "`hf download Qwen/Qwen2-tiny-not-here` puts it in the Hugging Face cache" in note, note
+        await pilot.click("#browse-base")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "FolderPicker"
+        app.screen._pick(far)
+        await pilot.click("#use")
+        await until(pilot, lambda: wizard.running is None and wizard.plan is not None and not wizard.plan_stale, "the plan")
+        assert app.screen.query_one("#base", Input).value == str(far)
+        assert wizard.options.base == far and not wizard.plan.blocked

@@ -27,6 +27,14 @@ def hf_command() -> str:
     return shlex.quote(str(beside)) if beside.is_file() else "hf"
 
 
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?")
+
+
+def is_repo_id(ref: str) -> bool:
+    """Whether a model reference can be a Hub id (ORG/NAME or NAME), which `hf download` fetches."""
+    return bool(_REPO_ID.fullmatch(ref)) and "--" not in ref and ".." not in ref
+
+
 def hub_cache() -> Path:
     """The Hugging Face hub cache folder, found as huggingface_hub finds it (without importing it)."""
     env = os.environ

@@ -48,7 +48,9 @@ class ReviewStep(Step, Vertical):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="review-form"):
             yield Label("Base model folder", classes="base-field")
-            yield Input(id="base", classes="base-field")
+            with Horizontal(classes="row base-field"):
+                yield Input(id="base", classes="base-field")
+                yield Button("Browse...", id="browse-base")
             proposals = Select([], prompt="other models here that fit the adapter", id="base-choice", classes="base-field")
             proposals.display = False  # shown when the base had to be proposed
             yield proposals
@@ -255,8 +257,18 @@ class ReviewStep(Step, Vertical):
             else "the adapter does not say which base model it was trained on"
         )
         if not self._proposals:
+            from tui_merger.core.io.hf_refs import hf_command, is_repo_id
+
             searched = "; no model in this folder or in the Hugging Face cache fits it" if self._searched else ""
-            note.update(f"[dim]{named[0].upper()}{named[1:]}{searched}: type the folder of the model it was trained on.[/dim]")
+            fetch = (  # as inspect says it: tui-merger never downloads
+                f" On a machine with internet access, `{hf_command()} download {c.base_model}` puts it in the "
+                "Hugging Face cache, where tui-merger finds it."
+                if c.base_model and is_repo_id(c.base_model) else ""
+            )
+            note.update(
+                f"[dim]{named[0].upper()}{named[1:]}{searched}: type the folder of the model it was trained on, "
+                f"or find it with Browse...{escape(fetch)}[/dim]"
+            )
             return
         paths = [str(p) for p, _ in self._proposals]
         with choice.prevent(Select.Changed):
@@ -451,6 +463,20 @@ class ReviewStep(Step, Vertical):
 
     def _fields(self) -> tuple:
         return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer", "weight", "more", "roundtrip", "output-format", "replace"))
+
+    @on(Button.Pressed, "#browse-base")
+    def _browse_base(self) -> None:
+        """Pick the base model folder (the adapter's own is not here, or another is wanted)."""
+
+        def chosen(path: Path | None) -> None:
+            if path is not None:
+                base = self.query_one("#base", Input)
+                base.value = str(path)
+                self._show_proposals()
+                self.replan()
+
+        start = Path(self.query_one("#base", Input).value.strip() or self.wizard.candidate.path).expanduser()
+        self.app.push_screen(FolderPicker(start.parent if start.exists() else Path(self.wizard.candidate.path).parent), chosen)
 
     @on(Button.Pressed, "#add-adapter")
     def _add_adapter(self) -> None:
