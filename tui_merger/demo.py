@@ -147,6 +147,6 @@ def cmd_demo(args, launch) -> int:
     code = report_verification(report)
     from tui_merger.core.options import python_command
 
-    code = f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({str(out)!r})"
-    print(f"\nTry it:  {python_command()} -c {shlex.quote(code)}")
+    load = f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({json.dumps(str(out))})"
+    print(f"\nTry it:  {python_command()} -c {shlex.quote(load)}")
     return code
