@@ -100,6 +100,14 @@ def test_demo_builds_and_merges_offline(tmp_path):
     base = read_output(tmp_path / "ws" / "base")
     ours = read_output(merged)
     assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"], ours["model.layers.0.self_attn.q_proj.weight"])
+    # issue 38 item 7: the Try it line runs as printed from a shell whose PATH has no python (after pipx,
+    # `python` there is not the one with transformers): tui-merger's own Python, by its full path
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("Try it:  ")]
+    assert line.startswith(f"Try it:  {sys.executable} -c "), line
+    env = {**os.environ, "PATH": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    tried = subprocess.run(["/bin/bash", "-c", line.split(":  ", 1)[1]], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert tried.returncode == 0, tried.stderr[-2000:]
     # running it again reuses the workspace and replaces the merged folder
     again = run_cli("demo", "--workspace", tmp_path / "ws")
     assert again.returncode == 0, again.stderr

@@ -87,6 +87,7 @@ def test_questionary_flow_merges_verifies_and_survives_a_failed_upload(ws, capsy
         + ENTER  # Try the merged model with a prompt? No (the default)
         + UP + UP + ENTER  # Finish: Upload (second to last)
         + "me/tiny-merged" + ENTER + ENTER  # repo id, private
+        + "hf_not_shown_5ecret" + ENTER  # not logged in: the token (issue 38 item 12)
         + UP + ENTER,  # Done
         capsys,
     )
@@ -101,6 +102,7 @@ def test_questionary_flow_merges_verifies_and_survives_a_failed_upload(ws, capsy
     assert "Verification of" in out and "PASSED" in out
     [upload_error] = [line for line in out.splitlines() if line.startswith("error: ")]
     assert "HF_HUB_OFFLINE" in upload_error or "token" in upload_error
+    assert "Not logged in to the Hub on this machine: paste a write token" in out and "5ecret" not in out
     assert "Traceback" not in out
 
 
@@ -122,7 +124,7 @@ def test_dumb_flow_on_a_trainer_run_merges_then_cleans_up(ws, monkeypatch, capsy
         "1",  # Finish: free space
         "",  # the default selection
         "y",  # delete it
-        "2",  # Done (upload declined)
+        "3",  # Done (GGUF and upload declined)
     ]) + "\n"))
     assert run_plain(ws, dumb=True) == 0
     out = capsys.readouterr().out
@@ -286,7 +288,7 @@ def test_dumb_flow_weights_the_adapter_and_blends_in_another(ws, tmp_path):
         f"{other}:0.25",
         "1",  # Start the merge
         "",  # Try the merged model with a prompt? No (the default)
-        "3",  # Finish: Done
+        "4",  # Finish: Done (after free space, GGUF, upload)
     )
     assert code == 0, out
     assert "not a number" in out and "nowhere does not exist" in out
@@ -322,7 +324,7 @@ def test_dumb_flow_asks_the_output_format_and_merges_in_it(ws, tmp_path):
         "2",  # FP8 128x128 blocks for serving (--quantize fp8)
         "1",  # Start the merge
         "",  # Try the merged model with a prompt? No
-        "3",  # Finish: Done
+        "4",  # Finish: Done (after free space, GGUF, upload)
     )
     assert code == 0, out
     assert "6) Change the output format (now as merged)" in out
@@ -333,7 +335,7 @@ def test_dumb_flow_asks_the_output_format_and_merges_in_it(ws, tmp_path):
     assert json.loads((merged / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
 
     release = make_fp8_release_workspace(tmp_path / "fp8")
-    code, out = lines(release / "qv-lora", "1", "", "6", "2", "1", "", "3")  # the same, for "as the base"
+    code, out = lines(release / "qv-lora", "1", "", "6", "2", "1", "", "4")  # the same, for "as the base"
     assert code == 0, out
     assert "6) Change the output format (now bf16, a plain model)" in out
     assert "2) FP8 (e4m3), 128x128 blocks as the base (--keep-quantization)" in out

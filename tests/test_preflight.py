@@ -265,6 +265,13 @@ def test_suggested_name(tmp_path):
     opts = MergeOptions(base=tmp_path / "Qwen2.5-0.5B", adapter=tmp_path / "alpaca-lora" / "checkpoint-500", out=None)
     name = suggest_name(opts, None, {"r": 16, "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}, datetime.date(2026, 11, 30))
     assert name == "Qwen2.5-0.5B-alpaca-lora-r16-step500-20261130"  # the step of the run (issue 38 item 5)
+    # issue 38 item 18: named after the base used, not the Hub model the adapter names (not here)
+    opts = MergeOptions(base=tmp_path / "base", adapter=tmp_path / "alpaca-lora", out=None)
+    name = suggest_name(opts, None, {"r": 16, "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}, datetime.date(2026, 11, 30))
+    assert name == "base-alpaca-lora-r16-20261130"
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / ("0" * 40)  # the cache: its Hub name
+    opts = MergeOptions(base=snapshot, adapter=tmp_path / "alpaca-lora", out=None)
+    assert suggest_name(opts, None, {"r": 16}, datetime.date(2026, 11, 30)) == "Qwen2.5-0.5B-alpaca-lora-r16-20261130"
 
 
 def test_dry_run_writes_nothing_and_exits_1_when_blocked(demo, tmp_path, capsys):

@@ -108,7 +108,8 @@ class WrappedStream:
 # -- the ask layer -----------------------------------------------------------------------------------
 # select(message, [(title, value)], default=index) -> value; text(message, default, validate) -> str,
 # where validate(text) returns None or the sentence saying what is wrong; confirm(message, default) ->
-# bool; checkbox(message, [(title, value, checked)]) -> [value]. End of input raises EOFError.
+# bool; checkbox(message, [(title, value, checked)]) -> [value]; secret(message) -> str, not shown as
+# typed (a token). End of input raises EOFError.
 
 
 class QuestionaryAsk:
@@ -142,6 +143,11 @@ class QuestionaryAsk:
         items = [questionary.Choice(wrap_title(title, columns() - 5, 6), value=i, checked=on)
                  for i, (title, _, on) in enumerate(choices)]
         return [choices[i][1] for i in questionary.checkbox(message, choices=items, **self.kw).unsafe_ask()]
+
+    def secret(self, message: str) -> str:
+        import questionary
+
+        return questionary.password(message, **self.kw).unsafe_ask().strip()
 
 
 class DumbAsk:
@@ -189,6 +195,19 @@ class DumbAsk:
             if answer in ("", "y", "yes", "n", "no"):
                 return default if not answer else answer.startswith("y")
             print("Answer y or n.", file=self.out)
+
+    def secret(self, message: str) -> str:
+        stdin = self.stdin or sys.stdin
+        if stdin.isatty():  # typed without echo
+            import getpass
+
+            return getpass.getpass(f"{message} ", stream=self.out).strip()
+        print(f"{message} ", end="", file=self.out, flush=True)
+        line = stdin.readline()
+        if not line:
+            raise EOFError
+        print("(hidden)" if line.strip() else "", file=self.out)  # the transcript never shows a token
+        return line.strip()
 
     def checkbox(self, message: str, choices: list) -> list:
         self._menu(message, [f"[{'x' if on else ' '}] {title}" for title, _, on in choices])
@@ -530,7 +549,7 @@ class _Flow:
         if not self.ask.confirm("Try the merged model with a prompt?", default=False):
             return
         from tui_merger.console import TrialPrinter
-        from tui_merger.core.ship.trial import STOPPED, plan_trial, run_trial
+        from tui_merger.core.ship.trial import STOPPED, agreement, plan_trial, run_trial
 
         try:
             plan = plan_trial(out)
@@ -538,7 +557,9 @@ class _Flow:
                 self.say(note)
             prompt = self.ask.text("Prompt:", validate=_not_empty)
             self.say("Press Ctrl-C to stop.")
-            run_trial(plan, prompt, max_new_tokens=TRY_TOKENS, on_event=TrialPrinter(self.out))
+            said = agreement(run_trial(plan, prompt, max_new_tokens=TRY_TOKENS, on_event=TrialPrinter(self.out)))
+            if said:
+                self.say(said)
         except MergeError as err:
             self.say(f"error: {err}")
         except KeyboardInterrupt:
@@ -568,6 +589,7 @@ class _Flow:
             if cleanup is not None:
                 total = human_bytes(sum(i.size for i in cleanup.items))
                 menu.append((f"Free space in the training folder (up to {total} can go)", "cleanup"))
+            menu.append(("Make a GGUF file for llama.cpp, Ollama, LM Studio", "gguf"))
             if not uploaded:
                 menu.append(("Upload the model to the Hugging Face Hub", "upload"))
             menu.append(("Done", "done"))
@@ -576,6 +598,8 @@ class _Flow:
                 return 0
             if choice == "cleanup":
                 cleanup = None if self.clean(cleanup) else cleanup
+            elif choice == "gguf":
+                uploaded = False if self.gguf(Path(result.out)) else uploaded  # a new file: upload again
             else:
                 uploaded = self.upload(Path(result.out))
 
@@ -614,12 +638,44 @@ class _Flow:
         self.say(f"Freed {human_bytes(delete_items(plan, picked, report))}.")
         return True
 
+    def gguf(self, folder: Path) -> bool:
+        """Ask the type and the file, then write the GGUF; whether one was written."""
+        from tui_merger.core.ship.gguf import DEFAULT_TYPE, TYPE_WORDS, default_out, export_gguf
+
+        default = next(i for i, (_, t) in enumerate(TYPE_WORDS) if t == DEFAULT_TYPE)
+        type_ = self.ask.select("GGUF type:", TYPE_WORDS, default=default)
+        where = self.ask.text("GGUF file (in the model folder, an upload of the folder includes it):",
+                              default=str(default_out(folder, type_)), validate=_not_empty)
+        try:
+            r = export_gguf(folder, type_, Path(where).expanduser(), on_event=PlainProgress(stream=self.out))
+        except MergeError as err:
+            self.say(f"error: {err}")
+            return False
+        except KeyboardInterrupt:  # the file is written under a temporary name, removed on the way out
+            self.say("Stopped; no GGUF was written.")
+            return False
+        where = "recorded in merge_manifest.json; an upload of the folder includes it" if r.recorded else "not recorded (no merge_manifest.json)"
+        self.say(f"GGUF written: {r.path} ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}).")
+        self.say(f"Run it:  llama-cli -m {shlex.quote(str(r.path))}")
+        return True
+
     def upload(self, folder: Path) -> bool:
         """Ask, plan, confirm and upload; whether the model was uploaded."""
-        from tui_merger.core.ship.hub import UploadProgress, plan_upload, upload
+        from tui_merger.core.ship.hub import UploadProgress, login_state, plan_upload, save_login, upload
 
         repo = self.ask.text("Hub repository (ORG/NAME, or NAME for your account):", validate=_not_empty)
         private = self.ask.confirm("Make it private?", default=True)
+        logged_in, where = login_state()
+        if logged_in:
+            token = self.ask.secret("Logged in to the Hub on this machine; another account: paste its token "
+                                    "(Enter: the saved login):") or None
+        else:
+            self.say(f"Not logged in to the Hub on this machine: paste a write token from {where} (it is "
+                     "saved for next time, as `hf auth login` does).")
+            token = self.ask.secret("Token (Enter: stop):") or None
+            if token is None:
+                self.say("Nothing was uploaded.")
+                return False
 
         lines = PlainProgress(stream=self.out)
 
@@ -631,7 +687,9 @@ class _Flow:
                 lines(event)
 
         try:
-            plan = plan_upload(folder, repo, private=private)
+            plan = plan_upload(folder, repo, private=private, token=token)  # checks the token first
+            if token and (problem := save_login(token)):
+                self.say(f"note: {problem}")
             state = "existing repo" if plan.exists else "new repo"
             self.say(
                 f"{len(plan.files)} files, {human_bytes(plan.total_bytes)}, would go to {plan.repo_id} "

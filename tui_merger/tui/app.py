@@ -23,7 +23,7 @@ Wizard { layout: vertical; }
 #find { height: 1fr; }
 #candidates { height: 1fr; min-height: 4; }
 .row { height: auto; }
-#path, #more { width: 1fr; }
+#path, #more, #base { width: 1fr; }
 #path-status { height: auto; min-height: 1; color: $text-muted; }
 #review { height: 1fr; }
 #review-form { height: 1fr; }

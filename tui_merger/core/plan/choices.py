@@ -223,7 +223,9 @@ def describe_candidate(c, root: Path | None = None) -> str:
         shown = str(path.relative_to(root)) if root else str(path)
     except ValueError:
         shown = str(path)
-    parts = [c.kind, shown or "."]
+    if shown in ("", "."):  # the folder itself (an HF Trainer run's final adapter): its name, said so
+        shown = f"{path.name or path} (this folder)"
+    parts = [c.kind, shown]
     if c.step is not None:
         parts.append(f"step {c.step}" + (" (latest)" if c.latest else "") + (" (best)" if c.best else ""))
     if c.lora:

@@ -928,6 +928,9 @@ def suggest_name(options: MergeOptions, inputs, raw: dict | None, today: datetim
     today = today or datetime.date.today()
     cfg = (inputs.adapter.config if inputs is not None else raw) or {}
     base_ref = cfg.get("base_model_name_or_path") or (inputs.config.get("_name_or_path") if inputs else None) or (options.base and str(options.base))
+    if options.base is not None:  # the base this merge uses, not the one the adapter names (it may be elsewhere)
+        used = Path(str(options.base))
+        base_ref = next((p[len("models--"):].split("--")[-1] for p in used.parts if p.startswith("models--")), None) or used.name
     base = Path(str(base_ref or "model")).name or "model"
     source = Path(options.adapter or options.checkpoint or "merged")
     source = source.with_suffix("") if source.suffix == ".safetensors" else source  # a kohya LoRA file

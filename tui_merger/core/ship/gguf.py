@@ -38,7 +38,15 @@ from tui_merger.core.options import human_bytes
 TYPES = ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", "q3_k_m")
 # llama.cpp's k-quant file types (kquants.MIXES: which tensors get which type), written by kquants.py
 K_MIXES = ("q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", "q3_k_m")
-DEFAULT_TYPE = "f16"
+DEFAULT_TYPE = "f16"  # the one default of the command, the assistant and the plain flow (docs/command-line.md says why)
+TYPE_WORDS = [  # (what the assistant and the plain flow offer, the type)
+    ("f16 (default): 16-bit half precision, what every llama.cpp build runs", "f16"),
+    ("bf16: 16-bit, bf16 weights kept exactly", "bf16"),
+    ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
+    ("q4_k_m: 4-bit k-quant (llama.cpp's mix), about a third of f16, what Ollama runs by default", "q4_k_m"),
+    ("q5_k_m: 5-bit k-quant (llama.cpp's mix), closer to f16 than q4_k_m", "q5_k_m"),
+    ("q6_k: 6-bit k-quant, near-lossless, a bit larger than q5_k_m", "q6_k"),
+]
 # model_type in config.json -> llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES)
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 FAMILY_NAMES = "Llama, Qwen2, Qwen3 and Qwen3-MoE"

@@ -22,6 +22,8 @@ class MergeStep(Step, Vertical):
     def __init__(self, wizard, **kwargs) -> None:
         super().__init__(wizard, **kwargs)
         self._started = 0.0
+        self._job_phase: str | None = None  # a followed job's latest phase
+        self._job_counts: dict | None = None  # and its merge's latest tensor counts
 
     def compose(self) -> ComposeResult:
         yield Static(id="merge-status")
@@ -63,6 +65,7 @@ class MergeStep(Step, Vertical):
         wizard.result, wizard.report, wizard.job = None, None, job
         wizard.running = "merge"
         wizard.stop_following = threading.Event()
+        self._job_phase, self._job_counts = None, None
         self.query_one("#merge-status", Static).update(
             "Starting a background job..." if job is None else f"Following job {job.id} into {escape(job.out)}"
         )
@@ -90,6 +93,20 @@ class MergeStep(Step, Vertical):
         from tui_merger.core.options import human_bytes
 
         p = message.progress
+        bar = self.query_one("#merge-progress", ProgressBar)
+        if self._job_phase == "merge" and p.get("phase") not in ("plan", "merge"):
+            # the merge wrote its last tensor (the phases after it start only then); the follower polls, so
+            # the job may have written its last count between two looks: show it complete, not where it was
+            bar.update(total=bar.total or 1, progress=bar.total or 1)
+            last = self._job_counts
+            if last:
+                self.query_one("#merge-detail", Static).update(
+                    f"{human_bytes(last['bytes_total'])} of {human_bytes(last['bytes_total'])}   "
+                    f"{last.get('total', 0)}/{last.get('total', 0)} tensors"
+                )
+        self._job_phase = p.get("phase")
+        if p.get("phase") == "merge" and p.get("bytes_total"):
+            self._job_counts = p
         if "message" in p:
             self.query_one("#merge-status", Static).update(f"[b]{escape(p.get('phase', ''))}[/b]  {escape(p['message'])}")
         if p.get("bytes_total"):
