@@ -687,17 +687,19 @@ def _tag_folder(folder: Path, names: dict) -> tuple[Path | None, str | None]:
     """(the tag folder, a problem) of a checkpoint-N folder, or of a tag folder itself."""
     if any(_is_zero_name(n) for n in names):
         return folder, None
-    if LATEST not in names:  # no latest file: the newest tag folder holding ZeRO files
-        tags = sorted((n, name) for name in names if (n := step_of(name, TAG_STEP)) is not None
-                      and any(_is_zero_name(x) for x in _listing(folder / name)))
+    tags = sorted((n, name) for name in names if (n := step_of(name, TAG_STEP)) is not None
+                  and any(_is_zero_name(x) for x in _listing(folder / name)))
+    if LATEST not in names or not (folder / LATEST).is_file() or (folder / LATEST).is_symlink():
+        # no latest file: the newest tag folder holding ZeRO files
         return (folder / tags[-1][1], None) if tags else (None, None)
+    zero = bool(tags) or "zero_to_fp32.py" in names  # a latest file of some other tool is none of ours
     try:
         tag = _read_tag(folder / LATEST)
     except MergeError as err:
-        return None, str(err)
+        return None, (str(err) if zero else None)
     tag_dir = folder / tag
     if not tag_dir.is_dir():
-        return None, f"latest names the tag {tag}, but {tag} is not there: the checkpoint cannot be read."
+        return None, (f"latest names the tag {tag}, but {tag} is not there: the checkpoint cannot be read." if zero else None)
     if not any(_is_zero_name(n) for n in _listing(tag_dir)) and not (tag_dir / "zero").is_dir():
         return None, None
     return tag_dir, None
