@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--base", type=Path, help="base model folder (default: from the manifest)")
     p.add_argument("--adapter", type=Path, help="PEFT adapter folder (default: from the manifest)")
     p.add_argument("--against", type=Path, help="a verl checkpoint folder the model was made from")
-    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="LoRA alpha when the checkpoint does not record it")
+    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, help="the lora_alpha the merge used (as merge --lora-alpha)")
     add_verify_options(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--rewrite-card", action="store_true", help="replace README.md with tui-merger's model card even if you wrote it")

@@ -24,10 +24,11 @@ def farewell(wizard) -> str | None:
     from tui_merger.core.options import python_command
     from tui_merger.core.record.manifest import read_manifest
 
-    if wizard.stopped is not None and wizard.result is None:  # "Stop and quit": what the disk holds now
+    stopped = getattr(wizard, "stopped", None)
+    if stopped is not None and wizard.result is None:  # "Stop and quit": what the disk holds now
         from tui_merger.core.merge.output import left_on_disk
 
-        return f"The merge was stopped: {left_on_disk(wizard.stopped)}; the inputs are untouched."
+        return f"The merge was stopped: {left_on_disk(stopped)}; the inputs are untouched."
     if wizard.result is None and (wizard.job is None or not (Path(wizard.job.out) / "config.json").is_file()):
         return None
     out = wizard.out_path.absolute()
