@@ -16,6 +16,7 @@ Imported as a plain module by the tests (pytest puts tests/ on sys.path).
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -77,6 +78,30 @@ def _rewrite(folder: Path, quantize, config_entry: dict) -> list[str]:
     config["quantization_config"] = {k: v for k, v in config_entry.items() if not k.startswith("_")}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return done
+
+
+def fp8_blocks_ue8m0(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float8_e8m0fnu scale per block) from the format's definition (DeepSeek-V3.1's
+    ``scale_fmt: "ue8m0"``): each block's scale is the power of two at or above amax / 448, stored as its
+    biased exponent byte (2^(byte - 127)); the values are the block divided by it, cast to e4m3."""
+    w = w.float()
+    rows, cols = w.shape
+    bm, bn = block
+    exponents = torch.empty(-(-rows // bm), -(-cols // bn), dtype=torch.uint8)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(exponents.shape[0]):
+        for j in range(exponents.shape[1]):
+            part = w[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn]
+            e = math.ceil(math.log2(part.abs().max().item() / FP8_MAX))
+            exponents[i, j] = e + 127
+            q[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn] = (part / 2.0 ** e).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, exponents.view(torch.float8_e8m0fnu)
+
+
+def make_fp8_ue8m0_base(folder: Path, model) -> list[str]:
+    """Save ``model`` (bf16) as an FP8-block release with power-of-two scales stored as float8_e8m0fnu."""
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return _rewrite(folder, fp8_blocks_ue8m0, {**FP8_CONFIG, "scale_fmt": "ue8m0", "_scale": "weight_scale_inv"})
 
 
 def make_fp8_block_base(folder: Path, model) -> list[str]:

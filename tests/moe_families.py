@@ -9,6 +9,8 @@ A family added later is one line in ``FAMILIES``."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 H = 64  # hidden size
 E = 4  # experts
 I = 48  # an expert's intermediate size (2 x 48 = 96 rows of a fused gate_up)
@@ -115,8 +117,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=300, video_token_id=301, image_start_token_id=302, image_end_token_id=303)),
-    # transformers 5.24 cannot run Llama4ForConditionalGeneration (its forward reads ``image_outputs`` its
-    # language model never returns): its language model (a Llama4ForCausalLM) is what runs
+    # transformers 5.24 cannot run Llama4ForConditionalGeneration on text (its forward reads ``image_outputs``
+    # its language model never returns; 5.25 can): text_only() asks the installed transformers
     "llama4_vl": ("Llama4ForConditionalGeneration", dict(
         text_config=dict(ATTN, intermediate_size=I, intermediate_size_mlp=96, num_hidden_layers=2, num_local_experts=E,
                          num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 0]),
@@ -125,13 +127,34 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                            pixel_shuffle_ratio=0.5),
         image_token_index=300)),
 }
-TEXT_ONLY = {"llama4_vl"}  # transformers cannot run the whole model on text: its language model runs
+
+
+@lru_cache(maxsize=None)
+def text_only(family: str) -> bool:
+    """Whether the installed transformers cannot run the family's whole model on text (a multimodal
+    model's forward failing on text alone, as transformers 5.24's Llama4ForConditionalGeneration did):
+    its language model alone then runs, here and in tui-merger's behaviour check. Asked of transformers
+    itself (a tiny random model of the family, one forward), never a list of ours, so a test holds on
+    whichever version is installed and says which path ran."""
+    import torch
+
+    cls, config = build(family)
+    if not cls.__name__.endswith("ForConditionalGeneration"):
+        return False
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros((1, 4), dtype=torch.long))
+    except AttributeError:
+        return True
+    return False
 
 
 def forward(model, family: str, ids):
     """The logits of the family's model (a peft model too) on ``ids``: the language model's alone where
-    transformers cannot run the whole model (TEXT_ONLY), as tui-merger's behaviour check then runs it."""
-    if family in TEXT_ONLY:
+    transformers cannot run the whole model (``text_only``), as tui-merger's behaviour check then runs it."""
+    if text_only(family):
         model = (model.get_base_model() if hasattr(model, "get_base_model") else model).language_model
     return model(ids).logits
 

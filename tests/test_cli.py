@@ -100,6 +100,14 @@ def test_demo_builds_and_merges_offline(tmp_path):
     base = read_output(tmp_path / "ws" / "base")
     ours = read_output(merged)
     assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"], ours["model.layers.0.self_attn.q_proj.weight"])
+    # issue 38 item 7: the Try it line runs as printed from a shell whose PATH has no python (after pipx,
+    # `python` there is not the one with transformers): tui-merger's own Python, by its full path
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("Try it:  ")]
+    assert line.startswith(f"Try it:  {sys.executable} -c "), line
+    env = {**os.environ, "PATH": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    tried = subprocess.run(["/bin/bash", "-c", line.split(":  ", 1)[1]], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert tried.returncode == 0, tried.stderr[-2000:]
     # running it again reuses the workspace and replaces the merged folder
     again = run_cli("demo", "--workspace", tmp_path / "ws")
     assert again.returncode == 0, again.stderr
@@ -155,3 +163,97 @@ def test_no_terminal_explains_what_to_run_instead(pair, tmp_path):
     )
     assert proc.returncode == 2
     assert "tui-merger inspect" in proc.stderr and "tui-merger merge" in proc.stderr
+
+
+def _adapter_copy(adapter: Path, dest: Path, **config) -> Path:
+    """A copy of ``adapter`` whose adapter_config.json has ``config`` applied (None: the key removed)."""
+    import json
+    import shutil
+
+    shutil.copytree(adapter, dest)
+    cfg = json.loads((dest / "adapter_config.json").read_text())
+    for key, value in config.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dest / "adapter_config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_lora_alpha_for_an_adapter_that_records_none_is_used_and_said(pair, tmp_path):
+    """Issue 38: --lora-alpha was dropped for a PEFT adapter without lora_alpha (merged at peft's 8, the
+    plan said alpha=8, the manifest null). It is used, said once in the plan and the merge, recorded."""
+    import json
+
+    base, adapter = pair
+    bare = _adapter_copy(adapter, tmp_path / "bare", lora_alpha=None)
+    told = _adapter_copy(adapter, tmp_path / "told", lora_alpha=32)  # what peft merges at alpha 32
+    out = tmp_path / "merged"
+    dry = run_cli("merge", "--base", base, "--adapter", bare, "--out", out, "--lora-alpha", "32", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "alpha=32 (from --lora-alpha)" in dry.stdout and "alpha 32, from --lora-alpha" in dry.stdout
+    assert "has no lora_alpha" not in dry.stdout + dry.stderr  # the warning about peft's 8 is not true here
+    proc = run_cli("merge", "--base", base, "--adapter", bare, "--out", out, "--lora-alpha", "32")
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout + proc.stderr
+    assert said.count("alpha 32, from --lora-alpha") == 1 and "has no lora_alpha" not in said
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+    assert all(c["status"] == "pass" for c in manifest["verification"]["checks"])
+    _, want, _ = reference(base, told)
+    _, at_eight, _ = reference(base, bare)
+    from factory import read_output
+
+    got = read_output(out)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(want[name], at_eight[name])  # the test tells alpha 32 from peft's 8
+    for key, value in want.items():
+        if key in got:
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=0)
+
+
+def test_no_lora_alpha_is_warned_once_in_one_wording(pair, tmp_path):
+    base, adapter = pair
+    bare = _adapter_copy(adapter, tmp_path / "bare", lora_alpha=None)
+    proc = run_cli("merge", "--base", base, "--adapter", bare, "--out", tmp_path / "merged", "--no-verify")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("has no lora_alpha") == 1 and proc.stderr.count("default of 8") == 1, proc.stderr
+    assert "give it with --lora-alpha" in proc.stderr
+
+
+def test_lora_alpha_given_over_a_recorded_one_is_used_and_said(pair, tmp_path):
+    """The user typed it: used instead of the recorded value, and said (as for verl's Megatron export)."""
+    base, adapter = pair
+    told = _adapter_copy(adapter, tmp_path / "told", lora_alpha=32)
+    out = tmp_path / "merged"
+    proc = run_cli("merge", "--base", base, "--adapter", adapter, "--out", out, "--lora-alpha", "32", "--no-verify")
+    assert proc.returncode == 0, proc.stderr
+    assert "alpha 32, from --lora-alpha, instead of the 8 recorded in" in proc.stderr
+    _, want, _ = reference(base, told)
+    from factory import read_output
+
+    got = read_output(out)
+    for key, value in want.items():
+        if key in got:
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=0)
+    same = run_cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "same", "--lora-alpha", "8", "--dry-run")
+    assert same.returncode == 0 and "from --lora-alpha" not in same.stdout  # the recorded value: nothing to say
+
+
+def test_adapter_option_without_base_takes_the_base_the_adapter_names(pair, tmp_path):
+    """Issue 38 item 10: `merge --adapter A --out O` failed ("Say what to merge") when A names a base on
+    this machine, while `merge A --out O` worked. Both take it; one that names no local base is told
+    to give --base."""
+    base, adapter = pair
+    out = tmp_path / "merged"
+    proc = run_cli("merge", "--adapter", adapter, "--out", out, "--no-verify")
+    assert proc.returncode == 0, proc.stderr
+    assert f"it is merged into {base}, the base model it names" in proc.stderr
+    probe = probe_ids()
+    ref_logits, _, _ = reference(base, adapter, probe=probe)
+    torch.testing.assert_close(logits_of(out, probe), ref_logits, atol=1e-5, rtol=0)
+    elsewhere = _adapter_copy(adapter, tmp_path / "elsewhere", base_model_name_or_path="someone/not-here")
+    refused = run_cli("merge", "--adapter", elsewhere, "--out", tmp_path / "other")
+    assert refused.returncode == 1 and "--base MODEL" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.stderr.count("\n") == 1 and not (tmp_path / "other").exists()

@@ -124,3 +124,25 @@ def test_an_adapter_given_as_the_checkpoint_beside_other_adapters_is_said(ws):
     assert errors(proc) == [
         "error: my-adapter is a PEFT adapter folder; give every adapter with --adapter, and the base model with --base."
     ]
+
+
+def test_where_hf_is_not_on_the_path_the_full_path_of_ours_is_said(ws, tmp_path):
+    """Issue 38 item 7: after a pipx install only `tui-merger` is on the PATH; the `hf` beside tui-merger's
+    Python is said by its full path, and that command runs from a shell with that PATH."""
+    import os
+    import sys
+
+    from test_cli import ROOT
+
+    edit_adapter_config(ws / "my-adapter", base_model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct")
+    bare = tmp_path / "bin"  # a PATH with no hf and no python on it
+    bare.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PATH": str(bare)}
+    proc = subprocess.run([sys.executable, "-m", "tui_merger", "inspect", "my-adapter"], capture_output=True,
+                          text=True, cwd=ws, env=env, stdin=subprocess.DEVNULL, timeout=300)
+    ours = Path(sys.executable).parent / "hf"
+    assert ours.is_file()
+    said = f"`{ours} download Qwen/Qwen2.5-0.5B-Instruct` puts it in that cache"
+    assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    command = f"{ours} download --help"
+    assert subprocess.run(["/bin/bash", "-c", command], capture_output=True, env=env, timeout=120).returncode == 0

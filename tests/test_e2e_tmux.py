@@ -80,7 +80,7 @@ def test_demo_in_a_real_terminal_to_a_verified_merge(tmp_path):
         screen = tmux.wait_for("EXIT=0")
         # the app has closed; the terminal keeps where the model is and how to use it (issue 32 item 6)
         assert "The merged model is in " in screen and "(verified)." in screen, screen
-        assert "transformers: python -c " in screen and "vLLM:         vllm serve " in screen, screen
+        assert f"transformers: {sys.executable} -c " in screen and "vLLM:         vllm serve " in screen, screen
     finally:
         tmux.kill()
     [out] = (tmp_path / "ws").glob("*-r8-*")  # the suggested name, beside the adapter

@@ -159,3 +159,108 @@ async def test_the_assistant_merges_and_verifies_the_family(family, tmp_path, mo
         assert rows == [["[b green]PASS[/]", name] for name in ("structure", "recompute", "behaviour")], rows
     assert json.loads((out / "merge_manifest.json").read_text())["verification"]["passed"] is True
     assert_merged_like_peft(case, out, tmp_path / "peft", base_dir)
+
+
+# -- output heads under the names transformers gives them -------------------------------------------------
+
+
+def deepseek_v4():
+    """DeepSeek-V4 (transformers 5.25): native names on disk (``head.weight``, ``layers.N.attn.wq_a``,
+    ``ffn.experts.E.w1``), hyper-connections, a sliding and a compressed-sparse attention layer, a hash-routed
+    and a top-k routed MoE layer, the grouped output projection ``o_a_proj``."""
+    return transformers.DeepseekV4ForCausalLM, transformers.DeepseekV4Config(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=320,
+        max_position_embeddings=128, num_hidden_layers=2, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
+        layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, index_n_heads=2,
+        index_head_dim=16, index_topk=4, hc_mult=2, qk_rope_head_dim=8, sliding_window=8)
+
+
+# peft wraps o_a_proj (a Linear subclass whose forward multiplies groups) as a plain Linear, whose unmerged
+# forward then fails: a person leaves it out, as here
+CASES["deepseek_v4-attention+mlp"] = (deepseek_v4, dict(
+    target_modules=["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"],
+    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+PROBE = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+def _without(out: Path, name: str) -> None:
+    """The merged folder with the tensor ``name`` taken out of its weight file (the index kept as it is)."""
+    from safetensors.torch import save_file
+
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(f)
+        if name in tensors:
+            del tensors[name]
+            save_file(tensors, f, metadata={"format": "pt"})
+            return
+    raise AssertionError(f"{name} is not in {out}")
+
+
+def _verify_problems(out: Path, capsys) -> tuple[int, str]:
+    code = main(["verify", str(out), "--json"])
+    said = capsys.readouterr().out
+    report = json.loads(said[said.index("{"):])
+    structure = next(c for c in report["checks"] if c["name"] == "structure")
+    return code, structure["status"] + ": " + " | ".join(structure.get("details") or [])
+
+
+def test_deepseek_v4_merges_like_peft_and_its_head_is_found_under_its_own_name(tmp_path, capsys):
+    """DeepSeek-V4 writes its output head as ``head.weight``: the merge holds peft's tensors, gives the unmerged
+    logits and verifies PASSED (it failed: "no lm_head.weight"); the head really missing fails, named as the
+    files name it."""
+    from peft import PeftModel
+
+    case = "deepseek_v4-attention+mlp"
+    base_dir, adapter = save_case(case, tmp_path, tmp_path / "peft")
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base_dir), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    got, expected, base = read_output(out), read_output(tmp_path / "peft"), read_output(base_dir)
+    assert sorted(got) == sorted(expected) and "head.weight" in got and "lm_head.weight" not in got
+    for name, ref in expected.items():
+        assert got[name].dtype == ref.dtype and got[name].shape == ref.shape, name
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    changed = {n for n in expected if not torch.equal(expected[n], base[n])}
+    assert any(".attn.wq_a." in n for n in changed) and any(".ffn.experts.3.w2." in n for n in changed)
+    assert any(".ffn.shared_experts.w1." in n for n in changed)
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+    cls, _ = deepseek_v4()
+    unmerged = PeftModel.from_pretrained(cls.from_pretrained(base_dir, dtype=torch.float32), adapter).eval()
+    merged = cls.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(PROBE).logits, unmerged(PROBE).logits, rtol=1e-5, atol=1e-5)
+
+    _without(out, "head.weight")
+    code, structure = _verify_problems(out, capsys)
+    assert code == 4 and structure.startswith("fail"), structure
+    assert "tie_word_embeddings is false but there is no head.weight: transformers would start the output head random" \
+        in structure, structure
+
+
+def test_a_tied_head_the_adapter_untied_fails_when_it_is_missing(tmp_path, capsys):
+    """A tied Llama whose adapter changes the output head alone gets its own lm_head.weight and
+    tie_word_embeddings false (verified PASSED); with that head taken out, verification fails naming it."""
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32, vocab_size=320, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    assert "lm_head.weight" not in read_output(tmp_path / "base")
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["lm_head", "q_proj"])
+                   ).save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out", str(out),
+                 "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    assert "lm_head.weight" in read_output(out) and json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+    _without(out, "lm_head.weight")
+    code, structure = _verify_problems(out, capsys)
+    assert code == 4 and "tie_word_embeddings is false but there is no lm_head.weight" in structure, structure

@@ -544,6 +544,18 @@ def test_cli_writes_the_gguf_and_says_where(merged, tmp_path, capsys):
     refused_by_cli(capsys, tmp_path, ["gguf", str(tmp_path / "missing")], needles=["does not exist"])
 
 
+def test_one_default_type_in_the_command_and_the_docs():
+    """Issue 38 item 13: the command's --type default is the one docs/command-line.md names and explains."""
+    from tui_merger.cli import build_parser
+    from tui_merger.core.ship.gguf import DEFAULT_TYPE
+
+    gguf = build_parser()._subparsers._group_actions[0].choices["gguf"]  # noqa: SLF001
+    assert gguf.get_default("gguf_type") == DEFAULT_TYPE == "f16"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "command-line.md").read_text()
+    assert f"tui-merger gguf merged                          # merged/<name>-{DEFAULT_TYPE.upper()}.gguf" in page
+    assert f"<name>-BF16.gguf" not in page and "The default, f16," in page
+
+
 def test_cli_help_lists_the_command_fast():
     import subprocess
     import sys
@@ -551,7 +563,7 @@ def test_cli_help_lists_the_command_fast():
 
     started = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "tui_merger", "gguf", "--help"], capture_output=True, text=True, check=True)
-    assert "--type {f16,bf16,q8_0}" in run.stdout and time.perf_counter() - started < 5
+    assert "--type {f16,bf16,q8_0,q4_k_m,q5_k_m,q6_k,q4_k_s,q5_k_s,q3_k_m}" in run.stdout and time.perf_counter() - started < 5
     code = "import sys, tui_merger.cli.gguf, tui_merger.core.ship.gguf; print(sorted(m for m in sys.modules if m.split('.')[0] in ('gguf', 'numpy', 'torch')))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
 
@@ -568,6 +580,7 @@ def anyio_backend():
 async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch):
     """After a verified merge in the assistant: Make a GGUF... asks type and file; Stop (the engine thread
     held at its first tensor until the test has pressed it) leaves nothing; made again, the notes say where."""
+    from rich.text import Text
     from textual.widgets import Button, Input, ProgressBar, Select, Static
 
     from tui_merger.demo import build_demo
@@ -613,10 +626,15 @@ async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch)
         await pilot.click("#gguf")
         await pilot.pause()
         assert type(app.screen).__name__ == "GgufDialog"
-        assert app.screen.query_one("#gguf-out", Input).value == str(out / "merged-Q8_0.gguf")
-        app.screen.query_one("#gguf-type", Select).value = "f16"
+        # issue 38 item 13: the command's default, preselected (it was q8_0 here, f16 there, BF16 in the docs)
+        assert app.screen.query_one("#gguf-type", Select).value == "f16"
+        assert app.screen.query_one("#gguf-out", Input).value == str(out / "merged-F16.gguf")
+        # issue 38 item 14: a path longer than the field shows its end (the file's name), not its start
+        field = app.screen.query_one("#gguf-out", Input)
+        assert len(field.value) > field.content_region.width and field.scroll_offset.x > 0
+        app.screen.query_one("#gguf-type", Select).value = "q8_0"
         await pilot.pause()
-        assert app.screen.query_one("#gguf-out", Input).value == str(out / "merged-F16.gguf")  # follows the type
+        assert app.screen.query_one("#gguf-out", Input).value == str(out / "merged-Q8_0.gguf")  # follows the type
         await pilot.click("#make")
         await until(reached.is_set, "the GGUF to start")
         assert app.screen.query_one("#gguf-progress", ProgressBar).display
@@ -630,9 +648,20 @@ async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch)
 
         await pilot.click("#gguf")
         await pilot.pause()
-        await pilot.click("#make")  # q8_0, the suggestion
+        app.screen.query_one("#gguf-type", Select).value = "q8_0"
+        await pilot.pause()
+        await pilot.click("#make")
         await until(lambda: wizard.running is None and "GGUF written" in notes(), "the GGUF")
         assert "merged-Q8_0.gguf" in notes() and "Upload... includes it" in notes()
+        # the file and the command on lines of their own, broken after a "/" only (never mid-name)
+        width = app.size.width - 4
+        lines = Text.from_markup(notes()).plain.splitlines()
+        run = lines.index("Run it with (or FROM it in an Ollama Modelfile):")
+        path_lines, command_lines = lines[1:run], lines[run + 1:]
+        assert "".join(path_lines) == str(out / "merged-Q8_0.gguf")
+        assert "".join(command_lines) == f"llama-cli -m {out / 'merged-Q8_0.gguf'}"
+        assert all(len(line) <= width for line in path_lines + command_lines)
+        assert all(line.endswith("/") for line in path_lines[:-1] + command_lines[:-1])
         assert not app.screen.query_one("#upload", Button).disabled
         assert str(app.screen.query_one("#gguf", Button).label) == "Make a GGUF..."
     assert [e["path"] for e in read_manifest(out)["gguf"]] == ["merged-Q8_0.gguf"]

@@ -130,6 +130,31 @@ def test_kohya_merges_like_the_peft_adapter_and_like_peft(made, tmp_path, case):
         assert "| r | 4 |" in (tmp_path / "k" / "README.md").read_text()
 
 
+@pytest.mark.parametrize("case", ["patterns", "no-alpha"])
+def test_lora_alpha_given_sets_every_modules_alpha(made, tmp_path, case):
+    """Issue 38: --lora-alpha was dropped for every adapter given with --adapter. A kohya file records an
+    alpha per module (or none: alpha = rank); the value given replaces them all, as peft merges the same
+    adapter with that lora_alpha and no alpha_pattern. Verification's reference uses it too."""
+    import json
+    import shutil
+
+    base = made["base"]
+    adapter, kohya = (made["adapter"], made["kohya"]) if case == "patterns" else (made["plain"], made["no_alpha"])
+    told = shutil.copytree(adapter, tmp_path / "told")
+    cfg = json.loads((told / "adapter_config.json").read_text())
+    cfg.update(lora_alpha=12, alpha_pattern={})
+    (told / "adapter_config.json").write_text(json.dumps(cfg))
+    options = MergeOptions(base=base, adapter=kohya, out=tmp_path / "k", lora_alpha=12)
+    result = run_merge(options, fsync=False)
+    assert not any("alpha = rank" in w for w in result.warnings)  # no longer true
+    _, peft_state, _ = reference(base, told)
+    ours = read_output(tmp_path / "k")
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, peft_state[name], atol=1e-6, rtol=0)
+    report = verify_merge(tmp_path / "k", options)
+    assert {c.name: c.status for c in report.checks} == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+
+
 def test_converted_peft_folder_loads_in_peft_and_merges_the_same(made, tmp_path):
     from peft import PeftModel
 

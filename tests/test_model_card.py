@@ -54,6 +54,7 @@ def test_a_local_base_taken_for_a_hub_model_that_is_not_here(demo, tmp_path):
         "base, which was not on the machine it was merged on."
     ) in body
     assert f"This model is {HUB_ID}" not in body and "This model is that base with a LoRA adapter merged" in body
+    assert "\nMerged adapter: `my-adapter`.\n" in body  # issue 38 item 18: which adapter, by name
     assert "Passed: structure, recompute, behaviour\n" in body and "Passed: passed" not in body
     assert "- behaviour: pass — The merged model answers like the adapter on the base: largest difference" in body
     assert str(tmp_path) not in body and "/tmp" not in body  # no local paths in a published card
@@ -96,3 +97,23 @@ def test_a_local_copy_named_like_the_hub_model_keeps_the_hub_link(demo, tmp_path
         "its folder's name); its architecture and weight shapes fit all 28 LoRA modules of the adapter."
     ) in body
     assert str(tmp_path) not in body
+
+
+def test_the_card_names_the_checkpoint_and_the_title_the_base_used(demo, tmp_path):
+    """Issue 38 item 18: a trainer's checkpoint-N is named with its run; the suggested output name (the card's
+    title) comes from the base the merge used, not from the Hub model the adapter names and that is not here."""
+    ws = tmp_path / "runs"
+    shutil.copytree(demo / "base", ws / "base")
+    shutil.copytree(demo / "adapter", ws / "my-run" / "checkpoint-200")
+    edit_adapter_config(ws / "my-run" / "checkpoint-200", base_model_name_or_path=HUB_ID)
+    proc = run_cli("merge", "--base", ws / "base", "--adapter", ws / "my-run" / "checkpoint-200", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    [suggested] = [line.split("suggested: ")[1] for line in proc.stdout.splitlines() if "suggested: " in line]
+    assert suggested.startswith("base-my-run-r8-") and "Qwen2.5" not in suggested
+    out = ws / suggested
+    proc = run_cli("merge", "--base", ws / "base", "--adapter", ws / "my-run" / "checkpoint-200", "--out", out,
+                   "--no-verify")
+    assert proc.returncode == 0, proc.stderr
+    _, body = front_and_body(out)
+    assert f"\n# {suggested}\n" in body and "the local model folder `base`" in body
+    assert "\nMerged adapter: `my-run/checkpoint-200`.\n" in body and str(tmp_path) not in body

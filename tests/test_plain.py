@@ -87,6 +87,7 @@ def test_questionary_flow_merges_verifies_and_survives_a_failed_upload(ws, capsy
         + ENTER  # Try the merged model with a prompt? No (the default)
         + UP + UP + ENTER  # Finish: Upload (second to last)
         + "me/tiny-merged" + ENTER + ENTER  # repo id, private
+        + "hf_not_shown_5ecret" + ENTER  # not logged in: the token (issue 38 item 12)
         + UP + ENTER,  # Done
         capsys,
     )
@@ -101,6 +102,7 @@ def test_questionary_flow_merges_verifies_and_survives_a_failed_upload(ws, capsy
     assert "Verification of" in out and "PASSED" in out
     [upload_error] = [line for line in out.splitlines() if line.startswith("error: ")]
     assert "HF_HUB_OFFLINE" in upload_error or "token" in upload_error
+    assert "Not logged in to the Hub on this machine: paste a write token" in out and "5ecret" not in out
     assert "Traceback" not in out
 
 
@@ -122,7 +124,7 @@ def test_dumb_flow_on_a_trainer_run_merges_then_cleans_up(ws, monkeypatch, capsy
         "1",  # Finish: free space
         "",  # the default selection
         "y",  # delete it
-        "2",  # Done (upload declined)
+        "3",  # Done (GGUF and upload declined)
     ]) + "\n"))
     assert run_plain(ws, dumb=True) == 0
     out = capsys.readouterr().out
@@ -167,7 +169,7 @@ def test_warning_needs_acknowledgement_and_ctrl_c_cancels_cleanly(ws, monkeypatc
     monkeypatch.setattr(plain, "PlainProgress", CtrlC)
     code, out = keys(
         ws,
-        ENTER + ENTER  # the adapter, the suggested output folder
+        ENTER + ENTER + ENTER  # the adapter, lora_alpha left empty (peft's 8), the suggested output folder
         + ENTER + ENTER  # Start; the warning confirm defaults to No: back to the menu
         + ENTER + "y"  # Start; acknowledged
         + UP + ENTER,  # after the cancel: Quit
@@ -176,8 +178,43 @@ def test_warning_needs_acknowledgement_and_ctrl_c_cancels_cleanly(ws, monkeypatc
     assert code == 1
     assert "WARNING " in out and "has no lora_alpha" in out
     assert out.count("Step 3 of 5: Merge") == 1
-    assert "Merge cancelled: the partial output was removed and the inputs are untouched." in out
+    assert "Merge cancelled: nothing of the merge is left on disk (no " in out and "the inputs are untouched." in out
     assert sorted(os.listdir(ws)) == ["adapter", "base"]
+
+
+def test_an_adapter_without_lora_alpha_is_asked_for_it_and_the_answer_merged(ws, tmp_path):
+    """Issue 38: the plain flow had no way to give lora_alpha to a PEFT adapter that records none (the
+    plan only said "edit the JSON"). It asks; the answer is used, said and recorded, and equals peft's
+    merge of the adapter with that alpha written into its config."""
+    from factory import read_output, reference
+
+    set_json(ws / "adapter" / "adapter_config.json", lora_alpha=None)
+    code, out = lines(
+        ws,
+        "1",  # the adapter
+        "zero",  # not a number: said, asked again
+        "32",  # lora_alpha used in training
+        "",  # output folder
+        "1",  # Start the merge
+        "",  # Try the merged model with a prompt? No (the default)
+        "3",  # Finish: Done
+    )
+    assert code == 0, out
+    assert "lora_alpha used in training (empty: 8, peft's default):" in out
+    plan = out.split("The plan:")[1]
+    assert "alpha=32 (from your answer)" in plan and "alpha 32, from your answer" in plan and "has no lora_alpha" not in plan
+    [merged] = merged_folders(ws)
+    assert json.loads((merged / MANIFEST_NAME).read_text())["adapter"]["alpha"] == 32
+    told = shutil.copytree(ws / "adapter", tmp_path / "told")
+    set_json(told / "adapter_config.json", lora_alpha=32)
+    _, want, _ = reference(ws / "base", told)
+    got = read_output(merged)
+    for key, value in want.items():
+        if key in got:
+            torch.testing.assert_close(got[key].float(), value.float(), atol=1e-2, rtol=1e-2)
+    changed = "model.layers.0.self_attn.q_proj.weight"
+    _, at_eight, _ = reference(ws / "base", ws / "adapter")
+    assert (got[changed].float() - want[changed].float()).abs().max() < (got[changed].float() - at_eight[changed].float()).abs().max()
 
 
 def test_failed_merge_is_one_sentence_and_the_flow_goes_back_to_review(ws, monkeypatch):
@@ -251,7 +288,7 @@ def test_dumb_flow_weights_the_adapter_and_blends_in_another(ws, tmp_path):
         f"{other}:0.25",
         "1",  # Start the merge
         "",  # Try the merged model with a prompt? No (the default)
-        "3",  # Finish: Done
+        "4",  # Finish: Done (after free space, GGUF, upload)
     )
     assert code == 0, out
     assert "not a number" in out and "nowhere does not exist" in out
@@ -287,7 +324,7 @@ def test_dumb_flow_asks_the_output_format_and_merges_in_it(ws, tmp_path):
         "2",  # FP8 128x128 blocks for serving (--quantize fp8)
         "1",  # Start the merge
         "",  # Try the merged model with a prompt? No
-        "3",  # Finish: Done
+        "4",  # Finish: Done (after free space, GGUF, upload)
     )
     assert code == 0, out
     assert "6) Change the output format (now as merged)" in out
@@ -298,7 +335,7 @@ def test_dumb_flow_asks_the_output_format_and_merges_in_it(ws, tmp_path):
     assert json.loads((merged / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
 
     release = make_fp8_release_workspace(tmp_path / "fp8")
-    code, out = lines(release / "qv-lora", "1", "", "6", "2", "1", "", "3")  # the same, for "as the base"
+    code, out = lines(release / "qv-lora", "1", "", "6", "2", "1", "", "4")  # the same, for "as the base"
     assert code == 0, out
     assert "6) Change the output format (now bf16, a plain model)" in out
     assert "2) FP8 (e4m3), 128x128 blocks as the base (--keep-quantization)" in out

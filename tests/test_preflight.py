@@ -265,6 +265,13 @@ def test_suggested_name(tmp_path):
     opts = MergeOptions(base=tmp_path / "Qwen2.5-0.5B", adapter=tmp_path / "alpaca-lora" / "checkpoint-500", out=None)
     name = suggest_name(opts, None, {"r": 16, "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}, datetime.date(2026, 11, 30))
     assert name == "Qwen2.5-0.5B-alpaca-lora-r16-step500-20261130"  # the step of the run (issue 38 item 5)
+    # issue 38 item 18: named after the base used, not the Hub model the adapter names (not here)
+    opts = MergeOptions(base=tmp_path / "base", adapter=tmp_path / "alpaca-lora", out=None)
+    name = suggest_name(opts, None, {"r": 16, "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}, datetime.date(2026, 11, 30))
+    assert name == "base-alpaca-lora-r16-20261130"
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / ("0" * 40)  # the cache: its Hub name
+    opts = MergeOptions(base=snapshot, adapter=tmp_path / "alpaca-lora", out=None)
+    assert suggest_name(opts, None, {"r": 16}, datetime.date(2026, 11, 30)) == "Qwen2.5-0.5B-alpaca-lora-r16-20261130"
 
 
 def test_dry_run_writes_nothing_and_exits_1_when_blocked(demo, tmp_path, capsys):
@@ -326,3 +333,34 @@ def test_the_plan_offers_the_output_formats_and_marks_one_the_engine_refuses(dem
     assert not kept.blocked and output_refusal(kept) is None and "as the base: 10 weights copied" in kept.output_format
     fp8 = make_plan(MergeOptions(base=options.base, adapter=options.adapter, out=options.out, output_quantization="fp8"))
     assert "the base is already FP8 (e4m3), 128x128 blocks" in output_refusal(fp8)
+
+
+def _chattr(flag: str, path: Path) -> bool:
+    import subprocess
+
+    try:
+        return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("flag", ["+i", "+a"])
+def test_an_immutable_output_folder_is_refused_by_the_plan_before_anything_is_written(demo, tmp_path, capsys, flag):
+    """Issue 38 item 20: an immutable (chattr +i) output folder passed every check and the merge failed
+    at its very end, when the finished model is moved into place. The plan says it, in one sentence."""
+    base, adapter = demo
+    out = tmp_path / "out"
+    out.mkdir()
+    if not _chattr(flag, out):
+        pytest.skip("chattr is not available here (root on a file system with inode flags)")
+    try:
+        found = findings(base, adapter, out)["output"]
+        assert found.severity == "error"
+        assert found.message == f"Cannot write in {out} (immutable or append-only: lsattr -d shows i or a), so the merged model cannot be put there."
+        assert "chattr -i -a" in found.fix
+        assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 1
+        err = capsys.readouterr().err
+        assert f"error: Cannot write in {out}" in err and err.count("error:") == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not any(out.iterdir())  # nothing written
+    finally:
+        _chattr(f"-{flag[1]}", out)

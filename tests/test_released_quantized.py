@@ -15,7 +15,8 @@ import pytest
 import torch
 import transformers
 from factory import read_output, verification_checks
-from fp8_factory import fp8_blocks, make_compressed_fp8_base, make_fp8_block_base, make_mxfp4_base
+from fp8_factory import (fp8_blocks, make_compressed_fp8_base, make_fp8_block_base, make_fp8_ue8m0_base,
+                         make_mxfp4_base)
 from safetensors.torch import load_file, save_file
 
 from tui_merger.cli import main
@@ -38,15 +39,20 @@ DEEPSEEK_V3 = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size
 PROBE = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(7))
 
 
+def _quantization_config(kind):
+    """transformers' dequantizing config for the format ``kind``."""
+    if kind == "compressed-tensors":
+        return transformers.CompressedTensorsConfig(dequantize=True)
+    if kind == "mxfp4":
+        return transformers.Mxfp4Config(dequantize=True)
+    if kind == "fp8-ue8m0":
+        return transformers.FineGrainedFP8Config(dequantize=True, scale_fmt="ue8m0")
+    return transformers.FineGrainedFP8Config(dequantize=True)
+
+
 def _dequantized_load(folder, kind):
     """transformers' own dequantizing load (the reference for every dequantized value)."""
-    if kind == "compressed-tensors":
-        config = transformers.CompressedTensorsConfig(dequantize=True)
-    elif kind == "mxfp4":
-        config = transformers.Mxfp4Config(dequantize=True)
-    else:
-        config = transformers.FineGrainedFP8Config(dequantize=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=_quantization_config(kind))
     return model.eval()
 
 
@@ -99,7 +105,23 @@ def gpt_oss_mxfp4(tmp_path_factory):
                   make_mxfp4_base, "mxfp4", ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+@pytest.fixture(scope="module")
+def qwen3_ue8m0(tmp_path_factory):
+    """Qwen3 FP8 blocks with power-of-two scales stored as float8_e8m0fnu (DeepSeek-V3.1/V3.2's scale_fmt ue8m0)."""
+    root = tmp_path_factory.mktemp("qwen3_ue8m0")
+    return _build(root, "Qwen3-tiny-FP8-ue8m0", transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**QWEN3),
+                  make_fp8_ue8m0_base, "fp8-ue8m0")
+
+
+@pytest.fixture(scope="module")
+def deepseek_ue8m0(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_ue8m0")
+    return _build(root, "DeepSeek-V3.1-tiny", transformers.DeepseekV3ForCausalLM,
+                  transformers.DeepseekV3Config(**DEEPSEEK_V3), make_fp8_ue8m0_base, "fp8-ue8m0")
+
+
 CASES = {"qwen3-fp8": ("qwen3_fp8", "fp8"), "deepseek_v3-fp8": ("deepseek_fp8", "fp8"),
+         "qwen3-fp8-ue8m0": ("qwen3_ue8m0", "fp8-ue8m0"), "deepseek_v3-fp8-ue8m0": ("deepseek_ue8m0", "fp8-ue8m0"),
          "qwen3-compressed-tensors": ("qwen3_ct", "compressed-tensors"), "gpt_oss-mxfp4": ("gpt_oss_mxfp4", "mxfp4")}
 
 
@@ -253,7 +275,7 @@ NAME = "model.layers.0.mlp.down_proj.weight"
     (lambda t: t.update({NAME: t[NAME].float().to(torch.float8_e5m2)}),
      [NAME, "float8_e5m2", "float8_e4m3fn"]),
     (lambda t: t.update({NAME[:-6] + "weight_scale_inv": t[NAME[:-6] + "weight_scale_inv"].to(torch.float8_e4m3fn)}),
-     ["weight_scale_inv is stored in float8_e4m3fn", "float32, bfloat16 or float16"]),
+     ["weight_scale_inv is stored in float8_e4m3fn", "float32, bfloat16, float16 or float8_e8m0fnu (ue8m0)"]),
     (lambda t: t.update({"model.layers.0.mlp.extra.weight_scale_inv": torch.ones(1, 1)}),
      ["model.layers.0.mlp.extra.weight_scale_inv", "no weight model.layers.0.mlp.extra.weight"]),
 ], ids=["scale-missing", "scale-shape", "e5m2", "scale-dtype", "scale-alone"])
@@ -621,18 +643,21 @@ def test_packed_mxfp4_experts_are_merged_a_few_experts_at_a_time(gpt_oss_mxfp4, 
     expected = _disk_state(PeftModel.from_pretrained(_dequantized_load(base, "mxfp4").float(),
                                                      tmp_path / "adapter").merge_and_unload())
     whole, spans = [], []
-    load, load_experts = DequantSource.load, DequantSource.load_experts
 
-    def recorded_load(self, ref):
-        whole.append(ref.name)
-        return load(self, ref)
+    def recording(real):
+        def load(self, ref):
+            whole.append(ref.name)
+            return real(self, ref)
+        return load
 
-    def recorded_experts(self, ref, i, j):
-        spans.append((ref.name, i, j))
-        return load_experts(self, ref, i, j)
+    def recording_experts(real):
+        def load_experts(self, ref, i, j):
+            spans.append((ref.name, i, j))
+            return real(self, ref, i, j)
+        return load_experts
 
-    monkeypatch.setattr(DequantSource, "load", recorded_load)
-    monkeypatch.setattr(DequantSource, "load_experts", recorded_experts)
+    monkeypatch.setattr(DequantSource, "load", recording(DequantSource.load))
+    monkeypatch.setattr(DequantSource, "load_experts", recording_experts(DequantSource.load_experts))
     monkeypatch.setattr(merge_math, "BLOCK_VALUES", 64 * 128 * 2 // 16)  # two experts of gate_up_proj a block
     monkeypatch.setattr(recompute, "BLOCK_VALUES", 64 * 128 * 2)
     out = tmp_path / "merged"
@@ -648,6 +673,11 @@ def test_packed_mxfp4_experts_are_merged_a_few_experts_at_a_time(gpt_oss_mxfp4, 
         torch.testing.assert_close(got[name].float(), expected[name].to(got[name].dtype).float(), rtol=2 ** -8, atol=0,
                                    msg=name)
     spans.clear()
+    # verification dequantizes with the format's own code (verify/dequant_ref.py), a few experts at a time too
+    from tui_merger.core.verify.dequant_ref import IndependentDequant
+
+    monkeypatch.setattr(IndependentDequant, "load", recording(IndependentDequant.load))
+    monkeypatch.setattr(IndependentDequant, "load_experts", recording_experts(IndependentDequant.load_experts))
     report = verify_merge(out, behaviour=False)
     assert {c.name: c.status for c in report.checks} == {"structure": "pass", "recompute": "pass"}
     assert not [n for n in whole if "experts" in n], whole
@@ -704,3 +734,120 @@ def test_the_behaviour_check_says_when_packed_experts_need_more_memory_than_ther
     assert "mlp.experts.gate_up_proj" in found["behaviour"].summary and "of memory" in found["behaviour"].summary
     monkeypatch.setattr(checks, "_available_memory", lambda: None)  # unknown: it runs
     assert {c.name: c.status for c in verify_merge(out).checks}["behaviour"] == "pass"
+
+
+# -- the checks dequantize with the formats' own code, not the merge's ------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_checks_dequantize_by_the_formats_own_code_as_transformers_loads(case, request):
+    """What the recompute and the behaviour check's reference read (verify/dequant_ref.py: transformers'
+    FP8 and MXFP4 functions, compressed-tensors' dequantize) equals transformers' dequantizing load bit for
+    bit, in bf16 and, for --dtype fp32, in fp32 (dequantized straight to fp32, no bf16 stop)."""
+    from tui_merger.core.verify.dequant_ref import independent_base
+
+    base, _, kind = _case(request, case)
+    config = json.loads((base / "config.json").read_text())
+    for dtype in ("bfloat16", "float32"):
+        view = DequantSource(open_model(base), scheme_of(config), config, None if dtype == "bfloat16" else dtype)
+        checked = independent_base(view)
+        assert checked is not view and sorted(checked.tensors) == sorted(view.tensors)
+        loaded = _dequantized_load(base, kind) if dtype == "bfloat16" else _dequantized_load_as(base, kind, torch.float32)
+        expected = _disk_state(loaded)
+        for name in view.dequantized:
+            want = expected[name]
+            assert want.dtype == getattr(torch, dtype), name
+            assert torch.equal(checked.tensors[name].load(), want), name
+            assert torch.equal(view.tensors[name].load(), want), name  # the merge's own, as well
+
+
+def _dequantized_load_as(folder, kind, dtype):
+    """transformers' dequantizing load in ``dtype``."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=_quantization_config(kind), dtype=dtype).eval()
+
+
+def test_an_fp32_output_of_an_fp8_base_is_dequantized_straight_to_fp32(qwen3_fp8, tmp_path, capsys):
+    """--dtype fp32 on an FP8 base: every weight is peft's fp32 merge on transformers' fp32 dequantized load
+    (before, the base weights were rounded to bf16 first: 2.4e-4 off), and verification passes."""
+    from peft import PeftModel
+
+    base, adapter = qwen3_fp8
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--dtype", "fp32", "--plain"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    merged = PeftModel.from_pretrained(_dequantized_load_as(base, "fp8", torch.float32), adapter).merge_and_unload()
+    expected, got = _disk_state(merged), read_output(out)
+    assert sorted(got) == sorted(expected)
+    for name, want in expected.items():
+        assert got[name].dtype == want.dtype == torch.float32, name
+        torch.testing.assert_close(got[name], want, rtol=2 ** -20, atol=1e-7, msg=name)
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+
+
+@pytest.mark.parametrize("wrong", ["bf16-stop", "scale-off-by-one-block"])
+def test_a_wrongly_dequantized_merge_fails_verification(wrong, qwen3_fp8, tmp_path, monkeypatch, capsys):
+    """The merge's dequantizer made wrong (the old bf16 stop on the way to fp32; each weight's scales
+    shifted by one block row) gives a merge the verifier calls FAILED: it dequantizes with the format's own
+    code, not the merge's."""
+    import tui_merger.core.formats.dequant as dequant
+
+    real = dequant.dequantize
+
+    def bad(q, scale, scheme, dtype, out=None):
+        if wrong == "bf16-stop":
+            values = real(q, scale, scheme, torch.bfloat16).to(dtype)
+        else:
+            values = real(q, torch.roll(scale, 1, dims=0) if scale.dim() == 2 and scale.shape[0] > 1 else scale * 2,
+                          scheme, dtype)
+        if out is None:
+            return values
+        out.copy_(values)
+        return out
+
+    monkeypatch.setattr(dequant, "dequantize", bad)
+    base, adapter = qwen3_fp8
+    out = tmp_path / "merged"
+    dtype = ["--dtype", "fp32"] if wrong == "bf16-stop" else []
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), *dtype, "--plain"])
+    said = capsys.readouterr()
+    assert code == 4, said.out + said.err
+    checks = verification_checks(out)
+    assert checks["recompute"] == "fail" and checks["behaviour"] == "fail", said.out
+
+
+def test_keep_quantization_on_ue8m0_scales_stored_as_e8m0_writes_them_so_again(qwen3_ue8m0, tmp_path, capsys):
+    """An FP8 base whose power-of-two scales are stored as float8_e8m0fnu (read: it was called "not a valid
+    safetensors file" before) kept in its format: untouched weights and scales byte for byte, changed ones
+    as transformers' Fp8Quantize with scale_fmt="ue8m0" writes them (the scale as float8_e8m0fnu), and
+    transformers' dequantizing load of the output gives the unmerged adapter's logits within e4m3's rounding."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    class Quantizer:
+        quantization_config = transformers.FineGrainedFP8Config(weight_block_size=[128, 128], scale_fmt="ue8m0")
+
+    base, _ = qwen3_ue8m0
+    stored = read_output(base)
+    assert {v.dtype for n, v in stored.items() if n.endswith("weight_scale_inv")} == {torch.float8_e8m0fnu}
+    adapter = _qv_adapter(base, tmp_path / "qv", "fp8-ue8m0")
+    plain, kept = tmp_path / "plain", tmp_path / "kept"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(plain), "--plain", "--no-verify"]) == 0
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(kept), "--plain", "--keep-quantization"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    got, bf16 = read_output(kept), read_output(plain)
+    assert sorted(got) == sorted(stored)
+    changed = {n for n in stored if ".q_proj." in n or ".v_proj." in n}
+    for name, value in stored.items():
+        if name not in changed:
+            assert got[name].dtype == value.dtype and torch.equal(got[name].view(torch.uint8), value.view(torch.uint8)), name
+    for name in (n for n in changed if n.endswith(".weight")):
+        out = Fp8Quantize(Quantizer())._quantize_one("x.weight", bf16[name])
+        scale = name[: -len("weight")] + "weight_scale_inv"
+        assert got[scale].dtype == out["x.weight_scale_inv"].dtype == torch.float8_e8m0fnu, name
+        assert torch.equal(got[name].view(torch.uint8), out["x.weight"].view(torch.uint8)), name
+        assert torch.equal(got[scale].view(torch.uint8), out["x.weight_scale_inv"].view(torch.uint8)), name
+    gap, scale = _logits_gap(kept, base, adapter, "fp8-ue8m0", "fp8-ue8m0")
+    assert gap < 0.1 * scale, (gap, scale)
+    assert verification_checks(kept) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out

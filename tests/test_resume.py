@@ -77,12 +77,13 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def interrupt(base, adapter, out, tmp_path, after: int, sig, args: list[str] | None = None) -> tuple[int, str]:
+def interrupt(base, adapter, out, tmp_path, after: int, sig, args: list[str] | None = None,
+              script: str = SLOW_CLI) -> tuple[int, str]:
     """Run the slowed CLI (``args``, else ``cli(...)``), send ``sig`` once ``after`` shards are finished
     (and all but the last are journaled); returns the exit code and stderr."""
     partial = out.parent / f".{out.name}.tui-merger-partial"
     args = args if args is not None else cli(base, adapter, out)
-    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args], stdout=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env(tmp_path),
                              preexec_fn=default_sigint)
     try:
@@ -343,3 +344,73 @@ def test_killed_while_recording_or_verifying_the_same_command_finishes(inputs, t
     third = subprocess.run([sys.executable, "-m", "tui_merger", *args], capture_output=True, text=True,
                            env=env(tmp_path), timeout=300)
     assert third.returncode == 1 and "--overwrite" in third.stderr
+
+
+def test_ctrl_c_stops_within_a_second_or_two_and_says_so_at_once(inputs, tmp_path):
+    """Issue 38 item 4: Ctrl-C took 7-11 s to stop a 2 s merge (the stop waited for the verification's
+    imports, started in the background, which cannot be interrupted), with nothing said meanwhile."""
+    base, adapter, _ = inputs
+    out = tmp_path / "merged"
+    args = [a for a in cli(base, adapter, out) if a != "--no-verify"]  # the verification's prewarm runs
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env(tmp_path), preexec_fn=default_sigint)
+    try:
+        for line in child.stdout:
+            if line.startswith("SHARD"):
+                break
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        child.kill()
+    assert child.returncode == 130 and "Traceback" not in err, err
+    assert "Stopping..." in err
+    assert took < 2.0, f"{took:.1f} s from Ctrl-C to the end"
+
+
+# a second Ctrl-C while the first is handled: the engine's cleanup after the first is interrupted
+SECOND_CTRL_C = SLOW_CLI.replace("engine._write_shard = announced", """engine._write_shard = announced
+def second_ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
+engine._stopped = second_ctrl_c""")
+
+
+def test_a_second_ctrl_c_says_what_is_really_left(inputs, tmp_path):
+    """Issue 38 item 2: a second Ctrl-C while the first was handled printed "the partial output was
+    removed" while the partial folder, with its journaled shards, stayed (and the next run resumed from
+    it). What is said is read from the disk."""
+    base, adapter, reference = inputs
+    out = tmp_path / "merged"
+    partial = tmp_path / ".merged.tui-merger-partial"
+    code, err = interrupt(base, adapter, out, tmp_path, 3, signal.SIGINT, script=SECOND_CTRL_C)
+    assert code == 130 and "Traceback" not in err, err
+    kept = journaled(partial)
+    assert partial.is_dir() and kept >= 2
+    assert f"interrupted: the partial output {partial} is kept ({kept} finished shard(s) journaled" in err
+    assert "run the same merge again to resume from it, or delete that folder" in err and "removed" not in err
+    resumed = rerun(base, adapter, out, tmp_path)
+    assert resumed.returncode == 0 and f"{kept} finished shard(s) kept" in resumed.stderr, resumed.stderr
+    same_model(out, reference)
+
+
+def test_ctrl_c_during_verification_says_the_model_is_complete_not_verified(inputs, tmp_path):
+    base, adapter, reference = inputs
+    out = tmp_path / "out"
+    args = [a for a in cli(base, adapter, out) if a != "--no-verify"]
+    child = subprocess.Popen([sys.executable, "-c", GATED, "_Recompute.work", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env(tmp_path), preexec_fn=default_sigint)
+    try:
+        for line in child.stdout:
+            if line.startswith("STAGE"):
+                break
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 130 and "removed" not in err, err
+    assert f"interrupted: the merged model in {out} is complete but not verified: run the same merge again" in err
+    again = subprocess.run([sys.executable, "-m", "tui_merger", *args], capture_output=True, text=True,
+                           env=env(tmp_path), timeout=300)
+    assert again.returncode == 0 and "it is kept and verified now" in again.stderr + again.stdout
+    same_model(out, reference)

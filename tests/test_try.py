@@ -20,7 +20,7 @@ from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.options import MergeOptions
 from tui_merger.core.record.manifest import MANIFEST_NAME
 from tui_merger.core.record.provenance import finish_merge
-from tui_merger.core.ship.trial import ADAPTER, BASE, MERGED, plan_trial, run_trial
+from tui_merger.core.ship.trial import ADAPTER, BASE, MERGED, agreement, plan_trial, run_trial
 from tui_merger.demo import build_demo
 from tui_merger.plain import run_plain
 
@@ -101,6 +101,8 @@ def test_the_unmerged_adapter_answers_like_the_merged_model(demo, tmp_path):
     first, unmerged = run_trial(plan, PROMPT, max_new_tokens=12)
     assert first.token_ids == unmerged.token_ids == reference(merged, PROMPT, 12, dtype=torch.float32)
     assert first.text == unmerged.text
+    # issue 38 item 19: said in words, since random answers cannot be compared by eye
+    assert agreement([first, unmerged]) == "The two answers are the same, token for token (12 tokens)."
 
     # in bfloat16 the plan says why a long answer may part from the unmerged one
     notes = plan_trial(demo["merged"], against=demo["adapter"]).notes
@@ -198,6 +200,10 @@ def test_cli_try_streams_both_answers(demo, answered, capsys):
     assert err.splitlines()[0].startswith("Needs about ")  # the memory statement comes first
     assert f"Loading the merged model from {demo['merged']} (bfloat16) ..." in err
     assert out.index("\nmerged model:\n") < out.index("\nbase model:\n")
+    merged, base = answered[1]
+    same = next(i for i, (a, b) in enumerate(zip(merged.token_ids, base.token_ids)) if a != b)  # they differ
+    where = "differ from the first token" if same == 0 else f"are the same for {same} token"
+    assert f"\nThe two answers {where}" in out and "the adapter changed what the base model says" in out
     for answer in answered[1]:
         block = out.split(f"\n{answer.label}:\n", 1)[1]
         assert block.startswith(answer.text + "\n") if answer.text.strip() else block.startswith("(no readable text)")
@@ -249,7 +255,7 @@ def test_plain_flow_offers_try_it_after_verification(demo, tmp_path, monkeypatch
         shutil.copytree(demo["ws"] / name, ws / name)
     config = ws / "adapter" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": str(ws / "base")}))
-    answers = ["1", "", "1", "y", PROMPT, "3"]  # adapter, output folder, Start; Try it: yes, the prompt; Done
+    answers = ["1", "", "1", "y", PROMPT, "4"]  # adapter, output folder, Start; Try it: yes, the prompt; Done
     out = io.StringIO()
     code = run_plain(ws, input=io.StringIO("".join(a + "\n" for a in answers)), output=out, dumb=True)
     text = out.getvalue()
@@ -291,3 +297,23 @@ def test_a_prompt_that_becomes_no_tokens_is_one_sentence(demo, tmp_path):
     assert "reshape" not in str(info.value) and not events  # said before any model is loaded
     [answer, _] = run_trial(plan, "ab", max_new_tokens=2)  # a prompt it can read still works
     assert len(answer.token_ids) == 2
+
+
+def test_where_two_answers_part_is_said_with_the_reason_of_their_comparison():
+    """Issue 38 item 19: the sentence under two answers, from their token ids (an independent count here)."""
+    from tui_merger.core.ship.trial import TrialAnswer
+
+    def answer(label, ids):
+        return TrialAnswer(label, "", ids, 1.0, 1.0)
+
+    assert agreement([answer(MERGED, [1, 2])]) is None
+    assert agreement([answer(MERGED, [1, 2, 3]), answer(ADAPTER, [1, 2, 3])]) == (
+        "The two answers are the same, token for token (3 tokens).")
+    parted = agreement([answer(MERGED, [1, 2, 3, 4]), answer(ADAPTER, [1, 2, 9, 4])])
+    assert parted.startswith("The two answers are the same for 2 tokens, then part: where the model hesitates")
+    assert "not a bad merge" in parted
+    shorter = agreement([answer(MERGED, [1, 2]), answer(ADAPTER, [1, 2, 3])])  # one stopped earlier
+    assert shorter.startswith("The two answers are the same for 2 tokens, then part")
+    assert agreement([answer(MERGED, [5]), answer(BASE, [6])]) == (
+        "The two answers differ from the first token: the adapter changed what the base model says (that is the "
+        "training).")

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import threading
 from shlex import quote as shlex_quote
 from pathlib import Path
 
 import pytest
-from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, Select, Static
+from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, ProgressBar, Select, Static
 
 from tui_merger.core.events import TensorProgress, TrialToken
 from tui_merger.core.record.manifest import read_manifest
@@ -154,6 +155,7 @@ async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
         assert "ERROR" in text(app, "#findings") and "not empty" in text(app, "#findings")
         assert app.screen.query_one("#next", Button).disabled
         assert "1 error to fix first" in text(app, "#nav-status")
+        assert not app.screen.query_one("#ack", Checkbox).display  # issue 38 item 15: an error only: no box
         # a warning: the adapter config lost its lora_alpha (peft would use 8)
         app.screen.query_one("#out", Input).value = str(tmp_path / "fresh")
         cfg = workspace / "adapter" / "adapter_config.json"
@@ -163,13 +165,76 @@ async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
             del data["lora_alpha"]
             cfg.write_text(json.dumps(data))
             await recheck(pilot, app, "the plan with a warning")
+            assert "WARNING" in text(app, "#findings") and app.screen.query_one("#ack", Checkbox).display
+            # while the checks run again the box asks nothing (issue 38 item 15)
+            wizard.panes["review"].replan()
+            assert wizard.running == "plan" and not app.screen.query_one("#ack", Checkbox).display
+            await until(pilot, lambda: wizard.running is None, "the plan again")
+            assert app.screen.query_one("#ack", Checkbox).display
         finally:
             cfg.write_text(saved)
-        assert "WARNING" in text(app, "#findings")
         assert app.screen.query_one("#next", Button).disabled
         app.screen.query_one("#ack", Checkbox).value = True
         await pilot.pause()
         assert not app.screen.query_one("#next", Button).disabled
+
+
+async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_merged(workspace, tmp_path):
+    """Issue 38: Review had no way to give lora_alpha to a PEFT adapter that records none. The field is
+    shown (empty: peft's 8, said in it), a typed value is planned, merged and recorded."""
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(workspace / name, ws / name)
+    cfg_path = ws / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["lora_alpha"]
+    cfg["base_model_name_or_path"] = str(ws / "base")
+    cfg_path.write_text(json.dumps(cfg))
+    app = MergeApp(ws)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        alpha = app.screen.query_one("#alpha", Input)
+        assert alpha.display and "8, peft's default" in alpha.placeholder
+        assert "has no lora_alpha" in text(app, "#findings") and 'type it in "LoRA alpha"' in text(app, "#findings")
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        alpha.value = "32"
+        await recheck(pilot, app)
+        assert 'alpha=32 (from "LoRA alpha")' in text(app, "#plan-text")
+        assert "has no lora_alpha" not in text(app, "#findings") and "alpha 32, from" in text(app, "#findings")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
+    manifest = read_manifest(out)
+    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+
+
+async def test_a_named_base_that_does_not_fit_gets_the_base_field_and_a_fitting_proposal(workspace, tmp_path):
+    """Issue 38 item 3: the adapter names a base that is here but is another model (shapes do not fit):
+    Review showed the error with no base field and no proposal (a dead end), though a model that fits
+    was beside it. The base field appears, holding the named base, with the model that fits proposed."""
+    from factory import qwen_config, save_base
+
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(workspace / name, ws / name)
+    wrong = save_base(ws / "other-model", qwen_config(hidden_size=96, num_attention_heads=4, num_key_value_heads=2))
+    cfg_path = ws / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = str(wrong)
+    cfg_path.write_text(json.dumps(cfg))
+    app = MergeApp(ws)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidate is not None, "a candidate")
+        await pilot.press("ctrl+n")
+        base = app.screen.query_one("#base", Input)
+        await until(pilot, lambda: base.display and base.value == str(ws / "base") and wizard.running is None
+                    and wizard.plan is not None and not wizard.plan_stale, "the fitting base proposed and planned")
+        note = text(app, "#base-note")
+        assert f"the base the adapter names, {wrong}, does not fit it" in note and "Proposed" in note
+        assert not wizard.plan.of("error") and wizard.options.base == ws / "base"
+        assert base.has_focus
 
 
 async def test_full_run_to_a_verified_model(workspace, tmp_path):
@@ -201,13 +266,17 @@ async def test_full_run_to_a_verified_model(workspace, tmp_path):
     # issue 32 item 6: what the terminal keeps once the app has closed, and its transformers line works
     lines = app.farewell().splitlines()
     assert lines[0] == f"The merged model is in {out} (verified)."
-    assert lines[1].startswith("  transformers: python -c ") and lines[2] == f"  vLLM:         vllm serve {out}"
-    assert len(lines) == 3  # no GGUF made: no llama.cpp line
+    import os
     import subprocess
     import sys
 
-    command = lines[1].split(": ", 1)[1].replace("python", shlex_quote(sys.executable), 1)
-    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    # issue 38 item 7: the Python tui-merger runs in, by its full path (after pipx, `python` has no transformers)
+    assert lines[1].startswith(f"  transformers: {shlex_quote(sys.executable)} -c ")
+    assert lines[2] == f"  vLLM:         vllm serve {out}"
+    assert len(lines) == 3  # no GGUF made: no llama.cpp line
+    command = lines[1].split(": ", 1)[1]
+    env = {**os.environ, "PATH": str(tmp_path), "HF_HUB_OFFLINE": "1"}  # no python on the PATH
+    run = subprocess.run(["/bin/bash", "-c", command], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0 and run.stdout.startswith("Hello"), run.stderr[-2000:]
 
 
@@ -253,12 +322,74 @@ async def test_cancel_mid_merge_stops_the_thread_and_leaves_no_model(workspace, 
         await pilot.click("#cancel")
         await pilot.click("#yes")  # the confirmation
         assert wizard.cancel_token.cancelled
+        assert "Stopping..." in text(app, "#merge-status")  # said at once, before the thread has stopped
         release.set()
         await until(pilot, lambda: wizard.running is None, "the merge thread to stop")
-        assert "Cancelled" in text(app, "#merge-status")
+        assert "Cancelled:[/] nothing of the merge is left on disk" in text(app, "#merge-status")
         assert wizard.result is None and wizard.step == "merge"
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+async def test_stop_and_quit_says_stopping_waits_for_the_stop_and_says_what_is_on_disk(workspace, tmp_path):
+    """Issue 38: "Stop and quit" closed the app at once with "The partial output is removed" whatever the
+    merge then did (once it went on to a verified model), the screen frozen while Textual waited for the
+    thread. Now "Stopping..." at once, the app closes when the merge has stopped, and the terminal says
+    what the disk holds."""
+    reached, release = threading.Event(), threading.Event()
+
+    def hook(event):
+        if isinstance(event, TensorProgress) and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    app = MergeApp(workspace, engine_hook=hook)
+    out = tmp_path / "out"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, reached.is_set, "the merge to start")
+        await pilot.press("ctrl+q")
+        await pilot.click("#yes")  # Stop and quit
+        assert wizard.cancel_token.cancelled and app.is_running  # not closed before the merge stopped
+        assert "Stopping..." in text(app, "#merge-status")
+        release.set()
+        await until(pilot, lambda: not app.is_running, "the app to close once the merge stopped")
+    assert app.return_value == 130  # what run_tui returns, the exit code
+    assert app.farewell() == f"The merge was stopped: nothing of the merge is left on disk (no {out.name}, no partial folder); the inputs are untouched."
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+async def test_stop_and_quit_after_the_merge_finished_keeps_the_model_and_says_so(workspace, tmp_path):
+    """The merge ended while "Stop and quit?" was open: the model it wrote is kept, and the terminal says
+    so (verified or not, as the folder records it), instead of "the partial output is removed"."""
+    reached, release = threading.Event(), threading.Event()
+
+    def hook(event):
+        if isinstance(event, TensorProgress) and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    app = MergeApp(workspace, engine_hook=hook)
+    out = tmp_path / "out"
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, reached.is_set, "the merge to start")
+        await pilot.press("ctrl+q")
+        await pilot.pause()
+        release.set()  # the merge finishes while the question is open
+        await until(pilot, lambda: wizard.running != "merge", "the merge to end", tries=1200)
+        await pilot.click("#yes")
+        await until(pilot, lambda: not app.is_running, "the app to close")
+    assert app.return_value == 0
+    assert (out / "config.json").is_file()
+    said = app.farewell()
+    assert said.startswith(f"The merged model is in {out}") and "removed" not in said
 
 
 async def test_help_and_command_palette(workspace):
@@ -357,11 +488,22 @@ async def test_keep_running_if_i_disconnect_runs_a_background_job(workspace, tmp
         app.screen.query_one("#detach", Checkbox).value = True
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "the job", tries=2400)
-        assert "verification" in text(app, "#verify-status") and "PASSED" in text(app, "#verify-status")
+        # issue 38 item 9: said once ("verification PASSED. the merged model ... passed verification." was twice)
+        from rich.text import Text
+
+        assert Text.from_markup(text(app, "#verify-status")).plain == f"Job {wizard.job.id}: verification PASSED."
+        # the Merge step shows the merge complete, not the last count the follower happened to see
+        assert app.screen.query_one("#merge-progress", ProgressBar).percentage == 1.0
+        detail = text(app, "#merge-detail")
+        assert detail == "" or re.search(r" (\d+)/\1 tensors", detail), detail
         table = app.screen.query_one("#checks", DataTable)
         assert [table.get_row_at(i)[1] for i in range(table.row_count)] == ["structure", "recompute", "behaviour"]
         await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         assert "verified" in text(app, "#summary") and "written by job" in text(app, "#summary")
+        # every file in the folder is listed, the model card and the manifest too
+        listed = Text.from_markup(text(app, "#summary")).plain.split("Files: ", 1)[1].split(", ")
+        assert listed == sorted(p.name for p in out.iterdir() if not p.name.startswith(".")), listed
+        assert "README.md" in listed and "merge_manifest.json" in listed
     [job] = list_jobs()
     assert job.state == FINISHED and job.out == str(out)
     assert read_manifest(out)["verification"]["passed"] is True
@@ -380,7 +522,9 @@ async def test_reopening_the_app_follows_a_running_job(workspace, tmp_path):
         assert wizard._running_job() is not None  # the job takes seconds (it verifies): still running
         assert any(job.id in str(n.message) for n in app._notifications)  # the app says so
         await pilot.press("ctrl+j")
-        assert wizard.step == "merge" and job.id in text(app, "#merge-status")
+        # the step follows that very job (its status line names it until the job's progress replaces it,
+        # which on a busy machine can come before this line runs)
+        assert wizard.step == "merge" and wizard.job is not None and wizard.job.id == job.id
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "the job", tries=2400)
         assert "PASSED" in text(app, "#verify-status")
     assert read_manifest(out)["verification"]["passed"] is True
@@ -573,7 +717,9 @@ async def test_a_base_not_on_this_machine_is_proposed_and_ctrl_n_accepts_it(unre
         nxt = app.screen.query_one("#next", Button)
         assert not nxt.disabled and str(nxt.label) == "Use this base >"
         await pilot.press("ctrl+n")  # accepts the proposal
-        assert app.screen.query_one("#ack", Checkbox).value and wizard.step == "review"
+        # issue 38 item 15: accepting answers the "names another base" warning; the box is not ticked for the user
+        ack = app.screen.query_one("#ack", Checkbox)
+        assert not ack.value and not ack.display and wizard.step == "review"
         assert str(nxt.label) == "Merge >" and not nxt.disabled
         await pilot.press("ctrl+n")
         await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
@@ -704,7 +850,12 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         await until(pilot, lambda: wizard.panes["try"].trial_plan is not None, "the trial plan")
         status = text(app, "#try-status")
         assert status.startswith("Needs about ") and "(one model at a time), in bfloat16; " in status
-        assert [s.label for s in wizard.panes["try"].trial_plan.sides] == ["merged model", "base model"]
+        # issue 38 item 19: on the demo (random models) the unmerged adapter is compared by default, where the
+        # answers agree; the base is one choice away
+        assert [s.label for s in wizard.panes["try"].trial_plan.sides] == ["merged model", "unmerged adapter"]
+        app.screen.query_one("#against", Select).value = "base"
+        await until(pilot, lambda: (plan := wizard.panes["try"].trial_plan) is not None
+                    and [s.label for s in plan.sides] == ["merged model", "base model"], "the plan against the base")
         assert app.screen.query_one("#answers").has_class("stacked")  # 80 columns: one above the other
         wizard.panes["try"].try_tokens = 12
         prompt = app.screen.query_one("#prompt", Input)
@@ -721,6 +872,9 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         for side in ("merged", "other"):
             subtitle = str(app.screen.query_one(f"#answer-{side}").border_subtitle)
             assert subtitle.startswith("12 tokens, ") and subtitle.endswith(" tokens/s")
+        same = next(i for i, (a, b) in enumerate(zip(merged_ids, base_ids)) if a != b)
+        where = "differ from the first token" if same == 0 else f"are the same for {same} token"
+        assert f"The two answers {where}" in plain(app, "#try-status")  # where they part, said
 
         armed.set()
         await pilot.click("#ask")
@@ -995,3 +1149,64 @@ async def test_a_format_the_engine_refuses_is_said_and_the_previous_one_kept(tmp
         assert app.screen.query_one("#output-format", Select).value == ""
         assert wizard.options.output_quantization is None and wizard.plan is not before
         assert not wizard.plan.blocked and "ERROR" not in text(app, "#findings"), text(app, "#findings")
+
+
+def test_a_long_path_is_broken_after_a_slash_never_inside_a_name():
+    """Issue 38 item 14: at 80 columns a terminal folds a long path wherever the edge falls
+    ("base-run-2026-1" / "2-04"); fold_path breaks it after a "/", or inside a long name after a "-"."""
+    from tui_merger.tui.steps.common import fold_path
+
+    path = "/tmp/b-walk/projects/llama-finetune-experiments/run-2026-12-04/base-run-2026-12-04-r8-20261204"
+    lines = fold_path(path, 76).splitlines()
+    assert lines == ["/tmp/b-walk/projects/llama-finetune-experiments/run-2026-12-04/",
+                     "base-run-2026-12-04-r8-20261204"]
+    assert fold_path("/short/path", 76) == "/short/path"
+    long_name = "/m/" + "-".join(["segment"] * 12)  # one name longer than the width: broken after a "-"
+    lines = fold_path(long_name, 30).splitlines()
+    assert "".join(lines) == long_name and all(len(line) <= 30 for line in lines)
+    assert all(line.endswith(("/", "-")) for line in lines[:-1])
+    assert fold_path("x" * 20, 8).splitlines() == ["x" * 8, "x" * 8, "x" * 4]  # nowhere to break: folded
+
+
+async def test_the_folder_itself_is_named_and_a_local_base_is_on_this_machine(workspace):
+    """Issue 38 item 16: opened on an adapter folder, Find listed it as "." and said its base, in another
+    folder, was "(found here)"."""
+    from textual.widgets import OptionList
+
+    app = MergeApp(workspace / "adapter")
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidates, "the scan")
+        first = str(app.screen.query_one("#candidates", OptionList).get_option_at_index(0).prompt)
+        assert first.startswith("peft-adapter  adapter (this folder)  LoRA r=8"), first
+        await until(pilot, lambda: wizard.candidate is not None, "the pick")
+        note = text(app, "#path-status")
+        assert f"base {workspace / 'base'} (on this machine)." in note and "found here" not in note, note
+
+
+async def test_a_missing_hub_base_says_hf_download_and_browse_picks_a_folder(unresolved, tmp_path):
+    """Issue 38 item 17: the base field of an adapter whose Hub base is not here says the `hf download`
+    command inspect says, and has a Browse... that fills it with a folder from anywhere."""
+    from factory import edit_adapter_config
+
+    far = tmp_path / "far" / "models" / "Qwen2-tiny"
+    far.parent.mkdir(parents=True)
+    shutil.move(unresolved / "base", far)  # outside the folder: not proposed
+    edit_adapter_config(unresolved / "lora", base_model_name_or_path="Qwen/Qwen2-tiny-not-here")
+    app = MergeApp(unresolved)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = app.wizard
+        await until(pilot, lambda: wizard.candidate is not None, "a candidate")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.panes["review"]._searched and wizard.running is None, "the search")
+        note = plain(app, "#base-note")
+        assert "find it with Browse..." in note
+        assert "`hf download Qwen/Qwen2-tiny-not-here` puts it in the Hugging Face cache" in note, note
+        await pilot.click("#browse-base")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "FolderPicker"
+        app.screen._pick(far)
+        await pilot.click("#use")
+        await until(pilot, lambda: wizard.running is None and wizard.plan is not None and not wizard.plan_stale, "the plan")
+        assert app.screen.query_one("#base", Input).value == str(far)
+        assert wizard.options.base == far and not wizard.plan.blocked

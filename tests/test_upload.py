@@ -149,17 +149,27 @@ def test_upload_stores_every_byte_private_by_default_and_a_rerun_changes_nothing
     assert hub.count("lfs-put") == 3 and hub.count("lfs-part") == 3  # nothing sent again
 
 
-def test_dry_run_checks_the_token_and_sends_nothing(upload, hub, folder):
-    run = upload(hub.url, folder, "--repo-id", "alice/merged", "--dry-run")
+def test_dry_run_lists_the_files_offline_with_no_token_and_writes_nothing(upload, folder):
+    """Issue 38 item 11: the dry run needed a token and the network before it listed anything, and then
+    said "run the same command again to resume". It lists offline, with no token, writes nothing (the
+    card it would write is listed), and says only what is true."""
+    (folder / "README.md").unlink(missing_ok=True)  # the card an upload writes from merge_manifest.json
+    before = local_files(folder)
+    with socket.socket() as s:  # nothing listens there: any call to the Hub would fail
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = upload(f"http://127.0.0.1:{port}", folder, "--repo-id", "alice/merged", "--dry-run", token=None)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert "alice/merged (private, new repo" in lines[0]
+    assert "to alice/merged (branch main; a new repo is created private; the Hub was not contacted" in lines[0]
     assert any(line.split()[:3] == ["LFS", "10.50", "MB"] and line.endswith("tokenizer.json") for line in lines)
     assert any(line.split()[0] == "LFS" and line.endswith("model-00001-of-00003.safetensors") for line in lines)
     assert any(line.split()[0] == "regular" and line.endswith("config.json") for line in lines)
-    assert "nothing was sent" in run.stdout
-    assert dict(hub.counts) == {"whoami": 1, "repo-info": 1}
-    assert hub.repos == {}
+    assert any(line.split()[0] == "regular" and line.endswith("README.md") for line in lines)
+    assert "The model card README.md would be written from merge_manifest.json" in run.stdout
+    assert "Dry run: nothing was written or sent." in run.stdout
+    assert "resume" not in run.stdout + run.stderr and "error" not in run.stderr
+    assert local_files(folder) == before  # no README.md written
 
 
 @pytest.mark.parametrize("existing, flag, private", [(None, "--public", False), (False, None, False), (True, "--public", True)])
@@ -347,3 +357,56 @@ def test_merge_with_upload_checks_the_token_before_merging(upload, hub, merged, 
                  token="bad_token_5ecret", command="merge")
     assert "rejected" in one_error(run)
     assert not out.exists() and "alice/x" not in hub.repos
+
+
+def test_an_upload_from_the_demo_says_the_demo_went_offline(tmp_path):
+    """Issue 38 item 8: the demo sets HF_HUB_OFFLINE itself; a refused upload says so instead of telling the
+    user to unset a variable they never set. Where the user set it, the sentence tells them to unset it."""
+    script = ("import sys; from tui_merger.demo import build_demo; from tui_merger.core.ship.hub import plan_upload\n"
+              "from tui_merger.core.errors import MergeError\n"
+              "base, _ = build_demo(sys.argv[1])\n"
+              "try:\n    plan_upload(base, 'alice/demo')\nexcept MergeError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf-home"), HF_TOKEN="hf_x")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ws")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.strip() == ("The demo runs offline (tui-merger demo set HF_HUB_OFFLINE for itself), so it "
+                                  "does not upload; upload a model you merged with tui-merger outside the demo."), run
+    env["HF_HUB_OFFLINE"] = "1"
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ws")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.strip() == "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to upload.", run
+
+
+def test_the_plain_flow_makes_a_gguf_and_uploads_with_a_pasted_token(hub, tmp_path):
+    """Issue 38 item 12: the plain flow's "What next?" offers the GGUF (the assistant's Finish does) and its
+    upload takes a token when the machine is not logged in, saves it as `hf auth login` does, and never
+    shows it. A real merge of the demo, then the real client against the Hub stand-in."""
+    from tui_merger.demo import build_demo
+
+    base, _ = build_demo(tmp_path / "ws")
+    answers = [
+        "1", "", "1", "",  # the adapter, the output folder, Start the merge; Try it: no
+        "2", "", "",  # What next: the GGUF, its type (f16, the default), its file (the suggestion)
+        "3", "alice/plain-merged", "", WRITE, "y",  # upload: repo, private, the token, upload now
+        "3",  # Done
+    ]
+    script = ("import io, sys; from tui_merger.plain import run_plain\n"
+              "sys.exit(run_plain(__import__('pathlib').Path(sys.argv[1]), dumb=True, output=sys.stdout))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1",
+               HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(ROOT), XDG_STATE_HOME=str(tmp_path / "state"))
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ws")], input="\n".join(answers) + "\n",
+                         env=env, capture_output=True, text=True, timeout=600)
+    out = run.stdout
+    assert run.returncode == 0, out[-3000:] + run.stderr[-3000:]
+    assert "Make a GGUF file for llama.cpp, Ollama, LM Studio" in out
+    assert "  1) f16 (default): 16-bit half precision, what every llama.cpp build runs" in out
+    [gguf] = [p for p in (tmp_path / "ws").glob("*/*-F16.gguf")]
+    assert f"GGUF written: {gguf} (F16, " in out and f"Run it:  llama-cli -m {gguf}" in out
+    assert f"Not logged in to the Hub on this machine: paste a write token from {hub.url}/settings/tokens" in out
+    assert WRITE not in out + run.stderr and "(hidden)" in out
+    assert "Uploaded: " in out
+    files = hub.repos["alice/plain-merged"].files()
+    assert gguf.name in files and "model.safetensors" in files and "README.md" in files
+    assert (tmp_path / "hf-home" / "token").read_text().strip() == WRITE  # saved for next time

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
+from tui_merger.core.io.hf_refs import OFFLINE_BY_DEMO
 
 MARKER = ".tui-merger-demo"
 DEMO_TEXT = """\
@@ -29,6 +31,9 @@ def build_demo(workspace: Path, seed: int = 0) -> tuple[Path, Path]:
     """Create ``base/`` and ``adapter/`` under workspace (reused when already there)."""
     workspace = Path(workspace)
     base, adapter = workspace / "base", workspace / "adapter"
+    if "HF_HUB_OFFLINE" not in os.environ:  # the demo never needs the Hub; said so if an upload is tried
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ[OFFLINE_BY_DEMO] = "1"
     if workspace.exists() and any(workspace.iterdir()) and not (workspace / MARKER).exists():
         raise MergeError(
             f"{workspace} exists and is not a tui-merger demo folder; choose another --workspace."
@@ -37,7 +42,6 @@ def build_demo(workspace: Path, seed: int = 0) -> tuple[Path, Path]:
         return base, adapter
     workspace.mkdir(parents=True, exist_ok=True)
     (workspace / MARKER).write_text("made by tui-merger demo\n")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
     from peft import LoraConfig, get_peft_model
@@ -141,8 +145,8 @@ def cmd_demo(args, launch) -> int:
     result, report = run_with_progress(MergeOptions(base=base, adapter=adapter, out=out, overwrite=True))
     print_result(result)
     code = report_verification(report)
-    print(
-        f"\nTry it:  python -c \"from transformers import AutoModelForCausalLM; "
-        f"AutoModelForCausalLM.from_pretrained('{out}')\"",
-    )
+    from tui_merger.core.options import python_command
+
+    load = f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({json.dumps(str(out))})"
+    print(f"\nTry it:  {python_command()} -c {shlex.quote(load)}")
     return code

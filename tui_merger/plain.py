@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tui_merger.cli.common import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
-from tui_merger.core.plan.choices import (default_out_folder, free_output, needs_alpha, options_for, parse_more_adapters,
-                                         proposed, why_not_mergeable)
-from tui_merger.core.errors import MergeError
+from tui_merger.core.plan.choices import (alpha_default, default_out_folder, free_output, needs_alpha, options_for,
+                                          parse_more_adapters, proposed, why_not_mergeable)
+from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import Notice
 from tui_merger.core.formats.scan import scan, shown
 from tui_merger.core.options import MergeOptions, human_bytes, parse_size, parse_weight
@@ -108,7 +108,8 @@ class WrappedStream:
 # -- the ask layer -----------------------------------------------------------------------------------
 # select(message, [(title, value)], default=index) -> value; text(message, default, validate) -> str,
 # where validate(text) returns None or the sentence saying what is wrong; confirm(message, default) ->
-# bool; checkbox(message, [(title, value, checked)]) -> [value]. End of input raises EOFError.
+# bool; checkbox(message, [(title, value, checked)]) -> [value]; secret(message) -> str, not shown as
+# typed (a token). End of input raises EOFError.
 
 
 class QuestionaryAsk:
@@ -142,6 +143,11 @@ class QuestionaryAsk:
         items = [questionary.Choice(wrap_title(title, columns() - 5, 6), value=i, checked=on)
                  for i, (title, _, on) in enumerate(choices)]
         return [choices[i][1] for i in questionary.checkbox(message, choices=items, **self.kw).unsafe_ask()]
+
+    def secret(self, message: str) -> str:
+        import questionary
+
+        return questionary.password(message, **self.kw).unsafe_ask().strip()
 
 
 class DumbAsk:
@@ -190,6 +196,19 @@ class DumbAsk:
                 return default if not answer else answer.startswith("y")
             print("Answer y or n.", file=self.out)
 
+    def secret(self, message: str) -> str:
+        stdin = self.stdin or sys.stdin
+        if stdin.isatty():  # typed without echo
+            import getpass
+
+            return getpass.getpass(f"{message} ", stream=self.out).strip()
+        print(f"{message} ", end="", file=self.out, flush=True)
+        line = stdin.readline()
+        if not line:
+            raise EOFError
+        print("(hidden)" if line.strip() else "", file=self.out)  # the transcript never shows a token
+        return line.strip()
+
     def checkbox(self, message: str, choices: list) -> list:
         self._menu(message, [f"[{'x' if on else ' '}] {title}" for title, _, on in choices])
         marked = " ".join(str(i) for i, (_, _, on) in enumerate(choices, 1) if on) or "none"
@@ -233,6 +252,8 @@ class _Flow:
         self.root = root
         self.candidate = None
         self.options: MergeOptions | None = None
+        self.alpha_asked = False  # the checkpoint records no lora_alpha: Review offers to change the answer
+        self.alpha_default: float | None = None  # what an empty answer means (peft's 8; None: one is needed)
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
@@ -334,6 +355,8 @@ class _Flow:
                 self.say(f"Base model: {shown(base)} (named by the checkpoint).")
             else:
                 base = self.ask_base(self.propose_base(c))
+        self.alpha_default = alpha_default(c)
+        self.alpha_asked = needs_alpha(c)
         options = options_for(c, base=base, lora_alpha=self.ask_alpha() if needs_alpha(c) else None)
         folder, where = default_out_folder(c)
         self.say(f"The merged model goes {where}; type another folder if you like.")
@@ -366,9 +389,17 @@ class _Flow:
         )
         return Path(answer).expanduser().absolute()
 
-    def ask_alpha(self) -> float:
+    def ask_alpha(self, now: float | None = None) -> float | None:
+        """The lora_alpha training used; None (an empty answer) where the merge has a default (peft's 8)."""
+        default = self.alpha_default
         self.say("The checkpoint does not record lora_alpha; look it up in the training config.")
-        return float(self.ask.text("lora_alpha used in training:", validate=_check_alpha))
+        if default is None:
+            return float(self.ask.text("lora_alpha used in training:", default=f"{now:g}" if now else "", validate=_check_alpha))
+        answer = self.ask.text(
+            f"lora_alpha used in training (empty: {default:g}, peft's default):",
+            default=f"{now:g}" if now else "", validate=lambda text: None if not text.strip() else _check_alpha(text),
+        )
+        return float(answer) if answer.strip() else None
 
     def review(self) -> str:
         """Show the plan and its findings until the user starts ("start"), picks again ("find") or quits."""
@@ -402,9 +433,9 @@ class _Flow:
         plan = plan or make_plan(self.options)
         self.say("The plan:")
         for line in describe(plan):
-            self.say(line)
+            self.say(_in_flow(line))
         for f in plan.findings:
-            self.say(f"  {f.severity.upper():7} {f.message}")
+            self.say(f"  {f.severity.upper():7} {_in_flow(f.message)}")
             if f.fix:
                 self.say(f"          fix: {f.fix}")
         if not plan.findings:
@@ -421,8 +452,9 @@ class _Flow:
             menu.append(("Replace the existing output folder once the new model is complete", lambda: {"overwrite": True}))
         if o.base is not None:
             menu.append((f"Change the base model (now {shown(o.base)})", lambda: {"base": self.ask_base(o.base)}))
-        if o.lora_alpha is not None:
-            menu.append((f"Change lora_alpha (now {o.lora_alpha:g})", lambda: {"lora_alpha": self.ask_alpha()}))
+        if o.lora_alpha is not None or self.alpha_asked:
+            now = f"{o.lora_alpha:g}" if o.lora_alpha is not None else f"{self.alpha_default:g}, peft's default"
+            menu.append((f"Change lora_alpha (now {now})", lambda: {"lora_alpha": self.ask_alpha(o.lora_alpha)}))
         if o.adapter is not None and o.checkpoint is None:
             now = ", ".join(f"{p.name} x {w:g}" for p, w in o.adapter_weights())
             menu.append((f"Weight this adapter or blend in others (now {now})", self.edit_weights))
@@ -486,7 +518,11 @@ class _Flow:
         try:  # verification follows: its recompute and the unmerged run start while the merge writes
             return merge_prewarmed(self.options, PlainProgress(stream=self.out))
         except KeyboardInterrupt:
-            self.say("Merge cancelled: the partial output was removed and the inputs are untouched.")
+            from tui_merger.core.merge.output import left_on_disk
+
+            self.say(f"Merge cancelled: {left_on_disk(self.options.out)}; the inputs are untouched.")  # as the disk says
+        except MergeCancelled as err:  # stopped with finished shards kept: the sentence says where
+            self.say(str(err))
         except MergeError as err:
             self.say(f"error: {err}")
         return None
@@ -513,7 +549,7 @@ class _Flow:
         if not self.ask.confirm("Try the merged model with a prompt?", default=False):
             return
         from tui_merger.console import TrialPrinter
-        from tui_merger.core.ship.trial import STOPPED, plan_trial, run_trial
+        from tui_merger.core.ship.trial import STOPPED, agreement, plan_trial, run_trial
 
         try:
             plan = plan_trial(out)
@@ -521,7 +557,9 @@ class _Flow:
                 self.say(note)
             prompt = self.ask.text("Prompt:", validate=_not_empty)
             self.say("Press Ctrl-C to stop.")
-            run_trial(plan, prompt, max_new_tokens=TRY_TOKENS, on_event=TrialPrinter(self.out))
+            said = agreement(run_trial(plan, prompt, max_new_tokens=TRY_TOKENS, on_event=TrialPrinter(self.out)))
+            if said:
+                self.say(said)
         except MergeError as err:
             self.say(f"error: {err}")
         except KeyboardInterrupt:
@@ -551,6 +589,7 @@ class _Flow:
             if cleanup is not None:
                 total = human_bytes(sum(i.size for i in cleanup.items))
                 menu.append((f"Free space in the training folder (up to {total} can go)", "cleanup"))
+            menu.append(("Make a GGUF file for llama.cpp, Ollama, LM Studio", "gguf"))
             if not uploaded:
                 menu.append(("Upload the model to the Hugging Face Hub", "upload"))
             menu.append(("Done", "done"))
@@ -559,6 +598,8 @@ class _Flow:
                 return 0
             if choice == "cleanup":
                 cleanup = None if self.clean(cleanup) else cleanup
+            elif choice == "gguf":
+                uploaded = False if self.gguf(Path(result.out)) else uploaded  # a new file: upload again
             else:
                 uploaded = self.upload(Path(result.out))
 
@@ -597,12 +638,44 @@ class _Flow:
         self.say(f"Freed {human_bytes(delete_items(plan, picked, report))}.")
         return True
 
+    def gguf(self, folder: Path) -> bool:
+        """Ask the type and the file, then write the GGUF; whether one was written."""
+        from tui_merger.core.ship.gguf import DEFAULT_TYPE, TYPE_WORDS, default_out, export_gguf
+
+        default = next(i for i, (_, t) in enumerate(TYPE_WORDS) if t == DEFAULT_TYPE)
+        type_ = self.ask.select("GGUF type:", TYPE_WORDS, default=default)
+        where = self.ask.text("GGUF file (in the model folder, an upload of the folder includes it):",
+                              default=str(default_out(folder, type_)), validate=_not_empty)
+        try:
+            r = export_gguf(folder, type_, Path(where).expanduser(), on_event=PlainProgress(stream=self.out))
+        except MergeError as err:
+            self.say(f"error: {err}")
+            return False
+        except KeyboardInterrupt:  # the file is written under a temporary name, removed on the way out
+            self.say("Stopped; no GGUF was written.")
+            return False
+        where = "recorded in merge_manifest.json; an upload of the folder includes it" if r.recorded else "not recorded (no merge_manifest.json)"
+        self.say(f"GGUF written: {r.path} ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}).")
+        self.say(f"Run it:  llama-cli -m {shlex.quote(str(r.path))}")
+        return True
+
     def upload(self, folder: Path) -> bool:
         """Ask, plan, confirm and upload; whether the model was uploaded."""
-        from tui_merger.core.ship.hub import UploadProgress, plan_upload, upload
+        from tui_merger.core.ship.hub import UploadProgress, login_state, plan_upload, save_login, upload
 
         repo = self.ask.text("Hub repository (ORG/NAME, or NAME for your account):", validate=_not_empty)
         private = self.ask.confirm("Make it private?", default=True)
+        logged_in, where = login_state()
+        if logged_in:
+            token = self.ask.secret("Logged in to the Hub on this machine; another account: paste its token "
+                                    "(Enter: the saved login):") or None
+        else:
+            self.say(f"Not logged in to the Hub on this machine: paste a write token from {where} (it is "
+                     "saved for next time, as `hf auth login` does).")
+            token = self.ask.secret("Token (Enter: stop):") or None
+            if token is None:
+                self.say("Nothing was uploaded.")
+                return False
 
         lines = PlainProgress(stream=self.out)
 
@@ -614,7 +687,9 @@ class _Flow:
                 lines(event)
 
         try:
-            plan = plan_upload(folder, repo, private=private)
+            plan = plan_upload(folder, repo, private=private, token=token)  # checks the token first
+            if token and (problem := save_login(token)):
+                self.say(f"note: {problem}")
             state = "existing repo" if plan.exists else "new repo"
             self.say(
                 f"{len(plan.files)} files, {human_bytes(plan.total_bytes)}, would go to {plan.repo_id} "
@@ -705,6 +780,18 @@ def _check_more(text: str) -> str | None:
     except MergeError as err:
         return str(err)
     return None
+
+
+IN_FLOW = (  # the engine's words for flags, as this flow asks them
+    ("give it with --lora-alpha", 'pick "Change lora_alpha" below'),
+    ("from --lora-alpha", "from your answer"),
+)
+
+
+def _in_flow(text: str) -> str:
+    for flag, words in IN_FLOW:
+        text = text.replace(flag, words)
+    return text
 
 
 def _check_alpha(text: str) -> str | None:

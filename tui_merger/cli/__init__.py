@@ -148,7 +148,7 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local_dir", type=Path, help="verl: the checkpoint folder (same as CHECKPOINT)")
     p.add_argument("--backend", choices=["auto", *BACKENDS], default="auto", help="checkpoint format")
     p.add_argument("--base", type=Path, help="base model folder (config.json + weights)")
-    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=_finite_number, help="LoRA alpha when the checkpoint does not record it")
+    p.add_argument("--lora-alpha", "--lora_alpha", dest="lora_alpha", type=_finite_number, help="the lora_alpha training used: needed when the checkpoint does not record it; over a recorded one it is used instead, and said")
     p.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help="verl critic: a TokenClassification model")
     p.add_argument("--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true", help="keep one embedding for input and output when they are equal")
     p.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true", help="accepted for verl compatibility; tui-merger never runs model code")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: the partial output was removed; the inputs are untouched.", file=sys.stderr)
+        print(_left_behind(args), file=sys.stderr)
         return 130
     except Exception as err:  # an unexpected failure: a library outside its range, else a bug of ours
         if args.debug:
@@ -233,6 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     return 2  # pragma: no cover
 
 
+def _left_behind(args) -> str:
+    """After Ctrl-C: what is on disk now (a second Ctrl-C can stop the cleanup of the first, a stop
+    during verification leaves a complete model), and that the inputs were only read."""
+    out = getattr(args, "out", None) if getattr(args, "command", None) == "merge" else None
+    if out is None:  # another command: it says what it keeps on its own way out, if anything
+        return "interrupted."
+    from tui_merger.core.merge.output import left_on_disk
+
+    return f"interrupted: {left_on_disk(out)}; the inputs are untouched."
+
+
 def _interrupt_on_signals() -> None:
     """SIGTERM and SIGHUP (a closed SSH session) stop a merge like Ctrl-C: between tensors, keeping the
     finished shards for a resume."""
@@ -241,6 +252,20 @@ def _interrupt_on_signals() -> None:
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    said = []
+
+    def ctrl_c(signum, frame):
+        """Said at once (the merge stops after the tensor it is on; verification after its module)."""
+        if not said:
+            said.append(True)
+            print("\nStopping...", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+        try:
+            signal.signal(signal.SIGINT, ctrl_c)
+        except (ValueError, OSError):  # not the main thread
+            pass
     for sig in (signal.SIGTERM, signal.SIGHUP):
         try:
             signal.signal(sig, interrupt)
@@ -307,6 +332,8 @@ def cmd_merge(args) -> int:
         if args.adapter is not None:
             raise MergeError("--adapter is for PEFT adapter folders; a checkpoint carries its LoRA itself.")
         _check_backend(checkpoint, args.backend)
+    elif args.base is None and args.adapter:  # the base the (first) adapter names, as `merge ADAPTER` takes it
+        args.base = _base_named_by(args)
     elif args.base is None or args.adapter is None:
         raise MergeError(
             "Say what to merge: --base MODEL --adapter ADAPTER, or a verl checkpoint folder (CHECKPOINT or --local_dir)."
@@ -370,6 +397,24 @@ def _adapter_given_as_checkpoint(args, path: Path) -> Path | None:
         args.adapter = [str(adapter)]
     args.base, args.checkpoint, args.local_dir = base, None, None
     return None
+
+
+def _base_named_by(args) -> Path:
+    """``merge --adapter A --out O`` without --base: the base A names when it is on this machine (said on
+    stderr, as for ``merge A``); else the sentence saying to give --base."""
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.options import parse_adapter_spec
+    from tui_merger.core.plan.choices import not_a_checkpoint
+
+    first = parse_adapter_spec(str(args.adapter[0]))[0]
+    taken = not_a_checkpoint(first, None, args.out)
+    if taken is None or taken[0] is None:
+        raise MergeError(
+            f"{first} names no base model that is on this machine; give the model it was trained on with --base MODEL."
+        )
+    _, base, said = taken
+    print(f"note: {said}", file=sys.stderr)
+    return base
 
 
 def _checkpoint(args) -> Path | None:

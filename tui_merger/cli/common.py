@@ -162,18 +162,27 @@ def print_plan(plan, stream=None) -> None:
     from tui_merger.core.options import human_bytes
 
     stream = stream or sys.stdout
-    state = "exists" if plan.exists else "new repo"
-    print(
-        f"Would upload {plan.folder} to {plan.repo_id} ({'private' if plan.private else 'public'}, {state}; "
-        f"branch {plan.revision}; signed in as {plan.user}):",
-        file=stream,
-    )
+    if plan.user is None:  # a dry run: the Hub was not asked (no token, no network needed)
+        where = plan.repo_id if "/" in plan.repo_id else f"{plan.repo_id} under your account"
+        print(
+            f"Would upload {plan.folder} to {where} (branch {plan.revision}; a new repo is created "
+            f"{'private' if plan.private else 'public'}; the Hub was not contacted: the token, the repo and "
+            "what it already holds are checked by the upload itself):",
+            file=stream,
+        )
+    else:
+        state = "exists" if plan.exists else "new repo"
+        print(
+            f"Would upload {plan.folder} to {plan.repo_id} ({'private' if plan.private else 'public'}, {state}; "
+            f"branch {plan.revision}; signed in as {plan.user}):",
+            file=stream,
+        )
     for f in plan.files:
         print(f"  {'LFS' if f.lfs else 'regular':8}{human_bytes(f.size):>11}  {f.path}", file=stream)
     print(f"  {_files(len(plan.files))}, {human_bytes(plan.total_bytes)}", file=stream)
     for text in plan.notices:
         print(f"note: {text}", file=stream)
-    print("Dry run: nothing was sent.", file=stream)
+    print("Dry run: nothing was written or sent.", file=stream)
 
 
 def _plain_lines():

@@ -1,4 +1,4 @@
-"""``tui-merger gguf MODEL_DIR [--type f16|bf16|q8_0] [--out FILE.gguf]``: the model as one GGUF file for
+"""``tui-merger gguf MODEL_DIR [--type f16|bf16|q8_0|q4_k_m|...] [--out FILE.gguf]``: the model as one GGUF file for
 llama.cpp, Ollama and LM Studio (core/ship/gguf.py)."""
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ def add_parser(sub) -> None:
     p.add_argument("model", type=Path, help="the model folder (config.json, safetensors, tokenizer.json)")
     p.add_argument(
         "--type", dest="gguf_type", choices=TYPES, default=DEFAULT_TYPE,
-        help="how the weights are stored: f16, bf16 (bf16 weights exactly as they are), or q8_0 (8-bit, about half "
-        "the size; llama.cpp's own near-lossless quantization); norms and biases stay float32 (default: %(default)s)",
+        help="how the weights are stored: f16, bf16 (bf16 weights exactly as they are), q8_0 (8-bit, about half "
+        "the size; llama.cpp's own near-lossless quantization), or a k-quant mix as llama.cpp's llama-quantize "
+        "makes it, byte for byte: q4_k_m (what Ollama pulls by default), q5_k_m, q6_k, q4_k_s, q5_k_s, q3_k_m; "
+        "norms and biases stay float32 (default: %(default)s)",
     )
     p.add_argument("--out", type=Path, metavar="FILE.gguf",
                    help="where to write it, a .gguf file or a folder (default: MODEL/<name>-<TYPE>.gguf, inside the model folder)")

@@ -165,13 +165,11 @@ def cmd_run_job(args) -> int:
         message += "."
     except MergeCancelled as err:
         state, code, message = CANCELLED, 130, str(err)
-    except KeyboardInterrupt:  # SIGTERM where nothing could be kept
+    except KeyboardInterrupt:  # SIGTERM where nothing could be kept, or during verification
+        from tui_merger.core.merge.output import left_on_disk
+
         state, code = CANCELLED, 130
-        message = (
-            "Interrupted: the partial output was removed; the inputs are untouched."
-            if result is None
-            else f"Interrupted during verification: {job.out} is complete but not verified; run tui-merger verify on it."
-        )
+        message = f"Interrupted: {left_on_disk(Path(job.out))}; the inputs are untouched."  # as the disk says
     except MergeError as err:
         code, message = 1, str(err)
     except Exception as err:  # a library outside its range, else a bug of ours: the traceback goes into the log

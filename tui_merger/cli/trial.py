@@ -43,14 +43,17 @@ def add_parser(sub) -> None:
 
 def cmd_try(args) -> int:
     from tui_merger.console import TrialPrinter
-    from tui_merger.core.ship.trial import STOPPED, plan_trial, run_trial
+    from tui_merger.core.ship.trial import STOPPED, agreement, plan_trial, run_trial
 
     try:
         plan = plan_trial(args.model, args.against)
         for note in plan.notes:
             print(note, file=sys.stderr, flush=True)
         prompt = args.prompt if args.prompt is not None else _read_prompt()
-        run_trial(plan, prompt, max_new_tokens=args.max_new_tokens, on_event=TrialPrinter(err=sys.stderr))
+        answers = run_trial(plan, prompt, max_new_tokens=args.max_new_tokens, on_event=TrialPrinter(err=sys.stderr))
+        said = agreement(answers)
+        if said:
+            print(f"\n{said}")
     except KeyboardInterrupt:  # Ctrl-C: the models are only read, so there is nothing to undo
         print(f"\n{STOPPED}", file=sys.stderr)
         return 130

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--public", action="store_true", help="create the repo public (an existing repo keeps its visibility)")
     p.add_argument("--revision", default="main", help="branch to commit to (default: %(default)s)")
     p.add_argument("--message", help="commit message (default: 'Upload FOLDER with tui-merger')")
-    p.add_argument("--dry-run", action="store_true", help="check the token and list what would be uploaded; send nothing")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, offline (no token needed); write and send nothing")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_upload)
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 def cmd_upload(args) -> int:
     from tui_merger.core.ship.hub import plan_upload
 
-    plan = plan_upload(args.folder, args.repo_id, private=not args.public, revision=args.revision)
+    plan = plan_upload(args.folder, args.repo_id, private=not args.public, revision=args.revision, offline=args.dry_run)
     if args.dry_run:
         print_plan(plan)
         return 0

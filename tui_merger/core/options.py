@@ -47,6 +47,15 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TB"  # pragma: no cover
 
 
+def python_command() -> str:
+    """The Python tui-merger runs in, as a command that works from any folder: its full path (after a pipx
+    install, `python` is another Python, without transformers)."""
+    import shlex
+    import sys
+
+    return shlex.quote(sys.executable or "python")
+
+
 def parse_size(text: str | int) -> int:
     """'5GB' -> 5_000_000_000, '500MiB' -> 524288000, 1024 -> 1024."""
     if isinstance(text, int):

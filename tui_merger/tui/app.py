@@ -23,7 +23,7 @@ Wizard { layout: vertical; }
 #find { height: 1fr; }
 #candidates { height: 1fr; min-height: 4; }
 .row { height: auto; }
-#path, #more { width: 1fr; }
+#path, #more, #base { width: 1fr; }
 #path-status { height: auto; min-height: 1; color: $text-muted; }
 #review { height: 1fr; }
 #review-form { height: 1fr; }
@@ -132,11 +132,21 @@ class MergeApp(App):
             return
 
         def answer(yes: bool | None) -> None:
-            if yes:
-                wizard.cancel_token.cancel()
-                self.exit(130)  # Textual waits for the worker thread, which stops after the current tensor
+            if not yes:
+                return
+            if wizard.running != "merge":  # it ended while the question was open: what it made stays
+                self.exit(0 if wizard.result is not None else 130)
+                return
+            # the app closes when the merge has stopped (merge step's done_merge), and the terminal
+            # then says what is on disk: a merge that finished in the meantime is kept, not verified
+            wizard.quit_when_stopped = True
+            wizard.cancel_token.cancel()
+            wizard.panes["merge"].stopping()
 
-        self.push_screen(Confirm("A merge is running. Stop it and quit? The partial output is removed.", "Stop and quit", "Keep merging"), answer)
+        self.push_screen(Confirm(
+            "A merge is running. Stop it and quit? It stops within a second or two and its partial output is "
+            "removed; if it has already finished, the model is kept. The terminal then says what is on disk.",
+            "Stop and quit", "Keep merging"), answer)
 
     def get_system_commands(self, screen):
         yield from super().get_system_commands(screen)

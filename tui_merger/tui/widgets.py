@@ -287,13 +287,6 @@ class UploadDialog(ModalScreen[tuple | None]):
         self.dismiss(None)
 
 
-GGUF_TYPES = [
-    ("f16: 16-bit half precision, what every llama.cpp build runs", "f16"),
-    ("bf16: 16-bit, bf16 weights kept exactly", "bf16"),
-    ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
-]
-
-
 class GgufDialog(ModalScreen[tuple | None]):
     """Asks the GGUF type and file; returns (type, path) or None."""
 
@@ -306,24 +299,31 @@ class GgufDialog(ModalScreen[tuple | None]):
     def compose(self) -> ComposeResult:
         from textual.widgets import Select
 
-        from tui_merger.core.ship.gguf import default_out
+        from tui_merger.core.ship.gguf import DEFAULT_TYPE, TYPE_WORDS, default_out
 
         with Vertical(classes="dialog"):
             yield Label("A GGUF file for llama.cpp, Ollama and LM Studio. Type:")
-            yield Select(GGUF_TYPES, value="q8_0", allow_blank=False, id="gguf-type")
+            yield Select(TYPE_WORDS, value=DEFAULT_TYPE, allow_blank=False, id="gguf-type")
             yield Label("File (in the model folder, an upload of the folder includes it):")
-            yield Input(str(default_out(self.folder, "q8_0")), id="gguf-out")
+            yield Input(str(default_out(self.folder, DEFAULT_TYPE)), id="gguf-out")
             with Horizontal(classes="buttons"):
                 yield Button("Make the GGUF", variant="primary", id="make")
                 yield Button("Cancel", id="cancel")
 
+    def on_mount(self) -> None:
+        from tui_merger.tui.steps.common import show_end
+
+        show_end(self.query_one("#gguf-out", Input))  # the file's name, not only its folder's start
+
     def on_select_changed(self, event) -> None:
         from tui_merger.core.ship.gguf import TYPES, default_out
+        from tui_merger.tui.steps.common import show_end
 
         out = self.query_one("#gguf-out", Input)
         suggested = {str(default_out(self.folder, t)) for t in TYPES}
         if out.value in suggested:  # still the suggestion: follow the type
             out.value = str(default_out(self.folder, event.value))
+            show_end(out)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         from textual.widgets import Select

@@ -58,6 +58,8 @@ class Wizard(Screen):
         self.job = None  # the background job being followed (core.jobs.Job), when the merge runs detached
         self.stop_following = None  # set: stop following the job (it keeps running)
         self.cancel_token = None  # the merge's
+        self.quit_when_stopped = False  # "Stop and quit": the app closes once the merge has really stopped
+        self.stopped: Path | None = None  # the output of a merge stopped by "Stop and quit" (the farewell says what is left)
         self.trial_cancel = None  # Try it's
         self.running: str | None = None  # which worker is busy: bases, plan, merge, verify, trial, upload, cleanup, gguf
 

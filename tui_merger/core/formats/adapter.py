@@ -88,6 +88,11 @@ class PeftAdapter:
     # lora_A key -> (lora_B key, experts); the reference peft loads gets them converted (relaid_copy)
     relayout: dict[str, tuple] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
+    # where config["lora_alpha"] came from when the adapter did not record it ("": recorded): "peft's
+    # default" (peft's LoraConfig default, 8), "kohya's default" (alpha = rank) or "--lora-alpha" (``use_alpha``)
+    alpha_from: str = ""
+    alpha_notices: list[str] = field(default_factory=list)  # the notices about that default (gone with --lora-alpha)
+    per_module_alpha: bool = False  # alphas are recorded per module (kohya): --lora-alpha sets every module's
 
     @property
     def fan_in_fan_out(self) -> bool:
@@ -388,11 +393,11 @@ def _resolve_token_rows(adapter: PeftAdapter) -> None:
 def _resolve_scales(adapter: PeftAdapter) -> None:
     cfg = adapter.config
     if "lora_alpha" not in cfg or cfg.get("lora_alpha") is None:
-        cfg_alpha = 8  # peft's LoraConfig default
+        cfg["lora_alpha"] = cfg_alpha = PEFT_DEFAULT_ALPHA  # recorded as the value used (the manifest says it)
+        adapter.alpha_from = "peft's default"
         if adapter.lora:
-            adapter.notices.append(
-                "adapter_config.json has no lora_alpha; using peft's default of 8 as peft would."
-            )
+            adapter.alpha_notices.append(no_alpha_sentence(adapter.folder / "adapter_config.json"))
+            adapter.notices.append(adapter.alpha_notices[-1])
     else:
         cfg_alpha = cfg["lora_alpha"]
     cfg_r = cfg.get("r") or 8  # peft's default; null counts as not given
@@ -451,6 +456,46 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
                 f"(lora_A {list(a.shape) if a else None}, lora_B {list(b.shape) if b else None}); "
                 "the adapter file is damaged or not peft's."
             )
+
+
+PEFT_DEFAULT_ALPHA = 8  # peft's LoraConfig default
+
+
+def no_alpha_sentence(config_path) -> str:
+    """The one wording of "the adapter records no alpha" (the plan's finding and the merge's notice)."""
+    return (
+        f"{config_path} has no lora_alpha, so peft's default of {PEFT_DEFAULT_ALPHA} is used, as peft itself "
+        "would; if training used another alpha, give it with --lora-alpha."
+    )
+
+
+def use_alpha(adapter: PeftAdapter, alpha: float) -> str | None:
+    """--lora-alpha on an opened adapter: it takes the place of the config's lora_alpha (modules that
+    a PEFT adapter's alpha_pattern names keep theirs, as with the value written into adapter_config.json;
+    a file that records an alpha per module, kohya's, gets it for every module), and every module's
+    scale follows. Returns the sentence that says so, or None when the adapter records that very value.
+    A value recorded in the adapter is replaced too, and said: the user typed it."""
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise MergeError(f"--lora-alpha {alpha:g} would make the adapter change nothing; give the lora_alpha used in training (above 0).")
+    cfg = adapter.config
+    patterns = cfg.get("alpha_pattern") or {}
+    recorded = None if adapter.alpha_from else cfg.get("lora_alpha")
+    if recorded is not None and float(recorded) == float(alpha) and not (adapter.per_module_alpha and patterns):
+        return None
+    adapter.notices = [n for n in adapter.notices if n not in adapter.alpha_notices]
+    adapter.alpha_notices = []
+    replaced = {"lora_alpha": alpha, **({"alpha_pattern": {}} if adapter.per_module_alpha else {})}
+    adapter.config = {**cfg, **replaced}
+    adapter.alpha_from = "--lora-alpha"
+    _resolve_scales(adapter)
+    where = adapter.folder / "adapter_config.json" if adapter.folder.is_dir() else adapter.folder
+    kept = 0 if adapter.per_module_alpha else len(patterns)
+    still = f"; the {kept} alpha_pattern entr{'y' if kept == 1 else 'ies'} in it still appl{'ies' if kept == 1 else 'y'}" if kept else ""
+    if recorded is None:
+        return f"alpha {alpha:g}, from --lora-alpha ({where} records none){still}."
+    if adapter.per_module_alpha and patterns:
+        return f"alpha {alpha:g} for every module, from --lora-alpha, instead of the alphas recorded in {where}."
+    return f"alpha {alpha:g}, from --lora-alpha, instead of the {recorded:g} recorded in {where}{still}."
 
 
 def _conv_pair(a, b) -> bool:
@@ -536,6 +581,18 @@ def relaid_copy(adapter: PeftAdapter, dest: Path) -> Path:
     _write_tensors(dest / ADAPTER_WEIGHTS[0], [(k, r, shape, relaid(k, r)) for k, r, shape in entries], fsync=False)
     config = dict(adapter.config, peft_version=version("peft"))
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dest
+
+
+def alpha_copy(adapter: PeftAdapter, dest: Path) -> Path:
+    """The PEFT adapter folder as peft must load it for the reference when --lora-alpha replaced its
+    lora_alpha: its adapter_config.json with that value, its weights linked (not copied)."""
+    dest.mkdir(parents=True)
+    config = json.loads((adapter.folder / "adapter_config.json").read_text())
+    config["lora_alpha"] = adapter.config["lora_alpha"]
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in adapter.source.files:
+        (dest / name).symlink_to((adapter.folder / name).resolve())
     return dest
 
 

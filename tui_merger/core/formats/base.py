@@ -158,7 +158,12 @@ class Format:
         return not c.base_path
 
     def needs_alpha(self, c: Candidate) -> bool:
+        """The checkpoint records no lora_alpha: the assistant asks for the one training used."""
         return False
+
+    def alpha_default(self, c: Candidate) -> float | None:
+        """The alpha the merge uses when the user gives none (None: the merge needs one)."""
+        return None
 
     def can_weight(self, c: Candidate) -> bool:
         """An adapter the user may weight and blend with other adapters."""

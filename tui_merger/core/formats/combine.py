@@ -90,6 +90,7 @@ def combine_adapters(parts: list[tuple[PeftAdapter, float, Path]]) -> PeftAdapte
                 "weight": weight,
                 "r": cfg.get("r"),
                 "lora_alpha": cfg.get("lora_alpha"),
+                "alpha_from": adapter.alpha_from,
                 "use_rslora": bool(cfg.get("use_rslora", False)),
                 "target_modules": sorted({m.rsplit(".", 1)[-1] for m in adapter.lora}),
                 "modules": len(adapter.lora),

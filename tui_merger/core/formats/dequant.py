@@ -40,8 +40,12 @@ from tui_merger.core.errors import MergeError
 FP8_E4M3 = "float8_e4m3fn"
 FP8_E5M2 = "float8_e5m2"
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
+# FP8 block scales stored as powers of two (scale_fmt ue8m0: a biased exponent byte, 2^(byte - 127)), as
+# transformers' FineGrainedFP8Config(scale_fmt="ue8m0") stores them; read as the fp32 value they are
+UE8M0 = "float8_e8m0fnu"
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+PACKED_METHODS = ("nvfp4", "int4")  # read by formats/dequant_packed.py
 ROW_VALUES = 1 << 22  # values dequantized at a time (a multiple of the block rows): memory stays flat
 # tensors a quantized checkpoint carries beside its weights that a dequantized model has no place for
 _ACTIVATION_SCALES = (".activation_scale", ".input_scale")
@@ -69,6 +73,10 @@ class Scheme:
         """e.g. 'FP8 (e4m3), 128x128 blocks' or 'compressed-tensors FP8 (e4m3), one scale per channel'."""
         if self.method == "mxfp4":
             return "MXFP4 (e2m1, a power-of-two scale per 32 values)"
+        if self.method in PACKED_METHODS:  # NVFP4, INT4 pack-quantized: formats/dequant_packed.py
+            from tui_merger.core.formats.dequant_packed import label
+
+            return label(self)
         kind = "e4m3" if self.fp8_dtype == FP8_E4M3 else "e5m2"
         head = "FP8" if self.method == "fp8" else "compressed-tensors FP8"
         if self.block is not None:
@@ -83,6 +91,10 @@ class Scheme:
             return "FineGrainedFP8Config(dequantize=True)"
         if self.method == "mxfp4":
             return "Mxfp4Config(dequantize=True)"
+        if self.method in PACKED_METHODS:
+            from tui_merger.core.formats.dequant_packed import loader
+
+            return loader(self)
         return "CompressedTensorsConfig(run_compressed=False)"
 
 
@@ -122,6 +134,8 @@ def _compressed_tensors_scheme(q: dict) -> Scheme | None:
     if not isinstance(groups, dict) or not groups:
         return None
     fmt = str(q.get("format") or "")
+    if fmt in ("nvfp4-pack-quantized", "pack-quantized"):  # 4-bit values packed: formats/dequant_packed.py
+        return _packed_scheme(q, fmt, groups)
     if fmt not in ("float-quantized", "naive-quantized"):
         return None
     found = None
@@ -152,6 +166,16 @@ def _compressed_tensors_scheme(q: dict) -> Scheme | None:
                   tuple(str(s) for s in ignore) if isinstance(ignore, (list, tuple)) else ())
 
 
+def _packed_scheme(q: dict, fmt: str, groups: dict) -> Scheme | None:
+    from tui_merger.core.formats import dequant_int4, dequant_nvfp4
+
+    weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+    if not weights or not all(isinstance(w, dict) and w == weights[0] for w in weights):
+        return None  # groups with different schemes: not one this module reads
+    make = dequant_nvfp4.compressed_fields if fmt == "nvfp4-pack-quantized" else dequant_int4.fields
+    return Scheme(**make(q, weights[0]))
+
+
 def scheme_of(config: dict | None) -> Scheme | None:
     """The released-quantized format a model config declares that can be dequantized exactly, or None."""
     if not isinstance(config, dict):
@@ -164,6 +188,11 @@ def scheme_of(config: dict | None) -> Scheme | None:
         return _fp8_scheme(q)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(q)
+    if method == "modelopt":  # NVIDIA ModelOpt: NVFP4 (formats/dequant_nvfp4.py)
+        from tui_merger.core.formats.dequant_nvfp4 import modelopt_fields
+
+        fields = modelopt_fields(q)
+        return Scheme(**fields) if fields else None
     if method == "mxfp4":
         skip = q.get("modules_to_not_convert") or ()
         return Scheme("mxfp4", "_scales", "uint8", (1, 32), "mxfp4", True,
@@ -294,9 +323,11 @@ def check_pairs(tensors: dict, scheme: Scheme) -> tuple[dict, list[str]]:
             )
         if len(w.shape) < 2:
             raise MergeError(f"{weight} has shape {_shape_text(w.shape)}; a quantized weight is a matrix. Nothing was written.")
-        if s.dtype not in SCALE_DTYPES:
+        if s.dtype not in SCALE_DTYPES and not (s.dtype == UE8M0 and scheme.method == "fp8"):
+            allowed = "float32, bfloat16, float16 or float8_e8m0fnu (ue8m0)" if scheme.method == "fp8" else \
+                "float32, bfloat16 or float16"
             raise MergeError(
-                f"{scale} is stored in {s.dtype}; scales are float32, bfloat16 or float16. Nothing was written."
+                f"{scale} is stored in {s.dtype}; {scheme.label.split(',')[0]} scales are {allowed}. Nothing was written."
             )
         wanted = _expected_scale_shape(scheme, tuple(w.shape))
         if tuple(s.shape) not in wanted:
@@ -358,14 +389,25 @@ class DequantSource:
     the weight, in the model's dtype), its scale and activation scales are hidden, the rest passes
     through as stored."""
 
-    def __init__(self, inner, scheme: Scheme, config: dict) -> None:
+    def __new__(cls, inner, scheme: Scheme, config: dict, dtype: str | None = None):
+        if scheme.method in PACKED_METHODS:  # NVFP4, INT4 pack-quantized: their own view, same answers
+            from tui_merger.core.formats.dequant_packed import PackedSource
+
+            # in the model's dtype, as the formats' own decompressors give them (an asked --dtype is the
+            # output's cast of those values)
+            return PackedSource(inner, scheme, config, model_dtype(config))
+        return super().__new__(cls)
+
+    def __init__(self, inner, scheme: Scheme, config: dict, dtype: str | None = None) -> None:
         from tui_merger.core.io.sources import TensorRef
 
         self.inner = inner
         self.scheme = scheme
         self.folder = getattr(inner, "folder", None)
         self.files = getattr(inner, "files", [])
-        self.dtype = model_dtype(config)
+        # the output's dtype when one is asked for (--dtype): dequantized straight to it, rounded once (a
+        # stop in the model's bf16 first rounded fp32 outputs' base weights to bf16)
+        self.dtype = dtype if dtype in OUT_DTYPES else model_dtype(config)
         self.quantization_config = config.get("quantization_config")
         self.output_quantization = None  # "keep": the output in this format again (merge.requant)
         if scheme.method == "mxfp4":
@@ -411,6 +453,11 @@ class DequantSource:
                 continue
             self.tensors[name] = ref
         self.dropped = []
+
+    @property
+    def scale_dtypes(self) -> set[str]:
+        """The dtypes the scales are stored in."""
+        return {s.dtype for _, s in self._scales.values()}
 
     @property
     def dequantized(self) -> list[str]:

@@ -469,29 +469,59 @@ def _declares_experts(config: dict) -> bool:
     return any(isinstance(c.get(k), int) and c.get(k) > 1 for c in (config, text) for k in _EXPERT_KEYS)
 
 
+def meta_of_config(config: dict):
+    """The model transformers builds for the config.json contents ``config``, on the meta device (the
+    last few are kept: the plan, preflight and verification ask about the same config); None when it
+    cannot build one here (custom code, an unknown architecture). Its remarks on the config stay quiet."""
+    import json
+
+    key = json.dumps(config, sort_keys=True, default=str)
+    with _CACHE_LOCK:  # not BUILD_LOCK: a reference model being built elsewhere would hold this back
+        for k, model in _META_BY_CONFIG:
+            if k == key:
+                return model
+    try:
+        import transformers
+
+        cls = model_class(config)
+        if cls is None:
+            model = None
+        else:
+            config_cls = transformers.AutoConfig.for_model(str(config.get("model_type"))).__class__
+            logging = transformers.utils.logging
+            verbosity = logging.get_verbosity()
+            logging.set_verbosity_error()
+            try:
+                model = meta_model(cls, config_cls.from_dict(json.loads(key)))
+            finally:
+                logging.set_verbosity(verbosity)
+    except Exception:  # noqa: BLE001 - custom code, a config transformers cannot build
+        model = None
+    with _CACHE_LOCK:
+        _META_BY_CONFIG.insert(0, (key, model))
+        del _META_BY_CONFIG[4:]
+    return model
+
+
+_META_BY_CONFIG: list = []
+_CACHE_LOCK = threading.Lock()
+
+
 def expected_experts(config: dict) -> dict[str, tuple]:
     """{experts module on disk: ("split", number of experts) or ("packed", tensor name, experts)} for a
     model config that declares experts, from the model transformers builds for it on the meta device
     and the names ``save_pretrained`` gives its tensors; {} for a model without experts or one
     transformers cannot build here."""
-    import json
     import re
 
     if not _declares_experts(config):
         return {}
+    model = meta_of_config(config)
+    if model is None:
+        return {}
     try:
-        import transformers
         from transformers.core_model_loading import revert_weight_conversion
 
-        cls = model_class(config)
-        config_cls = transformers.AutoConfig.for_model(str(config.get("model_type"))).__class__
-        logging = transformers.utils.logging
-        verbosity = logging.get_verbosity()
-        logging.set_verbosity_error()
-        try:
-            model = meta_model(cls, config_cls.from_dict(json.loads(json.dumps(config))))
-        finally:
-            logging.set_verbosity(verbosity)
         split = re.compile(r"^(.*\.experts)\.(\d+)\.")
         out: dict[str, tuple] = {}
         for name, tensor in model.state_dict().items():
@@ -505,8 +535,107 @@ def expected_experts(config: dict) -> dict[str, tuple]:
                 elif t.dim() == 3:
                     out[disk] = ("packed", disk, t.shape[0])
         return out
-    except Exception:  # noqa: BLE001 - custom code, a config transformers cannot build: nothing to count
+    except Exception:  # noqa: BLE001 - rules this model cannot take: nothing to count
         return {}
+
+
+class EmbeddingNames:
+    """The model's input and output embedding weights under the names its files give them, as
+    transformers sees them: the modules ``get_input_embeddings()`` / ``get_output_embeddings()`` return
+    in the model it builds for the config, their weights translated to on-disk names by its loading
+    rules (the name among the files that loads into that parameter, or, for one the files leave out,
+    the name ``save_pretrained`` writes). ``output`` is None for a model class with no output
+    embedding (a classifier, a reward model); ``known`` is False when transformers cannot build the
+    model here (custom code): then nothing is known and both are None."""
+
+    def __init__(self, input: str | None, output: str | None, known: bool) -> None:
+        self.input = input
+        self.output = output
+        self.known = known
+
+    def __repr__(self) -> str:
+        return f"EmbeddingNames(input={self.input!r}, output={self.output!r}, known={self.known})"
+
+
+UNKNOWN_EMBEDDINGS = EmbeddingNames(None, None, False)
+
+
+def embedding_names(config: dict, names=()) -> EmbeddingNames:
+    """The input and output embedding weights of the model ``config`` describes, named as in ``names``
+    (the tensors a base or an output holds) where one of them loads into that parameter."""
+    model = meta_of_config(config)
+    if model is None:
+        return UNKNOWN_EMBEDDINGS
+    try:
+        modules = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        try:
+            inp = model.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            inp = None
+        out = model.get_output_embeddings()
+        memory = [f"{modules[id(m)]}.weight" if m is not None and id(m) in modules else None for m in (inp, out)]
+        state = dict(model.state_dict(keep_vars=True))
+        for name in memory:
+            if name is not None and name not in state:  # a tied head: the state lists the shared one once
+                state[name] = state.get(memory[0] or "", None)
+        rename = renamer(model, state)
+        loaded = {}
+        for disk in names:
+            target = rename(disk)[0]
+            if target in memory and target not in loaded:
+                loaded[target] = disk
+        found = []
+        for name in memory:
+            if name is None:
+                found.append(None)
+            elif name in loaded:
+                found.append(loaded[name])
+            else:
+                found.append(_saved_name(model, name, state))
+        return EmbeddingNames(found[0], found[1], True)
+    except Exception:  # noqa: BLE001 - a model whose embeddings transformers cannot tell
+        return UNKNOWN_EMBEDDINGS
+
+
+def quantizable_linears(config: dict, names) -> dict[str, str] | None:
+    """{on-disk weight name: in-memory module name} of the Linear layers (and GPT-2's Conv1D) among
+    ``names`` that transformers' quantizers replace (bitsandbytes' ``replace_with_bnb_linear``): every such
+    module but those ``get_keys_to_not_convert`` keeps (tied weights, the output embedding, the module of
+    the last parameter). None when transformers cannot build the model here."""
+    model = meta_of_config(config)
+    if model is None:
+        return None
+    try:
+        import torch.nn as nn
+        from transformers.pytorch_utils import Conv1D
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        keep = set(get_keys_to_not_convert(model))
+        linears = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and n not in keep}
+        state = dict(model.state_dict(keep_vars=True))
+        rename = renamer(model, state)
+        out = {}
+        for disk in names:
+            if not disk.endswith(".weight"):
+                continue
+            target, _pattern, converter = rename(disk)
+            module = target.removesuffix(".weight")
+            if converter is None and target.endswith(".weight") and module in linears:
+                out[disk] = module
+        return out
+    except Exception:  # noqa: BLE001 - rules this model cannot take
+        return None
+
+
+def _saved_name(model, name: str, state: dict) -> str:
+    """The name ``save_pretrained`` writes the in-memory parameter ``name`` under."""
+    import torch
+    from transformers.core_model_loading import revert_weight_conversion
+
+    param = state.get(name)
+    shape = tuple(param.shape) if param is not None else (1, 1)
+    out = revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})
+    return next(iter(out)) if len(out) == 1 else name
 
 
 def expert_gaps(config: dict, shapes: dict) -> list[str]:

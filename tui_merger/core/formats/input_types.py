@@ -21,6 +21,7 @@ class Inputs:
     dtype: str | None = None  # default output dtype when the user chose none
     config_changes: dict = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
+    infos: list[str] = field(default_factory=list)  # said as information, not warnings ("alpha 32, from --lora-alpha")
     closers: list = field(default_factory=list)
     read_files: list[Path] = field(default_factory=list)  # every input file the output depends on
     base_weights: dict = field(default_factory=lambda: {"weights": "as stored"})  # or the --qlora-base round trip

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from pathlib import Path
 
-from tui_merger.core.formats.adapter import empty_adapter
+from tui_merger.core.formats.adapter import empty_adapter, use_alpha
 from tui_merger.core.formats.base import Reference
 from tui_merger.core.formats.combine import combine_adapters
 from tui_merger.core.formats.input_types import Inputs, paths_of
@@ -53,6 +53,10 @@ def _open_inputs(options: MergeOptions) -> Inputs:
         for path, weight in options.adapter_weights():
             part = open_adapter(path, base.tensors)
             inputs.closers.append(part)
+            if options.lora_alpha is not None:  # the user's value: used, and said (never dropped)
+                said = use_alpha(part, options.lora_alpha)
+                if said:
+                    inputs.infos.append(said)
             parts.append((_on_disk_names(part, base, options.base, inputs.closers), weight, path))
         inputs.parts = parts
         adapter = inputs.adapter = combine_adapters(parts)
@@ -110,7 +114,7 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
 
     scheme = scheme_of(inputs.config)
     if scheme is not None:  # released quantized (FP8 blocks, compressed-tensors FP8): no other original
-        source = DequantSource(inputs.base, scheme, inputs.config)
+        source = DequantSource(inputs.base, scheme, inputs.config, options.dtype)
         inputs.base = source
         inputs.base_weights = source.describe()
         inputs.config_changes["quantization_config"] = None  # the output is a plain model, unless:
@@ -128,7 +132,10 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
         inputs.base.output_quantization = options.output_quantization
     if options.base_roundtrip:
         conv1d = True if getattr(inputs.adapter, "fan_in_fan_out", False) else None  # else: by model_type
-        source = RoundTripSource(inputs.base, parse_roundtrip(options.base_roundtrip), inputs.config, conv1d)
+        from tui_merger.core.formats.hf_names import quantizable_linears
+
+        linears = quantizable_linears(inputs.config, inputs.base.tensors)  # the Linear layers transformers replaces
+        source = RoundTripSource(inputs.base, parse_roundtrip(options.base_roundtrip), inputs.config, conv1d, linears)
         inputs.base = source
         inputs.base_weights = source.describe()
 

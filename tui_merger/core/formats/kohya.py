@@ -255,6 +255,10 @@ def open_kohya(path: Path, base_names) -> PeftAdapter:
                     "to peft, so nothing was written."
                 )
         adapter.notices.extend(notices)
+        adapter.per_module_alpha = True
+        adapter.alpha_notices = list(notices)  # said about alphas the file lacks: gone with --lora-alpha
+        if not alphas:
+            adapter.alpha_from = "kohya's default"
     except BaseException:
         source.close()
         raise

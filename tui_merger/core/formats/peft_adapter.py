@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from shlex import quote
 
-from tui_merger.core.formats.adapter import ADAPTER_WEIGHTS, open_adapter
+from tui_merger.core.formats.adapter import ADAPTER_WEIGHTS, PEFT_DEFAULT_ALPHA, open_adapter
 from tui_merger.core.formats.base import ALL, TRAINER_STEP, Candidate, Format, Found, lora_info, step_of
 from tui_merger.core.io.files import TOKENIZER_MARKERS, architecture, is_vision_language
 
@@ -72,6 +72,12 @@ class PeftAdapterFormat(Format):
             base_config = s.json(Path(c.base_path) / "config.json") if c.base_path else None
             if base_config and is_vision_language(base_config):
                 c.notes.append(f"for a vision-language model ({architecture(base_config)}).")
+        if "latest" in names:  # a LoRA run under DeepSpeed: its ZeRO files are beside the adapter
+            from tui_merger.core.formats.deepspeed_zero import zero_files_note
+
+            note = zero_files_note(folder, names)
+            if note:
+                c.notes.append(note)
         c.tokenizer = any(m in names for m in TOKENIZER_MARKERS)
         s.sized(c, names.values(), recursive=step is not None)
         return Found(c, ALL if step is not None else {"adapter_config.json", *ADAPTER_WEIGHTS})
@@ -91,6 +97,12 @@ class PeftAdapterFormat(Format):
     def can_weight(self, c: Candidate) -> bool:
         return True
 
+    def needs_alpha(self, c: Candidate) -> bool:
+        return bool(c.lora) and c.lora.get("alpha") is None
+
+    def alpha_default(self, c: Candidate) -> float | None:
+        return PEFT_DEFAULT_ALPHA  # what peft itself uses
+
     def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
         return f"tui-merger merge --base {base_arg} --adapter {quote(path)} --out {quote(out)}"
 
@@ -102,4 +114,8 @@ class PeftAdapterFormat(Format):
             from tui_merger.core.formats.adapter import relaid_copy
 
             return relaid_copy(adapter, Path(tmp) / name)
+        if adapter.alpha_from == "--lora-alpha":  # the user's alpha, which the folder's config does not say
+            from tui_merger.core.formats.adapter import alpha_copy
+
+            return alpha_copy(adapter, Path(tmp) / name)
         return adapter.folder

@@ -612,14 +612,22 @@ def _skipped(module: str, patterns) -> bool:
     return False
 
 
-def quantized_tensor_names(tensors: dict, info: QuantInfo) -> list[str]:
-    """The tensors bitsandbytes quantizes when it loads this model: the 2-D floating-point weights of
-    Linear layers, minus embeddings, output heads and the skipped modules; biases and norms stay."""
+def quantized_tensor_names(tensors: dict, info: QuantInfo, linears: dict | None = None) -> list[str]:
+    """The tensors bitsandbytes quantizes when it loads this model: the 2-D floating-point weights of the
+    Linear layers transformers replaces (``linears``, from ``hf_names.quantizable_linears``: not the output
+    embedding, tied weights or the last module), minus the skipped modules (matched on the module names in
+    memory, as transformers matches them); biases and norms stay. Only without ``linears`` (a model
+    transformers cannot build here: custom code) are Linear layers told by their usual names."""
     from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
 
     names = []
     for name, ref in tensors.items():
         if not name.endswith(".weight") or len(ref.shape) != 2 or ref.dtype not in FLOAT_DTYPES:
+            continue
+        if linears is not None:
+            module = linears.get(name)
+            if module is not None and not _skipped(module, info.skip_modules):
+                names.append(name)
             continue
         module = name[: -len(".weight")]
         if _is_linear_name(module) and not _skipped(module, info.skip_modules):
@@ -631,7 +639,8 @@ class RoundTripSource:
     """A view of a base model whose quantized tensors read as ``dequant(quant(W))`` (one tensor at a
     time, on demand) and whose other tensors pass through as stored."""
 
-    def __init__(self, inner, info: QuantInfo, config: dict | None = None, transposed: bool | None = None) -> None:
+    def __init__(self, inner, info: QuantInfo, config: dict | None = None, transposed: bool | None = None,
+                 linears: dict | None = None) -> None:
         from tui_merger.core.io.sources import TensorRef
 
         if not info.can_roundtrip:
@@ -646,7 +655,7 @@ class RoundTripSource:
         self._inner_refs = {}  # name in the model -> the inner source's ref
         self._by_place = {}  # (file, name in the file) -> the inner source's ref
         self.tensors = dict(inner.tensors)
-        for name in quantized_tensor_names(inner.tensors, info):
+        for name in quantized_tensor_names(inner.tensors, info, linears):
             ref = inner.tensors[name]
             self._inner_refs[name] = ref
             self._by_place[(ref.file, ref.name)] = ref

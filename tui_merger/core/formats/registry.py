@@ -32,6 +32,7 @@ class Entry:
 ENTRIES = (
     Entry("verl-fsdp", "checkpoint", "verl_fsdp", "VerlFsdpFormat", backend="fsdp"),
     Entry("verl-megatron", "checkpoint", "verl_megatron", "VerlMegatronFormat", backend="megatron"),
+    Entry("deepspeed-zero", "checkpoint", "deepspeed_zero", "DeepSpeedZeroFormat", backend="deepspeed"),
     Entry("trainer-fsdp", "checkpoint", "trainer_fsdp", "TrainerFsdpFormat", backend="accelerate-fsdp"),
     Entry("peft-adapter", "adapter", "peft_adapter", "PeftAdapterFormat"),
     Entry("hf-model", "model", "hf_model", "HfModelFormat"),

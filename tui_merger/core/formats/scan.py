@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tui_merger.core.ship.cleanup import OPTIMIZER_DIR, OPTIMIZER_FILE
-from tui_merger.core.io.hf_refs import cached_snapshot, hub_cache
+from tui_merger.core.io.hf_refs import cached_snapshot, hf_command, hub_cache, is_repo_id
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.base import Candidate, dominant_dtype, shown
 from tui_merger.core.formats.registry import formats
@@ -43,7 +43,6 @@ SKIP_DIRS = frozenset({
 })
 MAX_JSON = 16 << 20  # config files are kilobytes; anything this big is not one
 MAX_PICKLE = 64 << 20
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?")
 _SCALAR = {"float32": "<f", "float64": "<d", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h", "int8": "<b", "uint8": "<B"}
 _ROLE_ORDER = {"actor": 0, "critic": 1, "sft": 2}
 
@@ -358,7 +357,7 @@ class _Scanner:
             if (folder / "config.json").is_file():
                 c.base_resolves, c.base_path = "path", os.path.normpath(folder)
                 return
-        if _REPO_ID.fullmatch(ref) and "--" not in ref and ".." not in ref:
+        if is_repo_id(ref):
             snapshot = self.snapshot(ref)
             if snapshot is not None:
                 c.base_resolves, c.base_path = "hf-cache", str(snapshot)
@@ -366,7 +365,7 @@ class _Scanner:
             c.base_resolves = "missing"
             c.notes.append(
                 f"base model {ref} is neither a local folder nor in the Hugging Face cache ({shown(hub_cache())}): "
-                f"it would need a download, which tui-merger never does: `hf download {ref}` puts it in that cache, "
+                f"it would need a download, which tui-merger never does: `{hf_command()} download {ref}` puts it in that cache, "
                 "where tui-merger finds it."
             )
         else:
@@ -435,6 +434,10 @@ class _Scanner:
             steps = {c.step for c in group}
             mark = max(steps)
             named = self.latest_named(Path(run) / LATEST_FILE)
+            if named == "release":  # Megatron's tracker naming its release/ folder (listed on its own)
+                for c in group:
+                    c.latest = False
+                continue
             if named is not None:
                 if named in steps:
                     mark = named
@@ -464,13 +467,13 @@ class _Scanner:
                     c.best = Path(c.path).name == name
             return
 
-    def latest_named(self, path: Path) -> int | None:
+    def latest_named(self, path: Path) -> int | str | None:
         if self.regular(path, quiet_missing=True) is None:
             return None
         try:
             with open(path, "rb") as f:
                 text = f.read(64).decode("ascii").strip()
-            return int(text)
+            return "release" if text == "release" else int(text)
         except OSError as err:
             self.bad_entry(path, err)
         except ValueError:

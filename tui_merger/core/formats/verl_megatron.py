@@ -30,6 +30,7 @@ from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, D
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.adapter import chosen_alpha, export_peft_adapter, lora_train_meta_path, read_lora_train_meta
 from tui_merger.core.formats.megatron_lora import SHARDS_DIR, shard_files
+from tui_merger.core.formats.megatron_runs import FRAMEWORKS, MEGATRON_LM_STATE
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
 from tui_merger.core.formats.verl_fsdp import _rank_files
 from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
@@ -58,6 +59,8 @@ class MegatronLayout:
     step: int | None = None
     notices: list[str] = field(default_factory=list)
     lora: "LoraRun | None" = None  # a LoRA run (Megatron-Bridge PEFT): its adapter, not the model
+    run: "RunInfo | None" = None  # kind "mcore": saved by Megatron-LM, Megatron-Bridge, ms-swift or NeMo 2
+    missing_base: str | None = None  # kind "mcore" without a config: why --base is needed
 
 
 @dataclass
@@ -194,7 +197,17 @@ def _resolve(path: Path) -> tuple[Path | None, list[str]]:
 
 
 def is_megatron_checkpoint(path) -> bool:
-    """Cheap (names and stat only): whether ``path`` points at a verl Megatron checkpoint."""
+    """Cheap (names and stat only): whether ``path`` points at a Megatron checkpoint (verl's, or one of
+    the layouts of megatron_runs)."""
+    from tui_merger.core.formats.megatron_runs import resolve
+
+    try:
+        if resolve(Path(path))[0] is not None:
+            return True
+    except MergeError:
+        return True  # a Megatron save with a bad tracker file: opening it says so
+    except OSError:
+        return False
     try:
         return _resolve(Path(path))[0] is not None
     except (OSError, MergeError):
@@ -205,6 +218,9 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
     path = Path(path)
     if not path.is_dir():
         raise not_a_folder(path, "--local_dir", "checkpoint")
+    mcore = _mcore_layout(path)
+    if mcore is not None:
+        return mcore
     folder, notices = _resolve(path)
     if folder is None:
         latest = path / "latest_checkpointed_iteration.txt"
@@ -233,6 +249,24 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
         layout.lora = _lora_run(folder)
         if layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None:
             raise MergeError(lora_refusal(folder, layout.lora))
+    return layout
+
+
+def _mcore_layout(path: Path) -> MegatronLayout | None:
+    """A megatron-core dist checkpoint saved by Megatron-LM, Megatron-Bridge, ms-swift or NeMo 2
+    (megatron_runs): the iteration folder, its dist checkpoint, and the Hugging Face config its run
+    names when that is on this machine."""
+    from tui_merger.core.formats.megatron_runs import check_iteration, base_sentence, iteration_of, local_base, resolve, run_info
+
+    folder, notices = resolve(path)
+    if folder is None:
+        return None
+    info = run_info(folder)
+    check_iteration(folder, info)
+    base = local_base(info, folder)
+    layout = MegatronLayout("mcore", folder, info.model_dir, base, "actor", iteration_of(folder.name), notices, run=info)
+    if base is None:
+        layout.missing_base = base_sentence(info, folder)
     return layout
 
 
@@ -289,8 +323,12 @@ class LegacyStore(ChunkStore):
     / (E_local, columns, hidden) and multiplies untransposed (``experts`` says how many experts the
     config has: the only place the grouped tensors' expert count is said)."""
 
-    def __init__(self, model_dir: Path, experts: int | None = None, expert_ffn: int | None = None) -> None:
+    def __init__(self, model_dir: Path, experts: int | None = None, expert_ffn: int | None = None,
+                 rank_file: str = "model.pt") -> None:
         self.model_dir = Path(model_dir)
+        # Megatron-LM's own rank files (model_optim_rng.pt) also hold its args, optimizer and RNG state
+        self.rank_file = rank_file
+        self.inert = MEGATRON_LM_STATE if rank_file != "model.pt" else ()
         self.experts = experts if isinstance(experts, int) and experts > 0 else None
         self.expert_ffn = expert_ffn if isinstance(expert_ffn, int) and expert_ffn > 0 else None
         self.files = []
@@ -315,9 +353,9 @@ class LegacyStore(ChunkStore):
                 "from different runs: keep the folders of one run only."
             )
         for d in found.values():
-            if not (d / "model.pt").is_file():
+            if not (d / self.rank_file).is_file():
                 raise MergeError(
-                    f"{d / 'model.pt'} is missing from this legacy Megatron checkpoint; copy the whole model/ folder "
+                    f"{d / self.rank_file} is missing from this legacy Megatron checkpoint; copy the whole model/ folder "
                     "again."
                 )
         width = len(next(iter(found)))
@@ -336,10 +374,10 @@ class LegacyStore(ChunkStore):
                         what = "tensor x pipeline" + (" x expert" if eps > 1 else "")
                         size = f"{tps}x{pps}" + (f"x{eps}" if eps > 1 else "")
                         raise MergeError(
-                            f"{self.model_dir / name / 'model.pt'} is missing from this {size} ({what}) legacy Megatron "
+                            f"{self.model_dir / name / self.rank_file} is missing from this {size} ({what}) legacy Megatron "
                             "checkpoint; copy the whole model/ folder again."
                         )
-        return {k: v / "model.pt" for k, v in grid.items()}
+        return {k: v / self.rank_file for k, v in grid.items()}
 
     def _second_is_expert_rank(self, found) -> bool:
         """mp_rank_XX_YYY: YYY is an expert-parallel rank when every rank file holds the embedding (no
@@ -349,9 +387,9 @@ class LegacyStore(ChunkStore):
         from tui_merger.core.io.torch_pickle import TorchFile
 
         for d in found.values():
-            tf = TorchFile(d / "model.pt")
+            tf = TorchFile(d / self.rank_file, self.inert)
             try:
-                chunks = self._chunks(d / "model.pt", tf.obj)
+                chunks = self._chunks(d / self.rank_file, tf.obj)
                 if not chunks or "embedding.word_embeddings.weight" not in chunks[0]:
                     return False
             finally:
@@ -360,6 +398,10 @@ class LegacyStore(ChunkStore):
 
     @staticmethod
     def _chunks(path: Path, obj) -> list[dict]:
+        if isinstance(obj, dict) and "checkpoint_version" in obj:  # Megatron-LM: {"args", "model"|"model0".., ...}
+            obj = {k: v for k, v in obj.items() if isinstance(k, str) and re.fullmatch(r"model\d*", k)}
+            if not obj:
+                raise MergeError(f"{path} holds no model state (no model key); it is not a complete Megatron-LM checkpoint.")
         if isinstance(obj, dict) and obj and all(isinstance(k, str) and re.fullmatch(r"model\d*", k) for k in obj):
             obj = [obj[k] for k in sorted(obj, key=lambda k: int(k[5:] or 0))]
         if isinstance(obj, dict):
@@ -371,7 +413,7 @@ class LegacyStore(ChunkStore):
     def _load(self, path: Path) -> list[dict]:
         from tui_merger.core.io.torch_pickle import TorchFile, require_names
 
-        tf = TorchFile(path)
+        tf = TorchFile(path, self.inert)
         self.files.append(tf)
         self.data_files.append(str(path.relative_to(self.model_dir)))
         obj = self._chunks(path, tf.obj)
@@ -381,9 +423,11 @@ class LegacyStore(ChunkStore):
 
     def _tensors_of(self, sd: dict, ep: int, eps: int, tps: int, path: Path) -> dict:
         """A rank's tensors with its experts under global SequentialMLP names (see the class)."""
+        from tui_merger.core.io.torch_pickle import Record
+
         out, local = {}, {}
         for key, t in sd.items():
-            if skip_key(key) or not hasattr(t, "shape"):
+            if skip_key(key) or not hasattr(t, "shape") or isinstance(t, Record):  # an inert record is no tensor
                 continue
             m = _EXPERT.match(key)
             if m is None:
@@ -1015,9 +1059,9 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     """The checkpoint's model converted to Hugging Face names as ``inputs.base`` (a MegatronSource);
     returns the files it reads."""
     model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
-    if layout.kind == "legacy":
+    if layout.kind == "legacy" or layout.run is not None and layout.run.legacy:
         store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
-                            _cfg(config, "moe_intermediate_size"))
+                            _cfg(config, "moe_intermediate_size"), "model_optim_rng.pt" if layout.run else "model.pt")
     else:
         if not layout.model_dir.is_dir():
             raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
@@ -1028,7 +1072,7 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     inputs.base = source
     inputs.notices += mapping.notices
     _tie(inputs, options, source, mapping)
-    if layout.kind == "legacy":
+    if isinstance(store, LegacyStore):
         return [layout.model_dir / f for f in store.data_files]
     return [layout.model_dir / METADATA] + [layout.model_dir / f for f in store.data_files]
 
@@ -1063,7 +1107,17 @@ def open_megatron_inputs(options):
         if layout.lora.export is None:
             return open_lora_shards(layout, options)
         return open_lora_export(layout, options)
-    config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
+    if layout.kind == "mcore":  # the config: --base, else the model the run names (on this machine)
+        config_dir = Path(options.base) if options.base is not None else layout.hf_dir
+        if config_dir is None:
+            raise MergeError(layout.missing_base)
+        if options.base is None:
+            layout.notices.append(
+                f"The Hugging Face config and tokenizer are taken from {config_dir}, {layout.run.source()}; pass "
+                "--base to use another."
+            )
+    else:
+        config_dir = layout.hf_dir if layout.hf_dir is not None and (layout.hf_dir / "config.json").is_file() else options.base
     if config_dir is None:
         where = "hf_config_and_tokenizer/" if layout.kind == "legacy" else "huggingface/"
         raise MergeError(
@@ -1331,6 +1385,7 @@ def _tie(inputs, options, source: MegatronSource, mapping: _Mapping) -> None:
 # -- the kind ---------------------------------------------------------------------------------------
 
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
+MCORE_BACKENDS = tuple(FRAMEWORKS)  # the backends of megatron_runs' layouts
 
 
 class VerlMegatronFormat(Format):
@@ -1346,6 +1401,11 @@ class VerlMegatronFormat(Format):
     short = "a Megatron one"
 
     def detect(self, s, folder: Path, names: dict) -> Found | None:
+        from tui_merger.core.formats.megatron_runs import detect_run
+
+        mcore = detect_run(s, folder, names, self.kind)
+        if mcore is not None:
+            return mcore
         found = self._layout(s, folder, names)
         if found is None:
             return None
@@ -1467,6 +1527,14 @@ class VerlMegatronFormat(Format):
         return find_megatron_checkpoint(path)
 
     def why_not_mergeable(self, c: Candidate) -> str | None:
+        if c.backend in MCORE_BACKENDS:
+            from tui_merger.core.formats.megatron_runs import check_iteration, run_info
+
+            try:
+                check_iteration(Path(c.path), run_info(Path(c.path)))
+            except MergeError as err:
+                return str(err)
+            return None
         lora = _lora_run(Path(c.path)) if c.lora is not None else None
         if lora is not None and lora.export is None and lora.shard_dir is None:
             return lora_refusal(Path(c.path), lora)
@@ -1499,6 +1567,8 @@ class VerlMegatronFormat(Format):
             raise
 
     def needs_base(self, c: Candidate) -> bool:
+        if c.backend in MCORE_BACKENDS:  # the weights without a Hugging Face config
+            return not c.base_path
         # a LoRA run holds the adapter, not the base (unless its dist checkpoint holds the whole model);
         # any other checkpoint holds every weight and its config
         return c.lora is not None and c.needs_base and not c.base_path
@@ -1510,7 +1580,8 @@ class VerlMegatronFormat(Format):
         problem = self.why_not_mergeable(c)
         if problem:
             return problem
-        base = f" --base {base_arg}" if c.lora is not None and c.needs_base else ""
+        needed = self.needs_base(c) if c.backend in MCORE_BACKENDS else c.lora is not None and c.needs_base
+        base = f" --base {base_arg}" if needed else ""
         alpha = " --lora-alpha ALPHA" if self.needs_alpha(c) else ""
         return f"tui-merger merge --backend megatron --local_dir {quote(path)}{base}{alpha} --target_dir {quote(out)}"
 

@@ -8,6 +8,33 @@ import re
 from pathlib import Path
 
 
+# set (with HF_HUB_OFFLINE) by `tui-merger demo` when it made the process offline itself, so that a refused
+# upload says who set HF_HUB_OFFLINE (huggingface_hub reads it once, at import: it cannot be unset after)
+OFFLINE_BY_DEMO = "TUI_MERGER_DEMO_OFFLINE"
+
+
+def hf_command() -> str:
+    """How the person running tui-merger starts huggingface_hub's `hf` command: `hf` when their PATH finds
+    one, else the full path of the one installed beside this Python (pipx keeps it inside tui-merger's own
+    environment and puts only `tui-merger` on the PATH)."""
+    import shlex
+    import shutil
+    import sys
+
+    if shutil.which("hf"):
+        return "hf"
+    beside = Path(sys.executable).parent / "hf"  # not resolved: a venv's python is a link out of the venv
+    return shlex.quote(str(beside)) if beside.is_file() else "hf"
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?")
+
+
+def is_repo_id(ref: str) -> bool:
+    """Whether a model reference can be a Hub id (ORG/NAME or NAME), which `hf download` fetches."""
+    return bool(_REPO_ID.fullmatch(ref)) and "--" not in ref and ".." not in ref
+
+
 def hub_cache() -> Path:
     """The Hugging Face hub cache folder, found as huggingface_hub finds it (without importing it)."""
     env = os.environ

@@ -26,6 +26,7 @@ DTYPES: dict[str, tuple[str, int]] = {
     "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),  # power-of-two scales (ue8m0: DeepSeek-V3.1/V3.2 FP8 blocks, MX formats)
     "I64": ("int64", 8),
     "I32": ("int32", 4),
     "I16": ("int16", 2),

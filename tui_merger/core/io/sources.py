@@ -285,6 +285,10 @@ class RenamedSource:
     def row_blocks(self, ref):
         return self.inner.row_blocks(ref)
 
+    def check_blocks(self, ref):
+        """What the recompute reads: the inner source's own reading for checks where it has one."""
+        return getattr(self.inner, "check_blocks", self.inner.row_blocks)(ref)
+
     def release(self, ref) -> None:
         self.inner.release(ref)
 

@@ -37,6 +37,17 @@ _DTYPE_NAMES = {
 }
 
 
+# DeepSpeed's optimizer files pickle a few of its own classes beside the tensors; each becomes an inert
+# record (an enum's value is its constructor argument, an object's fields its state). Only these names:
+# any other DeepSpeed class is refused like every unknown global.
+DEEPSPEED_RECORDS = frozenset({
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+
+
 class Record:
     """An inert stand-in for a pickled object of a class we do not import (DTensorSpec, Shard, ...)."""
 
@@ -131,10 +142,11 @@ class _StorageType:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, storage_loader, path: Path) -> None:
+    def __init__(self, file, storage_loader, path: Path, inert: tuple[str, ...] = ()) -> None:
         super().__init__(file)
         self._load_storage = storage_loader
         self._path = path
+        self._inert = inert
 
     def find_class(self, module: str, name: str):
         import torch
@@ -162,7 +174,11 @@ class _Unpickler(pickle.Unpickler):
             return str
         if full == "torch.Tensor" or full == "torch.nn.parameter.Parameter":
             return _record_class(full)
-        if module.startswith("torch.distributed"):
+        if module.startswith("torch.distributed") or full in DEEPSPEED_RECORDS:
+            return _record_class(full)
+        if module.split(".")[0] in self._inert:
+            # a file that also holds a trainer's state (Megatron-LM's args, numpy RNG state, ...): those
+            # objects become inert records, never the real classes or functions (nothing runs)
             return _record_class(full)
         if full in ("__builtin__.getattr", "builtins.getattr"):
             # ShardedTensor pickles getattr(ShardedTensor, "ProcessGroupState"); the file is named in a refusal
@@ -287,7 +303,9 @@ def _argument_sizes() -> dict[int, int]:
 class TorchFile(MappedFile):
     """One torch.save zip file, unpickled safely; tensors are views on an mmap of the file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, inert: tuple[str, ...] = ()) -> None:
+        """``inert``: top-level modules whose pickled objects become inert records instead of being
+        refused (for files that also hold non-tensor training state)."""
         super().__init__(path)
         self._members: dict[str, tuple[int, int]] = {}
         try:
@@ -322,7 +340,7 @@ class TorchFile(MappedFile):
             self.advise("random")
         try:
             _check_memo_indices(data)
-            self.obj = _Unpickler(io.BytesIO(data), self._storage, self.path).load()
+            self.obj = _Unpickler(io.BytesIO(data), self._storage, self.path, inert).load()
         except MergeError:
             self.close()
             raise

@@ -77,6 +77,8 @@ def run_merge(
     refuse_merged_twice(options)  # an adapter the base already holds: refused, whatever else was accepted
     inputs = open_inputs(options)
     try:
+        for message in inputs.infos:
+            notice("info", message)
         for message in inputs.notices:
             notice("warning", message)
         dtype = options.dtype or inputs.dtype
@@ -160,7 +162,8 @@ def _describe_inputs(result: MergeResult, inputs, options: MergeOptions) -> None
         variant = "dora" if cfg.get("use_dora") else ("rslora" if cfg.get("use_rslora") else "lora")
         result.adapter_info = {
             "r": cfg.get("r"),
-            "alpha": cfg.get("lora_alpha"),
+            "alpha": cfg.get("lora_alpha"),  # the value used (peft's default or --lora-alpha when not recorded)
+            **({"alpha_from": adapter.alpha_from} if getattr(adapter, "alpha_from", "") else {}),
             "variant": variant,
             "target_modules": sorted(targets) if isinstance(targets, list) else targets,
             "modules_to_save": cfg.get("modules_to_save") or [],

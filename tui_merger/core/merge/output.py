@@ -230,3 +230,34 @@ def _zombie(pid: int) -> bool:
         return False  # no /proc (macOS): as before
     return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
 
+
+
+def left_on_disk(out: Path) -> str:
+    """What a stopped merge left for ``out``, read from the disk now (never assumed): one clause for
+    "Interrupted: ...". Ctrl-C twice, a stop during the last shard's rename or during verification
+    each leave something else, and the user must know what to delete or run."""
+    from shlex import quote
+
+    from tui_merger.core.merge.journal import JOURNAL_NAME
+    from tui_merger.core.record.manifest import read_manifest
+
+    out = Path(out).absolute()
+    partial = out.parent / f".{out.name}{PARTIAL_TAG}"
+    if partial.is_dir():
+        try:
+            shards = json.loads((partial / JOURNAL_NAME).read_text()).get("shards") or {}
+        except (OSError, ValueError, AttributeError):
+            shards = {}
+        size = sum(p.stat().st_size for p in partial.iterdir() if p.is_file() and not p.is_symlink())
+        finished = f"{len(shards)} finished shard(s) journaled" if shards else "no finished shard yet"
+        return (f"the partial output {partial} is kept ({finished}, {human_bytes(size)}): run the same merge "
+                "again to resume from it, or delete that folder")
+    if out.is_dir() and (out / "config.json").is_file():
+        manifest = read_manifest(out)
+        verification = (manifest or {}).get("verification")
+        if pending_fingerprint(out) is None and verification:
+            state = "passed" if verification.get("passed") else "FAILED"
+            return f"the merged model in {out} is complete and its verification {state}"
+        return (f"the merged model in {out} is complete but not verified: run the same merge again to verify it "
+                f"(or tui-merger verify {quote(str(out))})")
+    return f"nothing of the merge is left on disk (no {out.name}, no partial folder)"

@@ -49,16 +49,24 @@ def _keep(plan, base):
     the way that format's own code quantizes them. One branch per format."""
     scheme = getattr(base, "scheme", None)
     method = scheme.method if scheme is not None else None
+    # power-of-two scales: ue8m0 said, or scales stored as float8_e8m0fnu (which holds nothing else)
+    pow2 = method == "fp8" and (scheme.scale_fmt == "ue8m0" or "float8_e8m0fnu" in base.scale_dtypes)
     if method == "fp8" and scheme.block is not None:
-        requant = RequantSource(scheme.block, pow2=scheme.scale_fmt == "ue8m0")
+        requant = RequantSource(scheme.block, pow2=pow2)
     elif method == "fp8":  # one weight_scale_inv per tensor
-        requant = TensorRequantSource(pow2=scheme.scale_fmt == "ue8m0")
+        requant = TensorRequantSource(pow2=pow2)
     elif method == "compressed-tensors":
         requant = CompressedRequantSource(scheme)
     elif method == "mxfp4":  # GPT-OSS's experts
         from tui_merger.core.merge.requant_mxfp4 import keep_mxfp4
 
         return keep_mxfp4(plan, base)
+    elif method in ("nvfp4", "int4"):  # read dequantized only (docs/quantized-bases.md says why)
+        name = "NVFP4" if method == "nvfp4" else "INT4 pack-quantized"
+        raise MergeError(
+            f"--keep-quantization cannot write {name} again yet: the base is read dequantized only; leave it out "
+            "for a bfloat16 output. Nothing was written."
+        )
     else:
         label = scheme.label if scheme is not None else "not quantized"
         raise MergeError(
@@ -115,6 +123,20 @@ def _fp8(plan, base):
     return out, {"quantization_config": config}
 
 
+def _fp8_scale_dtype(like) -> str:
+    """fp32, or float8_e8m0fnu where the base stores its power-of-two (ue8m0) scales so: a re-quantized
+    weight's scale in the dtype of the one it replaces (its value a power of two either way)."""
+    from tui_merger.core.formats.dequant import UE8M0
+
+    return UE8M0 if like is not None and like.dtype == UE8M0 else "float32"
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
 def _scale_name(weight_name: str, suffix: str = "weight_scale_inv") -> str:
     return weight_name[: -len("weight")] + suffix
 
@@ -135,7 +157,7 @@ class RequantSource(PairSource):
 
     def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
         rows, cols = t.shape
-        return (-(-rows // self.block[0]), -(-cols // self.block[1])), "float32"
+        return (-(-rows // self.block[0]), -(-cols // self.block[1])), _fp8_scale_dtype(like)
 
     def add(self, t, like=None) -> list:
         """The two output tensors of the 16-bit OutputTensor ``t`` quantized; ``like``: the base's scale
@@ -161,7 +183,7 @@ class RequantSource(PairSource):
         t = self.weights[ref.name]
         s = self.scales[t.name]
         q, scale = self._quantize(compute(t), s)
-        return {t.name: q, s.name: scale.reshape(s.shape)}
+        return {t.name: q, s.name: scale.reshape(s.shape).to(_torch_dtype(s.dtype))}
 
 
 class TensorRequantSource(RequantSource):
@@ -173,7 +195,7 @@ class TensorRequantSource(RequantSource):
         super().__init__((1, 1), pow2)
 
     def _scale_shape_dtype(self, t, like) -> tuple[tuple, str]:
-        return tuple(like.shape), "float32"
+        return tuple(like.shape), _fp8_scale_dtype(like)
 
     def _quantize(self, w, scale):
         from tui_merger.core.formats.dequant import quantize_fp8_blocks

@@ -31,7 +31,13 @@ def needs_base(c) -> bool:
 
 
 def needs_alpha(c) -> bool:
+    """The checkpoint records no lora_alpha: ask for the one training used."""
     return _format(c).needs_alpha(c)
+
+
+def alpha_default(c) -> float | None:
+    """The alpha the merge uses when that question is left empty (None: an answer is needed)."""
+    return _format(c).alpha_default(c)
 
 
 def can_weight(c) -> bool:
@@ -160,8 +166,8 @@ def options_for(c, *, base=None, out=None, lora_alpha=None, weight="1", more="",
     extra = parse_more_adapters(more)
     first = (Path(c.path), parse_weight(weight, Path(c.path).name))
     if extra or first[1] != 1.0:
-        return MergeOptions(base=Path(base), adapters=[first, *extra], out=out, **write_options)
-    return MergeOptions(base=Path(base), adapter=Path(c.path), out=out, **write_options)
+        return MergeOptions(base=Path(base), adapters=[first, *extra], out=out, lora_alpha=lora_alpha, **write_options)
+    return MergeOptions(base=Path(base), adapter=Path(c.path), out=out, lora_alpha=lora_alpha, **write_options)
 
 
 def not_a_checkpoint(path, base=None, out=None, adapters=False) -> tuple[Path | None, Path, str] | None:
@@ -217,7 +223,9 @@ def describe_candidate(c, root: Path | None = None) -> str:
         shown = str(path.relative_to(root)) if root else str(path)
     except ValueError:
         shown = str(path)
-    parts = [c.kind, shown or "."]
+    if shown in ("", "."):  # the folder itself (an HF Trainer run's final adapter): its name, said so
+        shown = f"{path.name or path} (this folder)"
+    parts = [c.kind, shown]
     if c.step is not None:
         parts.append(f"step {c.step}" + (" (latest)" if c.latest else "") + (" (best)" if c.best else ""))
     if c.lora:

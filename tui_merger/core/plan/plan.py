@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from tui_merger.core.formats.adapter import LoraModule, PeftAdapter
 from tui_merger.core.errors import MergeError
-from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
 from tui_merger.core.io.safetensors_io import FLOAT_DTYPES, itemsize, nbytes_of
 from tui_merger.core.io.sources import TensorRef, TensorSource
 
@@ -109,21 +108,38 @@ class TensorPlan:
         return sum(t.nbytes for t in self.tensors)
 
 
-def _find_input_embedding(names: dict[str, TensorRef], vocab_size) -> str | None:
-    found = [n for n in names if n.endswith(INPUT_EMBEDDING_SUFFIXES) and len(names[n].shape) == 2]
-    if len(found) > 1 and vocab_size:
-        found = [n for n in found if names[n].shape[0] == vocab_size] or found
-    return found[0] if found else None
+def embeddings_of(config: dict, names) -> "EmbeddingNames":
+    """The input and output embedding weights among ``names`` (or, for one the files leave out, where
+    ``save_pretrained`` would write it), as transformers sees the model ``config`` describes
+    (``hf_names.embedding_names``). Only for a model transformers cannot build here (custom code) are
+    the usual names taken instead (``io/names.py``), and said so by ``known``."""
+    from tui_merger.core.formats.hf_names import EmbeddingNames, embedding_names
 
+    found = embedding_names(config, names)
+    if found.known:
+        return found
+    from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING
 
-LM_HEAD_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM", "ForImageTextToText")
-
-
-def _has_lm_head(config: dict) -> bool:
-    """Whether the model class has an output embedding that can be tied (a classifier or reward
-    model built on a tied LM keeps tie_word_embeddings in its config but has no lm_head)."""
+    shapes = names if isinstance(names, dict) else {}
+    text_cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab_size = config.get("vocab_size", text_cfg.get("vocab_size"))
+    embeds = [n for n in names if n.endswith(INPUT_EMBEDDING_SUFFIXES) and len(_shape(shapes.get(n), 2)) == 2]
+    if len(embeds) > 1 and vocab_size:
+        embeds = [n for n in embeds if _shape(shapes.get(n), 2)[0] == vocab_size] or embeds
     archs = config.get("architectures") or []
-    return not archs or any(str(a).endswith(LM_HEAD_ARCHITECTURES) for a in archs)
+    head = not archs or any(str(a).endswith(LM_HEAD_ARCHITECTURES) for a in archs)
+    return EmbeddingNames(embeds[0] if embeds else None, OUTPUT_EMBEDDING if head else None, False)
+
+
+def _shape(ref, default_len: int) -> tuple:
+    """The shape of a TensorRef or a shape tuple; unknown: ``default_len`` dimensions of 0."""
+    if ref is None:
+        return (0,) * default_len
+    return tuple(getattr(ref, "shape", ref))
+
+
+# for a model transformers cannot build here only: the classes that have an output embedding
+LM_HEAD_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM", "ForImageTextToText")
 
 
 class _Resolver:
@@ -163,11 +179,13 @@ def build_plan(
     # input embedding so that an adapter touching only one side can be planned, and drop it again
     # if both sides end up identical.
     tie = base_config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings"))
-    embed_name = _find_input_embedding(names, vocab_size)
+    embeddings = embeddings_of(base_config, names)
+    embed_name = embeddings.input if embeddings.input in names else None
+    head_name = embeddings.output  # the output head's name in the files (or as save_pretrained writes it)
     virtual_head = False
-    if embed_name and OUTPUT_EMBEDDING not in names and tie is not False and _has_lm_head(base_config):
-        names[OUTPUT_EMBEDDING] = names[embed_name]
-        order.append(OUTPUT_EMBEDDING)
+    if embed_name and head_name and head_name not in names and tie is not False:
+        names[head_name] = names[embed_name]
+        order.append(head_name)
         virtual_head = True
         tie = True
 
@@ -189,7 +207,7 @@ def build_plan(
         if name:
             sources[name] = ref
             if tie and name == embed_name and virtual_head:
-                sources[OUTPUT_EMBEDDING] = ref  # the shared parameter itself was replaced
+                sources[head_name] = ref  # the shared parameter itself was replaced
 
     # 2. modules_to_save: the trained copy replaces the base module
     for pname, ref in adapter.replacements.items():
@@ -230,10 +248,10 @@ def build_plan(
         if not name:
             continue
         targets = [name]
-        if tie and name == embed_name and OUTPUT_EMBEDDING in sources:
-            head_mod_has_own = any(m.endswith("lm_head") for m in adapter.token_rows if m != mod)
+        if tie and name == embed_name and head_name in sources:
+            head_mod_has_own = any(resolver.find(m, "weight") == head_name for m in adapter.token_rows if m != mod)
             if not head_mod_has_own:
-                targets.append(OUTPUT_EMBEDDING)
+                targets.append(head_name)
         for target in targets:
             rows_n, width = sources[target].shape[0], sources[target].shape[-1]
             if ref.shape[1] != width or max(indices, default=-1) >= rows_n or min(indices, default=0) < 0:
@@ -253,16 +271,16 @@ def build_plan(
 
     config_changes: dict = {}
     if virtual_head:
-        head_sig = (sources[OUTPUT_EMBEDDING].file, sources[OUTPUT_EMBEDDING].name, tuple(ops[OUTPUT_EMBEDDING]))
+        head_sig = (sources[head_name].file, sources[head_name].name, tuple(ops[head_name]))
         emb_sig = (sources[embed_name].file, sources[embed_name].name, tuple(ops[embed_name]))
         if head_sig == emb_sig:
-            order.remove(OUTPUT_EMBEDDING)
+            order.remove(head_name)
         else:
             config_changes["tie_word_embeddings"] = False
-    elif tie and embed_name and OUTPUT_EMBEDDING in sources:
+    elif tie and embed_name and head_name in sources:
         changed = (sources[embed_name] is not base.tensors.get(embed_name)) or ops[embed_name]
-        changed_head = (sources[OUTPUT_EMBEDDING] is not base.tensors.get(OUTPUT_EMBEDDING)) or ops[
-            OUTPUT_EMBEDDING
+        changed_head = (sources[head_name] is not base.tensors.get(head_name)) or ops[
+            head_name
         ]
         if changed or changed_head:
             config_changes["tie_word_embeddings"] = False

@@ -24,7 +24,10 @@ from tui_merger.core.io.files import json_object_or_none
 from tui_merger.core.options import MergeOptions, human_bytes
 
 ERROR, WARNING, INFO = "error", "warning", "info"
-ENGINE_SAYS = ("notice", "tokenizer")  # findings the merge itself reports again as notices
+# errors that another base model fixes (the adapter does not fit the base given or named): the assistant
+# shows its base field, with the models here that fit, beside them
+BASE_FINDINGS = frozenset({"adapter-fit", "architecture", "experts-missing", "merged-twice"})
+ENGINE_SAYS = ("notice", "tokenizer", "lora-alpha")  # findings the merge itself reports again as notices
 MERGE_BYTES_PER_S = 0.5e9  # output bytes per second, measured on this project's 2-core machine (~2 s/GB)
 FP16_MAX = 65504.0
 
@@ -109,8 +112,10 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             from tui_merger.core.formats.adapter import empty_adapter
 
             merged_adapter = empty_adapter(inputs.adapter.folder)
+        for note in inputs.infos:
+            add(Finding("notice", INFO, note))
         for note in inputs.notices:
-            if "no lora_alpha" not in note:  # said by the lora-alpha check
+            if "has no lora_alpha" not in note:  # said by the lora-alpha check
                 add(_notice_finding(note))
         try:
             tplan = output_plan(inputs.base, merged_adapter, config, dtype, options.shard_size)
@@ -181,11 +186,11 @@ def _check_merged_twice(options: MergeOptions, add) -> None:
 def _raw_adapter(options: MergeOptions, add) -> dict | None:
     """adapter_config.json of the (first) PEFT adapter, with the checks that make the parser refuse
     it; each adapter of a weighted merge is checked."""
-    configs = [_raw_one(Path(path), add) for path, _ in options.adapter_weights()]
+    configs = [_raw_one(Path(path), add, options.lora_alpha) for path, _ in options.adapter_weights()]
     return configs[0] if configs else None
 
 
-def _raw_one(folder: Path, add) -> dict | None:
+def _raw_one(folder: Path, add, given_alpha=None) -> dict | None:
     path = folder / "adapter_config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -200,11 +205,10 @@ def _raw_one(folder: Path, add) -> dict | None:
     except MergeError:
         return None  # the parser says what is wrong with it
     if cfg.get("lora_alpha") is None:
-        add(Finding(
-            "lora-alpha", WARNING,
-            f"{path} has no lora_alpha, so peft's default of 8 will be used, as peft itself would.",
-            "If training used another alpha, set lora_alpha in adapter_config.json.",
-        ))
+        if given_alpha is None:  # given: the merge uses it and says so (a notice of the inputs)
+            from tui_merger.core.formats.adapter import no_alpha_sentence
+
+            add(Finding("lora-alpha", WARNING, no_alpha_sentence(path)))
     elif not cfg.get("lora_alpha") and not cfg.get("alpha_pattern"):
         add(Finding(
             "lora-alpha", ERROR,
@@ -288,11 +292,17 @@ def _adapter_summary(adapter) -> dict | None:
         **experts,
         "r": ranks[0] if len(ranks) == 1 else ranks,
         "alpha": alphas[0] if len(alphas) == 1 else alphas,
+        "alpha_from": getattr(adapter, "alpha_from", ""),  # "" recorded, "--lora-alpha", "peft's default"...
         "variant": "dora" if cfg.get("use_dora") else ("rslora" if cfg.get("use_rslora") else "lora"),
         "target_modules": cfg.get("target_modules") or sorted({m.rsplit(".", 1)[-1] for m in adapter.lora}),
         "modules_to_save": cfg.get("modules_to_save") or [],
         **(_weighted_summary(adapter) if cfg.get("combined") else {}),
     }
+
+
+def _g(value):
+    """A number as people write it (32, not 32.0); lists and the rest as they are."""
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def _weighted_summary(adapter) -> dict:
@@ -301,7 +311,7 @@ def _weighted_summary(adapter) -> dict:
     parts = adapter.config["adapters"]
     return {
         "variant": "weighted lora",
-        "adapters": [{k: d[k] for k in ("path", "weight", "r", "lora_alpha", "modules")} for d in parts],
+        "adapters": [{k: d.get(k, "") for k in ("path", "weight", "r", "lora_alpha", "alpha_from", "modules")} for d in parts],
         "overlaps": overlap_summary(adapter),
         "overlap_modules": {mod: [parts[i]["path"] for i in who] for mod, who in overlaps(adapter).items()},
     }
@@ -431,10 +441,13 @@ def _field(config: dict, key: str):
 def _check_vocab(options: MergeOptions, inputs, add) -> None:
     """A tokenizer beside the adapter with more tokens than the base embedding has rows, and no
     resized embedding saved in the adapter: the new tokens would point past the embedding."""
-    from tui_merger.core.plan.plan import INPUT_EMBEDDING_SUFFIXES
+    from tui_merger.core.plan.plan import _Resolver, embeddings_of
 
-    rows = next((r.shape[0] for n, r in inputs.base.tensors.items() if n.endswith(INPUT_EMBEDDING_SUFFIXES) and len(r.shape) == 2), None)
-    saved = [n for n in inputs.adapter.replacements if n.endswith(INPUT_EMBEDDING_SUFFIXES)]
+    embed = embeddings_of(inputs.config, inputs.base.tensors).input
+    ref = inputs.base.tensors.get(embed or "")
+    rows = ref.shape[0] if ref is not None and len(ref.shape) == 2 else None
+    resolver = _Resolver(inputs.base.tensors)
+    saved = [n for n in inputs.adapter.replacements if embed and resolver.find(*_module_param(n)) == embed]
     if saved:
         new_rows = inputs.adapter.replacements[saved[0]].shape[0]
         if rows and new_rows != rows:
@@ -451,6 +464,12 @@ def _check_vocab(options: MergeOptions, inputs, add) -> None:
                 "does not carry a resized embedding (modules_to_save).",
                 "Save the adapter with modules_to_save=['embed_tokens', 'lm_head'] after resizing, or use the base's tokenizer (--tokenizer-from base).",
             ))
+
+
+def _module_param(name: str) -> tuple[str, str]:
+    """``model.embed_tokens.weight`` -> (``model.embed_tokens``, ``weight``)."""
+    module, _, param = name.rpartition(".")
+    return module, param
 
 
 def _tokenizer_size(folder: Path) -> int | None:
@@ -646,12 +665,16 @@ def _check_remote_code(config: dict, add) -> None:
 def _check_tied(config: dict, base_config: dict, tplan, add) -> None:
     was_tied = bool(_field(base_config, "tie_word_embeddings"))
     if was_tied and tplan.config_changes.get("tie_word_embeddings") is False:
-        head = next((t for t in tplan.tensors if t.name.endswith("lm_head.weight")), None)
+        from tui_merger.core.plan.plan import embeddings_of
+
+        name = embeddings_of(base_config, {t.name: t.shape for t in tplan.tensors}).output
+        head = next((t for t in tplan.tensors if t.name == name), None)
         extra = f" (+{human_bytes(head.nbytes)})" if head else ""
+        module = name.removesuffix(".weight") if name else "output head"
         add(Finding(
             "tied", WARNING,
             f"The base ties its input and output embeddings, but the adapter changes only one of them, so the "
-            f"merged model gets its own lm_head{extra} and tie_word_embeddings false.",
+            f"merged model gets its own {module}{extra} and tie_word_embeddings false.",
             "Nothing to do if that is what training did; it is what the unmerged model computes.",
         ))
 
@@ -784,12 +807,19 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not os.access(parent, os.W_OK):
-        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
-        why = "Read-only file system" if read_only else "Permission denied"
         add(Finding(
             "output", ERROR,
-            f"Cannot write in {parent} ({why}), so the merged model cannot be created there.",
+            f"Cannot write in {parent} ({_unwritable_why(parent)}), so the merged model cannot be created there.",
             "Choose an output folder you can write to.",
+        ))
+        return
+    if Path(out).is_dir() and (not os.access(out, os.W_OK) or _immutable(Path(out))):  # append-only: writable, not removable
+        # the finished model replaces this folder at the end (removed when empty, swapped out with
+        # --overwrite): an immutable one, or one not writable, fails only then, after the whole merge
+        add(Finding(
+            "output", ERROR,
+            f"Cannot write in {out} ({_unwritable_why(Path(out))}), so the merged model cannot be put there.",
+            "Choose another output folder" + (", or clear the flag (chattr -i -a)." if _immutable(Path(out)) else "."),
         ))
         return
     if plan.output_bytes:
@@ -800,6 +830,29 @@ def _check_output(options: MergeOptions, plan: MergePlan, inputs, add) -> None:
             check_space(parent, max(plan.output_bytes - kept, 0))  # the engine's own check, with its sentence
         except MergeError as err:
             add(Finding("disk", ERROR, str(err)))
+
+
+def _immutable(path: Path) -> bool:
+    """The folder carries Linux's immutable or append-only flag (chattr +i / +a): even root may not
+    remove, rename or fill it. Read with FS_IOC_GETFLAGS; False where that cannot be asked."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            buf = bytearray(8)
+            fcntl.ioctl(fd, 0x80086601, buf)  # FS_IOC_GETFLAGS
+        finally:
+            os.close(fd)
+    except (OSError, ImportError):
+        return False
+    return bool(int.from_bytes(buf[:4], "little") & (0x10 | 0x20))  # FS_IMMUTABLE_FL | FS_APPEND_FL
+
+
+def _unwritable_why(path: Path) -> str:
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        return "Read-only file system"
+    return "immutable or append-only: lsattr -d shows i or a" if _immutable(path) else "Permission denied"
 
 
 # -- the output formats the assistant offers -------------------------------------------------------
@@ -875,6 +928,9 @@ def suggest_name(options: MergeOptions, inputs, raw: dict | None, today: datetim
     today = today or datetime.date.today()
     cfg = (inputs.adapter.config if inputs is not None else raw) or {}
     base_ref = cfg.get("base_model_name_or_path") or (inputs.config.get("_name_or_path") if inputs else None) or (options.base and str(options.base))
+    if options.base is not None:  # the base this merge uses, not the one the adapter names (it may be elsewhere)
+        used = Path(str(options.base))
+        base_ref = next((p[len("models--"):].split("--")[-1] for p in used.parts if p.startswith("models--")), None) or used.name
     base = Path(str(base_ref or "model")).name or "model"
     source = Path(options.adapter or options.checkpoint or "merged")
     source = source.with_suffix("") if source.suffix == ".safetensors" else source  # a kohya LoRA file
@@ -922,11 +978,13 @@ def describe(plan: MergePlan) -> list[str]:
         elif a.get("expert_parameters"):
             experts = (f" + LoRA on {a['expert_parameters']} expert parameter(s) "
                        f"({', '.join(sorted(map(str, a['target_parameters'])))}; rank r per expert)")
-        lines.append(f"  {'LoRA':10} r={a['r']} alpha={a['alpha']} {a['variant']}, {a['modules']} modules ({targets}){experts}")
+        alpha_from = f" (from {a['alpha_from']})" if a.get("alpha_from") else ""
+        lines.append(f"  {'LoRA':10} r={a['r']} alpha={_g(a['alpha'])}{alpha_from} {a['variant']}, {a['modules']} modules ({targets}){experts}")
         for number, part in enumerate(a.get("adapters") or [], start=1):
+            alpha_from = f" (from {part['alpha_from']})" if part.get("alpha_from") else ""
             lines.append(
                 f"  {'weight':10} {part['weight']:g} x adapter {number} ({Path(part['path']).name}: r={part['r']} "
-                f"alpha={part['lora_alpha']}, {part['modules']} modules)"
+                f"alpha={_g(part['lora_alpha'])}{alpha_from}, {part['modules']} modules)"
             )
         for line in a.get("overlaps") or []:
             lines.append(f"  {'touches':10} {line}")

@@ -68,6 +68,28 @@ def _name(value) -> str:
     return text if hub_model_id(text) else (Path(text).name or text)
 
 
+# names that say little alone (a trainer's checkpoint-N, verl's global_step_N/actor, "adapter"): the card
+# names the folders above them too
+_GENERIC = re.compile(r"^(adapter|adapters|lora|lora_adapter|lora-adapter|output|outputs|actor|critic|final|"
+                      r"huggingface|checkpoint-\d+|global_step_\d+|\d+)$", re.I)
+
+
+def _merged_inputs(manifest: dict) -> list[str]:
+    """The adapters or the checkpoint the merge read, as the card names them: the folder's (or file's)
+    name, with the folders above it while the name alone says little (``my-run/checkpoint-200``)."""
+    names, inputs = [], manifest.get("inputs")
+    for entry in inputs if isinstance(inputs, list) else []:
+        if not isinstance(entry, dict) or entry.get("role") not in ("adapter", "checkpoint") or not entry.get("path"):
+            continue
+        path = Path(str(entry["path"]))
+        parts = [path.name]
+        while _GENERIC.match(path.name) and path.parent.name and len(parts) < 3:
+            path = path.parent
+            parts.insert(0, path.name)
+        names.append("/".join(parts))
+    return names
+
+
 def _base_words(manifest: dict) -> list[str]:
     """What the adapter was merged into and why that model, without local paths."""
     used = _used(manifest)
@@ -133,6 +155,11 @@ def render_model_card(manifest: dict) -> str:
                 f"{lead}{'weighted LoRA adapters' if adapter.get('adapters') else 'a LoRA adapter'} merged into its "
                 f"weights by tui-merger {manifest.get('tool', {}).get('version', '')}."
             )
+            merged = _merged_inputs(manifest)
+            if merged:
+                lines.append("")
+                lines.append(f"Merged {'adapters' if len(merged) > 1 else 'adapter'}: "
+                             + ", ".join(f"`{name}`" for name in merged) + ".")
         else:
             lines.append("A base model and its LoRA adapter (in `lora_adapter/`), written by tui-merger.")
         lines.append("")
@@ -142,11 +169,15 @@ def render_model_card(manifest: dict) -> str:
             value = adapter.get(key)
             if value not in (None, [], ""):
                 shown = ", ".join(map(str, value)) if isinstance(value, list) else value
+                if key == "alpha" and adapter.get("alpha_from"):  # not recorded by the adapter
+                    shown = f"{shown} (from {adapter['alpha_from']})"
                 lines.append(f"| {key} | {shown} |")
         for part in adapter.get("adapters") or []:  # a weighted merge of several adapters
             lines.append(f"| adapter | {Path(str(part.get('path'))).name} × {part.get('weight')} (r={part.get('r')}) |")
     else:
-        lines.append(f"Converted from a training checkpoint by tui-merger {manifest.get('tool', {}).get('version', '')}.")
+        merged = _merged_inputs(manifest)
+        which = f" (`{merged[0]}`)" if merged else ""
+        lines.append(f"Converted from a training checkpoint{which} by tui-merger {manifest.get('tool', {}).get('version', '')}.")
     lines.append("")
     options = manifest.get("options") or {}
     if options.get("dtype"):

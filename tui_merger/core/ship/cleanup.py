@@ -290,9 +290,13 @@ class _Planner:
         for step in sorted(self.scan.steps, key=lambda p: (p.parent, _step(p))):
             if not any(p.is_relative_to(step) for p in inputs):  # not a checkpoint a merge read from
                 self._checkpoint(step)
+        # a file a verified merge read is one of its inputs whatever its name: a DeepSpeed ZeRO run's
+        # optimizer files hold its fp32 master weights, not only what resuming needs
+        read = {p for m in self.verified for p in _input_files(m.manifest, self.root)}
         groups: dict[tuple[str, Path], list[Path]] = {}
         for kind, path in self.scan.files:
-            groups.setdefault((kind, path.parent), []).append(path)
+            if path not in read:
+                groups.setdefault((kind, path.parent), []).append(path)
         for (kind, folder), paths in groups.items():
             self._state(kind, folder, paths)
         for m in self.verified:

@@ -1,7 +1,9 @@
 """GGUF export: a Hugging Face model folder as one ``.gguf`` file for llama.cpp, Ollama and LM Studio.
 
 The file is written with llama.cpp's own Python library (``gguf``): its writer, its tensor-name maps
-(``get_tensor_name_map``), its key names and its quantization (``gguf.quants``, bit-exact with ggml).
+(``get_tensor_name_map``), its key names and its quantization (``gguf.quants``, bit-exact with ggml);
+the k-quants (Q4_K_M and the rest), which ``gguf`` cannot write, by ``kquants.py``, byte for byte
+what llama.cpp's ``llama-quantize`` writes from the same 16-bit weights, with its per-tensor mix.
 What is ours is only which HF config field and tensor goes where, for the families whose layout
 llama.cpp defines and transformers' GGUF reader reads back (Llama, Qwen2, Qwen3, Qwen3-MoE).
 
@@ -33,8 +35,18 @@ from tui_merger.core.io.files import fsync_path
 from tui_merger.core.merge.output import check_space
 from tui_merger.core.options import human_bytes
 
-TYPES = ("f16", "bf16", "q8_0")
-DEFAULT_TYPE = "f16"
+TYPES = ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", "q3_k_m")
+# llama.cpp's k-quant file types (kquants.MIXES: which tensors get which type), written by kquants.py
+K_MIXES = ("q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", "q3_k_m")
+DEFAULT_TYPE = "f16"  # the one default of the command, the assistant and the plain flow (docs/command-line.md says why)
+TYPE_WORDS = [  # (what the assistant and the plain flow offer, the type)
+    ("f16 (default): 16-bit half precision, what every llama.cpp build runs", "f16"),
+    ("bf16: 16-bit, bf16 weights kept exactly", "bf16"),
+    ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
+    ("q4_k_m: 4-bit k-quant (llama.cpp's mix), about a third of f16, what Ollama runs by default", "q4_k_m"),
+    ("q5_k_m: 5-bit k-quant (llama.cpp's mix), closer to f16 than q4_k_m", "q5_k_m"),
+    ("q6_k: 6-bit k-quant, near-lossless, a bit larger than q5_k_m", "q6_k"),
+]
 # model_type in config.json -> llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES)
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 FAMILY_NAMES = "Llama, Qwen2, Qwen3 and Qwen3-MoE"
@@ -497,6 +509,8 @@ def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list
         shape = (len(refs), *refs[0].shape)
         qtype = _qtype(type_, shape, False, refs[0].name, fallback)
         out.append(GgufTensor(item, tuple(refs), shape, int(qtype), _nbytes(shape, qtype)))
+    if type_ in K_MIXES:
+        out = _mix_types(out, type_, arch_name, hp, notices)
     if fallback:
         notices.append(
             f"{len(fallback)} tensor(s) have rows that are not a multiple of 32 values ({fallback[0]}...), which "
@@ -524,7 +538,8 @@ def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list
 
 def _qtype(type_: str, shape, router: bool, name: str, fallback: list):
     """How a tensor is stored: 1-D tensors (norms, biases) and the MoE router in F32, as llama.cpp does;
-    the rest in the chosen type (Q8_0 needs rows of a multiple of 32 values, else F16)."""
+    the rest in the chosen type (Q8_0 needs rows of a multiple of 32 values, else F16). A k-quant mix's
+    matrices are F16 here (what llama.cpp's quantizer reads) until _mix_types gives each its type."""
     import gguf
 
     T = gguf.GGMLQuantizationType
@@ -537,6 +552,28 @@ def _qtype(type_: str, shape, router: bool, name: str, fallback: list):
             return T.Q8_0
         fallback.append(name)
     return T.F16
+
+
+def _mix_types(tensors: list[GgufTensor], type_: str, arch: str, hp: dict, notices: list) -> list[GgufTensor]:
+    """The k-quant mix's type of every matrix llama.cpp quantizes (kquants.tensor_types: llama.cpp's
+    llama_tensor_get_type); the others keep the type planned for them."""
+    from dataclasses import replace
+
+    from tui_merger.core.ship import kquants
+
+    model = kquants.Model(arch, hp["layers"], hp.get("experts", 0), hp["heads"], hp["kv_heads"])
+    types, fallbacks = kquants.tensor_types([(t.name, t.shape) for t in tensors], type_, model)
+    out = [replace(t, qtype=types[t.name], nbytes=_nbytes(t.shape, types[t.name])) if t.name in types else t
+           for t in tensors]
+    if fallbacks:
+        import gguf
+
+        used = sorted({gguf.GGMLQuantizationType(types[n]).name for n in fallbacks})
+        notices.append(
+            f"{len(fallbacks)} tensor(s) have rows that are not a multiple of 256 values ({fallbacks[0]}...), which "
+            f"k-quants need: they are stored as {', '.join(used)}, as llama.cpp's quantizer does."
+        )
+    return out
 
 
 def _nbytes(shape, qtype) -> int:
@@ -657,7 +694,12 @@ def _convert(block, qtype, t: GgufTensor):
                 "choose --type bf16 (or q8_0)."
             )
         return half.numpy()
-    # Q8_0: gguf's own quantization (bit-exact with ggml's reference), on float32 rows
+    if qtype in (T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):  # ours, byte for byte llama.cpp's (kquants.py)
+        from tui_merger.core.ship import kquants
+
+        return kquants.quantize(block.to(torch.float32).numpy(), int(qtype))
+    # Q8_0 and the k-quants' fallbacks (Q4_0, Q5_0, Q5_1): gguf's own quantization (bit-exact with
+    # ggml's reference), on float32 rows
     return gguf.quants.quantize(block.to(torch.float32).numpy(), qtype)
 
 
@@ -785,7 +827,7 @@ def _add_general(writer, folder: Path, type_: str, tensors) -> str:
     writer.add_type(gguf.GGUFType.MODEL)
     meta.set_gguf_meta_model(writer)
     ftype = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[type_]
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(type_) or gguf.LlamaFileType[f"MOSTLY_{type_.upper()}"]
     writer.add_file_type(int(ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     return meta.name

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tui_merger.core.record.card import CARD_NAME, ensure_model_card
 from tui_merger.core.errors import MergeCancelled, MergeError
+from tui_merger.core.io.hf_refs import OFFLINE_BY_DEMO, hf_command
 from tui_merger.core.events import CancelToken, Event, EventSink, Notice, PhaseStarted, ignore_event
 from tui_merger.core.options import human_bytes
 
@@ -49,9 +50,9 @@ class PlannedFile:
 class UploadPlan:
     folder: Path
     repo_id: str
-    user: str  # whom the token belongs to
+    user: str | None  # whom the token belongs to (None: the Hub was not asked, a dry run)
     private: bool  # the visibility the repo has (when it exists) or will be created with
-    exists: bool
+    exists: bool | None  # None: not asked (a dry run: offline, no token)
     revision: str
     head: str | None  # the revision's commit before the upload; None for a new repo
     files: tuple[PlannedFile, ...]
@@ -82,9 +83,12 @@ def plan_upload(
     token: str | None = None,
     endpoint: str | None = None,
     revision: str = "main",
+    offline: bool = False,
 ) -> UploadPlan:
     """Check the folder and repo id, then the token (the first call to the Hub), then the repo.
-    Writes the model card (README.md) from merge_manifest.json when the folder has none; sends no file."""
+    Writes the model card (README.md) from merge_manifest.json when the folder has none; sends no file.
+    ``offline`` (a dry run): the files only, with neither token nor network, and nothing written (the
+    card that would be written is listed with its size)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise MergeError(f"{folder} does not exist or is not a folder; give the folder the merge wrote.")
@@ -96,16 +100,27 @@ def plan_upload(
     _check_repo_id(repo_id)
     notices = []
     had_card = (folder / CARD_NAME).is_file()
-    if ensure_model_card(folder) is None:
+    card = None if had_card or not offline else _card_text(folder)
+    if had_card:
+        pass
+    elif offline and card is not None:
+        notices.append(f"The model card {CARD_NAME} would be written from merge_manifest.json before uploading.")
+    elif offline or ensure_model_card(folder) is None:
         notices.append(f"{folder} has no README.md and no merge_manifest.json to write one from: the repo gets no model card.")
-    elif not had_card:
+    else:
         notices.append(f"Wrote the model card {folder / CARD_NAME} from merge_manifest.json; edit it before uploading if you like.")
     files, left_out = _list_files(folder)
+    if card is not None:
+        files = sorted([*files, PlannedFile(CARD_NAME, len(card.encode()), False)], key=lambda f: f.path)
     if left_out:
         notices.append(f"Left out (hidden, often partial downloads or caches): {', '.join(left_out)}.")
     outside, said = _recorded_outside(folder, {f.path for f in files})
     files += outside
     notices += said
+    if offline:  # a dry run: nothing asked of the Hub, so neither token nor network is needed
+        return UploadPlan(folder=folder, repo_id=repo_id, user=None, private=private, exists=None, revision=revision,
+                          head=None, files=tuple(files), left_out=tuple(left_out), notices=tuple(notices),
+                          endpoint=endpoint, token=token)
 
     from huggingface_hub.errors import RepositoryNotFoundError
 
@@ -115,7 +130,7 @@ def plan_upload(
         if me.get("auth", {}).get("accessToken", {}).get("role") == "read":
             raise MergeError(
                 f"The token of {me['name']} is read-only; create one with write access at "
-                f"{api.endpoint}/settings/tokens and log in with it (`hf auth login`) or set HF_TOKEN to it."
+                f"{api.endpoint}/settings/tokens and log in with it (`{hf_command()} auth login`) or set HF_TOKEN to it."
             )
         if "/" not in repo_id:
             repo_id = f"{me['name']}/{repo_id}"
@@ -147,6 +162,39 @@ def plan_upload(
     )
 
 
+def _card_text(folder: Path) -> str | None:
+    """The model card an upload would write from the folder's manifest (None: no manifest)."""
+    from tui_merger.core.record.card import render_model_card
+    from tui_merger.core.record.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    return None if manifest is None else render_model_card({**manifest, "out": str(folder)})
+
+
+def save_login(token: str) -> str | None:
+    """Save a token that worked as `hf auth login` saves it (huggingface_hub's own login), so that the next
+    upload needs none; None, or the sentence saying it was used but not saved."""
+    from huggingface_hub import login
+    from huggingface_hub.utils import logging as hub_logging
+
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # its log lines would go to the terminal (where the app draws)
+    try:
+        login(token=token, add_to_git_credential=False)
+    except Exception as err:  # noqa: BLE001 - the upload goes on with the token; only saving it failed
+        return f"The token was used but not saved for next time ({(str(err).splitlines() or [''])[0][:120]})."
+    finally:
+        hub_logging.set_verbosity(verbosity)
+    return None
+
+
+def login_state() -> tuple[bool, str]:
+    """(whether this machine has a Hub token: HF_TOKEN or a saved login, where write tokens are made)."""
+    from huggingface_hub import constants, get_token
+
+    return get_token() is not None, f"{constants.ENDPOINT}/settings/tokens"
+
+
 def check_token(repo_id: str, token: str | None = None, endpoint: str | None = None) -> str:
     """Check the repo id and that the token may write, before hours of merging; returns the user name."""
     _check_repo_id(repo_id)
@@ -156,7 +204,7 @@ def check_token(repo_id: str, token: str | None = None, endpoint: str | None = N
     if me.get("auth", {}).get("accessToken", {}).get("role") == "read":
         raise MergeError(
             f"The token of {me['name']} is read-only; create one with write access at "
-            f"{api.endpoint}/settings/tokens and log in with it (`hf auth login`) or set HF_TOKEN to it."
+            f"{api.endpoint}/settings/tokens and log in with it (`{hf_command()} auth login`) or set HF_TOKEN to it."
         )
     return me["name"]
 
@@ -389,9 +437,12 @@ def _explain(err: BaseException, repo_id: str, revision: str, endpoint: str, tok
         err = err.__cause__ or err.__context__
     for e in chain:
         if isinstance(e, LocalTokenNotFoundError):
-            return ("No Hugging Face token found; log in with `hf auth login` or set HF_TOKEN to a token with "
-                    "write access.")
+            return (f"No Hugging Face token found; log in with `{hf_command()} auth login` or set HF_TOKEN to a token "
+                    "with write access.")
         if isinstance(e, OfflineModeIsEnabled):
+            if os.environ.get(OFFLINE_BY_DEMO):
+                return ("The demo runs offline (tui-merger demo set HF_HUB_OFFLINE for itself), so it does not "
+                        "upload; upload a model you merged with tui-merger outside the demo.")
             return "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to upload."
         if isinstance(e, RevisionNotFoundError):
             return f"{repo_id} has no branch {revision}; create it on the Hub first or leave out --revision."
@@ -442,6 +493,6 @@ def _rejected_token(token: str | None) -> str:
         return "The Hub rejected the given token (401 Unauthorized); pass a valid token with write access."
     if os.environ.get("HF_TOKEN"):
         return ("The Hub rejected the token in HF_TOKEN (401 Unauthorized); set HF_TOKEN to a valid token, "
-                "or unset it to use the one from `hf auth login`.")
-    return ("The Hub rejected the token saved by `hf auth login` (401 Unauthorized); log in again with "
-            "`hf auth login --force`.")
+                f"or unset it to use the one from `{hf_command()} auth login`.")
+    return (f"The Hub rejected the token saved by `{hf_command()} auth login` (401 Unauthorized); log in again "
+            f"with `{hf_command()} auth login --force`.")

@@ -346,6 +346,25 @@ def _available_memory() -> int | None:
 # -- the run -------------------------------------------------------------------------------------
 
 
+def agreement(answers: list[TrialAnswer]) -> str | None:
+    """Where the two answers part, token by token, and why, in one sentence (None: one side only). Random
+    or small models answer in characters a person cannot compare by eye (the demo's do)."""
+    if len(answers) < 2:
+        return None
+    ours, other = answers[0].token_ids, answers[1].token_ids
+    same = next((i for i, (a, b) in enumerate(zip(ours, other)) if a != b), min(len(ours), len(other)))
+    if same == len(ours) == len(other):
+        return f"The two answers are the same, token for token ({same} tokens)."
+    if answers[1].label == ADAPTER:
+        why = ("where the model hesitates between two tokens, the rounding of the merged weights decides; "
+               "verification compared every value, so this is not a bad merge")
+    else:
+        why = f"the adapter changed what the {BASE} says (that is the training)"
+    if not same:
+        return f"The two answers differ from the first token: {why}."
+    return f"The two answers are the same for {same} token{'s' * (same != 1)}, then part: {why}."
+
+
 def run_trial(
     plan: TrialPlan,
     prompt: str,

@@ -466,7 +466,15 @@ def _language_model(model):
     """The causal LM inside a multimodal model (peft's wrapper looked through), or None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = getattr(base, "language_model", None)
-    return inner if inner is not None and hasattr(inner, "lm_head") else None
+    return inner if inner is not None and _output_embeddings(inner) is not None else None
+
+
+def _output_embeddings(model):
+    """The model's output head as transformers names it (``get_output_embeddings``), or None."""
+    try:
+        return model.get_output_embeddings()
+    except Exception:  # noqa: BLE001 - a module that is no transformers model, or one without a head
+        return None
 
 
 def relative(a, b, centre: bool) -> float:

@@ -30,6 +30,7 @@ from tui_merger.core.io.files import config_dtype, json_object_or_none, read_jso
 from tui_merger.core.record.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions, check_option_types
 
+from tui_merger.core.verify.dequant_ref import independent_base
 from tui_merger.core.verify.recompute import PROBE_SEED, WhileWriting, _Recompute, writing_key
 from tui_merger.core.verify.report import Check, VerifyReport
 
@@ -66,6 +67,9 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
 
     imported = threading.Event()
     halt = CancelToken()  # the merge failed: stop reading the inputs
+    # the thread reads the inputs (the reference's run) only once ``reading`` is set, under ``gate``: a
+    # merge stopped before that does not wait for its imports (seconds that cannot be interrupted)
+    gate, reading, ours = threading.Lock(), threading.Event(), []
 
     def load() -> None:
         import sys
@@ -89,10 +93,16 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
                     if folder and (Path(folder) / "config.json").is_file():
                         model_class(read_json_object(Path(folder) / "config.json", ""))
                         break
-                _freeze()
+                with gate:
+                    if not halt.cancelled:  # else abandon() has thawed already: nothing would thaw this
+                        _freeze()
             sys.setswitchinterval(interval)
             imported.set()  # verification may build and run the merged model from here on
-            if options.checkpoint is None and options.base is not None and not halt.cancelled:
+            if options.checkpoint is None and options.base is not None:
+                with gate:
+                    if halt.cancelled:
+                        return
+                    reading.set()
                 _reference_ahead(options, halt)
         except Exception:  # noqa: BLE001 - a best effort; the real import reports
             pass
@@ -104,6 +114,7 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         started.set()
         thread = threading.Thread(target=load, name="tui-merger-prewarm", daemon=True)
         _PREWARMING.append((thread, imported))
+        ours.append(thread)
         thread.start()
 
     def sink(event) -> None:
@@ -120,10 +131,13 @@ def prewarming(options: MergeOptions, on_event: EventSink, behaviour: bool = Tru
         """The merge failed or was cancelled: the threads reading its inputs stop (after the tensor
         or module they are on) and are waited for, so nothing reads a file the user may now change
         (a file truncated under a mapping that is read kills the process with SIGBUS)."""
-        halt.cancel()
+        with gate:
+            halt.cancel()
+            importing = [] if reading.is_set() else ours  # only importing: nothing of the inputs is read
         writing.take()
         for thread, _ in list(_PREWARMING):
-            thread.join()
+            if thread not in importing:
+                thread.join()
         _thaw()
 
     sink.abandon = abandon
@@ -318,6 +332,7 @@ def verify_merge(
     from tui_merger.core.formats.adapter import empty_adapter
     from tui_merger.core.formats.inputs import open_inputs
     from tui_merger.core.merge.requant import output_plan
+    from tui_merger.core.plan.plan import embeddings_of
 
     started = time.perf_counter()
     out = Path(out)
@@ -351,7 +366,8 @@ def verify_merge(
             modules = len({t.name.rsplit(".", 1)[0] for t in plan.tensors})  # the units each model run loads
             text = out_config.get("text_config") if isinstance(out_config.get("text_config"), dict) else {}
             tied = out_config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
-            modules += bool(tied) and not any(t.name.rsplit(".", 1)[0].endswith("lm_head") for t in plan.tensors)
+            head = embeddings_of(config, {t.name: t.shape for t in plan.tensors}).output
+            modules += bool(tied) and head is not None and not any(t.name == head for t in plan.tensors)
             lora = 0 if adapter.config.get("use_dora") else 2 * len(adapter.lora)  # peft's lora_A / lora_B, plain LoRA
             models = _Models(out, out_config, options, inputs, plan, perplexity_text,
                              shares.add("merged", size, count=modules), shares.add("reference", size, count=modules + lora))
@@ -500,7 +516,8 @@ def _structure(out: Path, plan, config: dict) -> tuple[Check, dict | None]:
                     t = expected[k]
                     if shape != tuple(t.shape) or dtype != t.dtype:
                         problems.append(f"{k} is {dtype}{list(shape)}, expected {t.dtype}{list(t.shape)}")
-    problems += _config_problems(config, {k: expected[k].shape for k in expected})
+    # config.json against the tensors the files hold (the plan's, where the files cannot all be read)
+    problems += _config_problems(config, {k: expected[k].shape for k in expected if k in located or not readable})
     if readable:
         from tui_merger.core.formats.hf_names import expert_gaps
 
@@ -517,23 +534,26 @@ def _structure(out: Path, plan, config: dict) -> tuple[Check, dict | None]:
 def _dtype_name(st_dtype: str) -> str:
     return {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(st_dtype, st_dtype.lower())
+            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}.get(st_dtype, st_dtype.lower())
 
 
 def _config_problems(config: dict, shapes: dict) -> list[str]:
-    from tui_merger.core.plan.plan import INPUT_EMBEDDING_SUFFIXES, OUTPUT_EMBEDDING, _has_lm_head
+    """vocab_size against the input embedding's rows, and a head that transformers would start random:
+    the embeddings are the ones transformers names for this model (``plan.embeddings_of``)."""
+    from tui_merger.core.plan.plan import embeddings_of
 
     problems = []
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size", text.get("vocab_size"))
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    embeds = [k for k in shapes if k.endswith(INPUT_EMBEDDING_SUFFIXES) and len(shapes[k]) == 2]
-    if vocab and embeds and all(shapes[k][0] != vocab for k in embeds):
-        problems.append(f"config.json says vocab_size {vocab} but the embedding has {shapes[embeds[0]][0]} rows")
-    head = [k for k in shapes if k.endswith(OUTPUT_EMBEDDING)]
-    if _has_lm_head(config) and embeds and not head and tie is False:
+    embeddings = embeddings_of(config, shapes)
+    embed = embeddings.input if embeddings.input in shapes and len(shapes[embeddings.input]) == 2 else None
+    if vocab and embed and shapes[embed][0] != vocab:
+        problems.append(f"config.json says vocab_size {vocab} but the embedding {embed} has {shapes[embed][0]} rows")
+    head = embeddings.output
+    if head and embed and head not in shapes and tie is False:
         problems.append(
-            "tie_word_embeddings is false but there is no lm_head.weight: transformers would start it random"
+            f"tie_word_embeddings is false but there is no {head}: transformers would start the output head random"
         )
     return problems
 
@@ -548,9 +568,11 @@ def probe_ids(config: dict, plan):
     """Fixed token ids within both the config's vocabulary and the model's input embedding rows."""
     import torch
 
-    from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES
+    from tui_merger.core.plan.plan import embeddings_of
 
-    rows = next((t.shape[0] for t in plan.tensors if t.name.endswith(INPUT_EMBEDDING_SUFFIXES)), None)
+    shapes = {t.name: t.shape for t in plan.tensors}
+    embed = embeddings_of(config, shapes).input
+    rows = shapes[embed][0] if embed in shapes and len(shapes[embed]) == 2 else None
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = min(v for v in (config.get("vocab_size", text.get("vocab_size")), rows, 1 << 30) if v)
     g = torch.Generator().manual_seed(PROBE_SEED)
@@ -819,7 +841,7 @@ def _reference_streamer(cls, config_dict: dict, out_config, spec, inputs, on_eve
         if vocab and getattr(holder, "vocab_size", vocab) != vocab:
             holder.vocab_size = vocab  # as the adapter's training resized it; its saved rows replace the base's
     streamer, missing = bh.streamer_with_adapter(
-        cls, config, inputs.base.tensors, spec.adapters, "unmerged reference", on_event, cancel)
+        cls, config, independent_base(inputs.base).tensors, spec.adapters, "unmerged reference", on_event, cancel)
     if missing:
         raise bh.NoReference(
             f"the unmerged reference lacks {len(missing)} weight(s) transformers expects ({', '.join(missing[:3])})"
@@ -986,6 +1008,7 @@ def _dequantized(written, out: Path):
     scheme = scheme_of(config)
     if scheme is None:
         return written
-    view = DequantSource(written, scheme, config)
+    # read by the format's own dequantizing code (verify/dequant_ref.py), not the one the merge used
+    view = independent_base(DequantSource(written, scheme, config))
     view.close = written.close  # the behaviour check closes what it opened
     return view

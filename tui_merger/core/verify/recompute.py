@@ -39,13 +39,17 @@ class _Recomputation:
     def __init__(self, t) -> None:
         from tui_merger.core.plan.plan import BiasOp, ExpertsLoraOp, LoraOp
 
+        from tui_merger.core.verify.dequant_ref import independent_ref
+
         self.t = t
-        load = getattr(t.source.source, "load_experts", None)
+        # a base released quantized is dequantized by the format's own code here, not by the merge's
+        self.source = source = independent_ref(t.source)
+        load = getattr(source.source, "load_experts", None)
         if load is not None and len(t.ops) == 1 and isinstance(t.ops[0], ExpertsLoraOp):
             # packed experts of a base released quantized: dequantized a block of experts at a time
-            self._experts, self.w = (lambda rows: load(t.source, rows.start, rows.stop)), None
+            self._experts, self.w = (lambda rows: load(source, rows.start, rows.stop)), None
         else:
-            self._experts, self.w = None, t.source.load()
+            self._experts, self.w = None, source.load()
         self.ops = []
         for op in t.ops:
             if isinstance(op, ExpertsLoraOp):
@@ -116,7 +120,7 @@ class _Recomputation:
     def _base(self, rows):
         """The base's values of ``rows`` (all for None)."""
         if self.w is None:
-            return self.t.source.load() if not isinstance(rows, slice) else self._experts(rows)
+            return self.source.load() if not isinstance(rows, slice) else self._experts(rows)
         return self.w if rows is None else self.w[rows]
 
     def magnitude(self, rows):
@@ -407,9 +411,14 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
     if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
         for x in t.inputs()[1:] if by_rows else (ref, *t.inputs()):
             x.prefetch()
+    from tui_merger.core.verify.dequant_ref import independent_ref
+
     got_all = ref.load()
     finite = True
-    pieces = None if t.ops else t.source.source.row_blocks(t.source)
+    # a base released quantized: dequantized by the format's own code; a checkpoint's tensor in its
+    # shards: a source that reads them two ways gives the check its own
+    source = independent_ref(t.source)
+    pieces = None if t.ops else getattr(source.source, "check_blocks", source.source.row_blocks)(source)
     if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
         bad, diff, start = 0, 0.0, 0
         for piece, release in pieces:
@@ -428,7 +437,7 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
         if bad or start != (t.shape[0] if t.shape else 1):
             problem = f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the checkpoint (max {diff:.3g})"
     elif t.raw_copy:  # compared a block at a time, each block's pages handed back (an embedding is GBs)
-        src = t.source.load()
+        src = source.load()
         equal = True
         for rows in _row_blocks(t.shape, BLOCK_VALUES * 16):
             got = got_all if rows is None else got_all[rows]
@@ -470,7 +479,7 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
         r.release()
         if bad:
             problem = f"{t.name}: {bad} of {math.prod(t.shape)} values differ from the recomputation (max {diff:.3g})"
-            if t.ops and _bits_equal(got_all, t.source.load().to(got_all.dtype).contiguous()):
+            if t.ops and _bits_equal(got_all, source.load().to(got_all.dtype).contiguous()):
                 unchanged = t.name
     del got_all
     ref.release()

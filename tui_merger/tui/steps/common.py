@@ -51,6 +51,33 @@ def escape(text) -> str:
     return str(text).replace("[", r"\[")
 
 
+def fold_path(path, width: int) -> str:
+    """A path written from the start of a line, broken into lines of at most ``width`` after a "/" (else
+    after a "-", "_" or "." inside a long name), never inside a word where a break is possible: a
+    terminal folds it wherever the edge falls ("base-run-2026-1" / "2-04")."""
+    text, lines = str(path), []
+    width = max(width, 8)
+    while len(text) > width:
+        cut = max(text.rfind(sep, 0, width) for sep in "/")
+        if cut <= 0:
+            cut = max(text.rfind(sep, 0, width) for sep in "-_.")
+        cut = cut + 1 if cut > 0 else width
+        lines.append(text[:cut])
+        text = text[cut:]
+    return "\n".join(lines + [text])
+
+
+def show_end(field) -> None:
+    """After the layout, scroll an Input so that the end of its value shows (a path's file name; an
+    Input shows a long value's start and cuts the rest)."""
+
+    def scroll() -> None:
+        field.cursor_position = 0
+        field.action_end()
+
+    field.call_after_refresh(scroll)
+
+
 def visible(text: str) -> str:
     """A model's answer as shown: control characters other than newline and tab written as \\xNN (a
     terminal would act on them, or show nothing)."""
@@ -72,6 +99,8 @@ IN_APP = (
     ("the merge needs --lora-alpha", 'the merge needs "LoRA alpha" (in Review)'),
     ("fix it or pass --lora-alpha", 'fix it or type "LoRA alpha" in Review'),
     ("(--lora-alpha)", '("LoRA alpha")'),
+    ("give it with --lora-alpha", 'type it in "LoRA alpha" in Review'),
+    ("from --lora-alpha", 'from "LoRA alpha"'),
     ("say which model to compare with (--against BASE_OR_ADAPTER)", 'pick "compare with the unmerged adapter" if it is offered'),
     ("give a base model or an adapter to compare with (--against BASE_OR_ADAPTER)", "it answers alone here"),
     ("log in with `hf auth login` or set HF_TOKEN to a token with write access.",
@@ -85,7 +114,9 @@ IN_APP = (
 
 def in_app(message) -> str:
     """An engine sentence as the app says it: the fields and switches, not the flags."""
-    message = str(message)
+    from tui_merger.core.io.hf_refs import hf_command
+
+    message = str(message).replace(f"`{hf_command()} auth login", "`hf auth login")  # (the full path outside PATH)
     for flag, field in IN_APP:
         message = message.replace(flag, field)
     return message

@@ -113,7 +113,7 @@ class FindStep(Step, Vertical):
             if c.lora.get("target_parameters"):
                 bits.append(f"LoRA on experts ({', '.join(map(str, c.lora['target_parameters']))})")
         if c.base_model:
-            where = {"path": "found here", "hf-cache": "in the HF cache", "missing": "not on this machine"}.get(c.base_resolves, "")
+            where = {"path": "on this machine", "hf-cache": "in the HF cache", "missing": "not on this machine"}.get(c.base_resolves, "")
             bits.append(f"base {c.base_model} ({where})")
         text = "; ".join(bits) + "."
         if self.proposal is not None and c is self.proposal[0] and len(self.wizard.candidates) > 1:

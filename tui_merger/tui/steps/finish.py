@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Button, ProgressBar, Static
 
-from tui_merger.tui.steps.common import Done, EngineEvent, Step, WorkDone, escape, in_app
+from tui_merger.tui.steps.common import Done, EngineEvent, Step, WorkDone, escape, fold_path, in_app
 from tui_merger.tui.widgets import CleanupDialog, GgufDialog, UploadDialog
 
 
@@ -21,8 +21,13 @@ def farewell(wizard) -> str | None:
     import json
     import shlex
 
+    from tui_merger.core.options import python_command
     from tui_merger.core.record.manifest import read_manifest
 
+    if wizard.stopped is not None and wizard.result is None:  # "Stop and quit": what the disk holds now
+        from tui_merger.core.merge.output import left_on_disk
+
+        return f"The merge was stopped: {left_on_disk(wizard.stopped)}; the inputs are untouched."
     if wizard.result is None and (wizard.job is None or not (Path(wizard.job.out) / "config.json").is_file()):
         return None
     out = wizard.out_path.absolute()
@@ -37,7 +42,7 @@ def farewell(wizard) -> str | None:
     code = f'from transformers import pipeline; print(pipeline("text-generation", model={json.dumps(str(out))})("Hello")[0]["generated_text"])'
     lines = [
         f"The merged model is in {out} ({verified}).",
-        f"  transformers: python -c {shlex.quote(code)}",
+        f"  transformers: {python_command()} -c {shlex.quote(code)}",
         f"  vLLM:         vllm serve {shlex.quote(str(out))}",
     ]
     for gguf in manifest.get("gguf") or []:
@@ -46,6 +51,26 @@ def farewell(wizard) -> str | None:
         if path.is_file():
             lines.append(f"  llama.cpp:    llama-cli -m {shlex.quote(str(path))}")
     return "\n".join(lines)
+
+
+def folder_files(folder: Path) -> tuple[list[str], int]:
+    """The names in the output folder as a listing shows them (a folder with a trailing /, hidden ones
+    left out) and the bytes of its files, folders included."""
+    names, size = [], 0
+    try:
+        entries = sorted(Path(folder).iterdir())
+    except OSError:
+        return names, size
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            names.append(entry.name + "/")
+            size += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        else:
+            names.append(entry.name)
+            size += entry.stat().st_size
+    return names, size
 
 
 class FinishStep(Step, VerticalScroll):
@@ -74,30 +99,33 @@ class FinishStep(Step, VerticalScroll):
         from tui_merger.core.record.manifest import read_manifest
 
         wizard = self.wizard
+        names, size = folder_files(wizard.out_path)  # what is there now: the model card and manifest too
         if wizard.result is not None:
             r = wizard.result
             verified = wizard.report is not None and wizard.report.passed
             details = (
                 f"{r.tensors_text()}, "
                 f"{human_bytes(r.bytes_written)} in {len(r.shards)} shard(s), written in {r.seconds:.1f} s.\n"
-                f"Files: {escape(', '.join(r.files))}"
+                f"Files: {escape(', '.join(names))}"
             )
-        else:  # a background job: what its manifest says
+        else:  # a background job: its verification as its manifest records it
             manifest = read_manifest(wizard.out_path) or {}
             verified = bool((manifest.get("verification") or {}).get("passed"))
-            outputs = manifest.get("outputs") or []
             details = (
-                f"{human_bytes(sum(f.get('size', 0) for f in outputs))} in {len(outputs)} file(s), "
-                f"written by job {wizard.job.id}.\nFiles: {escape(', '.join(f.get('path', '') for f in outputs))}"
+                f"{human_bytes(size)} in {len(names)} file(s), written by job {wizard.job.id}.\n"
+                f"Files: {escape(', '.join(names))}"
             )
         verdict = "[b green]verified[/]" if verified else "[b red]NOT verified: do not ship it[/]"
-        self.query_one("#summary", Static).update(
-            f"The merged model is in [b]{escape(wizard.out_path)}[/b] ({verdict}).\n{details}"
-        )
+        where = fold_path(wizard.out_path, self.text_width())  # on its own lines, broken after a "/"
+        self.query_one("#summary", Static).update(f"The merged model is in\n[b]{escape(where)}[/b] ({verdict}).\n{details}")
         self.query_one("#cleanup", Button).disabled = not verified
         self.query_one("#upload", Button).disabled = not verified
         self.query_one("#gguf", Button).disabled = not verified
         wizard.show("finish")
+
+    def text_width(self) -> int:
+        """The columns the step's text gets: the screen's, less the step's padding and a scrollbar."""
+        return self.app.size.width - 4
 
     @on(Button.Pressed, "#quit")
     def _quit(self) -> None:
@@ -166,33 +194,18 @@ class FinishStep(Step, VerticalScroll):
 
     @work(thread=True, exclusive=True, group="upload", exit_on_error=False)
     def _upload_worker(self, repo_id: str, private: bool, token: str | None = None) -> None:
-        from tui_merger.core.ship.hub import plan_upload, upload
+        from tui_merger.core.ship.hub import plan_upload, save_login, upload
 
         out = self.wizard.out_path
         self._login_problem = None
 
         def send():
             plan = plan_upload(out, repo_id, private=private, token=token)  # checks the token first
-            if token:
-                self._save_login(token)
+            if token:  # it works (the plan checked it): saved, so that the next upload needs none
+                self._login_problem = save_login(token)
             return upload(plan, on_event=self.forward)
 
         self.post_outcome("upload", send)
-
-    def _save_login(self, token: str) -> None:
-        """A token typed in the Upload dialog (it works: the plan checked it) is saved as `hf auth login`
-        saves it, with huggingface_hub's own login, so that the next upload needs none."""
-        from huggingface_hub import login
-        from huggingface_hub.utils import logging as hub_logging
-
-        verbosity = hub_logging.get_verbosity()
-        hub_logging.set_verbosity_error()  # its log lines go to the terminal's stderr, where the app draws
-        try:
-            login(token=token, add_to_git_credential=False)
-        except Exception as err:  # noqa: BLE001 - the upload goes on with the token; only saving it failed
-            self._login_problem = f"The token was used but not saved for next time ({(str(err).splitlines() or [''])[0][:120]})."
-        finally:
-            hub_logging.set_verbosity(verbosity)
 
     def done_upload(self, done: Done) -> None:
         notes = self.query_one("#finish-notes", Static)
@@ -260,7 +273,10 @@ class FinishStep(Step, VerticalScroll):
             return
         r = done.value
         where = "recorded in merge_manifest.json; Upload... includes it" if r.recorded else "not recorded (no merge_manifest.json)"
+        width = self.text_width()
+        command = f"llama-cli -m {r.path}"  # on its own line, broken after a "/" where it must be
         notes.update(
-            f"GGUF written: [b]{escape(r.path)}[/b] ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; "
-            f"{where}).\nRun it with llama-cli -m {escape(r.path)}, or FROM it in an Ollama Modelfile."
+            f"GGUF written ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}):\n"
+            f"[b]{escape(fold_path(r.path, width))}[/b]\n"
+            f"Run it with (or FROM it in an Ollama Modelfile):\n{escape(fold_path(command, width))}"
         )

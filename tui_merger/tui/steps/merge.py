@@ -22,6 +22,8 @@ class MergeStep(Step, Vertical):
     def __init__(self, wizard, **kwargs) -> None:
         super().__init__(wizard, **kwargs)
         self._started = 0.0
+        self._job_phase: str | None = None  # a followed job's latest phase
+        self._job_counts: dict | None = None  # and its merge's latest tensor counts
 
     def compose(self) -> ComposeResult:
         yield Static(id="merge-status")
@@ -63,6 +65,7 @@ class MergeStep(Step, Vertical):
         wizard.result, wizard.report, wizard.job = None, None, job
         wizard.running = "merge"
         wizard.stop_following = threading.Event()
+        self._job_phase, self._job_counts = None, None
         self.query_one("#merge-status", Static).update(
             "Starting a background job..." if job is None else f"Following job {job.id} into {escape(job.out)}"
         )
@@ -90,6 +93,20 @@ class MergeStep(Step, Vertical):
         from tui_merger.core.options import human_bytes
 
         p = message.progress
+        bar = self.query_one("#merge-progress", ProgressBar)
+        if self._job_phase == "merge" and p.get("phase") not in ("plan", "merge"):
+            # the merge wrote its last tensor (the phases after it start only then); the follower polls, so
+            # the job may have written its last count between two looks: show it complete, not where it was
+            bar.update(total=bar.total or 1, progress=bar.total or 1)
+            last = self._job_counts
+            if last:
+                self.query_one("#merge-detail", Static).update(
+                    f"{human_bytes(last['bytes_total'])} of {human_bytes(last['bytes_total'])}   "
+                    f"{last.get('total', 0)}/{last.get('total', 0)} tensors"
+                )
+        self._job_phase = p.get("phase")
+        if p.get("phase") == "merge" and p.get("bytes_total"):
+            self._job_counts = p
         if "message" in p:
             self.query_one("#merge-status", Static).update(f"[b]{escape(p.get('phase', ''))}[/b]  {escape(p['message'])}")
         if p.get("bytes_total"):
@@ -121,11 +138,11 @@ class MergeStep(Step, Vertical):
                 return
             if yes and wizard.running == "merge" and wizard.cancel_token is not None:
                 wizard.cancel_token.cancel()
-                self.query_one("#cancel", Button).disabled = True
-                self.query_one("#merge-status", Static).update("Cancelling: stopping after the current tensor...")
+                self.stopping()
 
         self.app.push_screen(
-            Confirm("Cancel the merge? The partial output is removed; the inputs are untouched.", "Cancel the merge", "Keep merging"),
+            Confirm("Cancel the merge? It stops within a second or two and its partial output is removed; if it has "
+                    "already finished, the model is kept. The inputs are untouched.", "Cancel the merge", "Keep merging"),
             answer,
         )
 
@@ -135,7 +152,8 @@ class MergeStep(Step, Vertical):
 
         message.stop()
         ev = message.event
-        if isinstance(ev, PhaseStarted):
+        stopping = self.wizard.cancel_token is not None and self.wizard.cancel_token.cancelled
+        if isinstance(ev, PhaseStarted) and not stopping:  # "Stopping..." stays until the merge has stopped
             self.query_one("#merge-status", Static).update(f"[b]{ev.phase}[/b]  {escape(ev.message)}")
             if ev.phase in ("merge", "verify"):
                 self.query_one("#merge-progress", ProgressBar).update(total=None, progress=0)
@@ -158,15 +176,27 @@ class MergeStep(Step, Vertical):
         notes = self.query_one("#merge-notes", Static)
         notes.update(f"{notes.content}\n[yellow]{ev.level}:[/] {escape(ev.message)}".strip())
 
+    def stopping(self) -> None:
+        """Cancel or "Stop and quit" was answered: said at once; the merge stops after its current tensor."""
+        self.query_one("#cancel", Button).disabled = True
+        self.query_one("#merge-status", Static).update("[b yellow]Stopping...[/] the merge stops after the tensor it is on.")
+
     def done_merge(self, done: Done) -> None:
+        from tui_merger.core.merge.output import left_on_disk
+
         wizard = self.wizard
         self.query_one("#cancel", Button).disabled = True
         status = self.query_one("#merge-status", Static)
         bar = self.query_one("#merge-progress", ProgressBar)
         if bar.total is None:
             bar.update(total=1, progress=0)  # no animation left running after a stop
-        if done.cancelled:
-            status.update("[b yellow]Cancelled.[/] The partial output was removed; the inputs are untouched.")
+        if wizard.quit_when_stopped:  # "Stop and quit": leave now; the terminal says what is on disk
+            wizard.result = None if (done.cancelled or done.error) else done.value
+            wizard.stopped = Path(wizard.options.out)
+            self.app.exit(130 if wizard.result is None else 0)
+            return
+        if done.cancelled:  # read from the disk, not assumed
+            status.update(f"[b yellow]Cancelled:[/] {escape(left_on_disk(wizard.options.out))}; the inputs are untouched.")
         elif done.error:
             status.update(f"[b red]The merge failed:[/] {escape(in_app(done.error))}\nGo back to Review to change something.")
         else:

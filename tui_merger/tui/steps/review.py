@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 
-from tui_merger.tui.steps.common import Done, Step, WorkDone, escape, in_app
+from tui_merger.tui.steps.common import Done, Step, WorkDone, escape, in_app, show_end
 from tui_merger.tui.widgets import FolderPicker
 
 DTYPES = [("dtype: as the base", ""), ("dtype: bf16", "bf16"), ("dtype: fp16", "fp16"), ("dtype: fp32", "fp32")]
@@ -38,16 +38,20 @@ class ReviewStep(Step, Vertical):
         self._reviewed = None  # the checkpoint the Review fields were last filled for
         self._proposals: list = []  # [(path, why)]: the models here that fit an adapter whose base is not here
         self._searched = False  # the proposals were looked for (none found: the note says so)
+        self._misfit = None  # the adapter (path) whose named base the plan found not to fit: base field shown
         self._from_top = False  # the next plan shown scrolls the form to its top (entering the step)
         self._format_ok = ""  # the output format of the last plan that the engine could write ("": default)
         self._format_refusal = ""  # the engine's sentence refusing the format chosen last (shown under it)
         self._format_offered: list = []  # the (words, value) pairs the select holds
         self._format_for = None  # the checkpoint they were offered for
+        self._accepted: str | None = None  # the proposed base accepted with "Use this base >" (ctrl+n)
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="review-form"):
             yield Label("Base model folder", classes="base-field")
-            yield Input(id="base", classes="base-field")
+            with Horizontal(classes="row base-field"):
+                yield Input(id="base", classes="base-field")
+                yield Button("Browse...", id="browse-base")
             proposals = Select([], prompt="other models here that fit the adapter", id="base-choice", classes="base-field")
             proposals.display = False  # shown when the base had to be proposed
             yield proposals
@@ -99,7 +103,11 @@ class ReviewStep(Step, Vertical):
 
     def advance(self) -> None:
         if self.accepts_proposal():
-            self.query_one("#ack", Checkbox).value = True  # refresh_nav follows from Checkbox.Changed
+            # the warning is "the adapter names another base": taking the proposed one answers it; the
+            # tick box (for the other warnings) stays the user's own
+            self._accepted = self.query_one("#base", Input).value
+            self._show_ack()
+            self.wizard.refresh_nav()
             self.app.notify(f"Base accepted: {self.query_one('#base', Input).value}. ctrl+n again starts the merge.", timeout=5)
         else:
             self.wizard.panes["merge"].start()
@@ -120,7 +128,7 @@ class ReviewStep(Step, Vertical):
         errors = len(wizard.plan.of("error"))
         if errors:
             return f"{errors} error{'s' * (errors != 1)} to fix first (under Checks)"
-        warnings = len(wizard.plan.of("warning"))
+        warnings = len(self._open_warnings())
         if warnings and not self.query_one("#ack", Checkbox).value:
             if self.accepts_proposal():
                 return ""
@@ -129,25 +137,46 @@ class ReviewStep(Step, Vertical):
 
     def accepts_proposal(self) -> bool:
         """The base field holds the proposed base and the only warning is that the adapter names
-        another one: "Use this base >" (ctrl+n) accepts it, ticking the box, before "Merge >"."""
+        another one: "Use this base >" (ctrl+n) accepts it, which answers that warning, before "Merge >"."""
         wizard = self.wizard
         base = self.query_one("#base", Input)
         return (
             wizard.step == "review" and wizard.plan is not None and not wizard.plan_stale and wizard.running is None
             and base.display and base.value in [str(p) for p, _ in self._proposals]
-            and not self.query_one("#ack", Checkbox).value
+            and base.value != self._accepted and not self.query_one("#ack", Checkbox).value
             and {f.id for f in wizard.plan.of("warning")} == {"base-name"}
         )
 
+    def _open_warnings(self) -> list:
+        """The plan's warnings the user has not answered otherwise than by the tick box: all of them, but
+        "the adapter names another base" once the proposed base was accepted (ctrl+n)."""
+        wizard = self.wizard
+        if wizard.plan is None:
+            return []
+        accepted = self._accepted is not None and self.query_one("#base", Input).value == self._accepted
+        return [f for f in wizard.plan.of("warning") if not (accepted and f.id == "base-name")]
+
+    def _show_ack(self) -> None:
+        """The tick box, only when it is what stands between the user and the merge: a finished plan
+        with warnings still open and no error (while checking, or with errors to fix, it asks nothing)."""
+        wizard = self.wizard
+        ready = wizard.plan is not None and not wizard.plan_stale and wizard.running != "plan"
+        self.query_one("#ack", Checkbox).display = ready and not wizard.plan.blocked and bool(self._open_warnings())
+
     # -- entering --------------------------------------------------------------------------------
     def enter(self) -> None:
-        from tui_merger.core.plan.choices import can_weight, is_checkpoint, models_found, needs_alpha, needs_base
+        from tui_merger.core.plan.choices import alpha_default, can_weight, is_checkpoint, models_found, needs_alpha, needs_base
 
         wizard = self.wizard
         c = wizard.candidate
-        for cls, shown in ((".base-field", needs_base(c)), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
+        if c.path != self._reviewed:
+            self._misfit = None
+        base_shown = needs_base(c) or self._misfit == c.path  # a named base that did not fit: still asked
+        for cls, shown in ((".base-field", base_shown), (".alpha-field", needs_alpha(c)), (".weight-field", can_weight(c))):
             for w in self.query(cls):
                 w.display = shown
+        default = alpha_default(c)  # an empty alpha: the merge's default (peft's 8), said in the field
+        self.query_one("#alpha", Input).placeholder = f"empty: {default:g}, peft's default" if default is not None else ""
         checkpoint = is_checkpoint(c)
         self.query_one("#settings-label", Label).update(CHECKPOINT_SETTINGS if checkpoint else SETTINGS)
         for selector, choices in (("#dtype", CHECKPOINT_DTYPES if checkpoint else DTYPES),
@@ -162,6 +191,7 @@ class ReviewStep(Step, Vertical):
             self._reviewed = c.path
             self.query_one("#weight", Input).value = "1"
             self.query_one("#more", Input).value = ""
+            self.query_one("#alpha", Input).value = ""
             base.value = ""
             self._proposals, self._searched = [], False
         if needs_base(c) and not base.value and c.base_path:
@@ -169,6 +199,7 @@ class ReviewStep(Step, Vertical):
         self._show_proposals()
         self.query_one("#out", Input).value = ""  # filled with the suggested name by the plan
         self.query_one("#ack", Checkbox).value = False
+        self._accepted = None
         for w in self.query(".qlora-field"):
             w.display = False
         self._roundtrip_offer = None
@@ -225,19 +256,31 @@ class ReviewStep(Step, Vertical):
         choice, note = self.query_one("#base-choice", Select), self.query_one("#base-note", Static)
         c = self.wizard.candidate
         choice.display = base.display and len(self._proposals) > 1
-        note.display = base.display and (bool(self._proposals) or not c.base_path)
+        misfit = self._misfit == c.path
+        note.display = base.display and (bool(self._proposals) or not c.base_path or misfit)
         if not note.display:
             return
         from tui_merger.core.plan.choices import is_checkpoint
 
         what = "the checkpoint" if is_checkpoint(c) else "the adapter"
         named = (
-            f"{what}'s base {escape(c.base_model)} is not on this machine" if c.base_model
+            f"the base {what} names, {escape(c.base_path)}, does not fit it" if misfit
+            else f"{what}'s base {escape(c.base_model)} is not on this machine" if c.base_model
             else f"{what} does not say which base model it was trained on"
         )
         if not self._proposals:
+            from tui_merger.core.io.hf_refs import hf_command, is_repo_id
+
             searched = "; no model in this folder or in the Hugging Face cache fits it" if self._searched else ""
-            note.update(f"[dim]{named[0].upper()}{named[1:]}{searched}: type the folder of the model it was trained on.[/dim]")
+            fetch = (  # as inspect says it: tui-merger never downloads
+                f" On a machine with internet access, `{hf_command()} download {c.base_model}` puts it in the "
+                "Hugging Face cache, where tui-merger finds it."
+                if c.base_model and is_repo_id(c.base_model) else ""
+            )
+            note.update(
+                f"[dim]{named[0].upper()}{named[1:]}{searched}: type the folder of the model it was trained on, "
+                f"or find it with Browse...{escape(fetch)}[/dim]"
+            )
             return
         paths = [str(p) for p, _ in self._proposals]
         with choice.prevent(Select.Changed):
@@ -292,9 +335,11 @@ class ReviewStep(Step, Vertical):
         except (MergeError, ValueError) as err:
             wizard.plan, wizard.plan_stale = None, True
             self._show_checks(f"[b red]ERROR[/]   {escape(in_app(err))}", "[b red]1 error[/]")
+            self._show_ack()
             wizard.refresh_nav()
             return
         wizard.running = "plan"
+        self._show_ack()  # hidden while checking
         wizard.refresh_nav()
         self._plan_worker(options)
 
@@ -316,7 +361,9 @@ class ReviewStep(Step, Vertical):
 
     def done_plan(self, done: Done) -> None:
         if done.error:
+            self.wizard.plan = None
             self._show_checks(f"[b red]ERROR[/]   {escape(in_app(done.error))}", "[b red]1 error[/]")
+            self._show_ack()
         else:
             self._show_plan(*done.value)
 
@@ -335,6 +382,7 @@ class ReviewStep(Step, Vertical):
         out_input = self.query_one("#out", Input)
         if options.out is None:  # first plan: propose the suggested name (never a taken one), then plan again
             out_input.value = str(free_output(default_out_folder(wizard.candidate)[0] / plan.suggested_out))
+            show_end(out_input)  # the suggested name, not only the start of its folder
             self.replan()
             return
         if self._format_refused(options, plan):
@@ -345,7 +393,7 @@ class ReviewStep(Step, Vertical):
             self._from_top = False
             form = self.query_one("#review-form")
             self.call_after_refresh(form.scroll_home, animate=False)
-        self.query_one("#plan-text", Static).update(_plan_grid(describe(plan), fields))
+        self.query_one("#plan-text", Static).update(_plan_grid([in_app(line) for line in describe(plan)], fields))
         colours = {"error": "red", "warning": "yellow", "info": "cyan"}
         replace = self.query_one("#replace", Checkbox)
         replace.display = options.out is not None and holds_files(options.out)
@@ -358,7 +406,7 @@ class ReviewStep(Step, Vertical):
         counts = [f"{n} {sev}{'s' * (n != 1)}" for sev in ("error", "warning") if (n := len(plan.of(sev)))]
         title = ", ".join(counts) or ("" if not plan.findings else f"{len(plan.findings)} note{'s' * (len(plan.findings) != 1)}")
         self._show_checks("\n".join(lines), f"[b red]{title}[/]" if plan.blocked else title)
-        self.query_one("#ack", Checkbox).display = bool(plan.of("warning"))
+        self._show_ack()
         self._show_format(options, plan)
         roundtrip = self.query_one("#roundtrip", Select)
         offer = plan.suggested_roundtrip or options.base_roundtrip
@@ -372,6 +420,8 @@ class ReviewStep(Step, Vertical):
             ])
             roundtrip.value = options.base_roundtrip or ""
             self._planned = self._fields()
+        if self._base_misfit(options, plan):
+            return
         if any(f.id == "quantized" for f in plan.findings) and not is_checkpoint(wizard.candidate):
             # a quantized base: ask for the 16-bit one, filled in when it was found on this machine
             for w in self.query(".base-field"):
@@ -381,6 +431,34 @@ class ReviewStep(Step, Vertical):
             if plan.suggested_base and base.value.strip() != plan.suggested_base:
                 base.value = plan.suggested_base
                 base.focus()
+
+    def _base_misfit(self, options, plan) -> bool:
+        """The base the adapter names is here but does not fit it (another model: shapes, architecture):
+        the error's control goes on this screen: the base field, holding that base, and the models here
+        that fit, proposed as for an adapter whose base is missing (a worker; the plan follows)."""
+        from tui_merger.core.plan.choices import is_checkpoint, models_found
+        from tui_merger.core.plan.preflight import BASE_FINDINGS
+
+        wizard = self.wizard
+        base = self.query_one("#base", Input)
+        if base.display or is_checkpoint(wizard.candidate) or options.base is None:
+            return False
+        if not any(f.id in BASE_FINDINGS for f in plan.of("error")):
+            return False
+        self._misfit = wizard.candidate.path
+        for w in self.query(".base-field"):
+            w.display = True
+        with base.prevent(Input.Changed):
+            base.value = str(options.base)  # what the plan used: the same plan, not a stale one
+        self._planned = self._fields()
+        base.focus()
+        if self._searched:
+            self._show_proposals()
+            return False
+        wizard.running = "bases"
+        wizard.refresh_nav()
+        self._bases_worker(wizard.candidate.path, models_found(wizard.candidates))
+        return True
 
     # -- the output format ------------------------------------------------------------------------
     def _format_refused(self, options, plan) -> bool:
@@ -427,6 +505,20 @@ class ReviewStep(Step, Vertical):
 
     def _fields(self) -> tuple:
         return tuple(self.query_one(f"#{n}").value for n in ("base", "alpha", "out", "shard", "dtype", "tokenizer", "weight", "more", "roundtrip", "output-format", "replace"))
+
+    @on(Button.Pressed, "#browse-base")
+    def _browse_base(self) -> None:
+        """Pick the base model folder (the adapter's own is not here, or another is wanted)."""
+
+        def chosen(path: Path | None) -> None:
+            if path is not None:
+                base = self.query_one("#base", Input)
+                base.value = str(path)
+                self._show_proposals()
+                self.replan()
+
+        start = Path(self.query_one("#base", Input).value.strip() or self.wizard.candidate.path).expanduser()
+        self.app.push_screen(FolderPicker(start.parent if start.exists() else Path(self.wizard.candidate.path).parent), chosen)
 
     @on(Button.Pressed, "#add-adapter")
     def _add_adapter(self) -> None:

@@ -75,7 +75,9 @@ class TryStep(Step, Vertical):
             self._against_choices = choices
             with against.prevent(Select.Changed):
                 against.set_options(choices)
-                against.value = "base"
+                # the demo's models are random: against the base its answers differ as noise does; against
+                # the unmerged adapter they agree, which is what the demo is there to show
+                against.value = choices[-1][1] if self._is_demo() else "base"
         self.wizard.show("try")
         self.resized()
         if self.trial_plan is None or self._planned_against != against.value:
@@ -243,4 +245,10 @@ class TryStep(Step, Vertical):
                     self.query_one(f"#answer-{side}").border_subtitle = "no answer"
                     self.query_one(f"#answer-{side}-text", Static).update("[dim](no answer: see the red line above)[/dim]")
         else:
+            from tui_merger.core.ship.trial import agreement
+
             self.show_trial_plan()
+            said = agreement(done.value)
+            if said:  # where the answers part: random or small models answer in what no one compares by eye
+                colour = "green" if said.startswith("The two answers are the same") else "yellow"
+                status.update(f"{status.content}\n[{colour}]{escape(said)}[/]")

@@ -76,8 +76,11 @@ class VerifyStep(Step, Vertical):
         """A background job finished: its checks as its manifest records them."""
         self.fill_checks([(str(c.get("status", "")).upper(), c.get("name", ""), c.get("summary", "")) for c in checks])
         verified = (job.result or {}).get("verified")
-        verdict = "[b green]PASSED[/]" if verified else "[b red]not passed[/]"
-        self.query_one("#verify-status", Static).update(f"Job {job.id}: verification {verdict}. {escape(message)}")
+        verdict = {  # as the foreground merge says it (the job's message says the same in other words)
+            True: "verification [b green]PASSED[/]",
+            False: "verification [b red]FAILED: the model does not match its inputs[/]",
+        }.get(verified, escape(message))
+        self.query_one("#verify-status", Static).update(f"Job {job.id}: {verdict}" + ("" if verdict.endswith(".") else "."))
         self.query_one("#verify-progress", ProgressBar).update(total=1, progress=1)
         self.wizard.show("verify")
 
