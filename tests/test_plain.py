@@ -269,7 +269,7 @@ def test_end_of_input_stops_with_a_sentence(ws, capsys):
 def test_explain_no_terminal_names_the_commands(ws, tmp_path):
     text = explain_no_terminal(ws)
     assert f"`tui-merger inspect {ws}`" in text
-    assert f"For the latest checkpoint: `tui-merger merge --base {ws / 'base'} --adapter {ws / 'adapter'} --out " in text
+    assert f"Next: `tui-merger merge --base {ws / 'base'} --adapter {ws / 'adapter'} --out " in text
     assert explain_no_terminal(tmp_path / "nowhere").endswith("then `tui-merger merge` merges one.")
 
 

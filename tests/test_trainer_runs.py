@@ -205,3 +205,13 @@ def test_cleanup_of_an_fsdp_run_offers_its_sharded_optimizer(tmp_path):
     assert labels["checkpoint-4/optimizer_0/"] == (
         "optimizer state of checkpoint-4, the merged checkpoint, only needed to resume training", True)
     assert labels["checkpoint-2/"] == ("checkpoint older than checkpoint-4, which was merged and verified", True)
+
+
+def test_output_names_say_which_save(peft_run):
+    from tui_merger.core.options import MergeOptions
+    from tui_merger.core.plan.preflight import make_plan
+
+    run = peft_run / "run"
+    final = make_plan(MergeOptions(base=peft_run / "base", adapter=run)).suggested_out
+    step = make_plan(MergeOptions(base=peft_run / "base", adapter=run / "checkpoint-100")).suggested_out
+    assert "-run-r4-final-" in final and "-run-r4-step100-" in step

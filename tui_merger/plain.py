@@ -812,7 +812,7 @@ def _check_size(text: str) -> str | None:
 
 def explain_no_terminal(path: Path) -> str:
     """What to run instead when there is no terminal to ask on: inspect, then the merge command of the
-    latest checkpoint that can be merged, when there is one."""
+    checkpoint proposed (choices.proposed) and why, when one can be merged."""
     from tui_merger.cli.common import next_step
 
     given = shown(path)
@@ -826,4 +826,7 @@ def explain_no_terminal(path: Path) -> str:
         return text
     mergeable = dataclasses.replace(result, candidates=[c for c in result.candidates if why_not_mergeable(c) is None])
     hint = next_step(mergeable, lambda p: shown(os.path.normpath(os.path.join(given, os.path.relpath(p, result.root)))))
-    return text if hint is None else f"{text} For the latest checkpoint: `{hint}`."
+    if hint is None:
+        return text
+    command, _, reason = hint.partition("  # ")  # the proposal's reason (choices.proposed), said after it
+    return f"{text} Next: `{command}`" + (f" ({reason})." if reason else ".")
