@@ -197,7 +197,7 @@ def test_an_adapter_without_lora_alpha_is_asked_for_it_and_the_answer_merged(ws,
         "",  # output folder
         "1",  # Start the merge
         "",  # Try the merged model with a prompt? No (the default)
-        "3",  # Finish: Done
+        "4",  # Finish: Done (after free space, GGUF, upload)
     )
     assert code == 0, out
     assert "lora_alpha used in training (empty: 8, peft's default):" in out

@@ -580,10 +580,16 @@ def embedding_names(config: dict, names=()) -> EmbeddingNames:
                 state[name] = state.get(memory[0] or "", None)
         rename = renamer(model, state)
         loaded = {}
-        for disk in names:
-            target = rename(disk)[0]
-            if target in memory and target not in loaded:
-                loaded[target] = disk
+        present = names if isinstance(names, (dict, set, frozenset)) else set(names)
+        for name in memory:  # the name save_pretrained writes, where the files hold it: no search
+            saved = _saved_name(model, name, state) if name is not None else None
+            if saved in present and rename(saved)[0] == name:
+                loaded[name] = saved
+        if any(name is not None and name not in loaded for name in memory):  # older names, or a tied head
+            for disk in names:
+                target = rename(disk)[0]
+                if target in memory and target not in loaded:
+                    loaded[target] = disk
         found = []
         for name in memory:
             if name is None:
