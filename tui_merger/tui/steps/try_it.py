@@ -33,6 +33,7 @@ class TryStep(Step, Vertical):
         self._planned_against = None  # the Compare with value the trial plan was made for
         self._against_choices = [("compare with the base model", "base")]
         self.planning = False
+        self.agreement: str | None = None  # where the last two answers part (core.ship.trial.agreement)
 
     def compose(self) -> ComposeResult:
         yield Static(id="try-status")
@@ -86,7 +87,7 @@ class TryStep(Step, Vertical):
     def plan_trial(self) -> None:
         against = self.query_one("#against", Select).value
         self.trial_plan, self._planned_against = None, against
-        self.trial_answers = {}
+        self.trial_answers, self.agreement = {}, None
         for side in ("merged", "other"):
             self.query_one(f"#answer-{side}-text", Static).update("")
             self.query_one(f"#answer-{side}").border_title = ""
@@ -127,8 +128,12 @@ class TryStep(Step, Vertical):
         how = "as one user message through the chat template" if plan.chat_template else "as plain text (no chat template)"
         if self._is_demo():
             notes.append(DEMO_NOTE)
+        said = ""
+        if self.agreement:
+            colour = "green" if self.agreement.startswith("The two answers are the same") else "yellow"
+            said = f"\n[{colour}]{escape(self.agreement)}[/]"
         self.query_one("#try-status", Static).update(
-            "\n".join(notes) + f"\n[dim]Greedy, at most {self.try_tokens} tokens; the prompt goes in {how}.[/dim]"
+            "\n".join(notes) + f"\n[dim]Greedy, at most {self.try_tokens} tokens; the prompt goes in {how}.[/dim]" + said
         )
         self.query_one("#ask", Button).disabled = False
 
@@ -161,7 +166,7 @@ class TryStep(Step, Vertical):
         if not prompt.strip():
             self.query_one("#try-status", Static).update("[b red]Type a prompt first.[/]")
             return
-        self.trial_answers = {}
+        self.trial_answers, self.agreement = {}, None
         for side in ("merged", "other"):
             self.query_one(f"#answer-{side}-text", Static).update("[dim]waiting...[/dim]")
             self.query_one(f"#answer-{side}").border_subtitle = ""
@@ -247,8 +252,6 @@ class TryStep(Step, Vertical):
         else:
             from tui_merger.core.ship.trial import agreement
 
+            # where the answers part: random or small models answer in what no one compares by eye
+            self.agreement = agreement(done.value)
             self.show_trial_plan()
-            said = agreement(done.value)
-            if said:  # where the answers part: random or small models answer in what no one compares by eye
-                colour = "green" if said.startswith("The two answers are the same") else "yellow"
-                status.update(f"{status.content}\n[{colour}]{escape(said)}[/]")
