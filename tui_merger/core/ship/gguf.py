@@ -36,7 +36,7 @@ from tui_merger.core.options import human_bytes
 TYPES = ("f16", "bf16", "q8_0")
 DEFAULT_TYPE = "f16"  # the one default of the command, the assistant and the plain flow (docs/command-line.md says why)
 TYPE_WORDS = [  # (what the assistant and the plain flow offer, the type)
-    ("f16 (default): 16-bit half precision, what every llama.cpp build runs", "f16"),
+    ("f16 (default): 16-bit, every llama.cpp build runs it", "f16"),
     ("bf16: 16-bit, bf16 weights kept exactly", "bf16"),
     ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
 ]

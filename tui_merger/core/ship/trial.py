@@ -356,8 +356,7 @@ def agreement(answers: list[TrialAnswer]) -> str | None:
     if same == len(ours) == len(other):
         return f"The two answers are the same, token for token ({same} tokens)."
     if answers[1].label == ADAPTER:
-        why = ("where the model hesitates between two tokens, the rounding of the merged weights decides; "
-               "verification compared every value, so this is not a bad merge")
+        why = "where the model hesitates between two tokens, rounding decides (not a bad merge)"
     else:
         why = f"the adapter changed what the {BASE} says (that is the training)"
     if not same:

@@ -16,6 +16,9 @@ from tui_merger.tui.steps.common import Done, EngineEvent, Step, escape, in_app,
 
 TRY_TOKENS = 64  # the most tokens each model answers in Try it
 TRY_PROMPT = "Explain in two sentences what you can help me with."
+# the demo's random models: a line of its own training text, on which the merged model and the unmerged
+# adapter give the same 64 tokens here (bf16 kernels differ between CPUs: where they part is said)
+DEMO_PROMPT = "a merge adds the update"
 NARROW = 100  # below this many columns the two answers are stacked, not side by side
 DEMO_NOTE = "[b]Demo models are random, never trained: they answer in random characters.[/b]"
 
@@ -79,6 +82,9 @@ class TryStep(Step, Vertical):
                 # the demo's models are random: against the base its answers differ as noise does; against
                 # the unmerged adapter they agree, which is what the demo is there to show
                 against.value = choices[-1][1] if self._is_demo() else "base"
+        prompt = self.query_one("#prompt", Input)
+        if self._is_demo() and prompt.value == TRY_PROMPT:
+            prompt.value = DEMO_PROMPT
         self.wizard.show("try")
         self.resized()
         if self.trial_plan is None or self._planned_against != against.value:
