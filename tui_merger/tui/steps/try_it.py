@@ -128,10 +128,12 @@ class TryStep(Step, Vertical):
             panel = self.query_one(f"#answer-{side}")
             panel.display = label is not None
             panel.border_title = label or ""
-        notes = [escape(in_app(n)) for n in plan.notes]
+        # (the rounding note is left out: the line under the answers says where they part, and why; at
+        # 80x24 its three lines pushed the second answer off the screen)
+        notes = [escape(in_app(n)) for n in plan.notes if n != plan.rounding_note]
         if not plan.fits:
             notes[0] = f"[b red]{notes[0]}[/]"
-        how = "as one user message through the chat template" if plan.chat_template else "as plain text (no chat template)"
+        how = "through the chat template" if plan.chat_template else "as plain text (no chat template)"
         if self._is_demo():
             notes.append(DEMO_NOTE)
         said = ""
