@@ -64,8 +64,9 @@ def test_demo_in_a_real_terminal_to_a_verified_merge(tmp_path):
         tmux.wait_for("Verification PASSED")
         tmux.keys("C-n")  # Try it: the memory said first, then both answers to the prompt box's question
         tmux.wait_for("Needs about")
-        screen = tmux.wait_for("compare with the base model")
-        assert "merged model" in screen and "base model" in screen
+        # the demo compares with the unmerged adapter on a line of its own text (issue 38 item 19)
+        screen = tmux.wait_for("compare with the unmerged adapter (peft)")
+        assert "merged model" in screen and "unmerged adapter" in screen and "a merge adds the update" in screen
         tmux.keys("Enter")  # the prompt box holds a question: ask it
         end = time.monotonic() + 90
         while not (tmux.screen().count(" tokens/s ") == 2 and "tokens/s..." not in tmux.screen()) and time.monotonic() < end:

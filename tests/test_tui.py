@@ -853,6 +853,9 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         # issue 38 item 19: on the demo (random models) the unmerged adapter is compared by default, where the
         # answers agree; the base is one choice away
         assert [s.label for s in wizard.panes["try"].trial_plan.sides] == ["merged model", "unmerged adapter"]
+        from tui_merger.tui.steps.try_it import DEMO_PROMPT
+
+        assert app.screen.query_one("#prompt", Input).value == DEMO_PROMPT  # a line of the demo's own text
         app.screen.query_one("#against", Select).value = "base"
         await until(pilot, lambda: (plan := wizard.panes["try"].trial_plan) is not None
                     and [s.label for s in plan.sides] == ["merged model", "base model"], "the plan against the base")
@@ -878,7 +881,7 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
 
         armed.set()
         await pilot.click("#ask")
-        await until(pilot, reached.is_set, "the 3rd token")
+        await until(pilot, reached.is_set, "the 3rd token", tries=2400)  # a loaded machine: the model loads slowly
         assert wizard.running == "trial" and app.screen.query_one("#next", Button).disabled
         assert "answering" in text(app, "#nav-status")
         await pilot.click("#try-cancel")

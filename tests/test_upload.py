@@ -401,7 +401,7 @@ def test_the_plain_flow_makes_a_gguf_and_uploads_with_a_pasted_token(hub, tmp_pa
     out = run.stdout
     assert run.returncode == 0, out[-3000:] + run.stderr[-3000:]
     assert "Make a GGUF file for llama.cpp, Ollama, LM Studio" in out
-    assert "  1) f16 (default): 16-bit half precision, what every llama.cpp build runs" in out
+    assert "  1) f16 (default): 16-bit, every llama.cpp build runs it" in out
     [gguf] = [p for p in (tmp_path / "ws").glob("*/*-F16.gguf")]
     assert f"GGUF written: {gguf} (F16, " in out and f"Run it:  llama-cli -m {gguf}" in out
     assert f"Not logged in to the Hub on this machine: paste a write token from {hub.url}/settings/tokens" in out

@@ -40,7 +40,7 @@ TYPES = ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", 
 K_MIXES = ("q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", "q3_k_m")
 DEFAULT_TYPE = "f16"  # the one default of the command, the assistant and the plain flow (docs/command-line.md says why)
 TYPE_WORDS = [  # (what the assistant and the plain flow offer, the type)
-    ("f16 (default): 16-bit half precision, what every llama.cpp build runs", "f16"),
+    ("f16 (default): 16-bit, every llama.cpp build runs it", "f16"),
     ("bf16: 16-bit, bf16 weights kept exactly", "bf16"),
     ("q8_0: 8-bit, about half the size, near-lossless", "q8_0"),
     ("q4_k_m: 4-bit k-quant (llama.cpp's mix), about a third of f16, what Ollama runs by default", "q4_k_m"),

@@ -58,6 +58,8 @@ class TrialPlan:
     model_dir: Path = Path()  # the merged model: tokenizer and generation settings come from here
     dtype: str = "float32"  # every side is loaded in this dtype (the merged model's)
     available_bytes: int | None = None
+    rounding_note: str = ""  # the note (also in notes) that bf16 rounding may part the answers: a screen that
+    # says where the answers part (``agreement``) can leave it out
 
 
 @dataclass
@@ -129,11 +131,13 @@ def plan_trial(model_dir: Path, against: Path | None = None, *, available: int |
             f"Only the merged model answers: {why}; give a base model or an adapter to compare with "
             "(--against BASE_OR_ADAPTER)."
         )
+    rounding = ""
     if len(sides) > 1 and sides[1].label == ADAPTER and dtype in ("bfloat16", "float16"):
-        notes.append(
+        rounding = (
             f"In {dtype} the merged weights are rounded, so a long answer may part from the unmerged one where "
             "the model hesitates between two tokens; that is rounding, not a bad merge."
         )
+        notes.append(rounding)
     for side in sides:
         side.memory_bytes = _side_memory(side, dtype)
         note = _quantized_note(side, dtype)
@@ -163,6 +167,7 @@ def plan_trial(model_dir: Path, against: Path | None = None, *, available: int |
         model_dir=model_dir,
         dtype=dtype,
         available_bytes=available,
+        rounding_note=rounding,
     )
 
 
@@ -356,8 +361,7 @@ def agreement(answers: list[TrialAnswer]) -> str | None:
     if same == len(ours) == len(other):
         return f"The two answers are the same, token for token ({same} tokens)."
     if answers[1].label == ADAPTER:
-        why = ("where the model hesitates between two tokens, the rounding of the merged weights decides; "
-               "verification compared every value, so this is not a bad merge")
+        why = "where the model hesitates between two tokens, rounding decides (not a bad merge)"
     else:
         why = f"the adapter changed what the {BASE} says (that is the training)"
     if not same:

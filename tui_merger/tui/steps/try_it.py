@@ -16,6 +16,9 @@ from tui_merger.tui.steps.common import Done, EngineEvent, Step, escape, in_app,
 
 TRY_TOKENS = 64  # the most tokens each model answers in Try it
 TRY_PROMPT = "Explain in two sentences what you can help me with."
+# the demo's random models: a line of its own training text, on which the merged model and the unmerged
+# adapter give the same 64 tokens here (bf16 kernels differ between CPUs: where they part is said)
+DEMO_PROMPT = "a merge adds the update"
 NARROW = 100  # below this many columns the two answers are stacked, not side by side
 DEMO_NOTE = "[b]Demo models are random, never trained: they answer in random characters.[/b]"
 
@@ -33,6 +36,7 @@ class TryStep(Step, Vertical):
         self._planned_against = None  # the Compare with value the trial plan was made for
         self._against_choices = [("compare with the base model", "base")]
         self.planning = False
+        self.agreement: str | None = None  # where the last two answers part (core.ship.trial.agreement)
 
     def compose(self) -> ComposeResult:
         yield Static(id="try-status")
@@ -78,6 +82,9 @@ class TryStep(Step, Vertical):
                 # the demo's models are random: against the base its answers differ as noise does; against
                 # the unmerged adapter they agree, which is what the demo is there to show
                 against.value = choices[-1][1] if self._is_demo() else "base"
+        prompt = self.query_one("#prompt", Input)
+        if self._is_demo() and prompt.value == TRY_PROMPT:
+            prompt.value = DEMO_PROMPT
         self.wizard.show("try")
         self.resized()
         if self.trial_plan is None or self._planned_against != against.value:
@@ -86,7 +93,7 @@ class TryStep(Step, Vertical):
     def plan_trial(self) -> None:
         against = self.query_one("#against", Select).value
         self.trial_plan, self._planned_against = None, against
-        self.trial_answers = {}
+        self.trial_answers, self.agreement = {}, None
         for side in ("merged", "other"):
             self.query_one(f"#answer-{side}-text", Static).update("")
             self.query_one(f"#answer-{side}").border_title = ""
@@ -121,14 +128,20 @@ class TryStep(Step, Vertical):
             panel = self.query_one(f"#answer-{side}")
             panel.display = label is not None
             panel.border_title = label or ""
-        notes = [escape(in_app(n)) for n in plan.notes]
+        # (the rounding note is left out: the line under the answers says where they part, and why; at
+        # 80x24 its three lines pushed the second answer off the screen)
+        notes = [escape(in_app(n)) for n in plan.notes if n != plan.rounding_note]
         if not plan.fits:
             notes[0] = f"[b red]{notes[0]}[/]"
-        how = "as one user message through the chat template" if plan.chat_template else "as plain text (no chat template)"
+        how = "through the chat template" if plan.chat_template else "as plain text (no chat template)"
         if self._is_demo():
             notes.append(DEMO_NOTE)
+        said = ""
+        if self.agreement:
+            colour = "green" if self.agreement.startswith("The two answers are the same") else "yellow"
+            said = f"\n[{colour}]{escape(self.agreement)}[/]"
         self.query_one("#try-status", Static).update(
-            "\n".join(notes) + f"\n[dim]Greedy, at most {self.try_tokens} tokens; the prompt goes in {how}.[/dim]"
+            "\n".join(notes) + f"\n[dim]Greedy, at most {self.try_tokens} tokens; the prompt goes in {how}.[/dim]" + said
         )
         self.query_one("#ask", Button).disabled = False
 
@@ -161,7 +174,7 @@ class TryStep(Step, Vertical):
         if not prompt.strip():
             self.query_one("#try-status", Static).update("[b red]Type a prompt first.[/]")
             return
-        self.trial_answers = {}
+        self.trial_answers, self.agreement = {}, None
         for side in ("merged", "other"):
             self.query_one(f"#answer-{side}-text", Static).update("[dim]waiting...[/dim]")
             self.query_one(f"#answer-{side}").border_subtitle = ""
@@ -247,8 +260,6 @@ class TryStep(Step, Vertical):
         else:
             from tui_merger.core.ship.trial import agreement
 
+            # where the answers part: random or small models answer in what no one compares by eye
+            self.agreement = agreement(done.value)
             self.show_trial_plan()
-            said = agreement(done.value)
-            if said:  # where the answers part: random or small models answer in what no one compares by eye
-                colour = "green" if said.startswith("The two answers are the same") else "yellow"
-                status.update(f"{status.content}\n[{colour}]{escape(said)}[/]")
