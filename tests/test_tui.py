@@ -881,7 +881,7 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
 
         armed.set()
         await pilot.click("#ask")
-        await until(pilot, reached.is_set, "the 3rd token", tries=2400)  # a loaded machine: the model loads slowly
+        await until(pilot, reached.is_set, "the 3rd token", tries=6000)  # a loaded machine: the model loads slowly
         assert wizard.running == "trial" and app.screen.query_one("#next", Button).disabled
         assert "answering" in text(app, "#nav-status")
         await pilot.click("#try-cancel")
