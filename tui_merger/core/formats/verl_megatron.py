@@ -1007,14 +1007,9 @@ class MegatronSource:
         views = self._views(ref, None)
         if views is None:
             return None
-        ranges = []
-        for view, chunk in views:
-            f = self.store.file_of(chunk)
-            start = f.offset_of(view) if view.is_contiguous() else None
-            if start is None:
-                return None
-            ranges.append((f.fileno(), start, view.numel() * view.element_size()))
-        return ranges
+        from tui_merger.core.io.dcp import file_ranges
+
+        return file_ranges(self.store, views)
 
     def row_blocks(self, ref: TensorRef):
         """The tensor as row blocks of at most BLOCK_BYTES (views on the files, handed back once

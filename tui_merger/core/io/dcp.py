@@ -571,14 +571,7 @@ class DcpSource:
         views = self._views(ref, None)
         if views is None:
             return None
-        ranges = []
-        for view, chunk in views:
-            f = self.store.file_of(chunk)
-            start = f.offset_of(view) if view.is_contiguous() else None
-            if start is None:
-                return None
-            ranges.append((f.fileno(), start, view.numel() * view.element_size()))
-        return ranges
+        return file_ranges(self.store, views)
 
     def row_blocks(self, ref):
         """The tensor as row blocks (views on the files, handed back once written)."""
@@ -618,3 +611,16 @@ class DcpSource:
 
     def close(self) -> None:
         self.store.close()
+
+
+def file_ranges(store, views):
+    """[(fd, offset, bytes)] of (view, chunk) pairs on ``store``'s mapped files, in order, or None when a
+    view is not one contiguous run of its file (the caller then copies through memory)."""
+    ranges = []
+    for view, chunk in views:
+        f = store.file_of(chunk)
+        start = f.offset_of(view) if view.is_contiguous() else None
+        if start is None:
+            return None
+        ranges.append((f.fileno(), start, view.numel() * view.element_size()))
+    return ranges
