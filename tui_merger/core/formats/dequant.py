@@ -67,6 +67,10 @@ class Scheme:
     # fp8: "ue8m0" when every weight_scale_inv is a power of two (DeepSeek-V3.1/V3.2): re-quantized
     # weights get power-of-two scales too
     scale_fmt: str = "float"
+    # fp8: "fp4" when the routed experts are MXFP4 (DeepSeek-V4-Flash: ``expert_dtype`` in config.json, which
+    # transformers moves into the quantization_config): int8 weights, two e2m1 values a byte, one
+    # power-of-two scale per 32 values
+    expert_dtype: str = "fp8"
 
     @property
     def label(self) -> str:
@@ -81,12 +85,16 @@ class Scheme:
         head = "FP8" if self.method == "fp8" else "compressed-tensors FP8"
         if self.block is not None:
             pow2 = ", power-of-two (ue8m0) scales" if self.scale_fmt == "ue8m0" else ""
-            return f"{head} ({kind}), {self.block[0]}x{self.block[1]} blocks{pow2}"
+            experts = " + MXFP4 experts (e2m1, a power-of-two scale per 32 values)" if self.expert_dtype == "fp4" else ""
+            return f"{head} ({kind}), {self.block[0]}x{self.block[1]} blocks{pow2}{experts}"
         return f"{head} ({kind}), one scale per {'output channel' if self.strategy == 'channel' else 'tensor'}"
 
     @property
     def loader(self) -> str:
         """The transformers setting that loads the same dequantized weights."""
+        if self.method == "fp8" and self.expert_dtype == "fp4":
+            return 'FineGrainedFP8Config(dequantize=True, scale_fmt="ue8m0", expert_dtype="fp4")' \
+                if self.scale_fmt == "ue8m0" else 'FineGrainedFP8Config(dequantize=True, expert_dtype="fp4")'
         if self.method == "fp8":
             return "FineGrainedFP8Config(dequantize=True)"
         if self.method == "mxfp4":
@@ -98,7 +106,7 @@ class Scheme:
         return "CompressedTensorsConfig(run_compressed=False)"
 
 
-def _fp8_scheme(q: dict) -> Scheme:
+def _fp8_scheme(q: dict, config: dict | None = None) -> Scheme:
     fmt = str(q.get("fmt") or "e4m3").lower()
     if fmt not in ("e4m3", "float8_e4m3fn"):
         raise MergeError(
@@ -122,9 +130,18 @@ def _fp8_scheme(q: dict) -> Scheme:
             f"The base's quantization_config says scale_fmt {scale_fmt!r}; FP8 checkpoints store their scales as "
             "float (fp32) or ue8m0 (powers of two), which is all transformers loads. Nothing was written."
         )
+    # DeepSeek-V4 writes expert_dtype at the top of config.json; transformers moves it into the
+    # quantization_config (V4.1 ships it there)
+    experts = q.get("expert_dtype", (config or {}).get("expert_dtype"))
+    experts = str(experts or "fp8").lower()
+    if experts not in ("fp8", "fp4"):
+        raise MergeError(
+            f"The base's config says expert_dtype {experts!r}; FP8 checkpoints store their experts as fp8 or fp4 "
+            "(MXFP4, DeepSeek-V4), which is all transformers loads. Nothing was written."
+        )
     skip = q.get("modules_to_not_convert") or ()
     return Scheme("fp8", "weight_scale_inv", FP8_E4M3, block, "block" if block else "tensor", True,
-                  tuple(str(s) for s in skip) if isinstance(skip, (list, tuple)) else (), scale_fmt)
+                  tuple(str(s) for s in skip) if isinstance(skip, (list, tuple)) else (), scale_fmt, experts)
 
 
 def _compressed_tensors_scheme(q: dict) -> Scheme | None:
@@ -185,7 +202,7 @@ def scheme_of(config: dict | None) -> Scheme | None:
         return None
     method = str(q.get("quant_method") or "").lower()
     if method == "fp8":
-        return _fp8_scheme(q)
+        return _fp8_scheme(q, config)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(q)
     if method == "modelopt":  # NVIDIA ModelOpt: NVFP4 (formats/dequant_nvfp4.py)
@@ -287,6 +304,52 @@ def dequantize_mxfp4(blocks, scales, dtype, out=None):
     return out
 
 
+def fp8_scale_suffix(tensors: dict) -> str:
+    """The name the FP8 block scales go by: ``weight_scale_inv`` (DeepSeek-V3's Hugging Face release and most
+    others), or ``scale`` beside the weight (``W.weight`` + ``W.scale``: DeepSeek-V4's release, which
+    transformers renames to ``weight_scale_inv`` as it loads, ``^(.+)\\.scale``)."""
+    if any(n.endswith(".weight_scale_inv") for n in tensors):
+        return "weight_scale_inv"
+    if any(n.endswith(".scale") and n[: -len(".scale")] + ".weight" in tensors for n in tensors):
+        return "scale"
+    return "weight_scale_inv"
+
+
+FP4_GROUP = 32  # MXFP4: values per power-of-two scale
+FP4_PACKED = "int8"  # DeepSeek-V4's MXFP4 experts: two e2m1 codes a byte (transformers: int8 or float4_e2m1fn_x2)
+FP4_SCALE_DTYPES = (UE8M0, "uint8")  # a power of two: the exponent byte, typed or raw
+
+
+def _is_fp4(scheme: Scheme, dtype: str) -> bool:
+    return scheme.method == "fp8" and dtype == FP4_PACKED
+
+
+def _check_fp4(weight: str, w, scale: str, s, scheme: Scheme) -> None:
+    """An MXFP4 expert of an FP8 checkpoint (DeepSeek-V4): int8 [rows, cols/2], its scale [rows, cols/32] in
+    float8_e8m0fnu (or the exponent bytes as uint8)."""
+    if scheme.expert_dtype != "fp4":
+        raise MergeError(
+            f"{weight} is stored in int8 (MXFP4: two 4-bit values a byte), but the base's config says expert_dtype "
+            f"{scheme.expert_dtype}, so its values are not defined; expected float8_e4m3fn. Nothing was written."
+        )
+    if len(w.shape) < 2:
+        raise MergeError(f"{weight} has shape {_shape_text(w.shape)}; a quantized weight is a matrix. Nothing was written.")
+    if s.dtype not in FP4_SCALE_DTYPES:
+        raise MergeError(
+            f"{scale} is stored in {s.dtype}; MXFP4 expert scales are float8_e8m0fnu (ue8m0: one power of two per "
+            f"{FP4_GROUP} values). Nothing was written."
+        )
+    rows, half = w.shape[-2], w.shape[-1]
+    cols = half * 2
+    want = tuple(w.shape[:-2]) + (rows, cols // FP4_GROUP)
+    if cols % FP4_GROUP or tuple(s.shape) != want:
+        raise MergeError(
+            f"{scale} has shape {_shape_text(s.shape)} but {weight} {_shape_text(w.shape)} ({rows}x{cols} values, two a "
+            f"byte) needs {_shape_text(want)} (one per {FP4_GROUP} values); the scales do not belong to this weight. "
+            "Nothing was written."
+        )
+
+
 def check_pairs(tensors: dict, scheme: Scheme) -> tuple[dict, list[str]]:
     """{weight name: scale name} for every quantized weight, and the activation scales to drop; raises
     the one sentence for the first bad pair (a scale missing or of the wrong shape, a block size that
@@ -304,7 +367,8 @@ def check_pairs(tensors: dict, scheme: Scheme) -> tuple[dict, list[str]]:
             pairs[weight] = name
     drop = [n for n in tensors if n.endswith(_ACTIVATION_SCALES)]
     for name, ref in tensors.items():
-        if ref.dtype.startswith("float8") and name not in pairs and name.endswith(".weight"):
+        packed = _is_fp4(scheme, ref.dtype) and scheme.expert_dtype == "fp4"
+        if (ref.dtype.startswith("float8") or packed) and name not in pairs and name.endswith(".weight"):
             raise MergeError(
                 f"{name} is stored in {ref.dtype} but has no {scheme.scale_suffix} beside it, so its values cannot be "
                 f"recovered; expected {name[: -len('.weight')]}.{scheme.scale_suffix}. Nothing was written."
@@ -316,8 +380,13 @@ def check_pairs(tensors: dict, scheme: Scheme) -> tuple[dict, list[str]]:
             )
     for weight, scale in pairs.items():
         w, s = tensors[weight], tensors[scale]
+        if _is_fp4(scheme, w.dtype):
+            _check_fp4(weight, w, scale, s, scheme)
+            continue
         if w.dtype != scheme.fp8_dtype:
             allowed = "float8_e4m3fn (fmt e4m3)"
+            if scheme.method == "fp8" and scheme.expert_dtype == "fp4":
+                allowed += ", or int8 for MXFP4 experts (two 4-bit values a byte)"
             raise MergeError(
                 f"{weight} is stored in {w.dtype}, but {scheme.label.split(',')[0]} weights are {allowed}. Nothing was written."
             )
@@ -348,11 +417,48 @@ def check_pairs(tensors: dict, scheme: Scheme) -> tuple[dict, list[str]]:
     return pairs, drop
 
 
+def _fp4_scales(scale):
+    """fp32 powers of two of MXFP4 scales: float8_e8m0fnu as the value it holds, raw uint8 as 2^(byte - 127)."""
+    import torch
+
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.to(torch.float32) - 127.0)
+    return scale.to(torch.float32)
+
+
+def dequantize_fp4(q, scale, dtype, out=None):
+    """MXFP4 experts of an FP8 checkpoint (DeepSeek-V4): each byte of ``q`` (int8 [..., rows, cols/2]) holds
+    two e2m1 codes, the even value in the low nibble; each value is ``fp32(code) * fp32(scale)`` of its group
+    of 32 along the row, rounded once to ``dtype`` (transformers' ``Fp8Dequantize`` for int8 weights). A few
+    rows at a time into ``out`` ([..., rows, cols])."""
+    import torch
+
+    rows, half = q.shape[-2], q.shape[-1]
+    cols = half * 2
+    if out is None:
+        out = torch.empty(*q.shape[:-2], rows, cols, dtype=dtype)
+    lut = torch.tensor(E2M1_CODES, dtype=torch.float32)
+    q2 = q.reshape(-1, rows, half)
+    s2 = scale.reshape(-1, rows, cols // FP4_GROUP)
+    o2 = out.view(-1, rows, cols)
+    step = max(1, ROW_VALUES // max(cols, 1))
+    for e in range(q2.shape[0]):
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            b = q2[e, r0:r1].view(torch.uint8).to(torch.int64)
+            vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).reshape(r1 - r0, cols // FP4_GROUP, FP4_GROUP)
+            vals.mul_(_fp4_scales(s2[e, r0:r1])[..., None])
+            o2[e, r0:r1] = vals.reshape(r1 - r0, cols)  # one rounding to the model's dtype
+    return out
+
+
 def dequantize(q, scale, scheme: Scheme, dtype, out=None):
     """One weight's values as transformers' dequantizing load gives them: blocks of rows at a time into
     ``out`` (``dtype``, the weight's shape; made when None)."""
     import torch
 
+    if q.dtype == torch.int8 and scheme.method == "fp8":  # DeepSeek-V4's MXFP4 experts
+        return dequantize_fp4(q, scale, dtype, out)
     if out is None:
         out = torch.empty(q.shape, dtype=dtype)
     rows, cols = q.shape[-2], q.shape[-1]
@@ -384,6 +490,28 @@ def dequantize(q, scale, scheme: Scheme, dtype, out=None):
     return out
 
 
+# dtypes that hold quantized values or scales, never a weight as it is; and the names quantizers give scales
+_QUANT_DTYPES = ("int8", "uint8", "int32", "int4", "uint4", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
+                 "float4_e2m1fn_x2")
+_QUANT_LEAVES = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale",
+                 "weight_zero_point", "weight_shape", "qweight", "qzeros", "g_idx")
+
+
+def unknown_tensors(tensors: dict, source, label: str) -> None:
+    """A base read dequantized must not pass a tensor through that holds quantized values of no format it
+    reads (a mixed checkpoint): the first one is named in one sentence."""
+    for name, ref in tensors.items():
+        if ref.source is source:  # dequantized here
+            continue
+        leaf = name.rpartition(".")[2]
+        if leaf in _QUANT_LEAVES or (ref.dtype in _QUANT_DTYPES and (leaf == "weight" or name.endswith(("_blocks", "_scales")))):
+            raise MergeError(
+                f"{name} ({ref.dtype} {_shape_text(ref.shape)}) is of no format the base's quantization_config "
+                f"declares ({label}): expected 16-bit floats or a quantized weight with its scales, so its values "
+                "cannot be told. Nothing was written."
+            )
+
+
 class DequantSource:
     """A view of a base released quantized: each quantized weight reads dequantized (named and shaped as
     the weight, in the model's dtype), its scale and activation scales are hidden, the rest passes
@@ -413,6 +541,10 @@ class DequantSource:
         if scheme.method == "mxfp4":
             self._init_mxfp4(inner)
             return
+        if scheme.method == "fp8":  # weight_scale_inv, or DeepSeek-V4's W.scale
+            from dataclasses import replace
+
+            self.scheme = scheme = replace(scheme, scale_suffix=fp8_scale_suffix(inner.tensors))
         pairs, drop = check_pairs(inner.tensors, scheme)
         self._scales = {}  # (file, name in the file) -> (weight ref, scale ref)
         hidden = set(pairs.values()) | set(drop)
@@ -422,9 +554,30 @@ class DequantSource:
                 continue
             if name in pairs:
                 self._scales[(ref.file, ref.name)] = (ref, inner.tensors[pairs[name]])
-                ref = TensorRef(self, ref.file, ref.name, self.dtype, tuple(ref.shape))
+                shape = tuple(ref.shape)
+                if _is_fp4(scheme, ref.dtype):  # two values a byte
+                    shape = shape[:-1] + (shape[-1] * 2,)
+                ref = TensorRef(self, ref.file, ref.name, self.dtype, shape)
             self.tensors[name] = ref
         self.dropped = sorted(drop)
+        unknown_tensors(self.tensors, self, scheme.label)
+
+    @property
+    def output_quantization(self):
+        return getattr(self, "_output_quantization", None)
+
+    @output_quantization.setter
+    def output_quantization(self, mode) -> None:
+        """``keep`` (--keep-quantization) is refused where writing the base's format again is not done yet:
+        DeepSeek-V4's release (MXFP4 experts, scales named ``W.scale``)."""
+        scheme = getattr(self, "scheme", None)
+        if mode == "keep" and scheme is not None and scheme.method == "fp8" and (
+                scheme.expert_dtype == "fp4" or scheme.scale_suffix == "scale"):
+            raise MergeError(
+                f"--keep-quantization cannot write {scheme.label} again yet (DeepSeek-V4's layout: scales named "
+                "W.scale, MXFP4 experts); leave it out for a bfloat16 output. Nothing was written."
+            )
+        self._output_quantization = mode
 
     def pair(self, ref):
         """(stored weight ref, its scale ref) of one of this source's dequantized weights, else None."""
@@ -453,6 +606,7 @@ class DequantSource:
                 continue
             self.tensors[name] = ref
         self.dropped = []
+        unknown_tensors(self.tensors, self, self.scheme.label)
 
     @property
     def scale_dtypes(self) -> set[str]:
@@ -530,12 +684,16 @@ class DequantSource:
         w, s = self._scales[(ref.file, ref.name)]
         rows, cols = ref.shape
         bm = self.scheme.block[0] if self.scheme.block else 1
+        if _is_fp4(self.scheme, w.dtype):  # MXFP4 experts: a scale row per weight row
+            bm = 1
         step = max(bm, (ROW_VALUES // max(cols, 1)) // bm * bm)
         q, scale = w.load(), s.load()
         dtype = _torch_dtype(self.dtype)
         for r0 in range(0, rows, step):
             r1 = min(r0 + step, rows)
-            if self.scheme.block is not None:  # the scale rows of these weight rows (whole blocks)
+            if bm == 1 and _is_fp4(self.scheme, w.dtype):
+                part_scale = scale[r0:r1]
+            elif self.scheme.block is not None:  # the scale rows of these weight rows (whole blocks)
                 part_scale = scale[r0 // bm : _ceil(r1, bm)]
             elif self.scheme.strategy == "channel":
                 part_scale = scale.reshape(rows, -1)[r0:r1]

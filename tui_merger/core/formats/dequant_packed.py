@@ -62,6 +62,9 @@ class PackedSource:
             self.tensors[weight] = TensorRef(self, ref.file, ref.name, dtype, (ref.shape[0], cols))
         self._names = {(r.file, r.name): w for w, r in self.tensors.items() if r.source is self}
         self.dropped = sorted(drop)
+        from tui_merger.core.formats.dequant import unknown_tensors
+
+        unknown_tensors(self.tensors, self, scheme.label)
 
     @property
     def dequantized(self) -> list[str]:

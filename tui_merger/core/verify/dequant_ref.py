@@ -8,7 +8,8 @@ instead of being repeated on both sides of the comparison.
 - compressed-tensors FP8: the ``compressed_tensors`` package's ``dequantize`` where it is installed (an
   optional dependency); else the format's definition written here on its own (``q`` cast to the
   scale's dtype, times the scale of its tensor, row or block);
-- MXFP4 (GPT-OSS): transformers' ``convert_moe_packed_tensors``, in fp32, rounded once.
+- MXFP4 (GPT-OSS): transformers' ``convert_moe_packed_tensors``, in fp32, rounded once;
+- DeepSeek-V4's MXFP4 experts (int8 beside FP8 dense layers): transformers' ``Fp8Dequantize``.
 
 The recompute check reads the base through ``independent_base`` and the behaviour check's unmerged
 reference is built on it too.
@@ -65,7 +66,20 @@ def dequantize_mxfp4(blocks, scales, dtype):
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).to(dtype)
 
 
+def dequantize_fp4_experts(q, scale, dtype):
+    """DeepSeek-V4's MXFP4 experts (int8, two e2m1 codes a byte, a float8_e8m0fnu scale per 32 values) as
+    transformers' own ``Fp8Dequantize`` gives them (the block read from the scale grid), in fp32, rounded once."""
+    import torch
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(q, scale, output_dtype=torch.float32).to(dtype)
+
+
 def dequantize_independently(q, scale, scheme, dtype):
+    import torch
+
+    if scheme.method == "fp8" and q.dtype == torch.int8:
+        return dequantize_fp4_experts(q, scale, dtype)
     if scheme.method == "mxfp4":
         return dequantize_mxfp4(q, scale, dtype)
     if scheme.method == "compressed-tensors":
