@@ -82,14 +82,14 @@ def int4_reference(module_tensors: dict) -> torch.Tensor:
     return PackedQuantizationCompressor.decompress(dict(module_tensors), _scheme(INT4_WEIGHTS))["weight"]
 
 
-def _write(folder: Path, model, select, compress, rename, qconfig: dict) -> dict:
+def _write(folder: Path, model, select, compress, rename, qconfig: dict, dims=(2,)) -> dict:
     """Save ``model`` in bf16, compress the selected weights; returns {weight name: stored tensors}."""
     model.to(torch.bfloat16).save_pretrained(folder)
     path = Path(folder) / "model.safetensors"
     tensors = load_file(str(path))
     out, done = {}, {}
     for name, w in tensors.items():
-        if select.search(name) and w.dim() == 2:
+        if select.search(name) and w.dim() in dims:
             module = name[: -len(".weight")]
             parts = rename(compress(w))
             done[name] = parts
@@ -138,3 +138,57 @@ def write_reference(base: Path, ref: Path, dequantized: dict) -> None:
     config = json.loads((base / "config.json").read_text())
     config.pop("quantization_config")
     (ref / "config.json").write_text(json.dumps(config, indent=2))
+
+
+EXPERTS_3D = re.compile(r"\.block_sparse_moe\.(input|output)_linear\.weight$")
+
+
+def nvfp4_compress_experts(w: torch.Tensor, modelopt: bool) -> dict:
+    """Experts stacked in one tensor ([experts, rows, cols], GraniteMoE's ``input_linear`` / ``output_linear``,
+    what transformers 5 fuses experts into) compressed expert by expert by compressed-tensors and stacked:
+    values [experts, rows, cols/2], block scales [experts, rows, cols/16], one global scale per expert
+    (ModelOpt: ``weight_scale_2`` [experts], as its QuantMoELinear export stacks them; compressed-tensors
+    [experts, 1])."""
+    parts = [nvfp4_compress(w[e]) for e in range(w.shape[0])]
+    stacked = {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
+    if not modelopt:
+        return stacked
+    return {"weight": stacked["weight_packed"], "weight_scale": stacked["weight_scale"],
+            "weight_scale_2": (1.0 / stacked["weight_global_scale"]).reshape(-1),
+            "input_scale": torch.full((w.shape[0],), 0.02, dtype=torch.float32)}
+
+
+def nvfp4_reference_experts(module_tensors: dict, modelopt: bool) -> torch.Tensor:
+    """compressed-tensors' dequantized experts: its decompressor (ModelOpt's through its converter) on each
+    expert's slice, with that expert's global scale stored as one expert's would be (a scalar for ModelOpt, [1]
+    for compressed-tensors)."""
+    values = module_tensors["weight" if modelopt else "weight_packed"]
+    out = []
+    for e in range(values.shape[0]):
+        if modelopt:
+            one = {"weight": values[e], "weight_scale": module_tensors["weight_scale"][e],
+                   "weight_scale_2": module_tensors["weight_scale_2"][e].reshape(())}
+        else:
+            one = {"weight_packed": values[e], "weight_scale": module_tensors["weight_scale"][e],
+                   "weight_global_scale": module_tensors["weight_global_scale"][e].reshape(1)}
+        out.append(nvfp4_reference(one, modelopt))
+    return torch.stack(out)
+
+
+def make_nvfp4_experts_base(folder: Path, model, modelopt: bool = True) -> dict:
+    """A GraniteMoE in NVFP4: attention Linear weights 2-D, the experts 3-D ([experts, rows, cols/2])."""
+    def compress(w):
+        return nvfp4_compress_experts(w, modelopt) if w.dim() == 3 else nvfp4_compress(w)
+
+    def rename(parts):
+        if not modelopt or "weight" in parts:
+            return parts
+        return _as_modelopt(parts)
+
+    select = re.compile(LINEAR.pattern + "|" + EXPERTS_3D.pattern)
+    if modelopt:
+        return _write(folder, model, select, compress, rename, MODELOPT_CONFIG, dims=(2, 3))
+    qconfig = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+               "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": NVFP4_WEIGHTS,
+                                                                    "format": "nvfp4-pack-quantized"}}}
+    return _write(folder, model, select, compress, rename, qconfig, dims=(2, 3))

@@ -272,3 +272,71 @@ def test_bad_input_is_one_sentence_and_nothing_is_written(kind, change, said, bu
     text = capsys.readouterr()
     assert code != 0 and said in text.out + text.err
     assert not out.exists()
+
+
+# -- experts stacked in one tensor ---------------------------------------------------------------------------
+
+GRANITE_MOE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, vocab_size=320, num_local_experts=4, num_experts_per_tok=2,
+                   max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def built3d(tmp_path_factory):
+    """{flavour: (base, reference folder, adapter, reference values)} of a GraniteMoE whose experts are NVFP4
+    stacked in one tensor ([experts, rows, cols/2]), LoRA by peft on attention and on the packed experts."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("nvfp4-3d")
+    out = {}
+    for kind in ("modelopt", "compressed-tensors"):
+        torch.manual_seed(0)
+        base = root / f"base-{kind}"
+        done = nf.make_nvfp4_experts_base(base, transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
+            **GRANITE_MOE)), modelopt=kind == "modelopt")
+        values = {name: (nf.nvfp4_reference_experts(parts, kind == "modelopt") if parts["weight_scale"].dim() == 3
+                         else nf.nvfp4_reference(parts, kind == "modelopt")) for name, parts in done.items()}
+        ref = root / f"ref-{kind}"
+        nf.write_reference(base, ref, values)
+        torch.manual_seed(1)
+        model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
+        lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],
+                          target_parameters=["block_sparse_moe.experts.gate_up_proj",
+                                             "block_sparse_moe.experts.down_proj"])
+        get_peft_model(model, lora).save_pretrained(root / f"adapter-{kind}")
+        out[kind] = (base, ref, root / f"adapter-{kind}", values)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["modelopt", "compressed-tensors"])
+def test_experts_stacked_in_one_tensor_read_merge_and_verify(kind, built3d, tmp_path):
+    """Every expert of the 3-D NVFP4 tensors equals compressed-tensors' decompressor on that expert bit for bit
+    (ModelOpt's through its converter); the merge equals peft's on the dequantized base and verifies PASSED."""
+    base, ref, adapter, values = built3d[kind]
+    source = _source(base)
+    packed = [n for n in values if ".block_sparse_moe." in n]
+    assert len(packed) == 4 and all(tuple(source.tensors[n].shape) == tuple(values[n].shape) for n in packed)
+    assert all(values[n].dim() == 3 for n in packed)
+    for name, want in values.items():
+        assert torch.equal(source.tensors[name].load(), want), name
+    for name in packed:
+        assert torch.equal(source.load_experts(source.tensors[name], 1, 3), values[name][1:3]), name
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    assert code == 0
+    got, expected = read_output(out), _expected_merge(ref, adapter)
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name].float(), want.float(), rtol=2 ** -8, atol=0, msg=name)
+    assert sum(not torch.equal(got[n], values[n]) for n in packed) == 4
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+
+
+def test_a_per_expert_global_scale_of_the_wrong_count_is_one_sentence(built3d, tmp_path):
+    base, _, _, _ = built3d["modelopt"]
+    name = "model.layers.0.block_sparse_moe.input_linear.weight_scale_2"
+    bad = _broken_copy(base, tmp_path, lambda t: t.update({name: t[name][:3].contiguous()}))
+    with pytest.raises(MergeError) as err:
+        _source(bad)
+    assert str(err.value).startswith(f"{name} is float32 [3]; the NVFP4 global scale is one float32 value (or one "
+                                      "per expert, [4])"), str(err.value)

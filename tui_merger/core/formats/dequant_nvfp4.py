@@ -98,24 +98,28 @@ def parts(tensors: dict, scheme) -> tuple[dict, list[str]]:
         if leaf != values or (scheme.strategy == MODELOPT and ref.dtype != "uint8"):
             continue  # ModelOpt keeps unquantized weights (embeddings, lm_head, norms) under .weight in 16 bits
         scale, glob = tensors.get(f"{module}.{scale_key}"), tensors.get(f"{module}.{global_key}")
-        if ref.dtype != "uint8" or len(ref.shape) != 2:
+        if ref.dtype != "uint8" or len(ref.shape) not in (2, 3):
             raise MergeError(f"{name} is {ref.dtype} {_shape(ref.shape)}; NVFP4 values are uint8 [rows, columns/2] "
-                             "(two 4-bit floats a byte). Nothing was written.")
+                             "(two 4-bit floats a byte), or [experts, rows, columns/2] for experts stacked in one "
+                             "tensor. Nothing was written.")
         if scale is None or glob is None:
             missing = f"{module}.{scale_key}" if scale is None else f"{module}.{global_key}"
             raise MergeError(f"{name} holds NVFP4 values but there is no {missing} beside it, so they cannot be "
                              "recovered. Nothing was written.")
-        rows, half = ref.shape
-        want = (rows, half * 2 // GROUP)
+        lead, (rows, half) = tuple(ref.shape[:-2]), ref.shape[-2:]
+        want = lead + (rows, half * 2 // GROUP)
         if scale.dtype != "float8_e4m3fn":
             raise MergeError(f"{module}.{scale_key} is stored in {scale.dtype}; NVFP4 scales are float8_e4m3fn "
                              "(one per 16 values). Nothing was written.")
         if (half * 2) % GROUP or tuple(scale.shape) != want:
             raise MergeError(f"{module}.{scale_key} has shape {_shape(scale.shape)} but {name} {_shape(ref.shape)} "
-                             f"({rows}x{half * 2} values) needs {_shape(want)} (one per 16 values). Nothing was written.")
-        if glob.dtype != "float32" or tuple(glob.shape) not in ((), (1,)):
+                             f"({rows}x{half * 2} values{' per expert' if lead else ''}) needs {_shape(want)} (one per "
+                             "16 values). Nothing was written.")
+        globals_ok = ((), (1,)) + ((lead, lead + (1,)) if lead else ())
+        if glob.dtype != "float32" or tuple(glob.shape) not in globals_ok:
+            each = f" (or one per expert, {_shape(lead)})" if lead else ""
             raise MergeError(f"{module}.{global_key} is {glob.dtype} {_shape(glob.shape)}; the NVFP4 global scale is "
-                             "one float32 value. Nothing was written.")
+                             f"one float32 value{each}. Nothing was written.")
         found[f"{module}.weight"] = (name, f"{module}.{scale_key}", f"{module}.{global_key}")
     for name, ref in tensors.items():
         if ref.dtype.startswith("float8") and name.rpartition(".")[2] == scale_key \
@@ -125,11 +129,24 @@ def parts(tensors: dict, scheme) -> tuple[dict, list[str]]:
     return found, drop
 
 
+def expert_global(global_scale, scheme, e: int):
+    """Expert ``e``'s global scale of experts stacked in one tensor, shaped as one expert's would be stored:
+    ModelOpt's ``weight_scale_2`` a scalar (its converter makes it 0-dim), compressed-tensors' [1]; a single
+    stored value serves every expert."""
+    g = global_scale.reshape(-1)
+    g = g[e if g.numel() > 1 else 0]
+    return g.reshape(()) if scheme.strategy == MODELOPT else g.reshape(1)
+
+
 def dequantize(packed, scale, global_scale, scheme, dtype):
     """Rows of one weight (``packed`` uint8 [r, cols/2], ``scale`` e4m3 [r, cols/16]) as compressed-tensors
-    dequantizes them, in ``dtype``."""
+    dequantizes them, in ``dtype``; experts stacked in one tensor ([experts, r, cols/2]) expert by expert,
+    each with its own global scale."""
     import torch
 
+    if packed.dim() == 3:
+        return torch.stack([dequantize(packed[e], scale[e], expert_global(global_scale, scheme, e), scheme, dtype)
+                            for e in range(packed.shape[0])])
     rows, half = packed.shape
     lut = torch.tensor(E2M1, dtype=torch.bfloat16)  # the decompressor unpacks to bfloat16 (exact)
     b = packed.to(torch.int64)

@@ -55,11 +55,12 @@ class PackedSource:
                 dequant_int4.check_shape(values, ref, s, shape, scheme)
                 cols = shape[1]
             else:
-                cols = ref.shape[1] * 2
+                cols = ref.shape[-1] * 2
             if weight != values and weight in inner.tensors:
                 raise MergeError(f"The base has both {weight} and its packed {values}; keep one. Nothing was written.")
             self._parts[(ref.file, ref.name)] = (ref, s, t, cols)
-            self.tensors[weight] = TensorRef(self, ref.file, ref.name, dtype, (ref.shape[0], cols))
+            # experts stacked in one tensor (NVFP4 [experts, rows, cols/2]) read as [experts, rows, cols]
+            self.tensors[weight] = TensorRef(self, ref.file, ref.name, dtype, tuple(ref.shape[:-1]) + (cols,))
         self._names = {(r.file, r.name): w for w, r in self.tensors.items() if r.source is self}
         self.dropped = sorted(drop)
         from tui_merger.core.formats.dequant import unknown_tensors
@@ -98,13 +99,26 @@ class PackedSource:
         return out
 
     def load_into(self, ref, out) -> None:
+        if len(ref.shape) == 3:  # experts stacked in one tensor: an expert at a time
+            for e in range(ref.shape[0]):
+                out[e] = self.load_experts(ref, e, e + 1)[0]
+            return
         rows, step = ref.shape[0], self._step(ref)
         for r0 in range(0, rows, step):
             r1 = min(r0 + step, rows)
             out[r0:r1] = self._rows(ref, r0, r1)
 
     def load_experts(self, ref, i: int, j: int):
-        return self.load(ref)[i:j]  # 2-D weights only: one matrix per expert
+        """Experts [i, j) of experts stacked in one tensor (only those read); a matrix whole."""
+        import torch
+
+        if len(ref.shape) != 3:
+            return self.load(ref)[i:j]
+        v, s, t, cols = self._parts[(ref.file, ref.name)]
+        g = t.load()
+        parts = [dequant_nvfp4.dequantize(v.load()[e], s.load()[e], dequant_nvfp4.expert_global(g, self.scheme, e),
+                                          self.scheme, getattr(torch, self.dtype)) for e in range(i, j)]
+        return torch.stack(parts)
 
     def raw_ranges(self, ref):
         return None  # the stored bytes are packed values, not the weight
@@ -112,6 +126,11 @@ class PackedSource:
     def row_blocks(self, ref):
         """The weight's dequantized values a block of rows at a time (the engine merges and writes block by
         block: no weight is held whole)."""
+        if len(ref.shape) != 2:
+            return None  # experts stacked in one tensor: read a few experts at a time (load_experts)
+        return self._blocks(ref)
+
+    def _blocks(self, ref):
         v = self._parts[(ref.file, ref.name)][0]
         rows, step = ref.shape[0], self._step(ref)
         for r0 in range(0, rows, step):
