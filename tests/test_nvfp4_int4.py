@@ -340,3 +340,56 @@ def test_a_per_expert_global_scale_of_the_wrong_count_is_one_sentence(built3d, t
         _source(bad)
     assert str(err.value).startswith(f"{name} is float32 [3]; the NVFP4 global scale is one float32 value (or one "
                                       "per expert, [4])"), str(err.value)
+
+
+# -- the checks dequantize with compressed-tensors, not with the merge's code ----------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_merge_whose_dequantizer_is_wrong_fails_verification(kind, built, tmp_path, monkeypatch, capsys):
+    """The merge's own NVFP4 / INT4 dequantizer made wrong (the nibbles of each byte swapped): the recompute and
+    the behaviour reference read the base through compressed-tensors' decompressors (verify/dequant_ref.py),
+    so the merge FAILS verification (it passed when the checks read the base through the merge's own view)."""
+    from tui_merger.core.formats import dequant_int4, dequant_nvfp4
+
+    base, _, adapter, _ = built[kind]
+    if kind == "int4":
+        right = dequant_int4.dequantize
+        monkeypatch.setattr(dequant_int4, "dequantize",
+                            lambda packed, *a, **k: right(_swap_nibbles(packed.contiguous()), *a, **k))
+    else:
+        right = dequant_nvfp4.dequantize
+        monkeypatch.setattr(dequant_nvfp4, "dequantize",
+                            lambda packed, *a, **k: right(_swap_nibbles(packed.contiguous()), *a, **k))
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    said = capsys.readouterr()
+    assert code == 4, said.out + said.err
+    checks = verification_checks(out)
+    assert checks["recompute"] == "fail", checks
+
+
+def test_the_checks_read_packed_bases_through_compressed_tensors_and_the_definitions_agree(built, built3d):
+    """``independent_base`` of an NVFP4 / INT4 view is compressed-tensors' decompressors; the definitions written
+    in dequant_ref for a machine without the package give the same values bit for bit."""
+    from tui_merger.core.verify import dequant_ref
+
+    cases = [(built[k][0], built[k][3]) for k in KINDS] + [(built3d[k][0], built3d[k][3]) for k in built3d]
+    for base, values in cases:
+        source = _source(base)
+        checked = dequant_ref.independent_base(source)
+        assert isinstance(checked, dequant_ref.IndependentPacked)
+        for name, want in values.items():
+            assert torch.equal(checked.tensors[name].load(), want), name
+        for ref in checked.tensors.values():
+            if ref.source is not checked:
+                continue
+            v, s, t, cols = source._parts[(ref.file, ref.name)]
+            v, s, t = v.load(), s.load(), t.load()
+            if source.scheme.method == "int4":
+                got = dequant_ref.int4_by_definition(v, s, (v.shape[0], cols), source.scheme.block[1])
+            elif v.dim() == 3:
+                continue  # expert by expert: the same 2-D definition
+            else:
+                got = dequant_ref.nvfp4_by_definition(v, s, t, source.scheme.strategy == "modelopt")
+            assert torch.equal(got.to(torch.bfloat16), checked.load(ref)), ref.name
