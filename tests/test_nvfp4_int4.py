@@ -393,3 +393,40 @@ def test_the_checks_read_packed_bases_through_compressed_tensors_and_the_definit
             else:
                 got = dequant_ref.nvfp4_by_definition(v, s, t, source.scheme.strategy == "modelopt")
             assert torch.equal(got.to(torch.bfloat16), checked.load(ref)), ref.name
+
+
+# -- ModelOpt releases with only hf_quant_config.json -----------------------------------------------------------
+
+HF_QUANT_CONFIG = {"producer": {"name": "modelopt", "version": "0.29.0"},
+                   "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                    "exclude_modules": ["lm_head"]}}
+
+
+def test_a_modelopt_release_with_only_hf_quant_config_is_read(built, merged, tmp_path, capsys):
+    """ModelOpt's own file beside config.json (what its export wrote before it also wrote a quantization_config
+    into config.json): recognised as NVFP4, merged into the same values as with the quantization_config, said by
+    inspect; the output carries neither file's quantization and says nothing was removed from config.json."""
+    base, _, adapter, _ = built["modelopt"]
+    only = tmp_path / "only-hf-quant-config"
+    shutil.copytree(base, only)
+    config = json.loads((only / "config.json").read_text())
+    config.pop("quantization_config")
+    (only / "config.json").write_text(json.dumps(config))
+    (only / "hf_quant_config.json").write_text(json.dumps(HF_QUANT_CONFIG))
+    assert main(["inspect", str(only)]) == 0
+    said = capsys.readouterr().out
+    assert "NVFP4 (e2m1, e4m3 scale per 16 values, fp32 global scale; ModelOpt), as released" in said, said
+    out = tmp_path / "merged"
+    code = main(["merge", "--base", str(only), "--adapter", str(adapter), "--out", str(out), "--plain"])
+    text = capsys.readouterr()
+    assert code == 0, text.out + text.err
+    assert "quantization_config removed" not in text.out
+    got, want = read_output(out), read_output(merged["modelopt"])
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert not (out / "hf_quant_config.json").exists()
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    (only / "hf_quant_config.json").write_text(json.dumps({**HF_QUANT_CONFIG, "producer": {"name": "other"}}))
+    code = main(["merge", "--base", str(only), "--adapter", str(adapter), "--out", str(tmp_path / "m2"), "--plain"])
+    text = capsys.readouterr()
+    assert code != 0 and "holds weights saved already quantized" in text.out + text.err  # not ModelOpt's: refused

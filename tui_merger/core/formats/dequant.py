@@ -217,6 +217,42 @@ def scheme_of(config: dict | None) -> Scheme | None:
     return None
 
 
+MODELOPT_FILE = "hf_quant_config.json"
+
+
+def modelopt_quant_config(folder) -> dict | None:
+    """What NVIDIA ModelOpt writes beside config.json (``hf_quant_config.json``: ``{"producer": {"name":
+    "modelopt", ...}, "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [...]}}``)
+    as a quantization_config (``quant_method: modelopt``); None when there is no such file. Releases made
+    before ModelOpt also wrote the quantization_config into config.json have only this file."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / MODELOPT_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise MergeError(f"{path} is not valid JSON, so how the weights are quantized cannot be read; copy it again "
+                         "from the original model. Nothing was written.") from None
+    producer = data.get("producer") if isinstance(data, dict) else None
+    quantization = data.get("quantization") if isinstance(data, dict) else None
+    if not isinstance(producer, dict) or str(producer.get("name")).lower() != "modelopt" or not isinstance(quantization, dict):
+        return None
+    return {"quant_method": "modelopt", **quantization, "producer": producer}
+
+
+def scheme_for(config: dict | None, folder) -> Scheme | None:
+    """``scheme_of`` the config, or, when config.json declares no quantization, of ModelOpt's
+    ``hf_quant_config.json`` in ``folder``."""
+    scheme = scheme_of(config)
+    if scheme is not None or folder is None or (isinstance(config, dict) and "quantization_config" in config):
+        return scheme
+    q = modelopt_quant_config(folder)
+    return scheme_of({**(config or {}), "quantization_config": q}) if q else None
+
+
 def model_dtype(config: dict) -> str:
     """The dtype transformers loads the model in (``dtype: auto``): config.json's, else bf16."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}

@@ -37,7 +37,7 @@ class HfModelFormat(Format):
         header_dtype, _ = s.headers_dtype(folder, present)
         said_dtype = config_dtype(config)
         c.dtype = header_dtype or said_dtype
-        released = _released_quantized(config)
+        released = _released_quantized(config, folder)
         if released:
             c.notes.append(released)
             c.dtype = said_dtype or header_dtype
@@ -94,13 +94,14 @@ def vision_note(config: dict, names) -> str:
     return note + "."
 
 
-def _released_quantized(config) -> str | None:
-    """What inspect says of a model released quantized (FP8 blocks, compressed-tensors FP8)."""
+def _released_quantized(config, folder=None) -> str | None:
+    """What inspect says of a model released quantized (FP8 blocks, compressed-tensors FP8; ModelOpt's
+    hf_quant_config.json beside the config)."""
     from tui_merger.core.errors import MergeError
-    from tui_merger.core.formats.dequant import model_dtype, scheme_of
+    from tui_merger.core.formats.dequant import model_dtype, scheme_for
 
     try:
-        scheme = scheme_of(config)
+        scheme = scheme_for(config, folder)
     except MergeError as err:
         return f"quantized, but its quantization_config cannot be read: {err}"
     if scheme is None:

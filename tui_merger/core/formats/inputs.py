@@ -109,15 +109,16 @@ def _quantized_base(inputs: Inputs, options: MergeOptions) -> None:
     base reads as dequant(quant(W)), the weights QLoRA training saw. The settings come from the flag
     alone (default: blocksize 64, double quantization, as QLoRA): the 16-bit base records nothing about
     how training quantized it, and peft saves nothing about it either."""
-    from tui_merger.core.formats.dequant import DequantSource, scheme_of
+    from tui_merger.core.formats.dequant import DequantSource, scheme_for
     from tui_merger.core.formats.quant import RoundTripSource, parse_roundtrip, refuse_packed
 
-    scheme = scheme_of(inputs.config)
+    scheme = scheme_for(inputs.config, options.base)  # config.json's, or ModelOpt's hf_quant_config.json
     if scheme is not None:  # released quantized (FP8 blocks, compressed-tensors FP8): no other original
         source = DequantSource(inputs.base, scheme, inputs.config, options.dtype)
         inputs.base = source
         inputs.base_weights = source.describe()
-        inputs.config_changes["quantization_config"] = None  # the output is a plain model, unless:
+        if "quantization_config" in inputs.config:  # the output is a plain model, unless:
+            inputs.config_changes["quantization_config"] = None
         source.output_quantization = options.output_quantization  # merge.requant.output_plan writes it again
         if options.base_roundtrip:
             from tui_merger.core.errors import MergeError
