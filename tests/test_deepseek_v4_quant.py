@@ -180,6 +180,10 @@ DENSE = "model.layers.1.attn.wq_a"
      f"{DENSE}.scale is stored in float8_e4m3fn; FP8 (e4m3) scales are float32, bfloat16, float16 or float8_e8m0fnu"),
     (lambda t, c: t.update({f"{EXPERT}.weight": t[f"{EXPERT}.weight"][:, :16].contiguous()}),
      f"{EXPERT}.scale has shape [64, 2] but {EXPERT}.weight [64, 16] (64x32 values, two a byte) needs [64, 1]"),
+    (lambda t, c: t.update({f"{EXPERT}.weight": t[f"{EXPERT}.weight"][:, :16].contiguous(),
+                            f"{EXPERT}.scale": t[f"{EXPERT}.scale"][:, :1].contiguous()}),
+     f"{EXPERT}.weight is int8 [64, 16], the packed values of a [64, 32] weight, but the model config.json describes "
+     f"has {EXPERT}.weight of shape [64, 64]; the packed values do not fit the config"),
     (lambda t, c: c.update({"expert_dtype": "fp8"}),
      "model.layers.0.ffn.experts.0.w1.weight is stored in int8 (MXFP4: two 4-bit values a byte), but the base's config says expert_dtype fp8"),
     (lambda t, c: t.update({"model.layers.0.attn.wo_a.weight": t["model.layers.0.attn.wo_a.weight"].to(torch.int8)}),

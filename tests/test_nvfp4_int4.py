@@ -255,6 +255,11 @@ def _broken_copy(base: Path, tmp_path: Path, change) -> Path:
      "model.layers.0.self_attn.q_proj.weight_global_scale is float16 [1]; the NVFP4 global scale is one float32 value"),
     ("modelopt", lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"][:, :16].contiguous()}),
      "model.layers.0.mlp.up_proj.weight_scale has shape [128, 4] but model.layers.0.mlp.up_proj.weight [128, 16]"),
+    ("modelopt", lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"][:, :16].contiguous(),
+                                     "model.layers.0.mlp.up_proj.weight_scale":
+                                         t["model.layers.0.mlp.up_proj.weight_scale"][:, :2].contiguous()}),
+     "model.layers.0.mlp.up_proj.weight is uint8 [128, 16], the packed values of a [128, 32] weight, but the model "
+     "config.json describes has model.layers.0.mlp.up_proj.weight of shape [128, 64]"),
     ("int4", lambda t: t.update({"model.layers.1.mlp.experts.2.down_proj.weight_shape": torch.tensor([64, 256])}),
      "model.layers.1.mlp.experts.2.down_proj.weight_packed has shape [64, 8] but its weight_shape says 64x256 values"),
     ("int4", lambda t: t.update({"model.layers.0.mlp.experts.0.up_proj.weight_scale":

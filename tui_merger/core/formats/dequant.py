@@ -548,6 +548,44 @@ def unknown_tensors(tensors: dict, source, label: str) -> None:
             )
 
 
+def saved_shapes(config: dict) -> dict:
+    """{tensor name as ``save_pretrained`` writes it: shape} of the model transformers builds for ``config``
+    on the meta device (experts it fuses in memory under their per-expert disk names); {} when it cannot
+    build one here."""
+    from tui_merger.core.formats.hf_names import meta_of_config
+
+    model = meta_of_config(config)
+    if model is None:
+        return {}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        out = {}
+        for name, tensor in model.state_dict().items():
+            for disk, t in revert_weight_conversion(model, {name: tensor}).items():
+                out[disk] = tuple(t.shape)
+        return out
+    except Exception:  # noqa: BLE001 - rules this model cannot take: nothing to compare with
+        return {}
+
+
+def check_against_config(source, config: dict, stored: dict) -> None:
+    """Each dequantized weight's shape (from the packed values and their scales) against the model the config
+    describes, where transformers names the same tensor: packed values that do not fit are said, naming the
+    stored tensor (``stored``: {dequantized name: stored ref})."""
+    if not stored:
+        return
+    expected = saved_shapes({k: v for k, v in config.items() if k != "quantization_config"})
+    for name, ref in stored.items():
+        want, got = expected.get(name), tuple(source.tensors[name].shape)
+        if want is not None and tuple(want) != got:
+            raise MergeError(
+                f"{ref.name} is {ref.dtype} {_shape_text(ref.shape)}, the packed values of a {_shape_text(got)} weight, "
+                f"but the model config.json describes has {name} of shape {_shape_text(want)}; the packed values do "
+                "not fit the config. Nothing was written."
+            )
+
+
 class DequantSource:
     """A view of a base released quantized: each quantized weight reads dequantized (named and shaped as
     the weight, in the model's dtype), its scale and activation scales are hidden, the rest passes
@@ -597,6 +635,8 @@ class DequantSource:
             self.tensors[name] = ref
         self.dropped = sorted(drop)
         unknown_tensors(self.tensors, self, scheme.label)
+        packed = {n: w for n in pairs if _is_fp4(scheme, (w := inner.tensors[n]).dtype)}
+        check_against_config(self, config, packed)
 
     @property
     def output_quantization(self):

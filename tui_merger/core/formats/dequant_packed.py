@@ -66,6 +66,9 @@ class PackedSource:
         from tui_merger.core.formats.dequant import unknown_tensors
 
         unknown_tensors(self.tensors, self, scheme.label)
+        from tui_merger.core.formats.dequant import check_against_config
+
+        check_against_config(self, config, {w: inner.tensors[names[0]] for w, names in found.items()})
 
     @property
     def dequantized(self) -> list[str]:
