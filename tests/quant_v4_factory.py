@@ -80,8 +80,22 @@ def mxfp4(w: torch.Tensor):
     return packed, scale.to(torch.float8_e8m0fnu)
 
 
-def make_base(folder: Path, seed: int = 0) -> list[str]:
-    """The quantized base in ``folder``; returns the names of the quantized weights."""
+# the release's own top-level names (transformers' conversion_mapping "deepseek_v4" renames them as it loads:
+# ``^embed\.weight`` -> ``embed_tokens.weight``, ``^hc_head_fn`` -> ``hc_head.hc_fn``...; vLLM's loader adds the
+# ``model.`` prefix the release leaves out)
+RELEASE_NAMES = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+                 "hc_head.hc_scale": "hc_head_scale"}
+
+
+def release_name(name: str) -> str:
+    """``model.layers.0.attn.wq_a.weight`` -> ``layers.0.attn.wq_a.weight``, as DeepSeek-V4-Flash names it."""
+    name = name.removeprefix("model.")
+    return RELEASE_NAMES.get(name, name)
+
+
+def make_base(folder: Path, seed: int = 0, release_names: bool = False) -> list[str]:
+    """The quantized base in ``folder`` (with ``release_names``: under the release's names, no ``model.``
+    prefix); returns the names of the quantized weights."""
     torch.manual_seed(seed)
     transformers.DeepseekV4ForCausalLM(config()).to(torch.bfloat16).save_pretrained(folder)
     path = Path(folder) / "model.safetensors"
@@ -96,6 +110,9 @@ def make_base(folder: Path, seed: int = 0) -> list[str]:
             out[name] = w
             continue
         quantized.append(name)
+    if release_names:
+        out = {release_name(k): v for k, v in out.items()}
+        quantized = [release_name(k) for k in quantized]
     save_file(out, str(path), metadata={"format": "pt"})
     cfg = json.loads((Path(folder) / "config.json").read_text())
     cfg["quantization_config"] = dict(QCONFIG)

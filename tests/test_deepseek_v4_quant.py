@@ -112,6 +112,24 @@ def test_merge_equals_peft_gives_the_unmerged_logits_and_verifies(built, merged)
     assert manifest["base_weights"]["format"] == LABEL
 
 
+def test_the_release_names_merge_to_the_same_model(built, merged, tmp_path):
+    """The release's own names (``layers.N.attn.wq_a.weight``, ``embed.weight``: no ``model.`` prefix, which
+    transformers and vLLM add as they load): the same adapter merges, verifies PASSED, keeps those names, and
+    transformers loads every parameter equal to the merge of the save_pretrained-named base."""
+    _, _, _, _, adapter = built
+    base = tmp_path / "release"
+    quantized = v4.make_base(base, release_names=True)
+    assert "layers.0.ffn.experts.0.w1.weight" in quantized and "layers.0.ffn.experts.0.w1.scale" in read_output(base)
+    out = tmp_path / "merged"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 0
+    assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    got = read_output(out)
+    assert "embed.weight" in got and "layers.1.ffn.experts.3.w2.weight" in got and not any(".scale" in n for n in got)
+    mine = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    other = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
+    assert sorted(mine) == sorted(other) and all(torch.equal(mine[k], other[k]) for k in other)
+
+
 def _swap_nibbles(t: torch.Tensor) -> torch.Tensor:
     b = t.contiguous().view(torch.uint8)
     return ((b >> 4) | ((b & 0x0F) << 4)).view(torch.int8)

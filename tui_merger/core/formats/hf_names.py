@@ -654,6 +654,13 @@ def expert_gaps(config: dict, shapes: dict) -> list[str]:
     if not expected:
         return []
     split = re.compile(r"^(.*\.experts)\.(\d+)\.")
+    # files that leave out the base model's prefix (DeepSeek-V4's release: ``layers.N...``, which transformers
+    # loads as ``model.layers.N...``) are counted under save_pretrained's names
+    model = meta_of_config(config)
+    prefix = getattr(model, "base_model_prefix", "") if model is not None else ""
+    prefixed = bool(prefix) and not any(n.startswith(prefix + ".") for n in shapes)
+    if prefixed:
+        shapes = {f"{prefix}.{n}": v for n, v in shapes.items()}
     have: dict[str, set] = {}
     for name in shapes:
         m = split.match(name)
