@@ -63,11 +63,9 @@ class PackedSource:
             self.tensors[weight] = TensorRef(self, ref.file, ref.name, dtype, tuple(ref.shape[:-1]) + (cols,))
         self._names = {(r.file, r.name): w for w, r in self.tensors.items() if r.source is self}
         self.dropped = sorted(drop)
-        from tui_merger.core.formats.dequant import unknown_tensors
+        from tui_merger.core.formats.dequant_checks import check_against_config, unknown_tensors
 
         unknown_tensors(self.tensors, self, scheme.label)
-        from tui_merger.core.formats.dequant import check_against_config
-
         check_against_config(self, config, {w: inner.tensors[names[0]] for w, names in found.items()})
 
     @property
