@@ -103,3 +103,22 @@ def human_seconds(seconds: float) -> str:
     if seconds < 3600:
         return f"{round(seconds / 60)} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def _local_type_words() -> list[tuple[str, str]]:
+    """gguf.TYPE_WORDS as "Run it locally" offers them: Q4_K_M is its choice, f16 the command's default."""
+    from tui_merger.core.ship.gguf import TYPE_WORDS
+
+    words = []
+    for text, type_ in TYPE_WORDS:
+        text = text.replace(" (default)", "")
+        if type_ == RUN_LOCALLY_TYPE:
+            text = text.replace(type_ + ":", type_ + " (recommended):", 1)
+        words.append((text, type_))
+    return words
+
+
+def __getattr__(name: str):
+    if name == "LOCAL_TYPE_WORDS":  # built on first use: gguf's names only, no heavy imports
+        return _local_type_words()
+    raise AttributeError(name)
