@@ -35,6 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--readers", default="llama.cpp,transformers")
     parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--families", default="", help="comma-separated family labels (default: all)")
     args = parser.parse_args()
     readers = [r for r in args.readers.split(",") if r != "llama.cpp" or llama_cpp_version()]
     print(f"llama-cpp-python {llama_cpp_version()}; readers {readers}", flush=True)
@@ -49,21 +50,26 @@ def main() -> int:
             "qwen2": make_model(root / "qwen2", "qwen2", torch.bfloat16),
             "qwen3 tied": make_model(root / "qwen3", "qwen3", torch.bfloat16, tie_word_embeddings=True),
             "qwen3_moe": make_model(root / "qwen3-moe", "qwen3_moe", torch.bfloat16),
+            # rows of 256 values: the k-quants proper (64-value rows fall back to Q5_0 / Q5_1 / Q8_0)
+            "qwen2 256-wide": make_model(root / "qwen2-256", "qwen2", torch.bfloat16, hidden_size=256, intermediate_size=512),
+            "qwen3_moe 256-wide": make_model(root / "qwen3-moe-256", "qwen3_moe", torch.bfloat16, hidden_size=256),
         }
         for family, folder in folders.items():
+            if args.families and family not in args.families.split(","):
+                continue
             for type_ in args.types.split(","):
                 path = export_gguf(folder, type_, root / "out" / f"{folder.name}-{type_}.gguf").path
                 for reader in readers:
                     c = check_gguf(folder, path, type_, reader=reader)
                     d = c.details
                     rows.append((family, type_, reader, c.status, f"{d.get('ids_equal')}/{d.get('texts')}",
-                                 f"{d.get('logits_rel')}", f"{d.get('limit')}",
+                                 f"{d.get('logits_rel')}", f"{d.get('logits_rel_median')}", f"{d.get('limit')}",
                                  f"{d.get('top_equal')}/{d.get('positions')} (+{d.get('top_near_ties')} near ties)"))
                     print("  " + " | ".join(rows[-1]) + ("" if c.details else f"  {c.summary}"), flush=True)
                 path.unlink()
     print()
-    print("| family | type | reader | verdict | token ids equal | logits, max rel. diff | limit | top token equal |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| family | type | reader | verdict | token ids equal | logits, max rel. diff | median over positions | limit | top token equal |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     return 0

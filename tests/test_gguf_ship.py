@@ -46,6 +46,27 @@ def test_a_correct_file_passes_with_transformers_reader(model_copy, type_):
     assert 0 < d["logits_rel"] <= LIMITS[type_] and d["top_equal"] + d["top_near_ties"] == d["positions"]
 
 
+@pytest.mark.parametrize("type_", ["q8_0", "q4_k_m"])
+def test_a_mixture_of_experts_is_judged_at_its_median_position(models, tmp_path, type_):
+    """Qwen3-MoE: a correct file PASSES (positions where rounding turns the router are said, not hidden);
+    its experts' down projections scaled by -4 in one layer FAIL."""
+    import numpy as np
+
+    folder = models["qwen3_moe"]
+    path = export_gguf(folder, type_, tmp_path / f"moe-{type_}.gguf").path
+    check = check_gguf(folder, path, type_, reader="transformers")
+    assert check.passed and check.details["experts"] == 4, check.summary
+    assert check.details["logits_rel_median"] <= LIMITS[type_] and "at the median position" in check.summary
+    f16 = export_gguf(folder, "f16", tmp_path / "moe-f16.gguf").path
+    offset, n = _tensor_bytes(f16, "blk.1.ffn_down_exps.weight")
+    with open(f16, "r+b") as f:
+        f.seek(offset)
+        values = np.frombuffer(f.read(n), dtype=np.float16) * np.float16(-4)
+        f.seek(offset)
+        f.write(values.tobytes())
+    assert check_gguf(folder, f16, "f16", reader="transformers").status == FAILED
+
+
 def test_one_corrupted_tensor_fails(model_copy):
     """The same file with one layer's down projection scaled (its f16 values' exponent bits moved) is FAILED."""
     import numpy as np

@@ -314,8 +314,7 @@ class GgufDialog(ModalScreen[tuple | None]):
         from tui_merger.core.ship.run_locally import LOCAL_TYPE_WORDS, RUN_LOCALLY_TYPE
 
         with Vertical(classes="dialog"):
-            yield Label("Run it locally: a GGUF file for llama.cpp, Ollama and LM Studio, checked against the model, "
-                        "with an Ollama Modelfile beside it. Type:")
+            yield Label("Run it locally: a GGUF for llama.cpp, Ollama, LM Studio. Type:")
             yield Select(LOCAL_TYPE_WORDS, value=RUN_LOCALLY_TYPE, allow_blank=False, id="gguf-type")
             yield Static(id="gguf-estimate")
             yield Label("File (in the model folder, an upload of the folder includes it):")
@@ -346,8 +345,8 @@ class GgufDialog(ModalScreen[tuple | None]):
             self.query_one("#make", Button).disabled = True
             return
         self.query_one("#make", Button).disabled = False
-        shown.update(f"About {human_bytes(e.size)}, about {human_seconds(e.seconds)} to write "
-                     f"(at the speed measured on a 2-core machine), then checked.")
+        shown.update(f"About {human_bytes(e.size)}, about {human_seconds(e.seconds)} to write (at the speed measured "
+                     "on a 2-core machine), then checked against the model, with an Ollama Modelfile beside it.")
 
     def on_select_changed(self, event) -> None:
         from tui_merger.core.ship.gguf import TYPES, default_out
