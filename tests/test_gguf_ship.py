@@ -251,3 +251,30 @@ def test_upload_carries_the_modelfile_of_a_gguf_written_outside(model_copy, tmp_
     assert stored["shared.Modelfile"] == outside.modelfile.path.read_bytes()
     assert b"FROM ./shared.gguf" in stored["shared.Modelfile"]
     assert f"Uploading its Ollama Modelfile {outside.modelfile.path} as shared.Modelfile." in run.stderr
+
+
+def test_the_plain_flow_offers_run_it_locally_with_q4_k_m_first(tmp_path, monkeypatch):
+    """The plain flow's Finish: "Run it locally" preselects q4_k_m, says size and time before writing,
+    then writes, checks, and prints the Modelfile and the lines to run it."""
+    import io
+
+    from tui_merger.demo import build_demo
+    from tui_merger.plain import run_plain
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    base, _ = build_demo(tmp_path / "ws")
+    answers = ["", "", "", "", "2", "", "", "4"]  # Find, output, start, no trial; Run it locally, q4_k_m, its file; Done
+    out = io.StringIO()
+    code = run_plain(tmp_path / "ws", input=io.StringIO("".join(a + "\n" for a in answers)), output=out, dumb=True)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "2) Run it locally: a GGUF for llama.cpp, Ollama, LM Studio (checked, with an Ollama Modelfile)" in text
+    assert "q4_k_m (recommended)" in text
+    said = text.index("About ")
+    assert " to write (at the speed measured on a 2-core machine), then checked against the model." in text[said:]
+    assert said < text.index("GGUF written: ")  # size and time before the file
+    [gguf_file] = list((tmp_path / "ws").glob("*/*-Q4_K_M.gguf"))
+    assert f"Check PASSED: token ids equal on " in text
+    assert f"Ollama Modelfile: {gguf_file.with_suffix('.Modelfile')}" in text
+    assert f"  llama-cli -m {gguf_file}" in text
