@@ -278,3 +278,17 @@ def test_the_plain_flow_offers_run_it_locally_with_q4_k_m_first(tmp_path, monkey
     assert f"Check PASSED: token ids equal on " in text
     assert f"Ollama Modelfile: {gguf_file.with_suffix('.Modelfile')}" in text
     assert f"  llama-cli -m {gguf_file}" in text
+
+
+def test_the_farewell_gives_the_ollama_line_of_each_gguf_with_a_modelfile(model_copy):
+    from types import SimpleNamespace
+
+    from tui_merger.core.ship.run_locally import make_local
+    from tui_merger.tui.steps.finish import farewell
+
+    made = make_local(model_copy, "q8_0", check="none")
+    wizard = SimpleNamespace(result=SimpleNamespace(out=model_copy), report=SimpleNamespace(passed=True), job=None,
+                             out_path=model_copy)
+    lines = farewell(wizard).splitlines()
+    assert lines[-2:] == [f"  llama.cpp:    llama-cli -m {made.result.path}",
+                          f"  Ollama:       ollama create qwen2-sql-merged:q8_0 -f {made.modelfile.path}"]

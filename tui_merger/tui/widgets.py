@@ -328,7 +328,7 @@ class GgufDialog(ModalScreen[tuple | None]):
         from tui_merger.tui.steps.common import show_end
 
         show_end(self.query_one("#gguf-out", Input))  # the file's name, not only its folder's start
-        self._estimate(RUN_LOCALLY_TYPE)
+        self.call_after_refresh(self._estimate, RUN_LOCALLY_TYPE)  # the dialog first, then the plan's numbers
 
     def _estimate(self, type_: str) -> None:
         """Size and time before writing (the plan reads headers only: quick even for a large model)."""
