@@ -19,7 +19,9 @@ def add_parser(sub) -> None:
         description=f"Write a Hugging Face model folder ({FAMILY_NAMES}) as one GGUF file with llama.cpp's own gguf "
         "library: weights streamed one tensor at a time, the tokenizer, chat template and model settings in the "
         "file's metadata. Written under a temporary name and renamed when complete; recorded (type, size, sha256) "
-        "in the folder's merge_manifest.json, and uploaded with the folder by `tui-merger upload`.",
+        "in the folder's merge_manifest.json, and uploaded with the folder by `tui-merger upload`. Then the file is "
+        "checked against the model (--check) and an Ollama Modelfile is written beside it; the lines to run it "
+        "with Ollama and llama.cpp are printed.",
     )
     p.add_argument("model", type=Path, help="the model folder (config.json, safetensors, tokenizer.json)")
     p.add_argument(
