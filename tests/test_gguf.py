@@ -578,7 +578,7 @@ def anyio_backend():
 
 @pytest.mark.anyio
 async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch):
-    """After a verified merge in the assistant: Make a GGUF... asks type and file; Stop (the engine thread
+    """After a verified merge in the assistant: Run it locally... asks type and file; Stop (the engine thread
     held at its first tensor until the test has pressed it) leaves nothing; made again, the notes say where."""
     from rich.text import Text
     from textual.widgets import Button, Input, ProgressBar, Select, Static
