@@ -243,7 +243,8 @@ def _with_llama_cpp(path: Path, ref: _Reference):
             llm = Llama(model_path=str(path), n_ctx=max(256, len(ref.prompt) + 8), logits_all=True, verbose=False,
                         seed=0, n_threads=max(1, min(4, os.cpu_count() or 1)))
     except Exception as err:  # noqa: BLE001 - llama.cpp reports a file it refuses as a ValueError or worse
-        return f"!{name} did not load the file ({_first_line(err)}).", name
+        return (f"!{name} did not load the file ({_first_line(err)}); a llama.cpp older than the file's "
+                "architecture refuses it too: with a current llama-cpp-python, make the GGUF again."), name
     try:
         ids = []
         for text, special in zip(ref.texts, ref.special):
