@@ -139,3 +139,38 @@ def test_upload_logs_in_from_the_app(tmp_path):
         repo = hub.repos["alice/demo"]
         assert repo.private and "model.safetensors" in repo.files() and "config.json" in repo.files()
     assert (hf_home / "token").read_text().strip() == token  # saved by huggingface_hub's login
+
+
+def test_run_it_locally_from_finish_in_a_real_terminal(tmp_path):
+    """Issue 40: Finish > Run it locally... preselects q4_k_m and says size and time before writing; the
+    GGUF is written, checked (transformers' reader here) and its Modelfile made; the farewell gives the
+    ollama and llama.cpp lines."""
+    tmux = Tmux(tmp_path)
+    env = f"XDG_CONFIG_HOME={shlex.quote(str(tmp_path / 'config'))} XDG_STATE_HOME={shlex.quote(str(tmp_path / 'state'))} HF_HUB_OFFLINE=1 TERM=xterm-256color"
+    try:
+        tmux.start(f"env {env} {shlex.quote(sys.executable)} -m tui_merger demo --workspace ws", tmp_path)
+        tmux.wait_for("LoRA rank 8, alpha 16")
+        tmux.keys("C-n")
+        tmux.wait_for("every check passed")
+        tmux.keys("C-n")
+        tmux.wait_for("Verification PASSED")
+        tmux.keys("C-n")
+        tmux.wait_for("Finish >")
+        tmux.keys("C-n")  # Try it skipped
+        tmux.wait_for("Run it locally...")
+        tmux.keys("BTab", "Enter")  # Quit is focused: back to Run it locally...
+        tmux.wait_for("to write (at the speed")
+        screen = tmux.wait_for("-Q4_K_M.gguf", timeout=10)  # the file field scrolled to its end
+        assert "q4_k_m (recommended)" in screen, screen
+        tmux.keys("Tab", "Tab", "Enter")  # the type, the file, Make the GGUF
+        screen = tmux.wait_for("Run it with:", timeout=240)
+        assert "Check PASSED" in screen and "Modelfile" in screen, screen
+        tmux.keys("C-q")
+        screen = tmux.wait_for("EXIT=0")
+        assert "llama.cpp:    llama-cli -m " in screen and "Ollama:       ollama create " in screen, screen
+    finally:
+        tmux.kill()
+    [out] = (tmp_path / "ws").glob("*-r8-*")
+    [gguf_file] = out.glob("*-Q4_K_M.gguf")
+    assert gguf_file.with_suffix(".Modelfile").is_file()
+    assert read_manifest(out)["gguf"][0]["check"]["status"] == "passed"

@@ -578,7 +578,7 @@ def anyio_backend():
 
 @pytest.mark.anyio
 async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch):
-    """After a verified merge in the assistant: Make a GGUF... asks type and file; Stop (the engine thread
+    """After a verified merge in the assistant: Run it locally... asks type and file; Stop (the engine thread
     held at its first tensor until the test has pressed it) leaves nothing; made again, the notes say where."""
     from rich.text import Text
     from textual.widgets import Button, Input, ProgressBar, Select, Static
@@ -626,9 +626,11 @@ async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch)
         await pilot.click("#gguf")
         await pilot.pause()
         assert type(app.screen).__name__ == "GgufDialog"
-        # issue 38 item 13: the command's default, preselected (it was q8_0 here, f16 there, BF16 in the docs)
-        assert app.screen.query_one("#gguf-type", Select).value == "f16"
-        assert app.screen.query_one("#gguf-out", Input).value == str(out / "merged-F16.gguf")
+        # issue 40: "Run it locally" preselects Q4_K_M (the command's default stays f16) and shows size and time first
+        assert app.screen.query_one("#gguf-type", Select).value == "q4_k_m"
+        assert app.screen.query_one("#gguf-out", Input).value == str(out / "merged-Q4_K_M.gguf")
+        estimate = str(app.screen.query_one("#gguf-estimate", Static).content)
+        assert estimate.startswith("About ") and " to write (at the speed measured on a 2-core machine), then checked against the model" in estimate
         # issue 38 item 14: a path longer than the field shows its end (the file's name), not its start
         field = app.screen.query_one("#gguf-out", Input)
         assert len(field.value) > field.content_region.width and field.scroll_offset.x > 0
@@ -653,16 +655,20 @@ async def test_finish_makes_a_gguf_with_progress_and_stop(tmp_path, monkeypatch)
         await pilot.click("#make")
         await until(lambda: wizard.running is None and "GGUF written" in notes(), "the GGUF")
         assert "merged-Q8_0.gguf" in notes() and "Upload... includes it" in notes()
-        # the file and the command on lines of their own, broken after a "/" only (never mid-name)
+        # the file and the commands on lines of their own, broken after a "/" only (never mid-name)
         width = app.size.width - 4
         lines = Text.from_markup(notes()).plain.splitlines()
-        run = lines.index("Run it with (or FROM it in an Ollama Modelfile):")
-        path_lines, command_lines = lines[1:run], lines[run + 1:]
+        checked = next(i for i, line in enumerate(lines) if line.startswith("Check "))
+        run = lines.index("Ollama Modelfile beside it: merged-Q8_0.Modelfile. Run it with:")
+        path_lines, command_lines = lines[1:checked], lines[run + 1:]
         assert "".join(path_lines) == str(out / "merged-Q8_0.gguf")
-        assert "".join(command_lines) == f"llama-cli -m {out / 'merged-Q8_0.gguf'}"
+        assert lines[checked].startswith("Check PASSED: token ids equal on ")
+        ollama = f"ollama create merged:q8_0 -f {out / 'merged-Q8_0.Modelfile'}"
+        joined = "".join(command_lines)
+        assert joined == ollama + f"llama-cli -m {out / 'merged-Q8_0.gguf'}"
         assert all(len(line) <= width for line in path_lines + command_lines)
-        assert all(line.endswith("/") for line in path_lines[:-1] + command_lines[:-1])
+        assert all(line.endswith("/") for line in path_lines[:-1])
         assert not app.screen.query_one("#upload", Button).disabled
-        assert str(app.screen.query_one("#gguf", Button).label) == "Make a GGUF..."
+        assert str(app.screen.query_one("#gguf", Button).label) == "Run it locally..."
     assert [e["path"] for e in read_manifest(out)["gguf"]] == ["merged-Q8_0.gguf"]
     assert (out / "merged-Q8_0.gguf").stat().st_size > 100_000

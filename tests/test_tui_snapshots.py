@@ -230,6 +230,23 @@ def test_cleanup_dialog(snap_compare, workspace, size):
 
 
 @SIZES
+def test_run_locally_dialog(snap_compare, workspace, size):
+    """Finish > Run it locally...: Q4_K_M preselected, the file's size and time said before anything is written."""
+    from textual.widgets import Input
+
+    async def run_locally(pilot):
+        await merged(pilot)
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it, skipped
+        await pilot.click("#gguf")
+        await pilot.pause()
+        for field in pilot.app.screen.query(Input):
+            field.cursor_blink = False
+        await pilot.pause()
+
+    assert snap_compare(app(), terminal_size=size, run_before=run_locally)
+
+
+@SIZES
 def test_find_broken_config(snap_compare, workspace, size):
     """An adapter whose adapter_config.json is not JSON: marked in the list, the reason under it."""
     ws = WORKSPACE.parent / "broken"

@@ -387,7 +387,7 @@ def test_the_plain_flow_makes_a_gguf_and_uploads_with_a_pasted_token(hub, tmp_pa
     base, _ = build_demo(tmp_path / "ws")
     answers = [
         "1", "", "1", "",  # the adapter, the output folder, Start the merge; Try it: no
-        "2", "", "",  # What next: the GGUF, its type (f16, the default), its file (the suggestion)
+        "2", "1", "",  # What next: Run it locally, the type f16 (q4_k_m is preselected), its file (the suggestion)
         "3", "alice/plain-merged", "", WRITE, "y",  # upload: repo, private, the token, upload now
         "3",  # Done
     ]
@@ -400,13 +400,14 @@ def test_the_plain_flow_makes_a_gguf_and_uploads_with_a_pasted_token(hub, tmp_pa
                          env=env, capture_output=True, text=True, timeout=600)
     out = run.stdout
     assert run.returncode == 0, out[-3000:] + run.stderr[-3000:]
-    assert "Make a GGUF file for llama.cpp, Ollama, LM Studio" in out
-    assert "  1) f16 (default): 16-bit, every llama.cpp build runs it" in out
+    assert "Run it locally: a GGUF for llama.cpp, Ollama, LM Studio (checked, with an Ollama Modelfile)" in out
+    assert "  1) f16: 16-bit, every llama.cpp build runs it" in out and "q4_k_m (recommended)" in out
     [gguf] = [p for p in (tmp_path / "ws").glob("*/*-F16.gguf")]
-    assert f"GGUF written: {gguf} (F16, " in out and f"Run it:  llama-cli -m {gguf}" in out
+    assert f"GGUF written: {gguf} (F16, " in out and f"Run it:\n  ollama create " in out and f"  llama-cli -m {gguf}\n" in out
     assert f"Not logged in to the Hub on this machine: paste a write token from {hub.url}/settings/tokens" in out
     assert WRITE not in out + run.stderr and "(hidden)" in out
     assert "Uploaded: " in out
     files = hub.repos["alice/plain-merged"].files()
     assert gguf.name in files and "model.safetensors" in files and "README.md" in files
+    assert files[gguf.with_suffix(".Modelfile").name] == gguf.with_suffix(".Modelfile").read_bytes()
     assert (tmp_path / "hf-home" / "token").read_text().strip() == WRITE  # saved for next time

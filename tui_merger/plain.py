@@ -589,7 +589,7 @@ class _Flow:
             if cleanup is not None:
                 total = human_bytes(sum(i.size for i in cleanup.items))
                 menu.append((f"Free space in the training folder (up to {total} can go)", "cleanup"))
-            menu.append(("Make a GGUF file for llama.cpp, Ollama, LM Studio", "gguf"))
+            menu.append(("Run it locally: a GGUF for llama.cpp, Ollama, LM Studio (checked, with an Ollama Modelfile)", "gguf"))
             if not uploaded:
                 menu.append(("Upload the model to the Hugging Face Hub", "upload"))
             menu.append(("Done", "done"))
@@ -639,24 +639,38 @@ class _Flow:
         return True
 
     def gguf(self, folder: Path) -> bool:
-        """Ask the type and the file, then write the GGUF; whether one was written."""
-        from tui_merger.core.ship.gguf import DEFAULT_TYPE, TYPE_WORDS, default_out, export_gguf
+        """Run it locally: ask the type (Q4_K_M first) and the file, say the size and time, then write the
+        GGUF, its Modelfile, and check it; whether one was written."""
+        from tui_merger.core.ship.gguf import default_out
+        from tui_merger.core.ship.run_locally import LOCAL_TYPE_WORDS, RUN_LOCALLY_TYPE, estimate, human_seconds, make_local
 
-        default = next(i for i, (_, t) in enumerate(TYPE_WORDS) if t == DEFAULT_TYPE)
-        type_ = self.ask.select("GGUF type:", TYPE_WORDS, default=default)
+        default = next(i for i, (_, t) in enumerate(LOCAL_TYPE_WORDS) if t == RUN_LOCALLY_TYPE)
+        type_ = self.ask.select("GGUF type:", LOCAL_TYPE_WORDS, default=default)
+        try:
+            e = estimate(folder, type_)
+        except MergeError as err:
+            self.say(f"error: {err}")
+            return False
+        self.say(f"About {human_bytes(e.size)}, about {human_seconds(e.seconds)} to write (at the speed measured on "
+                 "a 2-core machine), then checked against the model.")
         where = self.ask.text("GGUF file (in the model folder, an upload of the folder includes it):",
                               default=str(default_out(folder, type_)), validate=_not_empty)
         try:
-            r = export_gguf(folder, type_, Path(where).expanduser(), on_event=PlainProgress(stream=self.out))
+            made = make_local(folder, type_, Path(where).expanduser(), on_event=PlainProgress(stream=self.out))
         except MergeError as err:
             self.say(f"error: {err}")
             return False
         except KeyboardInterrupt:  # the file is written under a temporary name, removed on the way out
             self.say("Stopped; no GGUF was written.")
             return False
+        r, check = made.result, made.check
         where = "recorded in merge_manifest.json; an upload of the folder includes it" if r.recorded else "not recorded (no merge_manifest.json)"
         self.say(f"GGUF written: {r.path} ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}).")
-        self.say(f"Run it:  llama-cli -m {shlex.quote(str(r.path))}")
+        self.say(f"Check {check.line()}")
+        self.say(f"Ollama Modelfile: {made.modelfile.path}")
+        self.say("Run it:")
+        for line in made.run_lines():
+            self.say(f"  {line}")
         return True
 
     def upload(self, folder: Path) -> bool:

@@ -19,7 +19,9 @@ def add_parser(sub) -> None:
         description=f"Write a Hugging Face model folder ({FAMILY_NAMES}) as one GGUF file with llama.cpp's own gguf "
         "library: weights streamed one tensor at a time, the tokenizer, chat template and model settings in the "
         "file's metadata. Written under a temporary name and renamed when complete; recorded (type, size, sha256) "
-        "in the folder's merge_manifest.json, and uploaded with the folder by `tui-merger upload`.",
+        "in the folder's merge_manifest.json, and uploaded with the folder by `tui-merger upload`. Then the file is "
+        "checked against the model (--check) and an Ollama Modelfile is written beside it; the lines to run it "
+        "with Ollama and llama.cpp are printed.",
     )
     p.add_argument("model", type=Path, help="the model folder (config.json, safetensors, tokenizer.json)")
     p.add_argument(
@@ -32,6 +34,13 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, metavar="FILE.gguf",
                    help="where to write it, a .gguf file or a folder (default: MODEL/<name>-<TYPE>.gguf, inside the model folder)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file (only once the new one is complete)")
+    p.add_argument(
+        "--check", choices=("auto", "llama.cpp", "transformers", "none"), default="auto",
+        help="compare the written file with transformers on the folder (token ids, prompt logits within the type's "
+        "limit, top tokens): with llama.cpp itself when llama-cpp-python is installed, else with transformers' GGUF "
+        "reader where it knows the family; the verdict goes to merge_manifest.json and the model card; none: skip "
+        "it, the file is recorded as not checked (default: %(default)s)",
+    )
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_gguf)
@@ -42,15 +51,24 @@ def cmd_gguf(args) -> int:
 
     from tui_merger.console import PlainProgress, RichProgress
     from tui_merger.core.options import human_bytes
-    from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.cli.common import VERIFY_FAILED
+    from tui_merger.core.ship.run_locally import make_local
 
     progress = PlainProgress() if args.plain or not is_tty(sys.stderr) else RichProgress()
     with progress if isinstance(progress, RichProgress) else nullcontext():
-        result = export_gguf(args.model, args.gguf_type, args.out, overwrite=args.overwrite, on_event=progress)
+        made = make_local(args.model, args.gguf_type, args.out, overwrite=args.overwrite, check=args.check, on_event=progress)
+    result, check, modelfile = made.result, made.check, made.modelfile
     print(f"GGUF written to {result.path}")
     print(f"  {result.arch}, {result.type.upper()}, {human_bytes(result.size)}, {result.tensors} tensors, {result.seconds:.1f} s")
     print(f"  sha256 {result.sha256}")
     if result.recorded:
         print(f"  recorded in {Path(args.model) / 'merge_manifest.json'}")
-    print(f"  run it: llama-cli -m {result.path}")
+    print(f"  check {check.line()}")
+    print(f"  Ollama Modelfile {modelfile.path}" + ("" if modelfile.template else " (no TEMPLATE: its comment says why)"))
+    print("Run it:")
+    for line in made.run_lines():
+        print(f"  {line}")
+    if check.status == "failed":
+        print("The file does not behave like the model: do not share it (the check above says where it differs).", file=sys.stderr)
+        return VERIFY_FAILED
     return 0

@@ -195,6 +195,7 @@ def render_model_card(manifest: dict) -> str:
         for check in ver.get("checks", []):
             lines.append(f"- {check.get('name')}: {check.get('status')} — {check.get('summary', '')}")
     lines.append("")
+    lines.extend(_gguf_lines(manifest))
     lines.append(f"Merged at {manifest.get('merged_at')}; inputs and output files with sha256 are in `merge_manifest.json`.")
     return _without_local_paths("\n".join(lines) + "\n", manifest)
 
@@ -227,3 +228,22 @@ def ensure_model_card(folder: Path) -> Path | None:
         return None
     write_model_card(folder, manifest)
     return path
+
+
+def _gguf_lines(manifest: dict) -> list[str]:
+    """The GGUF files made of the model (``tui-merger gguf``) and whether each was checked, as recorded."""
+    entries = [e for e in manifest.get("gguf") or [] if isinstance(e, dict) and e.get("path")]
+    if not entries:
+        return []
+    lines = ["## GGUF", ""]
+    for e in entries:
+        check = e.get("check") if isinstance(e.get("check"), dict) else None
+        if check is None:
+            verdict = "not checked"
+        else:
+            status = str(check.get("status"))
+            verdict = ("not checked" if status == "not checked" else status.upper()) + f": {check.get('summary', '')}"
+        modelfile = f"; Ollama: `{Path(str(e['modelfile'])).name}`" if e.get("modelfile") else ""
+        lines.append(f"- `{Path(str(e['path'])).name}` ({str(e.get('type', '')).upper()}{modelfile}). Check {verdict}")
+    lines.append("")
+    return lines

@@ -339,6 +339,11 @@ def _recorded_outside(folder: Path, taken: set[str]) -> tuple[list[PlannedFile],
             taken.add(path.name)
             files.append(PlannedFile(path.name, size, True, source=str(path)))
             notices.append(f"Uploading the GGUF {path} (recorded in merge_manifest.json) as {path.name}.")
+            modelfile = Path(str(entry.get("modelfile") or ""))  # its Ollama Modelfile, written beside it (FROM ./name)
+            if modelfile.is_absolute() and modelfile.is_file() and modelfile.name not in taken:
+                taken.add(modelfile.name)
+                files.append(PlannedFile(modelfile.name, modelfile.stat().st_size, False, source=str(modelfile)))
+                notices.append(f"Uploading its Ollama Modelfile {modelfile} as {modelfile.name}.")
     return files, notices
 
 

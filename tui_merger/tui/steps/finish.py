@@ -51,6 +51,13 @@ def farewell(wizard) -> str | None:
         path = path if path.is_absolute() else out / path
         if path.is_file():
             lines.append(f"  llama.cpp:    llama-cli -m {shlex.quote(str(path))}")
+            modelfile = Path(str(gguf.get("modelfile") or ""))
+            modelfile = modelfile if modelfile.is_absolute() else out / modelfile
+            if gguf.get("modelfile") and modelfile.is_file():
+                from tui_merger.core.ship.modelfile import ollama_model_name
+
+                name = ollama_model_name(out.name, str(gguf.get("type", "")))
+                lines.append(f"  Ollama:       ollama create {name} -f {shlex.quote(str(modelfile))}")
     return "\n".join(lines)
 
 
@@ -88,7 +95,7 @@ class FinishStep(Step, VerticalScroll):
         with Horizontal(classes="row"):
             yield Button("Clean up...", id="cleanup")
             yield Button("Upload...", id="upload")
-            yield Button("Make a GGUF...", id="gguf")
+            yield Button("Run it locally...", id="gguf")
             yield Button("Quit", variant="primary", id="quit")
         gguf_bar = ProgressBar(show_eta=False, id="gguf-progress")
         gguf_bar.display = False  # shown while a GGUF is written
@@ -243,10 +250,10 @@ class FinishStep(Step, VerticalScroll):
 
     @work(thread=True, exclusive=True, group="gguf", exit_on_error=False)
     def _gguf_worker(self, type_: str, out, cancel) -> None:
-        from tui_merger.core.ship.gguf import export_gguf
+        from tui_merger.core.ship.run_locally import make_local
 
         folder = self.wizard.out_path
-        self.post_outcome("gguf", lambda: export_gguf(folder, type_, out, on_event=self.forward, cancel=cancel), say_cancel=True)
+        self.post_outcome("gguf", lambda: make_local(folder, type_, out, on_event=self.forward, cancel=cancel), say_cancel=True)
 
     def on_engine_event(self, message: EngineEvent) -> None:
         from tui_merger.core.events import PhaseStarted, TensorProgress
@@ -264,7 +271,7 @@ class FinishStep(Step, VerticalScroll):
         from tui_merger.core.options import human_bytes
 
         button = self.query_one("#gguf", Button)
-        button.label, button.variant, button.disabled = "Make a GGUF...", "default", False
+        button.label, button.variant, button.disabled = "Run it locally...", "default", False
         for other in ("#cleanup", "#upload"):  # the GGUF was offered for a verified model only
             self.query_one(other, Button).disabled = False
         self.query_one("#gguf-progress", ProgressBar).display = False
@@ -272,12 +279,15 @@ class FinishStep(Step, VerticalScroll):
         if done.error:
             notes.update(("[b yellow]Stopped.[/] " if done.cancelled else "[b red]No GGUF:[/] ") + escape(done.error))
             return
-        r = done.value
+        made = done.value
+        r, check = made.result, made.check
         where = "recorded in merge_manifest.json; Upload... includes it" if r.recorded else "not recorded (no merge_manifest.json)"
         width = self.text_width()
-        command = f"llama-cli -m {r.path}"  # on its own line, broken after a "/" where it must be
+        verdict = {"passed": "[b green]PASSED[/]", "failed": "[b red]FAILED: do not share it[/]"}.get(check.status, "[b yellow]not checked[/]")
+        commands = "\n".join(escape(fold_path(line, width)) for line in made.run_lines())  # each on its own lines
         notes.update(
             f"GGUF written ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}):\n"
             f"[b]{escape(fold_path(r.path, width))}[/b]\n"
-            f"Run it with (or FROM it in an Ollama Modelfile):\n{escape(fold_path(command, width))}"
+            f"Check {verdict}: {escape(check.summary)}\n"
+            f"Ollama Modelfile beside it: {escape(made.modelfile.path.name)}. Run it with:\n{commands}"
         )

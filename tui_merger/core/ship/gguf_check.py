@@ -1,0 +1,437 @@
+"""Does the GGUF say what the model folder says? ``tui-merger gguf`` checks the file it wrote.
+
+The judge is llama.cpp itself when its Python binding (``llama_cpp``, llama-cpp-python; never a
+dependency) is importable: it loads the file, tokenizes and runs it. Without it, transformers' own GGUF
+reader (``from_pretrained(..., gguf_file=...)``, which dequantizes every tensor to float32) where it
+knows the architecture. Else the file is "not checked", with the reason: a file is never called checked
+that was not.
+
+What is compared, against transformers on the model folder (float32, run layer by layer from the files
+as the verification runs it, so memory stays flat in model size):
+
+- token ids of sample texts (ASCII, digits, Chinese, emoji, whitespace) and of a chat rendered by the
+  folder's chat template with its special tokens: the GGUF's tokenizer must give the very same ids;
+- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``;
+- the top token at every prompt position: equal, or where not, the reference's own margin between its
+  top token and the GGUF's is within the same limit (a near tie that rounding can flip).
+
+A mixture of experts is judged at its median position (``MOE_CEILING``): rounding can turn a near-tied
+router choice, and a position that runs other experts moves by far more than the rounding.
+
+``LIMITS``: the relative logit differences llama.cpp 0.3.36 and transformers' reader give on tiny
+dense models of each family (random weights, a hard case for quantization: flat logits) times about 3; measured with ``benchmarks/gguf_check_spreads.py`` and listed in
+docs/formats.md. One tensor changed in a file (a wrong layout, a wrong scale) lands far above them.
+
+The verdict is recorded in the folder's merge_manifest.json (the GGUF's entry, ``check``) and shown in
+the model card. torch, transformers and llama_cpp are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tui_merger.core.errors import MergeError
+from tui_merger.core.events import CancelToken, EventSink, PhaseStarted, ignore_event
+
+PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not checked"
+
+# max |logit difference| / max |reference logit| over the check's chat prompt, per GGUF type: the largest
+# spread measured on tiny random dense models with either reader (benchmarks/gguf_check_spreads.py, the
+# table in docs/formats.md), times about 3
+LIMITS = {
+    "f16": 1e-2,  # llama.cpp 5.3e-4; transformers' reader 4.6e-3 where it leaves out llama3's rope factors
+    "bf16": 2e-2,  # llama.cpp 4.6e-3 (it rounds the activations to bf16 for a bf16 matrix)
+    "q8_0": 5e-2,  # 1.8e-2
+    "q6_k": 0.15,  # 4.9e-2
+    "q5_k_m": 0.25,  # 7.9e-2 (q5_k_s)
+    "q5_k_s": 0.25,
+    "q4_k_m": 0.45,  # 0.156
+    "q4_k_s": 0.45,
+    "q3_k_m": 0.6,  # 0.196
+}
+# A mixture of experts: where rounding turns a near-tied router choice, a position runs other experts and
+# its logits move by far more than the rounding (measured: up to 12 times the median position). There
+# the limit holds for the median position, every position stays within MOE_CEILING times it, and the top
+# token is compared at the positions within the limit.
+MOE_CEILING = 6
+SAMPLE_TEXTS = (
+    "Hello, world! The merge is done.",
+    "Numbers: 3.14159, 2026-12-01, 1234567890 and 42.",
+    "中文文本：模型合并完成了。",
+    "emoji 🤖🚀 and accents: café, naïve",
+    "  leading spaces\nand\ttabs\n\n",
+)
+CHAT = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is 2+2? 中文 🤖"},
+]
+_MEMORY_SHARE = 0.6  # of MemAvailable that transformers' reader (the whole model in float32) may take
+
+
+@dataclass(frozen=True)
+class GgufCheck:
+    status: str  # PASSED, FAILED or NOT_CHECKED
+    reader: str | None  # "llama.cpp (llama-cpp-python 0.3.36)", "transformers 5.25.0's GGUF reader"; None: not checked
+    summary: str  # one sentence: what was compared and found, or why it was not checked
+    details: dict = field(default_factory=dict)  # texts, ids_equal, logits_rel, limit, top_equal, positions
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+    def record(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        return f"{self.status.upper() if self.status != NOT_CHECKED else 'not checked'}: {self.summary}"
+
+
+def check_gguf(
+    folder: Path,
+    gguf_path: Path,
+    type_: str,
+    reader: str = "auto",
+    on_event: EventSink = ignore_event,
+    cancel: CancelToken | None = None,
+) -> GgufCheck:
+    """Compare the GGUF at ``gguf_path`` with the model folder it was made from.
+
+    ``reader``: "auto" (llama.cpp when importable, else transformers' reader), "llama.cpp" or
+    "transformers". Never raises for a file that differs (that is FAILED); a folder that cannot be
+    run as a reference, or a reader that cannot read this family, is NOT_CHECKED with the reason."""
+    folder, gguf_path = Path(folder).absolute(), Path(gguf_path).absolute()
+    if reader not in ("auto", "llama.cpp", "transformers"):
+        raise MergeError(f"{reader!r} is not a GGUF reader tui-merger checks with; choose auto, llama.cpp or transformers.")
+    use_llama = reader == "llama.cpp" or (reader == "auto" and llama_cpp_version() is not None)
+    if reader == "llama.cpp" and llama_cpp_version() is None:
+        return GgufCheck(NOT_CHECKED, None, "llama.cpp's Python binding (llama_cpp) is not installed here.")
+    on_event(PhaseStarted("check", f"Checking {gguf_path.name} with {'llama.cpp' if use_llama else 'transformers’ GGUF reader'}"))
+    limit = LIMITS.get(type_)
+    if limit is None:
+        return GgufCheck(NOT_CHECKED, None, f"tui-merger has no measured logit limit for {type_} files.")
+    if not use_llama:
+        why = _transformers_cannot_read(gguf_path)
+        if why:
+            return GgufCheck(NOT_CHECKED, None, why + " Install llama-cpp-python to check it with llama.cpp itself.")
+    try:
+        ref = _reference(folder, cancel)
+    except MergeError as err:
+        return GgufCheck(NOT_CHECKED, None, f"the model folder cannot be run as the reference ({str(err).rstrip('.')}).")
+    if cancel is not None:
+        cancel.raise_if_cancelled()
+    if use_llama:
+        got, name = _with_llama_cpp(gguf_path, ref)
+    else:
+        got, name = _with_transformers(gguf_path, ref)
+    if isinstance(got, str):  # the reader could not read the file
+        status = FAILED if got.startswith("!") else NOT_CHECKED
+        return GgufCheck(status, name if status == FAILED else None, got.lstrip("!"))
+    return _verdict(ref, got, limit, type_, name, _experts(gguf_path))
+
+
+def llama_cpp_version() -> str | None:
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    try:
+        return importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown version"
+
+
+# -- the reference: transformers on the folder -----------------------------------------------------
+
+
+@dataclass
+class _Reference:
+    texts: list[str]
+    ids: list[list[int]]  # per text, as the folder's tokenizer gives them
+    special: list[bool]  # per text: ids include the tokenizer's own specials (plain text) or not (a rendered chat)
+    prompt: list[int]
+    logits: object  # torch tensor [positions, vocab], float32
+    add_bos: bool
+
+
+def _reference(folder: Path, cancel) -> _Reference:
+    import torch
+
+    from tui_merger.core.io.files import json_object_or_none
+    from tui_merger.core.ship.trial import _generator_class, _load_tokenizer
+
+    config = json_object_or_none(folder / "config.json")
+    if config is None:
+        raise MergeError(f"{folder} has no readable config.json")
+    cls = _generator_class(config, folder)
+    tok = _load_tokenizer(folder)
+    texts, ids, special = [], [], []
+    for text in SAMPLE_TEXTS:
+        texts.append(text)
+        ids.append(list(tok(text)["input_ids"]))
+        special.append(True)
+    chat = _chat_text(tok)
+    if chat is not None:
+        texts.append(chat)
+        ids.append(list(tok(chat, add_special_tokens=False)["input_ids"]))
+        special.append(False)
+    prompt = ids[-1]
+    probe = list(tok("x")["input_ids"])
+    add_bos = tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id]
+    logits = _streamed_logits(folder, cls, prompt, cancel)
+    return _Reference(texts, ids, special, prompt, logits.to(torch.float32), add_bos)
+
+
+def _chat_text(tok) -> str | None:
+    if not getattr(tok, "chat_template", None):
+        return None
+    for messages in (CHAT, CHAT[1:]):  # some templates refuse a system message
+        try:
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001, S112 - a template may raise anything for a role it does not take
+            continue
+    return None
+
+
+def _streamed_logits(folder: Path, cls, prompt: list[int], cancel):
+    """transformers' own forward of the folder's model, float32, one module's weights in memory at a time."""
+    import torch
+    from transformers import AutoConfig
+
+    from tui_merger.core.io.sources import open_model
+    from tui_merger.core.verify import behaviour as bh
+
+    source = open_model(folder)
+    try:
+        try:
+            config = AutoConfig.from_pretrained(folder)
+            streamer, missing = bh.streamer_for_files(cls, config, source.tensors, "merged model", cancel=cancel)
+        except bh.NoReference as err:
+            raise MergeError(str(err)) from None
+        if missing:
+            raise MergeError(f"it lacks {len(missing)} weight(s) ({', '.join(missing[:3])})")
+        try:
+            return streamer(torch.tensor([prompt])).logits[0].detach().clone()
+        finally:
+            streamer.close()
+    finally:
+        source.close()
+
+
+# -- the readers -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Read:
+    ids: list[list[int]]
+    logits: object  # torch tensor [positions, vocab]
+
+
+def _with_llama_cpp(path: Path, ref: _Reference):
+    import torch
+
+    name = f"llama.cpp (llama-cpp-python {llama_cpp_version()})"
+    try:
+        from llama_cpp import Llama
+    except Exception as err:  # noqa: BLE001 - a binding built for another CPU or library raises anything
+        return f"llama_cpp is installed but does not import ({_first_line(err)}).", None
+    try:
+        with _quiet_stderr():
+            llm = Llama(model_path=str(path), n_ctx=max(256, len(ref.prompt) + 8), logits_all=True, verbose=False,
+                        seed=0, n_threads=max(1, min(4, os.cpu_count() or 1)))
+    except Exception as err:  # noqa: BLE001 - llama.cpp reports a file it refuses as a ValueError or worse
+        return (f"!{name} did not load the file ({_first_line(err)}); a llama.cpp older than the file's "
+                "architecture refuses it too: with a current llama-cpp-python, make the GGUF again."), name
+    try:
+        ids = []
+        for text, special in zip(ref.texts, ref.special):
+            ids.append(list(llm.tokenize(text.encode("utf-8"), add_bos=special, special=True)))
+        llm.reset()
+        llm.eval(ref.prompt)
+        logits = torch.tensor(llm.scores[: len(ref.prompt)], dtype=torch.float32)
+    finally:
+        llm.close() if hasattr(llm, "close") else None
+        del llm
+    return _Read(ids, logits), name
+
+
+def _transformers_cannot_read(path: Path) -> str | None:
+    """Why transformers' GGUF reader cannot check this file (None: it can try), from the header alone."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from tui_merger.core.ship.trial import _available_memory
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as err:  # noqa: BLE001 - a damaged file: the reader says what
+        return f"the file does not read as a GGUF ({_first_line(err)})."
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+    # transformers' own spelling of the llama.cpp names it maps (load_gguf_checkpoint)
+    known = {a.replace("_", "") for a in GGUF_SUPPORTED_ARCHITECTURES} | set(GGUF_SUPPORTED_ARCHITECTURES)
+    if arch not in known and arch.replace("-", "") not in known:
+        import transformers
+
+        return (f"transformers {transformers.__version__}'s GGUF reader does not know the {arch} architecture, "
+                "and llama.cpp's Python binding (llama_cpp) is not installed here.")
+    values = sum(int(t.n_elements) for t in reader.tensors)
+    available = _available_memory()
+    if available is not None and values * 4 > available * _MEMORY_SHARE:
+        from tui_merger.core.options import human_bytes
+
+        return (f"transformers' GGUF reader holds the whole model in float32 ({human_bytes(values * 4)}), more than "
+                f"this machine can spare ({human_bytes(available)} available).")
+    return None
+
+
+def _with_transformers(path: Path, ref: _Reference):
+    """The model and tokenizer as transformers builds them from the GGUF alone (the file linked into an
+    empty folder, so that nothing of the model folder is read)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tui_merger.core.ship.trial import quiet_libraries
+
+    name = f"transformers {transformers.__version__}'s GGUF reader"
+    with tempfile.TemporaryDirectory(prefix="tui-merger-gguf-check-") as tmp:
+        alone = Path(tmp) / path.name
+        try:
+            alone.symlink_to(path)
+        except OSError:
+            return "the file could not be linked into a folder of its own for transformers' reader.", None
+        with quiet_libraries():
+            try:
+                tok = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name)
+                model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32).eval()
+            except Exception as err:  # noqa: BLE001 - the reader refuses what it does not map in many ways
+                return f"{name} could not build the model from it ({_first_line(err)}).", None
+    ids = []
+    for text, special in zip(ref.texts, ref.special):
+        ids.append(list(tok(text, add_special_tokens=special)["input_ids"]))
+    with torch.no_grad():
+        logits = model(torch.tensor([ref.prompt])).logits[0].float()
+    del model
+    return _Read(ids, logits), name
+
+
+# -- the verdict -------------------------------------------------------------------------------------
+
+
+def _experts(path: Path) -> int:
+    """The experts per layer the GGUF declares (``<arch>.expert_count``; 0: a dense model)."""
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(path).fields
+    except Exception:  # noqa: BLE001 - the readers said what is wrong with the file already
+        return 0
+    for name, f in fields.items():
+        if name.endswith(".expert_count") and f.data:
+            return int(f.parts[f.data[0]][0])
+    return 0
+
+
+def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str, experts: int = 0) -> GgufCheck:
+    import torch
+
+    same = [a == b for a, b in zip(ref.ids, got.ids)]
+    want, have = ref.logits, got.logits
+    if tuple(have.shape) != tuple(want.shape):
+        return GgufCheck(FAILED, reader, f"the file's logits have shape {list(have.shape)}, the model's {list(want.shape)}.",
+                         {"texts": len(ref.texts), "ids_equal": sum(same)})
+    scale = float(want.abs().max()) or 1.0
+    per_position = (have - want).abs().max(-1).values / scale
+    rel = float(per_position.max())
+    median = float(per_position.median())
+    top_want, top_have = want.argmax(-1), have.argmax(-1)
+    margin = (want.max(-1).values - want.gather(-1, top_have[:, None])[:, 0]) / scale  # the reference's own gap
+    within = per_position <= limit
+    compared = within if experts > 1 else torch.ones_like(within)  # MoE: where no expert choice turned
+    top_equal = int((top_want == top_have).sum())
+    near_ties = int(((top_want != top_have) & (margin <= limit) & compared).sum())
+    unexplained = int(((top_want != top_have) & (margin > limit) & compared).sum())
+    rerouted = int(((top_want != top_have) & ~compared).sum())
+    positions = len(ref.prompt)
+    details = {
+        "texts": len(ref.texts), "ids_equal": sum(same), "logits_rel": float(f"{rel:.3g}"),
+        "logits_rel_median": float(f"{median:.3g}"), "limit": limit, "experts": experts,
+        "top_equal": top_equal, "top_near_ties": near_ties, "top_rerouted": rerouted, "positions": positions,
+    }
+    if experts > 1:
+        over = positions - int(within.sum())
+        logits_ok = median <= limit and rel <= MOE_CEILING * limit
+        logit_words = (f"prompt logits within {median:.2g} of transformers' at the median position and {rel:.2g} at "
+                       f"most (limit {limit:g} for {type_}, {MOE_CEILING}x that at {over} position{'s' if over != 1 else ''} "
+                       "where a mixture of experts may route differently)")
+        details["positions_over_limit"] = over
+    else:
+        logits_ok = rel <= limit
+        logit_words = f"prompt logits within {rel:.2g} of transformers' (limit {limit:g} for {type_})"
+    what = (f"token ids equal on {sum(same)}/{len(same)} texts, {logit_words}, top token equal at "
+            f"{top_equal}/{positions} positions")
+    what += f" ({near_ties} near tie{'s' if near_ties != 1 else ''} within the limit)" if near_ties else ""
+    what += f" ({rerouted} more where experts may route differently)" if rerouted else ""
+    ok = all(same) and logits_ok and unexplained == 0 and bool(torch.isfinite(have).all())
+    return GgufCheck(PASSED if ok else FAILED, reader, f"{what}; read by {reader}.", details)
+
+
+# -- recording ---------------------------------------------------------------------------------------
+
+
+def record_check(folder: Path, gguf_path: Path, check: GgufCheck, modelfile: Path | None = None) -> bool:
+    """Put the check (and the Modelfile written beside the GGUF) into the GGUF's entry of the folder's
+    merge_manifest.json, and the model card when tui-merger wrote it; False when there is no entry."""
+    from tui_merger.core.record.card import is_ours, write_model_card
+    from tui_merger.core.record.manifest import read_manifest, write_manifest
+
+    folder = Path(folder).absolute()
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return False
+    path = Path(gguf_path).absolute()
+    shown = path.relative_to(folder).as_posix() if path.is_relative_to(folder) else str(path)
+    entry = next((e for e in manifest.get("gguf") or [] if isinstance(e, dict) and e.get("path") == shown), None)
+    if entry is None:
+        return False
+    entry["check"] = check.record()
+    if modelfile is not None:
+        mf = Path(modelfile).absolute()
+        entry["modelfile"] = mf.relative_to(folder).as_posix() if mf.is_relative_to(folder) else str(mf)
+    write_manifest(folder, manifest)
+    card = folder / "README.md"
+    if not card.exists() or is_ours(card):
+        write_model_card(folder, manifest, overwrite=False)
+    return True
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+class _quiet_stderr:
+    """llama.cpp prints its loading log on the C stderr even with verbose=False for some messages."""
+
+    def __enter__(self):
+        import sys
+
+        try:
+            sys.stderr.flush()
+            self._saved = os.dup(2)
+            self._null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(self._null, 2)
+        except OSError:
+            self._saved = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            os.close(self._null)
+        return False
+

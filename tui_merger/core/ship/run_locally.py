@@ -1,0 +1,124 @@
+""""Run it locally": a GGUF, checked, with its Ollama Modelfile and the lines to run it, in one call that
+the command line (``tui-merger gguf``), the assistant's Finish step and the plain flow share.
+
+``estimate`` says before anything is written how large the file will be (from the plan: headers only)
+and about how long writing it takes; ``make_local`` writes the GGUF (ship/gguf.py), the Modelfile
+(modelfile.py), checks the file (gguf_check.py) and records the check in merge_manifest.json and the
+model card.
+
+Q4_K_M is what "Run it locally" preselects: Ollama's default, what model pages publish first, about a
+third of f16's size. The command's ``--type`` default stays f16 (gguf.DEFAULT_TYPE): a command run without
+a type gets the file closest to the model, and a k-quant takes about 20 times longer to write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tui_merger.core.events import CancelToken, EventSink, ignore_event
+
+RUN_LOCALLY_TYPE = "q4_k_m"
+# bytes of the model folder written per second, by type, measured on this project's 2-core machine
+# (docs/command-line.md: 0.5B f16 6.9 s, q8_0 8.0 s; 3B widths q4_k_m 6 layers in 163 s): the estimate
+# is that rate, so a faster machine takes less
+SOURCE_BYTES_PER_SECOND = {"f16": 150e6, "bf16": 150e6, "q8_0": 125e6}
+K_QUANT_BYTES_PER_SECOND = 7.4e6
+
+
+@dataclass(frozen=True)
+class Estimate:
+    type: str
+    size: int  # bytes of the GGUF
+    seconds: float  # about, at the measured rate
+    source_bytes: int
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    result: object  # gguf.GgufResult
+    modelfile: object  # modelfile.Modelfile
+    check: object  # gguf_check.GgufCheck
+
+    def run_lines(self) -> list[str]:
+        from tui_merger.core.ship.modelfile import run_lines
+
+        return run_lines(self.result.path, self.modelfile)
+
+
+def estimate(folder: Path, type_: str) -> Estimate:
+    """The GGUF's size (its plan: headers only, nothing written) and about how long it takes to write.
+    Raises MergeError with the plan's sentence when the folder cannot be a GGUF."""
+    import tempfile
+
+    from tui_merger.core.io.sources import open_model
+    from tui_merger.core.ship.gguf import plan_gguf
+
+    with tempfile.TemporaryDirectory(prefix="tui-merger-estimate-") as tmp:  # a target that is surely free
+        plan = plan_gguf(folder, type_, Path(tmp) / "estimate.gguf")
+        size = plan.tensor_bytes
+        closing = getattr(getattr(plan, "_source", None), "close", None)  # the plan holds the folder's files open
+        if closing is not None:
+            closing()
+    source = open_model(Path(folder))
+    try:
+        source_bytes = sum(int(getattr(ref, "nbytes", 0) or 0) for ref in source.tensors.values())
+    finally:
+        source.close()
+    rate = SOURCE_BYTES_PER_SECOND.get(type_, K_QUANT_BYTES_PER_SECOND)
+    return Estimate(type_, size, source_bytes / rate, source_bytes)
+
+
+def make_local(
+    folder: Path,
+    type_: str,
+    out: Path | None = None,
+    overwrite: bool = False,
+    check: str = "auto",
+    on_event: EventSink = ignore_event,
+    cancel: CancelToken | None = None,
+) -> LocalModel:
+    """Write the GGUF, its Modelfile, check the file and record the check. ``check``: auto, llama.cpp,
+    transformers or none (recorded as not checked)."""
+    from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_check import NOT_CHECKED, GgufCheck, check_gguf, record_check
+    from tui_merger.core.ship.modelfile import write_modelfile
+
+    result = export_gguf(folder, type_, out, overwrite=overwrite, on_event=on_event, cancel=cancel)
+    modelfile = write_modelfile(folder, result.path, result.type)
+    if check == "none":
+        verdict = GgufCheck(NOT_CHECKED, None, "skipped (--check none).")
+    else:
+        verdict = check_gguf(folder, result.path, result.type, reader=check, on_event=on_event, cancel=cancel)
+    try:
+        record_check(folder, result.path, verdict, modelfile.path)
+    except OSError:  # a read-only folder: export_gguf said so already; the file and its check stand
+        pass
+    return LocalModel(result, modelfile, verdict)
+
+
+def human_seconds(seconds: float) -> str:
+    if seconds < 60:
+        return f"{max(1, round(seconds))} s"
+    if seconds < 3600:
+        return f"{round(seconds / 60)} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _local_type_words() -> list[tuple[str, str]]:
+    """gguf.TYPE_WORDS as "Run it locally" offers them: Q4_K_M is its choice, f16 the command's default."""
+    from tui_merger.core.ship.gguf import TYPE_WORDS
+
+    words = []
+    for text, type_ in TYPE_WORDS:
+        text = text.replace(" (default)", "")
+        if type_ == RUN_LOCALLY_TYPE:
+            text = text.replace(type_ + ":", type_ + " (recommended):", 1)
+        words.append((text, type_))
+    return words
+
+
+def __getattr__(name: str):
+    if name == "LOCAL_TYPE_WORDS":  # built on first use: gguf's names only, no heavy imports
+        return _local_type_words()
+    raise AttributeError(name)
