@@ -1,0 +1,61 @@
+"""Names asked of transformers, and checks that do not share code with what they check (issue 41, items 1
+and 3).
+
+- ``--quantize fp8`` quantizes what transformers' own FP8 load quantizes (its ``replace_with_fp8_linear``
+  and ``get_keys_to_not_convert``), whatever the family names its layers: BLOOM keeps them under
+  ``transformer.h.N`` (we looked for ``.layers.N.`` and refused: "found no Linear weight").
+
+References, never the code under test: transformers' dequantizing FP8 load against the unmerged adapter
+through peft, transformers' own Fp8Quantize on the bf16 merge, the safetensors library's reading."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import transformers
+from factory import read_output, verification_checks
+from test_released_quantized import _fp8_quantize, _logits_gap
+
+from tui_merger.cli import main
+
+
+def _bloom(root):
+    """A tiny BLOOM (tied embeddings, layers under ``transformer.h.N``) whose attention and MLP matrices
+    are whole 128x128 blocks, and a LoRA made by peft on it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(hidden_size=128, n_layer=2, n_head=2, vocab_size=320, bos_token_id=1,
+                                      eos_token_id=2)
+    base = root / "bloom-tiny"
+    transformers.BloomForCausalLM(config).to(torch.bfloat16).save_pretrained(base)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value", "dense_4h_to_h"], init_lora_weights=False)
+    get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), lora).save_pretrained(root / "adapter")
+    return base, root / "adapter"
+
+
+def test_quantize_fp8_asks_transformers_which_weights_on_a_family_without_model_layers(tmp_path, capsys):
+    base, adapter = _bloom(tmp_path)
+    plain, fp8 = tmp_path / "plain", tmp_path / "fp8"
+    args = ["merge", "--base", str(base), "--adapter", str(adapter)]
+    assert main([*args, "--out", str(plain), "--plain", "--no-verify"]) == 0
+    code = main([*args, "--out", str(fp8), "--plain", "--quantize", "fp8"])
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    config = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    # transformers' own defaults for this model: the output embedding and the tied input embedding
+    assert config["modules_to_not_convert"] == ["lm_head", "transformer.word_embeddings"]
+    got, bf16 = read_output(fp8), read_output(plain)
+    linears = [n for n in bf16 if n.startswith("transformer.h.") and n.endswith(("query_key_value.weight", "dense.weight",
+                                                                                  "dense_h_to_4h.weight", "dense_4h_to_h.weight"))]
+    assert len(linears) == 8
+    for name in linears:  # the bf16 merge quantized by transformers' own Fp8Quantize, bit for bit
+        q, inv = _fp8_quantize(bf16[name])
+        assert got[name].dtype == torch.float8_e4m3fn and torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(got[name[: -len("weight")] + "weight_scale_inv"], inv), name
+    assert got["transformer.word_embeddings.weight"].dtype == torch.bfloat16
+    gap, scale = _logits_gap(fp8, base, adapter, None, "fp8")
+    assert gap < 0.1 * scale, (gap, scale)
+    assert verification_checks(fp8) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
