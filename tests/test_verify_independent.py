@@ -4,6 +4,9 @@ and 3).
 - ``--quantize fp8`` quantizes what transformers' own FP8 load quantizes (its ``replace_with_fp8_linear``
   and ``get_keys_to_not_convert``), whatever the family names its layers: BLOOM keeps them under
   ``transformer.h.N`` (we looked for ``.layers.N.`` and refused: "found no Linear weight").
+- The recompute of an output quantized again (``--keep-quantization``, ``--quantize fp8``) quantizes with
+  other code than the merge's (``verify/requant_ref.py``): a bug put into the merge's quantizer is caught
+  (before, both sides called the same quantizer and verification PASSED).
 
 References, never the code under test: transformers' dequantizing FP8 load against the unmerged adapter
 through peft, transformers' own Fp8Quantize on the bf16 merge, the safetensors library's reading."""
@@ -12,10 +15,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import transformers
 from factory import read_output, verification_checks
-from test_released_quantized import _fp8_quantize, _logits_gap
+from test_keep_mxfp4 import _expert_adapter
+from test_released_quantized import (_fp8_quantize, _logits_gap, _qv_adapter, deepseek_ue8m0,  # noqa: F401 - fixtures
+                                     gpt_oss_mxfp4, qwen3_ct, qwen3_fp8)
 
 from tui_merger.cli import main
 
@@ -59,3 +65,58 @@ def test_quantize_fp8_asks_transformers_which_weights_on_a_family_without_model_
     gap, scale = _logits_gap(fp8, base, adapter, None, "fp8")
     assert gap < 0.1 * scale, (gap, scale)
     assert verification_checks(fp8) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}, said.out
+
+
+# -- a bug in the merge's quantizer is caught by the recompute ---------------------------------------------
+
+
+def _one_bit_off(quantize):
+    """``quantize`` with one mantissa bit of its first value flipped: a wrong quantization too small for the
+    behaviour check (within the format's rounding), which only an independent recompute sees."""
+
+    def buggy(*args, **kwargs):
+        q, scale = quantize(*args, **kwargs)
+        q = q.clone()
+        q.view(torch.uint8).view(-1)[0] ^= 0x01
+        return q, scale
+
+    return buggy
+
+
+def _merge_kept(base, adapter, out, capsys, *flags):
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain",
+                 "--keep-quantization", *flags])
+    said = capsys.readouterr()
+    return code, said.out + said.err
+
+
+@pytest.mark.parametrize("fixture,kind,where", [
+    ("qwen3_fp8", "fp8", "tui_merger.core.formats.dequant.quantize_fp8_blocks"),
+    ("deepseek_ue8m0", "fp8-ue8m0", "tui_merger.core.formats.dequant.quantize_fp8_blocks"),
+    ("qwen3_ct", "compressed-tensors", "tui_merger.core.formats.dequant.quantize_compressed_fp8"),
+])
+def test_a_bug_in_the_merges_fp8_quantizer_fails_verification(fixture, kind, where, request, tmp_path, capsys,
+                                                               monkeypatch):
+    base, adapter = request.getfixturevalue(fixture)
+    if fixture != "deepseek_ue8m0":  # its own adapter (all-linear) changes kv_a_proj_with_mqa: a short last block
+        adapter = _qv_adapter(base, tmp_path / "qv", kind)
+    code, said = _merge_kept(base, adapter, tmp_path / "good", capsys)
+    assert code == 0 and verification_checks(tmp_path / "good")["recompute"] == "pass", said
+    module, name = where.rsplit(".", 1)
+    monkeypatch.setattr(module + "." + name, _one_bit_off(getattr(__import__(module, fromlist=[name]), name)))
+    code, said = _merge_kept(base, adapter, tmp_path / "bad", capsys)
+    assert code == 4, said
+    assert verification_checks(tmp_path / "bad")["recompute"] == "fail", said
+    assert "differs from the merged weight quantized again by the format's own rules (1 of " in said, said
+
+
+def test_a_bug_in_the_merges_mxfp4_quantizer_fails_verification(gpt_oss_mxfp4, tmp_path, capsys, monkeypatch):
+    import tui_merger.core.merge.requant_mxfp4 as requant_mxfp4
+
+    base, _ = gpt_oss_mxfp4
+    adapter = _expert_adapter(base, tmp_path / "adapter")
+    monkeypatch.setattr(requant_mxfp4, "quantize_mxfp4", _one_bit_off(requant_mxfp4.quantize_mxfp4))
+    code, said = _merge_kept(base, adapter, tmp_path / "bad", capsys)
+    assert code == 4, said
+    assert verification_checks(tmp_path / "bad")["recompute"] == "fail", said
+    assert "_blocks: differs from the merged weight quantized again by the format's own rules" in said, said
