@@ -37,15 +37,17 @@ def is_requantized(t) -> bool:
     return isinstance(t.source.source, PairSource)
 
 
-def expected(t):
-    """(the tensor ``t`` must hold, or None, a sentence when the merged weight itself is wrong)."""
+def expected(t, merged_problem):
+    """(the tensor ``t`` must hold, or None, a sentence when the merged weight itself is wrong).
+    ``merged_problem(t16, merged)``: the recompute's own check of the merged 16-bit weight (a sentence, or
+    None)."""
     src = t.source.source
     with _LOCK:
         kept = _KEPT.setdefault(src, {})
         if t.name in kept:
             return kept.pop(t.name), None
     t16 = src.weights[t.name]
-    pair, problem = _expected_pair(src, t16)
+    pair, problem = _expected_pair(src, t16, merged_problem)
     if problem is not None:
         return None, problem
     with _LOCK:
@@ -55,18 +57,13 @@ def expected(t):
     return pair[t.name], None
 
 
-def _expected_pair(src, t16):
+def _expected_pair(src, t16, merged_problem):
     from tui_merger.core.merge.merge_math import compute
-    from tui_merger.core.verify.recompute import _compare, _Recomputation
 
     merged = compute(t16)
-    r = _Recomputation(t16)
-    try:
-        bad, _finite = _compare(merged, r.rows(None), lambda: r.magnitude(None))
-    finally:
-        r.release()
-    if bad:
-        return None, f"{t16.name}: {bad} values of the merged weight quantized again differ from the recomputation"
+    problem = merged_problem(t16, merged)
+    if problem is not None:
+        return None, problem
     return _quantized(src, t16, merged), None
 
 
