@@ -120,3 +120,59 @@ def test_a_bug_in_the_merges_mxfp4_quantizer_fails_verification(gpt_oss_mxfp4, t
     assert code == 4, said
     assert verification_checks(tmp_path / "bad")["recompute"] == "fail", said
     assert "_blocks: differs from the merged weight quantized again by the format's own rules" in said, said
+
+
+# -- a plan error is caught: what must change is derived by peft, not by the merge's plan ------------------
+
+
+def _qwen3_lora(root, **lora):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32, vocab_size=320, max_position_embeddings=64)
+    base = root / "qwen3-tiny"
+    transformers.Qwen3ForCausalLM(config).save_pretrained(base)
+    torch.manual_seed(1)
+    get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
+                   LoraConfig(init_lora_weights=False, **lora)).save_pretrained(root / "adapter")
+    return base, root / "adapter"
+
+
+@pytest.mark.parametrize("bug", ["dropped", "scale"])
+def test_a_plan_bug_fails_verification_by_peft_s_own_target_matching(bug, tmp_path, capsys, monkeypatch):
+    """A target dropped from the plan, or a wrong scale (rsLoRA's alpha/sqrt(r) taken as alpha/r), put into the
+    merge's plan: the recompute shares the plan, so it agrees with the wrong merge (PASS); peft's own wrapping
+    of the meta model does not, and the structure check fails naming the weight."""
+    import dataclasses
+
+    import tui_merger.core.merge.requant as requant
+    import tui_merger.core.plan.plan as plan_module
+
+    base, adapter = _qwen3_lora(tmp_path, r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "down_proj"],
+                                exclude_modules=["model.layers.1.mlp.down_proj"])
+    good = tmp_path / "good"
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(good), "--plain"]) == 0
+    assert verification_checks(good) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    original = plan_module.build_plan
+
+    def buggy(*args, **kwargs):
+        plan = original(*args, **kwargs)
+        for t in plan.tensors:
+            if t.name == "model.layers.0.mlp.down_proj.weight":
+                t.ops[:] = [] if bug == "dropped" else [dataclasses.replace(t.ops[0], scale=8 / 4)]
+        return plan
+
+    monkeypatch.setattr(plan_module, "build_plan", buggy)
+    monkeypatch.setattr(requant, "build_plan", buggy)
+    bad = tmp_path / "bad"
+    code = main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(bad), "--plain"])
+    said = capsys.readouterr().out
+    assert code == 4, said
+    checks = verification_checks(bad)
+    assert checks["recompute"] == "pass" and checks["structure"] == "fail", said  # the recompute repeats the plan
+    if bug == "dropped":
+        assert "model.layers.0.mlp.down_proj.weight: peft applies the adapter's LoRA here (scale 4) but the merge left " \
+               "it unchanged" in said, said
+    else:
+        assert "model.layers.0.mlp.down_proj.weight: merged with scale 2, but peft's scale for it is 4" in said, said
