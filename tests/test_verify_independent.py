@@ -176,3 +176,49 @@ def test_a_plan_bug_fails_verification_by_peft_s_own_target_matching(bug, tmp_pa
                "it unchanged" in said, said
     else:
         assert "model.layers.0.mlp.down_proj.weight: merged with scale 2, but peft's scale for it is 4" in said, said
+
+
+# -- kohya: the tied output head is named as transformers names it ------------------------------------------
+
+
+def test_a_kohya_lora_on_a_tied_head_finds_it_under_the_family_s_own_name(tmp_path):
+    """A DeepSeek-V4 with tied embeddings writes no output head; its head is ``head`` (transformers' rules),
+    not ``lm_head``: a kohya LoRA on it matched no module before ("match no module of the base")."""
+    from safetensors.torch import save_file
+    from test_families import deepseek_v4
+
+    from tui_merger.core.formats.kohya import module_names, open_kohya
+    from tui_merger.core.io.sources import open_model
+
+    cls, config = deepseek_v4()
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path / "base")
+    base = open_model(tmp_path / "base")
+    saved = json.loads((tmp_path / "base" / "config.json").read_text())
+    try:
+        assert "head.weight" not in base.tensors and "lm_head.weight" not in base.tensors
+        modules = module_names(base.tensors, saved)
+        assert "head" in modules and "lm_head" not in modules
+        save_file({"lora_unet_head.lora_down.weight": torch.randn(4, 64), "lora_unet_head.lora_up.weight": torch.randn(320, 4),
+                   "lora_unet_head.alpha": torch.tensor(8.0)}, str(tmp_path / "kohya.safetensors"))
+        adapter = open_kohya(tmp_path / "kohya.safetensors", base.tensors, saved)
+        assert list(adapter.lora) == ["head"], list(adapter.lora)
+        adapter.close()
+    finally:
+        base.close()
+
+
+def test_a_resized_embedding_saved_by_the_adapter_is_found_under_the_family_s_own_name(tmp_path):
+    """Mamba's input embedding is ``backbone.embeddings``, none of the usual names: the adapter's saved,
+    resized embedding (modules_to_save) was not found, so Review did not say the vocabulary differs."""
+    from safetensors.torch import save_file
+
+    from tui_merger.core.plan.choices import _saved_embedding_rows
+
+    config = transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=320, state_size=8).to_dict()
+    config["architectures"] = ["MambaForCausalLM"]
+    save_file({"base_model.model.backbone.embeddings.weight": torch.zeros(330, 64),
+               "base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight": torch.zeros(4, 64)},
+              str(tmp_path / "adapter_model.safetensors"))
+    assert _saved_embedding_rows(tmp_path, config) == 330
