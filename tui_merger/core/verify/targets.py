@@ -43,7 +43,9 @@ def expected_loras(config: dict, adapter, lora_alpha=None) -> dict[str, float] |
             cfg["lora_alpha"], cfg["alpha_pattern"] = lora_alpha, {}
         cfg["inference_mode"] = True
         model = copy.deepcopy(meta)
-        inject_adapter_in_model(LoraConfig(**cfg), model, low_cpu_mem_usage=True)
+        # not low_cpu_mem_usage: that patches torch's module creation for every thread while it runs (the
+        # behaviour check builds its models meanwhile); the small LoRA factors are made, then put on meta
+        inject_adapter_in_model(LoraConfig(**cfg), model)
         wrapped = {}
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer) and "default" in getattr(module, "scaling", {}):
