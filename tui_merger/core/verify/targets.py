@@ -83,7 +83,9 @@ def plan_problems(plan, expected: dict[str, float] | None) -> list[str]:
 
     if not expected:
         return []
-    ops = {t.name: [op for op in t.ops if type(op) is LoraOp] for t in plan.tensors}
+    # an output quantized again: the LoRA is on the 16-bit tensor it is made from (its scale has none)
+    ops = {t.name: [op for op in _merged(t).ops if type(op) is LoraOp] for t in plan.tensors
+           if _merged(t).name == t.name}
     problems = []
     for name, scale in sorted(expected.items()):
         if name not in ops:
@@ -97,6 +99,12 @@ def plan_problems(plan, expected: dict[str, float] | None) -> list[str]:
         if found and name not in expected and _plain_linear(name, expected):
             problems.append(f"{name}: the merge added a LoRA that peft's target matching does not put there")
     return problems
+
+
+def _merged(t):
+    """The 16-bit tensor an output quantized again is made from (its LoRA is there), else ``t``."""
+    weights = getattr(t.source.source, "weights", None)
+    return weights.get(t.name, t) if isinstance(weights, dict) else t
 
 
 def _plain_linear(name: str, expected: dict) -> bool:
