@@ -1,7 +1,8 @@
 """Which weights the adapter must change, and by what scale, derived for the checks without the merge's
-plan: peft itself wraps the layers of the base's meta model (``inject_adapter_in_model`` with the
-adapter's ``adapter_config.json``: its own target matching, ``exclude_modules``, ``layers_to_transform``,
-``rank_pattern`` / ``alpha_pattern``, rsLoRA) and says each wrapped layer's ``scaling``; transformers names
+plan: peft's own functions pick the layers of the base's meta model it would wrap with the adapter's
+``adapter_config.json`` (``check_target_module_exists``: target matching, ``exclude_modules``,
+``layers_to_transform``; ``all-linear`` expanded by peft) and each one's rank and alpha (``get_pattern_key``
+on ``rank_pattern`` / ``alpha_pattern``; the scale as its ``LoraLayer`` sets it, rsLoRA too); transformers names
 each layer's weight on disk (``revert_weight_conversion``). The plan (``plan.build_plan``, which the
 recompute repeats) must put a LoRA of that scale on exactly those weights: a target the plan dropped, one
 it added or a wrong scale is a structure problem, whatever the recompute and the behaviour check say.
@@ -21,8 +22,6 @@ def expected_loras(config: dict, adapter, lora_alpha=None) -> dict[str, float] |
     """{on-disk weight name: scale} of every layer peft wraps with this adapter on the model ``config``
     describes; None when it cannot be derived here (transformers cannot build the model, peft refuses the
     config, not a LoRA)."""
-    import copy
-
     from tui_merger.core.formats.hf_names import meta_of_config
 
     raw = _adapter_config(adapter)
@@ -32,9 +31,12 @@ def expected_loras(config: dict, adapter, lora_alpha=None) -> dict[str, float] |
     if meta is None:
         return None
     try:
+        import math
+
         import torch
-        from peft import LoraConfig, inject_adapter_in_model
-        from peft.tuners.lora import LoraLayer
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
+        from peft.utils.other import get_pattern_key
         from transformers.core_model_loading import revert_weight_conversion
 
         fields = LoraConfig.__dataclass_fields__
@@ -42,22 +44,27 @@ def expected_loras(config: dict, adapter, lora_alpha=None) -> dict[str, float] |
         if lora_alpha is not None:  # the user's --lora-alpha takes the place of every recorded alpha
             cfg["lora_alpha"], cfg["alpha_pattern"] = lora_alpha, {}
         cfg["inference_mode"] = True
-        model = copy.deepcopy(meta)
-        # not low_cpu_mem_usage: that patches torch's module creation for every thread while it runs (the
-        # behaviour check builds its models meanwhile); the small LoRA factors are made, then put on meta
-        inject_adapter_in_model(LoraConfig(**cfg), model)
+        lora = _maybe_include_all_linear_layers(LoraConfig(**cfg), meta)
+        # peft's own choice of layers (inject_adapter's test: check_target_module_exists on each module
+        # name, with exclude_modules, layers_to_transform and layers_pattern) and its scale for each
+        # (rank and alpha patterns by get_pattern_key, then lora_alpha / r, or / sqrt(r) for rsLoRA, as its
+        # LoraLayer.update_layer sets ``scaling``). Building the wrapped model itself took 3-4 s at 0.5B.
         wrapped = {}
-        for name, module in model.named_modules():
-            if isinstance(module, LoraLayer) and "default" in getattr(module, "scaling", {}):
-                base = module.get_base_layer()
-                weight = getattr(base, "weight", None)
-                if weight is not None and weight.dim() >= 2 and not hasattr(module, "parameter_name"):
-                    wrapped[f"{name.replace('.base_layer', '')}.weight"] = float(module.scaling["default"])
-        out = {}
-        for memory, scale in wrapped.items():
-            disk = revert_weight_conversion(meta, {memory: torch.empty((1, 1), device="meta")})
-            if len(disk) == 1:  # one tensor on disk for the one in memory
-                out[next(iter(disk))] = scale
+        for name, module in meta.named_modules():
+            weight = getattr(module, "weight", None)
+            if not name or not isinstance(weight, torch.Tensor) or weight.dim() < 2 or list(module.children()):
+                continue
+            if not check_target_module_exists(lora, name):
+                continue
+            r = lora.rank_pattern.get(get_pattern_key(lora.rank_pattern.keys(), name), lora.r)
+            alpha = lora.alpha_pattern.get(get_pattern_key(lora.alpha_pattern.keys(), name), lora.lora_alpha)
+            wrapped[f"{name}.weight"] = alpha / math.sqrt(r) if lora.use_rslora else alpha / r
+        disk = revert_weight_conversion(meta, {n: torch.empty((1, 1), device="meta") for n in wrapped})
+        out = {n: scale for n, scale in wrapped.items() if n in disk}  # the same name in memory and on disk
+        for memory in set(wrapped) - set(out):  # renamed on disk: one tensor for the one in memory
+            one = revert_weight_conversion(meta, {memory: torch.empty((1, 1), device="meta")})
+            if len(one) == 1:
+                out[next(iter(one))] = wrapped[memory]
         return out
     except Exception:  # noqa: BLE001 - a config or model peft or transformers cannot take here
         return None
