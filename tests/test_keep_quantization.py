@@ -312,15 +312,18 @@ def test_quantize_fp8_leaves_packed_experts_16bit_and_says_so(tmp_path, capsys):
     args = ["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter")]
     assert main([*args, "--out", str(fp8), "--dry-run", "--quantize", "fp8"]) == 0
     plan = capsys.readouterr().out
-    assert ("output is  FP8 (e4m3), 128x128 blocks, weight-only: 8 Linear weights of the decoder layers; embeddings, "
-            "lm_head, norms and routers stay bfloat16; the 4 packed expert tensors "
+    assert ("output is  FP8 (e4m3), 128x128 blocks, weight-only: 8 Linear weights transformers' FP8 load quantizes; "
+            "what it leaves alone (input_layernorm, lm_head, norm, post_attention_layernorm), embeddings and norms "
+            "stay bfloat16; the 4 packed expert tensors "
             "(model.layers.0.mlp.experts.down_proj, ...) stay bfloat16 too, named in modules_to_not_convert") in plan, plan
     assert main([*args, "--out", str(plain), "--plain", "--no-verify"]) == 0
     code = main([*args, "--out", str(fp8), "--plain", "--quantize", "fp8"])
     said = capsys.readouterr()
     assert code == 0, said.out + said.err
     config = json.loads((fp8 / "config.json").read_text())["quantization_config"]
-    skip = ["lm_head", "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    # transformers' own defaults for GPT-OSS (get_keys_to_not_convert, _keep_in_fp32_modules), then the experts
+    skip = ["input_layernorm", "lm_head", "norm", "post_attention_layernorm", "model.layers.0.mlp.experts",
+            "model.layers.1.mlp.experts"]
     assert config["modules_to_not_convert"] == skip
     got, bf16 = read_output(fp8), read_output(plain)
     experts = [n for n in bf16 if ".mlp.experts." in n]

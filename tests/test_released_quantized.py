@@ -416,8 +416,8 @@ def test_quantize_fp8_writes_any_merge_as_fp8_blocks(tmp_path, capsys):
     assert main([*args, "--out", str(plain), "--plain", "--no-verify"]) == 0
     assert main([*args, "--out", str(fp8), "--dry-run", "--quantize", "fp8"]) == 0
     plan = capsys.readouterr().out
-    assert ("output is  FP8 (e4m3), 128x128 blocks, weight-only: 14 Linear weights of the decoder layers; "
-            "embeddings, lm_head, norms and routers stay bfloat16") in plan, plan
+    assert ("output is  FP8 (e4m3), 128x128 blocks, weight-only: 14 Linear weights transformers' FP8 load quantizes; "
+            "what it leaves alone (lm_head), embeddings and norms stay bfloat16") in plan, plan
     code = main([*args, "--out", str(fp8), "--plain", "--quantize", "fp8"])
     said = capsys.readouterr()
     assert code == 0, said.out + said.err

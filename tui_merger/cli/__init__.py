@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     merge.add_argument(
         "--quantize", dest="output_quantization", choices=["fp8"],
-        help="fp8: write the merged model's Linear weights as 128x128-block FP8 (DeepSeek/Qwen format, weight-only, "
-        "no calibration data); embeddings, lm_head, norms and routers stay 16-bit",
+        help="fp8: write the weights transformers' FP8 load quantizes as 128x128-block FP8 (DeepSeek/Qwen format, "
+        "weight-only, no calibration data); what it leaves alone (the output embedding, tied weights), embeddings "
+        "and norms stay 16-bit",
     )
     merge.add_argument("--hf_upload_path", "--hf-upload-path", dest="hf_upload_path", metavar="ORG/NAME", help="upload the verified model to this Hub repo (private unless --public)")
     merge.add_argument("--public", action="store_true", help="with --hf_upload_path: create the repo public")

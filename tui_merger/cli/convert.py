@@ -35,6 +35,9 @@ def cmd_convert_kohya(args) -> int:
         names = list(base.tensors)
     finally:
         base.close()
-    kohya_to_peft(args.file, names, args.out, base_model=str(args.base))
+    from tui_merger.core.io.files import json_object_or_none
+
+    config = json_object_or_none(args.base / "config.json")  # which tensor is the output head: transformers says
+    kohya_to_peft(args.file, names, args.out, base_model=str(args.base), config=config)
     print(f"PEFT adapter written to {args.out}; merge it with: tui-merger merge --base {args.base} --adapter {args.out} --out OUT")
     return 0

@@ -189,8 +189,9 @@ class Format:
         """Model kinds: the base's ``TensorSource`` (names as ``save_pretrained`` writes them)."""
         raise NotImplementedError
 
-    def open_adapter(self, path: Path, base_names):
-        """Adapter kinds: the adapter as a ``PeftAdapter``, its names those of ``base_names``."""
+    def open_adapter(self, path: Path, base_names, config: dict | None = None):
+        """Adapter kinds: the adapter as a ``PeftAdapter``, its names those of ``base_names`` (the base's,
+        whose ``config`` says which of them transformers takes for what)."""
         raise NotImplementedError
 
     # -- verification -------------------------------------------------------------------------------

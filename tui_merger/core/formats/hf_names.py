@@ -633,6 +633,62 @@ def quantizable_linears(config: dict, names) -> dict[str, str] | None:
         return None
 
 
+class Fp8Layout:
+    """What transformers' FP8 load (``replace_with_fp8_linear``) does with a model, in on-disk names:
+    ``linears`` {disk weight: in-memory module} of the modules it makes ``FP8Linear`` (exactly
+    ``nn.Linear``); ``experts`` {in-memory module: [disk tensors]} of those it makes ``FP8Experts`` (its own
+    rule: a module named ``*.experts``), with ``converted`` the ones whose disk tensors are matrices that
+    its loading rules pack (one matrix per expert and projection on disk); ``others`` the modules it would
+    replace otherwise (a grouped Linear: ``FP8GroupedLinear``); subclasses of ``nn.Linear`` it leaves alone
+(Falcon's ``FalconLinear``), as it does; ``defaults`` the modules it leaves alone unasked
+    (``get_keys_to_not_convert``: the output embedding, tied weights, the last module; plus the model's
+    ``_keep_in_fp32_modules``)."""
+
+    def __init__(self, linears, experts, converted, others, defaults) -> None:
+        self.linears, self.experts, self.converted = linears, experts, converted
+        self.others, self.defaults = others, defaults
+
+
+def fp8_layout(config: dict, names) -> Fp8Layout | None:
+    """transformers' own answer to "which modules does an FP8 checkpoint of this model quantize"
+    (``Fp8Layout``), for the tensors ``names`` as the files name them. None when transformers cannot
+    build the model here."""
+    model = meta_of_config(config)
+    if model is None:
+        return None
+    try:
+        import torch.nn as nn
+        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        defaults = sorted(set(get_keys_to_not_convert(model)) | set(getattr(model, "_keep_in_fp32_modules", None) or ()))
+        linears, experts, others = set(), set(), []
+        for name, module in model.named_modules():
+            if not name or not should_convert_module(name, defaults):
+                continue
+            if name.endswith(".experts"):  # replace_with_fp8_linear's own test for FP8Experts
+                experts.add(name)
+            elif type(module) is nn.Linear:
+                linears.add(name)
+            elif isinstance(module, nn.Linear) and "GroupedLinear" in type(module).__name__:
+                others.append(name)  # its FP8GroupedLinear, which we do not write
+        state = dict(model.state_dict(keep_vars=True))
+        rename = renamer(model, state)
+        out, by_experts, converted = {}, {}, set(experts)
+        for disk in names:
+            target, _pattern, converter = rename(disk)
+            owner = next((e for e in experts if target.startswith(e + ".")), None)
+            if owner is not None:
+                by_experts.setdefault(owner, []).append(disk)
+                if converter is None:  # stored packed as in memory (GPT-OSS): not matrices we write
+                    converted.discard(owner)
+            elif converter is None and target.endswith(".weight") and target[: -len(".weight")] in linears:
+                out[disk] = target[: -len(".weight")]
+        return Fp8Layout(out, by_experts, converted & set(by_experts), others, defaults)
+    except Exception:  # noqa: BLE001 - rules this model cannot take
+        return None
+
+
 def _saved_name(model, name: str, state: dict) -> str:
     """The name ``save_pretrained`` writes the in-memory parameter ``name`` under."""
     import torch

@@ -84,22 +84,32 @@ class _FileView(RenamedSource):
         self.inner.close()
 
 
-def module_names(base_names) -> list[str]:
-    """The base's module paths that own a weight (``model.layers.0.mlp.down_proj``), plus ``lm_head``
-    when the files leave it out because it is tied to the input embedding (the plan decides)."""
+def module_names(base_names, config: dict | None = None) -> list[str]:
+    """The base's module paths that own a weight (``model.layers.0.mlp.down_proj``), plus the output
+    head when the files leave it out because it is tied to the input embedding (the plan decides): named
+    as transformers names it for the model ``config`` describes (``plan.embeddings_of``: DeepSeek-V4's
+    ``head``, a VL model's ``lm_head``); only without a config, or for a model transformers cannot build
+    here, the usual ``lm_head``. (``plan.embeddings_of`` asks the same of a later stage.)"""
+    from tui_merger.core.formats.hf_names import embedding_names
+
+    found = embedding_names(config, set(base_names)) if config else None
     base_names = set(base_names)
     names = {n.rpartition(".")[0] for n in base_names if n.endswith(".weight") and "." in n}
-    if OUTPUT_EMBEDDING not in base_names and any(n.endswith(INPUT_EMBEDDING_SUFFIXES) for n in base_names):
-        names.add(OUTPUT_EMBEDDING.rpartition(".")[0])
+    if found is not None and found.known:
+        head, has_input = found.output, found.input is not None and found.input in base_names
+    else:
+        head, has_input = OUTPUT_EMBEDDING, any(n.endswith(INPUT_EMBEDDING_SUFFIXES) for n in base_names)
+    if head is not None and head not in base_names and has_input:
+        names.add(head.rpartition(".")[0])
     return sorted(names)
 
 
-def match_modules(flats, base_names) -> dict[str, str]:
+def match_modules(flats, base_names, config: dict | None = None) -> dict[str, str]:
     """{kohya flat name: base module path}. A flat name matches a module when, after a kohya prefix,
     it equals the module path with ``.`` turned into ``_``; failing that, when it equals the path
     without some of its leading parts (a LoRA trained on an inner model, e.g. ``layers_0_...`` for
     ``model.layers.0...``). Raises MergeError for names that match several modules or none."""
-    modules = module_names(base_names)
+    modules = module_names(base_names, config)
     exact: dict[str, list[str]] = {}
     tails: dict[str, list[str]] = {}
     for mod in modules:
@@ -214,14 +224,14 @@ def _alpha(flat: str, ref, rank: int, notices: list) -> float:
     return plain_number(value)
 
 
-def open_kohya(path: Path, base_names) -> PeftAdapter:
+def open_kohya(path: Path, base_names, config: dict | None = None) -> PeftAdapter:
     """A kohya-style LoRA file as a PeftAdapter whose module names are the base's (``base_names``:
     the base's tensor names, e.g. ``model.layers.0.self_attn.q_proj.weight``)."""
     path = Path(path)
     source = TensorSource(path.parent, [path.name])
     try:
         downs, ups, alphas = _pairs(path, source)
-        modules = match_modules(sorted(downs), base_names)
+        modules = match_modules(sorted(downs), base_names, config)
         notices: list[str] = []
         if not alphas:
             notices.append(f"{path.name} has no .alpha entries; using alpha = rank (scale 1) as kohya's scripts do.")
@@ -265,7 +275,8 @@ def open_kohya(path: Path, base_names) -> PeftAdapter:
     return adapter
 
 
-def kohya_to_peft(path: Path, base_names, dest: Path, base_model: str | None = None, fsync: bool = True) -> list[str]:
+def kohya_to_peft(path: Path, base_names, dest: Path, base_model: str | None = None, fsync: bool = True,
+                  config: dict | None = None) -> list[str]:
     """Convert a kohya-style LoRA file into a PEFT adapter folder ``dest`` (adapter_config.json +
     adapter_model.safetensors with peft's key names) that ``PeftModel.from_pretrained`` loads. Written
     beside ``dest`` and renamed into place, so ``dest`` appears only when complete. Returns the files
@@ -275,7 +286,7 @@ def kohya_to_peft(path: Path, base_names, dest: Path, base_model: str | None = N
     dest = Path(dest)
     if dest.exists() or dest.is_symlink():
         raise MergeError(f"{dest} already exists; choose a new folder for the PEFT adapter.")
-    adapter = open_kohya(path, base_names)
+    adapter = open_kohya(path, base_names, config)
     tmp = None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -358,13 +369,13 @@ class KohyaFormat(Format):
     def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
         return f"tui-merger merge --base {base_arg} --adapter {quote(path)} --out {quote(out)}"
 
-    def open_adapter(self, path: Path, base_names):
+    def open_adapter(self, path: Path, base_names, config: dict | None = None):
         if base_names is None:
             raise MergeError(
                 f"{path} is a kohya-style LoRA file, whose module names can only be read against the base "
                 "model; give the base model as well."
             )
-        return open_kohya(path, base_names)
+        return open_kohya(path, base_names, config)
 
     def reference_folder(self, adapter, tmp: Path, name: str) -> Path:
         folder = Path(tmp) / name

@@ -106,7 +106,7 @@ class PeftAdapterFormat(Format):
     def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
         return f"tui-merger merge --base {base_arg} --adapter {quote(path)} --out {quote(out)}"
 
-    def open_adapter(self, path: Path, base_names):
+    def open_adapter(self, path: Path, base_names, config: dict | None = None):
         return open_adapter(path if path.is_dir() or not path.exists() else path.parent)
 
     def reference_folder(self, adapter, tmp: Path, name: str) -> Path:

@@ -2,8 +2,8 @@
 not touch are copied byte for byte with their scales, changed ones quantized again the way that format's
 own code does it: FP8 blocks as transformers' Fp8Quantize, power-of-two scales for ``scale_fmt: ue8m0``,
 compressed-tensors FP8 as its calculate_qparams + quantize) and FP8 blocks for serving from any merge
-(``--quantize fp8``: every Linear weight of the decoder layers in 128x128 blocks, weight-only;
-embeddings, lm_head, norms, routers and experts packed in one tensor stay 16-bit).
+(``--quantize fp8``: every weight transformers' FP8 load quantizes, in 128x128 blocks, weight-only;
+what it leaves alone (the output embedding, tied weights), norms and experts packed in one tensor stay 16-bit).
 
 ``output_plan`` is ``build_plan`` plus that rewrite, so the engine, the recompute and the dry run see the
 same output tensors. A re-quantized weight is two output tensors (the e4m3 values and the scale) read
@@ -14,7 +14,6 @@ experts) is written by ``merge/requant_mxfp4.py``.
 
 from __future__ import annotations
 
-import re
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.merge.pairs import PairSource
@@ -23,11 +22,6 @@ from tui_merger.core.plan.plan import OutputTensor, TensorPlan, build_plan, shar
 KEEP = "keep"
 FP8 = "fp8"
 CHOICES = (KEEP, FP8)
-# Linear weights of the decoder layers; not routers (mlp.gate, mlp.router), norms or embeddings
-_QUANTIZABLE = re.compile(r"\.layers\.\d+\..*\.weight$")
-# packed expert tensors ([experts, ...] in one tensor: GPT-OSS's gate_up_proj, down_proj and their biases)
-_PACKED_EXPERTS = re.compile(r"^(.*\.layers\.\d+\..*experts)\.[^.]+$")
-_NOT_LINEAR = re.compile(r"(?:norm[^.]*|\.gate|\.router|embed[^.]*|lm_head|\.score|\.shared_expert_gate)\.weight$")
 
 
 def output_plan(base, adapter, config: dict, dtype, shard_size: int) -> TensorPlan:
@@ -39,9 +33,10 @@ def output_plan(base, adapter, config: dict, dtype, shard_size: int) -> TensorPl
     if mode == KEEP:
         tensors, changes = _keep(plan, base)
     else:
-        tensors, changes = _fp8(plan, base)
+        tensors, changes = _fp8(plan, base, config)
+    said = changes.pop("said", None)
     return TensorPlan(tensors, shard_tensors(tensors, shard_size), {**plan.config_changes, **changes},
-                      plan.merged_modules)
+                      plan.merged_modules, said)
 
 
 def _keep(plan, base):
@@ -90,37 +85,58 @@ def _keep(plan, base):
     return out, {"quantization_config": base.quantization_config}
 
 
-def _fp8(plan, base):
-    """Every Linear weight of the decoder layers whose rows and columns are whole 128x128 blocks."""
+def _fp8(plan, base, config: dict):
+    """Every weight transformers' FP8 load would quantize (``hf_names.fp8_layout``: the modules its
+    ``replace_with_fp8_linear`` replaces, as it decides them) whose rows and columns are whole 128x128
+    blocks; the others are named in ``modules_to_not_convert`` (in-memory module names: what that function
+    matches) beside transformers' own defaults, so that its FP8 load leaves them 16-bit."""
     from tui_merger.core.formats.dequant import FP8_BLOCK_CONFIG
+    from tui_merger.core.formats.hf_names import fp8_layout
 
     if getattr(base, "scheme", None) is not None:
         raise MergeError(
             f"--quantize fp8 quantizes a 16-bit merge; the base is already {base.scheme.label}: use "
             "--keep-quantization to write its own format again. Nothing was written."
         )
+    layout = fp8_layout(config, [t.name for t in plan.tensors])
+    if layout is None:
+        raise MergeError(
+            f"--quantize fp8 needs transformers to build this model ({config.get('model_type') or 'no model_type'}) to "
+            "learn which weights its FP8 load quantizes, and it cannot here; leave --quantize out for a 16-bit "
+            "output. Nothing was written."
+        )
+
+    def whole(t) -> bool:
+        return (len(t.shape) == 2 and t.dtype in ("bfloat16", "float16", "float32")
+                and t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0)
+
+    shapes = {t.name: t for t in plan.tensors}
+    # an experts module is written FP8 whole or not at all (FP8Experts takes every projection's scales)
+    expert_ok = {m for m in layout.converted if all(n in shapes and whole(shapes[n]) for n in layout.experts[m])}
+    expert_of = {n: m for m, names in layout.experts.items() for n in names}
     requant = RequantSource((128, 128))
     out, skipped, packed = [], [], []
     for t in plan.tensors:
-        linear = (len(t.shape) == 2 and t.dtype in ("bfloat16", "float16", "float32") and _QUANTIZABLE.search(t.name)
-                  and not _NOT_LINEAR.search(t.name))
-        if linear and t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0:
+        module = layout.linears.get(t.name)
+        owner = expert_of.get(t.name)
+        if (module is not None and whole(t)) or (owner in expert_ok and t.name.endswith(".weight")):
             out += requant.add(t)
             continue
-        if linear:
-            skipped.append(t.name[: -len(".weight")])
-        elif len(t.shape) == 3 and _PACKED_EXPERTS.search(t.name):
-            # one tensor for all the experts (GPT-OSS): transformers' FP8Experts would replace the module
-            # and cannot take it (no biases, [experts, out, in]); left 16-bit and named so it is not replaced
-            module = _PACKED_EXPERTS.search(t.name).group(1)
-            if module not in packed:
-                packed.append(module)
+        if module is not None and module not in skipped:
+            skipped.append(module)
+        elif owner is not None and owner not in expert_ok and owner not in packed:
+            # transformers' FP8Experts would replace the module and cannot take it (GPT-OSS: biases,
+            # [experts, out, in] in one tensor; or matrices not whole blocks): left 16-bit and named
+            packed.append(owner)
         out.append(t)
     if not requant.weights:
-        raise MergeError("--quantize fp8 found no Linear weight of whole 128x128 blocks in the decoder layers to "
-                         "quantize. Nothing was written.")
-    config = {**FP8_BLOCK_CONFIG, "modules_to_not_convert": ["lm_head", *skipped, *packed]}
-    return out, {"quantization_config": config}
+        raise MergeError("--quantize fp8 found no Linear weight of whole 128x128 blocks that transformers' FP8 load "
+                         "quantizes. Nothing was written.")
+    config_out = {**FP8_BLOCK_CONFIG,
+                  "modules_to_not_convert": [*layout.defaults, *skipped, *packed, *layout.others]}
+    packed_tensors = {m: [n for n in layout.experts[m] if n in shapes] for m in packed}
+    said = {"skipped": skipped, "packed": packed_tensors, "defaults": layout.defaults, "others": layout.others}
+    return out, {"quantization_config": config_out, "said": said}
 
 
 def _fp8_scale_dtype(like) -> str:

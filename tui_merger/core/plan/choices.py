@@ -475,7 +475,7 @@ def base_config_fields(base_dir, adapter_paths=()) -> list[ConfigField]:
         fields.append(ConfigField(name, _plain(value), _plain(other) if differs else None, where if differs else ""))
     vocab = next((f for f in fields if f.name == "vocab"), None)
     if vocab is not None and folder is not None and vocab.other is None:
-        rows_saved = _saved_embedding_rows(folder)
+        rows_saved = _saved_embedding_rows(folder, config)
         tokens = _tokenizer_size(folder)
         if rows_saved and str(rows_saved) != vocab.value:
             vocab.other, vocab.where = str(rows_saved), "the adapter's saved embedding (a resized vocabulary)"
@@ -490,10 +490,12 @@ def _plain(value) -> str:
     return str(value)
 
 
-def _saved_embedding_rows(folder: Path) -> int | None:
-    """Rows of an input embedding the adapter saves whole (modules_to_save after a resize)."""
-    from tui_merger.core.io.names import INPUT_EMBEDDING_SUFFIXES
+def _saved_embedding_rows(folder: Path, config: dict | None = None) -> int | None:
+    """Rows of an input embedding the adapter saves whole (modules_to_save after a resize): the tensor
+    transformers takes as the input embedding of the model ``config`` describes (``plan.embeddings_of``,
+    under the names peft saves: the model's own after ``base_model.model.``)."""
     from tui_merger.core.io.safetensors_io import SafetensorsFile
+    from tui_merger.core.plan.plan import embeddings_of
 
     path = folder / "adapter_model.safetensors"
     if not path.is_file():
@@ -503,9 +505,11 @@ def _saved_embedding_rows(folder: Path) -> int | None:
     except Exception:
         return None
     try:
-        for name, info in header.tensors.items():
-            if ".lora_" not in name and name.endswith(INPUT_EMBEDDING_SUFFIXES) and len(info.shape) == 2:
-                return int(info.shape[0])
+        whole = {name.removeprefix("base_model.model."): tuple(info.shape) for name, info in header.tensors.items()
+                 if ".lora_" not in name and len(info.shape) == 2}
     finally:
         header.close()
-    return None
+    if not whole:
+        return None
+    embed = embeddings_of(config or {}, whole).input
+    return int(whole[embed][0]) if embed in whole else None

@@ -102,6 +102,9 @@ class TensorPlan:
     shards: list[tuple[str, list[OutputTensor]]]
     config_changes: dict
     merged_modules: int
+    # --quantize fp8: {"skipped": [modules not whole blocks], "packed": {experts module: [its tensors]},
+    # "defaults": [what transformers' FP8 load leaves alone unasked]} (merge/requant.py), for the plan's words
+    quantized: dict | None = None
 
     @property
     def total_bytes(self) -> int:

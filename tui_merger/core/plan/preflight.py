@@ -528,13 +528,17 @@ def _quantized_output(mode: str, tplan, inputs, dtype) -> str:
                 f"{len(requantized)} changed by the adapter quantized again; quantization_config kept")
     rest = dtype or inputs.dtype or next((t.dtype for t in tplan.tensors if t not in requantized
                                           and t.dtype in ("bfloat16", "float16", "float32")), "16-bit")
-    skipped = (tplan.config_changes.get("quantization_config") or {}).get("modules_to_not_convert") or []
-    packed = [m for m in skipped if m.endswith("experts")]
-    packed_tensors = [t.name for t in tplan.tensors if len(t.shape) == 3 and t.name.rsplit(".", 1)[0] in packed]
-    whole = len(skipped) - 1 - len(packed)
-    return (f"FP8 (e4m3), 128x128 blocks, weight-only: {len(requantized)} Linear weights of the decoder layers; "
-            f"embeddings, lm_head, norms and routers stay {rest}"
-            + (f" (and {whole} Linear weights that are not whole blocks)" if whole > 0 else "")
+    said = tplan.quantized or {}
+    # which modules stay 16-bit is transformers' FP8 load's own answer (merge/requant.py, hf_names.fp8_layout)
+    shapes = {t.name: t.shape for t in tplan.tensors}
+    packed = said.get("packed") or {}
+    packed_tensors = [n for names in packed.values() for n in names if len(shapes.get(n, ())) == 3]
+    whole = len(said.get("skipped", ())) + sum(1 for names in packed.values()
+                                                if not any(len(shapes.get(n, ())) == 3 for n in names))
+    left = ", ".join([*(said.get("defaults") or ()), *(said.get("others") or ())])
+    return (f"FP8 (e4m3), 128x128 blocks, weight-only: {len(requantized)} Linear weights transformers' FP8 load "
+            f"quantizes; " + (f"what it leaves alone ({left}), " if left else "") + f"embeddings and norms stay {rest}"
+            + (f" (and {whole} Linear weights or expert modules that are not whole blocks)" if whole > 0 else "")
             + (f"; the {len(packed_tensors)} packed expert tensors ({packed_tensors[0]}, ...) stay {rest} too, "
                "named in modules_to_not_convert (FP8 is written for one matrix per expert and projection only)"
                if packed_tensors else ""))

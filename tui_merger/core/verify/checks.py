@@ -351,8 +351,16 @@ def verify_merge(
         plan = output_plan(inputs.base, adapter, config, dtype, options.shard_size)
         clamp = options.force_fp16_overflow and any(t.dtype == "float16" for t in plan.tensors)
         structure, files = _structure(out, plan, out_config)
+        files_fine = structure.status != "fail"
+        if not options.export_adapter:  # the plan's LoRA against peft's own wrapping of the base (targets.py)
+            from tui_merger.core.verify.targets import expected_loras, plan_problems
+
+            wrong = plan_problems(plan, expected_loras(inputs.config, adapter, options.lora_alpha))
+            if wrong:
+                details = [*(structure.details if structure.status == "fail" else []), *wrong]
+                structure = Check("structure", "fail", f"{len(details)} problem(s) in the files", details[:50])
         report.checks.append(structure)
-        run_models = bool(behaviour or perplexity_text) and structure.status != "fail"
+        run_models = bool(behaviour or perplexity_text) and files_fine
         # the recompute and the two models side by side, one core each (parallel.py)
         shares = Shares(on_event)
         size = sum(t.nbytes for t in plan.tensors)

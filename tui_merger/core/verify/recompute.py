@@ -402,6 +402,16 @@ class _Recompute:
         return Check("recompute", "pass", f"all {total} tensors equal the recomputation from the inputs{how}", [], metrics)
 
 
+def _merged_problem(t16, merged) -> str | None:
+    """The merge's 16-bit merged weight (before it is quantized again) against the recomputation."""
+    r = _Recomputation(t16)
+    try:
+        bad, _ = _compare(merged, r.rows(None), lambda: r.magnitude(None))
+    finally:
+        r.release()
+    return f"{t16.name}: {bad} values of the merged weight quantized again differ from the recomputation" if bad else None
+
+
 def _check_tensor(t, ref, clamp: bool) -> tuple:
     """(problem or None, name if sampled, name if NaN/Inf, name if the adapter left it unchanged)."""
     problem = sampled = unchanged = None
@@ -411,6 +421,9 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
     if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
         for x in t.inputs()[1:] if by_rows else (ref, *t.inputs()):
             x.prefetch()
+    import torch
+
+    from tui_merger.core.verify import requant_ref
     from tui_merger.core.verify.dequant_ref import independent_ref
 
     got_all = ref.load()
@@ -419,7 +432,17 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
     # shards: a source that reads them two ways gives the check its own
     source = independent_ref(t.source)
     pieces = None if t.ops else getattr(source.source, "check_blocks", source.source.row_blocks)(source)
-    if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
+    if requant_ref.is_requantized(t):  # quantized again by the merge: quantized here by other code
+        want, problem = requant_ref.expected(t, _merged_problem)
+        finite = _finite(got_all)
+        if want is not None and not _bits_equal(got_all, want.to(got_all.dtype).contiguous()):
+            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got_all.element_size()]
+            diff = int((got_all.reshape(-1).view(ints) != want.to(got_all.dtype).reshape(-1).view(ints)).sum())
+            problem = (f"{t.name}: differs from the merged weight quantized again by the format's own rules ({diff} "
+                       f"of {math.prod(t.shape)} values)")
+        for x in t.inputs():
+            x.release()
+    elif pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
         bad, diff, start = 0, 0.0, 0
         for piece, release in pieces:
             stop = start + (piece.shape[0] if piece.dim() else 1)
