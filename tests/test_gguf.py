@@ -113,7 +113,9 @@ def load_gguf(gguf: Path):
 
 
 def alone(gguf: Path) -> Path:
-    assert {p.name for p in gguf.parent.iterdir()} == {gguf.name}, "the GGUF must lie in a folder of its own"
+    others = {p.name for p in gguf.parent.iterdir()} - {gguf.name}
+    # the Ollama Modelfile written beside it is nothing transformers reads; any other file could be
+    assert all(name.endswith(".Modelfile") for name in others), f"the GGUF must lie in a folder of its own: {others}"
     return gguf.parent
 
 
