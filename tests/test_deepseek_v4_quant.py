@@ -112,7 +112,7 @@ def test_merge_equals_peft_gives_the_unmerged_logits_and_verifies(built, merged)
     assert manifest["base_weights"]["format"] == LABEL
 
 
-def test_the_release_names_merge_to_the_same_model(built, merged, tmp_path):
+def test_the_release_names_merge_to_the_same_model(built, merged, tmp_path, capsys):
     """The release's own names (``layers.N.attn.wq_a.weight``, ``embed.weight``: no ``model.`` prefix, which
     transformers and vLLM add as they load): the same adapter merges, verifies PASSED, keeps those names, and
     transformers loads every parameter equal to the merge of the save_pretrained-named base."""
@@ -122,6 +122,9 @@ def test_the_release_names_merge_to_the_same_model(built, merged, tmp_path):
     assert "layers.0.ffn.experts.0.w1.weight" in quantized and "layers.0.ffn.experts.0.w1.scale" in read_output(base)
     out = tmp_path / "merged"
     assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--plain"]) == 0
+    said = capsys.readouterr().out
+    # peft's target names (q_a_proj) are the model's in memory; the files say wq_a: no false "no LoRA" warning
+    assert "target_modules names modules the base does not have" not in said, said
     assert verification_checks(out) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
     got = read_output(out)
     assert "embed.weight" in got and "layers.1.ffn.experts.3.w2.weight" in got and not any(".scale" in n for n in got)

@@ -422,6 +422,9 @@ def test_a_modelopt_release_with_only_hf_quant_config_is_read(built, merged, tmp
     said = capsys.readouterr().out
     assert "NVFP4 (e2m1, e4m3 scale per 16 values, fp32 global scale; ModelOpt), as released" in said, said
     out = tmp_path / "merged"
+    assert main(["merge", "--base", str(only), "--adapter", str(adapter), "--out", str(out), "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "quantization_config removed" not in plan and "without the base's hf_quant_config.json" in plan, plan
     code = main(["merge", "--base", str(only), "--adapter", str(adapter), "--out", str(out), "--plain"])
     text = capsys.readouterr()
     assert code == 0, text.out + text.err

@@ -144,7 +144,7 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
             _check_memory(tplan, add)
         base_config = inputs.config if options.checkpoint is None else {}
         if options.checkpoint is None:
-            _check_targets(inputs.adapter, inputs.base, add)
+            _check_targets(inputs.adapter, inputs.base, add, inputs.config)
             adapters = options.adapter_weights()
             for path, _ in adapters:  # a weighted merge: every adapter against the one base
                 who = "The adapter" if len(adapters) == 1 else f"The adapter {Path(path).name}"
@@ -154,7 +154,9 @@ def make_plan(options: MergeOptions, today: datetime.date | None = None) -> Merg
         if getattr(inputs.base, "dequantized", None) is not None:
             plan.base_scheme = inputs.base.scheme.label
             plan.base_format = f"{inputs.base.scheme.label}, as released ({len(inputs.base.dequantized)} weights)"
-            plan.output_format = f"{dtype or inputs.base.dtype}, a plain model (quantization_config removed)"
+            removed = ("quantization_config removed" if "quantization_config" in inputs.config
+                       else "without the base's hf_quant_config.json")  # a ModelOpt release records it there alone
+            plan.output_format = f"{dtype or inputs.base.dtype}, a plain model ({removed})"
         if tplan is not None and options.output_quantization is not None:
             plan.output_format = _quantized_output(options.output_quantization, tplan, inputs, dtype)
         _check_remote_code(inputs.config, add)
@@ -321,12 +323,21 @@ def _module_names(base) -> set[str]:
     return {n.rsplit(".", 1)[0] for n in base.tensors if "." in n}
 
 
-def _check_targets(adapter, base, add) -> None:
-    """target_modules names that match no module of the base (peft matches a name on its last parts)."""
+def _check_targets(adapter, base, add, config=None) -> None:
+    """target_modules names that match no module of the base (peft matches a name on its last parts).
+    peft matches the modules of the model in memory; a family whose files keep other names (DeepSeek-V4's
+    ``wq_a`` is ``q_a_proj`` in memory) is matched against both: the files' names and the meta model's."""
     targets = adapter.config.get("target_modules")
     if not isinstance(targets, list) or not targets:
         return
     modules = _module_names(base)
+    if isinstance(config, dict) and not all(any(m == t or m.endswith("." + t) for m in modules) for t in targets
+                                            if isinstance(t, str)):
+        from tui_merger.core.formats.hf_names import meta_of_config
+
+        meta = meta_of_config(config)
+        if meta is not None:
+            modules = modules | {name for name, _ in meta.named_modules() if name}
     leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
     absent = [t for t in targets if isinstance(t, str) and not any(m == t or m.endswith("." + t) for m in modules)]
     if absent:
