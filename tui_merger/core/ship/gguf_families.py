@@ -1,0 +1,145 @@
+"""The model families ``tui-merger gguf`` writes, as data: one ``Family`` per Hugging Face ``model_type``.
+
+Adding a family is one entry in ``FAMILIES`` (and a tiny-model case in tests/test_gguf_families.py):
+
+- ``arch``: llama.cpp's architecture name (``gguf.MODEL_ARCH_NAMES``). Tensor names then come from the
+  ``gguf`` package's own ``TensorNameMap`` for that architecture, and only the tensors llama.cpp's
+  layout has (``gguf.MODEL_TENSORS``) are accepted; nothing here names a tensor.
+- the tensor transforms llama.cpp's converter (``convert_hf_to_gguf.py``, the class registered for the
+  architecture) applies: ``permute_qk`` (Llama-style q/k rows reordered for llama.cpp's rope),
+  ``norm_plus_one`` (Gemma's norms, which the model applies as ``1 + w``), experts stacked per layer
+  (``experts``: the config field with their number).
+- the metadata: the common hyperparameters are written for every family (context, widths, heads, the
+  norm epsilon named by ``eps``, rope base and scaling, head sizes); ``keys`` adds the family's own
+  (GGUF key after ``<arch>.`` -> config field), written when the config has a value.
+- what llama.cpp's graph fixes and the config could say otherwise: ``swa`` (its sliding-window layer
+  pattern), ``norm_topk`` (whether it renormalizes the chosen experts' weights), ``checks`` (a function
+  of the config returning the one sentence why a GGUF of it would compute another model, or None).
+
+``REFUSED`` lists the families llama.cpp runs but tui-merger does not write (yet), each with its reason
+in one sentence. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Family:
+    title: str  # what people call it
+    arch: str  # llama.cpp's architecture name
+    eps: str = "rms_norm_eps"  # the config field of the norm epsilon; layer_norm_* means LayerNorm (attention.layer_norm_epsilon)
+    permute_qk: bool = False  # HF's rotate-half q/k rows -> llama.cpp's interleaved pairs (llama-style rope)
+    norm_plus_one: bool = False  # norms stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w)
+    experts: str | None = None  # config field: number of experts (per-expert tensors are stacked per layer)
+    experts_used: str = "num_experts_per_tok"
+    expert_ff: str | None = None  # config field written as expert_feed_forward_length
+    shared_ff: str | None = None  # config field written as expert_shared_feed_forward_length
+    norm_topk: bool | None = None  # does llama.cpp renormalize the top-k expert weights (None: no config says)
+    partial_rotary: bool = False  # rope on part of each head (rope.dimension_count = head_dim * factor)
+    head_dim_keys: bool = False  # always write attention.key_length / value_length
+    swa: int | None = None  # llama.cpp's sliding-window pattern: every swa-th layer full, the others sliding
+    swa_rope_theta: float | None = None  # the rope base llama.cpp fixes for sliding layers (Gemma 3)
+    keys: dict = field(default_factory=dict)  # GGUF key (after "<arch>.") -> config field
+    checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
+
+
+def _attention_scale_is_head_dim(config) -> str | None:
+    """Gemma 2/3: llama.cpp scales attention by 1/sqrt(head_dim) (by 1/sqrt(hidden/heads) for the 27B
+    layouts), where transformers takes query_pre_attn_scalar."""
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    head_dim = getattr(config, "head_dim", None)
+    if scalar is None or scalar == head_dim:
+        return None
+    if config.num_hidden_layers in (46, 62) and scalar == config.hidden_size // config.num_attention_heads:
+        return None  # the 27B models, which llama.cpp recognises by their layer count
+    return (f"query_pre_attn_scalar is {scalar} while head_dim is {head_dim}; llama.cpp scales attention by "
+            "the head size, so a GGUF of it would compute another model")
+
+
+def _no_qk_layernorm(config) -> str | None:
+    if getattr(config, "qk_layernorm", False):
+        return "it normalizes q and k per layer (qk_layernorm), which llama.cpp's phi2 layout does not have"
+    return None
+
+
+def _smollm3_nope_every_4th(config) -> str | None:
+    layers = getattr(config, "no_rope_layers", None)
+    want = [int((i + 1) % 4 != 0) for i in range(config.num_hidden_layers)]
+    if layers is not None and list(layers) != want:
+        return "its no_rope_layers are not llama.cpp's smollm3 pattern (every 4th layer without rope)"
+    return None
+
+
+def _moe_every_layer(config) -> str | None:
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+        return ("it has dense layers between its expert layers (mlp_only_layers / decoder_sparse_step), and "
+                "llama.cpp's layout has experts in every layer")
+    return None
+
+
+def _cohere_no_qk_norm(config) -> str | None:
+    if getattr(config, "use_qk_norm", False):
+        return "it normalizes q and k (use_qk_norm), which llama.cpp's cohere2 layout does not have"
+    return None
+
+
+# model_type in config.json -> its family. Order: how often people fine-tune them (the CLI lists them so).
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama", "llama", permute_qk=True),
+    "qwen3": Family("Qwen3", "qwen3", head_dim_keys=True),
+    "qwen2": Family("Qwen2", "qwen2"),
+    "mistral": Family("Mistral", "llama", permute_qk=True),
+    "gemma3_text": Family("Gemma 3", "gemma3", norm_plus_one=True, head_dim_keys=True, swa=6, swa_rope_theta=10000.0,
+                          keys={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window"},
+                          checks=(_attention_scale_is_head_dim,)),
+    "gemma2": Family("Gemma 2", "gemma2", norm_plus_one=True, head_dim_keys=True, swa=2,
+                     keys={"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping",
+                           "attention.sliding_window": "sliding_window"},
+                     checks=(_attention_scale_is_head_dim,)),
+    "phi3": Family("Phi-3", "phi3", keys={"attention.sliding_window": "sliding_window"}),
+    "qwen3_moe": Family("Qwen3-MoE", "qwen3moe", head_dim_keys=True, experts="num_experts", expert_ff="moe_intermediate_size",
+                        norm_topk=True, checks=(_moe_every_layer,)),
+    "mixtral": Family("Mixtral", "llama", permute_qk=True, experts="num_local_experts"),
+    "qwen2_moe": Family("Qwen2-MoE", "qwen2moe", experts="num_experts", expert_ff="moe_intermediate_size",
+                        shared_ff="shared_expert_intermediate_size", norm_topk=False, checks=(_moe_every_layer,)),
+    "olmo2": Family("OLMo 2", "olmo2"),
+    "granite": Family("Granite", "granite", permute_qk=True,
+                      keys={"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                            "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    "glm4": Family("GLM-4", "glm4", partial_rotary=True, head_dim_keys=True),
+    "starcoder2": Family("StarCoder2", "starcoder2", eps="norm_epsilon"),
+    "smollm3": Family("SmolLM3", "smollm3", permute_qk=True, checks=(_smollm3_nope_every_4th,)),
+    "gemma": Family("Gemma", "gemma", norm_plus_one=True, head_dim_keys=True),
+    "phi": Family("Phi-2", "phi2", eps="layer_norm_eps", partial_rotary=True, checks=(_no_qk_layernorm,)),
+    "olmoe": Family("OLMoE", "olmoe", experts="num_experts", norm_topk=False),
+    "cohere2": Family("Cohere2", "cohere2", eps="layer_norm_eps", swa=4, head_dim_keys=True,
+                      keys={"logit_scale": "logit_scale", "attention.sliding_window": "sliding_window"},
+                      checks=(_cohere_no_qk_norm,)),
+    "exaone4": Family("EXAONE 4", "exaone4", swa=4, head_dim_keys=True, keys={"attention.sliding_window": "sliding_window"}),
+    "ernie4_5": Family("ERNIE-4.5", "ernie4_5", head_dim_keys=True),
+    "seed_oss": Family("Seed-OSS", "seed_oss", head_dim_keys=True),
+}
+
+# Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
+REFUSED: dict[str, str] = {
+    "deepseek_v3": "its attention (MLA) needs kv_b_proj split into llama.cpp's k_b and v_b tensors, which tui-merger does not write yet",
+    "deepseek_v2": "its attention (MLA) needs kv_b_proj split into llama.cpp's k_b and v_b tensors, which tui-merger does not write yet",
+    "gpt_oss": "llama.cpp wants its experts as MXFP4 with the gate and up halves split, which tui-merger does not write yet",
+    "granitemoe": "llama.cpp wants its packed input_linear experts split into gate and up halves, which tui-merger does not write yet",
+    "lfm2": "its short-convolution layers need llama.cpp's conv tensors reshaped, which tui-merger does not write yet",
+    "qwen3_next": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
+    "qwen3_5_text": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
+    "glm4_moe": "llama.cpp's glm4moe layout needs the router's score-correction bias and its next-token-prediction layers handled, which tui-merger does not write yet",
+    "ernie4_5_moe": "llama.cpp's ernie4_5-moe layout needs the router's score-correction statistics handled, which tui-merger does not write yet",
+    "gemma4_text": "its per-layer embeddings and layer scalars need tensors llama.cpp reshapes, which tui-merger does not write yet",
+    "olmo3": "its sliding-window layers need llama.cpp's olmo2 pattern keys, which tui-merger does not write yet",
+}
+
+
+def family_names() -> str:
+    """The families, for a sentence: "Llama, Qwen3, ... and Seed-OSS"."""
+    titles = list(dict.fromkeys(f.title for f in FAMILIES.values()))
+    return ", ".join(titles[:-1]) + " and " + titles[-1]
