@@ -50,9 +50,9 @@ CASES = {
     "smollm3": (dict(NOT_SPECIAL, num_hidden_layers=4), False),
     "gemma": (dict(NOT_SPECIAL, head_dim=16), False),
     "phi": (dict(NOT_SPECIAL, layer_norm_eps=1e-5), False),
-    "olmoe": (dict(NOT_SPECIAL, num_experts=4, num_experts_per_tok=2), False),
+    "olmoe": (dict(NOT_SPECIAL, num_experts=4, num_experts_per_tok=2, num_key_value_heads=4), False),
     "cohere2": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=4, layer_norm_eps=1e-5), False),
-    "exaone4": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=4), False),
+    "exaone4": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=None, layer_types=["full_attention"] * 4), False),
     "ernie4_5": (dict(NOT_SPECIAL, head_dim=16), False),
     "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
 }
@@ -192,7 +192,7 @@ def _expected_keys(model_type: str, config) -> dict:
         keys.update({f"{a}.attn_logit_softcapping": config.attn_logit_softcapping,
                      f"{a}.final_logit_softcapping": config.final_logit_softcapping,
                      f"{a}.attention.sliding_window": config.sliding_window})
-    if model_type in ("gemma3_text", "cohere2", "exaone4"):
+    if model_type in ("gemma3_text", "cohere2"):
         keys[f"{a}.attention.sliding_window"] = config.sliding_window
     if model_type == "cohere2":
         keys[f"{a}.logit_scale"] = config.logit_scale
@@ -242,6 +242,8 @@ REFUSALS = {
     "mistral": (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
                 "uses sliding-window attention, which llama.cpp's llama layout does not describe"),
     "phi3": (dict(partial_rotary_factor=0.5), "rotates only part of each head"),
+    "olmoe": (dict(num_key_value_heads=2), "llama.cpp's olmoe layout has one per attention head"),
+    "exaone4": (dict(sliding_window=4, layer_types=None), "uses sliding-window attention, which llama.cpp's exaone4 layout"),
 }
 
 

@@ -385,12 +385,13 @@ def _sliding_window(folder: Path, config, family: Family, hp: dict, notices: lis
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     sliding = [t == "sliding_attention" for t in types] if isinstance(types, (list, tuple)) else None
-    if family.swa:
-        want = [i % family.swa < family.swa - 1 for i in range(hp["layers"])]
+    swa = family.swa if family.swa_layers in (None, hp["layers"]) else None
+    if swa:
+        want = [i % swa < swa - 1 for i in range(hp["layers"])]
         if sliding is not None and sliding != want:
             raise MergeError(
                 f"{folder} has sliding-window layers (layer_types) other than llama.cpp's {family.arch} pattern (every "
-                f"{family.swa}th layer full attention, the others sliding); a GGUF of it would attend differently."
+                f"{swa}th layer full attention, the others sliding); a GGUF of it would attend differently."
             )
         return
     if sliding is not None and any(sliding) or getattr(config, "use_sliding_window", False) and window:

@@ -41,6 +41,7 @@ class Family:
     partial_rotary: bool = False  # rope on part of each head (rope.dimension_count = head_dim * factor)
     head_dim_keys: bool = False  # always write attention.key_length / value_length
     swa: int | None = None  # llama.cpp's sliding-window pattern: every swa-th layer full, the others sliding
+    swa_layers: int | None = None  # llama.cpp applies that pattern only to models of this many layers (else none)
     swa_rope_theta: float | None = None  # the rope base llama.cpp fixes for sliding layers (Gemma 3)
     keys: dict = field(default_factory=dict)  # GGUF key (after "<arch>.") -> config field
     checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
@@ -80,6 +81,12 @@ def _moe_every_layer(config) -> str | None:
     return None
 
 
+def _olmoe_no_gqa(config) -> str | None:
+    if (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) != config.num_attention_heads:
+        return "it shares key/value heads (num_key_value_heads below num_attention_heads), and llama.cpp's olmoe layout has one per attention head"
+    return None
+
+
 def _cohere_no_qk_norm(config) -> str | None:
     if getattr(config, "use_qk_norm", False):
         return "it normalizes q and k (use_qk_norm), which llama.cpp's cohere2 layout does not have"
@@ -114,11 +121,12 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3", "smollm3", permute_qk=True, checks=(_smollm3_nope_every_4th,)),
     "gemma": Family("Gemma", "gemma", norm_plus_one=True, head_dim_keys=True),
     "phi": Family("Phi-2", "phi2", eps="layer_norm_eps", partial_rotary=True, checks=(_no_qk_layernorm,)),
-    "olmoe": Family("OLMoE", "olmoe", experts="num_experts", norm_topk=False),
+    "olmoe": Family("OLMoE", "olmoe", experts="num_experts", norm_topk=False, checks=(_olmoe_no_gqa,)),
     "cohere2": Family("Cohere2", "cohere2", eps="layer_norm_eps", swa=4, head_dim_keys=True,
                       keys={"logit_scale": "logit_scale", "attention.sliding_window": "sliding_window"},
                       checks=(_cohere_no_qk_norm,)),
-    "exaone4": Family("EXAONE 4", "exaone4", swa=4, head_dim_keys=True, keys={"attention.sliding_window": "sliding_window"}),
+    "exaone4": Family("EXAONE 4", "exaone4", swa=4, head_dim_keys=True, keys={"attention.sliding_window": "sliding_window"},
+                      swa_layers=64),
     "ernie4_5": Family("ERNIE-4.5", "ernie4_5", head_dim_keys=True),
     "seed_oss": Family("Seed-OSS", "seed_oss", head_dim_keys=True),
 }
