@@ -50,13 +50,23 @@ CASES = {
     "smollm3": (dict(NOT_SPECIAL, num_hidden_layers=4), False),
     "gemma": (dict(NOT_SPECIAL, head_dim=16), False),
     "phi": (dict(NOT_SPECIAL, layer_norm_eps=1e-5), False),
+    "granitemoe": (dict(NOT_SPECIAL, num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.2,
+                        embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0), False),
+    "olmo3": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=4,
+                   rope_parameters={t: {"rope_type": "default", "rope_theta": 50000.0} for t in ("full_attention", "sliding_attention")}), False),
     "olmoe": (dict(NOT_SPECIAL, num_experts=4, num_experts_per_tok=2, num_key_value_heads=4), False),
     "cohere2": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=4, layer_norm_eps=1e-5), False),
     "exaone4": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=None, layer_types=["full_attention"] * 4), False),
+    "deepseek_v3": (dict(NOT_SPECIAL, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                         n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16, n_group=1, topk_group=1), False),
+    "deepseek_v2": (dict(NOT_SPECIAL, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                         n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16, topk_method="greedy"), False),
     "ernie4_5": (dict(NOT_SPECIAL, head_dim=16), False),
     "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
 }
-PERMUTED = {"llama", "mistral", "mixtral", "granite", "smollm3"}  # llama.cpp's LlamaModel and its subclasses
+PERMUTED = {"llama", "mistral", "mixtral", "granite", "granitemoe", "smollm3"}  # llama.cpp's LlamaModel and its subclasses
 PLUS_ONE = {"gemma", "gemma2", "gemma3_text"}  # Gemma's norms: llama.cpp stores 1 + w
 
 
@@ -90,7 +100,7 @@ def built(tmp_path_factory):
             # named by its place, not its family: transformers' reader guesses a Mistral from general.name
             folder = make_family(root / f"tiny-{list(CASES).index(model_type)}", model_type)
             out = root / "gguf" / model_type
-            out.mkdir(parents=True)
+            out.mkdir(parents=True, exist_ok=True)
             cache[model_type] = (folder, export_gguf(folder, "f16", out / f"{model_type}.gguf").path)
         return cache[model_type]
 
@@ -141,7 +151,22 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
     heads = {"attn_q": config.num_attention_heads, "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
     seen = set()
     for hf_name, w in want.items():
-        name, expert = _gguf_name_of(hf_name, tmap)
+        if hf_name.endswith(".input_linear.weight"):  # GraniteMoE: llama.cpp's converter splits it: gate rows, then up rows
+            bid, half = hf_name.split(".")[2], w.shape[1] // 2
+            for name, part in ((f"blk.{bid}.ffn_gate_exps.weight", w[:, :half]), (f"blk.{bid}.ffn_up_exps.weight", w[:, half:])):
+                assert torch.equal(stored[name].reshape(part.shape), part.half().float()), name
+                seen.add(name)
+            continue
+        if hf_name.endswith(".kv_b_proj.weight"):  # DeepSeek's MLA: llama.cpp's converter splits it per head
+            bid, heads = hf_name.split(".")[2], config.num_attention_heads
+            nope = config.qk_nope_head_dim
+            per_head = w.reshape(heads, nope + config.v_head_dim, w.shape[-1])
+            for name, part in ((f"blk.{bid}.attn_k_b.weight", per_head[:, :nope].transpose(1, 2)),
+                               (f"blk.{bid}.attn_v_b.weight", per_head[:, nope:])):
+                assert torch.equal(stored[name].reshape(part.shape), part.half().float()), name
+                seen.add(name)
+            continue
+        name, expert = _gguf_name_of(hf_name.replace("_bias", ".bias"), tmap)
         if expert is not None:
             experts.setdefault(name, {})[expert] = w
             continue
@@ -150,7 +175,7 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
         kind = name.split(".")[-2]
         if model_type in PERMUTED and kind in heads:
             w = _llama_rope_rows(w, heads[kind])
-        rounded = w.half().float() if w.ndim == 2 and kind != "ffn_gate_inp" else w  # F16 matrices; vectors, routers F32
+        rounded = w.half().float() if w.ndim >= 2 and kind != "ffn_gate_inp" else w  # F16 matrices; vectors, routers F32
         assert name in stored, (hf_name, name)
         assert torch.equal(stored[name].reshape(w.shape), rounded), (hf_name, name)
         seen.add(name)
@@ -166,7 +191,7 @@ def _expected_keys(model_type: str, config) -> dict:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
     (written here from the converter's classes, as llama.cpp reads them)."""
     a = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
-         "phi": "phi2"}.get(model_type, model_type)
+         "phi": "phi2", "olmo3": "olmo2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
     rope = rope.get("full_attention", rope)
@@ -192,20 +217,32 @@ def _expected_keys(model_type: str, config) -> dict:
         keys.update({f"{a}.attn_logit_softcapping": config.attn_logit_softcapping,
                      f"{a}.final_logit_softcapping": config.final_logit_softcapping,
                      f"{a}.attention.sliding_window": config.sliding_window})
-    if model_type in ("gemma3_text", "cohere2"):
+    if model_type in ("gemma3_text", "cohere2", "olmo3"):
         keys[f"{a}.attention.sliding_window"] = config.sliding_window
     if model_type == "cohere2":
         keys[f"{a}.logit_scale"] = config.logit_scale
-    if model_type == "granite":
+    if model_type in ("granite", "granitemoe"):
         keys.update({f"{a}.attention.scale": config.attention_multiplier, f"{a}.embedding_scale": config.embedding_multiplier,
                      f"{a}.residual_scale": config.residual_multiplier, f"{a}.logit_scale": config.logits_scaling})
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"):
         keys[f"{a}.expert_count"] = getattr(config, "num_local_experts", None) or config.num_experts
         keys[f"{a}.expert_used_count"] = config.num_experts_per_tok
     if model_type in ("qwen2_moe", "qwen3_moe"):
         keys[f"{a}.expert_feed_forward_length"] = config.moe_intermediate_size
     if model_type == "qwen2_moe":
         keys[f"{a}.expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    if model_type.startswith("deepseek"):  # MLA written as MQA: one KV head of kv_lora_rank + rope
+        rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+        keys.update({f"{a}.attention.head_count_kv": 1, f"{a}.attention.key_length": rank + rope_dim,
+                     f"{a}.attention.value_length": rank, f"{a}.rope.dimension_count": rope_dim,
+                     f"{a}.attention.kv_lora_rank": rank, f"{a}.leading_dense_block_count": config.first_k_dense_replace,
+                     f"{a}.attention.key_length_mla": config.qk_nope_head_dim + rope_dim,
+                     f"{a}.attention.value_length_mla": config.v_head_dim, f"{a}.expert_count": config.n_routed_experts,
+                     f"{a}.expert_used_count": config.num_experts_per_tok, f"{a}.expert_shared_count": config.n_shared_experts,
+                     f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
+                     f"{a}.expert_gating_func": 2 if model_type == "deepseek_v3" else 1})  # transformers: V3 sigmoid, V2 softmax
+        if config.q_lora_rank:
+            keys[f"{a}.attention.q_lora_rank"] = config.q_lora_rank
     return keys
 
 
@@ -267,10 +304,10 @@ def test_families_llama_cpp_runs_but_we_do_not_write_are_refused_with_the_reason
 
     from tui_merger.core.ship.gguf_families import REFUSED
 
-    folder = tmp_path / "dsv3"
+    folder = tmp_path / "oss"
     folder.mkdir()
-    AutoConfig.for_model("deepseek_v3", **SMALL, vocab_size=448).save_pretrained(folder)
-    with pytest.raises(MergeError, match=r"is a deepseek_v3 model; its attention \(MLA\) needs kv_b_proj split") as err:
+    AutoConfig.for_model("gpt_oss", **SMALL, vocab_size=448).save_pretrained(folder)
+    with pytest.raises(MergeError, match=r"is a gpt_oss model; llama.cpp wants its experts as MXFP4") as err:
         export_gguf(folder, "f16")
     assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
     assert all(reason[0].islower() and not reason.endswith(".") for reason in REFUSED.values())

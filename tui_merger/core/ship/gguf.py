@@ -81,6 +81,8 @@ class GgufTensor:
     nbytes: int
     permute_heads: int | None = None  # Llama's q/k: rows reordered for llama.cpp's rope (heads)
     shift: float = 0.0  # added to every value (Gemma's norms, stored as 1 + w)
+    rows: tuple[int, int] | None = None  # a part of the source: these rows of each matrix (packed gate/up halves)
+    derive: object = None  # a function of the whole source tensor giving this one (DeepSeek's MLA k_b / v_b)
     computed: object = None  # a numpy array written as is (llama3's rope_freqs)
 
     @property
@@ -353,7 +355,8 @@ def _hyperparameters(folder: Path, raw: dict, family: Family, notices: list) -> 
         "vocab_size": int(need("vocab_size")),
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "rope": _rope(folder, config, family, head_dim),
-        "keys": {key: getattr(config, name) for key, name in family.keys.items() if getattr(config, name, None) is not None},
+        "keys": _family_keys(config, family),
+        "config": config,
     }
     if family.experts:
         hp["experts"] = int(need(family.experts))
@@ -377,6 +380,22 @@ def _hyperparameters(folder: Path, raw: dict, family: Family, notices: list) -> 
     if heads % hp["kv_heads"]:
         raise MergeError(f"{folder / 'config.json'}: {heads} attention heads are not a multiple of {hp['kv_heads']} KV heads.")
     return hp
+
+
+def _family_keys(config, family: Family) -> dict:
+    """The family's own keys: a config field (float32, or uint32 for the counts in _UINT_KEYS) or a
+    function of the config giving the typed value; None: not written."""
+    out = {}
+    for key, how in family.keys.items():
+        if callable(how):
+            value = how(config)
+        else:
+            value = getattr(config, how, None)
+            if value is not None:
+                value = int(value) if key in _UINT_KEYS else float(value)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def _sliding_window(folder: Path, config, family: Family, hp: dict, notices: list) -> None:
@@ -417,11 +436,13 @@ def _rope(folder: Path, config, family: Family, head_dim: int) -> dict:
     if isinstance(params.get("full_attention"), dict):  # one rope per layer type
         local = params.get("sliding_attention") or {}
         params = dict(params["full_attention"])
-        if local and family.swa_rope_theta is not None and (
-                local.get("rope_theta") != family.swa_rope_theta or (local.get("rope_type") or "default") != "default"):
+        want = ({"rope_type": "default", "rope_theta": family.swa_rope_theta} if family.swa_rope_theta is not None
+                else {"rope_type": params.get("rope_type") or "default", "rope_theta": params.get("rope_theta")})
+        if local and ((local.get("rope_type") or "default"), local.get("rope_theta")) != (want["rope_type"], want["rope_theta"]):
             raise MergeError(
                 f"{folder} rotates its sliding-window layers with rope {local.get('rope_type')} base "
-                f"{local.get('rope_theta')}; llama.cpp's {family.arch} fixes them at default rope, base {family.swa_rope_theta:g}."
+                f"{local.get('rope_theta')}; llama.cpp's {family.arch} rotates them with rope {want['rope_type']} base "
+                f"{want['rope_theta']:g}, so a GGUF of it would compute another model."
             )
     kind = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
@@ -442,8 +463,11 @@ def _rope(folder: Path, config, family: Family, head_dim: int) -> dict:
     if kind == "linear":
         return rope
     if kind == "yarn":
-        unknown = sorted(set(params) - {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
-                                        "beta_fast", "beta_slow", "partial_rotary_factor"})
+        known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "partial_rotary_factor"}
+        if family.yarn_mscale and params.get("mscale", 1.0) == params.get("mscale_all_dim", 1.0):
+            known |= {"mscale", "mscale_all_dim"}  # llama.cpp's yarn_log_multiplier (a family key) says them
+        unknown = sorted(set(params) - known)
         if any(params.get(k) is not None for k in unknown):
             raise MergeError(
                 f"{folder} uses YaRN rope scaling with {', '.join(k for k in unknown if params.get(k) is not None)}, "
@@ -518,7 +542,21 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
             raise MergeError(f"{ref.name} in {folder} is {ref.dtype}; GGUF export reads float32, float16 and bfloat16 weights.")
         m = _EXPERT.match(ref.name)
         key = f"{m['layer']}.{m['kind']}" if m else ref.name.removesuffix(".weight").removesuffix(".bias")
+        derive = next((fn for module, fn in family.derive.items() if key.endswith(f".{module}")), None)
+        if derive is not None:  # one HF tensor -> GGUF tensors computed from it (DeepSeek's kv_b_proj -> k_b, v_b)
+            layer = re.search(r"\.(\d+)\.", ref.name)
+            for part, shape, fn in derive(hp["config"], tuple(ref.shape)):
+                qtype = _qtype(type_, shape, False, ref.name, fallback)
+                order.append(GgufTensor(f"blk.{layer[1]}.{part}.weight", (ref,), shape, int(qtype), _nbytes(shape, qtype), derive=fn))
+            continue
+        split = next((parts for module, parts in family.split.items() if key.endswith(f".{module}")), None)
+        if split is not None:  # one packed HF tensor -> equal parts along its rows, each a GGUF tensor of its own
+            order.extend(_split(folder, ref, split, type_, fallback))
+            continue
         found = names.get_type_and_name(key)
+        if found is None and key.endswith("_bias"):  # e_score_correction_bias: a bias by another spelling
+            found = names.get_type_and_name(key.removesuffix("_bias"))
+            key = key.removesuffix("_bias") if found else key
         if found is None and m:  # a family whose per-expert names the map knows with their index
             key = ref.name.removesuffix(".weight")
             found = names.get_type_and_name(key)
@@ -535,7 +573,7 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
                 order.append(f"{base}.weight")
             slot[int(m["e"])] = ref
             continue
-        suffix = ref.name[len(key):]
+        suffix = ref.name[len(key):].replace("_bias", ".bias")
         permute = None
         if family.permute_qk and kind in (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K):
             permute = hp["heads"] if kind == gguf.MODEL_TENSOR.ATTN_Q else hp["kv_heads"]
@@ -587,6 +625,22 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
     if hp["rope"]["type"] == "llama3":
         freqs = _llama3_rope_factors(hp)
         out.insert(0, GgufTensor("rope_freqs.weight", (), freqs.shape, int(gguf.GGMLQuantizationType.F32), freqs.nbytes, computed=freqs))
+    return out
+
+
+def _split(folder, ref, parts: tuple[str, ...], type_: str, fallback: list) -> list[GgufTensor]:
+    """A packed tensor (experts, n * rows, cols) as n GGUF tensors (experts, rows, cols), in order
+    (GraniteMoE's input_linear: the gate half, then the up half, as llama.cpp's converter splits it)."""
+    layer = re.search(r"\.(\d+)\.", ref.name)
+    if layer is None or len(ref.shape) < 2 or ref.shape[-2] % len(parts):
+        raise MergeError(f"{ref.name} in {folder} cannot be split into {len(parts)} equal parts ({list(ref.shape)}); the weights do not match the family.")
+    size = ref.shape[-2] // len(parts)
+    shape = (*ref.shape[:-2], size, ref.shape[-1])
+    out = []
+    for n, part in enumerate(parts):
+        qtype = _qtype(type_, shape, False, ref.name, fallback)
+        out.append(GgufTensor(f"blk.{layer[1]}.{part}.weight", (ref,), shape, int(qtype), _nbytes(shape, qtype),
+                              rows=(n * size, (n + 1) * size)))
     return out
 
 
@@ -683,7 +737,7 @@ def _pieces(t: GgufTensor, cancel, scratch: list):
     qtype = gguf.GGMLQuantizationType(t.qtype)
     for ref in t.sources:  # stacked experts: one expert after the other
         _check(cancel)
-        raw = None if t.permute_heads else ref.source.raw_ranges(ref)
+        raw = None if t.permute_heads or t.rows or t.derive else ref.source.raw_ranges(ref)
         if raw is None or len(raw) != 1:
             yield from _mapped_pieces(ref, qtype, t, cancel)
             continue
@@ -708,6 +762,10 @@ def _mapped_pieces(ref, qtype, t: GgufTensor, cancel):
     import torch
 
     w = ref.load()
+    if t.rows:
+        w = w[..., t.rows[0]:t.rows[1], :]
+    if t.derive is not None:
+        w = t.derive(w)
     rows = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w.reshape(-1, 1) if t.permute_heads else w.reshape(1, -1)
     order = None
     if t.permute_heads:  # HF's rotate-half order -> llama.cpp's interleaved pairs, per head
@@ -814,44 +872,42 @@ class _DataStream:
 # -- metadata --------------------------------------------------------------------------------------
 
 
-_UINT_KEYS = {"attention.sliding_window"}  # a family's own keys are float32 but these
+_UINT_KEYS = {"attention.sliding_window"}  # a family's config-field keys are float32 but these
 
 
 def _add_hyperparameters(writer, hp: dict, family: Family) -> None:
+    """<arch>.* keys: the common ones from the hyperparameters, then the family's own (which may
+    restate a common one: DeepSeek's MLA head sizes), each key once, typed as llama.cpp reads it."""
     import gguf
 
-    writer.add_context_length(hp["context_length"])
-    writer.add_embedding_length(hp["hidden_size"])
-    writer.add_block_count(hp["layers"])
-    writer.add_feed_forward_length(hp["intermediate_size"])
-    writer.add_head_count(hp["heads"])
-    writer.add_head_count_kv(hp["kv_heads"])
-    if family.eps.startswith("rms"):
-        writer.add_layer_norm_rms_eps(hp["eps"])
-    else:
-        writer.add_layer_norm_eps(hp["eps"])
-    writer.add_vocab_size(hp["vocab_size"])
-    rope = hp["rope"]
-    writer.add_rope_freq_base(rope["theta"])
-    writer.add_rope_dimension_count(rope["dim"])
+    keys = {
+        "context_length": hp["context_length"],
+        "embedding_length": hp["hidden_size"],
+        "block_count": hp["layers"],
+        "feed_forward_length": hp["intermediate_size"],
+        "attention.head_count": hp["heads"],
+        "attention.head_count_kv": hp["kv_heads"],
+        "attention.layer_norm_rms_epsilon" if family.eps.startswith("rms") else "attention.layer_norm_epsilon": hp["eps"],
+        "vocab_size": hp["vocab_size"],
+        "rope.freq_base": hp["rope"]["theta"],
+        "rope.dimension_count": hp["rope"]["dim"],
+    }
     if family.head_dim_keys or hp["head_dim"] != hp["hidden_size"] // hp["heads"]:
-        writer.add_key_length(hp["head_dim"])
-        writer.add_value_length(hp["head_dim"])
-    if "experts" in hp:
-        writer.add_expert_count(hp["experts"])
-        writer.add_expert_used_count(hp["experts_used"])
-    if "expert_ff" in hp:
-        writer.add_expert_feed_forward_length(hp["expert_ff"])
-    if "shared_ff" in hp:
-        writer.add_expert_shared_feed_forward_length(hp["shared_ff"])
-    for key, value in hp["keys"].items():
+        keys["attention.key_length"] = keys["attention.value_length"] = hp["head_dim"]
+    for key, name in (("expert_count", "experts"), ("expert_used_count", "experts_used"),
+                      ("expert_feed_forward_length", "expert_ff"), ("expert_shared_feed_forward_length", "shared_ff")):
+        if name in hp:
+            keys[key] = hp[name]
+    keys.update(hp["keys"])
+    for key, value in keys.items():
         name = f"{family.arch}.{key}"
-        if key in _UINT_KEYS:
-            writer.add_uint32(name, int(value))
-        elif isinstance(value, bool):
+        if isinstance(value, bool):
             writer.add_bool(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
         else:
             writer.add_float32(name, float(value))
+    rope = hp["rope"]
     if rope["type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])

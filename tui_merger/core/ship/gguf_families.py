@@ -43,6 +43,9 @@ class Family:
     swa: int | None = None  # llama.cpp's sliding-window pattern: every swa-th layer full, the others sliding
     swa_layers: int | None = None  # llama.cpp applies that pattern only to models of this many layers (else none)
     swa_rope_theta: float | None = None  # the rope base llama.cpp fixes for sliding layers (Gemma 3)
+    derive: dict = field(default_factory=dict)  # HF module -> function(config, shape) -> [(GGUF tensor, shape, fn of the tensor)]
+    yarn_mscale: bool = False  # YaRN's mscale / mscale_all_dim (equal) are expressible (DeepSeek's yarn_log_multiplier)
+    split: dict = field(default_factory=dict)  # HF module -> GGUF tensors its rows are split into, in equal parts
     keys: dict = field(default_factory=dict)  # GGUF key (after "<arch>.") -> config field
     checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
 
@@ -93,6 +96,55 @@ def _cohere_no_qk_norm(config) -> str | None:
     return None
 
 
+def _mla_kv_b(config, shape):
+    """DeepSeek's MLA kv_b_proj (heads * (nope + v), kv_lora_rank) as llama.cpp's converter writes it for
+    the absorbed attention: k_b (heads, kv_lora_rank, nope: each head's part transposed) and v_b
+    (heads, v, kv_lora_rank)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    nope, v, rank = config.qk_nope_head_dim, config.v_head_dim, shape[-1]
+
+    def k_b(w):
+        return w.reshape(heads, nope + v, rank)[:, :nope].transpose(1, 2)
+
+    def v_b(w):
+        return w.reshape(heads, nope + v, rank)[:, nope:]
+
+    return [("attn_k_b", (heads, rank, nope), k_b), ("attn_v_b", (heads, v, rank), v_b)]
+
+
+def _deepseek_moe_every_layer(config) -> str | None:
+    if getattr(config, "moe_layer_freq", 1) != 1:
+        return "it has experts only in some layers after the dense ones (moe_layer_freq), which llama.cpp's deepseek2 layout does not have"
+    if (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) != config.num_attention_heads:
+        return "its kv_b_proj has fewer heads than its attention, which llama.cpp's deepseek2 layout does not split"
+    return None
+
+
+def _yarn_log_multiplier(config):
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    mscale = rope.get("mscale_all_dim") if rope.get("rope_type", rope.get("type")) == "yarn" else None
+    return None if mscale is None else 0.1 * float(mscale)
+
+
+_DEEPSEEK_KEYS = {  # llama.cpp's DeepseekV2Model: MLA as MQA with one KV head of kv_lora_rank + rope
+    "attention.head_count_kv": lambda c: 1,
+    "leading_dense_block_count": lambda c: int(getattr(c, "first_k_dense_replace", 0) or 0),
+    "attention.q_lora_rank": lambda c: int(c.q_lora_rank) if getattr(c, "q_lora_rank", None) else None,
+    "attention.kv_lora_rank": lambda c: int(c.kv_lora_rank),
+    "attention.key_length": lambda c: int(c.kv_lora_rank + c.qk_rope_head_dim),
+    "attention.value_length": lambda c: int(c.kv_lora_rank),
+    "attention.key_length_mla": lambda c: int(c.qk_nope_head_dim + c.qk_rope_head_dim),
+    "attention.value_length_mla": lambda c: int(c.v_head_dim),
+    "rope.dimension_count": lambda c: int(c.qk_rope_head_dim),
+    "expert_shared_count": lambda c: int(getattr(c, "n_shared_experts", 0) or 0),
+    "expert_weights_scale": lambda c: float(getattr(c, "routed_scaling_factor", 1.0) or 1.0),
+    "expert_weights_norm": lambda c: True if getattr(c, "norm_topk_prob", False) else None,
+    "expert_group_count": lambda c: int(c.n_group) if getattr(c, "n_group", None) else None,
+    "expert_group_used_count": lambda c: int(c.topk_group) if getattr(c, "topk_group", None) else None,
+    "rope.scaling.yarn_log_multiplier": _yarn_log_multiplier,
+}
+
+
 # model_type in config.json -> its family. Order: how often people fine-tune them (the CLI lists them so).
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", "llama", permute_qk=True),
@@ -121,29 +173,38 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3", "smollm3", permute_qk=True, checks=(_smollm3_nope_every_4th,)),
     "gemma": Family("Gemma", "gemma", norm_plus_one=True, head_dim_keys=True),
     "phi": Family("Phi-2", "phi2", eps="layer_norm_eps", partial_rotary=True, checks=(_no_qk_layernorm,)),
+    "granitemoe": Family("GraniteMoE", "granitemoe", permute_qk=True, experts="num_local_experts",
+                         split={"input_linear": ("ffn_gate_exps", "ffn_up_exps")},
+                         keys={"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                               "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    "olmo3": Family("OLMo 3", "olmo2", swa=4, keys={"attention.sliding_window": "sliding_window"}),
     "olmoe": Family("OLMoE", "olmoe", experts="num_experts", norm_topk=False, checks=(_olmoe_no_gqa,)),
     "cohere2": Family("Cohere2", "cohere2", eps="layer_norm_eps", swa=4, head_dim_keys=True,
                       keys={"logit_scale": "logit_scale", "attention.sliding_window": "sliding_window"},
                       checks=(_cohere_no_qk_norm,)),
     "exaone4": Family("EXAONE 4", "exaone4", swa=4, head_dim_keys=True, keys={"attention.sliding_window": "sliding_window"},
                       swa_layers=64),
+    "deepseek_v3": Family("DeepSeek-V3", "deepseek2", experts="n_routed_experts", expert_ff="moe_intermediate_size",
+                          derive={"kv_b_proj": _mla_kv_b}, yarn_mscale=True,
+                          keys={**_DEEPSEEK_KEYS, "expert_gating_func": lambda c: 2},  # transformers' V3 router: sigmoid
+                          checks=(_deepseek_moe_every_layer,)),
+    "deepseek_v2": Family("DeepSeek-V2", "deepseek2", experts="n_routed_experts", expert_ff="moe_intermediate_size",
+                          derive={"kv_b_proj": _mla_kv_b}, yarn_mscale=True,
+                          keys={**_DEEPSEEK_KEYS, "expert_gating_func": lambda c: 1},  # V2's router: softmax
+                          checks=(_deepseek_moe_every_layer,)),
     "ernie4_5": Family("ERNIE-4.5", "ernie4_5", head_dim_keys=True),
     "seed_oss": Family("Seed-OSS", "seed_oss", head_dim_keys=True),
 }
 
 # Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
 REFUSED: dict[str, str] = {
-    "deepseek_v3": "its attention (MLA) needs kv_b_proj split into llama.cpp's k_b and v_b tensors, which tui-merger does not write yet",
-    "deepseek_v2": "its attention (MLA) needs kv_b_proj split into llama.cpp's k_b and v_b tensors, which tui-merger does not write yet",
     "gpt_oss": "llama.cpp wants its experts as MXFP4 with the gate and up halves split, which tui-merger does not write yet",
-    "granitemoe": "llama.cpp wants its packed input_linear experts split into gate and up halves, which tui-merger does not write yet",
     "lfm2": "its short-convolution layers need llama.cpp's conv tensors reshaped, which tui-merger does not write yet",
     "qwen3_next": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
     "qwen3_5_text": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
     "glm4_moe": "llama.cpp's glm4moe layout needs the router's score-correction bias and its next-token-prediction layers handled, which tui-merger does not write yet",
     "ernie4_5_moe": "llama.cpp's ernie4_5-moe layout needs the router's score-correction statistics handled, which tui-merger does not write yet",
     "gemma4_text": "its per-layer embeddings and layer scalars need tensors llama.cpp reshapes, which tui-merger does not write yet",
-    "olmo3": "its sliding-window layers need llama.cpp's olmo2 pattern keys, which tui-merger does not write yet",
 }
 
 
