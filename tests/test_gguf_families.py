@@ -63,6 +63,8 @@ CASES = {
     "deepseek_v2": (dict(NOT_SPECIAL, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                          n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                          v_head_dim=16, topk_method="greedy"), False),
+    "gpt_oss": (dict(NOT_SPECIAL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"]), False),
     "ernie4_5": (dict(NOT_SPECIAL, head_dim=16), False),
     "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
 }
@@ -166,7 +168,22 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
                 assert torch.equal(stored[name].reshape(part.shape), part.half().float()), name
                 seen.add(name)
             continue
+        gpt_oss = {  # GPT-OSS's packed experts, as llama.cpp's converter writes them from 16-bit weights
+            "gate_up_proj": lambda w: {"ffn_gate_exps.weight": w.transpose(1, 2)[:, 0::2], "ffn_up_exps.weight": w.transpose(1, 2)[:, 1::2]},
+            "gate_up_proj_bias": lambda w: {"ffn_gate_exps.bias": w[:, 0::2], "ffn_up_exps.bias": w[:, 1::2]},
+            "down_proj": lambda w: {"ffn_down_exps.weight": w.transpose(1, 2)},
+        }
+        if model_type == "gpt_oss" and ".experts." in hf_name and hf_name.split(".")[-1] in gpt_oss:
+            bid = hf_name.split(".")[2]
+            for part, value in gpt_oss[hf_name.split(".")[-1]](w).items():
+                name = f"blk.{bid}.{part}"
+                want_value = value.half().float() if part.endswith(".weight") else value  # biases F32
+                assert torch.equal(stored[name].reshape(want_value.shape), want_value), name
+                seen.add(name)
+            continue
         name, expert = _gguf_name_of(hf_name.replace("_bias", ".bias"), tmap)
+        if not name.endswith((".weight", ".bias")):  # GPT-OSS's sinks: the converter adds .weight
+            name += ".weight"
         if expert is not None:
             experts.setdefault(name, {})[expert] = w
             continue
@@ -191,7 +208,7 @@ def _expected_keys(model_type: str, config) -> dict:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
     (written here from the converter's classes, as llama.cpp reads them)."""
     a = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
-         "phi": "phi2", "olmo3": "olmo2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
+         "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
     rope = rope.get("full_attention", rope)
@@ -211,24 +228,27 @@ def _expected_keys(model_type: str, config) -> dict:
         keys[f"{a}.attention.layer_norm_epsilon"] = config.norm_epsilon
     else:
         keys[f"{a}.attention.layer_norm_rms_epsilon"] = config.rms_norm_eps
-    if model_type in ("gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "cohere2", "exaone4", "ernie4_5", "seed_oss", "glm4"):
+    if model_type in ("gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "cohere2", "exaone4", "ernie4_5", "seed_oss", "glm4",
+                      "gpt_oss"):
         keys[f"{a}.attention.key_length"] = keys[f"{a}.attention.value_length"] = head_dim
     if model_type == "gemma2":
         keys.update({f"{a}.attn_logit_softcapping": config.attn_logit_softcapping,
                      f"{a}.final_logit_softcapping": config.final_logit_softcapping,
                      f"{a}.attention.sliding_window": config.sliding_window})
-    if model_type in ("gemma3_text", "cohere2", "olmo3"):
+    if model_type in ("gemma3_text", "cohere2", "olmo3", "gpt_oss"):
         keys[f"{a}.attention.sliding_window"] = config.sliding_window
     if model_type == "cohere2":
         keys[f"{a}.logit_scale"] = config.logit_scale
     if model_type in ("granite", "granitemoe"):
         keys.update({f"{a}.attention.scale": config.attention_multiplier, f"{a}.embedding_scale": config.embedding_multiplier,
                      f"{a}.residual_scale": config.residual_multiplier, f"{a}.logit_scale": config.logits_scaling})
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"):
         keys[f"{a}.expert_count"] = getattr(config, "num_local_experts", None) or config.num_experts
         keys[f"{a}.expert_used_count"] = config.num_experts_per_tok
     if model_type in ("qwen2_moe", "qwen3_moe"):
         keys[f"{a}.expert_feed_forward_length"] = config.moe_intermediate_size
+    if model_type == "gpt_oss":
+        keys[f"{a}.expert_feed_forward_length"] = config.intermediate_size
     if model_type == "qwen2_moe":
         keys[f"{a}.expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
     if model_type.startswith("deepseek"):  # MLA written as MQA: one KV head of kv_lora_rank + rope
@@ -304,10 +324,10 @@ def test_families_llama_cpp_runs_but_we_do_not_write_are_refused_with_the_reason
 
     from tui_merger.core.ship.gguf_families import REFUSED
 
-    folder = tmp_path / "oss"
+    folder = tmp_path / "lfm2"
     folder.mkdir()
-    AutoConfig.for_model("gpt_oss", **SMALL, vocab_size=448).save_pretrained(folder)
-    with pytest.raises(MergeError, match=r"is a gpt_oss model; llama.cpp wants its experts as MXFP4") as err:
+    AutoConfig.for_model("lfm2", **SMALL, vocab_size=448).save_pretrained(folder)
+    with pytest.raises(MergeError, match=r"is a lfm2 model; its short-convolution layers need llama.cpp's conv") as err:
         export_gguf(folder, "f16")
     assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
     assert all(reason[0].islower() and not reason.endswith(".") for reason in REFUSED.values())

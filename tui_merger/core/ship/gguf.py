@@ -467,6 +467,7 @@ def _rope(folder: Path, config, family: Family, head_dim: int) -> dict:
                  "partial_rotary_factor"}
         if family.yarn_mscale and params.get("mscale", 1.0) == params.get("mscale_all_dim", 1.0):
             known |= {"mscale", "mscale_all_dim"}  # llama.cpp's yarn_log_multiplier (a family key) says them
+        known |= set(family.yarn_extra)
         unknown = sorted(set(params) - known)
         if any(params.get(k) is not None for k in unknown):
             raise MergeError(
@@ -546,8 +547,9 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
         if derive is not None:  # one HF tensor -> GGUF tensors computed from it (DeepSeek's kv_b_proj -> k_b, v_b)
             layer = re.search(r"\.(\d+)\.", ref.name)
             for part, shape, fn in derive(hp["config"], tuple(ref.shape)):
-                qtype = _qtype(type_, shape, False, ref.name, fallback)
-                order.append(GgufTensor(f"blk.{layer[1]}.{part}.weight", (ref,), shape, int(qtype), _nbytes(shape, qtype), derive=fn))
+                name = f"blk.{layer[1]}.{part}" + ("" if part.endswith((".weight", ".bias")) else ".weight")
+                qtype = _qtype(type_, shape, False, name, fallback)
+                order.append(GgufTensor(name, (ref,), shape, int(qtype), _nbytes(shape, qtype), derive=fn))
             continue
         split = next((parts for module, parts in family.split.items() if key.endswith(f".{module}")), None)
         if split is not None:  # one packed HF tensor -> equal parts along its rows, each a GGUF tensor of its own
@@ -573,7 +575,7 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
                 order.append(f"{base}.weight")
             slot[int(m["e"])] = ref
             continue
-        suffix = ref.name[len(key):].replace("_bias", ".bias")
+        suffix = ref.name[len(key):].replace("_bias", ".bias") or ".weight"  # GPT-OSS's sinks: a weight by another spelling
         permute = None
         if family.permute_qk and kind in (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K):
             permute = hp["heads"] if kind == gguf.MODEL_TENSOR.ATTN_Q else hp["kv_heads"]
@@ -651,7 +653,7 @@ def _qtype(type_: str, shape, router: bool, name: str, fallback: list):
     import gguf
 
     T = gguf.GGMLQuantizationType
-    if len(shape) <= 1 or router:
+    if len(shape) <= 1 or router or name.endswith(("_bias", ".bias")):  # biases, stacked per expert or not
         return T.F32
     if type_ == "bf16":
         return T.BF16

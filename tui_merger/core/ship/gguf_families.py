@@ -44,6 +44,7 @@ class Family:
     swa_layers: int | None = None  # llama.cpp applies that pattern only to models of this many layers (else none)
     swa_rope_theta: float | None = None  # the rope base llama.cpp fixes for sliding layers (Gemma 3)
     derive: dict = field(default_factory=dict)  # HF module -> function(config, shape) -> [(GGUF tensor, shape, fn of the tensor)]
+    yarn_extra: tuple[str, ...] = ()  # YaRN parameters llama.cpp's graph for the family already follows
     yarn_mscale: bool = False  # YaRN's mscale / mscale_all_dim (equal) are expressible (DeepSeek's yarn_log_multiplier)
     split: dict = field(default_factory=dict)  # HF module -> GGUF tensors its rows are split into, in equal parts
     keys: dict = field(default_factory=dict)  # GGUF key (after "<arch>.") -> config field
@@ -110,6 +111,30 @@ def _mla_kv_b(config, shape):
         return w.reshape(heads, nope + v, rank)[:, nope:]
 
     return [("attn_k_b", (heads, rank, nope), k_b), ("attn_v_b", (heads, v, rank), v_b)]
+
+
+def _gpt_oss_experts(config, shape):
+    """GPT-OSS's packed experts as llama.cpp's converter writes them from 16-bit weights: gate_up_proj
+    (experts, hidden, 2 * ff, gate and up interleaved) -> ffn_gate_exps / ffn_up_exps (experts, ff,
+    hidden); its bias (experts, 2 * ff) likewise."""
+    if len(shape) == 3:
+        e, hidden, ff2 = shape
+        return [("ffn_gate_exps", (e, ff2 // 2, hidden), lambda w: w.transpose(1, 2)[:, 0::2]),
+                ("ffn_up_exps", (e, ff2 // 2, hidden), lambda w: w.transpose(1, 2)[:, 1::2])]
+    e, ff2 = shape
+    return [("ffn_gate_exps.bias", (e, ff2 // 2), lambda w: w[:, 0::2]), ("ffn_up_exps.bias", (e, ff2 // 2), lambda w: w[:, 1::2])]
+
+
+def _gpt_oss_down(config, shape):
+    e, ff, hidden = shape
+    return [("ffn_down_exps", (e, hidden, ff), lambda w: w.transpose(1, 2))]
+
+
+def _gpt_oss_yarn_truncate(config) -> str | None:
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn" and rope.get("truncate", True) is not False:
+        return "its YaRN rope truncates (truncate true), while llama.cpp's gpt-oss follows the released models (truncate false)"
+    return None
 
 
 def _deepseek_moe_every_layer(config) -> str | None:
@@ -192,13 +217,17 @@ FAMILIES: dict[str, Family] = {
                           derive={"kv_b_proj": _mla_kv_b}, yarn_mscale=True,
                           keys={**_DEEPSEEK_KEYS, "expert_gating_func": lambda c: 1},  # V2's router: softmax
                           checks=(_deepseek_moe_every_layer,)),
+    "gpt_oss": Family("GPT-OSS", "gpt-oss", experts="num_local_experts", expert_ff="intermediate_size", swa=2,
+                      head_dim_keys=True, yarn_extra=("truncate",),
+                      derive={"experts.gate_up_proj": _gpt_oss_experts, "experts.gate_up_proj_bias": _gpt_oss_experts,
+                              "experts.down_proj": _gpt_oss_down},
+                      keys={"attention.sliding_window": "sliding_window"}, checks=(_gpt_oss_yarn_truncate,)),
     "ernie4_5": Family("ERNIE-4.5", "ernie4_5", head_dim_keys=True),
     "seed_oss": Family("Seed-OSS", "seed_oss", head_dim_keys=True),
 }
 
 # Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
 REFUSED: dict[str, str] = {
-    "gpt_oss": "llama.cpp wants its experts as MXFP4 with the gate and up halves split, which tui-merger does not write yet",
     "lfm2": "its short-convolution layers need llama.cpp's conv tensors reshaped, which tui-merger does not write yet",
     "qwen3_next": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
     "qwen3_5_text": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
