@@ -65,6 +65,8 @@ CASES = {
                          v_head_dim=16, topk_method="greedy"), False),
     "gpt_oss": (dict(NOT_SPECIAL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
                      layer_types=["sliding_attention", "full_attention"]), False),
+    "glm4_moe": (dict(NOT_SPECIAL, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                      n_shared_experts=1, routed_scaling_factor=1.5, use_qk_norm=True), False),
     "ernie4_5": (dict(NOT_SPECIAL, head_dim=16), False),
     "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
 }
@@ -208,7 +210,7 @@ def _expected_keys(model_type: str, config) -> dict:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
     (written here from the converter's classes, as llama.cpp reads them)."""
     a = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
-         "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
+         "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
     rope = rope.get("full_attention", rope)
@@ -229,7 +231,7 @@ def _expected_keys(model_type: str, config) -> dict:
     else:
         keys[f"{a}.attention.layer_norm_rms_epsilon"] = config.rms_norm_eps
     if model_type in ("gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "cohere2", "exaone4", "ernie4_5", "seed_oss", "glm4",
-                      "gpt_oss"):
+                      "gpt_oss", "glm4_moe"):
         keys[f"{a}.attention.key_length"] = keys[f"{a}.attention.value_length"] = head_dim
     if model_type == "gemma2":
         keys.update({f"{a}.attn_logit_softcapping": config.attn_logit_softcapping,
@@ -251,6 +253,12 @@ def _expected_keys(model_type: str, config) -> dict:
         keys[f"{a}.expert_feed_forward_length"] = config.intermediate_size
     if model_type == "qwen2_moe":
         keys[f"{a}.expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    if model_type == "glm4_moe":
+        keys.update({f"{a}.expert_count": config.n_routed_experts, f"{a}.expert_used_count": config.num_experts_per_tok,
+                     f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
+                     f"{a}.expert_shared_count": config.n_shared_experts, f"{a}.leading_dense_block_count": config.first_k_dense_replace,
+                     f"{a}.expert_weights_scale": config.routed_scaling_factor, f"{a}.expert_weights_norm": config.norm_topk_prob,
+                     f"{a}.expert_gating_func": 2})
     if model_type.startswith("deepseek"):  # MLA written as MQA: one KV head of kv_lora_rank + rope
         rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
         keys.update({f"{a}.attention.head_count_kv": 1, f"{a}.attention.key_length": rank + rope_dim,

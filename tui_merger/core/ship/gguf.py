@@ -56,6 +56,7 @@ FAMILY_NAMES = gguf_families.family_names()
 CANCELLED = "GGUF export cancelled; nothing was written."
 _BLOCK_BYTES = 8 << 20  # source bytes read and converted at a time (a vocabulary-sized embedding is never held whole)
 _EXPERT = re.compile(r"^(?P<layer>.+\.\d+\.[^.]+\.experts)\.(?P<e>\d+)\.(?P<kind>[^.]+)\.weight$")  # one expert's matrix
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer older checkpoints saved; llama.cpp computes it
 
 # The pre-tokenizers llama.cpp knows by name (tokenizer.ggml.pre) that a Hugging Face tokenizer.json
@@ -534,8 +535,13 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
     experts: dict[str, dict[int, object]] = {}  # GGUF name -> expert index -> TensorRef
     order: list[str | GgufTensor] = []
     fallback: list[str] = []
+    beyond: list[str] = []  # next-token-prediction layers past num_hidden_layers (DeepSeek-V3, GLM-4.5)
     for ref in source.tensors.values():
         if _SKIPPED.search(ref.name):
+            continue
+        layer = _LAYER.match(ref.name)
+        if layer and int(layer[1]) >= hp["layers"]:
+            beyond.append(ref.name)
             continue
         if ref.name == "lm_head.weight" and hp["tie_word_embeddings"]:
             continue  # tied: llama.cpp uses token_embd, as transformers does
@@ -604,6 +610,11 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
         out.append(GgufTensor(item, tuple(refs), shape, int(qtype), _nbytes(shape, qtype)))
     if type_ in K_MIXES:
         out = _mix_types(out, type_, arch_name, hp, notices)
+    if beyond:
+        notices.append(
+            f"{len(beyond)} tensor(s) of layers past num_hidden_layers ({beyond[0]}...), the model's next-token-prediction "
+            "layers, are left out, as transformers leaves them out: llama.cpp runs the model without them."
+        )
     if fallback:
         notices.append(
             f"{len(fallback)} tensor(s) have rows that are not a multiple of 32 values ({fallback[0]}...), which "

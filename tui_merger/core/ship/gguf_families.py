@@ -222,6 +222,15 @@ FAMILIES: dict[str, Family] = {
                       derive={"experts.gate_up_proj": _gpt_oss_experts, "experts.gate_up_proj_bias": _gpt_oss_experts,
                               "experts.down_proj": _gpt_oss_down},
                       keys={"attention.sliding_window": "sliding_window"}, checks=(_gpt_oss_yarn_truncate,)),
+    "glm4_moe": Family("GLM-4.5", "glm4moe", experts="n_routed_experts", expert_ff="moe_intermediate_size", partial_rotary=True,
+                       head_dim_keys=True,
+                       keys={"leading_dense_block_count": lambda c: int(getattr(c, "first_k_dense_replace", 0) or 0),
+                             "expert_shared_count": lambda c: int(getattr(c, "n_shared_experts", 0) or 0),
+                             "expert_weights_scale": lambda c: float(getattr(c, "routed_scaling_factor", 1.0) or 1.0),
+                             "expert_weights_norm": lambda c: bool(getattr(c, "norm_topk_prob", False)),
+                             "expert_gating_func": lambda c: 2,  # transformers' Glm4Moe router: sigmoid
+                             "expert_group_count": lambda c: int(c.n_group) if getattr(c, "n_group", None) else None,
+                             "expert_group_used_count": lambda c: int(c.topk_group) if getattr(c, "topk_group", None) else None}),
     "ernie4_5": Family("ERNIE-4.5", "ernie4_5", head_dim_keys=True),
     "seed_oss": Family("Seed-OSS", "seed_oss", head_dim_keys=True),
 }
@@ -231,7 +240,6 @@ REFUSED: dict[str, str] = {
     "lfm2": "its short-convolution layers need llama.cpp's conv tensors reshaped, which tui-merger does not write yet",
     "qwen3_next": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
     "qwen3_5_text": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
-    "glm4_moe": "llama.cpp's glm4moe layout needs the router's score-correction bias and its next-token-prediction layers handled, which tui-merger does not write yet",
     "ernie4_5_moe": "llama.cpp's ernie4_5-moe layout needs the router's score-correction statistics handled, which tui-merger does not write yet",
     "gemma4_text": "its per-layer embeddings and layer scalars need tensors llama.cpp reshapes, which tui-merger does not write yet",
 }
