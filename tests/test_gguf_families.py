@@ -15,6 +15,7 @@ The real llama.cpp runs them all in benchmarks/llama_cpp_check.py (its table is 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -349,3 +350,30 @@ def test_mistral_with_a_sliding_window_shorter_than_its_context_says_so(tmp_path
     export_gguf(folder, "f16", tmp_path / "m.gguf", on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
     assert any("attends to the last 64 tokens only (sliding_window)" in s and "computes the same up to 64 tokens" in s
                for s in said), said
+
+
+def test_next_token_prediction_layers_past_the_model_are_left_out_and_said(tmp_path):
+    """DeepSeek-V3 and GLM-4.5 releases hold a next-token-prediction layer past num_hidden_layers, which
+    transformers does not load: the GGUF leaves it out too and says so; the rest is the same file."""
+    from safetensors.torch import save_file
+
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "glm4_moe")
+    plain = export_gguf(folder, "f16", tmp_path / "plain.gguf")
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(64, 128), "model.layers.2.enorm.weight": torch.ones(64)},
+              folder / "mtp.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {**{k: "model.safetensors" for k in load_file(folder / "model.safetensors")},
+                                           "model.layers.2.eh_proj.weight": "mtp.safetensors",
+                                           "model.layers.2.enorm.weight": "mtp.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    said = []
+    with_mtp = export_gguf(folder, "f16", tmp_path / "mtp.gguf",
+                           on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any(s.startswith("2 tensor(s) of layers past num_hidden_layers (model.layers.2.") for s in said), said
+    import gguf
+
+    def names(path):
+        return [t.name for t in gguf.GGUFReader(path).tensors]
+
+    assert names(with_mtp.path) == names(plain.path)

@@ -8,10 +8,13 @@ Adding a family is one entry in ``FAMILIES`` (and a tiny-model case in tests/tes
 - the tensor transforms llama.cpp's converter (``convert_hf_to_gguf.py``, the class registered for the
   architecture) applies: ``permute_qk`` (Llama-style q/k rows reordered for llama.cpp's rope),
   ``norm_plus_one`` (Gemma's norms, which the model applies as ``1 + w``), experts stacked per layer
-  (``experts``: the config field with their number).
+  (``experts``: the config field with their number), ``split`` (a packed tensor cut into equal row
+  parts: GraniteMoE's gate/up) and ``derive`` (GGUF tensors computed from one HF tensor: DeepSeek's MLA
+  k_b/v_b, GPT-OSS's interleaved experts).
 - the metadata: the common hyperparameters are written for every family (context, widths, heads, the
   norm epsilon named by ``eps``, rope base and scaling, head sizes); ``keys`` adds the family's own
-  (GGUF key after ``<arch>.`` -> config field), written when the config has a value.
+  (GGUF key after ``<arch>.`` -> a config field, or a function of the config giving the typed value;
+  it may restate a common key), written when there is a value.
 - what llama.cpp's graph fixes and the config could say otherwise: ``swa`` (its sliding-window layer
   pattern), ``norm_topk`` (whether it renormalizes the chosen experts' weights), ``checks`` (a function
   of the config returning the one sentence why a GGUF of it would compute another model, or None).
