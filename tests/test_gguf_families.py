@@ -90,7 +90,7 @@ def make_family(path: Path, model_type: str, dtype=torch.float32, seed=0, **over
             if p.ndim == 1:
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
     model.to(dtype).save_pretrained(path)
-    byte_level_tokenizer("llama3" if model_type == "llama" else "qwen").save_pretrained(path)
+    byte_level_tokenizer({"llama": "llama3", "gpt_oss": "o200k"}.get(model_type, "qwen")).save_pretrained(path)
     return path
 
 

@@ -67,7 +67,12 @@ _QWEN2_SPLIT = (
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZERS = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
+_O200K_SPLIT = (  # GPT-OSS (o200k_harmony), what llama.cpp calls gpt-4o
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe", _O200K_SPLIT: "gpt-4o"}
 
 
 @dataclass(frozen=True)
@@ -1061,7 +1066,7 @@ def _pre_tokenizer(path: Path, data: dict) -> str:
             return PRE_TOKENIZERS[pattern]
     raise MergeError(
         f"{what} splits text with a pre-tokenizer llama.cpp does not know by name (GGUF export recognises "
-        "GPT-2's, Qwen2's and Llama 3's); a GGUF of it would tokenize differently."
+        "GPT-2's, Qwen2's, Llama 3's and GPT-OSS's); a GGUF of it would tokenize differently."
     )
 
 
