@@ -62,7 +62,7 @@ CASES = {
                          n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                          v_head_dim=16, n_group=1, topk_group=1), False),
     "deepseek_v2": (dict(NOT_SPECIAL, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                         n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                          v_head_dim=16, topk_method="greedy"), False),
     "gpt_oss": (dict(NOT_SPECIAL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
                      layer_types=["sliding_attention", "full_attention"]), False),
@@ -195,7 +195,7 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
         kind = name.split(".")[-2]
         if model_type in PERMUTED and kind in heads:
             w = _llama_rope_rows(w, heads[kind])
-        rounded = w.half().float() if w.ndim >= 2 and kind != "ffn_gate_inp" else w  # F16 matrices; vectors, routers F32
+        rounded = w.half().float() if w.ndim >= 2 and kind not in ("ffn_gate_inp", "ffn_gate_inp_shexp") else w  # routers F32
         assert name in stored, (hf_name, name)
         assert torch.equal(stored[name].reshape(w.shape), rounded), (hf_name, name)
         seen.add(name)
@@ -309,6 +309,7 @@ REFUSALS = {
                 "uses sliding-window attention, which llama.cpp's llama layout does not describe"),
     "phi3": (dict(partial_rotary_factor=0.5), "rotates only part of each head"),
     "olmoe": (dict(num_key_value_heads=2), "llama.cpp's olmoe layout has one per attention head"),
+    "deepseek_v2": (dict(q_lora_rank=None), "allows only for the 27-layer DeepSeek-V2-Lite"),
     "exaone4": (dict(sliding_window=4, layer_types=None), "uses sliding-window attention, which llama.cpp's exaone4 layout"),
 }
 

@@ -592,7 +592,7 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
             permute = hp["heads"] if kind == gguf.MODEL_TENSOR.ATTN_Q else hp["kv_heads"]
             if ref.shape[0] != permute * hp["head_dim"] or hp["head_dim"] % 2:
                 raise MergeError(f"{ref.name} has {ref.shape[0]} rows, not {permute} heads of {hp['head_dim']} (config.json).")
-        router = kind == gguf.MODEL_TENSOR.FFN_GATE_INP
+        router = kind in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)  # kept F32, as llama.cpp does
         qtype = _qtype(type_, ref.shape, router, ref.name, fallback)
         shift = 1.0 if family.norm_plus_one and ref.name.endswith("norm.weight") else 0.0
         order.append(GgufTensor(base + suffix, (ref,), ref.shape, int(qtype), _nbytes(ref.shape, qtype), permute, shift))
@@ -688,7 +688,8 @@ def _mix_types(tensors: list[GgufTensor], type_: str, arch: str, hp: dict, notic
     from tui_merger.core.ship import kquants
 
     model = kquants.Model(arch, hp["layers"], hp.get("experts", 0), hp["heads"], hp["kv_heads"])
-    types, fallbacks = kquants.tensor_types([(t.name, t.shape) for t in tensors], type_, model)
+    # a (1, n) matrix is 1-D to ggml (ggml_n_dims), and llama-quantize leaves it as it is
+    types, fallbacks = kquants.tensor_types([(t.name, t.shape) for t in tensors if _ggml_dims(t.shape) >= 2], type_, model)
     out = [replace(t, qtype=types[t.name], nbytes=_nbytes(t.shape, types[t.name])) if t.name in types else t
            for t in tensors]
     if fallbacks:
@@ -700,6 +701,14 @@ def _mix_types(tensors: list[GgufTensor], type_: str, arch: str, hp: dict, notic
             f"k-quants need: they are stored as {', '.join(used)}, as llama.cpp's quantizer does."
         )
     return out
+
+
+def _ggml_dims(shape) -> int:
+    """ggml_n_dims: the dimensions counted from the row, outer ones of size 1 left out."""
+    dims = list(shape)
+    while len(dims) > 1 and dims[0] == 1:
+        dims.pop(0)
+    return len(dims)
 
 
 def _nbytes(shape, qtype) -> int:

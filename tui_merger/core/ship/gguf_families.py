@@ -89,6 +89,9 @@ def _moe_every_layer(config) -> str | None:
 
 
 def _olmoe_no_gqa(config) -> str | None:
+    if not getattr(config, "q_lora_rank", None) and config.num_hidden_layers != 27:
+        return ("its queries have no low-rank projection (q_lora_rank null), which llama.cpp's deepseek2 layout allows only "
+                "for the 27-layer DeepSeek-V2-Lite")
     if (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) != config.num_attention_heads:
         return "it shares key/value heads (num_key_value_heads below num_attention_heads), and llama.cpp's olmoe layout has one per attention head"
     return None
@@ -143,6 +146,9 @@ def _gpt_oss_yarn_truncate(config) -> str | None:
 def _deepseek_moe_every_layer(config) -> str | None:
     if getattr(config, "moe_layer_freq", 1) != 1:
         return "it has experts only in some layers after the dense ones (moe_layer_freq), which llama.cpp's deepseek2 layout does not have"
+    if not getattr(config, "q_lora_rank", None) and config.num_hidden_layers != 27:
+        return ("its queries have no low-rank projection (q_lora_rank null), which llama.cpp's deepseek2 layout allows only "
+                "for the 27-layer DeepSeek-V2-Lite")
     if (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) != config.num_attention_heads:
         return "its kv_b_proj has fewer heads than its attention, which llama.cpp's deepseek2 layout does not split"
     return None
