@@ -89,9 +89,6 @@ def _moe_every_layer(config) -> str | None:
 
 
 def _olmoe_no_gqa(config) -> str | None:
-    if not getattr(config, "q_lora_rank", None) and config.num_hidden_layers != 27:
-        return ("its queries have no low-rank projection (q_lora_rank null), which llama.cpp's deepseek2 layout allows only "
-                "for the 27-layer DeepSeek-V2-Lite")
     if (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) != config.num_attention_heads:
         return "it shares key/value heads (num_key_value_heads below num_attention_heads), and llama.cpp's olmoe layout has one per attention head"
     return None
