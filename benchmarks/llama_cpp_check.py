@@ -1,86 +1,144 @@
 #!/usr/bin/env python
-"""Does llama.cpp itself run what `tui-merger gguf` writes? Not part of CI (llama.cpp must be built).
+"""Does llama.cpp itself run what `tui-merger gguf` writes, for every family and the types people use?
+Not part of CI (llama.cpp must be built; a prebuilt wheel is in ../shared/tools).
 
-    python -m venv --system-site-packages llvenv            # sees this project's torch and transformers
-    llvenv/bin/pip install --no-deps llama-cpp-python        # compiles llama.cpp (~10 min on 2 cores)
-    llvenv/bin/python benchmarks/llama_cpp_check.py
+    python -m venv --system-site-packages /work/venvs/llama-sys     # sees this project's torch and transformers
+    /work/venvs/llama-sys/bin/pip install --no-deps ../shared/tools/llama_cpp_python-*.whl
+    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_check.py [model_type ...] [--types f16,q8_0,q4_k_m]
 
-For a tiny random model of each family (tests/test_gguf.py's builder: a trained byte-level BPE tokenizer
-with chat template, random weights and norms) and each GGUF type it exports the GGUF, loads it with
-llama.cpp (llama-cpp-python's ``Llama``) and compares with transformers on the Hugging Face folder
-(float32): the token ids of sample texts (ASCII, digits, Chinese, emoji, the chat template's special
-tokens), the logits of a prompt, and 12 greedy tokens. One table row per family and type.
+For a tiny random model of each family (tests/test_gguf_families.py's builder and configs, widened to
+hidden 256 so that k-quant rows are whole super-blocks; bf16 weights; a trained byte-level BPE
+tokenizer with chat template; random weights, norms and biases) and each GGUF type, it exports the
+GGUF with tui-merger, loads it with llama.cpp (llama-cpp-python's ``Llama``) and compares:
+- every type: the token ids of sample texts (ASCII, digits, Chinese, emoji, the chat template's special
+  tokens) with transformers' tokenizer, and 12 greedy tokens with transformers' (shown, not judged:
+  random weights make near-ties);
+- f16: the chat prompt's logits with transformers on the folder (float32), largest difference relative
+  to the largest logit, limit 1e-2;
+- q8_0 and the k-quants: the logits with those of llama.cpp's own quantization of our BF16 file of the
+  same folder (``llama_model_quantize``, what `llama-quantize` does); limit 1e-3 relative (q8_0: the
+  converter quantizes from the weights, llama-quantize from the BF16 file, the same values here), and
+  the logits' difference from transformers for scale.
+A row passes when it loads, every id is equal and the logits are within the limit. Prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 NEW_TOKENS = 12
+LIMIT_F16, LIMIT_SAME = 1e-2, 1e-3
+FTYPES = {"q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "q4_k_s": 14, "q5_k_s": 16, "q3_k_m": 12}  # LLAMA_FTYPE_MOSTLY_*
+WIDE = dict(hidden_size=256, intermediate_size=512)
+WIDE_FAMILY = {  # per-family widths that follow hidden 256 (head sizes, expert widths)
+    "qwen3": dict(head_dim=64), "qwen3_moe": dict(head_dim=64, moe_intermediate_size=256),
+    "qwen2_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=512),
+    "gemma": dict(head_dim=64), "gemma2": dict(head_dim=64, query_pre_attn_scalar=64),
+    "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64), "ernie4_5": dict(head_dim=64), "seed_oss": dict(head_dim=64),
+}
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    import ctypes
+
     import torch
-    from llama_cpp import Llama, llama_cpp
+    import llama_cpp
+    from llama_cpp import Llama
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from test_gguf import SAMPLES, make_model  # the tests' tiny models and texts
+    from test_gguf import SAMPLES
+    from test_gguf_families import CASES, make_family
     from tui_merger.core.ship.gguf import export_gguf
 
-    print(f"llama-cpp-python {llama_cpp.__version__ if hasattr(llama_cpp, '__version__') else ''}", flush=True)
+    types = ["f16", "q8_0", "q4_k_m"]
+    if "--types" in argv:
+        i = argv.index("--types")
+        types = argv[i + 1].split(",")
+        argv = argv[:i] + argv[i + 2:]
+    families = argv or list(CASES)
+    print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        folders = {
-            "llama (llama3 rope)": make_model(root / "llama", "llama", rope_scaling={
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}),
-            "llama": make_model(root / "llama-plain", "llama", seed=2),
-            "qwen2": make_model(root / "qwen2", "qwen2"),
-            "qwen3": make_model(root / "qwen3", "qwen3", tie_word_embeddings=True),
-            "qwen3_moe": make_model(root / "qwen3-moe", "qwen3_moe"),
-        }
-        for family, folder in folders.items():
+        for n, family in enumerate(families):
+            folder = make_family(root / f"tiny-{n}", family, dtype=torch.bfloat16, **WIDE, **WIDE_FAMILY.get(family, {}))
+            bf16 = export_gguf(folder, "bf16", root / f"{folder.name}-bf16.gguf").path
             tok = AutoTokenizer.from_pretrained(folder)
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-            chat = tok.apply_chat_template([{"role": "user", "content": "2+2=? 中文 🤖"}], tokenize=False, add_generation_prompt=True)
+            chat = tok.apply_chat_template([{"role": "user", "content": "2+2=? 中文 🤖 and a longer question"}],
+                                           tokenize=False, add_generation_prompt=True)
             texts = SAMPLES + [chat]
             prompt = tok.encode(chat)
             with torch.no_grad():
                 want_logits = hf(torch.tensor([prompt])).logits[0]
-                want_tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                          min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-            for type_ in ("f16", "q8_0"):
-                path = export_gguf(folder, type_, root / f"{folder.name}-{type_}.gguf").path
+                ids = torch.tensor([prompt])  # the mask given: a prompt that starts with id 0 is not padding
+                want_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                          min_new_tokens=NEW_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
+            def scores(path):
                 llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, seed=0, n_threads=2)
+                llm.eval(prompt)
+                got = torch.tensor(llm.scores[: len(prompt)])
+                del llm
+                return got
+
+            for type_ in types:
+                started = time.perf_counter()
+                try:
+                    path = export_gguf(folder, type_, root / f"{folder.name}-{type_}.gguf").path
+                except Exception as err:  # noqa: BLE001 - a row of the table
+                    rows.append((family, type_, f"not written: {err}"[:120], "", "", "", "FAIL"))
+                    print("  " + " | ".join(rows[-1]), flush=True)
+                    continue
+                try:
+                    llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, seed=0, n_threads=2)
+                except Exception as err:  # noqa: BLE001
+                    rows.append((family, type_, f"no: {err}"[:120], "", "", "", "FAIL"))
+                    print("  " + " | ".join(rows[-1]), flush=True)
+                    continue
                 same_ids = sum(llm.tokenize(t.encode("utf-8"), add_bos=tok.bos_token is not None, special=True)
                                == tok.encode(t) for t in texts)
                 llm.reset()
                 llm.eval(prompt)
                 got_logits = torch.tensor(llm.scores[: len(prompt)])
                 rel = ((got_logits - want_logits).abs().max() / want_logits.abs().max()).item()
+                if type_ in FTYPES:  # against llama.cpp's own quantization of the BF16 file
+                    ref = root / f"{folder.name}-{type_}-llama.gguf"
+                    params = llama_cpp.llama_model_quantize_default_params()
+                    params.ftype = FTYPES[type_]
+                    assert llama_cpp.llama_model_quantize(str(bf16).encode(), str(ref).encode(), ctypes.byref(params)) == 0
+                    theirs = scores(ref)
+                    same = ((got_logits - theirs).abs().max() / theirs.abs().max()).item()
                 llm.reset()
                 got_tokens = []
                 for token in llm.generate(prompt, temp=0.0, top_k=1):
                     got_tokens.append(token)
                     if len(got_tokens) == NEW_TOKENS:
                         break
-                same = sum(a == b for a, b in zip(got_tokens, want_tokens))
-                rows.append((family, type_, f"{same_ids}/{len(texts)}", f"{rel:.2e}", f"{same}/{NEW_TOKENS}"))
-                print("  " + " | ".join(rows[-1]), flush=True)
+                greedy = sum(a == b for a, b in zip(got_tokens, want_tokens))
+                if type_ in FTYPES:
+                    ok = same_ids == len(texts) and same < LIMIT_SAME
+                    vs = f"{same:.1e} (transformers {rel:.1e})"
+                else:
+                    ok = same_ids == len(texts) and rel < LIMIT_F16
+                    vs = f"{rel:.1e}"
+                rows.append((family, type_, "yes", f"{same_ids}/{len(texts)}", vs, f"{greedy}/{NEW_TOKENS}",
+                             "PASS" if ok else "FAIL"))
+                print("  " + " | ".join(rows[-1]) + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
                 del llm
     print()
-    print("| family | type | token ids = transformers' | prompt logits, max rel. diff | greedy tokens = transformers' |")
-    print("|---|---|---|---|---|")
+    print("| family | type | loads | token ids = transformers' | prompt logits, max rel. diff (f16: from transformers; "
+          "quantized: from llama.cpp's own quantization) | greedy tokens = transformers' | verdict |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    return 0
+    return 0 if all(r[-1] == "PASS" for r in rows) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -19,7 +19,7 @@ import torch
 from factory import refused_by_cli
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import CancelToken, TensorProgress
-from tui_merger.core.ship.gguf import _LLAMA3_SPLIT, _QWEN2_SPLIT, export_gguf, plan_gguf
+from tui_merger.core.ship.gguf import _LLAMA3_SPLIT, _O200K_SPLIT, _QWEN2_SPLIT, export_gguf, plan_gguf
 
 SAMPLES = [
     "Hello, world! The merge is done.",
@@ -43,13 +43,14 @@ LLAMA3_TEMPLATE = (
 
 
 def byte_level_tokenizer(style: str):
-    """A real byte-level BPE trained on the samples, shaped like Qwen2's (NFC, Qwen2's split regex) or
-    Llama 3's (its split regex, <|begin_of_text|> added in front), with special and added tokens."""
+    """A real byte-level BPE trained on the samples, shaped like Qwen2's (NFC, Qwen2's split regex),
+    GPT-OSS's (o200k's split regex) or Llama 3's (its split regex, <|begin_of_text|> added in front),
+    with special and added tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(ignore_merges=style == "llama3"))
-    split = _LLAMA3_SPLIT if style == "llama3" else _QWEN2_SPLIT
+    split = {"llama3": _LLAMA3_SPLIT, "o200k": _O200K_SPLIT}.get(style, _QWEN2_SPLIT)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -57,12 +58,13 @@ def byte_level_tokenizer(style: str):
     tok.decoder = decoders.ByteLevel()
     if style == "qwen":
         tok.normalizer = normalizers.NFC()
+    if style in ("qwen", "o200k"):
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     else:
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TRAINING_TEXT, trainer)
-    if style == "qwen":
+    if style in ("qwen", "o200k"):
         tok.add_tokens(["<think>", "</think>"])  # added, not special (as Qwen3 has them)
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                        chat_template=QWEN_TEMPLATE)
@@ -387,7 +389,7 @@ def _overflow(folder: Path) -> None:
 
 
 BAD = {
-    "gpt2": ("a gpt2 model; GGUF export writes Llama, Qwen2", None),
+    "gpt2": ("a gpt2 model; GGUF export writes Llama, Qwen3, Qwen2, Mistral", None),
     "adapter": ("is a LoRA adapter, not a model", lambda f: [(f / "config.json").unlink(), (f / "adapter_config.json").write_text("{}")]),
     "vl": ("vision-language model", lambda f: _edit_json(f / "config.json", vision_config={"depth": 2})),
     "quantized": ("holds gptq weights", lambda f: _edit_json(f / "config.json", quantization_config={"quant_method": "gptq"})),

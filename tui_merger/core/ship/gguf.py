@@ -4,8 +4,8 @@ The file is written with llama.cpp's own Python library (``gguf``): its writer, 
 (``get_tensor_name_map``), its key names and its quantization (``gguf.quants``, bit-exact with ggml);
 the k-quants (Q4_K_M and the rest), which ``gguf`` cannot write, by ``kquants.py``, byte for byte
 what llama.cpp's ``llama-quantize`` writes from the same 16-bit weights, with its per-tensor mix.
-What is ours is only which HF config field and tensor goes where, for the families whose layout
-llama.cpp defines and transformers' GGUF reader reads back (Llama, Qwen2, Qwen3, Qwen3-MoE).
+What is ours is only which HF config field and tensor goes where, and that is data: one ``Family``
+per model type in ``gguf_families.py`` (llama.cpp's architecture, its tensor transforms and keys).
 
 ``plan_gguf`` checks everything from ``config.json``, the tokenizer files and the safetensors headers
 (no tensor data): a family, a rope scaling, a tokenizer or a tensor that a GGUF cannot express is one
@@ -34,6 +34,8 @@ from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted,
 from tui_merger.core.io.files import fsync_path
 from tui_merger.core.merge.output import check_space
 from tui_merger.core.options import human_bytes
+from tui_merger.core.ship import gguf_families
+from tui_merger.core.ship.gguf_families import REFUSED, Family
 
 TYPES = ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", "q3_k_m")
 # llama.cpp's k-quant file types (kquants.MIXES: which tensors get which type), written by kquants.py
@@ -47,12 +49,14 @@ TYPE_WORDS = [  # (what the assistant and the plain flow offer, the type)
     ("q5_k_m: 5-bit k-quant (llama.cpp's mix), closer to f16 than q4_k_m", "q5_k_m"),
     ("q6_k: 6-bit k-quant, near-lossless, a bit larger than q5_k_m", "q6_k"),
 ]
-# model_type in config.json -> llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES)
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
-FAMILY_NAMES = "Llama, Qwen2, Qwen3 and Qwen3-MoE"
+# model_type in config.json -> llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES); the families
+# themselves (transforms, keys, checks) are data in gguf_families.py
+FAMILIES = {model_type: family.arch for model_type, family in gguf_families.FAMILIES.items()}
+FAMILY_NAMES = gguf_families.family_names()
 CANCELLED = "GGUF export cancelled; nothing was written."
 _BLOCK_BYTES = 8 << 20  # source bytes read and converted at a time (a vocabulary-sized embedding is never held whole)
-_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(?P<layer>.+\.\d+\.[^.]+\.experts)\.(?P<e>\d+)\.(?P<kind>[^.]+)\.weight$")  # one expert's matrix
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer older checkpoints saved; llama.cpp computes it
 
 # The pre-tokenizers llama.cpp knows by name (tokenizer.ggml.pre) that a Hugging Face tokenizer.json
@@ -63,7 +67,12 @@ _QWEN2_SPLIT = (
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZERS = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe"}
+_O200K_SPLIT = (  # GPT-OSS (o200k_harmony), what llama.cpp calls gpt-4o
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe", _O200K_SPLIT: "gpt-4o"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,9 @@ class GgufTensor:
     qtype: int  # gguf.GGMLQuantizationType
     nbytes: int
     permute_heads: int | None = None  # Llama's q/k: rows reordered for llama.cpp's rope (heads)
+    shift: float = 0.0  # added to every value (Gemma's norms, stored as 1 + w)
+    rows: tuple[int, int] | None = None  # a part of the source: these rows of each matrix (packed gate/up halves)
+    derive: object = None  # a function of the whole source tensor giving this one (DeepSeek's MLA k_b / v_b)
     computed: object = None  # a numpy array written as is (llama3's rope_freqs)
 
     @property
@@ -135,18 +147,18 @@ def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> G
     if type_ not in TYPES:
         raise MergeError(f"{type_!r} is not a GGUF type tui-merger writes; choose one of {', '.join(TYPES)}.")
     config = _read_config(folder)
-    model_type = config.get("model_type")
-    arch = FAMILIES[model_type]
+    family = gguf_families.FAMILIES[config["model_type"]]
+    arch = family.arch
     target = _target(folder, type_, out, overwrite)
-    hp = _hyperparameters(folder, config)
-    source = _open_source(folder)
     notices: list[str] = []
+    hp = _hyperparameters(folder, config, family, notices)
+    source = _open_source(folder)
     try:
-        tensors = _plan_tensors(folder, source, config, hp, arch, type_, notices)
+        tensors = _plan_tensors(folder, source, config, hp, family, type_, notices)
         writer = gguf.GGUFWriter(None, arch)
         vocab = _add_tokenizer(writer, folder, hp["vocab_size"])
         name = _add_general(writer, folder, type_, tensors)
-        _add_hyperparameters(writer, hp, arch, model_type)
+        _add_hyperparameters(writer, hp, family)
         for t in tensors:
             writer.add_tensor_info(t.name, t.shape, _np_float32(), t.nbytes, raw_dtype=gguf.GGMLQuantizationType(t.qtype))
         plan = GgufPlan(folder, target, type_, arch, name, tuple(tensors), tuple(notices), vocab, writer, source)
@@ -297,10 +309,12 @@ def _read_config(folder: Path) -> dict:
             f"{folder} is a vision-language model ({model_type}); GGUF export writes text models only "
             f"({FAMILY_NAMES}), and llama.cpp keeps a vision tower in a separate mmproj file."
         )
+    if model_type in REFUSED:
+        raise MergeError(f"{folder} is a {model_type} model; {REFUSED[model_type]}.")
     if model_type not in FAMILIES:
         raise MergeError(
             f"{folder} is a {model_type or 'model of unknown type'} model; GGUF export writes {FAMILY_NAMES} "
-            "models (the families whose GGUF layout llama.cpp defines and transformers reads back)."
+            "models (the families whose GGUF layout llama.cpp defines, listed in docs/formats.md)."
         )
     if config.get("quantization_config"):
         method = (config["quantization_config"] or {}).get("quant_method", "quantized") if isinstance(config["quantization_config"], dict) else "quantized"
@@ -316,8 +330,9 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
-def _hyperparameters(folder: Path, raw: dict) -> dict:
-    """The config fields a GGUF states, with transformers' own defaults (AutoConfig, local files)."""
+def _hyperparameters(folder: Path, raw: dict, family: Family, notices: list) -> dict:
+    """The config fields a GGUF states, with transformers' own defaults (AutoConfig, local files); what
+    the family's llama.cpp graph fixes and the config says otherwise is refused in one sentence."""
     try:
         from transformers import AutoConfig
 
@@ -333,7 +348,7 @@ def _hyperparameters(folder: Path, raw: dict) -> dict:
         return value
 
     heads, hidden = int(need("num_attention_heads")), int(need("hidden_size"))
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     hp = {
         "context_length": int(need("max_position_embeddings")),
         "hidden_size": hidden,
@@ -341,50 +356,109 @@ def _hyperparameters(folder: Path, raw: dict) -> dict:
         "intermediate_size": int(need("intermediate_size")),
         "heads": heads,
         "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
-        "head_dim": int(head_dim),
-        "rms_norm_eps": float(need("rms_norm_eps")),
+        "head_dim": head_dim,
+        "eps": float(need(family.eps)),
         "vocab_size": int(need("vocab_size")),
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
-        "rope": _rope(folder, config),
+        "rope": _rope(folder, config, family, head_dim),
+        "keys": _family_keys(config, family),
+        "config": config,
     }
-    if raw.get("model_type") == "qwen3_moe":
-        hp["experts"] = int(need("num_experts"))
-        hp["experts_used"] = int(need("num_experts_per_tok"))
-        hp["expert_ff"] = int(need("moe_intermediate_size"))
-        if getattr(config, "norm_topk_prob", True) is not True:
+    if family.experts:
+        hp["experts"] = int(need(family.experts))
+        hp["experts_used"] = int(need(family.experts_used))
+        if family.expert_ff:
+            hp["expert_ff"] = int(need(family.expert_ff))
+        if family.shared_ff:
+            hp["shared_ff"] = int(need(family.shared_ff))
+        norm = getattr(config, "norm_topk_prob", family.norm_topk)
+        if family.norm_topk is not None and bool(norm) != family.norm_topk:
+            does = "always renormalizes" if family.norm_topk else "never renormalizes"
             raise MergeError(
-                f"{folder} routes with norm_topk_prob false; llama.cpp's qwen3moe always renormalizes the chosen "
-                "experts' weights, so a GGUF of it would compute another model."
+                f"{folder} routes with norm_topk_prob {str(bool(norm)).lower()}; llama.cpp's {family.arch} {does} the "
+                "chosen experts' weights, so a GGUF of it would compute another model."
             )
-        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-            raise MergeError(
-                f"{folder} has dense layers between its expert layers (mlp_only_layers / decoder_sparse_step); "
-                "llama.cpp's qwen3moe layout has experts in every layer."
-            )
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise MergeError(
-            f"{folder} uses sliding-window attention (use_sliding_window true), which llama.cpp's "
-            f"{FAMILIES[raw['model_type']]} layout does not describe; a GGUF of it would attend differently."
-        )
+    for check in family.checks:
+        reason = check(config)
+        if reason:
+            raise MergeError(f"{folder} cannot be written as a GGUF: {reason}.")
+    _sliding_window(folder, config, family, hp, notices)
     if heads % hp["kv_heads"]:
         raise MergeError(f"{folder / 'config.json'}: {heads} attention heads are not a multiple of {hp['kv_heads']} KV heads.")
     return hp
 
 
-def _rope(folder: Path, config) -> dict:
-    """{'theta', 'type', ...}: the rope base and scaling, from rope_parameters (transformers 5) or the
-    older rope_theta + rope_scaling. A scaling llama.cpp cannot express is refused."""
+def _family_keys(config, family: Family) -> dict:
+    """The family's own keys: a config field (float32, or uint32 for the counts in _UINT_KEYS) or a
+    function of the config giving the typed value; None: not written."""
+    out = {}
+    for key, how in family.keys.items():
+        if callable(how):
+            value = how(config)
+        else:
+            value = getattr(config, how, None)
+            if value is not None:
+                value = int(value) if key in _UINT_KEYS else float(value)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _sliding_window(folder: Path, config, family: Family, hp: dict, notices: list) -> None:
+    """Which layers attend to a sliding window must be what llama.cpp's graph does for the family: its
+    fixed pattern (``family.swa``), or none."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    sliding = [t == "sliding_attention" for t in types] if isinstance(types, (list, tuple)) else None
+    swa = family.swa if family.swa_layers in (None, hp["layers"]) else None
+    if swa:
+        want = [i % swa < swa - 1 for i in range(hp["layers"])]
+        if sliding is not None and sliding != want:
+            raise MergeError(
+                f"{folder} has sliding-window layers (layer_types) other than llama.cpp's {family.arch} pattern (every "
+                f"{swa}th layer full attention, the others sliding); a GGUF of it would attend differently."
+            )
+        return
+    if sliding is not None and any(sliding) or getattr(config, "use_sliding_window", False) and window:
+        raise MergeError(
+            f"{folder} uses sliding-window attention, which llama.cpp's {family.arch} layout does not describe; "
+            "a GGUF of it would attend differently."
+        )
+    if sliding is None and isinstance(window, int) and 0 < window < hp["context_length"]:
+        notices.append(
+            f"The model attends to the last {window} tokens only (sliding_window); llama.cpp's {family.arch} layout "
+            f"has no sliding window, so the GGUF computes the same up to {window} tokens and attends to all of them beyond."
+        )
+
+
+def _rope(folder: Path, config, family: Family, head_dim: int) -> dict:
+    """{'theta', 'type', 'dim', ...}: the rope base, scaling and rotated size, from rope_parameters
+    (transformers 5; per layer type for Gemma 3) or the older rope_theta + rope_scaling. A scaling
+    llama.cpp cannot express is refused."""
     params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict):
         params = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
     params = dict(params)
+    if isinstance(params.get("full_attention"), dict):  # one rope per layer type
+        local = params.get("sliding_attention") or {}
+        params = dict(params["full_attention"])
+        want = ({"rope_type": "default", "rope_theta": family.swa_rope_theta} if family.swa_rope_theta is not None
+                else {"rope_type": params.get("rope_type") or "default", "rope_theta": params.get("rope_theta")})
+        if local and ((local.get("rope_type") or "default"), local.get("rope_theta")) != (want["rope_type"], want["rope_theta"]):
+            raise MergeError(
+                f"{folder} rotates its sliding-window layers with rope {local.get('rope_type')} base "
+                f"{local.get('rope_theta')}; llama.cpp's {family.arch} rotates them with rope {want['rope_type']} base "
+                f"{want['rope_theta']:g}, so a GGUF of it would compute another model."
+            )
     kind = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise MergeError(f"{folder / 'config.json'} has no valid rope_theta ({theta!r}); a GGUF must state the rope base.")
-    rope = {"theta": float(theta), "type": kind}
-    if getattr(config, "partial_rotary_factor", None) not in (None, 1, 1.0) or params.get("partial_rotary_factor") not in (None, 1, 1.0):
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    partial = 1.0 if partial is None else float(partial)
+    if partial != 1.0 and not family.partial_rotary:
         raise MergeError(f"{folder} rotates only part of each head (partial_rotary_factor); its family's GGUF layout rotates whole heads.")
+    rope = {"theta": float(theta), "type": kind, "dim": int(head_dim * partial)}
     if kind == "default":
         return rope
     factor = params.get("factor")
@@ -395,8 +469,12 @@ def _rope(folder: Path, config) -> dict:
     if kind == "linear":
         return rope
     if kind == "yarn":
-        unknown = sorted(set(params) - {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
-                                        "beta_fast", "beta_slow"})
+        known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "partial_rotary_factor"}
+        if family.yarn_mscale and params.get("mscale", 1.0) == params.get("mscale_all_dim", 1.0):
+            known |= {"mscale", "mscale_all_dim"}  # llama.cpp's yarn_log_multiplier (a family key) says them
+        known |= set(family.yarn_extra)
+        unknown = sorted(set(params) - known)
         if any(params.get(k) is not None for k in unknown):
             raise MergeError(
                 f"{folder} uses YaRN rope scaling with {', '.join(k for k in unknown if params.get(k) is not None)}, "
@@ -451,9 +529,10 @@ def _open_source(folder: Path):
 # -- tensors ---------------------------------------------------------------------------------------
 
 
-def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list[GgufTensor]:
+def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) -> list[GgufTensor]:
     import gguf
 
+    arch_name = family.arch
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     allowed = set(gguf.MODEL_TENSORS[arch])
     names = gguf.get_tensor_name_map(arch, hp["layers"])
@@ -461,8 +540,13 @@ def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list
     experts: dict[str, dict[int, object]] = {}  # GGUF name -> expert index -> TensorRef
     order: list[str | GgufTensor] = []
     fallback: list[str] = []
+    beyond: list[str] = []  # next-token-prediction layers past num_hidden_layers (DeepSeek-V3, GLM-4.5)
     for ref in source.tensors.values():
         if _SKIPPED.search(ref.name):
+            continue
+        layer = _LAYER.match(ref.name)
+        if layer and int(layer[1]) >= hp["layers"]:
+            beyond.append(ref.name)
             continue
         if ref.name == "lm_head.weight" and hp["tie_word_embeddings"]:
             continue  # tied: llama.cpp uses token_embd, as transformers does
@@ -470,7 +554,26 @@ def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list
             raise MergeError(f"{ref.name} in {folder} is {ref.dtype}; GGUF export reads float32, float16 and bfloat16 weights.")
         m = _EXPERT.match(ref.name)
         key = f"{m['layer']}.{m['kind']}" if m else ref.name.removesuffix(".weight").removesuffix(".bias")
+        derive = next((fn for module, fn in family.derive.items() if key.endswith(f".{module}")), None)
+        if derive is not None:  # one HF tensor -> GGUF tensors computed from it (DeepSeek's kv_b_proj -> k_b, v_b)
+            layer = re.search(r"\.(\d+)\.", ref.name)
+            for part, shape, fn in derive(hp["config"], tuple(ref.shape)):
+                name = f"blk.{layer[1]}.{part}" + ("" if part.endswith((".weight", ".bias")) else ".weight")
+                qtype = _qtype(type_, shape, False, name, fallback)
+                order.append(GgufTensor(name, (ref,), shape, int(qtype), _nbytes(shape, qtype), derive=fn))
+            continue
+        split = next((parts for module, parts in family.split.items() if key.endswith(f".{module}")), None)
+        if split is not None:  # one packed HF tensor -> equal parts along its rows, each a GGUF tensor of its own
+            order.extend(_split(folder, ref, split, type_, fallback))
+            continue
         found = names.get_type_and_name(key)
+        if found is None and key.endswith("_bias"):  # e_score_correction_bias: a bias by another spelling
+            found = names.get_type_and_name(key.removesuffix("_bias"))
+            key = key.removesuffix("_bias") if found else key
+        if found is None and m:  # a family whose per-expert names the map knows with their index
+            key = ref.name.removesuffix(".weight")
+            found = names.get_type_and_name(key)
+            m = None
         if found is None or found[0] not in allowed:
             raise MergeError(
                 f"{ref.name} in {folder} has no place in llama.cpp's {arch_name} layout; the model is not a plain "
@@ -483,15 +586,16 @@ def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list
                 order.append(f"{base}.weight")
             slot[int(m["e"])] = ref
             continue
-        suffix = ref.name[len(key):]
+        suffix = ref.name[len(key):].replace("_bias", ".bias") or ".weight"  # GPT-OSS's sinks: a weight by another spelling
         permute = None
-        if arch_name == "llama" and kind in (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K):
+        if family.permute_qk and kind in (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K):
             permute = hp["heads"] if kind == gguf.MODEL_TENSOR.ATTN_Q else hp["kv_heads"]
             if ref.shape[0] != permute * hp["head_dim"] or hp["head_dim"] % 2:
                 raise MergeError(f"{ref.name} has {ref.shape[0]} rows, not {permute} heads of {hp['head_dim']} (config.json).")
-        router = kind == gguf.MODEL_TENSOR.FFN_GATE_INP
+        router = kind in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)  # kept F32, as llama.cpp does
         qtype = _qtype(type_, ref.shape, router, ref.name, fallback)
-        order.append(GgufTensor(base + suffix, (ref,), ref.shape, int(qtype), _nbytes(ref.shape, qtype), permute))
+        shift = 1.0 if family.norm_plus_one and ref.name.endswith("norm.weight") else 0.0
+        order.append(GgufTensor(base + suffix, (ref,), ref.shape, int(qtype), _nbytes(ref.shape, qtype), permute, shift))
     for item in order:
         if isinstance(item, GgufTensor):
             out.append(item)
@@ -511,6 +615,11 @@ def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list
         out.append(GgufTensor(item, tuple(refs), shape, int(qtype), _nbytes(shape, qtype)))
     if type_ in K_MIXES:
         out = _mix_types(out, type_, arch_name, hp, notices)
+    if beyond:
+        notices.append(
+            f"{len(beyond)} tensor(s) of layers past num_hidden_layers ({beyond[0]}...), the model's next-token-prediction "
+            "layers, are left out, as transformers leaves them out: llama.cpp runs the model without them."
+        )
     if fallback:
         notices.append(
             f"{len(fallback)} tensor(s) have rows that are not a multiple of 32 values ({fallback[0]}...), which "
@@ -527,12 +636,29 @@ def _plan_tensors(folder, source, config, hp, arch_name, type_, notices) -> list
         )
     if "output.weight" not in present and not hp["tie_word_embeddings"]:
         raise MergeError(f"{folder} has no lm_head.weight and config.json does not tie it to the embedding; the weights are incomplete.")
-    missing = [f"blk.{i}" for i in range(hp["layers"]) if f"blk.{i}.attn_q.weight" not in present]
+    layers = {name.split(".")[1] for name in present if name.startswith("blk.")}
+    missing = [f"blk.{i}" for i in range(hp["layers"]) if str(i) not in layers]
     if missing:
         raise MergeError(f"{folder} lacks the weights of {len(missing)} layer(s) ({missing[0]}...) that config.json says it has.")
     if hp["rope"]["type"] == "llama3":
         freqs = _llama3_rope_factors(hp)
         out.insert(0, GgufTensor("rope_freqs.weight", (), freqs.shape, int(gguf.GGMLQuantizationType.F32), freqs.nbytes, computed=freqs))
+    return out
+
+
+def _split(folder, ref, parts: tuple[str, ...], type_: str, fallback: list) -> list[GgufTensor]:
+    """A packed tensor (experts, n * rows, cols) as n GGUF tensors (experts, rows, cols), in order
+    (GraniteMoE's input_linear: the gate half, then the up half, as llama.cpp's converter splits it)."""
+    layer = re.search(r"\.(\d+)\.", ref.name)
+    if layer is None or len(ref.shape) < 2 or ref.shape[-2] % len(parts):
+        raise MergeError(f"{ref.name} in {folder} cannot be split into {len(parts)} equal parts ({list(ref.shape)}); the weights do not match the family.")
+    size = ref.shape[-2] // len(parts)
+    shape = (*ref.shape[:-2], size, ref.shape[-1])
+    out = []
+    for n, part in enumerate(parts):
+        qtype = _qtype(type_, shape, False, ref.name, fallback)
+        out.append(GgufTensor(f"blk.{layer[1]}.{part}.weight", (ref,), shape, int(qtype), _nbytes(shape, qtype),
+                              rows=(n * size, (n + 1) * size)))
     return out
 
 
@@ -543,7 +669,7 @@ def _qtype(type_: str, shape, router: bool, name: str, fallback: list):
     import gguf
 
     T = gguf.GGMLQuantizationType
-    if len(shape) <= 1 or router:
+    if len(shape) <= 1 or router or name.endswith(("_bias", ".bias")):  # biases, stacked per expert or not
         return T.F32
     if type_ == "bf16":
         return T.BF16
@@ -562,7 +688,8 @@ def _mix_types(tensors: list[GgufTensor], type_: str, arch: str, hp: dict, notic
     from tui_merger.core.ship import kquants
 
     model = kquants.Model(arch, hp["layers"], hp.get("experts", 0), hp["heads"], hp["kv_heads"])
-    types, fallbacks = kquants.tensor_types([(t.name, t.shape) for t in tensors], type_, model)
+    # a (1, n) matrix is 1-D to ggml (ggml_n_dims), and llama-quantize leaves it as it is
+    types, fallbacks = kquants.tensor_types([(t.name, t.shape) for t in tensors if _ggml_dims(t.shape) >= 2], type_, model)
     out = [replace(t, qtype=types[t.name], nbytes=_nbytes(t.shape, types[t.name])) if t.name in types else t
            for t in tensors]
     if fallbacks:
@@ -574,6 +701,14 @@ def _mix_types(tensors: list[GgufTensor], type_: str, arch: str, hp: dict, notic
             f"k-quants need: they are stored as {', '.join(used)}, as llama.cpp's quantizer does."
         )
     return out
+
+
+def _ggml_dims(shape) -> int:
+    """ggml_n_dims: the dimensions counted from the row, outer ones of size 1 left out."""
+    dims = list(shape)
+    while len(dims) > 1 and dims[0] == 1:
+        dims.pop(0)
+    return len(dims)
 
 
 def _nbytes(shape, qtype) -> int:
@@ -629,7 +764,7 @@ def _pieces(t: GgufTensor, cancel, scratch: list):
     qtype = gguf.GGMLQuantizationType(t.qtype)
     for ref in t.sources:  # stacked experts: one expert after the other
         _check(cancel)
-        raw = None if t.permute_heads else ref.source.raw_ranges(ref)
+        raw = None if t.permute_heads or t.rows or t.derive else ref.source.raw_ranges(ref)
         if raw is None or len(raw) != 1:
             yield from _mapped_pieces(ref, qtype, t, cancel)
             continue
@@ -654,6 +789,10 @@ def _mapped_pieces(ref, qtype, t: GgufTensor, cancel):
     import torch
 
     w = ref.load()
+    if t.rows:
+        w = w[..., t.rows[0]:t.rows[1], :]
+    if t.derive is not None:
+        w = t.derive(w)
     rows = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w.reshape(-1, 1) if t.permute_heads else w.reshape(1, -1)
     order = None
     if t.permute_heads:  # HF's rotate-half order -> llama.cpp's interleaved pairs, per head
@@ -682,6 +821,8 @@ def _convert(block, qtype, t: GgufTensor):
     import torch
 
     T = gguf.GGMLQuantizationType
+    if t.shift:
+        block = block.to(torch.float32) + t.shift
     if qtype == T.F32:
         return block.to(torch.float32).contiguous().numpy()
     if qtype == T.BF16:
@@ -758,27 +899,42 @@ class _DataStream:
 # -- metadata --------------------------------------------------------------------------------------
 
 
-def _add_hyperparameters(writer, hp: dict, arch: str, model_type: str) -> None:
+_UINT_KEYS = {"attention.sliding_window"}  # a family's config-field keys are float32 but these
+
+
+def _add_hyperparameters(writer, hp: dict, family: Family) -> None:
+    """<arch>.* keys: the common ones from the hyperparameters, then the family's own (which may
+    restate a common one: DeepSeek's MLA head sizes), each key once, typed as llama.cpp reads it."""
     import gguf
 
-    writer.add_context_length(hp["context_length"])
-    writer.add_embedding_length(hp["hidden_size"])
-    writer.add_block_count(hp["layers"])
-    writer.add_feed_forward_length(hp["intermediate_size"])
-    writer.add_head_count(hp["heads"])
-    writer.add_head_count_kv(hp["kv_heads"])
-    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    writer.add_vocab_size(hp["vocab_size"])
+    keys = {
+        "context_length": hp["context_length"],
+        "embedding_length": hp["hidden_size"],
+        "block_count": hp["layers"],
+        "feed_forward_length": hp["intermediate_size"],
+        "attention.head_count": hp["heads"],
+        "attention.head_count_kv": hp["kv_heads"],
+        "attention.layer_norm_rms_epsilon" if family.eps.startswith("rms") else "attention.layer_norm_epsilon": hp["eps"],
+        "vocab_size": hp["vocab_size"],
+        "rope.freq_base": hp["rope"]["theta"],
+        "rope.dimension_count": hp["rope"]["dim"],
+    }
+    if family.head_dim_keys or hp["head_dim"] != hp["hidden_size"] // hp["heads"]:
+        keys["attention.key_length"] = keys["attention.value_length"] = hp["head_dim"]
+    for key, name in (("expert_count", "experts"), ("expert_used_count", "experts_used"),
+                      ("expert_feed_forward_length", "expert_ff"), ("expert_shared_feed_forward_length", "shared_ff")):
+        if name in hp:
+            keys[key] = hp[name]
+    keys.update(hp["keys"])
+    for key, value in keys.items():
+        name = f"{family.arch}.{key}"
+        if isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        else:
+            writer.add_float32(name, float(value))
     rope = hp["rope"]
-    writer.add_rope_freq_base(rope["theta"])
-    writer.add_rope_dimension_count(hp["head_dim"])
-    if model_type in ("qwen3", "qwen3_moe") or hp["head_dim"] != hp["hidden_size"] // hp["heads"]:
-        writer.add_key_length(hp["head_dim"])
-        writer.add_value_length(hp["head_dim"])
-    if "experts" in hp:
-        writer.add_expert_count(hp["experts"])
-        writer.add_expert_used_count(hp["experts_used"])
-        writer.add_expert_feed_forward_length(hp["expert_ff"])
     if rope["type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -919,7 +1075,7 @@ def _pre_tokenizer(path: Path, data: dict) -> str:
             return PRE_TOKENIZERS[pattern]
     raise MergeError(
         f"{what} splits text with a pre-tokenizer llama.cpp does not know by name (GGUF export recognises "
-        "GPT-2's, Qwen2's and Llama 3's); a GGUF of it would tokenize differently."
+        "GPT-2's, Qwen2's, Llama 3's and GPT-OSS's); a GGUF of it would tokenize differently."
     )
 
 

@@ -1,0 +1,380 @@
+"""GGUF export of every family tui-merger writes (core/ship/gguf_families.py), one tiny random model each
+(its config, random norms and biases, tests/test_gguf.py's trained byte-level BPE tokenizer), exported F16.
+
+Two checks that do not use our code:
+- the file's tensors against what the ``gguf`` package itself says llama.cpp's layout is: every name is
+  one of ``gguf.MODEL_TENSORS[arch]`` (``TENSOR_NAMES``, per block), every weight of the Hugging Face model
+  is in the file once, found through gguf's own ``TensorNameMap`` and equal to it after F16 rounding and
+  the transform llama.cpp's converter applies for that family (written here from its definition:
+  Llama-style q/k rows reordered, Gemma's norms + 1, experts stacked); the metadata keys llama.cpp's
+  converter writes for the family with the config's values;
+- where transformers' own GGUF reader knows the architecture, the model it builds from the file alone
+  gives the folder's logits within F16 rounding.
+The real llama.cpp runs them all in benchmarks/llama_cpp_check.py (its table is in docs/formats.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_gguf import SMALL, byte_level_tokenizer, gguf_fields, load_gguf, load_hf, logits, probe
+from tui_merger.core.errors import MergeError
+from tui_merger.core.ship.gguf import export_gguf
+
+NOT_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# model_type -> (config overrides, transformers' GGUF reader reads it back)
+CASES = {
+    "llama": (dict(NOT_SPECIAL), True),
+    "qwen2": ({}, True),
+    "qwen3": (dict(head_dim=128), True),  # transformers' reader takes Qwen3's head_dim from the class default
+    "mistral": (dict(NOT_SPECIAL, sliding_window=None), True),
+    "gemma3_text": (dict(NOT_SPECIAL, head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=6, sliding_window=4,
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), False),
+    "gemma2": (dict(NOT_SPECIAL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4), False),
+    "phi3": (dict(NOT_SPECIAL), False),
+    "qwen3_moe": (dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True), True),
+    "mixtral": (dict(NOT_SPECIAL, num_local_experts=4, num_experts_per_tok=2, sliding_window=None), False),
+    "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64), False),
+    "olmo2": (dict(NOT_SPECIAL), False),
+    "granite": (dict(NOT_SPECIAL, attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5,
+                     logits_scaling=4.0), False),
+    "glm4": (dict(NOT_SPECIAL), False),
+    "starcoder2": (dict(NOT_SPECIAL, norm_epsilon=1e-5), False),
+    "smollm3": (dict(NOT_SPECIAL, num_hidden_layers=4), False),
+    "gemma": (dict(NOT_SPECIAL, head_dim=16), False),
+    "phi": (dict(NOT_SPECIAL, layer_norm_eps=1e-5), False),
+    "granitemoe": (dict(NOT_SPECIAL, num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.2,
+                        embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0), False),
+    "olmo3": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=4,
+                   rope_parameters={t: {"rope_type": "default", "rope_theta": 50000.0} for t in ("full_attention", "sliding_attention")}), False),
+    "olmoe": (dict(NOT_SPECIAL, num_experts=4, num_experts_per_tok=2, num_key_value_heads=4), False),
+    "cohere2": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=4, layer_norm_eps=1e-5), False),
+    "exaone4": (dict(NOT_SPECIAL, num_hidden_layers=4, sliding_window=None, layer_types=["full_attention"] * 4), False),
+    "deepseek_v3": (dict(NOT_SPECIAL, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                         n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16, n_group=1, topk_group=1), False),
+    "deepseek_v2": (dict(NOT_SPECIAL, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                         n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16, topk_method="greedy"), False),
+    "gpt_oss": (dict(NOT_SPECIAL, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"]), False),
+    "glm4_moe": (dict(NOT_SPECIAL, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                      n_shared_experts=1, routed_scaling_factor=1.5, use_qk_norm=True), False),
+    "ernie4_5": (dict(NOT_SPECIAL, head_dim=16), False),
+    "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
+}
+PERMUTED = {"llama", "mistral", "mixtral", "granite", "granitemoe", "smollm3"}  # llama.cpp's LlamaModel and its subclasses
+PLUS_ONE = {"gemma", "gemma2", "gemma3_text"}  # Gemma's norms: llama.cpp stores 1 + w
+
+
+def make_family(path: Path, model_type: str, dtype=torch.float32, seed=0, **overrides) -> Path:
+    """A tiny random model of the family (random norms and biases, so that a misplaced or untransformed
+    one shows) with the byte-level tokenizer, saved by transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(SMALL, vocab_size=448, **CASES[model_type][0])
+    kw.update(overrides)
+    config = AutoConfig.for_model(model_type, **kw)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    model.to(dtype).save_pretrained(path)
+    byte_level_tokenizer({"llama": "llama3", "gpt_oss": "o200k"}.get(model_type, "qwen")).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """model_type -> (folder, F16 GGUF in a folder of its own), made once for the module."""
+    root = tmp_path_factory.mktemp("families")
+    cache: dict = {}
+
+    def get(model_type: str):
+        if model_type not in cache:
+            # named by its place, not its family: transformers' reader guesses a Mistral from general.name
+            folder = make_family(root / f"tiny-{list(CASES).index(model_type)}", model_type)
+            out = root / "gguf" / model_type
+            out.mkdir(parents=True, exist_ok=True)
+            cache[model_type] = (folder, export_gguf(folder, "f16", out / f"{model_type}.gguf").path)
+        return cache[model_type]
+
+    return get
+
+
+def _gguf_name_of(hf_name: str, tmap) -> tuple[str, int | None]:
+    """gguf's own TensorNameMap: the GGUF name of an HF tensor, and its expert index (None when not one)."""
+    m = re.match(r"^(.+\.experts)\.(\d+)\.([^.]+)\.weight$", hf_name)
+    if m:
+        found = tmap.get_name(f"{m[1]}.{m[3]}.weight", try_suffixes=(".weight",))
+        if found:
+            return found, int(m[2])
+    found = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    assert found, f"gguf's TensorNameMap has no name for {hf_name}"
+    return found, None
+
+
+def _llama_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter for LlamaModel: per head, rows (first half, second half) interleaved."""
+    shape = w.shape
+    return w.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
+    import gguf
+
+    folder, path = built(model_type)
+    fields = gguf_fields(path)
+    arch_name = fields["general.architecture"]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    config = load_hf(folder).config
+    layers = config.num_hidden_layers
+    allowed = {gguf.TENSOR_NAMES[t].format(bid=b) + s for t in gguf.MODEL_TENSORS[arch] for b in range(layers)
+               for s in (".weight", ".bias")}
+    reader = gguf.GGUFReader(path)
+    stored = {t.name: torch.from_numpy(t.data.copy()).float() for t in reader.tensors}
+    assert set(stored) <= allowed, sorted(set(stored) - allowed)
+    tmap = gguf.get_tensor_name_map(arch, layers)
+    want = {}  # the tensors as transformers saved them (on disk: one matrix per expert)
+    for file in sorted(folder.glob("*.safetensors")):
+        want.update(load_file(file))
+    if getattr(config, "tie_word_embeddings", False):
+        want.pop("lm_head.weight", None)
+        assert "output.weight" not in stored
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    heads = {"attn_q": config.num_attention_heads, "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+    seen = set()
+    for hf_name, w in want.items():
+        if hf_name.endswith(".input_linear.weight"):  # GraniteMoE: llama.cpp's converter splits it: gate rows, then up rows
+            bid, half = hf_name.split(".")[2], w.shape[1] // 2
+            for name, part in ((f"blk.{bid}.ffn_gate_exps.weight", w[:, :half]), (f"blk.{bid}.ffn_up_exps.weight", w[:, half:])):
+                assert torch.equal(stored[name].reshape(part.shape), part.half().float()), name
+                seen.add(name)
+            continue
+        if hf_name.endswith(".kv_b_proj.weight"):  # DeepSeek's MLA: llama.cpp's converter splits it per head
+            bid, heads = hf_name.split(".")[2], config.num_attention_heads
+            nope = config.qk_nope_head_dim
+            per_head = w.reshape(heads, nope + config.v_head_dim, w.shape[-1])
+            for name, part in ((f"blk.{bid}.attn_k_b.weight", per_head[:, :nope].transpose(1, 2)),
+                               (f"blk.{bid}.attn_v_b.weight", per_head[:, nope:])):
+                assert torch.equal(stored[name].reshape(part.shape), part.half().float()), name
+                seen.add(name)
+            continue
+        gpt_oss = {  # GPT-OSS's packed experts, as llama.cpp's converter writes them from 16-bit weights
+            "gate_up_proj": lambda w: {"ffn_gate_exps.weight": w.transpose(1, 2)[:, 0::2], "ffn_up_exps.weight": w.transpose(1, 2)[:, 1::2]},
+            "gate_up_proj_bias": lambda w: {"ffn_gate_exps.bias": w[:, 0::2], "ffn_up_exps.bias": w[:, 1::2]},
+            "down_proj": lambda w: {"ffn_down_exps.weight": w.transpose(1, 2)},
+        }
+        if model_type == "gpt_oss" and ".experts." in hf_name and hf_name.split(".")[-1] in gpt_oss:
+            bid = hf_name.split(".")[2]
+            for part, value in gpt_oss[hf_name.split(".")[-1]](w).items():
+                name = f"blk.{bid}.{part}"
+                want_value = value.half().float() if part.endswith(".weight") else value  # biases F32
+                assert torch.equal(stored[name].reshape(want_value.shape), want_value), name
+                seen.add(name)
+            continue
+        name, expert = _gguf_name_of(hf_name.replace("_bias", ".bias"), tmap)
+        if not name.endswith((".weight", ".bias")):  # GPT-OSS's sinks: the converter adds .weight
+            name += ".weight"
+        if expert is not None:
+            experts.setdefault(name, {})[expert] = w
+            continue
+        if model_type in PLUS_ONE and hf_name.endswith("norm.weight"):
+            w = w + 1
+        kind = name.split(".")[-2]
+        if model_type in PERMUTED and kind in heads:
+            w = _llama_rope_rows(w, heads[kind])
+        rounded = w.half().float() if w.ndim >= 2 and kind not in ("ffn_gate_inp", "ffn_gate_inp_shexp") else w  # routers F32
+        assert name in stored, (hf_name, name)
+        assert torch.equal(stored[name].reshape(w.shape), rounded), (hf_name, name)
+        seen.add(name)
+    for name, by_index in experts.items():
+        stack = torch.stack([by_index[e] for e in range(len(by_index))])
+        assert torch.equal(stored[name].reshape(stack.shape), stack.half().float()), name
+        seen.add(name)
+    extra = set(stored) - seen - {"rope_freqs.weight"}
+    assert not extra, extra
+
+
+def _expected_keys(model_type: str, config) -> dict:
+    """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
+    (written here from the converter's classes, as llama.cpp reads them)."""
+    a = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
+         "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)
+    keys = {
+        f"{a}.context_length": config.max_position_embeddings,
+        f"{a}.embedding_length": config.hidden_size,
+        f"{a}.block_count": config.num_hidden_layers,
+        f"{a}.feed_forward_length": config.intermediate_size,
+        f"{a}.attention.head_count": config.num_attention_heads,
+        f"{a}.attention.head_count_kv": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        f"{a}.rope.freq_base": rope["rope_theta"],
+        f"{a}.rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+    }
+    if model_type in ("phi", "cohere2"):
+        keys[f"{a}.attention.layer_norm_epsilon"] = config.layer_norm_eps
+    elif model_type == "starcoder2":
+        keys[f"{a}.attention.layer_norm_epsilon"] = config.norm_epsilon
+    else:
+        keys[f"{a}.attention.layer_norm_rms_epsilon"] = config.rms_norm_eps
+    if model_type in ("gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "cohere2", "exaone4", "ernie4_5", "seed_oss", "glm4",
+                      "gpt_oss", "glm4_moe"):
+        keys[f"{a}.attention.key_length"] = keys[f"{a}.attention.value_length"] = head_dim
+    if model_type == "gemma2":
+        keys.update({f"{a}.attn_logit_softcapping": config.attn_logit_softcapping,
+                     f"{a}.final_logit_softcapping": config.final_logit_softcapping,
+                     f"{a}.attention.sliding_window": config.sliding_window})
+    if model_type in ("gemma3_text", "cohere2", "olmo3", "gpt_oss"):
+        keys[f"{a}.attention.sliding_window"] = config.sliding_window
+    if model_type == "cohere2":
+        keys[f"{a}.logit_scale"] = config.logit_scale
+    if model_type in ("granite", "granitemoe"):
+        keys.update({f"{a}.attention.scale": config.attention_multiplier, f"{a}.embedding_scale": config.embedding_multiplier,
+                     f"{a}.residual_scale": config.residual_multiplier, f"{a}.logit_scale": config.logits_scaling})
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"):
+        keys[f"{a}.expert_count"] = getattr(config, "num_local_experts", None) or config.num_experts
+        keys[f"{a}.expert_used_count"] = config.num_experts_per_tok
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        keys[f"{a}.expert_feed_forward_length"] = config.moe_intermediate_size
+    if model_type == "gpt_oss":
+        keys[f"{a}.expert_feed_forward_length"] = config.intermediate_size
+    if model_type == "qwen2_moe":
+        keys[f"{a}.expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    if model_type == "glm4_moe":
+        keys.update({f"{a}.expert_count": config.n_routed_experts, f"{a}.expert_used_count": config.num_experts_per_tok,
+                     f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
+                     f"{a}.expert_shared_count": config.n_shared_experts, f"{a}.leading_dense_block_count": config.first_k_dense_replace,
+                     f"{a}.expert_weights_scale": config.routed_scaling_factor, f"{a}.expert_weights_norm": config.norm_topk_prob,
+                     f"{a}.expert_gating_func": 2})
+    if model_type.startswith("deepseek"):  # MLA written as MQA: one KV head of kv_lora_rank + rope
+        rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+        keys.update({f"{a}.attention.head_count_kv": 1, f"{a}.attention.key_length": rank + rope_dim,
+                     f"{a}.attention.value_length": rank, f"{a}.rope.dimension_count": rope_dim,
+                     f"{a}.attention.kv_lora_rank": rank, f"{a}.leading_dense_block_count": config.first_k_dense_replace,
+                     f"{a}.attention.key_length_mla": config.qk_nope_head_dim + rope_dim,
+                     f"{a}.attention.value_length_mla": config.v_head_dim, f"{a}.expert_count": config.n_routed_experts,
+                     f"{a}.expert_used_count": config.num_experts_per_tok, f"{a}.expert_shared_count": config.n_shared_experts,
+                     f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
+                     f"{a}.expert_gating_func": 2 if model_type == "deepseek_v3" else 1})  # transformers: V3 sigmoid, V2 softmax
+        if config.q_lora_rank:
+            keys[f"{a}.attention.q_lora_rank"] = config.q_lora_rank
+    return keys
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_the_metadata_is_what_llama_cpps_converter_writes(built, model_type):
+    folder, path = built(model_type)
+    fields = gguf_fields(path)
+    config = load_hf(folder).config
+    for key, value in _expected_keys(model_type, config).items():
+        assert key in fields, key
+        got = fields[key]
+        assert (got == pytest.approx(value, rel=1e-6)) if isinstance(value, float) else got == value, (key, got, value)
+    assert fields["tokenizer.ggml.model"] == "gpt2" and len(fields["tokenizer.ggml.tokens"]) == 448
+
+
+@pytest.mark.parametrize("model_type", [m for m, (_, reads) in CASES.items() if reads])
+def test_transformers_reads_the_file_back_with_the_folders_logits(built, model_type):
+    folder, path = built(model_type)
+    ours, theirs = load_hf(folder), load_gguf(path)
+    ids = probe()
+    reference = logits(ours, ids)
+    out = logits(theirs, ids)
+    matrices = sum(1 for w in ours.state_dict().values() if w.ndim >= 2)
+    rel = ((out - reference).abs().max() / reference.abs().max()).item()
+    assert rel < 8 * 2.0**-11 * math.sqrt(matrices), rel
+
+
+REFUSALS = {
+    # a config llama.cpp's graph cannot compute: one sentence, nothing written
+    "qwen2_moe": (dict(norm_topk_prob=True), "llama.cpp's qwen2moe never renormalizes"),
+    "gemma2": (dict(query_pre_attn_scalar=32), "llama.cpp scales attention by the head size"),
+    "gemma3_text": (dict(layer_types=["full_attention"] * 6), "other than llama.cpp's gemma3 pattern (every 6th layer"),
+    "smollm3": (dict(no_rope_layers=[1, 0, 1, 0]), "not llama.cpp's smollm3 pattern"),
+    "mistral": (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+                "uses sliding-window attention, which llama.cpp's llama layout does not describe"),
+    "phi3": (dict(partial_rotary_factor=0.5), "rotates only part of each head"),
+    "olmoe": (dict(num_key_value_heads=2), "llama.cpp's olmoe layout has one per attention head"),
+    "deepseek_v2": (dict(q_lora_rank=None), "allows only for the 27-layer DeepSeek-V2-Lite"),
+    "exaone4": (dict(sliding_window=4, layer_types=None), "uses sliding-window attention, which llama.cpp's exaone4 layout"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(REFUSALS))
+def test_a_config_llama_cpp_would_compute_differently_is_one_sentence(tmp_path, model_type):
+    overrides, says = REFUSALS[model_type]
+    try:
+        folder = make_family(tmp_path / "m", model_type, **overrides)
+    except Exception as err:  # transformers itself refuses the combination: nothing to test
+        pytest.skip(f"transformers does not build it: {err}")
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(MergeError) as err:
+        export_gguf(folder, "f16")
+    message = str(err.value)
+    assert says in message and "\n" not in message and message.endswith("."), message
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_families_llama_cpp_runs_but_we_do_not_write_are_refused_with_the_reason(tmp_path):
+    from transformers import AutoConfig
+
+    from tui_merger.core.ship.gguf_families import REFUSED
+
+    folder = tmp_path / "lfm2"
+    folder.mkdir()
+    AutoConfig.for_model("lfm2", **SMALL, vocab_size=448).save_pretrained(folder)
+    with pytest.raises(MergeError, match=r"is a lfm2 model; its short-convolution layers need llama.cpp's conv") as err:
+        export_gguf(folder, "f16")
+    assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
+    assert all(reason[0].islower() and not reason.endswith(".") for reason in REFUSED.values())
+
+
+def test_mistral_with_a_sliding_window_shorter_than_its_context_says_so(tmp_path):
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "mistral", sliding_window=64)
+    said = []
+    export_gguf(folder, "f16", tmp_path / "m.gguf", on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any("attends to the last 64 tokens only (sliding_window)" in s and "computes the same up to 64 tokens" in s
+               for s in said), said
+
+
+def test_next_token_prediction_layers_past_the_model_are_left_out_and_said(tmp_path):
+    """DeepSeek-V3 and GLM-4.5 releases hold a next-token-prediction layer past num_hidden_layers, which
+    transformers does not load: the GGUF leaves it out too and says so; the rest is the same file."""
+    from safetensors.torch import save_file
+
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "glm4_moe")
+    plain = export_gguf(folder, "f16", tmp_path / "plain.gguf")
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(64, 128), "model.layers.2.enorm.weight": torch.ones(64)},
+              folder / "mtp.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {**{k: "model.safetensors" for k in load_file(folder / "model.safetensors")},
+                                           "model.layers.2.eh_proj.weight": "mtp.safetensors",
+                                           "model.layers.2.enorm.weight": "mtp.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    said = []
+    with_mtp = export_gguf(folder, "f16", tmp_path / "mtp.gguf",
+                           on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any(s.startswith("2 tensor(s) of layers past num_hidden_layers (model.layers.2.") for s in said), said
+    import gguf
+
+    def names(path):
+        return [t.name for t in gguf.GGUFReader(path).tensors]
+
+    assert names(with_mtp.path) == names(plain.path)

@@ -1,0 +1,257 @@
+"""The model families ``tui-merger gguf`` writes, as data: one ``Family`` per Hugging Face ``model_type``.
+
+Adding a family is one entry in ``FAMILIES`` (and a tiny-model case in tests/test_gguf_families.py):
+
+- ``arch``: llama.cpp's architecture name (``gguf.MODEL_ARCH_NAMES``). Tensor names then come from the
+  ``gguf`` package's own ``TensorNameMap`` for that architecture, and only the tensors llama.cpp's
+  layout has (``gguf.MODEL_TENSORS``) are accepted; nothing here names a tensor.
+- the tensor transforms llama.cpp's converter (``convert_hf_to_gguf.py``, the class registered for the
+  architecture) applies: ``permute_qk`` (Llama-style q/k rows reordered for llama.cpp's rope),
+  ``norm_plus_one`` (Gemma's norms, which the model applies as ``1 + w``), experts stacked per layer
+  (``experts``: the config field with their number), ``split`` (a packed tensor cut into equal row
+  parts: GraniteMoE's gate/up) and ``derive`` (GGUF tensors computed from one HF tensor: DeepSeek's MLA
+  k_b/v_b, GPT-OSS's interleaved experts).
+- the metadata: the common hyperparameters are written for every family (context, widths, heads, the
+  norm epsilon named by ``eps``, rope base and scaling, head sizes); ``keys`` adds the family's own
+  (GGUF key after ``<arch>.`` -> a config field, or a function of the config giving the typed value;
+  it may restate a common key), written when there is a value.
+- what llama.cpp's graph fixes and the config could say otherwise: ``swa`` (its sliding-window layer
+  pattern), ``norm_topk`` (whether it renormalizes the chosen experts' weights), ``checks`` (a function
+  of the config returning the one sentence why a GGUF of it would compute another model, or None).
+
+``REFUSED`` lists the families llama.cpp runs but tui-merger does not write (yet), each with its reason
+in one sentence. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Family:
+    title: str  # what people call it
+    arch: str  # llama.cpp's architecture name
+    eps: str = "rms_norm_eps"  # the config field of the norm epsilon; layer_norm_* means LayerNorm (attention.layer_norm_epsilon)
+    permute_qk: bool = False  # HF's rotate-half q/k rows -> llama.cpp's interleaved pairs (llama-style rope)
+    norm_plus_one: bool = False  # norms stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w)
+    experts: str | None = None  # config field: number of experts (per-expert tensors are stacked per layer)
+    experts_used: str = "num_experts_per_tok"
+    expert_ff: str | None = None  # config field written as expert_feed_forward_length
+    shared_ff: str | None = None  # config field written as expert_shared_feed_forward_length
+    norm_topk: bool | None = None  # does llama.cpp renormalize the top-k expert weights (None: no config says)
+    partial_rotary: bool = False  # rope on part of each head (rope.dimension_count = head_dim * factor)
+    head_dim_keys: bool = False  # always write attention.key_length / value_length
+    swa: int | None = None  # llama.cpp's sliding-window pattern: every swa-th layer full, the others sliding
+    swa_layers: int | None = None  # llama.cpp applies that pattern only to models of this many layers (else none)
+    swa_rope_theta: float | None = None  # the rope base llama.cpp fixes for sliding layers (Gemma 3)
+    derive: dict = field(default_factory=dict)  # HF module -> function(config, shape) -> [(GGUF tensor, shape, fn of the tensor)]
+    yarn_extra: tuple[str, ...] = ()  # YaRN parameters llama.cpp's graph for the family already follows
+    yarn_mscale: bool = False  # YaRN's mscale / mscale_all_dim (equal) are expressible (DeepSeek's yarn_log_multiplier)
+    split: dict = field(default_factory=dict)  # HF module -> GGUF tensors its rows are split into, in equal parts
+    keys: dict = field(default_factory=dict)  # GGUF key (after "<arch>.") -> config field
+    checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
+
+
+def _attention_scale_is_head_dim(config) -> str | None:
+    """Gemma 2/3: llama.cpp scales attention by 1/sqrt(head_dim) (by 1/sqrt(hidden/heads) for the 27B
+    layouts), where transformers takes query_pre_attn_scalar."""
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    head_dim = getattr(config, "head_dim", None)
+    if scalar is None or scalar == head_dim:
+        return None
+    if config.num_hidden_layers in (46, 62) and scalar == config.hidden_size // config.num_attention_heads:
+        return None  # the 27B models, which llama.cpp recognises by their layer count
+    return (f"query_pre_attn_scalar is {scalar} while head_dim is {head_dim}; llama.cpp scales attention by "
+            "the head size, so a GGUF of it would compute another model")
+
+
+def _no_qk_layernorm(config) -> str | None:
+    if getattr(config, "qk_layernorm", False):
+        return "it normalizes q and k per layer (qk_layernorm), which llama.cpp's phi2 layout does not have"
+    return None
+
+
+def _smollm3_nope_every_4th(config) -> str | None:
+    layers = getattr(config, "no_rope_layers", None)
+    want = [int((i + 1) % 4 != 0) for i in range(config.num_hidden_layers)]
+    if layers is not None and list(layers) != want:
+        return "its no_rope_layers are not llama.cpp's smollm3 pattern (every 4th layer without rope)"
+    return None
+
+
+def _moe_every_layer(config) -> str | None:
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+        return ("it has dense layers between its expert layers (mlp_only_layers / decoder_sparse_step), and "
+                "llama.cpp's layout has experts in every layer")
+    return None
+
+
+def _olmoe_no_gqa(config) -> str | None:
+    if (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) != config.num_attention_heads:
+        return "it shares key/value heads (num_key_value_heads below num_attention_heads), and llama.cpp's olmoe layout has one per attention head"
+    return None
+
+
+def _cohere_no_qk_norm(config) -> str | None:
+    if getattr(config, "use_qk_norm", False):
+        return "it normalizes q and k (use_qk_norm), which llama.cpp's cohere2 layout does not have"
+    return None
+
+
+def _mla_kv_b(config, shape):
+    """DeepSeek's MLA kv_b_proj (heads * (nope + v), kv_lora_rank) as llama.cpp's converter writes it for
+    the absorbed attention: k_b (heads, kv_lora_rank, nope: each head's part transposed) and v_b
+    (heads, v, kv_lora_rank)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    nope, v, rank = config.qk_nope_head_dim, config.v_head_dim, shape[-1]
+
+    def k_b(w):
+        return w.reshape(heads, nope + v, rank)[:, :nope].transpose(1, 2)
+
+    def v_b(w):
+        return w.reshape(heads, nope + v, rank)[:, nope:]
+
+    return [("attn_k_b", (heads, rank, nope), k_b), ("attn_v_b", (heads, v, rank), v_b)]
+
+
+def _gpt_oss_experts(config, shape):
+    """GPT-OSS's packed experts as llama.cpp's converter writes them from 16-bit weights: gate_up_proj
+    (experts, hidden, 2 * ff, gate and up interleaved) -> ffn_gate_exps / ffn_up_exps (experts, ff,
+    hidden); its bias (experts, 2 * ff) likewise."""
+    if len(shape) == 3:
+        e, hidden, ff2 = shape
+        return [("ffn_gate_exps", (e, ff2 // 2, hidden), lambda w: w.transpose(1, 2)[:, 0::2]),
+                ("ffn_up_exps", (e, ff2 // 2, hidden), lambda w: w.transpose(1, 2)[:, 1::2])]
+    e, ff2 = shape
+    return [("ffn_gate_exps.bias", (e, ff2 // 2), lambda w: w[:, 0::2]), ("ffn_up_exps.bias", (e, ff2 // 2), lambda w: w[:, 1::2])]
+
+
+def _gpt_oss_down(config, shape):
+    e, ff, hidden = shape
+    return [("ffn_down_exps", (e, hidden, ff), lambda w: w.transpose(1, 2))]
+
+
+def _gpt_oss_yarn_truncate(config) -> str | None:
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn" and rope.get("truncate", True) is not False:
+        return "its YaRN rope truncates (truncate true), while llama.cpp's gpt-oss follows the released models (truncate false)"
+    return None
+
+
+def _deepseek_moe_every_layer(config) -> str | None:
+    if getattr(config, "moe_layer_freq", 1) != 1:
+        return "it has experts only in some layers after the dense ones (moe_layer_freq), which llama.cpp's deepseek2 layout does not have"
+    if not getattr(config, "q_lora_rank", None) and config.num_hidden_layers != 27:
+        return ("its queries have no low-rank projection (q_lora_rank null), which llama.cpp's deepseek2 layout allows only "
+                "for the 27-layer DeepSeek-V2-Lite")
+    if (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) != config.num_attention_heads:
+        return "its kv_b_proj has fewer heads than its attention, which llama.cpp's deepseek2 layout does not split"
+    return None
+
+
+def _yarn_log_multiplier(config):
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    mscale = rope.get("mscale_all_dim") if rope.get("rope_type", rope.get("type")) == "yarn" else None
+    return None if mscale is None else 0.1 * float(mscale)
+
+
+_DEEPSEEK_KEYS = {  # llama.cpp's DeepseekV2Model: MLA as MQA with one KV head of kv_lora_rank + rope
+    "attention.head_count_kv": lambda c: 1,
+    "leading_dense_block_count": lambda c: int(getattr(c, "first_k_dense_replace", 0) or 0),
+    "attention.q_lora_rank": lambda c: int(c.q_lora_rank) if getattr(c, "q_lora_rank", None) else None,
+    "attention.kv_lora_rank": lambda c: int(c.kv_lora_rank),
+    "attention.key_length": lambda c: int(c.kv_lora_rank + c.qk_rope_head_dim),
+    "attention.value_length": lambda c: int(c.kv_lora_rank),
+    "attention.key_length_mla": lambda c: int(c.qk_nope_head_dim + c.qk_rope_head_dim),
+    "attention.value_length_mla": lambda c: int(c.v_head_dim),
+    "rope.dimension_count": lambda c: int(c.qk_rope_head_dim),
+    "expert_shared_count": lambda c: int(getattr(c, "n_shared_experts", 0) or 0),
+    "expert_weights_scale": lambda c: float(getattr(c, "routed_scaling_factor", 1.0) or 1.0),
+    "expert_weights_norm": lambda c: True if getattr(c, "norm_topk_prob", False) else None,
+    "expert_group_count": lambda c: int(c.n_group) if getattr(c, "n_group", None) else None,
+    "expert_group_used_count": lambda c: int(c.topk_group) if getattr(c, "topk_group", None) else None,
+    "rope.scaling.yarn_log_multiplier": _yarn_log_multiplier,
+}
+
+
+# model_type in config.json -> its family. Order: how often people fine-tune them (the CLI lists them so).
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama", "llama", permute_qk=True),
+    "qwen3": Family("Qwen3", "qwen3", head_dim_keys=True),
+    "qwen2": Family("Qwen2", "qwen2"),
+    "mistral": Family("Mistral", "llama", permute_qk=True),
+    "gemma3_text": Family("Gemma 3", "gemma3", norm_plus_one=True, head_dim_keys=True, swa=6, swa_rope_theta=10000.0,
+                          keys={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window"},
+                          checks=(_attention_scale_is_head_dim,)),
+    "gemma2": Family("Gemma 2", "gemma2", norm_plus_one=True, head_dim_keys=True, swa=2,
+                     keys={"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping",
+                           "attention.sliding_window": "sliding_window"},
+                     checks=(_attention_scale_is_head_dim,)),
+    "phi3": Family("Phi-3", "phi3", keys={"attention.sliding_window": "sliding_window"}),
+    "qwen3_moe": Family("Qwen3-MoE", "qwen3moe", head_dim_keys=True, experts="num_experts", expert_ff="moe_intermediate_size",
+                        norm_topk=True, checks=(_moe_every_layer,)),
+    "mixtral": Family("Mixtral", "llama", permute_qk=True, experts="num_local_experts"),
+    "qwen2_moe": Family("Qwen2-MoE", "qwen2moe", experts="num_experts", expert_ff="moe_intermediate_size",
+                        shared_ff="shared_expert_intermediate_size", norm_topk=False, checks=(_moe_every_layer,)),
+    "olmo2": Family("OLMo 2", "olmo2"),
+    "granite": Family("Granite", "granite", permute_qk=True,
+                      keys={"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                            "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    "glm4": Family("GLM-4", "glm4", partial_rotary=True, head_dim_keys=True),
+    "starcoder2": Family("StarCoder2", "starcoder2", eps="norm_epsilon"),
+    "smollm3": Family("SmolLM3", "smollm3", permute_qk=True, checks=(_smollm3_nope_every_4th,)),
+    "gemma": Family("Gemma", "gemma", norm_plus_one=True, head_dim_keys=True),
+    "phi": Family("Phi-2", "phi2", eps="layer_norm_eps", partial_rotary=True, checks=(_no_qk_layernorm,)),
+    "granitemoe": Family("GraniteMoE", "granitemoe", permute_qk=True, experts="num_local_experts",
+                         split={"input_linear": ("ffn_gate_exps", "ffn_up_exps")},
+                         keys={"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                               "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    "olmo3": Family("OLMo 3", "olmo2", swa=4, keys={"attention.sliding_window": "sliding_window"}),
+    "olmoe": Family("OLMoE", "olmoe", experts="num_experts", norm_topk=False, checks=(_olmoe_no_gqa,)),
+    "cohere2": Family("Cohere2", "cohere2", eps="layer_norm_eps", swa=4, head_dim_keys=True,
+                      keys={"logit_scale": "logit_scale", "attention.sliding_window": "sliding_window"},
+                      checks=(_cohere_no_qk_norm,)),
+    "exaone4": Family("EXAONE 4", "exaone4", swa=4, head_dim_keys=True, keys={"attention.sliding_window": "sliding_window"},
+                      swa_layers=64),
+    "deepseek_v3": Family("DeepSeek-V3", "deepseek2", experts="n_routed_experts", expert_ff="moe_intermediate_size",
+                          derive={"kv_b_proj": _mla_kv_b}, yarn_mscale=True,
+                          keys={**_DEEPSEEK_KEYS, "expert_gating_func": lambda c: 2},  # transformers' V3 router: sigmoid
+                          checks=(_deepseek_moe_every_layer,)),
+    "deepseek_v2": Family("DeepSeek-V2", "deepseek2", experts="n_routed_experts", expert_ff="moe_intermediate_size",
+                          derive={"kv_b_proj": _mla_kv_b}, yarn_mscale=True,
+                          keys={**_DEEPSEEK_KEYS, "expert_gating_func": lambda c: 1},  # V2's router: softmax
+                          checks=(_deepseek_moe_every_layer,)),
+    "gpt_oss": Family("GPT-OSS", "gpt-oss", experts="num_local_experts", expert_ff="intermediate_size", swa=2,
+                      head_dim_keys=True, yarn_extra=("truncate",),
+                      derive={"experts.gate_up_proj": _gpt_oss_experts, "experts.gate_up_proj_bias": _gpt_oss_experts,
+                              "experts.down_proj": _gpt_oss_down},
+                      keys={"attention.sliding_window": "sliding_window"}, checks=(_gpt_oss_yarn_truncate,)),
+    "glm4_moe": Family("GLM-4.5", "glm4moe", experts="n_routed_experts", expert_ff="moe_intermediate_size", partial_rotary=True,
+                       head_dim_keys=True,
+                       keys={"leading_dense_block_count": lambda c: int(getattr(c, "first_k_dense_replace", 0) or 0),
+                             "expert_shared_count": lambda c: int(getattr(c, "n_shared_experts", 0) or 0),
+                             "expert_weights_scale": lambda c: float(getattr(c, "routed_scaling_factor", 1.0) or 1.0),
+                             "expert_weights_norm": lambda c: bool(getattr(c, "norm_topk_prob", False)),
+                             "expert_gating_func": lambda c: 2,  # transformers' Glm4Moe router: sigmoid
+                             "expert_group_count": lambda c: int(c.n_group) if getattr(c, "n_group", None) else None,
+                             "expert_group_used_count": lambda c: int(c.topk_group) if getattr(c, "topk_group", None) else None}),
+    "ernie4_5": Family("ERNIE-4.5", "ernie4_5", head_dim_keys=True),
+    "seed_oss": Family("Seed-OSS", "seed_oss", head_dim_keys=True),
+}
+
+# Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
+REFUSED: dict[str, str] = {
+    "lfm2": "its short-convolution layers need llama.cpp's conv tensors reshaped, which tui-merger does not write yet",
+    "qwen3_next": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
+    "qwen3_5_text": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
+    "ernie4_5_moe": "llama.cpp's ernie4_5-moe layout needs the router's score-correction statistics handled, which tui-merger does not write yet",
+    "gemma4_text": "its per-layer embeddings and layer scalars need tensors llama.cpp reshapes, which tui-merger does not write yet",
+}
+
+
+def family_names() -> str:
+    """The families, for a sentence: "Llama, Qwen3, ... and Seed-OSS"."""
+    titles = list(dict.fromkeys(f.title for f in FAMILIES.values()))
+    return ", ".join(titles[:-1]) + " and " + titles[-1]
