@@ -406,6 +406,8 @@ def test_inspect_shows_a_bridge_own_save(tmp_path):
     assert (Path(c.path).name, c.step, c.world_size) == ("iter_0000003", 3, 2)
     notes = " ".join(c.notes)
     assert "EP 2" in notes and "GPTModelProvider" in notes and not c.needs_base, notes
+    (c,) = scan(fw / "bridge_lora_tp2").candidates
+    assert "PEFT run (LoRA): adapters only (r 8, alpha 16), merged into the base checkpoint" in " ".join(c.notes), c.notes
 
 
 @pytest.mark.parametrize("case", ["bridge_lora_tp2", "bridge_canonical_tp2"])

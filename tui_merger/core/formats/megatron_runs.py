@@ -499,6 +499,14 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     c.notes.append(what + ".")
     try:
         check_iteration(folder, info)
+        if info.lora:
+            alpha = info.peft.get("alpha")
+            here = pretrained_iteration(info, folder)
+            base = (f"the base checkpoint {here}" if here is not None else
+                    f"the Hugging Face model (its base checkpoint {info.pretrained} is not on this machine)"
+                    if info.pretrained else "the Hugging Face model")
+            c.notes.append(f"{info.lora[0].upper()}{info.lora[1:]}: adapters only (r {info.peft.get('dim')}, alpha {alpha}), "
+                           f"merged into {base}.")
     except MergeError as err:
         c.notes.append(str(err))
     if not info.legacy and not info.lora and (info.model_dir / DCP_METADATA).is_file():
