@@ -481,3 +481,30 @@ def test_nemo2_weights_under_module_prefix(tmp_path):
     got, want = read_output(tmp_path / "out"), _file_tensors(fw / "hf_dense" / "model.safetensors")
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_bridge_dora_run_merges_with_its_magnitudes(tmp_path):
+    """DoRA: Megatron-Bridge 0.3.1's own merged export (expected_merged.safetensors) leaves the magnitudes out
+    (it equals the plain LoRA merge), so the reference is DoRA's formula (peft's: m * (W + s BA) / ||W + s BA||
+    per output row) on the tensors torch.distributed.checkpoint reads from the iteration, for the projections
+    that need no splitting (o_proj, down_proj)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    fw = _fw(tmp_path)
+    src = fw / "bridge_dora_tp2" / "iter_0000003"
+    _merge(fw / "bridge_dora_tp2", tmp_path / "out")
+    got, base = read_output(tmp_path / "out"), _file_tensors(fw / "hf_dense" / "model.safetensors")
+    lora_only = _file_tensors(fw / "bridge_dora_tp2" / "expected_merged.safetensors")
+    meta = dcp.FileSystemReader(str(src)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    for mega, hf in (("self_attention.linear_proj", "self_attn.o_proj"), ("mlp.linear_fc2", "mlp.down_proj")):
+        for i in range(2):
+            a, b, m = (state[f"decoder.layers.{mega}.adapter.{p}"][i] for p in ("linear_in.weight", "linear_out.weight", "weight_magnitude"))
+            w = base[f"model.layers.{i}.{hf}.weight"].double() + 16 / 8 * (b.double() @ a.double())
+            want = (m.double()[:, None] * w / w.norm(dim=1, keepdim=True)).float()
+            assert torch.allclose(got[f"model.layers.{i}.{hf}.weight"], want, atol=1e-6, rtol=0), (i, hf)
+    changed = [k for k in base if not torch.equal(got[k], base[k])]
+    assert len(changed) == 14 and all(not torch.equal(got[k], lora_only[k]) for k in changed)
