@@ -361,4 +361,150 @@ def test_refusals(tmp_path):
     peft = _bridge(tmp_path / "peft", str(base))
     cfg = peft / "iter_0000001" / "run_config.yaml"
     cfg.write_text(cfg.read_text().replace("peft: null", "peft:\n  _target_: megatron.bridge.peft.lora.LoRA\n  dim: 8"))
-    _refused(peft, tmp_path / "o7", "Megatron-Bridge PEFT run (LoRA)", "adapters only")
+    _refused(peft, tmp_path / "o7", "records no positive peft.alpha", "--lora-alpha")
+    cfg.write_text(cfg.read_text().replace("  dim: 8", "  dim: 8\n  alpha: 16"))
+    _refused(peft, tmp_path / "o7", "holds no LoRA parameters")
+
+
+# -- Megatron-Bridge's own saves (fixtures/megatron_layouts/fw, written by its trainer's save_checkpoint) -------
+
+FW = LAYOUTS / "fw"
+
+
+def _fw(tmp: Path) -> Path:
+    """The fixtures folder copied (the runs name their Hugging Face model and base checkpoint relative to it)."""
+    if not (FW / "bridge_dense_tp2" / "iter_0000003" / ".metadata").is_file():
+        pytest.skip("Megatron-Bridge fixtures are not generated")
+    shutil.copytree(FW, tmp / "fw")
+    return tmp / "fw"
+
+
+def _file_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+@pytest.mark.parametrize("case, hf", [("bridge_dense_tp2", "hf_dense"), ("bridge_moe_ep2", "hf_moe")])
+def test_bridge_own_save_converts_to_the_weights_it_imported(tmp_path, case, hf):
+    """Megatron-Bridge imported a save_pretrained model (AutoBridge.load_hf_weights) and saved it with its
+    trainer's checkpointing (TP 2; Qwen3-MoE at EP 2): the run names that model (model.hf_model_id), so no
+    --base is needed, and every tensor comes back equal to the one save_pretrained wrote."""
+    fw = _fw(tmp_path)
+    result = _merge(fw / case, tmp_path / "out")
+    assert any("model.hf_model_id" in n for n in result.warnings), result.warnings
+    got, want = read_output(tmp_path / "out"), _file_tensors(fw / hf / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_inspect_shows_a_bridge_own_save(tmp_path):
+    fw = _fw(tmp_path)
+    result = scan(fw / "bridge_moe_ep2")
+    (c,) = [c for c in result.candidates if c.backend == "megatron-bridge"]
+    assert (Path(c.path).name, c.step, c.world_size) == ("iter_0000003", 3, 2)
+    notes = " ".join(c.notes)
+    assert "EP 2" in notes and "GPTModelProvider" in notes and not c.needs_base, notes
+    (c,) = scan(fw / "bridge_lora_tp2").candidates
+    assert "PEFT run (LoRA): adapters only (r 8, alpha 16), merged into the base checkpoint" in " ".join(c.notes), c.notes
+
+
+@pytest.mark.parametrize("case", ["bridge_lora_tp2", "bridge_canonical_tp2"])
+def test_bridge_peft_run_merges_like_bridges_own_export(tmp_path, case):
+    """A Megatron-Bridge PEFT iteration (adapter-only, TP 2; LoRA and CanonicalLoRA) merged into the base
+    checkpoint its run_config.yaml names equals Megatron-Bridge's own merged Hugging Face export
+    (export_hf_weights with merge_adapter_weights) of the same in-memory model, every tensor."""
+    fw = _fw(tmp_path)
+    result = _merge(fw / case, tmp_path / "out")
+    assert any("base checkpoint its run_config.yaml names" in n and "alpha 16" in n for n in result.warnings), result.warnings
+    got, want = read_output(tmp_path / "out"), _file_tensors(fw / case / "expected_merged.safetensors")
+    assert sorted(got) == sorted(want)
+    base = _file_tensors(fw / "hf_dense" / "model.safetensors")
+    assert sum(not torch.equal(want[k], base[k]) for k in want) == 14  # q, k, v, o, gate, up, down x 2 layers
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_bridge_peft_without_its_base_checkpoint_uses_the_hf_model_and_alpha_is_honoured(tmp_path):
+    fw = _fw(tmp_path)
+    shutil.rmtree(fw / "bridge_dense_tp2")  # the pretrained_checkpoint is gone: the imported HF model is the base
+    result = _merge(fw / "bridge_lora_tp2", tmp_path / "out")
+    assert any("bridge_dense_tp2 (checkpoint.pretrained_checkpoint) is not on this machine" in n for n in result.warnings)
+    want = _file_tensors(fw / "bridge_lora_tp2" / "expected_merged.safetensors")
+    got = read_output(tmp_path / "out")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    run_merge(MergeOptions(checkpoint=fw / "bridge_lora_tp2", out=tmp_path / "a8", lora_alpha=8), fsync=False)
+    half = read_output(tmp_path / "a8")
+    base = _file_tensors(fw / "hf_dense" / "model.safetensors")
+    k = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(half[k] - base[k], (want[k] - base[k]) / 2, atol=1e-6)
+
+
+def test_bridge_bad_input(tmp_path):
+    fw = _fw(tmp_path)
+    # an iteration folder missing one of its files: named, nothing written
+    broken = tmp_path / "broken"
+    shutil.copytree(fw / "bridge_dense_tp2", broken / "bridge_dense_tp2")
+    shutil.copytree(fw / "hf_dense", broken / "hf_dense")
+    (broken / "bridge_dense_tp2" / "iter_0000003" / "__1_0.distcp").unlink()
+    with pytest.raises(MergeError) as err:
+        _merge(broken / "bridge_dense_tp2", tmp_path / "o1")
+    assert "__1_0.distcp" in str(err.value) and not (tmp_path / "o1").exists()
+    # a PEFT run whose Hugging Face model and base checkpoint are both elsewhere
+    alone = tmp_path / "alone"
+    shutil.copytree(fw / "bridge_lora_tp2", alone / "bridge_lora_tp2")
+    _refused(alone / "bridge_lora_tp2", tmp_path / "o2", "hf_dense (model.hf_model_id)", "--base")
+    # a PEFT method tui-merger does not read
+    cfg = fw / "bridge_lora_tp2" / "iter_0000003" / "run_config.yaml"
+    cfg.write_text(cfg.read_text().replace("megatron.bridge.peft.lora.LoRA", "megatron.bridge.peft.ia3.IA3"))
+    _refused(fw / "bridge_lora_tp2", tmp_path / "o3", "PEFT run of IA3", "save_hf_adapter")
+
+
+def test_nemo2_weights_under_module_prefix(tmp_path):
+    """NeMo 2 keeps the model under ``module.`` in weights/ (its MegatronParallel wrapper): the same dist
+    checkpoint rewritten by torch.distributed.checkpoint with every key prefixed converts to the same tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    fw = _fw(tmp_path)
+    src = fw / "bridge_dense_tp2" / "iter_0000003"
+    meta = dcp.FileSystemReader(str(src)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    ckpt = tmp_path / "nemo" / "checkpoints" / "step=3"
+    dcp.save({f"module.{k}": t for k, t in state.items()}, storage_writer=dcp.FileSystemWriter(str(ckpt / "weights")),
+             no_dist=True)
+    shutil.copytree(LAYOUTS / "nemo2" / "context", ckpt / "context")
+    _merge(ckpt, tmp_path / "out", base=fw / "hf_dense")
+    got, want = read_output(tmp_path / "out"), _file_tensors(fw / "hf_dense" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_bridge_dora_run_merges_with_its_magnitudes(tmp_path):
+    """DoRA: Megatron-Bridge 0.3.1's own merged export (expected_merged.safetensors) leaves the magnitudes out
+    (it equals the plain LoRA merge), so the reference is DoRA's formula (peft's: m * (W + s BA) / ||W + s BA||
+    per output row) on the tensors torch.distributed.checkpoint reads from the iteration, for the projections
+    that need no splitting (o_proj, down_proj)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    fw = _fw(tmp_path)
+    src = fw / "bridge_dora_tp2" / "iter_0000003"
+    _merge(fw / "bridge_dora_tp2", tmp_path / "out")
+    got, base = read_output(tmp_path / "out"), _file_tensors(fw / "hf_dense" / "model.safetensors")
+    lora_only = _file_tensors(fw / "bridge_dora_tp2" / "expected_merged.safetensors")
+    meta = dcp.FileSystemReader(str(src)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    for mega, hf in (("self_attention.linear_proj", "self_attn.o_proj"), ("mlp.linear_fc2", "mlp.down_proj")):
+        for i in range(2):
+            a, b, m = (state[f"decoder.layers.{mega}.adapter.{p}"][i] for p in ("linear_in.weight", "linear_out.weight", "weight_magnitude"))
+            w = base[f"model.layers.{i}.{hf}.weight"].double() + 16 / 8 * (b.double() @ a.double())
+            want = (m.double()[:, None] * w / w.norm(dim=1, keepdim=True)).float()
+            assert torch.allclose(got[f"model.layers.{i}.{hf}.weight"], want, atol=1e-6, rtol=0), (i, hf)
+    changed = [k for k in base if not torch.equal(got[k], base[k])]
+    assert len(changed) == 14 and all(not torch.equal(got[k], lora_only[k]) for k in changed)

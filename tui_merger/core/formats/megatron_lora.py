@@ -654,3 +654,80 @@ def describe(folder: Path, tconfig: dict) -> dict:
     if layout.vpp and layout.vpp > 1 and info["problem"] is None:
         info["problem"] = vpp_refusal(layout.vpp)
     return info
+
+
+# -- Megatron-Bridge's own PEFT checkpoints: an adapter-only dist checkpoint ------------------------------
+
+_STACKED = re.compile(r"^decoder\.layers\.(?P<rest>.+\.adapter\..+)$")
+
+
+def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
+    """The adapter of a Megatron-Bridge PEFT iteration (its trainer saves only the ``*.adapter.*`` entries
+    of the model's sharded state dict: training/checkpointing.py apply_peft_adapter_filter_to_state_dict)
+    under Hugging Face names. megatron-core stores the layers stacked (``decoder.layers.X`` with the layer
+    as dim 0) and already joined across tensor-parallel ranks in the global order (fc1's ``linear_out`` as
+    [gate; up]), so each layer's tensor is one piece; the naming is the shards' (``_name``)."""
+    import torch
+
+    from tui_merger.core.io.dcp import DcpStore
+
+    def skip(key: str) -> bool:
+        return ".adapter." not in key or "_extra_state" in key
+
+    store = DcpStore(Path(dist_dir), skip, lambda k: re.sub(r"^(?:model\d*\.|module\.)+", "", k))
+    try:
+        globals_: dict[str, _Global] = {}
+        layers = 0
+        for key, entry in sorted(store.tensors.items()):
+            m = _STACKED.match(key)
+            if m is None or re.match(r"^\d+\.", m.group("rest")):
+                raise MergeError(
+                    f"{dist_dir} holds {key}, an adapter outside megatron-core's stacked decoder layers, which tui-merger "
+                    "does not know how to merge; nothing was written."
+                )
+            if ".mlp.experts." in key:
+                raise MergeError(
+                    f"{dist_dir} holds adapters on MoE experts ({key}), whose stacked layout in a Megatron-Bridge PEFT "
+                    "checkpoint tui-merger does not read yet; export the adapter with Megatron-Bridge's "
+                    "AutoBridge.save_hf_adapter and merge it with --adapter and --base."
+                )
+            full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+            store.read_region(key, (), None, full)
+            if re.search(r"\.adapter\.adapter_(?:gate|up)\.linear_out\.weight$", key):
+                full = _unswiglu(full, entry)
+            layers = max(layers, full.shape[0])
+            for i in range(full.shape[0]):
+                name = f"decoder.layers.{i}.{m.group('rest')}"
+                globals_[name] = _Global(name, [full[i]], None)
+        if not globals_:
+            raise MergeError(f"{dist_dir} holds no LoRA parameters (no *.adapter.* entries); nothing to merge.")
+    finally:
+        store.close()
+    want = _cfg(hf_config, "num_hidden_layers")
+    if isinstance(want, int) and want != layers:
+        raise MergeError(
+            f"The adapters in {dist_dir} cover {layers} layers but the model's config has {want}; the adapter and the "
+            "config come from different models: pass --base with the model the run started from."
+        )
+    layout = ShardLayout(Path(dist_dir), {}, 1, 1, 1, None, {})
+    source = ShardSource(Path(dist_dir), [METADATA_FILE] + sorted(store.data_files))
+    return _name(layout, hf_config, source, globals_, layers, 0)
+
+
+METADATA_FILE = ".metadata"
+
+
+def _unswiglu(full, entry):
+    """CanonicalLoRA's gate and up ``linear_out``: Megatron-Bridge saves them through megatron-core's
+    SwiGLU factory like fc1's (peft/utils.py: every adapter of a ``linear_fc1*`` layer), which stores each
+    tensor-parallel rank's rows as two halves, all first halves before all second halves. The rows are put
+    back in rank order: the pieces are the chunks the checkpoint records (2 per rank)."""
+    import torch
+
+    starts = sorted({c.offsets[1] for c in entry.chunks})
+    if len(starts) <= 2:  # one rank: its halves are already in order
+        return full
+    bounds = starts + [full.shape[1]]
+    blocks = [full[:, a:b] for a, b in zip(bounds, bounds[1:])]
+    tp = len(blocks) // 2
+    return torch.cat([blocks[i // 2 + (i % 2) * tp] for i in range(2 * tp)], 1)

@@ -46,6 +46,7 @@ MAX_COMMON = 16 << 20  # common.pt: args and small training state
 # enums): unpickled as inert records (torch_pickle), never constructed
 MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_engine", "_io", "io", "enum")
 
+BRIDGE_PEFT = ("LoRA", "CanonicalLoRA", "DoRA")  # megatron.bridge.peft classes megatron_lora reads
 FRAMEWORKS = {"megatron-lm": "Megatron-LM", "megatron-bridge": "Megatron-Bridge", "ms-swift": "ms-swift", "nemo2": "NeMo 2"}
 
 
@@ -191,6 +192,8 @@ class RunInfo:
     parallel: dict = field(default_factory=dict)  # tp, pp, ep, vpp (recorded ones only)
     dtype: str | None = None
     lora: str | None = None  # a PEFT run, in words (its checkpoint holds adapters only)
+    peft: dict = field(default_factory=dict)  # Megatron-Bridge: run_config's peft section (alpha, dim, _target_)
+    pretrained: str | None = None  # Megatron-Bridge: checkpoint.pretrained_checkpoint (a PEFT run's base)
     legacy: bool = False  # the legacy torch format (mp_rank_*/model_optim_rng.pt)
 
     @property
@@ -321,6 +324,8 @@ def _run_info(folder: Path) -> RunInfo:
             peft = cfg["peft"]
             target = peft.get("_target_", "") if isinstance(peft, dict) else ""
             info.lora = f"a Megatron-Bridge PEFT run ({str(target).rsplit('.', 1)[-1] or 'LoRA'})"
+            info.peft = peft if isinstance(peft, dict) else {}
+            info.pretrained = _str(ckpt.get("pretrained_checkpoint"))
         return info
     args_file = next((d / ARGS_JSON for d in (run, folder) if (d / ARGS_JSON).is_file()), None)
     if args_file is not None:
@@ -422,8 +427,16 @@ def local_base(info: RunInfo, folder: Path) -> Path | None:
 
 def check_iteration(folder: Path, info: RunInfo) -> None:
     """One sentence for an iteration folder that cannot be converted: nothing in it, the legacy format,
-    a PEFT run's adapter-only checkpoint."""
-    if info.lora:
+    a PEFT run's adapter-only checkpoint that is not Megatron-Bridge's (read by megatron_lora)."""
+    if info.lora and info.framework == "megatron-bridge":
+        peft = str(info.peft.get("_target_", "")).rsplit(".", 1)[-1]
+        if peft not in BRIDGE_PEFT:
+            raise MergeError(
+                f"{folder} is a Megatron-Bridge PEFT run of {peft or 'a kind its run_config.yaml does not name'}, which "
+                f"tui-merger does not merge (it reads {', '.join(BRIDGE_PEFT)}); export the adapter with Megatron-Bridge's "
+                "AutoBridge.save_hf_adapter and merge it with --adapter and --base."
+            )
+    elif info.lora:
         raise MergeError(
             f"{folder} is {info.lora}: its dist checkpoint holds the adapters only, which tui-merger does not "
             "merge yet; export the adapter in Hugging Face PEFT format and merge it with --adapter and --base."
@@ -486,6 +499,14 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     c.notes.append(what + ".")
     try:
         check_iteration(folder, info)
+        if info.lora:
+            alpha = info.peft.get("alpha")
+            here = pretrained_iteration(info, folder)
+            base = (f"the base checkpoint {here}" if here is not None else
+                    f"the Hugging Face model (its base checkpoint {info.pretrained} is not on this machine)"
+                    if info.pretrained else "the Hugging Face model")
+            c.notes.append(f"{info.lora[0].upper()}{info.lora[1:]}: adapters only (r {info.peft.get('dim')}, alpha {alpha}), "
+                           f"merged into {base}.")
     except MergeError as err:
         c.notes.append(str(err))
     if not info.legacy and not info.lora and (info.model_dir / DCP_METADATA).is_file():
@@ -540,4 +561,20 @@ def _stored_dtype(s, model_dir: Path) -> str | None:
             if dtype is None and isinstance(state, tuple) and state:
                 dtype = state[0]
             return str(dtype).removeprefix("torch.") if dtype is not None else None
+    return None
+
+
+def pretrained_iteration(info: RunInfo, folder: Path) -> Path | None:
+    """The iteration folder of the base checkpoint a Megatron-Bridge PEFT run names
+    (``checkpoint.pretrained_checkpoint``), when it is on this machine: the path as written, else relative
+    to the run's folders (a run records the path its user typed)."""
+    if not info.pretrained:
+        return None
+    p = Path(info.pretrained).expanduser()
+    tries = [p] if p.is_absolute() else [near / p for near in (folder, folder.parent, folder.parent.parent, Path.cwd())]
+    for t in tries:
+        if t.is_dir():
+            found, _ = resolve(t)
+            if found is not None:
+                return found
     return None

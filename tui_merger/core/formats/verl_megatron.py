@@ -1102,6 +1102,8 @@ def open_megatron_inputs(options):
         if layout.lora.export is None:
             return open_lora_shards(layout, options)
         return open_lora_export(layout, options)
+    if layout.kind == "mcore" and layout.run.lora:  # Megatron-Bridge PEFT (others are refused by check_iteration)
+        return open_bridge_peft(layout, options)
     if layout.kind == "mcore":  # the config: --base, else the model the run names (on this machine)
         config_dir = Path(options.base) if options.base is not None else layout.hf_dir
         if config_dir is None:
@@ -1339,6 +1341,74 @@ def open_lora_shards(layout: MegatronLayout, options):
             inputs.read_files.append(layout.folder / "transformer_config.json")
         if meta_path is not None and options.lora_alpha is None:
             inputs.read_files.append(meta_path)  # alpha came from it
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
+def open_bridge_peft(layout: MegatronLayout, options):
+    """Inputs of a Megatron-Bridge PEFT iteration (adapter-only dist checkpoint, the LoRA in run_config.yaml):
+    its adapter (formats/megatron_lora.py read_dist_adapter, named as Bridge's Hugging Face export names it)
+    merged into the base checkpoint the run names (``checkpoint.pretrained_checkpoint``, converted like any
+    Megatron checkpoint) or, with ``--base`` or when that checkpoint is not here, into the Hugging Face model."""
+    from tui_merger.core.formats.adapter import adapter_from_source
+    from tui_merger.core.formats.input_types import Inputs, paths_of
+    from tui_merger.core.formats.megatron_lora import KINDS, peft_config, read_dist_adapter
+    from tui_merger.core.formats.megatron_runs import pretrained_iteration
+    from tui_merger.core.io.files import FilePlan, config_dtype, plan_files, read_config
+    from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
+    from tui_merger.core.io.sources import open_model
+
+    info = layout.run
+    config_dir = Path(options.base) if options.base is not None else layout.hf_dir
+    if config_dir is None:
+        raise MergeError(layout.missing_base)
+    config = read_config(config_dir)
+    recorded = info.peft.get("alpha")
+    recorded = recorded if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0 else None
+    alpha = options.lora_alpha if options.lora_alpha is not None else recorded
+    if alpha is None:
+        raise MergeError(
+            f"The run_config.yaml of {layout.folder} records no positive peft.alpha; pass --lora-alpha with the value "
+            "used in training."
+        )
+    base_iter = pretrained_iteration(info, layout.folder) if options.base is None else None
+    base_layout = None
+    if base_iter is not None:
+        base_layout = _mcore_layout(base_iter)
+        if base_layout.run.lora:
+            raise MergeError(
+                f"{base_iter}, the pretrained_checkpoint of {layout.folder}, is itself a PEFT run; point "
+                "checkpoint.pretrained_checkpoint at the full model or pass --base with its Hugging Face model."
+            )
+    shards = read_dist_adapter(info.model_dir, config)
+    adapter = adapter_from_source(info.model_dir, peft_config(shards, alpha, info.hf_ref), shards.source)
+    inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
+    inputs.notices = list(layout.notices)
+    try:
+        inputs.config = config
+        if base_layout is not None:
+            base_files = _convert(base_layout, config, config_dir, inputs, options)
+            into = f"the base checkpoint its run_config.yaml names ({base_iter}; --base merges into another)"
+        else:
+            base = inputs.base = open_model(config_dir)
+            inputs.closers.append(base)
+            base_files = [config_dir / f for f in base.files]
+            why = (f"{info.pretrained} (checkpoint.pretrained_checkpoint) is not on this machine" if info.pretrained and
+                   options.base is None else "--base" if options.base is not None else "the run names no pretrained_checkpoint")
+            into = f"the Hugging Face model {config_dir} ({why})"
+        said = "--lora-alpha" if options.lora_alpha is not None else "run_config.yaml"
+        inputs.notices.append(
+            f"A Megatron-Bridge {KINDS[shards.kind]} run: its adapter (rank {shards.r}, alpha {alpha:g} from {said}) is "
+            f"merged into {into}."
+        )
+        dtype = config_dtype(config)
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
+        inputs.notices += shards.notices + adapter.notices + inputs.files.notices
+        inputs.read_files = (base_files + [config_dir / "config.json", layout.folder / "run_config.yaml"]
+                             + [info.model_dir / f for f in shards.source.files] + [src for src, _ in inputs.files.copies])
     except BaseException:
         inputs.close()
         raise
