@@ -603,6 +603,16 @@ def embedding_names(config: dict, names=()) -> EmbeddingNames:
         return UNKNOWN_EMBEDDINGS
 
 
+def tied_pair(config: dict, names) -> tuple[str, str]:
+    """(input embedding, output head) weight names among ``names`` as transformers names them for the
+    model ``config`` describes (``embedding_names``); for a model it cannot build here (custom code) the
+    usual Llama-style names, the only case where a name is assumed."""
+    found = embedding_names(config, names)
+    if found.known and found.input and found.output:
+        return found.input, found.output
+    return "model.embed_tokens.weight", "lm_head.weight"
+
+
 def quantizable_linears(config: dict, names) -> dict[str, str] | None:
     """{on-disk weight name: in-memory module name} of the Linear layers (and GPT-2's Conv1D) among
     ``names`` that transformers' quantizers replace (bitsandbytes' ``replace_with_bnb_linear``): every such

@@ -419,8 +419,6 @@ def split_peft_keys(names) -> tuple[dict[str, str], dict[str, str]]:
 
 # -- the kind ------------------------------------------------------------------------------------
 
-EMBED = "model.embed_tokens.weight"
-HEAD = "lm_head.weight"
 _PICKLED_LORA_A = re.compile(rb"([\w.]+)\.lora_(?:embedding_)?A\b")
 
 
@@ -734,7 +732,10 @@ def _tied(inputs: Inputs, options: MergeOptions, source, base_map) -> None:
     the two differ, which is then said, and both are kept."""
     import torch
 
+    from tui_merger.core.formats.hf_names import tied_pair
+
     names = inputs.base.tensors
+    EMBED, HEAD = tied_pair(inputs.config, names)  # noqa: N806 - transformers' names for this family
     tie = bool(inputs.config.get("tie_word_embeddings")) or options.tie_word_embedding
     if not (tie and EMBED in names and HEAD in names):
         if options.tie_word_embedding and HEAD not in names:
@@ -757,7 +758,7 @@ def _tied(inputs: Inputs, options: MergeOptions, source, base_map) -> None:
             inputs.config_changes["tie_word_embeddings"] = True
     else:
         inputs.notices.append(
-            "lm_head.weight differs from the input embedding, so both are kept and "
+            f"{HEAD} differs from the input embedding, so both are kept and "
             "tie_word_embeddings is set to false."
         )
         inputs.config_changes["tie_word_embeddings"] = False

@@ -368,9 +368,12 @@ def _fit(adapter_path: Path, model: Path, side: dict | None) -> tuple[int, dict,
     try:
         weights = checkpoint_weights(adapter_path) if adapter_path.is_dir() else None
         if weights:
+            from tui_merger.core.plan.plan import embeddings_of
+
             have = {name: tuple(ref.shape) for name, ref in base.tensors.items()}
-            tied_head = "lm_head.weight" in weights and "lm_head.weight" not in have
-            same = all(have.get(n) == tuple(s) for n, s in weights.items() if not (tied_head and n == "lm_head.weight"))
+            head = embeddings_of(config, have).output  # transformers' name for the output head on disk
+            tied_head = head is not None and head in weights and head not in have
+            same = all(have.get(n) == tuple(s) for n, s in weights.items() if not (tied_head and n == head))
             return (len(weights), config, "weights") if same and set(have) <= set(weights) else None
         try:
             adapter = (adapter_path.is_dir() and checkpoint_lora(adapter_path)) or open_adapter(adapter_path, base.tensors)

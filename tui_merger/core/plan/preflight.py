@@ -464,6 +464,9 @@ def _check_vocab(options: MergeOptions, inputs, add) -> None:
         if rows and new_rows != rows:
             add(Finding("vocab", INFO, f"The adapter carries a resized embedding: {rows} -> {new_rows} rows; vocab_size will be updated."))
         return
+    names = embeddings_of(inputs.config, inputs.base.tensors)
+    leaves = [n.rsplit(".", 2)[-2] for n in (names.input, names.output) if n and n.count(".") >= 1]
+    to_save = ", ".join(f"'{leaf}'" for leaf in dict.fromkeys(leaves)) or "'embed_tokens', 'lm_head'"
     adapters = options.adapter_weights()
     for path, _ in adapters:
         tokens = _tokenizer_size(Path(path))
@@ -473,7 +476,7 @@ def _check_vocab(options: MergeOptions, inputs, add) -> None:
                 "vocab", ERROR,
                 f"{whose} tokenizer has {tokens} tokens but the base embedding has {rows} rows, and the adapter "
                 "does not carry a resized embedding (modules_to_save).",
-                "Save the adapter with modules_to_save=['embed_tokens', 'lm_head'] after resizing, or use the base's tokenizer (--tokenizer-from base).",
+                f"Save the adapter with modules_to_save=[{to_save}] after resizing, or use the base's tokenizer (--tokenizer-from base).",
             ))
 
 
