@@ -264,6 +264,7 @@ class ZeroSource:
         self.shared: dict[str, str] = {}
         self.stage = layout.stage
         self.ds_version = None
+        self._released_in = None
         try:
             models = [self._open(TorchFile, p) for p in layout.model_files]
             optims = [self._open(TorchFile, p) for p in layout.optim_files]
@@ -467,7 +468,7 @@ class ZeroSource:
         """The tensor as consecutive blocks of whole rows (views on the files, a row that straddles two
         pieces copied), each piece's pages handed back once used: the merge never holds it whole."""
         entry = self.entries[ref.name]
-        return _row_aligned([(p, lambda p=p: self._release_piece(p)) for p in entry.pieces], entry.shape)
+        return _row_aligned(entry.pieces, entry.shape, self._release_piece)
 
     def check_blocks(self, ref: TensorRef):
         """The same rows gathered independently of ``row_blocks``' pieces (what the recompute compares
@@ -494,13 +495,18 @@ class ZeroSource:
             parts = list(entry.pieces)
         if sum(p.numel() for p in parts) != numel:
             raise MergeError(f"{ref.name}: the rank files hold {sum(p.numel() for p in parts)} of its {numel} values; the checkpoint is incomplete.")
-        return _row_aligned([(p, lambda p=p: self._release_piece(p)) for p in parts], entry.shape)
+        return _row_aligned(parts, entry.shape, self._release_piece)
 
     def _release_piece(self, piece) -> None:
         place = self._place(piece)
         if place is not None:
             tf, start = place
             tf.release(start, start + piece.numel() * piece.element_size())
+            # a file batches the ranges it hands back (up to 16 MiB): moving on to another rank's file,
+            # the last one's batch goes back at once, or each of the world's files would keep one
+            last, self._released_in = self._released_in, tf
+            if last is not None and last is not tf:
+                last.flush()
 
     def load(self, ref: TensorRef):
         """The whole tensor, gathered independently of the pieces the merge copies (see the class)."""
@@ -580,35 +586,45 @@ def _address(address) -> tuple[int, int]:
     return numel, start
 
 
-def _row_aligned(pieces: list, shape: tuple) -> list:
-    """[(block of whole rows of ``shape``, release)] from 1-D ``pieces`` [(values, release)] laid end to
-    end: each piece's whole rows as a view, a row cut between two pieces joined in a small copy."""
+BLOCK_BYTES = 16 << 20  # the most a block of ``_row_aligned`` holds (at least one row)
+
+
+def _row_aligned(pieces: list, shape: tuple, release) -> list:
+    """[(block of whole rows of ``shape``, release)] from 1-D ``pieces`` laid end to end: each piece's
+    whole rows as views of at most ``BLOCK_BYTES`` (each handing back its own pages with ``release``),
+    a row cut between two pieces joined in a small copy. A piece is a rank's share, which grows with
+    the model (a 3B embedding in 8 ranks: 155 MB of fp32); its blocks do not, so neither does what the
+    merge and the recompute hold of a tensor at a time."""
     import torch
 
     if not shape:
-        flat = torch.cat([p for p, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
-        return [(flat.view(()), lambda: [r() for _, r in pieces])]
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return [(flat.view(()), lambda: [release(p) for p in pieces])]
     row = math.prod(shape[1:])
     blocks, carry = [], None
-    for piece, release in pieces:
+    for piece in pieces:
         if row == 0:
             break
         if carry is not None:
             take = piece[: row - carry.numel()]
             carry = torch.cat([carry, take])
-            piece = piece[take.numel() :]
             if carry.numel() == row:
-                blocks.append((carry.view(1, *shape[1:]), lambda: None))
+                blocks.append((carry.view(1, *shape[1:]), lambda take=take: release(take)))
                 carry = None
+            piece = piece[take.numel() :]
         whole = piece.numel() // row * row
+        step = max(1, BLOCK_BYTES // max(1, row * piece.element_size())) * row
         # a piece holding no whole row still comes as an empty block: its pages are handed back in turn
-        blocks.append((piece[:whole].view(-1, *shape[1:]), release))
+        for k in range(0, max(whole, 1), step):
+            part = piece[k : min(k + step, whole)]
+            blocks.append((part.view(-1, *shape[1:]), lambda part=part: release(part)))
         if piece.numel() > whole:
             carry = piece[whole:].clone()
+            release(piece[whole:])
     if carry is not None:
         raise MergeError("A tensor's pieces in the rank files do not end on a whole row; the checkpoint is damaged.")
     if row == 0 or not blocks:
-        blocks.append((torch.empty((0, *shape[1:]), dtype=pieces[0][0].dtype if pieces else torch.float32), lambda: None))
+        blocks.append((torch.empty((0, *shape[1:]), dtype=pieces[0].dtype if pieces else torch.float32), lambda: None))
     return blocks
 
 
