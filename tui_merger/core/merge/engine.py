@@ -76,6 +76,7 @@ def run_merge(
         unverified = err
     refuse_merged_twice(options)  # an adapter the base already holds: refused, whatever else was accepted
     inputs = open_inputs(options)
+    hasher = None
     try:
         for message in inputs.infos:
             notice("info", message)
@@ -101,6 +102,10 @@ def run_merge(
             result.seconds = time.perf_counter() - started
             on_event(MergeFinished(result))
             return result
+        from tui_merger.core.record.manifest import InputHasher
+
+        hasher = InputHasher(result.input_files)  # for the manifest, while the merge reads what it needs
+        hasher.start()
         folder = OutputFolder(options.out)
         cancel.raise_if_cancelled()
         folder.make_parents()  # first: a read-only place is refused as such, not as "no space"
@@ -142,6 +147,10 @@ def run_merge(
                 raise
         finally:
             lock.release()
+    except BaseException:
+        if hasher is not None:
+            hasher.stop()  # nothing will be recorded
+        raise
     finally:
         inputs.close()
     result.seconds = time.perf_counter() - started
