@@ -118,7 +118,7 @@ def test_output_is_a_model_transformers_loads_with_tokenizer_and_verification_pa
         assert (out / "chat_template.jinja").is_file()
     report = verify_merge(out, options, behaviour=False)
     checks = {c.name: c for c in report.checks}
-    assert checks["recompute"].status == "pass", checks["recompute"].detail
+    assert checks["recompute"].status == "pass", checks["recompute"].summary
     assert checks["structure"].status == "pass"
 
 
@@ -133,10 +133,10 @@ def test_verification_says_what_was_checked_and_no_more(tmp_path):
     run_merge(options)
     checks = {c.name: c for c in verify_merge(out, options).checks}
     assert checks["behaviour"].status == "pass"
-    assert "no second model is built" in checks["behaviour"].detail
-    assert "finite outputs" in checks["behaviour"].detail
-    assert "agree" not in checks["behaviour"].detail and "reference" not in checks["behaviour"].detail
-    assert checks["recompute"].status == "pass" and "every value" in checks["recompute"].detail
+    assert "no second model is built" in checks["behaviour"].summary
+    assert "finite outputs" in checks["behaviour"].summary
+    assert "agree" not in checks["behaviour"].summary and "reference" not in checks["behaviour"].summary
+    assert checks["recompute"].status == "pass" and "every value" in checks["recompute"].summary
 
 
 def test_recompute_catches_a_changed_value(tmp_path):
@@ -461,7 +461,7 @@ def test_rank_shares_cut_in_small_blocks(tmp_path, monkeypatch):
             want = getattr(torch, "float32" if dtype == "fp32" else "bfloat16")
             assert all(torch.equal(ours[n], t.to(want)) for n, t in ref.items()), (case, dtype)
             checks = {c.name: c for c in verify_merge(out, options, behaviour=False).checks}
-            assert checks["recompute"].status == "pass", checks["recompute"].detail
+            assert checks["recompute"].status == "pass", checks["recompute"].summary
     source = deepspeed_zero.ZeroSource(deepspeed_zero.find_zero_checkpoint(_ckpt("z3_bf16_freeze_odd")))
     try:
         ref = source.tensors["model.embed_tokens.weight"]
@@ -501,7 +501,7 @@ def test_fp16_output_streams_and_an_overflow_is_refused_or_clamped(tmp_path, cap
     ref = _reference(case)
     assert torch.equal(ours["model.layers.0.mlp.up_proj.weight"], ref["model.layers.0.mlp.up_proj.weight"].half())
     checks = {c.name: c for c in verify_merge(out, options, behaviour=False).checks}
-    assert checks["recompute"].status == "pass", checks["recompute"].detail
+    assert checks["recompute"].status == "pass", checks["recompute"].summary
 
 
 def test_stale_rank_files_of_another_run(tmp_path, capsys):
