@@ -52,8 +52,8 @@ def test_fixtures_cover_what_users_meet():
     assert {a["dtype"] for a in args} >= {"fp32", "bf16"}
     assert any(a["tied"] for a in args) and any(not a["tied"] for a in args)
     assert {a["arch"] for a in args} == {"llama", "qwen2"}
-    for flag in ("odd", "freeze", "lora", "hf_optim"):
-        assert any(a[flag] for a in args), flag
+    for flag in ("odd", "freeze", "lora", "hf_optim", "fp32_grad_accum"):
+        assert any(a.get(flag) for a in args), flag
 
 
 @pytest.mark.parametrize("case", FULL)
@@ -265,8 +265,24 @@ def test_inspect_zero2_fp32_training_says_the_saved_model_is_fp32(capsys):
     assert "--dtype fp32" not in out and f"tui-merger merge {_ckpt(case)} --out" in out
 
 
+def test_bf16_optimizer_files_without_zero_stage_are_read_as_zero1(tmp_path):
+    """DeepSpeed's BF16_Optimizer (ZeRO-1, bf16, fp32 gradient accumulation) records no zero_stage; DeepSpeed's
+    own zero_to_fp32 refuses it. Its partitions are ZeRO-1's: every tensor equals zero_to_fp32's gather told
+    the stage (reference/), and the Trainer's bf16 save beside it."""
+    from safetensors.torch import load_file
+
+    case = "z1_bf16opt_llama"
+    out = tmp_path / "merged"
+    run_merge(MergeOptions(checkpoint=_ckpt(case), out=out))
+    ours, ref = read_output(out), _reference(case)
+    assert set(ours) == set(ref) and all(torch.equal(ours[n], t.bfloat16()) for n, t in ref.items())
+    trainer = load_file(_ckpt(case) / "model.safetensors")
+    assert all(torch.equal(ours[n], t) for n, t in trainer.items())
+    assert _candidate(_ckpt(case)).backend == "zero1"
+
+
 def test_inspect_zero1():
-    case = next(c for c in FULL if c.startswith("z1"))
+    case = "z1_bf16_qwen2_odd_tied"
     c = _candidate(_ckpt(case))
     assert c.backend == "zero1" and c.world_size == 2
     assert "DeepSpeed ZeRO-1, 2 ranks, bf16 training" in " ".join(c.notes)

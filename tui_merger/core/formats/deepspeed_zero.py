@@ -301,6 +301,10 @@ class ZeroSource:
         osds, groups = [], []
         for tf in optims:
             osd = tf.obj.get("optimizer_state_dict") if isinstance(tf.obj, dict) else None
+            if isinstance(osd, dict) and "zero_stage" not in osd and layout.stage != 3 and groups_key in osd:
+                # DeepSpeed's BF16_Optimizer (bf16 with ZeRO-1 and fp32 gradient accumulation) saves ZeRO-1's
+                # partitions and slice mappings but records no stage (zero_to_fp32 refuses it for that)
+                osd = {**osd, "zero_stage": 1}
             if not isinstance(osd, dict) or "zero_stage" not in osd:
                 raise MergeError(f"{tf.path} is not a DeepSpeed ZeRO optimizer file (no zero_stage); copy it again.")
             stage = _int(osd["zero_stage"])
