@@ -1,21 +1,21 @@
 """DeepSpeed ZeRO-3 checkpoint -> Hugging Face model: tui-merger (with verification) against DeepSpeed's own
 zero_to_fp32 (``convert_zero_checkpoint_to_fp32_state_dict``, torch.save shards: with safetensors it stops on
-tied embeddings) and ``cp`` of the rank files;
+tied embeddings) and ``cp`` of the rank files to /dev/null (reading them once);
 wall time and each process's own peak RSS, in one run.
 
 The checkpoint is written by a generator in DeepSpeed's exact layout: it runs in a venv with DeepSpeed (the
 objects pickled are DeepSpeed's own: ``ZeroStageEnum``, ``LossScaler``), takes every key of a real Trainer
 checkpoint (tests/fixtures/deepspeed/z3_bf16_llama_tied) as its template and fills in a Qwen2.5 shape (3B by
-default, tied embeddings, bf16 config) with random fp32 masters partitioned as ZeRO-3 does. ``--prove``
-writes the fixture's own model that way and compares every file's structure (keys, types, tensor dtypes and
-shapes) with the real one. At 3B the Adam moments (which neither tool reads) are saved empty, to halve the
-disk needed; ``--moments`` keeps them.
+default, tied embeddings, bf16 config) with random fp32 masters partitioned as ZeRO-3 does, and Adam's
+exp_avg / exp_avg_sq of the same size, as DeepSpeed saves them (neither tool reads them; ours hashes them, as every input file). ``--prove`` writes the
+fixture's own model that way and compares every file's structure (keys, types, tensor dtypes and shapes) and
+its zip members (order and sizes) with the real one.
 
     python benchmarks/bench_zero.py --prove                      # the generator against the real fixture
-    nice python benchmarks/bench_zero.py --shape 3b --world 8    # the benchmark (~13 GB of rank files)
+    nice python benchmarks/bench_zero.py --shape 3b --world 8    # the benchmark (~35 GB of rank files)
 
-Both tools write fp32 (ours with ``--dtype fp32``), so the outputs are the same bytes. DeepSpeed runs from
-``--ds-python`` (default /work/venvs/ds/bin/python); tui-merger never needs it.
+zero_to_fp32 writes fp32; ours runs twice, as a user runs it (the config's dtype, bf16) and with ``--dtype
+fp32`` (the same bytes as zero_to_fp32). DeepSpeed runs from ``--ds-python`` (default /work/venvs/ds/bin/python); tui-merger never needs it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import DEFAULT_CACHE, REPO, fmt_table, run_child  # noqa: E402
+from harness import CHILD_ENV, DEFAULT_CACHE, REPO, code_state, fmt_table, run_child  # noqa: E402
 
 TEMPLATE = REPO / "tests" / "fixtures" / "deepspeed" / "z3_bf16_llama_tied"
 
@@ -65,10 +67,14 @@ def child_make(out: str, shape: str, world: str, moments: str) -> None:
     config.save_pretrained(ckpt)
     (ckpt / "latest").write_text("global_step3")
     g = torch.Generator().manual_seed(0)
+    pool = torch.randn(1 << 24, generator=g)  # the moments' values (see below)
     for r in range(world):
         m = copy.copy(m_tmpl[0 if r == 0 else 1])
         # the module's state dict, every entry a placeholder (a tied lm_head listed too)
-        m["module"] = OrderedDict((n, torch.empty(0, dtype=torch.bfloat16)) for n in model.state_dict())
+        # (tied weights are one parameter: one placeholder, one storage, as in the real files)
+        holders = {}
+        m["module"] = OrderedDict((n, holders.setdefault(id(t), torch.empty(0, dtype=torch.bfloat16)))
+                                  for n, t in model.state_dict(keep_vars=True).items())
         m["param_shapes"] = [shapes]
         m["shared_params"] = {"lm_head.weight": "model.embed_tokens.weight"} if r == 0 and config.tie_word_embeddings else {}
         m["dp_world_size"] = world
@@ -82,13 +88,23 @@ def child_make(out: str, shape: str, world: str, moments: str) -> None:
         osd["fp32_flat_groups"] = [flat]
         osd["partition_count"] = world
         inner = copy.copy(osd["optimizer_state_dict"])
+        # Adam's moments as DeepSpeed saves them: one exp_avg and one exp_avg_sq per group, each the size of
+        # the rank's fp32 partition, in storages of their own written before the masters (the real files'
+        # order: --prove compares the zip members). Their values are never read by either tool, only
+        # hashed by ours: random blocks repeated (an exp_avg_sq is >= 0)
         size = per_rank if moments else 0
-        inner["state"] = {0: {"step": inner["state"][0]["step"].clone(), "exp_avg": torch.zeros(size),
-                              "exp_avg_sq": torch.zeros(size)}}
+        exp_avg, exp_avg_sq = torch.empty(size), torch.empty(size)
+        for start in range(0, size, pool.numel()):
+            n = min(pool.numel(), size - start)
+            shift = (start // pool.numel() * 7919 + r * 104729) % (pool.numel() - n + 1)
+            exp_avg[start : start + n].copy_(pool[shift : shift + n])
+            exp_avg_sq[start : start + n].copy_(pool[shift : shift + n]).square_().mul_(1e-3)
+        inner["state"] = {0: {"step": inner["state"][0]["step"].clone(), "exp_avg": exp_avg.mul_(1e-3),
+                              "exp_avg_sq": exp_avg_sq}}
         osd["optimizer_state_dict"] = inner
         o["optimizer_state_dict"] = osd
         torch.save(o, folder / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
-        del flat
+        del flat, exp_avg, exp_avg_sq, o, osd, inner
     print(json.dumps({"params": len(shapes), "values": sum(s.numel() for s in shapes.values())}))
 
 
@@ -136,7 +152,17 @@ def prove(args) -> int:
         if a[name] != b[name]:
             print(f"{name}: the structure differs from the real file")
             return 1
-    print(f"generator proved: {len(names)} files with the real checkpoint's keys, types, dtypes and shapes")
+        # the bytes' layout too: the same zip members (tensor storages, the pickle) in the same order and
+        # sizes, so the same bytes are read, skipped and hashed (the moments before the masters)
+        # (the pickle's own size differs by a few bytes of recorded strings, e.g. the ds_config)
+        members = [[(m, i.file_size if m.startswith("data/") else None)
+                    for i in zipfile.ZipFile(d / name).infolist() for m in [i.filename.split("/", 1)[1]]]
+                   for d in (real, made)]
+        if members[0] != members[1]:
+            print(f"{name}: the zip members differ from the real file's:\n  {members[0]}\n  {members[1]}")
+            return 1
+    print(f"generator proved: {len(names)} files with the real checkpoint's keys, types, dtypes and shapes, "
+          "and its zip members in the same order and sizes (Adam's moments included)")
     # and our reader gives what it gives on the real files
     from subprocess import run
 
@@ -149,33 +175,43 @@ def prove(args) -> int:
 
 
 def bench(args) -> int:
-    root = args.cache / f"zero-{args.shape}-w{args.world}"
+    root = args.cache / f"zero-{args.shape}-w{args.world}{'' if args.moments else '-nomoments'}"
     ckpt = root / "checkpoint-3"
     if not (ckpt / "latest").is_file():
         shutil.rmtree(root, ignore_errors=True)
         made = run_child(_ds(args, "--child-make", str(root), args.shape, str(args.world), "1" if args.moments else "0"))
-        print(f"checkpoint written in {made['wall']:.0f} s")
-    size = sum(p.stat().st_size for p in (ckpt / "global_step3").iterdir())
+        print(f"checkpoint written in {made['wall']:.0f} s", flush=True)
+    ranks = sorted((ckpt / "global_step3").iterdir())
+    size = sum(p.stat().st_size for p in ranks)
     out = root / "out"
+    ours = [sys.executable, "-m", "tui_merger", "merge", str(ckpt), "--out", str(out), "--plain"]
+    ours += [] if args.behaviour else ["--no-behaviour"]
     cases = {
-        "cp (the rank files)": ["cp", "-r", str(ckpt / "global_step3"), str(out)],
+        # reading every rank file once (what any tool that hashes its inputs must do at least); a copy
+        # beside them would need their size again on disk (37 GB at 3B with the moments)
+        "cp rank files > /dev/null": ["sh", "-c", 'for f in "$@"; do cp "$f" /dev/null; done', "cp", *map(str, ranks)],
         # torch.save shards, zero_to_fp32.py's default: with safe_serialization=True it stops on tied embeddings
         # ("Some tensors share memory"), the failure the issue reports
-        "zero_to_fp32 (deepspeed)": [args.ds_python, "-c",
-                                     "import sys; from deepspeed.utils.zero_to_fp32 import "
-                                     "convert_zero_checkpoint_to_fp32_state_dict as c; "
-                                     f"c({str(ckpt)!r}, {str(out)!r})"],
-        "tui-merger + verification": [sys.executable, "-m", "tui_merger", "merge", str(ckpt), "--dtype", "fp32",
-                                      "--out", str(out), "--plain"] + ([] if args.behaviour else ["--no-behaviour"]),
+        "zero_to_fp32 (deepspeed), fp32": [args.ds_python, "-c",
+                                           "import sys; from deepspeed.utils.zero_to_fp32 import "
+                                           "convert_zero_checkpoint_to_fp32_state_dict as c; "
+                                           f"c({str(ckpt)!r}, {str(out)!r})"],
+        "tui-merger + verification, bf16 (default)": ours,
+        "tui-merger + verification, --dtype fp32": ours + ["--dtype", "fp32"],
     }
+    if args.only:
+        cases = {k: v for k, v in cases.items() if any(o in k for o in args.only)}
     rows = []
     for name, argv in cases.items():
         shutil.rmtree(out, ignore_errors=True)
-        r = run_child(argv, log=root / f"{name.split()[0]}.log")
+        with tempfile.TemporaryDirectory() as state:
+            CHILD_ENV["XDG_STATE_HOME"] = state  # no hash remembered from an earlier case: every input is read
+            r = run_child(argv, log=root / f"{name.split()[0]}-{len(rows)}.log")
         rows.append([name, f"{r['wall']:.1f}", f"{r['rss']:.0f}", f"{r['cpu']:.1f}"])
         print(rows[-1], flush=True)
         shutil.rmtree(out, ignore_errors=True)
-    print(f"\nZeRO-3, {args.world} ranks, Qwen2.5-{args.shape} shape: {size / 2**30:.1f} GiB of rank files, fp32 out")
+    print(f"\nZeRO-3, {args.world} ranks, Qwen2.5-{args.shape} shape: {size / 2**30:.1f} GiB of rank files "
+          f"({'with' if args.moments else 'without'} Adam's moments); {code_state()}")
     print(fmt_table(["case", "wall s", "peak RSS MiB", "cpu s"], rows))
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
@@ -194,7 +230,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prove", action="store_true", help="compare the generator's files with the real fixture's")
     ap.add_argument("--shape", default="3b", choices=["0.5b", "1.5b", "3b", "7b"], help="Qwen2.5 shape (default 3b)")
     ap.add_argument("--world", type=int, default=8, help="ZeRO ranks (default 8)")
-    ap.add_argument("--moments", action="store_true", help="save the Adam moments in full (3x the disk)")
+    ap.add_argument("--no-moments", dest="moments", action="store_false",
+                    help="save the Adam moments empty (a third of the disk; real checkpoints hold them)")
+    ap.add_argument("--only", nargs="+", help="run only the cases whose name holds one of these words")
     ap.add_argument("--behaviour", action="store_true", help="also run the behaviour check (slow on few cores)")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for the next run")
     ap.add_argument("--ds-python", default="/work/venvs/ds/bin/python", help="a python with deepspeed installed")

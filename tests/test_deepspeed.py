@@ -48,12 +48,12 @@ def _copy(case: str, tmp_path: Path) -> Path:
 
 def test_fixtures_cover_what_users_meet():
     args = [_args(c) for c in ALL_CASES]
-    assert {a["stage"] for a in args} == {2, 3}
+    assert {a["stage"] for a in args} == {1, 2, 3}
     assert {a["dtype"] for a in args} >= {"fp32", "bf16"}
     assert any(a["tied"] for a in args) and any(not a["tied"] for a in args)
     assert {a["arch"] for a in args} == {"llama", "qwen2"}
-    for flag in ("odd", "freeze", "lora", "hf_optim"):
-        assert any(a[flag] for a in args), flag
+    for flag in ("odd", "freeze", "lora", "hf_optim", "fp32_grad_accum"):
+        assert any(a.get(flag) for a in args), flag
 
 
 @pytest.mark.parametrize("case", FULL)
@@ -118,8 +118,46 @@ def test_output_is_a_model_transformers_loads_with_tokenizer_and_verification_pa
         assert (out / "chat_template.jinja").is_file()
     report = verify_merge(out, options, behaviour=False)
     checks = {c.name: c for c in report.checks}
-    assert checks["recompute"].status == "pass", checks["recompute"].detail
+    assert checks["recompute"].status == "pass", checks["recompute"].summary
     assert checks["structure"].status == "pass"
+
+
+def test_verification_says_what_was_checked_and_no_more(tmp_path):
+    """A full fine-tune has no second model to compare with: the behaviour check says it only loaded and ran
+    the output, and the recompute that it read the rank files; nothing claims a reference model agreed."""
+    from tui_merger.core.verify.checks import verify_merge
+
+    case = next(c for c in FULL if c.startswith("z3"))
+    out = tmp_path / "merged"
+    options = MergeOptions(checkpoint=_ckpt(case), out=out)
+    run_merge(options)
+    checks = {c.name: c for c in verify_merge(out, options).checks}
+    assert checks["behaviour"].status == "pass"
+    assert "no second model is built" in checks["behaviour"].summary
+    assert "finite outputs" in checks["behaviour"].summary
+    assert "agree" not in checks["behaviour"].summary and "reference" not in checks["behaviour"].summary
+    assert checks["recompute"].status == "pass" and "every value" in checks["recompute"].summary
+
+
+def test_the_recompute_maps_a_shard_read_output_block_by_block(tmp_path, monkeypatch, capsys):
+    """The memory bound: the recompute made while the merge writes compares a tensor read from the rank files
+    block by block, mapping the output's rows per block, never a whole output tensor at once (a 3B bf16
+    embedding mapped whole was 622 MB of a 1,058 MiB peak)."""
+    from tui_merger.core.io.mapped import MappedRange
+
+    case = next(c for c in FULL if c.startswith("z3"))
+    whole, rows = [], []
+    real = MappedRange.populate
+
+    def spy(self, start=0, end=None):
+        (whole if end is None else rows).append(self.length)
+        return real(self, start, end)
+
+    monkeypatch.setattr(MappedRange, "populate", spy)
+    out = tmp_path / "merged"
+    assert cli_main(["merge", str(_ckpt(case)), "--out", str(out), "--plain", "--no-behaviour"]) == 0
+    assert "PASS  recompute" in capsys.readouterr().out
+    assert rows and not whole
 
 
 def test_recompute_catches_a_changed_value(tmp_path):
@@ -208,10 +246,66 @@ def test_inspect_zero2_says_the_16bit_model_and_the_fp32_masters(capsys):
     c = _candidate(_ckpt(case))
     assert c.kind == "deepspeed-zero" and c.backend == "zero2"
     notes = " ".join(c.notes)
-    assert "model.safetensors beside it is the 16-bit model the Trainer saved" in notes
-    assert "--dtype fp32 writes them" in notes
+    assert "model.safetensors beside it is the bfloat16 model the Trainer saved, usable as it is (a model" in notes
+    assert "the fp32 master weights are there too: --dtype fp32 writes them" in notes
+    assert "optimizer files: " in notes and "fp32 master weights and Adam's moments" in notes
+    assert "optimizer state present" not in notes
     assert cli_main(["inspect", str(_ckpt(case))]) == 0
     assert "--dtype fp32 --out" in capsys.readouterr().out
+
+
+def test_inspect_zero2_fp32_training_says_the_saved_model_is_fp32(capsys):
+    """An fp32 run's Trainer save is float32: no "16-bit" said, no --dtype fp32 proposed (the default is fp32)."""
+    case = next(c for c in FULL if c.startswith("z2") and _args(c)["dtype"] == "fp32")
+    c = _candidate(_ckpt(case))
+    notes = " ".join(c.notes)
+    assert "the model the Trainer saved, in float32" in notes and "16-bit" not in notes
+    assert cli_main(["inspect", str(_ckpt(case))]) == 0
+    out = capsys.readouterr().out
+    assert "--dtype fp32" not in out and f"tui-merger merge {_ckpt(case)} --out" in out
+
+
+def test_bf16_optimizer_files_without_zero_stage_are_read_as_zero1(tmp_path):
+    """DeepSpeed's BF16_Optimizer (ZeRO-1, bf16, fp32 gradient accumulation) records no zero_stage; DeepSpeed's
+    own zero_to_fp32 refuses it. Its partitions are ZeRO-1's: every tensor equals zero_to_fp32's gather told
+    the stage (reference/), and the Trainer's bf16 save beside it."""
+    from safetensors.torch import load_file
+
+    case = "z1_bf16opt_llama"
+    out = tmp_path / "merged"
+    run_merge(MergeOptions(checkpoint=_ckpt(case), out=out))
+    ours, ref = read_output(out), _reference(case)
+    assert set(ours) == set(ref) and all(torch.equal(ours[n], t.bfloat16()) for n, t in ref.items())
+    trainer = load_file(_ckpt(case) / "model.safetensors")
+    assert all(torch.equal(ours[n], t) for n, t in trainer.items())
+    assert _candidate(_ckpt(case)).backend == "zero1"
+
+
+def test_inspect_zero1():
+    case = "z1_bf16_qwen2_odd_tied"
+    c = _candidate(_ckpt(case))
+    assert c.backend == "zero1" and c.world_size == 2
+    assert "DeepSpeed ZeRO-1, 2 ranks, bf16 training" in " ".join(c.notes)
+
+
+def test_inspect_says_the_step_from_latest_and_trainer_state(tmp_path):
+    case = next(c for c in FULL if c.startswith("z3"))
+    assert "step 3: latest names global_step3; trainer_state.json: global_step 3." in _candidate(_ckpt(case)).notes
+    ckpt = _copy(case, tmp_path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["global_step"] = 5
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    notes = " ".join(_candidate(ckpt).notes)
+    assert "the steps disagree: the folder says 3, latest names global_step3; trainer_state.json: global_step 5" in notes
+    assert "the weights are those of global_step3" in notes
+
+
+def test_inspect_zero2_without_the_trainers_save(tmp_path):
+    ckpt = _copy(next(c for c in FULL if c.startswith("z2") and (_ckpt(c) / "model.safetensors").is_file()), tmp_path)
+    (ckpt / "model.safetensors").unlink()
+    notes = " ".join(_candidate(ckpt).notes)
+    assert "no copy of the weights was saved beside the DeepSpeed files" in notes
+    assert "stage3_gather" not in notes
 
 
 def test_inspect_frozen_parameters():
@@ -329,10 +423,122 @@ def test_universal_checkpoint(tmp_path, capsys):
     _refused(capsys, tmp_path, uni, "universal checkpoint", "ds_to_universal.py")
 
 
-def test_expert_parallel_layout(tmp_path, capsys):
-    ckpt = _copy(FULL[0], tmp_path)
-    shutil.copy(_optim(ckpt, 0), ckpt / "global_step3" / "layer_0_expert_0_mp_rank_00_model_states.pt")
-    _refused(capsys, tmp_path, ckpt, "expert-parallel")
+# DeepSpeed's own file names for these layouts (runtime/engine.py, runtime/pipe/module.py of 0.19.8)
+@pytest.mark.parametrize("name,needle", [
+    ("layer_0_expert_0_mp_rank_00_model_states.pt", "expert-parallel"),
+    ("expert_1_mp_rank_00_model_states.pt", "expert-parallel"),  # the older name
+    ("expp_rank_0_mp_rank_00_optim_states.pt", "expert-parallel"),
+    ("layer_01-model_states.pt", "pipeline-parallel"),
+    ("layer_01-model_00-model_states.pt", "pipeline-parallel"),  # with tensor parallelism
+    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "tensor-parallel"),
+    ("mp_rank_01_model_states.pt", "tensor-parallel"),
+])
+def test_expert_pipeline_and_tensor_parallel_layouts(tmp_path, capsys, name, needle):
+    """A rank file of each layout (a real file of the fixture under that layout's name): one sentence that
+    says which layout and what to do; nothing written."""
+    ckpt = _copy(next(c for c in FULL if c.startswith("z2")), tmp_path)
+    src = _optim(ckpt, 0) if "optim" in name else ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    prefix = "bf16_" if name.startswith("zero_pp") and src.name.startswith("bf16_") else ""
+    shutil.copy(src, ckpt / "global_step3" / (prefix + name))
+    _refused(capsys, tmp_path, ckpt, needle, "does not read", "save the whole model")
+
+
+def test_missing_zero3_model_states_rank_file(tmp_path, capsys):
+    ckpt = _copy(next(c for c in FULL if c.startswith("z3")), tmp_path)
+    (ckpt / "global_step3" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    _refused(capsys, tmp_path, ckpt, "zero_pp_rank_1_mp_rank_00_model_states.pt", "copy the whole folder again")
+
+
+def test_partition_count_recorded_disagrees(tmp_path, capsys):
+    """The file's own partition_count says 4 ranks where the folder holds 2 (the bytes of the pickle changed
+    in place: the int DeepSpeed pickled, BININT1 2 -> 4)."""
+    from tui_merger.core.io.torch_pickle import TorchFile
+
+    import struct
+    import zipfile
+    import zlib
+
+    ckpt = _copy(next(c for c in FULL if c.startswith("z3")), tmp_path)
+    path = _optim(ckpt, 0)
+    data = bytearray(path.read_bytes())
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith("/data.pkl"))
+    j = data.index(b"partition_count") + len(b"partition_count")
+    while data[j] != ord("K"):  # BININT1, after the key's BINPUT
+        j += 1
+    assert data[j + 1] == 2
+    data[j + 1] = 4
+    # the zip's CRC of data.pkl, in its local header and its central directory entry
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    begin = info.header_offset + 30 + name_len + extra_len
+    old, new = struct.pack("<I", info.CRC), struct.pack("<I", zlib.crc32(data[begin : begin + info.file_size]))
+    assert data.count(old) == 2
+    data = data.replace(old, new)
+    path.write_bytes(bytes(data))
+    tf = TorchFile(path, inert=("deepspeed",))
+    try:
+        assert tf.obj["optimizer_state_dict"]["partition_count"] == 4
+    finally:
+        tf.close()
+    _refused(capsys, tmp_path, ckpt, "partition_count", "4 ranks", "2 optimizer files")
+
+
+def test_rank_shares_cut_in_small_blocks(tmp_path, monkeypatch):
+    """A rank's share is cut in blocks of at most BLOCK_BYTES (the memory bound): with blocks of a few rows
+    every tensor still equals zero_to_fp32's, in fp32 and rounded, and the recompute passes."""
+    from tui_merger.core.formats import deepspeed_zero
+    from tui_merger.core.verify.checks import verify_merge
+
+    monkeypatch.setattr(deepspeed_zero, "BLOCK_BYTES", 200)
+    for case in ("z3_bf16_freeze_odd", "z2_fp32_qwen2_odd_tied"):
+        for dtype in ("fp32", "bf16"):
+            out = tmp_path / f"{case}-{dtype}"
+            options = MergeOptions(checkpoint=_ckpt(case), out=out, dtype=dtype)
+            run_merge(options)
+            ours, ref = read_output(out), _reference(case)
+            want = getattr(torch, "float32" if dtype == "fp32" else "bfloat16")
+            assert all(torch.equal(ours[n], t.to(want)) for n, t in ref.items()), (case, dtype)
+            checks = {c.name: c for c in verify_merge(out, options, behaviour=False).checks}
+            assert checks["recompute"].status == "pass", checks["recompute"].summary
+    source = deepspeed_zero.ZeroSource(deepspeed_zero.find_zero_checkpoint(_ckpt("z3_bf16_freeze_odd")))
+    try:
+        ref = source.tensors["model.embed_tokens.weight"]
+        blocks = source.row_blocks(ref)
+        assert len(blocks) > 2 and all(b.numel() * b.element_size() <= 200 or b.shape[0] == 1 for b, _ in blocks)
+    finally:
+        source.close()
+
+
+def test_fp16_output_streams_and_an_overflow_is_refused_or_clamped(tmp_path, capsys):
+    """An fp16 run's masters rounded to its config's float16, shard by shard: a master value beyond fp16's
+    range (written into a copy of the real rank file) is refused in one sentence, nothing written; --force
+    clamps it and the recompute, told so, passes."""
+    from tui_merger.core.formats.deepspeed_zero import ZeroSource, find_zero_checkpoint
+    from tui_merger.core.verify.checks import verify_merge
+
+    case = next(c for c in FULL if _args(c)["dtype"] == "fp16")
+    ckpt = _copy(case, tmp_path)
+    source = ZeroSource(find_zero_checkpoint(ckpt))
+    try:
+        piece = source.entries["model.norm.weight"].pieces[0]
+        tf, start = source._place(piece)
+        path = tf.path
+    finally:
+        source.close()
+    data = bytearray(path.read_bytes())
+    data[start : start + 4] = torch.tensor([1e6], dtype=torch.float32).numpy().tobytes()
+    path.write_bytes(bytes(data))
+    line = _refused(capsys, tmp_path, ckpt, "model.norm.weight", "beyond float16's range", "--force")
+    assert line
+    out = tmp_path / "merged"
+    options = MergeOptions(checkpoint=ckpt, out=out, force_fp16_overflow=True)
+    run_merge(options)
+    ours = read_output(out)
+    assert ours["model.norm.weight"].dtype == torch.float16
+    assert ours["model.norm.weight"].view(-1)[0].item() == 65504.0
+    ref = _reference(case)
+    assert torch.equal(ours["model.layers.0.mlp.up_proj.weight"], ref["model.layers.0.mlp.up_proj.weight"].half())
+    checks = {c.name: c for c in verify_merge(out, options, behaviour=False).checks}
+    assert checks["recompute"].status == "pass", checks["recompute"].summary
 
 
 def test_stale_rank_files_of_another_run(tmp_path, capsys):

@@ -48,8 +48,11 @@ LATEST = "latest"
 Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 Z12_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-EXPERT = re.compile(r"^(?:expp_rank_\d+_|.*_expert_\d+_).*\.pt$")
-PIPELINE = re.compile(r"^layer_\d+-model_states\.pt$")
+# DeepSpeed's names (runtime/engine.py: _get_optimizer_ckpt_name, _get_expert_ckpt_name; runtime/pipe/module.py:
+# ckpt_layer_path): expp_rank_E_mp_rank_MM_optim_states.pt, [layer_L_]expert_E_mp_rank_MM_model_states.pt,
+# layer_LL[-model_MM...]-model_states.pt
+EXPERT = re.compile(r"^(?:expp_rank_\d+_|(?:layer_\d+_)?expert_\d+_).*\.pt$")
+PIPELINE = re.compile(r"^layer_\d+(?:-[\w]+)*-model_states\.pt$")
 TAG_STEP = re.compile(r"^global_step(\d+)$")
 MAX_PICKLE = 64 << 20
 _LORA = re.compile(r"\.lora_(?:A|B|embedding_A|embedding_B|magnitude_vector)\b")
@@ -130,13 +133,12 @@ def find_zero_checkpoint(path: Path) -> ZeroLayout:
     if any(EXPERT.match(n) for n in names):
         raise MergeError(
             f"{folder} holds expert-parallel DeepSpeed files (expp_rank_* / *_expert_*), which tui-merger does "
-            "not read yet; convert it with DeepSpeed's ds_to_universal.py and load that in DeepSpeed, or merge a "
-            "checkpoint trained without expert parallelism."
+            f"not read; {_CONSOLIDATE}"
         )
     if any(PIPELINE.match(n) for n in names):
         raise MergeError(
             f"{folder} holds pipeline-parallel DeepSpeed files (layer_NN-model_states.pt), which tui-merger does "
-            "not read; consolidate it with DeepSpeed first."
+            f"not read; {_CONSOLIDATE}"
         )
     z3, z12, optim, prefixes, mp = {}, {}, {}, set(), set()
     for n in names:
@@ -153,7 +155,7 @@ def find_zero_checkpoint(path: Path) -> ZeroLayout:
     if mp - {0}:
         raise MergeError(
             f"{folder} holds tensor-parallel DeepSpeed files (mp_rank_01 and up), which tui-merger does not read; "
-            "merge a checkpoint trained with ZeRO data parallelism only."
+            f"{_CONSOLIDATE}"
         )
     if len(prefixes) > 1:
         raise MergeError(
@@ -183,6 +185,10 @@ def find_zero_checkpoint(path: Path) -> ZeroLayout:
     if 0 not in z12:
         raise MergeError(f"{folder} has no mp_rank_00_model_states.pt (nor zero_pp_rank_0_mp_rank_00_model_states.pt); copy the whole folder again.")
     return ZeroLayout(path, folder, 2, [z12[0]], [optim[r] for r in range(world)], notices)
+
+
+_CONSOLIDATE = ("load it in DeepSpeed with the layout it was trained with and save the whole model "
+                "(engine.save_16bit_model, or the Trainer's save_model), then use that folder.")
 
 
 def _dirs(path: Path) -> list[Path]:
@@ -264,6 +270,7 @@ class ZeroSource:
         self.shared: dict[str, str] = {}
         self.stage = layout.stage
         self.ds_version = None
+        self._released_in = None
         try:
             models = [self._open(TorchFile, p) for p in layout.model_files]
             optims = [self._open(TorchFile, p) for p in layout.optim_files]
@@ -294,6 +301,10 @@ class ZeroSource:
         osds, groups = [], []
         for tf in optims:
             osd = tf.obj.get("optimizer_state_dict") if isinstance(tf.obj, dict) else None
+            if isinstance(osd, dict) and "zero_stage" not in osd and layout.stage != 3 and groups_key in osd:
+                # DeepSpeed's BF16_Optimizer (bf16 with ZeRO-1 and fp32 gradient accumulation) saves ZeRO-1's
+                # partitions and slice mappings but records no stage (zero_to_fp32 refuses it for that)
+                osd = {**osd, "zero_stage": 1}
             if not isinstance(osd, dict) or "zero_stage" not in osd:
                 raise MergeError(f"{tf.path} is not a DeepSpeed ZeRO optimizer file (no zero_stage); copy it again.")
             stage = _int(osd["zero_stage"])
@@ -467,7 +478,7 @@ class ZeroSource:
         """The tensor as consecutive blocks of whole rows (views on the files, a row that straddles two
         pieces copied), each piece's pages handed back once used: the merge never holds it whole."""
         entry = self.entries[ref.name]
-        return _row_aligned([(p, lambda p=p: self._release_piece(p)) for p in entry.pieces], entry.shape)
+        return _row_aligned(entry.pieces, entry.shape, self._release_piece)
 
     def check_blocks(self, ref: TensorRef):
         """The same rows gathered independently of ``row_blocks``' pieces (what the recompute compares
@@ -494,13 +505,18 @@ class ZeroSource:
             parts = list(entry.pieces)
         if sum(p.numel() for p in parts) != numel:
             raise MergeError(f"{ref.name}: the rank files hold {sum(p.numel() for p in parts)} of its {numel} values; the checkpoint is incomplete.")
-        return _row_aligned([(p, lambda p=p: self._release_piece(p)) for p in parts], entry.shape)
+        return _row_aligned(parts, entry.shape, self._release_piece)
 
     def _release_piece(self, piece) -> None:
         place = self._place(piece)
         if place is not None:
             tf, start = place
             tf.release(start, start + piece.numel() * piece.element_size())
+            # a file batches the ranges it hands back (up to 16 MiB): moving on to another rank's file,
+            # the last one's batch goes back at once, or each of the world's files would keep one
+            last, self._released_in = self._released_in, tf
+            if last is not None and last is not tf:
+                last.flush()
 
     def load(self, ref: TensorRef):
         """The whole tensor, gathered independently of the pieces the merge copies (see the class)."""
@@ -580,35 +596,45 @@ def _address(address) -> tuple[int, int]:
     return numel, start
 
 
-def _row_aligned(pieces: list, shape: tuple) -> list:
-    """[(block of whole rows of ``shape``, release)] from 1-D ``pieces`` [(values, release)] laid end to
-    end: each piece's whole rows as a view, a row cut between two pieces joined in a small copy."""
+BLOCK_BYTES = 16 << 20  # the most a block of ``_row_aligned`` holds (at least one row)
+
+
+def _row_aligned(pieces: list, shape: tuple, release) -> list:
+    """[(block of whole rows of ``shape``, release)] from 1-D ``pieces`` laid end to end: each piece's
+    whole rows as views of at most ``BLOCK_BYTES`` (each handing back its own pages with ``release``),
+    a row cut between two pieces joined in a small copy. A piece is a rank's share, which grows with
+    the model (a 3B embedding in 8 ranks: 155 MB of fp32); its blocks do not, so neither does what the
+    merge and the recompute hold of a tensor at a time."""
     import torch
 
     if not shape:
-        flat = torch.cat([p for p, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
-        return [(flat.view(()), lambda: [r() for _, r in pieces])]
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return [(flat.view(()), lambda: [release(p) for p in pieces])]
     row = math.prod(shape[1:])
     blocks, carry = [], None
-    for piece, release in pieces:
+    for piece in pieces:
         if row == 0:
             break
         if carry is not None:
             take = piece[: row - carry.numel()]
             carry = torch.cat([carry, take])
-            piece = piece[take.numel() :]
             if carry.numel() == row:
-                blocks.append((carry.view(1, *shape[1:]), lambda: None))
+                blocks.append((carry.view(1, *shape[1:]), lambda take=take: release(take)))
                 carry = None
+            piece = piece[take.numel() :]
         whole = piece.numel() // row * row
+        step = max(1, BLOCK_BYTES // max(1, row * piece.element_size())) * row
         # a piece holding no whole row still comes as an empty block: its pages are handed back in turn
-        blocks.append((piece[:whole].view(-1, *shape[1:]), release))
+        for k in range(0, max(whole, 1), step):
+            part = piece[k : min(k + step, whole)]
+            blocks.append((part.view(-1, *shape[1:]), lambda part=part: release(part)))
         if piece.numel() > whole:
             carry = piece[whole:].clone()
+            release(piece[whole:])
     if carry is not None:
         raise MergeError("A tensor's pieces in the rank files do not end on a whole row; the checkpoint is damaged.")
     if row == 0 or not blocks:
-        blocks.append((torch.empty((0, *shape[1:]), dtype=pieces[0][0].dtype if pieces else torch.float32), lambda: None))
+        blocks.append((torch.empty((0, *shape[1:]), dtype=pieces[0].dtype if pieces else torch.float32), lambda: None))
     return blocks
 
 
@@ -745,6 +771,9 @@ class DeepSpeedZeroFormat(Format):
             c.step = step_of(tag_dir.name, TAG_STEP)
         self._describe(s, c, ckpt, tag_dir, tag_names, names if not own else s.names(ckpt))
         s.sized(c, names.values(), recursive=True)
+        if c.notes and c.notes[-1].startswith("optimizer state present: "):  # under ZeRO they are the weights
+            size = c.notes.pop().removeprefix("optimizer state present: ").rstrip(".")
+            c.notes.append(f"optimizer files: {size}, the fp32 master weights and Adam's moments (not only resume state).")
         return Found(c, ALL)
 
     def _describe(self, s, c: Candidate, ckpt: Path, tag_dir: Path, tag_names: dict, ckpt_names: dict) -> None:
@@ -785,10 +814,16 @@ class DeepSpeedZeroFormat(Format):
             "the weights are the fp32 master copies in the optimizer files; the merge writes them as a model."
         )
         state = s.json(ckpt / "trainer_state.json") if "trainer_state.json" in ckpt_names else None
+        tag_step = step_of(tag_dir.name, TAG_STEP)
+        said = (f"{LATEST} names {tag_dir.name}" if tag_dir != ckpt and LATEST in ckpt_names
+                else f"no {LATEST} file: {tag_dir.name}, the newest tag" if tag_dir != ckpt else f"tag {tag_dir.name}")
+        step = state.get("global_step") if state is not None else None
+        if type(step) is int:
+            said += f"; trainer_state.json: global_step {step}"
+        steps = {n for n in (c.step, tag_step, step if type(step) is int else None) if n is not None}
+        c.notes.append(f"step {c.step}: {said}." if len(steps) <= 1 else
+                       f"the steps disagree: the folder says {c.step}, {said}; the weights are those of {tag_dir.name}.")
         if state is not None:
-            step = state.get("global_step")
-            if type(step) is int and c.step is not None and step != c.step:
-                c.notes.append(f"trainer_state.json says step {step}, the folder name step {c.step}.")
             best = state.get("best_model_checkpoint")
             if isinstance(best, str) and best:
                 c.notes.append(f"trainer_state.json marks {best} as the best checkpoint.")
@@ -801,12 +836,21 @@ class DeepSpeedZeroFormat(Format):
                 c.notes.append("the DeepSpeed files hold LoRA weights but no adapter_config.json is beside them: the merge cannot tell the LoRA settings.")
         weights = s.weight_files(ckpt, ckpt_names) if "config.json" in ckpt_names else []
         if weights and all(w in ckpt_names for w in weights):
-            c.notes.append(
-                f"{', '.join(weights)} beside it is the 16-bit model the Trainer saved, usable as it is; "
-                "the fp32 master weights are there too: --dtype fp32 writes them, as zero_to_fp32 does."
-            )
-        elif stage == 3 or not weights:
+            saved, _ = s.headers_dtype(ckpt, weights)
+            if saved == "float32":
+                c.notes.append(
+                    f"{', '.join(weights)} beside it is the model the Trainer saved, in float32, usable as it is; "
+                    "the fp32 master weights in the optimizer files are the same values."
+                )
+            else:
+                c.notes.append(
+                    f"{', '.join(weights)} beside it is the {saved or '16-bit'} model the Trainer saved, usable as it is (a model, "
+                    "not only a checkpoint); the fp32 master weights are there too: --dtype fp32 writes them, as zero_to_fp32 does."
+                )
+        elif stage == 3:
             c.notes.append("no 16-bit copy of the weights was saved (stage3_gather_16bit_weights_on_model_save was off).")
+        else:
+            c.notes.append("no copy of the weights was saved beside the DeepSpeed files: the fp32 masters are the only one.")
         if "config.json" not in ckpt_names:
             c.needs_base = True
             c.notes.append("no config.json: the merge needs --base with the model the run started from (for its config and tokenizer).")
@@ -838,7 +882,7 @@ class DeepSpeedZeroFormat(Format):
         if problem:
             return problem
         base = f" --base {base_arg}" if c.needs_base else ""
-        masters = " --dtype fp32" if any("16-bit model the Trainer saved" in n for n in c.notes) else ""
+        masters = " --dtype fp32" if any("--dtype fp32 writes them" in n for n in c.notes) else ""
         return f"tui-merger merge {quote(path)}{base}{masters} --out {quote(out)}"
 
     def open(self, options) -> Inputs:
@@ -892,10 +936,10 @@ def _open(options) -> Inputs:
             inputs.closers.append(conv)
         dtype = config_dtype(inputs.config)
         inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
-        weights = [p for p in ("model.safetensors", "model.safetensors.index.json") if (ckpt / p).is_file()]
-        if weights and (options.dtype or inputs.dtype) != "float32":
+        saved = _saved_copy(ckpt)
+        if saved is not None and saved[1] in ("bfloat16", "float16") and (options.dtype or inputs.dtype) != "float32":
             inputs.notices.append(
-                f"{ckpt} also holds the 16-bit model the Trainer saved ({weights[0]}); this merge writes the fp32 "
+                f"{ckpt} also holds the {saved[1]} model the Trainer saved ({saved[0]}); this merge writes the fp32 "
                 "master weights rounded once, as that copy was; --dtype fp32 keeps them in full."
             )
         tok_dir = ckpt if any((ckpt / m).is_file() for m in TOKENIZER_MARKERS) or options.base is None else options.base
@@ -915,6 +959,25 @@ def _open(options) -> Inputs:
         inputs.close()
         raise
     return inputs
+
+
+def _saved_copy(ckpt: Path) -> tuple[str, str | None] | None:
+    """(file, dtype) of the model the Trainer saved beside the DeepSpeed files, from its header; None if none."""
+    from tui_merger.core.formats.base import dominant_dtype
+    from tui_merger.core.io.safetensors_io import SafetensorsFile
+
+    if (ckpt / "model.safetensors.index.json").is_file():
+        return "model.safetensors.index.json", None
+    if not (ckpt / "model.safetensors").is_file():
+        return None
+    try:
+        st = SafetensorsFile(ckpt / "model.safetensors")
+    except MergeError:
+        return "model.safetensors", None
+    try:
+        return "model.safetensors", dominant_dtype(list(st.tensors.values()))
+    finally:
+        st.close()
 
 
 def _disk_names(config_dir: Path, names: dict, source: ZeroSource):

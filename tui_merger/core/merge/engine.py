@@ -76,6 +76,7 @@ def run_merge(
         unverified = err
     refuse_merged_twice(options)  # an adapter the base already holds: refused, whatever else was accepted
     inputs = open_inputs(options)
+    hasher = None
     try:
         for message in inputs.infos:
             notice("info", message)
@@ -101,6 +102,10 @@ def run_merge(
             result.seconds = time.perf_counter() - started
             on_event(MergeFinished(result))
             return result
+        from tui_merger.core.record.manifest import InputHasher
+
+        hasher = InputHasher(result.input_files)  # for the manifest, while the merge reads what it needs
+        hasher.start()
         folder = OutputFolder(options.out)
         cancel.raise_if_cancelled()
         folder.make_parents()  # first: a read-only place is refused as such, not as "no space"
@@ -142,6 +147,10 @@ def run_merge(
                 raise
         finally:
             lock.release()
+    except BaseException:
+        if hasher is not None:
+            hasher.stop()  # nothing will be recorded
+        raise
     finally:
         inputs.close()
     result.seconds = time.perf_counter() - started
@@ -303,9 +312,9 @@ def _write_shard(path, tensors, options: MergeOptions, ws: Workspace, report, cl
         for _, t in compute_jobs:
             cancel.raise_if_cancelled()
             drain()
-            blocks = None if t.ops or t.dtype == "float16" else t.source.source.row_blocks(t.source)
+            blocks = None if t.ops else t.source.source.row_blocks(t.source)
             if blocks is not None:  # a sharded checkpoint tensor: cast and written shard by shard
-                _stream_shards(t, blocks, putter, cancel)
+                _stream_shards(t, blocks, putter, cancel, options, clamped)
                 continue
             for ref in t.inputs():
                 ref.prefetch()
@@ -527,15 +536,17 @@ class _Copier(threading.Thread):
         self.join()
 
 
-def _stream_shards(t, blocks, putter: "_Putter", cancel: CancelToken) -> None:
+def _stream_shards(t, blocks, putter: "_Putter", cancel: CancelToken, options: MergeOptions, clamped: list) -> None:
     """A checkpoint's tensor given in its shards (``row_blocks`` of its source: a verl FSDP tensor's
     rank shards, in order), cast into pieces of about ``CHUNK_BYTES`` that the writer thread writes
     while the next piece is cast; each shard's pages are handed back once it is cast. Memory stays
     at two pieces (a whole rank shard was cast into one buffer: a 0.5B embedding in 4 ranks, 68 MB;
-    a 70B one in 8 ranks, 262 MB)."""
+    a 70B one in 8 ranks, 262 MB). fp16: a piece that holds inf where its source holds none
+    overflowed (refused, or clamped with --force), as ``_stream`` does (fp16 outputs were cast whole)."""
     import torch
 
     out_dtype = getattr(torch, t.dtype)
+    fp16 = out_dtype == torch.float16
     size = torch.empty((), dtype=out_dtype).element_size()
     per_piece = max(1, CHUNK_BYTES // size)
     pos = 0
@@ -546,6 +557,12 @@ def _stream_shards(t, blocks, putter: "_Putter", cancel: CancelToken) -> None:
             slot = putter.free_slot(cancel)
             piece = slot.get("piece", (part.numel(),), out_dtype)
             piece.copy_(part)
+            if fp16 and torch.isinf(piece).any() and not torch.isinf(part).any():
+                if not options.force_fp16_overflow:
+                    raise _overflow(t)
+                piece.copy_(part.clamp(-FP16_MAX, FP16_MAX))
+                if t.name not in clamped[-1:]:
+                    clamped.append(t.name)
             putter.put_part(slot, t, pos, piece, last=pos + part.numel() * size == t.nbytes)
             pos += part.numel() * size
         release()

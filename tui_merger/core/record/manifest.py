@@ -82,6 +82,65 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+class InputHasher(threading.Thread):
+    """Hashes a merge's input files into the hash cache while the merge runs (one thread, 8 MiB reads, no
+    mapping: nothing held), so that the manifest afterwards finds them there instead of reading them all
+    after the merge. A DeepSpeed checkpoint's optimizer files hold Adam's moments beside the masters: 3x
+    the bytes the merge reads, hashed whole (a 1.5B ZeRO-3 run: 18.5 GB hashed after an 81 s merge).
+    ``describe_files`` waits for it; ``stop`` ends it within one read."""
+
+    _running: list = []
+    _lock = threading.Lock()
+
+    def __init__(self, paths) -> None:
+        super().__init__(name="hash inputs while merging", daemon=True)
+        self.paths = [Path(p) for p in dict.fromkeys(paths)]
+        self._halt = threading.Event()
+
+    def start(self) -> None:
+        with InputHasher._lock:
+            InputHasher._running.append(self)
+        super().start()
+
+    def run(self) -> None:
+        for path in self.paths:
+            if self._halt.is_set():
+                return
+            try:
+                if path.is_symlink() and (t := path.resolve()).parent.name == "blobs" and _SHA256_NAME.fullmatch(t.name):
+                    continue  # named by its sha256: nothing to read
+                cache = _HashCache()
+                key = cache._key(path)
+                if key is None or isinstance(cache.entries.get(key), str):
+                    continue
+                digest = hashlib.sha256()
+                with open(path, "rb", buffering=0) as f:
+                    buf = bytearray(_HASH_CHUNK)
+                    view = memoryview(buf)
+                    while not self._halt.is_set():
+                        n = f.readinto(buf)
+                        if not n:
+                            break
+                        digest.update(view[:n])
+                    else:
+                        return
+                if cache._key(path) == key:  # unchanged while read
+                    remember_hash(path, digest.hexdigest())
+            except OSError:
+                continue
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    @classmethod
+    def wait_all(cls) -> None:
+        with cls._lock:
+            running, cls._running = cls._running, []
+        for hasher in running:
+            hasher.join()
+
+
 def describe_files(folder: Path, names: list[str]) -> list[dict]:
     """[{path, size, sha256}] for files relative to ``folder``, hashed on two threads (hashlib releases
     the GIL on large buffers). Large files hashed before and unchanged since (same inode, size, mtime
@@ -91,6 +150,7 @@ def describe_files(folder: Path, names: list[str]) -> list[dict]:
 
     folder = Path(folder)
     names = sorted(set(names))
+    InputHasher.wait_all()  # the inputs hashed while the merge ran are in the cache then
     cache = _HashCache()
     with ThreadPoolExecutor(max_workers=2) as pool:
         hashes = list(pool.map(lambda n: cache.sha256(folder / n), names))

@@ -418,20 +418,22 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
     # a recomputed tensor is read a block of rows at a time, each block's pages mapped in one call and
     # handed back after it (a 70B model's MLP weight and its output are 470 MB each)
     by_rows = bool(t.ops) and not _sampled(t) and not t.raw_copy and not _whole(t) and bool(t.shape)
-    if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
-        for x in t.inputs()[1:] if by_rows else (ref, *t.inputs()):
-            x.prefetch()
     import torch
 
     from tui_merger.core.verify import requant_ref
     from tui_merger.core.verify.dequant_ref import independent_ref
 
-    got_all = ref.load()
-    finite = True
     # a base released quantized: dequantized by the format's own code; a checkpoint's tensor in its
     # shards: a source that reads them two ways gives the check its own
     source = independent_ref(t.source)
     pieces = None if t.ops else getattr(source.source, "check_blocks", source.source.row_blocks)(source)
+    # read whole: mapped in one call (not a tensor read shard by shard: its output rows are mapped
+    # piece by piece below; a 3B model's bf16 embedding mapped whole was 622 MB of the peak)
+    if pieces is None and not _sampled(t) and not t.raw_copy:
+        for x in t.inputs()[1:] if by_rows else (ref, *t.inputs()):
+            x.prefetch()
+    got_all = ref.load()
+    finite = True
     if requant_ref.is_requantized(t):  # quantized again by the merge: quantized here by other code
         want, problem = requant_ref.expected(t, _merged_problem)
         finite = _finite(got_all)
@@ -446,6 +448,8 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
         bad, diff, start = 0, 0.0, 0
         for piece, release in pieces:
             stop = start + (piece.shape[0] if piece.dim() else 1)
+            if piece.dim():
+                ref.prefetch_rows(start, stop)
             got = got_all[start:stop] if piece.dim() else got_all
             finite = finite and _finite(got)
             if piece.dtype != got.dtype or clamp:  # converted (fp32 training weights -> bf16)
