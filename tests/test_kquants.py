@@ -142,3 +142,12 @@ def test_chunks_and_threads_change_nothing(monkeypatch):
     monkeypatch.setattr(kquants, "_COLUMNS", 24)  # 3 super-blocks of Q4_K, 1.5 -> 1 of Q6_K per step
     for name, t in (("q4_k", kquants.Q4_K), ("q6_k", kquants.Q6_K)):
         assert np.array_equal(kquants.quantize(rows, t, threads=3), want[name]), name
+
+
+@pytest.mark.parametrize("shape, want", [((1, 512), False), ((1, 1, 512), False), ((2, 512), True),
+                                         ((4, 1, 512), True), ((512,), False)])
+def test_what_llama_quantize_counts_as_a_matrix(shape, want):
+    """llama-quantize quantizes a weight when ggml_n_dims(tensor) >= 2, and ggml does not count outer
+    dimensions of size 1: Qwen2-MoE's (1, hidden) shared-expert gate stays as it is (found by llama.cpp
+    itself loading our file)."""
+    assert kquants.quantizable("blk.0.ffn_gate_inp_shexp_x.weight", shape) is want

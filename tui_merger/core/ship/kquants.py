@@ -459,7 +459,17 @@ def category(name: str) -> str:
 
 
 def quantizable(name: str, shape) -> bool:
-    return len(shape) >= 2 and name.endswith("weight") and not any(part in name for part in _NOT_QUANTIZED)
+    """llama-quantize's test: a weight of 2 dimensions or more as ggml counts them (``ggml_n_dims``: the
+    outer dimensions of size 1 do not count, so a (1, n) gate is 1-D and stays as it is)."""
+    return _ggml_n_dims(shape) >= 2 and name.endswith("weight") and not any(part in name for part in _NOT_QUANTIZED)
+
+
+def _ggml_n_dims(shape) -> int:
+    """ggml_n_dims of a tensor of numpy/torch ``shape`` (ggml's ne is the shape reversed)."""
+    dims = list(shape)
+    while len(dims) > 1 and dims[0] == 1:
+        dims.pop(0)
+    return max(len(dims), 1)
 
 
 def _layer(name: str) -> int:
