@@ -408,21 +408,23 @@ def _check_tensor(t, ref, clamp: bool) -> tuple:
     # a recomputed tensor is read a block of rows at a time, each block's pages mapped in one call and
     # handed back after it (a 70B model's MLP weight and its output are 470 MB each)
     by_rows = bool(t.ops) and not _sampled(t) and not t.raw_copy and not _whole(t) and bool(t.shape)
-    if not _sampled(t) and not t.raw_copy:  # read whole: mapped in one call
-        for x in t.inputs()[1:] if by_rows else (ref, *t.inputs()):
-            x.prefetch()
     from tui_merger.core.verify.dequant_ref import independent_ref
 
-    got_all = ref.load()
-    finite = True
     # a base released quantized: dequantized by the format's own code; a checkpoint's tensor in its
     # shards: a source that reads them two ways gives the check its own
     source = independent_ref(t.source)
     pieces = None if t.ops else getattr(source.source, "check_blocks", source.source.row_blocks)(source)
-    if pieces is not None:  # a checkpoint's tensor in its shards: one shard in memory at a time
+    if not _sampled(t) and not t.raw_copy and pieces is None:  # read whole: mapped in one call
+        for x in t.inputs()[1:] if by_rows else (ref, *t.inputs()):
+            x.prefetch()
+    got_all = ref.load()
+    finite = True
+    if pieces is not None:  # a checkpoint's tensor in its shards: one shard (and its output rows) at a time
         bad, diff, start = 0, 0.0, 0
         for piece, release in pieces:
             stop = start + (piece.shape[0] if piece.dim() else 1)
+            if piece.dim():  # never the whole output tensor mapped (a 3B embedding is 622 MB in bf16)
+                ref.prefetch_rows(start, stop)
             got = got_all[start:stop] if piece.dim() else got_all
             finite = finite and _finite(got)
             if piece.dtype != got.dtype or clamp:  # converted (fp32 training weights -> bf16)
