@@ -14,7 +14,7 @@ Trainer fixtures (tests/fixtures/trainer: FSDP2 untied Llama, FSDP1 tied Qwen2) 
 names and sizes with the real ones.
 
     python benchmarks/bench_trainer_fsdp.py --prove
-    nice python benchmarks/bench_trainer_fsdp.py --layers 4:8 36:8 36:2:ours    # LAYERS:RANKS, one run
+    nice python benchmarks/bench_trainer_fsdp.py --layers 2:8 8:8:ours 2:2:ours    # LAYERS:RANKS, one run
 
 The optimizer's DCP folder (``optimizer_0/``, which no tool here reads) is not written.
 """
@@ -231,14 +231,16 @@ def bench(args) -> int:
         layers, world, *only = spec.split(":")
         layers, world, reference = int(layers), int(world), not args.no_reference and only != ["ours"]
         root = args.cache / f"fsdp-{args.shape}-l{layers}-w{world}"
-        shutil.rmtree(root, ignore_errors=True)
-        made = run_child(_child("--child-make", str(root), args.shape, str(layers), str(world)), capture=True)
-        info = _json(made["stdout"])
         ckpt, base = root / "checkpoint-3", root / "base_model"
         dcp = ckpt / "pytorch_model_fsdp_0"
+        for out in ("ours", "merged", "ref", "copy"):
+            shutil.rmtree(root / out, ignore_errors=True)
+        if not (dcp / ".metadata").is_file():  # a checkpoint kept by --keep is used again
+            shutil.rmtree(root, ignore_errors=True)
+            made = run_child(_child("--child-make", str(root), args.shape, str(layers), str(world)), capture=True)
+            print(f"written in {made['wall']:.0f} s ({_json(made['stdout'])['values'] / 1e9:.2f} B values)", flush=True)
         size = sum(p.stat().st_size for p in dcp.iterdir())
         what = f"{layers} layers, {world} ranks, {size / 2**30:.1f} GiB"
-        print(f"{what}: written in {made['wall']:.0f} s ({info['values'] / 1e9:.2f} B values)", flush=True)
         ours, merged, ref = root / "ours", root / "merged", root / "ref"
         cases = [
             ("cp (the DCP folder)", ["cp", "-r", str(dcp), str(root / "copy")]),
@@ -288,7 +290,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prove", action="store_true", help="compare the generator's files with the real fixtures'")
     ap.add_argument("--shape", default="3b", choices=["0.5b", "1.5b", "3b", "7b"], help="Qwen2.5 widths (default 3b)")
-    ap.add_argument("--layers", nargs="+", default=["4:8", "36:8", "36:2:ours"], help="LAYERS:RANKS[:ours] checkpoints, in order (:ours leaves out accelerate)")
+    ap.add_argument("--layers", nargs="+", default=["2:8", "8:8:ours", "2:2:ours"], help="LAYERS:RANKS[:ours] checkpoints, in order (:ours leaves out accelerate)")
     ap.add_argument("--no-reference", action="store_true", help="leave out accelerate merge-weights")
     ap.add_argument("--ref-python", default=sys.executable, help="a python whose bin/ has accelerate")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
