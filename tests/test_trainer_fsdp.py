@@ -318,3 +318,32 @@ def test_per_rank_files_are_said(tmp_path):
     with pytest.raises(MergeError, match="only FSDP itself, on the same number of processes, can load"):
         run_merge(MergeOptions(checkpoint=ckpt, base=FIXTURES / "fsdp2_fp32" / "base_model", out=out))
     assert not out.exists()
+
+
+def test_plain_flow_asks_lora_alpha_for_an_fsdp_lora_run(tmp_path, monkeypatch):
+    """The plain flow on an FSDP2 LoRA run: the notes say what is stored, it asks for the base and for lora_alpha
+    (nothing records it, as for verl), and the merge with the answer equals peft's merge_and_unload."""
+    import io
+
+    from tui_merger.plain import run_plain
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    run = shutil.copytree(FIXTURES / "fsdp2_lora", tmp_path / "fsdp2_lora")
+    ref = load_file(run / "reference.safetensors")
+    (run / "reference.safetensors").unlink()
+    out = io.StringIO()
+    answers = ["", str(run / "base_model"), "8", "", "1", "", "4"]  # checkpoint, base, alpha, out, Start, no Try, Done
+    code = run_plain(run / "checkpoint-3", input=io.StringIO("".join(a + "\n" for a in answers)), output=out, dumb=True)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "trainer-fsdp  " in text and "r=4 alpha=?" in text
+    assert "holds the adapter only (4 modules, float32)" in text
+    assert "lora_alpha used in training" in text
+    assert "An accelerate FSDP LoRA checkpoint: the adapter's factors sharded over 2 rank(s), stored in float32." in text
+    assert "Verification of " in text and ": PASSED" in text
+    (merged,) = [p for p in tmp_path.iterdir() if (p / "merge_manifest.json").is_file()]
+    ours = read_output(merged)
+    assert set(ours) == set(ref)
+    for name, want in ref.items():
+        torch.testing.assert_close(ours[name], want, rtol=0, atol=1e-6, msg=name)

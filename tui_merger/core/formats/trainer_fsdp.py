@@ -623,8 +623,8 @@ def _lora(inputs: Inputs, options, layout: TrainerFsdpLayout, store, adapter_map
     cfg = {"peft_type": "LORA", "r": common, "lora_alpha": options.lora_alpha, "target_modules": targets,
            "rank_pattern": _rank_pattern(ranks), "base_model_name_or_path": str(options.base)}
     inputs.adapter = adapter_from_source(layout.folder, cfg, DcpSource(store, adapter_map))
-    inputs.notices.append(
-        f"LoRA r={common} (from the shapes) on {', '.join(targets)}, lora_alpha {options.lora_alpha:g} (--lora-alpha)."
+    inputs.infos.append(  # information, not a warning; the front ends say "from your answer" for the flag
+        f"LoRA r={common} (from the shapes) on {', '.join(targets)}, lora_alpha {options.lora_alpha:g}, from --lora-alpha."
     )
     base = open_model(options.base)
     inputs.closers.append(base)
