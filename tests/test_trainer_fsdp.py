@@ -287,7 +287,9 @@ def test_full_state_dict_file_alone_is_merged(tmp_path, capsys):
         shutil.copy(src / name, ckpt)
     (c,) = scan(tmp_path / "run").candidates
     assert c.kind == "trainer-fsdp" and c.needs_base
-    assert "full weights in one file (pytorch_model_fsdp.bin: FULL_STATE_DICT, gathered on rank 0)." in c.notes
+    assert c.dtype == "float32"
+    assert ("full weights in one file (pytorch_model_fsdp.bin: FULL_STATE_DICT, gathered on rank 0), stored in float32 "
+            "(what FSDP keeps under bf16 mixed precision, or an fp32 run).") in c.notes
     out = tmp_path / "out"
     base = FIXTURES / "fsdp2_full_bf16mp" / "base_model"
     code = cli_main(["merge", str(ckpt), "--base", str(base), "--out", str(out), "--plain"])

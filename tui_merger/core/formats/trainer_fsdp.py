@@ -263,7 +263,12 @@ class TrainerFsdpFormat(Format):
                            "merge the adapter folder the Trainer saved with it (adapter_model.safetensors), which "
                            "records its r and alpha.")
         else:
-            c.notes.append(f"full weights in one file ({FULL_FILE}: FULL_STATE_DICT, gathered on rank 0).")
+            # the storages' classes in the pickle say the dtype (each tensor names one; no tensor data read)
+            counts = {d: keys.count(f"{st}Storage".encode()) for d, st in (
+                ("float32", "Float"), ("bfloat16", "BFloat16"), ("float16", "Half"))} if keys else {}
+            c.dtype = max(counts, key=counts.get) if counts and max(counts.values()) else None
+            what = f", stored in {_STORED.get(c.dtype, c.dtype)}" if c.dtype else ""
+            c.notes.append(f"full weights in one file ({FULL_FILE}: FULL_STATE_DICT, gathered on rank 0){what}.")
             if config_dir is None:
                 c.needs_base = True
                 c.notes.append("no config.json: the merge needs --base, the model the run started from, for its "
