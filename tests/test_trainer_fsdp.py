@@ -22,7 +22,8 @@ from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.options import MergeOptions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trainer"
-FULL = ["fsdp2_fp32", "fsdp1_fp32_tied", "fsdp2_bf16mp", "fsdp2_bf16load_tied", "fsdp1_bf16mp"]
+FULL = ["fsdp2_fp32", "fsdp1_fp32_tied", "fsdp2_bf16mp", "fsdp2_bf16load_tied", "fsdp1_bf16mp", "fsdp2_moe",
+        "fsdp2_ramload"]
 
 
 def _newest(run: str) -> Path:
@@ -49,6 +50,9 @@ def test_full_fine_tune_equals_accelerates_merge(tmp_path, run):
     ours, ref = read_output(out), load_file(FIXTURES / run / "reference.safetensors")
     assert set(ours) == set(ref)
     assert ("lm_head.weight" in ours) is not _args(run)["tied"]
+    if _args(run)["arch"] == "qwen3_moe":  # packed in memory (and in the DCP files), one tensor per expert on disk
+        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in ours
+        assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in ours)
     for name, want in ref.items():
         assert ours[name].dtype == torch.float32, name
         assert torch.equal(ours[name], want), name
@@ -115,7 +119,9 @@ def test_inspect_says_what_is_stored():
     assert found["checkpoint-3:fsdp2_bf16load_tied"].dtype == "bfloat16"
     assert found["checkpoint-3:fsdp2_bf16mp"].dtype == "float32"
     assert any("bf16 mixed precision" in n for n in found["checkpoint-3:fsdp2_bf16mp"].notes)
-    assert all(c.kind != "trainer-checkpoint" for c in found.values())
+    # FULL_STATE_DICT's checkpoint holds save_pretrained's model: that one is a model (see below)
+    assert all(c.kind != "trainer-checkpoint" for k, c in found.items() if k != "checkpoint-3:fsdp2_full_bf16mp")
+    assert found["checkpoint-3:fsdp2_moe"].world_size == 2 and found["checkpoint-3:fsdp2_ramload"].dtype == "float32"
     from tui_merger.core.plan.choices import why_not_mergeable
 
     assert why_not_mergeable(c) is None
@@ -220,3 +226,128 @@ def test_a_checkpoint_with_only_trainer_state_is_not_called_a_model(tmp_path):
     (c,) = scan(tmp_path).candidates
     said = why_not_mergeable(c)
     assert said == "This checkpoint has no model weights or adapter: only trainer state, so there is nothing to merge."
+
+
+def test_review_says_the_world_size_and_what_is_stored():
+    """The plan (Review, --dry-run) says it as inspect does: ranks, and fp32 masters under bf16 mixed precision."""
+    from tui_merger.core.plan.preflight import make_plan
+
+    run = "fsdp2_bf16mp"
+    plan = make_plan(MergeOptions(checkpoint=_newest(run), base=FIXTURES / run / "base_model", out=Path("/nonexistent/out")))
+    said = [f.message for f in plan.findings]
+    assert ("An accelerate FSDP checkpoint (SHARDED_STATE_DICT): full weights sharded over 2 rank(s), stored in float32 "
+            "(what FSDP keeps under bf16 mixed precision, or an fp32 run).") in said
+    plan = make_plan(MergeOptions(checkpoint=_newest("fsdp2_bf16load_tied"), base=FIXTURES / "fsdp2_bf16load_tied" / "base_model",
+                                  out=Path("/nonexistent/out")))
+    assert any("stored in bfloat16 (the model was loaded in bf16)" in f.message for f in plan.findings)
+
+
+def test_missing_metadata_is_one_sentence(tmp_path):
+    """A save that did not finish (no .metadata): inspect says so, the merge refuses in one sentence, nothing written."""
+    from tui_merger.core.plan.choices import why_not_mergeable
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "fsdp2_bf16mp", run)
+    ckpt = run / "checkpoint-3"
+    (ckpt / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    (c,) = [c for c in scan(run).candidates if c.kind == "trainer-fsdp"]
+    assert why_not_mergeable(c) == ("This checkpoint's pytorch_model_fsdp_0/ has no .metadata: the save did not finish; "
+                                    "use an earlier step.")
+    out = tmp_path / "out"
+    with pytest.raises(MergeError, match=r"has no \.metadata file, so it is not a complete dist checkpoint"):
+        run_merge(MergeOptions(checkpoint=ckpt, base=run / "base_model", out=out))
+    assert not out.exists()
+
+
+def test_full_state_dict_checkpoint_is_the_model_it_says():
+    """FULL_STATE_DICT (accelerate's default): the Trainer's checkpoint-N holds save_pretrained's model.safetensors and
+    config.json beside accelerate's pytorch_model_fsdp.bin; inspect calls it a model, which transformers loads with
+    the weights of pytorch_model_fsdp.bin."""
+    from transformers import AutoModelForCausalLM
+
+    from tui_merger.core.plan.choices import why_not_mergeable
+
+    ckpt = _newest("fsdp2_full_bf16mp")
+    (c,) = scan(ckpt).candidates
+    assert c.kind != "trainer-fsdp"
+    assert why_not_mergeable(c) == "This checkpoint holds full weights, already a model: there is nothing to merge."
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    saved = torch.load(ckpt / "pytorch_model_fsdp.bin", weights_only=True)
+    state = model.state_dict()
+    assert set(saved) == set(state)
+    for name, want in saved.items():
+        assert torch.equal(state[name], want), name
+
+
+def test_full_state_dict_file_alone_is_merged(tmp_path, capsys):
+    """pytorch_model_fsdp.bin with no model beside it (accelerate's save_state, or a save_model that did not
+    finish): merged with --base, every tensor equal to the Trainer's own save_pretrained of the same run."""
+    src = _newest("fsdp2_full_bf16mp")
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    for name in ("pytorch_model_fsdp.bin", "trainer_state.json", "scheduler.pt"):
+        shutil.copy(src / name, ckpt)
+    (c,) = scan(tmp_path / "run").candidates
+    assert c.kind == "trainer-fsdp" and c.needs_base
+    assert c.dtype == "float32"
+    assert ("full weights in one file (pytorch_model_fsdp.bin: FULL_STATE_DICT, gathered on rank 0), stored in float32 "
+            "(what FSDP keeps under bf16 mixed precision, or an fp32 run).") in c.notes
+    out = tmp_path / "out"
+    base = FIXTURES / "fsdp2_full_bf16mp" / "base_model"
+    code = cli_main(["merge", str(ckpt), "--base", str(base), "--out", str(out), "--plain"])
+    text = capsys.readouterr()
+    assert code == 0, text.err
+    assert "PASS  recompute" in text.out
+    ours, ref = read_output(out), load_file(src / "model.safetensors")
+    assert set(ours) == set(ref)
+    for name, want in ref.items():
+        assert ours[name].dtype == want.dtype and torch.equal(ours[name], want), name
+
+
+def test_per_rank_files_are_said(tmp_path):
+    """LOCAL_STATE_DICT (or SHARDED_STATE_DICT with use_dcp=False) leaves per-rank .bin files, named as accelerate's
+    save_fsdp_model names them: said in one sentence, nothing written."""
+    from tui_merger.core.plan.choices import why_not_mergeable
+
+    ckpt = tmp_path / "run" / "checkpoint-5"
+    ckpt.mkdir(parents=True)
+    for r in (0, 1):
+        (ckpt / f"pytorch_model_fsdp_0_rank{r}.bin").write_bytes(b"not read")
+    shutil.copy(_newest("fsdp2_fp32") / "trainer_state.json", ckpt)
+    (c,) = scan(tmp_path / "run").candidates
+    assert c.kind == "trainer-fsdp" and c.world_size == 2
+    said = why_not_mergeable(c)
+    assert said.startswith("This checkpoint holds FSDP's per-rank files (pytorch_model_fsdp_0_rank0.bin: LOCAL_STATE_DICT")
+    out = tmp_path / "out"
+    with pytest.raises(MergeError, match="only FSDP itself, on the same number of processes, can load"):
+        run_merge(MergeOptions(checkpoint=ckpt, base=FIXTURES / "fsdp2_fp32" / "base_model", out=out))
+    assert not out.exists()
+
+
+def test_plain_flow_asks_lora_alpha_for_an_fsdp_lora_run(tmp_path, monkeypatch):
+    """The plain flow on an FSDP2 LoRA run: the notes say what is stored, it asks for the base and for lora_alpha
+    (nothing records it, as for verl), and the merge with the answer equals peft's merge_and_unload."""
+    import io
+
+    from tui_merger.plain import run_plain
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    run = shutil.copytree(FIXTURES / "fsdp2_lora", tmp_path / "fsdp2_lora")
+    ref = load_file(run / "reference.safetensors")
+    (run / "reference.safetensors").unlink()
+    out = io.StringIO()
+    answers = ["", str(run / "base_model"), "8", "", "1", "", "4"]  # checkpoint, base, alpha, out, Start, no Try, Done
+    code = run_plain(run / "checkpoint-3", input=io.StringIO("".join(a + "\n" for a in answers)), output=out, dumb=True)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "trainer-fsdp  " in text and "r=4 alpha=?" in text
+    assert "holds the adapter only (4 modules, float32)" in text
+    assert "lora_alpha used in training" in text
+    assert "An accelerate FSDP LoRA checkpoint: the adapter's factors sharded over 2 rank(s), stored in float32." in text
+    assert "Verification of " in text and ": PASSED" in text
+    (merged,) = [p for p in tmp_path.iterdir() if (p / "merge_manifest.json").is_file()]
+    ours = read_output(merged)
+    assert set(ours) == set(ref)
+    for name, want in ref.items():
+        torch.testing.assert_close(ours[name], want, rtol=0, atol=1e-6, msg=name)

@@ -35,6 +35,9 @@ def cycle_collector_paused():
 
 
 def open_inputs(options: MergeOptions) -> Inputs:
+    from tui_merger.core.io import libc
+
+    libc.large_blocks_mapped()  # from the first read on, large blocks go back to the OS when freed
     with cycle_collector_paused():
         return _open_inputs(options)
 

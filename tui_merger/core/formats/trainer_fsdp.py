@@ -30,6 +30,8 @@ from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
 from tui_merger.core.io.sources import not_a_folder, open_model
 
 MODEL_DIR = "pytorch_model_fsdp_0"
+FULL_FILE = "pytorch_model_fsdp.bin"  # FULL_STATE_DICT: rank 0's torch.save of the whole state dict
+_RANK_FILE = re.compile(r"^pytorch_model_fsdp(?:_\d+)?_rank(\d+)\.bin$")  # LOCAL_STATE_DICT, or use_dcp=False
 OPTIM_DIR = "optimizer_0"
 PREFIX = "model."  # accelerate saves {"model": state_dict}
 PEFT_PREFIX = "base_model.model."
@@ -37,6 +39,14 @@ EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
 _LORA = re.compile(r"^(.+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
+_RANK_FILES = (
+    "{folder} holds FSDP's per-rank files ({example}: LOCAL_STATE_DICT, or SHARDED_STATE_DICT saved with "
+    "use_dcp=False), which only FSDP itself, on the same number of processes, can load; tui-merger cannot read "
+    "them: load the checkpoint in the run's own setup and save it with state_dict_type SHARDED_STATE_DICT or "
+    "FULL_STATE_DICT."
+)
+_STORED = {"float32": "float32 (what FSDP keeps under bf16 mixed precision, or an fp32 run)",
+           "bfloat16": "bfloat16 (the model was loaded in bf16)"}
 _EMPTY_FSDP1_LORA = (
     "{folder} holds no weights: FSDP1 with a PEFT LoRA saves no weights there (accelerate hands the wrapped model to "
     "peft, which finds no adapter in it), so this checkpoint cannot be merged; use FSDP2 (fsdp_version 2), or "
@@ -47,14 +57,24 @@ _EMPTY_FSDP1_LORA = (
 @dataclass
 class TrainerFsdpLayout:
     folder: Path  # checkpoint-N
-    model_dir: Path  # its pytorch_model_fsdp_0/
+    model_dir: Path | None  # its pytorch_model_fsdp_0/ (SHARDED_STATE_DICT)
     step: int | None
     notices: list[str] = field(default_factory=list)
+    full_file: Path | None = None  # its pytorch_model_fsdp.bin (FULL_STATE_DICT), when there is no DCP folder
 
 
 def _model_dir(folder: Path) -> Path | None:
     d = folder / MODEL_DIR
     return d if d.is_dir() else None
+
+
+def _saved(folder: Path) -> bool:
+    """Whether a folder holds an accelerate FSDP model save of any state dict type."""
+    try:
+        return _model_dir(folder) is not None or (folder / FULL_FILE).is_file() or any(
+            _RANK_FILE.match(p.name) for p in folder.iterdir())
+    except OSError:
+        return False
 
 
 def find_trainer_fsdp(path: Path) -> TrainerFsdpLayout:
@@ -67,20 +87,26 @@ def find_trainer_fsdp(path: Path) -> TrainerFsdpLayout:
     if path.name == MODEL_DIR and (path / ".metadata").exists():
         path = path.parent
     folder = path
-    if _model_dir(folder) is None:
+    if not _saved(folder):
         steps = sorted(
-            (s, p) for p in folder.iterdir() if (s := step_of(p.name, TRAINER_STEP)) is not None and _model_dir(p)
+            (s, p) for p in folder.iterdir() if (s := step_of(p.name, TRAINER_STEP)) is not None and _saved(p)
         )
         if steps:
             folder = steps[-1][1]
             notices.append(f"Using the newest checkpoint, {folder.name}.")
     model_dir = _model_dir(folder)
+    step = step_of(folder.name, TRAINER_STEP)
+    if model_dir is None and (folder / FULL_FILE).is_file():
+        return TrainerFsdpLayout(folder, None, step, notices, full_file=folder / FULL_FILE)
     if model_dir is None:
+        ranked = sorted(p.name for p in folder.iterdir() if _RANK_FILE.match(p.name))
+        if ranked:
+            raise MergeError(_RANK_FILES.format(folder=folder, example=ranked[0]))
         raise MergeError(
-            f"No accelerate FSDP model folder ({MODEL_DIR}/) under {path}; point at a checkpoint-N folder that an "
-            "HF Trainer run with FSDP (SHARDED_STATE_DICT) wrote."
+            f"No accelerate FSDP model save ({MODEL_DIR}/ or {FULL_FILE}) under {path}; point at a checkpoint-N "
+            "folder that an HF Trainer run with FSDP wrote."
         )
-    return TrainerFsdpLayout(folder, model_dir, step_of(folder.name, TRAINER_STEP), notices)
+    return TrainerFsdpLayout(folder, model_dir, step, notices)
 
 
 def _empty(model_dir: Path) -> bool:
@@ -158,7 +184,9 @@ class TrainerFsdpFormat(Format):
     # -- detection ----------------------------------------------------------------------------------
     def detect(self, s, folder: Path, names: dict) -> Found | None:
         entry = names.get(MODEL_DIR)
-        if entry is None or not entry.is_dir(follow_symlinks=False):
+        ranked = sorted(n for n in names if _RANK_FILE.match(n))
+        full = FULL_FILE in names and not s.weight_files(folder, names)  # beside save_model's model: that model is it
+        if (entry is None or not entry.is_dir(follow_symlinks=False)) and not full and not ranked:
             return None
         step = step_of(folder.name, TRAINER_STEP)
         c = Candidate(self.kind, str(folder), step=step, run=str(folder.parent) if step is not None else None)
@@ -167,6 +195,8 @@ class TrainerFsdpFormat(Format):
             c.notes.append(f"trainer_state.json says global step {said}, the folder name step {step}.")
         if step is None and said is not None:
             c.step = said
+        if entry is None or not entry.is_dir(follow_symlinks=False):
+            return self._detect_files(s, c, folder, names, ranked)
         model_dir = folder / MODEL_DIR
         listing = s.names(model_dir)
         ranks = {int(m.group(1)) for n in listing if (m := _DISTCP.match(n))}
@@ -204,13 +234,45 @@ class TrainerFsdpFormat(Format):
                 "needs --base (the model the run started from) and --lora-alpha (no adapter_config.json records it)."
             )
         else:
-            what = {"float32": "float32 (what FSDP keeps under bf16 mixed precision, or an fp32 run)",
-                    "bfloat16": "bfloat16 (the model was loaded in bf16)"}.get(c.dtype, c.dtype or "?")
+            what = _STORED.get(c.dtype, c.dtype or "?")
             c.notes.append(f"full weights, sharded over {c.world_size} rank(s), stored in {what}.")
             if config is None:
                 c.needs_base = True
                 c.notes.append("no config.json (the Trainer writes none with FSDP sharded state): the merge needs "
                                "--base, the model the run started from, for its config and tokenizer.")
+            else:
+                c.notes.append(f"config.json from {where}.")
+        s.sized(c, names.values(), recursive=True)
+        return Found(c, ALL)
+
+    def _detect_files(self, s, c: Candidate, folder: Path, names: dict, ranked: list) -> Found:
+        """FULL_STATE_DICT's pytorch_model_fsdp.bin without a model beside it (accelerate's save_state, or a
+        Trainer run whose save_model did not finish), or per-rank files it cannot read."""
+        c.backend = "fsdp"
+        if ranked:
+            ranks = {int(m.group(1)) for n in ranked if (m := _RANK_FILE.match(n))}
+            c.world_size = max(ranks) + 1
+            c.notes.append(_RANK_FILES.format(folder="this checkpoint", example=ranked[0]).removeprefix("this checkpoint "))
+            s.sized(c, names.values(), recursive=True)
+            return Found(c, ALL)
+        keys = s.pickled_keys(folder / FULL_FILE)
+        config_dir, where = _config_dir(folder, None)
+        c.tokenizer = any(m in names for m in TOKENIZER_MARKERS)
+        if keys is not None and b".lora_" in keys:
+            c.notes.append(f"{FULL_FILE} holds a LoRA adapter's tensors only (FULL_STATE_DICT saves the adapter); "
+                           "merge the adapter folder the Trainer saved with it (adapter_model.safetensors), which "
+                           "records its r and alpha.")
+        else:
+            # the storages' classes in the pickle say the dtype (each tensor names one; no tensor data read)
+            counts = {d: keys.count(f"{st}Storage".encode()) for d, st in (
+                ("float32", "Float"), ("bfloat16", "BFloat16"), ("float16", "Half"))} if keys else {}
+            c.dtype = max(counts, key=counts.get) if counts and max(counts.values()) else None
+            what = f", stored in {_STORED.get(c.dtype, c.dtype)}" if c.dtype else ""
+            c.notes.append(f"full weights in one file ({FULL_FILE}: FULL_STATE_DICT, gathered on rank 0){what}.")
+            if config_dir is None:
+                c.needs_base = True
+                c.notes.append("no config.json: the merge needs --base, the model the run started from, for its "
+                               "config and tokenizer.")
             else:
                 c.notes.append(f"config.json from {where}.")
         s.sized(c, names.values(), recursive=True)
@@ -241,11 +303,17 @@ class TrainerFsdpFormat(Format):
         return out
 
     def recognizes(self, path: Path) -> bool:
+        """An FSDP save of any state dict type here (or in a checkpoint-N below): one that cannot be read
+        is still this kind, so that opening it says why."""
+        path = Path(path)
         try:
-            find_trainer_fsdp(path)
-        except (OSError, MergeError):
+            if not path.is_dir():
+                return False
+            if path.name == MODEL_DIR and (path / ".metadata").exists():
+                return True
+            return _saved(path) or any(step_of(p.name, TRAINER_STEP) is not None and _saved(p) for p in path.iterdir())
+        except OSError:
             return False
-        return True
 
     def locate(self, path: Path):
         return find_trainer_fsdp(path)
@@ -254,6 +322,10 @@ class TrainerFsdpFormat(Format):
     def why_not_mergeable(self, c: Candidate) -> str | None:
         for note in c.notes:
             if note.startswith(f"{MODEL_DIR}/ holds no weights") or note.startswith(f"{MODEL_DIR}/ has no .metadata"):
+                return f"This checkpoint's {note}"
+            if note.startswith("holds FSDP's per-rank files"):
+                return f"This checkpoint {note}"
+            if note.startswith(f"{FULL_FILE} holds a LoRA adapter"):
                 return f"This checkpoint's {note}"
         return None
 
@@ -333,10 +405,19 @@ def _rank_pattern(ranks: dict[str, int]) -> dict:
     return {m: r for m, r in ranks.items() if r != common}
 
 
+def _no_config(layout: TrainerFsdpLayout) -> MergeError:
+    return MergeError(
+        f"{layout.folder} holds no config.json (HF Trainer writes none for FSDP sharded checkpoints); pass "
+        "--base with the model the run started from, for its config and tokenizer."
+    )
+
+
 def _open(options) -> Inputs:
     from tui_merger.core.io.dcp import DcpSource, DcpStore
 
     layout = find_trainer_fsdp(options.checkpoint)
+    if layout.full_file is not None:
+        return _open_full_file(options, layout)
     if _empty(layout.model_dir):
         raise MergeError(_EMPTY_FSDP1_LORA.format(folder=layout.model_dir))
     inputs = Inputs(None, empty_adapter(layout.folder), {}, FilePlan(), paths_of(options))
@@ -348,60 +429,110 @@ def _open(options) -> Inputs:
         lora_only = bool(adapter_map) and not any(k.endswith(".weight") for k in base_map)
         config_dir, where = _config_dir(layout.folder, options.base)
         if config_dir is None:
-            raise MergeError(
-                f"{layout.folder} holds no config.json (HF Trainer writes none for FSDP sharded checkpoints); pass "
-                "--base with the model the run started from, for its config and tokenizer."
-            )
+            raise _no_config(layout)
         inputs.config = read_config(config_dir)
         if where != "--base":
             inputs.notices.append(f"The model's config.json comes from {where}.")
+        world = len({m.group(1) for f in store.data_files if (m := _DISTCP.match(f))})
         if lora_only:
             _lora(inputs, options, layout, store, adapter_map)
+            stored = {store.tensors[k].dtype for k in adapter_map.values()}
+            inputs.infos.append(f"An accelerate FSDP LoRA checkpoint: the adapter's factors sharded over {world} "
+                                f"rank(s), stored in {', '.join(sorted(stored))}.")
         else:
             if adapter_map:
                 raise MergeError(
                     f"{layout.model_dir} holds full weights and LoRA factors together, which HF Trainer does not "
                     "write; tui-merger cannot tell which to merge."
                 )
-            _check_names(store, base_map, config_dir, layout)
-            names = _disk_layout(config_dir, base_map)  # in-memory names -> what save_pretrained writes
-            grouped = {}
-            if names is not None:
-                grouped = {n: k for n, k in base_map.items() if n in names.groups}
-                base_map = {names.renames.get(n, n): k for n, k in base_map.items() if n not in names.groups}
-            source = DcpSource(store, base_map)
-            inputs.base = source
-            if grouped:  # packed experts: one tensor per expert, as save_pretrained writes them
-                from tui_merger.core.formats.hf_names import ConvertedSource
-
-                packed = DcpSource(store, grouped)
-                converted = ConvertedSource(dict(packed.tensors), names)
-                source.tensors.update(converted.tensors)
-                inputs.closers.append(converted)
-            _tied(inputs, options, source)
-            stored = {t.dtype for t in source.tensors.values()}
-            dtype = config_dtype(inputs.config)
-            inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
-            if options.dtype is None and inputs.dtype and stored and inputs.dtype not in stored:
-                kept = ", ".join(sorted(stored))
-                inputs.notices.append(
-                    f"The checkpoint stores {kept}; the model is written in {inputs.dtype}, the config's dtype "
-                    "(pass --dtype to choose another)."
-                )
-        # a tokenizer the checkpoint holds (a Trainer given one saves it beside a full save) first
-        inputs.files = plan_files(config_dir, layout.folder, inputs.config, options.tokenizer_from)
-        inputs.notices += inputs.files.notices
-        inputs.read_files = (
-            [layout.model_dir / ".metadata"]
-            + [layout.model_dir / f for f in store.data_files]
-            + [config_dir / "config.json"]
-            + ([Path(options.base) / f for f in inputs.base.files] if lora_only else [])
-            + [src for src, _ in inputs.files.copies]
-        )
+            shapes = {n: tuple(store.tensors[k].shape) for n, k in base_map.items()}
+            _full_weights(inputs, options, layout, config_dir, shapes,
+                          lambda mapping: DcpSource(store, {new: base_map[old] for new, old in mapping.items()}))
+            stored = {store.tensors[k].dtype for k in base_map.values()}
+            inputs.infos.append(f"An accelerate FSDP checkpoint (SHARDED_STATE_DICT): full weights sharded over "
+                                f"{world} rank(s), stored in {' and '.join(_STORED.get(d, d) for d in sorted(stored))}.")
+        _files(inputs, options, layout, config_dir, [layout.model_dir / ".metadata"]
+               + [layout.model_dir / f for f in store.data_files], lora_only)
     except BaseException:
         inputs.close()
         raise
     return inputs
+
+
+def _open_full_file(options, layout: TrainerFsdpLayout) -> Inputs:
+    """FULL_STATE_DICT: rank 0's torch.save of the whole state dict (in-memory names, no prefix), read
+    by mmap through torch's weights-only loader, one tensor at a time."""
+    from tui_merger.core.io.sources import RenamedSource, TensorSource
+
+    inputs = Inputs(None, empty_adapter(layout.folder), {}, FilePlan(), paths_of(options))
+    inputs.notices = list(layout.notices)
+    try:
+        config_dir, where = _config_dir(layout.folder, options.base)
+        if config_dir is None:
+            raise _no_config(layout)
+        inputs.config = read_config(config_dir)
+        if where != "--base":
+            inputs.notices.append(f"The model's config.json comes from {where}.")
+        whole = TensorSource(layout.folder, [FULL_FILE])
+        inputs.closers.append(whole)
+        if any(".lora_" in n for n in whole.tensors):
+            raise MergeError(
+                f"{layout.full_file} holds a LoRA adapter's tensors only (FULL_STATE_DICT saves the adapter); merge "
+                "the adapter folder the Trainer saved with it (adapter_model.safetensors), which records its r and alpha."
+            )
+        shapes = {n: tuple(r.shape) for n, r in whole.tensors.items()}
+        _full_weights(inputs, options, layout, config_dir, shapes, lambda mapping: RenamedSource(whole, mapping))
+        stored = {r.dtype for r in whole.tensors.values()}
+        inputs.infos.append(f"An accelerate FSDP checkpoint (FULL_STATE_DICT, {FULL_FILE}): full weights gathered "
+                            f"on rank 0, stored in {' and '.join(_STORED.get(d, d) for d in sorted(stored))}.")
+        _files(inputs, options, layout, config_dir, [layout.full_file], False)
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
+def _full_weights(inputs: Inputs, options, layout: TrainerFsdpLayout, config_dir: Path, shapes: dict, view) -> None:
+    """A full fine-tune's weights (in-memory names -> shapes; ``view({name: in-memory name})`` gives a
+    source under the names given) as save_pretrained writes them, in the config's dtype."""
+    _check_names(shapes, config_dir, layout)
+    names = _disk_layout(config_dir, shapes)  # in-memory names -> what save_pretrained writes
+    grouped = {}
+    mapping = {n: n for n in shapes}
+    if names is not None:
+        grouped = {n: n for n in shapes if n in names.groups}
+        mapping = {names.renames.get(n, n): n for n in shapes if n not in names.groups}
+    source = view(mapping)
+    inputs.base = source
+    if grouped:  # packed experts: one tensor per expert, as save_pretrained writes them
+        from tui_merger.core.formats.hf_names import ConvertedSource
+
+        packed = view(grouped)
+        converted = ConvertedSource(dict(packed.tensors), names)
+        source.tensors.update(converted.tensors)
+        inputs.closers.append(converted)
+    _tied(inputs, options, source)
+    stored = {t.dtype for t in source.tensors.values()}
+    dtype = config_dtype(inputs.config)
+    inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+    if options.dtype is None and inputs.dtype and stored and inputs.dtype not in stored:
+        kept = ", ".join(sorted(stored))
+        inputs.notices.append(
+            f"The checkpoint stores {kept}; the model is written in {inputs.dtype}, the config's dtype "
+            "(pass --dtype to choose another)."
+        )
+
+
+def _files(inputs: Inputs, options, layout: TrainerFsdpLayout, config_dir: Path, weights: list, lora_only: bool) -> None:
+    # a tokenizer the checkpoint holds (a Trainer given one saves it beside a full save) first
+    inputs.files = plan_files(config_dir, layout.folder, inputs.config, options.tokenizer_from)
+    inputs.notices += inputs.files.notices
+    inputs.read_files = (
+        list(weights)
+        + [config_dir / "config.json"]
+        + ([Path(options.base) / f for f in inputs.base.files] if lora_only else [])
+        + [src for src, _ in inputs.files.copies]
+    )
 
 
 def _disk_layout(config_dir: Path, base_map: dict):
@@ -416,24 +547,23 @@ def _disk_layout(config_dir: Path, base_map: dict):
     return found if found is not None and (found.renames or found.groups) else None
 
 
-def _check_names(store, base_map: dict, config_dir: Path, layout: TrainerFsdpLayout) -> None:
-    """The checkpoint's weights (in-memory names, as FSDP saved them) against the model the config
-    builds on the meta device: a --base of another model is said before anything is written."""
+def _check_names(shapes: dict, config_dir: Path, layout: TrainerFsdpLayout) -> None:
+    """The checkpoint's weights (in-memory names -> shapes, as FSDP saved them) against the model the
+    config builds on the meta device: a --base of another model is said before anything is written."""
     from tui_merger.core.formats.hf_names import _meta_of
 
     model = _meta_of(config_dir)
     if model is None:
         return
     want = {n: tuple(p.shape) for n, p in model.state_dict().items()}
-    for name, key in base_map.items():
-        shape = tuple(store.tensors[key].shape)
+    for name, shape in shapes.items():
         if name in want and shape != want[name]:
             raise MergeError(
                 f"{layout.folder}: {name} has shape {list(shape)} but the config in {config_dir} makes it "
                 f"{list(want[name])}; pass --base with the model the run started from."
             )
-    missing = [n for n in want if n not in base_map and n != HEAD]
-    unknown = [n for n in base_map if n not in want]
+    missing = [n for n in want if n not in shapes and n != HEAD]
+    unknown = [n for n in shapes if n not in want]
     if missing:
         raise MergeError(
             f"{layout.folder} lacks {', '.join(missing[:3])}, which the config in {config_dir} needs; pass --base "
@@ -455,7 +585,7 @@ def _tied(inputs: Inputs, options, source) -> None:
         if options.tie_word_embedding and HEAD not in names:
             inputs.config_changes["tie_word_embeddings"] = True
         return
-    if source.same_values(EMBED, HEAD):
+    if _same_values(source, EMBED, HEAD):
         del names[HEAD]
         if not inputs.config.get("tie_word_embeddings"):
             inputs.config_changes["tie_word_embeddings"] = True
@@ -464,6 +594,19 @@ def _tied(inputs: Inputs, options, source) -> None:
             "lm_head.weight differs from the input embedding, so both are kept and tie_word_embeddings is set to false."
         )
         inputs.config_changes["tie_word_embeddings"] = False
+
+
+def _same_values(source, a: str, b: str) -> bool:
+    if hasattr(source, "same_values"):
+        return source.same_values(a, b)
+    import torch  # a source of whole tensors (FULL_STATE_DICT's file, mapped): compared a block of rows at a time
+
+    ra, rb = source.tensors[a], source.tensors[b]
+    if (ra.shape, ra.dtype) != (rb.shape, rb.dtype) or not ra.shape:
+        return False
+    x, y = ra.load(), rb.load()
+    step = max(1, (16 << 20) // max(1, ra.nbytes // ra.shape[0]))
+    return all(torch.equal(x[r : r + step], y[r : r + step]) for r in range(0, ra.shape[0], step))
 
 
 def _lora(inputs: Inputs, options, layout: TrainerFsdpLayout, store, adapter_map: dict) -> None:
@@ -485,8 +628,8 @@ def _lora(inputs: Inputs, options, layout: TrainerFsdpLayout, store, adapter_map
     cfg = {"peft_type": "LORA", "r": common, "lora_alpha": options.lora_alpha, "target_modules": targets,
            "rank_pattern": _rank_pattern(ranks), "base_model_name_or_path": str(options.base)}
     inputs.adapter = adapter_from_source(layout.folder, cfg, DcpSource(store, adapter_map))
-    inputs.notices.append(
-        f"LoRA r={common} (from the shapes) on {', '.join(targets)}, lora_alpha {options.lora_alpha:g} (--lora-alpha)."
+    inputs.infos.append(  # information, not a warning; the front ends say "from your answer" for the flag
+        f"LoRA r={common} (from the shapes) on {', '.join(targets)}, lora_alpha {options.lora_alpha:g}, from --lora-alpha."
     )
     base = open_model(options.base)
     inputs.closers.append(base)

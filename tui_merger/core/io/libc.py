@@ -50,3 +50,18 @@ def trim_heap() -> None:
     trim = function("malloc_trim", "c_int", "c_size_t")
     if trim is not None:
         trim(0)
+
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc malloc.h)
+LARGE_BLOCK = 1 << 20
+
+
+@functools.cache
+def large_blocks_mapped() -> bool:
+    """Pin glibc's mmap threshold at 1 MiB, once per process: every larger block (a row block being
+    converted, a tensor being compared) is then its own mapping, handed back to the OS when freed. Left
+    dynamic, glibc raises the threshold to 32 MiB after the first large free, and from then on the engine's
+    16 MB blocks come from the threads' arenas, which keep them: an 8-rank 3B FSDP merge with verification
+    peaked at 1,094 MiB that way and at 575 MiB pinned. False where there is no glibc."""
+    mallopt = function("mallopt", "c_int", "c_int", "c_int")
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK))

@@ -26,6 +26,7 @@ from tui_merger.core.events import (
 )
 from tui_merger.core.formats.adapter import empty_adapter
 from tui_merger.core.formats.combine import export_adapter_folder, overlap_summary
+from tui_merger.core.io import libc
 from tui_merger.core.io.files import copy_files, edited_config
 from tui_merger.core.formats.inputs import open_inputs, paths_of
 from tui_merger.core.merge.journal import Journal, ShardHasher, fingerprint
@@ -58,6 +59,7 @@ def run_merge(
     cancel = cancel or CancelToken()
     started = time.perf_counter()
     result = MergeResult(out=options.out)
+    libc.large_blocks_mapped()  # blocks of 16 MB freed back to the OS, not kept in the threads' arenas
 
     def notice(level: str, message: str) -> None:
         if level == "warning":

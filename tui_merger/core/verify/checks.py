@@ -152,6 +152,7 @@ def merge_prewarmed(options: MergeOptions, on_event: EventSink, cancel: CancelTo
     fails, what was started for the verification is stopped before the error goes on."""
     from tui_merger.core.merge.engine import run_merge
 
+    libc.large_blocks_mapped()  # before the checks' threads start (see run_merge)
     sink = prewarming(options, on_event, behaviour)
     try:
         return run_merge(options, sink, cancel)
@@ -337,6 +338,7 @@ def verify_merge(
     started = time.perf_counter()
     out = Path(out)
     cancel = cancel or CancelToken()
+    libc.large_blocks_mapped()  # as run_merge: large blocks freed back to the OS
     if not (out / "config.json").is_file():
         raise MergeError(f"{out} has no config.json; point verify at a merged model folder.")
     options = options or options_from_manifest(out)
