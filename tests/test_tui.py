@@ -209,6 +209,39 @@ async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_mer
     assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
 
 
+async def test_a_recorded_zero_alpha_gets_the_field_and_the_value_is_merged(workspace, tmp_path):
+    """Issue 38: an adapter recording lora_alpha 0 showed the error with no field (a dead end), and the
+    engine refused the value even when given. The field says why it is asked, the error tells the user
+    to type in it, and the typed value is merged."""
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(workspace / name, ws / name)
+    cfg_path = ws / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["lora_alpha"] = 0
+    cfg["base_model_name_or_path"] = str(ws / "base")
+    cfg_path.write_text(json.dumps(cfg))
+    app = MergeApp(ws)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        alpha = app.screen.query_one("#alpha", Input)
+        assert alpha.display and alpha.placeholder == ""  # no default: 0 would change nothing
+        assert "records 0, which would change nothing" in str(app.screen.query_one("#alpha-label", Static).content)
+        findings = text(app, "#findings")
+        assert "lora_alpha is 0" in findings and '"LoRA alpha"' in findings and "--lora-alpha" not in findings
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        alpha.value = "32"
+        await recheck(pilot, app)
+        assert 'alpha=32 (from "LoRA alpha")' in text(app, "#plan-text")
+        assert "lora_alpha is 0" not in text(app, "#findings")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
+    manifest = read_manifest(out)
+    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+
+
 async def test_a_named_base_that_does_not_fit_gets_the_base_field_and_a_fitting_proposal(workspace, tmp_path):
     """Issue 38 item 3: the adapter names a base that is here but is another model (shapes do not fit):
     Review showed the error with no base field and no proposal (a dead end), though a model that fits

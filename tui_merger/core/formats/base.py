@@ -189,8 +189,9 @@ class Format:
         """Model kinds: the base's ``TensorSource`` (names as ``save_pretrained`` writes them)."""
         raise NotImplementedError
 
-    def open_adapter(self, path: Path, base_names):
-        """Adapter kinds: the adapter as a ``PeftAdapter``, its names those of ``base_names``."""
+    def open_adapter(self, path: Path, base_names, alpha_given: bool = False):
+        """Adapter kinds: the adapter as a ``PeftAdapter``, its names those of ``base_names``.
+        ``alpha_given``: the user's --lora-alpha replaces the recorded one next, so a recorded 0 is no refusal."""
         raise NotImplementedError
 
     # -- verification -------------------------------------------------------------------------------

@@ -209,11 +209,10 @@ def _raw_one(folder: Path, add, given_alpha=None) -> dict | None:
             from tui_merger.core.formats.adapter import no_alpha_sentence
 
             add(Finding("lora-alpha", WARNING, no_alpha_sentence(path)))
-    elif not cfg.get("lora_alpha") and not cfg.get("alpha_pattern"):
+    elif not cfg.get("lora_alpha") and not cfg.get("alpha_pattern") and given_alpha is None:
         add(Finding(
             "lora-alpha", ERROR,
-            f"lora_alpha is 0 in {path}, so the adapter would change nothing.",
-            "Set lora_alpha to the value used in training.",
+            f"lora_alpha is 0 in {path}, so the adapter would change nothing; pass --lora-alpha with the value used in training.",
         ))
     _check_rank(folder, cfg, add)
     return cfg

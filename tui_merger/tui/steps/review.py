@@ -64,7 +64,7 @@ class ReviewStep(Step, Vertical):
             replace.display = False  # shown when the output folder holds files
             yield replace
             yield Static(id="plan-text")
-            yield Label("LoRA alpha used in training (the checkpoint does not record it)", classes="field alpha-field")
+            yield Label("LoRA alpha used in training (the checkpoint does not record it)", id="alpha-label", classes="field alpha-field")
             yield Input(id="alpha", type="number", classes="alpha-field")
             yield Label("Weight of this adapter (1 = as trained; e.g. 0.7 to blend it with others)", classes="field weight-field")
             yield Input("1", id="weight", classes="weight-field")
@@ -165,7 +165,7 @@ class ReviewStep(Step, Vertical):
 
     # -- entering --------------------------------------------------------------------------------
     def enter(self) -> None:
-        from tui_merger.core.plan.choices import alpha_default, can_weight, is_checkpoint, models_found, needs_alpha, needs_base
+        from tui_merger.core.plan.choices import alpha_default, alpha_why, can_weight, is_checkpoint, models_found, needs_alpha, needs_base
 
         wizard = self.wizard
         c = wizard.candidate
@@ -177,6 +177,7 @@ class ReviewStep(Step, Vertical):
                 w.display = shown
         default = alpha_default(c)  # an empty alpha: the merge's default (peft's 8), said in the field
         self.query_one("#alpha", Input).placeholder = f"empty: {default:g}, peft's default" if default is not None else ""
+        self.query_one("#alpha-label", Label).update(f"LoRA alpha used in training ({alpha_why(c)})")
         checkpoint = is_checkpoint(c)
         self.query_one("#settings-label", Label).update(CHECKPOINT_SETTINGS if checkpoint else SETTINGS)
         for selector, choices in (("#dtype", CHECKPOINT_DTYPES if checkpoint else DTYPES),
