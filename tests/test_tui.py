@@ -1187,21 +1187,34 @@ async def test_a_format_the_engine_refuses_is_said_and_the_previous_one_kept(tmp
         assert not wizard.plan.blocked and "ERROR" not in text(app, "#findings"), text(app, "#findings")
 
 
-def test_a_long_path_is_broken_after_a_slash_never_inside_a_name():
-    """Issue 38 item 14: at 80 columns a terminal folds a long path wherever the edge falls
-    ("base-run-2026-1" / "2-04"); fold_path breaks it after a "/", or inside a long name after a "-"."""
-    from tui_merger.tui.steps.common import fold_path
+async def test_a_long_path_on_finish_is_shown_whole_and_copied_whole(workspace, tmp_path):
+    """Issue 38 item 14 and its remains: at 80 columns Finish broke the model folder after a "/" with real
+    newlines, so a copied path kept them. The summary's text holds the whole path, on a line of its own;
+    Textual folds it on screen (every drawn line fits), and what the app copies (its selection's text,
+    which Ctrl+C puts on the clipboard) is the path itself."""
+    from textual.geometry import Region
+    from textual.selection import Selection
 
-    path = "/tmp/b-walk/projects/llama-finetune-experiments/run-2026-12-04/base-run-2026-12-04-r8-20261204"
-    lines = fold_path(path, 76).splitlines()
-    assert lines == ["/tmp/b-walk/projects/llama-finetune-experiments/run-2026-12-04/",
-                     "base-run-2026-12-04-r8-20261204"]
-    assert fold_path("/short/path", 76) == "/short/path"
-    long_name = "/m/" + "-".join(["segment"] * 12)  # one name longer than the width: broken after a "-"
-    lines = fold_path(long_name, 30).splitlines()
-    assert "".join(lines) == long_name and all(len(line) <= 30 for line in lines)
-    assert all(line.endswith(("/", "-")) for line in lines[:-1])
-    assert fold_path("x" * 20, 8).splitlines() == ["x" * 8, "x" * 8, "x" * 4]  # nowhere to break: folded
+    out = tmp_path / "projects" / "llama-finetune-experiments" / "run-2026-12-04" / "base-run-2026-12-04-r8-20261204"
+    out.parent.mkdir(parents=True)
+    app = MergeApp(workspace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
+        await pilot.pause()
+        summary = app.screen.query_one("#summary", Static)
+        assert len(str(out)) > summary.size.width  # the case: the path is longer than a line
+        assert f"\n{out} (verified)." in plain(app, "#summary")  # the text holds the path whole, from a line's start
+        drawn = [s.text for s in summary.render_lines(Region(0, 0, summary.size.width, summary.size.height))]
+        assert all(len(line.rstrip()) <= summary.size.width for line in drawn)
+        assert str(out) not in "\n".join(drawn) and str(out) in "".join(line.rstrip() for line in drawn)  # folded on screen
+        app.screen.selections = {summary: Selection(None, None)}  # select all of it, as a mouse drag does
+        copied = app.screen.get_selected_text()
+        assert f"\n{out} (verified)." in copied, copied
 
 
 async def test_the_folder_itself_is_named_and_a_local_base_is_on_this_machine(workspace):
