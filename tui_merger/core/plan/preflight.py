@@ -378,8 +378,8 @@ def _check_against_adapter_side(adapter: Path, who: str, base: Path, base_config
         if not same:
             add(Finding(
                 "base-name", WARNING,
-                f"{who} was trained on {named}, but the base given is {base}.",
-                "Use the base the adapter names, unless this folder is a copy of it.",
+                f"{who} names {named} as its base, but the base given is {base}.",
+                "Check that this folder holds the model the adapter was trained on (the one it names, or a copy).",
             ))
     other, where = _adapter_side_config(adapter)
     whose = "the adapter's" if who == "The adapter" else f"{who[4:]}'s"

@@ -39,6 +39,7 @@ class ReviewStep(Step, Vertical):
         self._proposals: list = []  # [(path, why)]: the models here that fit an adapter whose base is not here
         self._searched = False  # the proposals were looked for (none found: the note says so)
         self._misfit = None  # the adapter (path) whose named base the plan found not to fit: base field shown
+        self._suggested = ("", "")  # (the output folder we put in the field, the name it came from)
         self._from_top = False  # the next plan shown scrolls the form to its top (entering the step)
         self._format_ok = ""  # the output format of the last plan that the engine could write ("": default)
         self._format_refusal = ""  # the engine's sentence refusing the format chosen last (shown under it)
@@ -381,8 +382,13 @@ class ReviewStep(Step, Vertical):
 
         wizard = self.wizard
         out_input = self.query_one("#out", Input)
-        if options.out is None:  # first plan: propose the suggested name (never a taken one), then plan again
+        # first plan: propose the suggested name (never a taken one), then plan again; and again when the
+        # name follows another base (a proposed one in place of a named base that did not fit) while the
+        # field still holds our suggestion, untouched
+        ours, named = self._suggested
+        if options.out is None or (plan.suggested_out and out_input.value == ours and plan.suggested_out != named):
             out_input.value = str(free_output(default_out_folder(wizard.candidate)[0] / plan.suggested_out))
+            self._suggested = (out_input.value, plan.suggested_out)
             show_end(out_input)  # the suggested name, not only the start of its folder
             self.replan()
             return
