@@ -98,9 +98,26 @@ class ReviewStep(Step, Vertical):
         return self.wizard.running is not None, bool(status), "Merge >", status
 
     def refused(self) -> None:
-        if self.blocked_reason():  # say why nothing happens
-            self.app.notify(f"Not yet: {self.blocked_reason()}.", severity="warning", timeout=4)
-            self.query_one("#problems").scroll_home(animate=False)
+        if not self.blocked_reason():
+            return
+        ack = self.query_one("#ack", Checkbox)
+        if ack.display and not ack.value:  # only the tick box stands in the way: take the user to it
+            base, accepted = self.query_one("#base", Input), ""
+            if base.display and base.value in [str(p) for p, _ in self._proposals] and base.value != self._accepted:
+                self._accepted = base.value  # ctrl+n accepts the proposed base, as its note says
+                accepted = f"Base accepted: {base.value}. "
+                self._show_ack()
+                self.wizard.refresh_nav()
+                if not self.blocked_reason():
+                    self.app.notify(f"{accepted}ctrl+n again starts the merge.", timeout=5)
+                    return
+            n = len(self._open_warnings())
+            ack.focus()  # scrolled into sight under the warnings; space ticks it
+            self.app.notify(f"{accepted}{n} warning{'s' * (n != 1)} under Checks: read {'them' if n != 1 else 'it'}, "
+                            "then tick the box (space) to go on.", severity="warning", timeout=6)
+            return
+        self.app.notify(f"Not yet: {self.blocked_reason()}.", severity="warning", timeout=4)  # say why nothing happens
+        self.query_one("#problems").scroll_home(animate=False)
 
     def advance(self) -> None:
         if self.accepts_proposal():
