@@ -268,6 +268,19 @@ async def test_a_named_base_that_does_not_fit_gets_the_base_field_and_a_fitting_
         assert f"the base the adapter names, {wrong}, does not fit it" in note and "Proposed" in note
         assert not wizard.plan.of("error") and wizard.options.base == ws / "base"
         assert base.has_focus
+        # the walk at 80x24: the suggested output was named after the model that does not fit; the warning
+        # told the user to use it; ctrl+n ("accepts it", says the note) scrolled the checks away from the box
+        assert Path(app.screen.query_one("#out", Input).value).name.startswith("base-ws-")
+        findings = text(app, "#findings")
+        assert f"names {wrong} as its base" in findings and "Use the base the adapter names" not in findings
+        warnings = [f.id for f in wizard.plan.of("warning")]
+        assert "base-name" in warnings and len(warnings) > 1  # the named model's config differs too
+        await pilot.press("ctrl+n")
+        ack = app.screen.query_one("#ack", Checkbox)
+        assert wizard.step == "review" and ack.display and ack.has_focus and not ack.value
+        assert ack.region.height and app.screen.query_one("#problems").region.contains_region(ack.region)  # in sight
+        await pilot.press("space")
+        assert ack.value and not app.screen.query_one("#next", Button).disabled
 
 
 async def test_full_run_to_a_verified_model(workspace, tmp_path):
