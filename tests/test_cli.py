@@ -241,6 +241,34 @@ def test_lora_alpha_given_over_a_recorded_one_is_used_and_said(pair, tmp_path):
     assert same.returncode == 0 and "from --lora-alpha" not in same.stdout  # the recorded value: nothing to say
 
 
+def test_lora_alpha_given_over_a_recorded_zero_is_used_and_said(pair, tmp_path):
+    """Issue 38: a recorded lora_alpha of 0 (which would change nothing) plus --lora-alpha was refused by
+    the adapter reader. The user's value is used, said, recorded, and equals peft's merge at that alpha;
+    without --lora-alpha it is still refused, in one sentence that says what to pass."""
+    import json
+
+    base, adapter = pair
+    zero = _adapter_copy(adapter, tmp_path / "zero", lora_alpha=0)
+    told = _adapter_copy(adapter, tmp_path / "told", lora_alpha=32)
+    refused = run_cli("merge", "--base", base, "--adapter", zero, "--out", tmp_path / "no", "--dry-run")
+    assert refused.returncode == 1 and "lora_alpha is 0" in refused.stdout and "pass --lora-alpha" in refused.stdout
+    out = tmp_path / "merged"
+    proc = run_cli("merge", "--base", base, "--adapter", zero, "--out", out, "--lora-alpha", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "alpha 32, from --lora-alpha, instead of the 0 recorded in" in proc.stderr
+    manifest = json.loads((out / "merge_manifest.json").read_text())
+    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+    assert all(c["status"] == "pass" for c in manifest["verification"]["checks"])
+    _, want, _ = reference(base, told)
+    from factory import read_output
+
+    got = read_output(out)
+    assert any(not torch.equal(got[k], v) for k, v in reference(base, adapter)[1].items() if k in got)  # not alpha 8
+    for key, value in want.items():
+        if key in got:
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=0)
+
+
 def test_adapter_option_without_base_takes_the_base_the_adapter_names(pair, tmp_path):
     """Issue 38 item 10: `merge --adapter A --out O` failed ("Say what to merge") when A names a base on
     this machine, while `merge A --out O` worked. Both take it; one that names no local base is told

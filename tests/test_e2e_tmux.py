@@ -3,6 +3,7 @@ a finished, verified merge, through Try it (both models answer the prompt); then
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -10,10 +11,13 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tui_merger.core.record.manifest import read_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -174,3 +178,133 @@ def test_run_it_locally_from_finish_in_a_real_terminal(tmp_path):
     [gguf_file] = out.glob("*-Q4_K_M.gguf")
     assert gguf_file.with_suffix(".Modelfile").is_file()
     assert read_manifest(out)["gguf"][0]["check"]["status"] == "passed"
+
+
+# -- the terminal going away (the note after issue 38: a `tui-merger demo` whose tmux session was killed
+# kept running at 95 % CPU; Textual's input thread reads nothing from a closed terminal, forever) ---------
+# the real app, with each finished shard of a merge marked by a file and a pause after it (so that the
+# test can close the terminal mid-merge, gated by those files, not by timing) and small shards
+SLOW_APP = """
+import sys, time
+from pathlib import Path
+import tui_merger.core.merge.engine as engine
+marks = Path(sys.argv[2])
+real = engine._write_shard
+def announced(path, *args, **kwargs):
+    digest = real(path, *args, **kwargs)
+    marks.mkdir(exist_ok=True)
+    (marks / path.name).touch()
+    time.sleep(1.0)
+    return digest
+engine._write_shard = announced
+from textual.widgets import Input
+from tui_merger.tui import app as appmod
+mount = appmod.MergeApp.on_mount
+def on_mount(self):
+    mount(self)
+    self.call_after_refresh(lambda: setattr(self.wizard.query_one("#shard", Input), "value", "300KB"))
+appmod.MergeApp.on_mount = on_mount
+from tui_merger.cli import leave, launch
+leave(launch(Path(sys.argv[1])))
+"""
+
+
+@pytest.fixture(scope="module")
+def demo_ws(tmp_path_factory):
+    from tui_merger.demo import build_demo
+
+    ws = tmp_path_factory.mktemp("lost") / "ws"
+    build_demo(ws)
+    return ws
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _start_app(tmux, tmp_path, command: str, pre: str = "") -> int:
+    """The app under a shell in tmux; returns the app's pid (the shell writes it, then execs the app)."""
+    pid_file = tmp_path / "app.pid"
+    env = f"PYTHONPATH={shlex.quote(str(ROOT))} HF_HUB_OFFLINE=1 XDG_STATE_HOME={shlex.quote(str(tmp_path / 'state'))}"
+    inner = f"echo $$ > {shlex.quote(str(pid_file))}; exec env {env} {command}"
+    tmux.start(f"{pre}sh -c {shlex.quote(inner)}", tmp_path)
+    end = time.monotonic() + 30
+    while not pid_file.is_file() or not pid_file.read_text().strip():
+        assert time.monotonic() < end, "the app did not start"
+        time.sleep(0.1)
+    return int(pid_file.read_text())
+
+
+@pytest.mark.parametrize("how", ["hangup", "hangup-ignored", "no-signal"])
+def test_the_app_leaves_when_its_terminal_goes(demo_ws, tmp_path, how):
+    """tmux's session killed: the app gets SIGHUP ("hangup"); one started with SIGHUP ignored (nohup, a
+    `trap '' HUP`) gets it too, as the app asks for it; one in another session ("no-signal", setsid: no
+    SIGHUP reaches it) sees its terminal closed. Each is gone within a few seconds, not left spinning."""
+    tmux = Tmux(tmp_path)
+    pre = {"hangup": "", "hangup-ignored": "trap '' HUP; ", "no-signal": "setsid -w "}[how]
+    command = f"{shlex.quote(sys.executable)} -m tui_merger {shlex.quote(str(demo_ws))}"
+    try:
+        pid = _start_app(tmux, tmp_path, command, pre=pre)  # setsid: the shell that execs the app in a session of its own
+        tmux.wait_for("LoRA rank 8, alpha 16")
+    finally:
+        tmux.kill()
+    try:
+        assert _gone_within(pid, 5), f"the app ({how}) still runs 5 s after its terminal went away"
+    finally:
+        subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+
+
+def test_a_merge_running_when_the_terminal_goes_stops_as_ctrl_c_and_resumes(demo_ws, tmp_path):
+    """A merge in the app's own thread when tmux's session is killed: it stops as Ctrl-C stops the command
+    line's (the finished shards kept, nothing that looks like a model), the app is gone within a few
+    seconds, and the same merge run again resumes to the same bytes as a merge never stopped."""
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(demo_ws / name, ws / name)
+    config = ws / "adapter" / "adapter_config.json"
+    config.write_text(config.read_text().replace(json.dumps(str(demo_ws / "base")), json.dumps(str(ws / "base"))))
+    marks = tmp_path / "marks"
+    script = tmp_path / "slow_app.py"
+    script.write_text(SLOW_APP)
+    tmux = Tmux(tmp_path)
+    try:
+        pid = _start_app(tmux, tmp_path, f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} "
+                                         f"{shlex.quote(str(ws))} {shlex.quote(str(marks))}")
+        tmux.wait_for("LoRA rank 8, alpha 16")
+        tmux.keys("C-n")
+        tmux.wait_for("every check passed")
+        tmux.keys("C-n")
+        end = time.monotonic() + 90
+        while len(list(marks.glob("*"))) < 2:
+            assert time.monotonic() < end, tmux.screen()
+            time.sleep(0.05)
+    finally:
+        tmux.kill()
+    try:
+        assert _gone_within(pid, 5), "the app still runs 5 s after its terminal went away mid-merge"
+    finally:
+        subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+    [partial] = ws.glob(".*.tui-merger-partial")
+    out = ws / partial.name[1:-len(".tui-merger-partial")]
+    assert not out.exists()
+    args = ["merge", "--base", str(ws / "base"), "--adapter", str(ws / "adapter"), "--shard-size", "300KB", "--no-verify"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "XDG_STATE_HOME": str(tmp_path / "state")}
+    resumed = subprocess.run([sys.executable, "-m", "tui_merger", *args, "--out", str(out)], capture_output=True,
+                             text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming an interrupted merge: " in resumed.stderr, resumed.stderr
+    reference = tmp_path / "reference"
+    whole = subprocess.run([sys.executable, "-m", "tui_merger", *args, "--out", str(reference)], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    skip = ("merge_manifest.json", "README.md", ".tui-merger-unverified.json")
+    ours = {p.name: p.read_bytes() for p in out.iterdir() if p.name not in skip}
+    theirs = {p.name: p.read_bytes() for p in reference.iterdir() if p.name not in skip}
+    assert sorted(ours) == sorted(theirs) and all(ours[n] == theirs[n] for n in theirs)

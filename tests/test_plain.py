@@ -217,6 +217,32 @@ def test_an_adapter_without_lora_alpha_is_asked_for_it_and_the_answer_merged(ws,
     assert (got[changed].float() - want[changed].float()).abs().max() < (got[changed].float() - at_eight[changed].float()).abs().max()
 
 
+def test_a_recorded_zero_alpha_is_asked_for_and_no_line_names_a_flag(ws):
+    """Issue 38: an adapter recording lora_alpha 0 could not be merged with the user's value, and the
+    merge's progress said "from --lora-alpha" to a user who never typed a flag. The flow says why it
+    asks, needs an answer (0 would change nothing), uses it, and says it in the flow's words."""
+    set_json(ws / "adapter" / "adapter_config.json", lora_alpha=0)
+    code, out = lines(
+        ws,
+        "1",  # the adapter
+        "",  # no answer: one is needed here (no default)
+        "32",  # lora_alpha used in training
+        "",  # output folder
+        "1",  # Start the merge
+        "",  # Try it? No
+        "4",  # Done
+    )
+    assert code == 0, out
+    assert "the checkpoint records 0, which would change nothing" in out
+    assert "empty: 8" not in out  # peft's default is not what an empty answer would mean here
+    assert "--lora-alpha" not in out and "--base" not in out, out
+    merge = out.split("Step 3 of 5")[1]
+    assert "alpha 32, from your answer, instead of the 0 recorded in" in merge
+    [merged] = merged_folders(ws)
+    assert json.loads((merged / MANIFEST_NAME).read_text())["adapter"]["alpha"] == 32
+    assert all(c["status"] == "pass" for c in verification(merged)["checks"])
+
+
 def test_failed_merge_is_one_sentence_and_the_flow_goes_back_to_review(ws, monkeypatch):
     weights = ws / "base" / "model.safetensors"
     real_plan = plain.make_plan

@@ -414,3 +414,42 @@ def test_ctrl_c_during_verification_says_the_model_is_complete_not_verified(inpu
                            env=env(tmp_path), timeout=300)
     assert again.returncode == 0 and "it is kept and verified now" in again.stderr + again.stdout
     same_model(out, reference)
+
+
+@pytest.mark.parametrize("how", ["interrupt", "cancel"])
+def test_a_token_interrupt_keeps_the_shards_and_a_cancel_removes_them(inputs, tmp_path, monkeypatch, how):
+    """The assistant's merge runs in a thread, stopped by its CancelToken. When the app loses its terminal
+    (SIGHUP, SIGTERM, a closed tty) it stops the merge as Ctrl-C stops the command line's
+    (``interrupt``): the finished shards are kept and the same merge resumes to the same bytes. The
+    user's Cancel (``cancel``) removes the partial output, as its dialog says."""
+    import tui_merger.core.merge.engine as engine
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken
+
+    base, adapter, reference = inputs
+    out = tmp_path / "merged"
+    partial = tmp_path / ".merged.tui-merger-partial"
+    token = CancelToken()
+    real, written = engine._write_shard, []
+
+    def then_stop(path, *args, **kwargs):
+        digest = real(path, *args, **kwargs)
+        written.append(path.name)
+        if len(written) == 3:
+            getattr(token, how)()
+        return digest
+
+    monkeypatch.setattr(engine, "_write_shard", then_stop)
+    options = MergeOptions(base=base, adapter=adapter, out=out, shard_size=SHARD)
+    with pytest.raises(MergeCancelled) as stopped:
+        run_merge(options, cancel=token, fsync=False)
+    assert not out.exists()
+    if how == "cancel":
+        assert not partial.exists() and str(stopped.value) == "Merge cancelled; nothing was written."
+        return
+    kept = journaled(partial)
+    assert kept == 3 and f"the {kept} finished shard(s) are kept in {partial}" in str(stopped.value)
+    monkeypatch.setattr(engine, "_write_shard", real)
+    run_merge(options, fsync=False)
+    assert not partial.exists()
+    same_model(out, reference)

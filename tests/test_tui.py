@@ -209,6 +209,39 @@ async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_mer
     assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
 
 
+async def test_a_recorded_zero_alpha_gets_the_field_and_the_value_is_merged(workspace, tmp_path):
+    """Issue 38: an adapter recording lora_alpha 0 showed the error with no field (a dead end), and the
+    engine refused the value even when given. The field says why it is asked, the error tells the user
+    to type in it, and the typed value is merged."""
+    ws = tmp_path / "ws"
+    for name in ("base", "adapter"):
+        shutil.copytree(workspace / name, ws / name)
+    cfg_path = ws / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["lora_alpha"] = 0
+    cfg["base_model_name_or_path"] = str(ws / "base")
+    cfg_path.write_text(json.dumps(cfg))
+    app = MergeApp(ws)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        alpha = app.screen.query_one("#alpha", Input)
+        assert alpha.display and alpha.placeholder == ""  # no default: 0 would change nothing
+        assert "records 0, which would change nothing" in str(app.screen.query_one("#alpha-label", Static).content)
+        findings = text(app, "#findings")
+        assert "lora_alpha is 0" in findings and '"LoRA alpha"' in findings and "--lora-alpha" not in findings
+        out = tmp_path / "merged"
+        app.screen.query_one("#out", Input).value = str(out)
+        alpha.value = "32"
+        await recheck(pilot, app)
+        assert 'alpha=32 (from "LoRA alpha")' in text(app, "#plan-text")
+        assert "lora_alpha is 0" not in text(app, "#findings")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        assert "PASSED" in text(app, "#verify-status")
+    manifest = read_manifest(out)
+    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+
+
 async def test_a_named_base_that_does_not_fit_gets_the_base_field_and_a_fitting_proposal(workspace, tmp_path):
     """Issue 38 item 3: the adapter names a base that is here but is another model (shapes do not fit):
     Review showed the error with no base field and no proposal (a dead end), though a model that fits
@@ -235,6 +268,19 @@ async def test_a_named_base_that_does_not_fit_gets_the_base_field_and_a_fitting_
         assert f"the base the adapter names, {wrong}, does not fit it" in note and "Proposed" in note
         assert not wizard.plan.of("error") and wizard.options.base == ws / "base"
         assert base.has_focus
+        # the walk at 80x24: the suggested output was named after the model that does not fit; the warning
+        # told the user to use it; ctrl+n ("accepts it", says the note) scrolled the checks away from the box
+        assert Path(app.screen.query_one("#out", Input).value).name.startswith("base-ws-")
+        findings = text(app, "#findings")
+        assert f"names {wrong} as its base" in findings and "Use the base the adapter names" not in findings
+        warnings = [f.id for f in wizard.plan.of("warning")]
+        assert "base-name" in warnings and len(warnings) > 1  # the named model's config differs too
+        await pilot.press("ctrl+n")
+        ack = app.screen.query_one("#ack", Checkbox)
+        assert wizard.step == "review" and ack.display and ack.has_focus and not ack.value
+        assert ack.region.height and app.screen.query_one("#problems").region.contains_region(ack.region)  # in sight
+        await pilot.press("space")
+        assert ack.value and not app.screen.query_one("#next", Button).disabled
 
 
 async def test_full_run_to_a_verified_model(workspace, tmp_path):
@@ -1154,21 +1200,34 @@ async def test_a_format_the_engine_refuses_is_said_and_the_previous_one_kept(tmp
         assert not wizard.plan.blocked and "ERROR" not in text(app, "#findings"), text(app, "#findings")
 
 
-def test_a_long_path_is_broken_after_a_slash_never_inside_a_name():
-    """Issue 38 item 14: at 80 columns a terminal folds a long path wherever the edge falls
-    ("base-run-2026-1" / "2-04"); fold_path breaks it after a "/", or inside a long name after a "-"."""
-    from tui_merger.tui.steps.common import fold_path
+async def test_a_long_path_on_finish_is_shown_whole_and_copied_whole(workspace, tmp_path):
+    """Issue 38 item 14 and its remains: at 80 columns Finish broke the model folder after a "/" with real
+    newlines, so a copied path kept them. The summary's text holds the whole path, on a line of its own;
+    Textual folds it on screen (every drawn line fits), and what the app copies (its selection's text,
+    which Ctrl+C puts on the clipboard) is the path itself."""
+    from textual.geometry import Region
+    from textual.selection import Selection
 
-    path = "/tmp/b-walk/projects/llama-finetune-experiments/run-2026-12-04/base-run-2026-12-04-r8-20261204"
-    lines = fold_path(path, 76).splitlines()
-    assert lines == ["/tmp/b-walk/projects/llama-finetune-experiments/run-2026-12-04/",
-                     "base-run-2026-12-04-r8-20261204"]
-    assert fold_path("/short/path", 76) == "/short/path"
-    long_name = "/m/" + "-".join(["segment"] * 12)  # one name longer than the width: broken after a "-"
-    lines = fold_path(long_name, 30).splitlines()
-    assert "".join(lines) == long_name and all(len(line) <= 30 for line in lines)
-    assert all(line.endswith(("/", "-")) for line in lines[:-1])
-    assert fold_path("x" * 20, 8).splitlines() == ["x" * 8, "x" * 8, "x" * 4]  # nowhere to break: folded
+    out = tmp_path / "projects" / "llama-finetune-experiments" / "run-2026-12-04" / "base-run-2026-12-04-r8-20261204"
+    out.parent.mkdir(parents=True)
+    app = MergeApp(workspace)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
+        await pilot.pause()
+        summary = app.screen.query_one("#summary", Static)
+        assert len(str(out)) > summary.size.width  # the case: the path is longer than a line
+        assert f"\n{out} (verified)." in plain(app, "#summary")  # the text holds the path whole, from a line's start
+        drawn = [s.text for s in summary.render_lines(Region(0, 0, summary.size.width, summary.size.height))]
+        assert all(len(line.rstrip()) <= summary.size.width for line in drawn)
+        assert str(out) not in "\n".join(drawn) and str(out) in "".join(line.rstrip() for line in drawn)  # folded on screen
+        app.screen.selections = {summary: Selection(None, None)}  # select all of it, as a mouse drag does
+        copied = app.screen.get_selected_text()
+        assert f"\n{out} (verified)." in copied, copied
 
 
 async def test_the_folder_itself_is_named_and_a_local_base_is_on_this_machine(workspace):

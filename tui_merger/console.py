@@ -13,8 +13,9 @@ class PlainProgress:
     """Line-per-step output for logs, CI and dumb terminals: at most one progress line every few
     seconds or every 10%, so logs stay readable."""
 
-    def __init__(self, stream=None, interval: float = 5.0) -> None:
+    def __init__(self, stream=None, interval: float = 5.0, words=None) -> None:
         self.stream = stream or sys.stderr
+        self.words = words or (lambda text: text)  # the engine's sentences name flags; a front end may say them its way
         self.interval = interval
         self._last_time = 0.0
         self._last_decile = -1
@@ -26,9 +27,9 @@ class PlainProgress:
     def __call__(self, event: Event) -> None:
         if isinstance(event, PhaseStarted):
             self._last_decile, self._started = -1, time.monotonic()
-            self._print(f"[{event.phase}] {event.message}")
+            self._print(f"[{event.phase}] {self.words(event.message)}")
         elif isinstance(event, Notice):
-            self._print(f"{event.level}: {event.message}")
+            self._print(f"{event.level}: {self.words(event.message)}")
         elif isinstance(event, TensorProgress):
             frac = event.bytes_done / event.bytes_total if event.bytes_total else 1.0
             decile = int(frac * 10)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tui_merger.cli.common import VERIFY_FAILED, print_report
 from tui_merger.console import PlainProgress
-from tui_merger.core.plan.choices import (alpha_default, default_out_folder, free_output, needs_alpha, options_for,
-                                          parse_more_adapters, proposed, why_not_mergeable)
+from tui_merger.core.plan.choices import (alpha_default, alpha_why, default_out_folder, free_output, needs_alpha,
+                                          options_for, parse_more_adapters, proposed, why_not_mergeable)
 from tui_merger.core.errors import MergeCancelled, MergeError
 from tui_merger.core.events import Notice
 from tui_merger.core.formats.scan import scan, shown
@@ -254,6 +254,7 @@ class _Flow:
         self.options: MergeOptions | None = None
         self.alpha_asked = False  # the checkpoint records no lora_alpha: Review offers to change the answer
         self.alpha_default: float | None = None  # what an empty answer means (peft's 8; None: one is needed)
+        self.alpha_why = ""  # why it is asked: none recorded, or a recorded 0
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
@@ -343,7 +344,7 @@ class _Flow:
         """Options for the picked checkpoint (asking what it does not say); None when it cannot be merged."""
         self.say(f"{c.kind} at {shown(c.path)}")
         for note in c.notes:
-            self.say(f"  note: {note}")
+            self.say(f"  note: {_in_flow(note)}")
         problem = why_not_mergeable(c)
         if problem:
             self.say(f"{problem} Pick another one.")
@@ -357,6 +358,7 @@ class _Flow:
                 base = self.ask_base(self.propose_base(c))
         self.alpha_default = alpha_default(c)
         self.alpha_asked = needs_alpha(c)
+        self.alpha_why = alpha_why(c)
         options = options_for(c, base=base, lora_alpha=self.ask_alpha() if needs_alpha(c) else None)
         folder, where = default_out_folder(c)
         self.say(f"The merged model goes {where}; type another folder if you like.")
@@ -392,7 +394,7 @@ class _Flow:
     def ask_alpha(self, now: float | None = None) -> float | None:
         """The lora_alpha training used; None (an empty answer) where the merge has a default (peft's 8)."""
         default = self.alpha_default
-        self.say("The checkpoint does not record lora_alpha; look it up in the training config.")
+        self.say(f"lora_alpha: {self.alpha_why}; look up the value used in the training config.")
         if default is None:
             return float(self.ask.text("lora_alpha used in training:", default=f"{now:g}" if now else "", validate=_check_alpha))
         answer = self.ask.text(
@@ -516,7 +518,7 @@ class _Flow:
         self.step(3)
         self.say("Press Ctrl-C to cancel.")
         try:  # verification follows: its recompute and the unmerged run start while the merge writes
-            return merge_prewarmed(self.options, PlainProgress(stream=self.out))
+            return merge_prewarmed(self.options, PlainProgress(stream=self.out, words=_in_flow))
         except KeyboardInterrupt:
             from tui_merger.core.merge.output import left_on_disk
 
@@ -524,7 +526,7 @@ class _Flow:
         except MergeCancelled as err:  # stopped with finished shards kept: the sentence says where
             self.say(str(err))
         except MergeError as err:
-            self.say(f"error: {err}")
+            self.say(f"error: {_in_flow(str(err))}")
         return None
 
     def verify(self, result):
@@ -533,9 +535,9 @@ class _Flow:
 
         self.step(4)
         try:
-            _, report = finish_merge(self.options, result, on_event=PlainProgress(stream=self.out))
+            _, report = finish_merge(self.options, result, on_event=PlainProgress(stream=self.out, words=_in_flow))
         except MergeError as err:
-            self.say(f"error: {err}")
+            self.say(f"error: {_in_flow(str(err))}")
             return None
         except KeyboardInterrupt:
             self.say("Verification stopped; the model is written but not verified.")
@@ -656,7 +658,7 @@ class _Flow:
         where = self.ask.text("GGUF file (in the model folder, an upload of the folder includes it):",
                               default=str(default_out(folder, type_)), validate=_not_empty)
         try:
-            made = make_local(folder, type_, Path(where).expanduser(), on_event=PlainProgress(stream=self.out))
+            made = make_local(folder, type_, Path(where).expanduser(), on_event=PlainProgress(stream=self.out, words=_in_flow))
         except MergeError as err:
             self.say(f"error: {err}")
             return False
@@ -691,7 +693,7 @@ class _Flow:
                 self.say("Nothing was uploaded.")
                 return False
 
-        lines = PlainProgress(stream=self.out)
+        lines = PlainProgress(stream=self.out, words=_in_flow)
 
         def progress(event) -> None:
             if isinstance(event, UploadProgress):
@@ -798,6 +800,10 @@ def _check_more(text: str) -> str | None:
 
 IN_FLOW = (  # the engine's words for flags, as this flow asks them
     ("give it with --lora-alpha", 'pick "Change lora_alpha" below'),
+    ("pass --lora-alpha with the value used in training", 'pick "Change lora_alpha" below'),
+    ("the merge needs --lora-alpha", "the merge needs the lora_alpha used in training"),
+    ("pass --base with the", "give the folder of the"),
+    ("the merge needs --base", "the merge needs the base model folder"),
     ("from --lora-alpha", "from your answer"),
 )
 

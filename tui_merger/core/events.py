@@ -65,8 +65,16 @@ class CancelToken:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self.interrupted = False  # stopped as Ctrl-C stops a merge: the finished shards are kept for a resume
 
     def cancel(self) -> None:
+        """The user cancels: the partial output is removed."""
+        self._event.set()
+
+    def interrupt(self) -> None:
+        """Stopped from outside, as Ctrl-C, SIGTERM or SIGHUP stop the command line's merge (the assistant's
+        terminal went away): the finished shards are kept, and the same merge run again resumes."""
+        self.interrupted = True
         self._event.set()
 
     @property
@@ -75,7 +83,9 @@ class CancelToken:
 
     def raise_if_cancelled(self) -> None:
         if self._event.is_set():
-            raise MergeCancelled()
+            err = MergeCancelled()
+            err.interrupted = self.interrupted
+            raise err
 
 
 # -- Try it (core/ship/trial.py): the models answering a prompt ---------------------------------------

@@ -80,9 +80,12 @@ class MergeApp(App):
     CSS = CSS
     BINDINGS = [Binding("f1", "help", "Help"), Binding("ctrl+q", "quit", "Quit", priority=True)]
 
-    def __init__(self, path: Path, engine_hook=None, theme_dirs: list[Path] | None = None, today=None) -> None:
+    def __init__(self, path: Path, engine_hook=None, theme_dirs: list[Path] | None = None, today=None,
+                 watch_terminal: bool = False) -> None:
         super().__init__()
         self.start_path = Path(path)
+        self.watch_terminal = watch_terminal  # run_tui: leave when the terminal goes away (not in tests)
+        self.terminal_gone: str | None = None  # why the app is leaving without its terminal
         self.engine_hook = engine_hook
         self.today = today
         self.theme_dirs = theme_dirs or []
@@ -104,6 +107,66 @@ class MergeApp(App):
         self.theme_changed_signal.subscribe(self, self._remember_theme)
         self.wizard = Wizard(self.start_path, engine_hook=self.engine_hook, today=self.today)
         self.push_screen(self.wizard)
+        if self.watch_terminal:
+            self._watch_terminal()
+
+    # -- the terminal going away ----------------------------------------------------------------------
+    def _watch_terminal(self) -> None:
+        """SIGHUP (the terminal or SSH session closed, tmux's session killed), SIGTERM, or a terminal gone
+        without a signal (Textual's input thread then reads nothing, forever, at full CPU): leave. A
+        thread of its own does it, not the event loop: Textual's writes to a closed terminal can fill its
+        output queue and block the loop for good."""
+        import signal
+        import threading
+
+        def said(signum, frame) -> None:  # only a flag: the watcher acts on it
+            self.terminal_gone = self.terminal_gone or signal.Signals(signum).name
+
+        for sig in (signal.SIGHUP, signal.SIGTERM):
+            try:
+                signal.signal(sig, said)  # a SIGHUP ignored by nohup or `trap '' HUP` too: the terminal is gone
+            except (ValueError, OSError):  # not the main thread
+                pass
+        threading.Thread(target=self._watch, name="tui-merger-terminal", daemon=True).start()
+
+    def _watch(self) -> None:
+        import select
+        import sys
+        import time
+
+        gone = select.POLLHUP | select.POLLERR | select.POLLNVAL
+        try:
+            poll = select.poll()
+            poll.register(sys.__stdin__.fileno(), gone)
+        except (AttributeError, OSError, ValueError):
+            poll = None
+        while self.terminal_gone is None:
+            if poll is not None and any(mask & gone for _, mask in poll.poll(0)):
+                self.terminal_gone = "closed terminal"
+                break
+            time.sleep(0.25)
+        self._leave_without_terminal()
+
+    def _leave_without_terminal(self) -> None:
+        """A merge in the app's own thread stops as Ctrl-C stops the command line's: its finished shards are
+        kept and the same merge resumes (waited for, up to 30 s: the journal keeps them either way). A
+        background job keeps running; Try it and a verification stop (the model stays, not verified).
+        SIGTERM on a terminal still there closes the app as Ctrl+Q does; else the process ends here."""
+        import os
+        import threading
+
+        wizard = self.wizard
+        if wizard is not None and wizard.job is None and not wizard.merge_idle.is_set() and wizard.cancel_token is not None:
+            wizard.cancel_token.interrupt()
+            wizard.merge_idle.wait(30)
+        if self.terminal_gone == "SIGTERM":
+            threading.Timer(5, os._exit, (130,)).start()  # the loop may be blocked on the terminal
+            try:
+                self.call_from_thread(self.exit, 130)
+                return
+            except RuntimeError:  # the app has already closed
+                pass
+        os._exit(130)
 
     def _remember_theme(self, theme) -> None:
         from tui_merger import settings
@@ -165,9 +228,9 @@ class MergeApp(App):
 
 
 def run_tui(path: Path) -> int:
-    app = MergeApp(path)
+    app = MergeApp(path, watch_terminal=True)
     code = app.run()
     text = app.farewell()
-    if text:
+    if text and app.terminal_gone is None:
         print(text, flush=True)  # stdout: Textual drew on stderr, and the screen it drew is gone
     return code if isinstance(code, int) else 0

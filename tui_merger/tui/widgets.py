@@ -181,13 +181,6 @@ class CleanupDialog(ModalScreen[list | None]):
     def on_mount(self) -> None:
         self._total()
         self.query_one("#item-0").focus()
-        self.call_after_refresh(self._fold_paths)
-
-    def _fold_paths(self) -> None:
-        """The paths again, broken after a "/" at the width the layout gave them."""
-        for n, (item, text) in enumerate(zip(self.plan.items, self.query(".item-text").results(Static))):
-            if text.size.width > 8:
-                text.update(_item_text(item, text.size.width))
 
     def chosen(self) -> list:
         from textual.widgets import Checkbox
@@ -232,13 +225,11 @@ def _escape(text) -> str:
     return str(text).replace("[", r"\[")
 
 
-def _item_text(item, width: int | None = None) -> str:
+def _item_text(item) -> str:
     """A cleanup item's whole path(s), up to three (the rest counted), then why it can go, as markup;
-    with ``width``, each path broken after a "/" to fit it (never inside a name)."""
-    from tui_merger.tui.steps.common import fold_path
-
+    each path whole on a line of its own (Textual folds it at the edge: a copy is the path)."""
     paths = [str(p) for p in item.paths] or [item.label]
-    lines = [_escape(fold_path(p, width) if width else p) for p in paths[:3]]
+    lines = [_escape(p) for p in paths[:3]]
     if len(paths) > 3:
         lines.append(f"... and {len(paths) - 3} more ({_escape(item.label)})")
     return "\n".join(lines) + f"\n[dim]{_escape(item.reason)}[/dim]"

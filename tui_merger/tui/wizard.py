@@ -9,6 +9,7 @@ workers, and render the engine's events, posted to the UI as messages.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from textual import on
@@ -58,6 +59,8 @@ class Wizard(Screen):
         self.job = None  # the background job being followed (core.jobs.Job), when the merge runs detached
         self.stop_following = None  # set: stop following the job (it keeps running)
         self.cancel_token = None  # the merge's
+        self.merge_idle = threading.Event()  # cleared while a merge runs in the app's own thread
+        self.merge_idle.set()
         self.quit_when_stopped = False  # "Stop and quit": the app closes once the merge has really stopped
         self.stopped: Path | None = None  # the output of a merge stopped by "Stop and quit" (the farewell says what is left)
         self.trial_cancel = None  # Try it's

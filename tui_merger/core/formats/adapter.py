@@ -93,6 +93,8 @@ class PeftAdapter:
     alpha_from: str = ""
     alpha_notices: list[str] = field(default_factory=list)  # the notices about that default (gone with --lora-alpha)
     per_module_alpha: bool = False  # alphas are recorded per module (kohya): --lora-alpha sets every module's
+    # a --lora-alpha follows the opening (``use_alpha``): a recorded lora_alpha of 0 is not refused, it is replaced
+    alpha_given: bool = False
 
     @property
     def fan_in_fan_out(self) -> bool:
@@ -234,7 +236,9 @@ def _module_names_to_save(config: dict) -> list[str]:
     return [n for n in names if isinstance(n, str)]
 
 
-def open_adapter(folder: Path) -> PeftAdapter:
+def open_adapter(folder: Path, alpha_given: bool = False) -> PeftAdapter:
+    """A PEFT adapter folder. ``alpha_given``: the user gave --lora-alpha, which ``use_alpha`` puts in
+    place of the recorded lora_alpha, so a recorded 0 (which would change nothing) is not refused here."""
     folder = Path(folder)
     config = _read_config(folder)
     files = [f for f in ADAPTER_WEIGHTS if (folder / f).is_file()]
@@ -244,7 +248,7 @@ def open_adapter(folder: Path) -> PeftAdapter:
             "the adapter weights were not saved or not copied."
         )
     source = TensorSource(folder, files[:1])
-    adapter = PeftAdapter(folder=folder, config=config, source=source)
+    adapter = PeftAdapter(folder=folder, config=config, source=source, alpha_given=alpha_given)
     try:
         _group(adapter)
         _param_loras(adapter)
@@ -438,10 +442,17 @@ def _resolve_scales(adapter: PeftAdapter) -> None:
                 f"{mod}: adapter_config.json says r={r} but the saved tensors have rank {a_ref.shape[0]}; "
                 "the config does not belong to these weights."
             )
-        if not alpha:
+        if not alpha and key is None and adapter.alpha_given:
+            alpha = 0  # the recorded lora_alpha, which the user's --lora-alpha replaces (use_alpha)
+        elif not alpha and key is not None:  # --lora-alpha leaves alpha_pattern's entries as they are
+            raise MergeError(
+                f"alpha_pattern gives lora_alpha 0 for {mod} in {adapter.folder / 'adapter_config.json'}, so the "
+                "adapter would change nothing there; set that entry to the value used in training."
+            )
+        elif not alpha:
             raise MergeError(
                 f"lora_alpha is 0 for {mod} in {adapter.folder / 'adapter_config.json'}, so the adapter "
-                "would change nothing; set lora_alpha to the value used in training and run again."
+                "would change nothing; pass --lora-alpha with the value used in training."
             )
         entry.r = r
         entry.alpha = alpha

@@ -189,9 +189,10 @@ class Format:
         """Model kinds: the base's ``TensorSource`` (names as ``save_pretrained`` writes them)."""
         raise NotImplementedError
 
-    def open_adapter(self, path: Path, base_names, config: dict | None = None):
+    def open_adapter(self, path: Path, base_names, config: dict | None = None, alpha_given: bool = False):
         """Adapter kinds: the adapter as a ``PeftAdapter``, its names those of ``base_names`` (the base's,
-        whose ``config`` says which of them transformers takes for what)."""
+        whose ``config`` says which of them transformers takes for what). ``alpha_given``: the user's
+        --lora-alpha replaces the recorded one next, so a recorded 0 is no refusal."""
         raise NotImplementedError
 
     # -- verification -------------------------------------------------------------------------------

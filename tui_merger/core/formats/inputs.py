@@ -54,7 +54,7 @@ def _open_inputs(options: MergeOptions) -> Inputs:
         inputs.config = read_config(options.base)
         parts = []
         for path, weight in options.adapter_weights():
-            part = open_adapter(path, base.tensors, inputs.config)
+            part = open_adapter(path, base.tensors, inputs.config, alpha_given=options.lora_alpha is not None)
             inputs.closers.append(part)
             if options.lora_alpha is not None:  # the user's value: used, and said (never dropped)
                 said = use_alpha(part, options.lora_alpha)

@@ -369,7 +369,7 @@ class KohyaFormat(Format):
     def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
         return f"tui-merger merge --base {base_arg} --adapter {quote(path)} --out {quote(out)}"
 
-    def open_adapter(self, path: Path, base_names, config: dict | None = None):
+    def open_adapter(self, path: Path, base_names, config: dict | None = None, alpha_given: bool = False):  # kohya: alpha 0 means alpha = rank
         if base_names is None:
             raise MergeError(
                 f"{path} is a kohya-style LoRA file, whose module names can only be read against the base "

@@ -60,8 +60,8 @@ class PeftAdapterFormat(Format):
                 c.lora = lora_info(cfg, n_modules)
                 if c.lora["alpha"] is None:
                     c.notes.append("adapter_config.json has no lora_alpha: peft, and the merge, would use 8.")
-                elif not c.lora["alpha"]:
-                    c.notes.append("lora_alpha is 0, so the adapter changes nothing: set the training value (the merge refuses 0).")
+                elif not c.lora["alpha"] and not c.lora["alpha_pattern"]:
+                    c.notes.append("lora_alpha is 0, so the adapter changes nothing: the merge needs --lora-alpha.")
             else:
                 c.notes.append(f"a {peft_type} adapter: tui-merger merges LoRA adapters only.")
             base = cfg.get("base_model_name_or_path")
@@ -97,17 +97,19 @@ class PeftAdapterFormat(Format):
     def can_weight(self, c: Candidate) -> bool:
         return True
 
-    def needs_alpha(self, c: Candidate) -> bool:
-        return bool(c.lora) and c.lora.get("alpha") is None
+    def needs_alpha(self, c: Candidate) -> bool:  # none recorded, or a 0 that would change nothing
+        return bool(c.lora) and (c.lora.get("alpha") is None or not (c.lora.get("alpha") or c.lora.get("alpha_pattern")))
 
     def alpha_default(self, c: Candidate) -> float | None:
+        if c.lora and c.lora.get("alpha") is not None:  # a recorded 0: the user's value is needed
+            return None
         return PEFT_DEFAULT_ALPHA  # what peft itself uses
 
     def next_step(self, c: Candidate, path: str, base_arg: str, out: str) -> str:
         return f"tui-merger merge --base {base_arg} --adapter {quote(path)} --out {quote(out)}"
 
-    def open_adapter(self, path: Path, base_names, config: dict | None = None):
-        return open_adapter(path if path.is_dir() or not path.exists() else path.parent)
+    def open_adapter(self, path: Path, base_names, config: dict | None = None, alpha_given: bool = False):
+        return open_adapter(path if path.is_dir() or not path.exists() else path.parent, alpha_given=alpha_given)
 
     def reference_folder(self, adapter, tmp: Path, name: str) -> Path:
         if adapter.relayout:  # expert LoRA in an older peft's layout: the installed peft reads its own

@@ -80,13 +80,14 @@ def check_backend(path, backend: str) -> None:
     wanted.locate(path)  # raises its own sentence (no such folder, no checkpoint)
 
 
-def open_adapter(path, base_names=None, config: dict | None = None):
+def open_adapter(path, base_names=None, config: dict | None = None, alpha_given=False):
     """What --adapter names (a PEFT adapter folder, the adapter_model file inside one, a kohya-style LoRA
-    file), opened by its kind against ``base_names``, the base's tensor names."""
+    file), opened by its kind against ``base_names``, the base's tensor names. ``alpha_given``: a
+    --lora-alpha replaces the recorded alpha next (``adapter.use_alpha``), so a recorded 0 is not refused."""
     path = Path(path)
     for fmt in formats("adapter"):
         if fmt.recognizes(path):
-            return fmt.open_adapter(path, base_names, config)
+            return fmt.open_adapter(path, base_names, config, alpha_given=alpha_given)
     from tui_merger.core.formats.kohya import file_kind
 
     if path.name.endswith(".safetensors") and file_kind(path) == "peft":

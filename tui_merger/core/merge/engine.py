@@ -245,9 +245,10 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 def _stopped(err: BaseException, folder: OutputFolder, journal: Journal, options: MergeOptions) -> None:
     """After a failure: keep the finished shards for a resume when the merge was interrupted (Ctrl-C,
-    SIGTERM, SIGHUP) or the disk filled up, else remove the partial folder; raises the sentence."""
+    SIGTERM, SIGHUP; ``CancelToken.interrupt``) or the disk filled up, else remove the partial folder;
+    raises the sentence."""
     journal.wait()
-    interrupted = isinstance(err, KeyboardInterrupt)
+    interrupted = isinstance(err, KeyboardInterrupt) or getattr(err, "interrupted", False)
     no_space = isinstance(err, OSError) and err.errno in _NO_SPACE
     if journal.kept and (interrupted or no_space):
         shards = f"the {journal.kept} finished shard(s) are kept in {folder.tmp}"

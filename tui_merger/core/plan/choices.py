@@ -35,6 +35,13 @@ def needs_alpha(c) -> bool:
     return _format(c).needs_alpha(c)
 
 
+def alpha_why(c) -> str:
+    """Why the alpha is asked, in the words of a clause: none is recorded, or the recorded one is 0."""
+    if c.lora and c.lora.get("alpha") is not None and not c.lora.get("alpha"):
+        return "the checkpoint records 0, which would change nothing"
+    return "the checkpoint does not record it"
+
+
 def alpha_default(c) -> float | None:
     """The alpha the merge uses when that question is left empty (None: an answer is needed)."""
     return _format(c).alpha_default(c)

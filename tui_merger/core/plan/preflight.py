@@ -211,11 +211,10 @@ def _raw_one(folder: Path, add, given_alpha=None) -> dict | None:
             from tui_merger.core.formats.adapter import no_alpha_sentence
 
             add(Finding("lora-alpha", WARNING, no_alpha_sentence(path)))
-    elif not cfg.get("lora_alpha") and not cfg.get("alpha_pattern"):
+    elif not cfg.get("lora_alpha") and not cfg.get("alpha_pattern") and given_alpha is None:
         add(Finding(
             "lora-alpha", ERROR,
-            f"lora_alpha is 0 in {path}, so the adapter would change nothing.",
-            "Set lora_alpha to the value used in training.",
+            f"lora_alpha is 0 in {path}, so the adapter would change nothing; pass --lora-alpha with the value used in training.",
         ))
     _check_rank(folder, cfg, add)
     return cfg
@@ -390,8 +389,8 @@ def _check_against_adapter_side(adapter: Path, who: str, base: Path, base_config
         if not same:
             add(Finding(
                 "base-name", WARNING,
-                f"{who} was trained on {named}, but the base given is {base}.",
-                "Use the base the adapter names, unless this folder is a copy of it.",
+                f"{who} names {named} as its base, but the base given is {base}.",
+                "Check that this folder holds the model the adapter was trained on (the one it names, or a copy).",
             ))
     other, where = _adapter_side_config(adapter)
     whose = "the adapter's" if who == "The adapter" else f"{who[4:]}'s"

@@ -351,7 +351,9 @@ class _Planner:
         if len(paths) == 1:
             return _rel(paths[0], self.root)
         if kind == MERGED_INPUTS:
-            return f"{len(paths)} files under {_rel(Path(os.path.commonpath(paths)), self.root)}"
+            common = Path(os.path.commonpath(paths))
+            where = "at the top of this folder" if common == self.root else f"under {_rel(common, self.root)}"
+            return f"{len(paths)} files {where}"  # not "under ./" (a user does not read "." as a folder)
         if kind == CACHE:
             return f"{len(paths)} cache folders"
         return f"{_rel(paths[0], self.root)} and {len(paths) - 1} more"

@@ -51,20 +51,12 @@ def escape(text) -> str:
     return str(text).replace("[", r"\[")
 
 
-def fold_path(path, width: int) -> str:
-    """A path written from the start of a line, broken into lines of at most ``width`` after a "/" (else
-    after a "-", "_" or "." inside a long name), never inside a word where a break is possible: a
-    terminal folds it wherever the edge falls ("base-run-2026-1" / "2-04")."""
-    text, lines = str(path), []
-    width = max(width, 8)
-    while len(text) > width:
-        cut = max(text.rfind(sep, 0, width) for sep in "/")
-        if cut <= 0:
-            cut = max(text.rfind(sep, 0, width) for sep in "-_.")
-        cut = cut + 1 if cut > 0 else width
-        lines.append(text[:cut])
-        text = text[cut:]
-    return "\n".join(lines + [text])
+def fold_path(path, width: int = 0) -> str:
+    """A path as a step shows it: whole, with no line break put into it. Textual folds it where the line
+    ends (the ``text-overflow: fold`` of the step's text), so what is selected and copied (Ctrl+C) is
+    the path itself; a newline put in after a "/" was copied with it. ``width`` is not used (kept
+    for callers written when paths were broken here)."""
+    return str(path)
 
 
 def show_end(field) -> None:

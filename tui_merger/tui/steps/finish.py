@@ -124,7 +124,7 @@ class FinishStep(Step, VerticalScroll):
                 f"Files: {escape(', '.join(names))}"
             )
         verdict = "[b green]verified[/]" if verified else "[b red]NOT verified: do not ship it[/]"
-        where = fold_path(wizard.out_path, self.text_width())  # on its own lines, broken after a "/"
+        where = str(wizard.out_path)  # on a line of its own, whole: Textual folds it, a copy is the path
         self.query_one("#summary", Static).update(f"The merged model is in\n[b]{escape(where)}[/b] ({verdict}).\n{details}")
         self.query_one("#cleanup", Button).disabled = not verified
         self.query_one("#upload", Button).disabled = not verified

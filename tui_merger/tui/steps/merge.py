@@ -55,6 +55,7 @@ class MergeStep(Step, Vertical):
             self.follow(None)
             return
         wizard.show("merge")
+        wizard.merge_idle.clear()
         self._merge_worker(wizard.options, wizard.cancel_token)
 
     def follow(self, job) -> None:
@@ -121,7 +122,10 @@ class MergeStep(Step, Vertical):
         from tui_merger.core.verify.checks import merge_prewarmed
 
         # verification follows: its recompute and the unmerged run start while the merge writes
-        self.post_outcome("merge", lambda: merge_prewarmed(options, self.forward, cancel))
+        try:
+            self.post_outcome("merge", lambda: merge_prewarmed(options, self.forward, cancel))
+        finally:
+            self.wizard.merge_idle.set()  # stopped: what it keeps is on disk (the app may leave now)
 
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:

@@ -39,6 +39,7 @@ class ReviewStep(Step, Vertical):
         self._proposals: list = []  # [(path, why)]: the models here that fit an adapter whose base is not here
         self._searched = False  # the proposals were looked for (none found: the note says so)
         self._misfit = None  # the adapter (path) whose named base the plan found not to fit: base field shown
+        self._suggested = ("", "")  # (the output folder we put in the field, the name it came from)
         self._from_top = False  # the next plan shown scrolls the form to its top (entering the step)
         self._format_ok = ""  # the output format of the last plan that the engine could write ("": default)
         self._format_refusal = ""  # the engine's sentence refusing the format chosen last (shown under it)
@@ -64,7 +65,7 @@ class ReviewStep(Step, Vertical):
             replace.display = False  # shown when the output folder holds files
             yield replace
             yield Static(id="plan-text")
-            yield Label("LoRA alpha used in training (the checkpoint does not record it)", classes="field alpha-field")
+            yield Label("LoRA alpha used in training (the checkpoint does not record it)", id="alpha-label", classes="field alpha-field")
             yield Input(id="alpha", type="number", classes="alpha-field")
             yield Label("Weight of this adapter (1 = as trained; e.g. 0.7 to blend it with others)", classes="field weight-field")
             yield Input("1", id="weight", classes="weight-field")
@@ -97,9 +98,26 @@ class ReviewStep(Step, Vertical):
         return self.wizard.running is not None, bool(status), "Merge >", status
 
     def refused(self) -> None:
-        if self.blocked_reason():  # say why nothing happens
-            self.app.notify(f"Not yet: {self.blocked_reason()}.", severity="warning", timeout=4)
-            self.query_one("#problems").scroll_home(animate=False)
+        if not self.blocked_reason():
+            return
+        ack = self.query_one("#ack", Checkbox)
+        if ack.display and not ack.value:  # only the tick box stands in the way: take the user to it
+            base, accepted = self.query_one("#base", Input), ""
+            if base.display and base.value in [str(p) for p, _ in self._proposals] and base.value != self._accepted:
+                self._accepted = base.value  # ctrl+n accepts the proposed base, as its note says
+                accepted = f"Base accepted: {base.value}. "
+                self._show_ack()
+                self.wizard.refresh_nav()
+                if not self.blocked_reason():
+                    self.app.notify(f"{accepted}ctrl+n again starts the merge.", timeout=5)
+                    return
+            n = len(self._open_warnings())
+            ack.focus()  # scrolled into sight under the warnings; space ticks it
+            self.app.notify(f"{accepted}{n} warning{'s' * (n != 1)} under Checks: read {'them' if n != 1 else 'it'}, "
+                            "then tick the box (space) to go on.", severity="warning", timeout=6)
+            return
+        self.app.notify(f"Not yet: {self.blocked_reason()}.", severity="warning", timeout=4)  # say why nothing happens
+        self.query_one("#problems").scroll_home(animate=False)
 
     def advance(self) -> None:
         if self.accepts_proposal():
@@ -165,7 +183,7 @@ class ReviewStep(Step, Vertical):
 
     # -- entering --------------------------------------------------------------------------------
     def enter(self) -> None:
-        from tui_merger.core.plan.choices import alpha_default, can_weight, is_checkpoint, models_found, needs_alpha, needs_base
+        from tui_merger.core.plan.choices import alpha_default, alpha_why, can_weight, is_checkpoint, models_found, needs_alpha, needs_base
 
         wizard = self.wizard
         c = wizard.candidate
@@ -177,6 +195,7 @@ class ReviewStep(Step, Vertical):
                 w.display = shown
         default = alpha_default(c)  # an empty alpha: the merge's default (peft's 8), said in the field
         self.query_one("#alpha", Input).placeholder = f"empty: {default:g}, peft's default" if default is not None else ""
+        self.query_one("#alpha-label", Label).update(f"LoRA alpha used in training ({alpha_why(c)})")
         checkpoint = is_checkpoint(c)
         self.query_one("#settings-label", Label).update(CHECKPOINT_SETTINGS if checkpoint else SETTINGS)
         for selector, choices in (("#dtype", CHECKPOINT_DTYPES if checkpoint else DTYPES),
@@ -380,8 +399,13 @@ class ReviewStep(Step, Vertical):
 
         wizard = self.wizard
         out_input = self.query_one("#out", Input)
-        if options.out is None:  # first plan: propose the suggested name (never a taken one), then plan again
+        # first plan: propose the suggested name (never a taken one), then plan again; and again when the
+        # name follows another base (a proposed one in place of a named base that did not fit) while the
+        # field still holds our suggestion, untouched
+        ours, named = self._suggested
+        if options.out is None or (plan.suggested_out and out_input.value == ours and plan.suggested_out != named):
             out_input.value = str(free_output(default_out_folder(wizard.candidate)[0] / plan.suggested_out))
+            self._suggested = (out_input.value, plan.suggested_out)
             show_end(out_input)  # the suggested name, not only the start of its folder
             self.replan()
             return
