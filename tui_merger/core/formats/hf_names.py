@@ -714,19 +714,26 @@ def expert_gaps(config: dict, shapes: dict) -> list[str]:
     """Sentences naming each experts module of the config whose experts are not all among ``shapes``
     ({tensor name: shape}, what is or will be written): the silent corruption of a model missing an
     expert (a lost shard, an expert-parallel rank not gathered)."""
-    import re
-
     expected = expected_experts(config)
     if not expected:
         return []
-    split = re.compile(r"^(.*\.experts)\.(\d+)\.")
+    gaps = _expert_gaps(expected, shapes)
     # files that leave out the base model's prefix (DeepSeek-V4's release: ``layers.N...``, which transformers
-    # loads as ``model.layers.N...``) are counted under save_pretrained's names
-    model = meta_of_config(config)
+    # loads as ``model.layers.N...``) are counted under save_pretrained's names, when that is what makes
+    # them fit (Llama 4's base_model_prefix is not the prefix its files carry)
+    model = meta_of_config(config) if gaps else None
     prefix = getattr(model, "base_model_prefix", "") if model is not None else ""
-    prefixed = bool(prefix) and not any(n.startswith(prefix + ".") for n in shapes)
-    if prefixed:
-        shapes = {f"{prefix}.{n}": v for n, v in shapes.items()}
+    if prefix and not any(n.startswith(prefix + ".") for n in shapes):
+        prefixed = _expert_gaps(expected, {f"{prefix}.{n}": v for n, v in shapes.items()})
+        if len(prefixed) < len(gaps):
+            return prefixed
+    return gaps
+
+
+def _expert_gaps(expected: dict, shapes: dict) -> list[str]:
+    import re
+
+    split = re.compile(r"^(.*\.experts)\.(\d+)\.")
     have: dict[str, set] = {}
     for name in shapes:
         m = split.match(name)

@@ -355,9 +355,14 @@ def verify_merge(
         structure, files = _structure(out, plan, out_config)
         files_fine = structure.status != "fail"
         if not options.export_adapter:  # the plan's LoRA against peft's own wrapping of the base (targets.py)
-            from tui_merger.core.verify.targets import expected_loras, plan_problems
+            from tui_merger.core.verify.targets import expected_loras, expected_weighted, plan_problems
 
-            wrong = plan_problems(plan, expected_loras(inputs.config, adapter, options.lora_alpha))
+            weights = options.adapter_weights()
+            if len(weights) > 1 or any(w != 1.0 for _, w in weights):  # several adapters, each at its weight
+                expected = expected_weighted(inputs.config, weights, options.lora_alpha)
+            else:
+                expected = expected_loras(inputs.config, adapter, options.lora_alpha)
+            wrong = plan_problems(plan, expected)
             if wrong:
                 details = [*(structure.details if structure.status == "fail" else []), *wrong]
                 structure = Check("structure", "fail", f"{len(details)} problem(s) in the files", details[:50])

@@ -70,6 +70,23 @@ def expected_loras(config: dict, adapter, lora_alpha=None) -> dict[str, float] |
         return None
 
 
+def expected_weighted(config: dict, adapter_weights, lora_alpha=None) -> dict[str, list[float]] | None:
+    """{on-disk weight name: [scale of each adapter's LoRA there]} for a merge of several adapters, each
+    at its weight (``adapter_weights``: [(folder, weight)]): peft's scale times the weight given, one entry
+    per adapter that reaches the weight. None when any adapter's cannot be derived here."""
+    from types import SimpleNamespace
+
+    out: dict[str, list[float]] = {}
+    for path, weight in adapter_weights:
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        one = expected_loras(config, SimpleNamespace(folder=folder, config=None), lora_alpha)
+        if one is None:
+            return None
+        for name, scale in one.items():
+            out.setdefault(name, []).append(scale * weight)
+    return out
+
+
 def _adapter_config(adapter) -> dict | None:
     """The adapter's own adapter_config.json (not the reader's copy), else the config the kind made."""
     folder = getattr(adapter, "folder", None)
@@ -84,12 +101,15 @@ def _adapter_config(adapter) -> dict | None:
     return dict(cfg) if isinstance(cfg, dict) and cfg.get("target_modules") else None
 
 
-def plan_problems(plan, expected: dict[str, float] | None) -> list[str]:
-    """Sentences for each weight where the plan's LoRA differs from what peft applies."""
+def plan_problems(plan, expected: dict | None) -> list[str]:
+    """Sentences for each weight where the plan's LoRA differs from what peft applies. ``expected``:
+    {name: scale} (one adapter) or {name: [scales]} (several adapters at their weights)."""
     from tui_merger.core.plan.plan import LoraOp
 
     if not expected:
         return []
+    if any(isinstance(v, list) for v in expected.values()):
+        return _weighted_problems(plan, expected, LoraOp)
     # an output quantized again: the LoRA is on the 16-bit tensor it is made from (its scale has none)
     ops = {t.name: [op for op in _merged(t).ops if type(op) is LoraOp] for t in plan.tensors
            if _merged(t).name == t.name}
@@ -102,6 +122,26 @@ def plan_problems(plan, expected: dict[str, float] | None) -> list[str]:
                             "unchanged")
         elif not any(abs(op.scale - scale) <= 1e-6 * abs(scale) for op in ops[name]):
             problems.append(f"{name}: merged with scale {ops[name][0].scale:g}, but peft's scale for it is {scale:g}")
+    for name, found in sorted(ops.items()):
+        if found and name not in expected and _plain_linear(name, expected):
+            problems.append(f"{name}: the merge added a LoRA that peft's target matching does not put there")
+    return problems
+
+
+def _weighted_problems(plan, expected: dict, lora_op) -> list[str]:
+    """plan_problems for several adapters: the plan's LoRA scales on each weight, as a multiset, equal to
+    peft's scale times each adapter's weight."""
+    ops = {t.name: sorted(op.scale for op in _merged(t).ops if type(op) is lora_op) for t in plan.tensors
+           if _merged(t).name == t.name}
+    problems = []
+    for name, scales in sorted(expected.items()):
+        if name not in ops:
+            continue
+        want, got = sorted(scales), ops[name]
+        if len(want) != len(got) or any(abs(a - b) > 1e-6 * max(abs(a), 1e-12) for a, b in zip(want, got)):
+            shown = ", ".join(f"{g:g}" for g in got) or "none"
+            problems.append(f"{name}: merged with LoRA scale(s) {shown}, but peft's scales at the adapters' "
+                            f"weights are {', '.join(f'{w:g}' for w in want)}")
     for name, found in sorted(ops.items()):
         if found and name not in expected and _plain_linear(name, expected):
             problems.append(f"{name}: the merge added a LoRA that peft's target matching does not put there")
