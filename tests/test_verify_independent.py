@@ -222,3 +222,40 @@ def test_a_resized_embedding_saved_by_the_adapter_is_found_under_the_family_s_ow
                "base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight": torch.zeros(4, 64)},
               str(tmp_path / "adapter_model.safetensors"))
     assert _saved_embedding_rows(tmp_path, config) == 330
+
+
+def test_a_weighted_merge_whose_plan_drops_an_adapter_s_weight_fails_verification(tmp_path, capsys, monkeypatch):
+    """Two adapters at weights 0.5 and 0.25: the target check expects peft's scale times each weight on each
+    weight it reaches (a correct merge PASSES); a plan that forgets one adapter's weight fails structure."""
+    import dataclasses
+
+    import tui_merger.core.merge.requant as requant
+    import tui_merger.core.plan.plan as plan_module
+
+    base, first = _qwen3_lora(tmp_path, r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    from factory import save_adapter
+
+    second = save_adapter(tmp_path / "second", base, seed=3, target_modules=["q_proj"], r=2, lora_alpha=2)
+    args = ["merge", "--base", str(base), "--adapter", f"{first}:0.5", "--adapter", f"{second}:0.25", "--plain"]
+    good = tmp_path / "good"
+    assert main([*args, "--out", str(good)]) == 0, capsys.readouterr().out
+    assert verification_checks(good) == {"structure": "pass", "recompute": "pass", "behaviour": "pass"}
+    original = plan_module.build_plan
+
+    def buggy(*a, **k):
+        plan = original(*a, **k)
+        for t in plan.tensors:
+            if t.name == "model.layers.0.mlp.down_proj.weight":
+                t.ops[:] = [dataclasses.replace(t.ops[0], scale=t.ops[0].scale * 2)]  # weight 0.5 forgotten
+        return plan
+
+    monkeypatch.setattr(plan_module, "build_plan", buggy)
+    monkeypatch.setattr(requant, "build_plan", buggy)
+    bad = tmp_path / "bad"
+    code = main([*args, "--out", str(bad)])
+    said = capsys.readouterr().out
+    assert code == 4, said
+    checks = verification_checks(bad)
+    assert checks["recompute"] == "pass" and checks["structure"] == "fail", said
+    assert "model.layers.0.mlp.down_proj.weight: merged with LoRA scale(s) 2, but peft's scales at the adapters' " \
+           "weights are 1" in said, said
