@@ -93,9 +93,10 @@ def dequantize_independently(q, scale, scheme, dtype):
     return dequantize_fp8(q, scale, scheme.block, dtype)
 
 
-class IndependentDequant(DerivedSource):
-    """The tensors of a ``DequantSource`` (same names, shapes and dtypes), the quantized ones dequantized
-    here from the stored values and scales; the others are the stored tensors themselves."""
+class _Independent(DerivedSource):
+    """The tensors of a merge's dequantizing view (same names, shapes and dtypes): those the view
+    dequantizes (``_quantized``: the view's own table of them) are this source's, dequantized by the
+    subclass; the others are the stored tensors themselves."""
 
     def __init__(self, view) -> None:
         import torch
@@ -104,6 +105,9 @@ class IndependentDequant(DerivedSource):
         self.scheme = view.scheme
         self._dtype = getattr(torch, view.dtype)
         self._tensors = None
+
+    def _quantized(self) -> dict:
+        raise NotImplementedError
 
     @property
     def tensors(self) -> dict:
@@ -115,9 +119,16 @@ class IndependentDequant(DerivedSource):
         """This source's TensorRef for the view's ``ref`` (``ref`` itself where it is not dequantized)."""
         from tui_merger.core.io.sources import TensorRef
 
-        if ref.source is not self.view or (ref.file, ref.name) not in self.view._scales:
+        if ref.source is not self.view or (ref.file, ref.name) not in self._quantized():
             return ref
         return TensorRef(self, ref.file, ref.name, ref.dtype, tuple(ref.shape))
+
+
+class IndependentDequant(_Independent):
+    """A ``DequantSource``'s tensors, the quantized ones dequantized here from the stored values and scales."""
+
+    def _quantized(self) -> dict:
+        return self.view._scales
 
     def _stored(self, ref):
         return self.view._scales[(ref.file, ref.name)]
@@ -242,30 +253,12 @@ def dequantize_int4(packed, scale, shape, group, dtype):
     return PackedQuantizationCompressor.decompress(state, _ct_scheme(args))["weight"].to(dtype)
 
 
-class IndependentPacked(DerivedSource):
-    """The tensors of a ``dequant_packed.PackedSource`` (NVFP4, INT4 pack-quantized), the quantized ones
+class IndependentPacked(_Independent):
+    """A ``dequant_packed.PackedSource``'s tensors (NVFP4, INT4 pack-quantized), the quantized ones
     dequantized here by compressed-tensors' decompressors (or the definitions above)."""
 
-    def __init__(self, view) -> None:
-        import torch
-
-        self.view = view
-        self.scheme = view.scheme
-        self._dtype = getattr(torch, view.dtype)
-        self._tensors = None
-
-    @property
-    def tensors(self) -> dict:
-        if self._tensors is None:
-            self._tensors = {name: self.ref_of(ref) for name, ref in self.view.tensors.items()}
-        return self._tensors
-
-    def ref_of(self, ref):
-        from tui_merger.core.io.sources import TensorRef
-
-        if ref.source is not self.view or (ref.file, ref.name) not in self.view._parts:
-            return ref
-        return TensorRef(self, ref.file, ref.name, ref.dtype, tuple(ref.shape))
+    def _quantized(self) -> dict:
+        return self.view._parts
 
     def _dequantize(self, v, s, t, cols):
         if self.scheme.method == "nvfp4":
