@@ -236,12 +236,7 @@ class TrainerFsdpFormat(Format):
         else:
             what = _STORED.get(c.dtype, c.dtype or "?")
             c.notes.append(f"full weights, sharded over {c.world_size} rank(s), stored in {what}.")
-            if config is None:
-                c.needs_base = True
-                c.notes.append("no config.json (the Trainer writes none with FSDP sharded state): the merge needs "
-                               "--base, the model the run started from, for its config and tokenizer.")
-            else:
-                c.notes.append(f"config.json from {where}.")
+            _config_note(c, config is not None, where, " (the Trainer writes none with FSDP sharded state)")
         s.sized(c, names.values(), recursive=True)
         return Found(c, ALL)
 
@@ -269,12 +264,7 @@ class TrainerFsdpFormat(Format):
             c.dtype = max(counts, key=counts.get) if counts and max(counts.values()) else None
             what = f", stored in {_STORED.get(c.dtype, c.dtype)}" if c.dtype else ""
             c.notes.append(f"full weights in one file ({FULL_FILE}: FULL_STATE_DICT, gathered on rank 0){what}.")
-            if config_dir is None:
-                c.needs_base = True
-                c.notes.append("no config.json: the merge needs --base, the model the run started from, for its "
-                               "config and tokenizer.")
-            else:
-                c.notes.append(f"config.json from {where}.")
+            _config_note(c, config_dir is not None, where)
         s.sized(c, names.values(), recursive=True)
         return Found(c, ALL)
 
@@ -636,3 +626,13 @@ def _lora(inputs: Inputs, options, layout: TrainerFsdpLayout, store, adapter_map
     inputs.base = base
     dtype = config_dtype(inputs.config)
     inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+
+
+def _config_note(c: Candidate, found: bool, where: str, why: str = "") -> None:
+    """inspect's line on the checkpoint's config: where it comes from, or that the merge needs --base."""
+    if found:
+        c.notes.append(f"config.json from {where}.")
+    else:
+        c.needs_base = True
+        c.notes.append(f"no config.json{why}: the merge needs --base, the model the run started from, for its "
+                       "config and tokenizer.")
