@@ -926,7 +926,11 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         assert f"The two answers {where}" in plain(app, "#try-status")  # where they part, said
 
         armed.set()
+        ask = app.screen.query_one("#ask", Button)
+        await until(pilot, lambda: not ask.disabled, "Ask to be enabled again")
+        await pilot.pause()  # the status above it grew by a line: click where Ask is now
         await pilot.click("#ask")
+        await until(pilot, lambda: wizard.running == "trial", "the click on Ask to start a trial")
         await until(pilot, reached.is_set, "the 3rd token", tries=6000)  # a loaded machine: the model loads slowly
         assert wizard.running == "trial" and app.screen.query_one("#next", Button).disabled
         assert "answering" in text(app, "#nav-status")

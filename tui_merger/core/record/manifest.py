@@ -163,12 +163,13 @@ def describe_files(folder: Path, names: list[str]) -> list[dict]:
 def remember_hash(path: Path, digest: str) -> None:
     """Put a freshly computed sha256 into the hash cache (the merge hashes finished shards for its
     journal; the manifest then finds them there, also after the output folder was renamed)."""
-    cache = _HashCache()
-    key = cache._key(Path(path))
+    key = _HashCache._key(Path(path))
     if key is not None:
-        cache.entries[key] = digest
-        cache.changed = True
-        cache.save()
+        with _HASH_CACHE_LOCK:  # shards finish on several threads: no update may overwrite another
+            cache = _HashCache()
+            cache.entries[key] = digest
+            cache.changed = True
+            cache.save()
 
 
 def cached_sha256(paths) -> list[str]:
@@ -176,8 +177,12 @@ def cached_sha256(paths) -> list[str]:
     (same inode, size, mtime, ctime) is not read again."""
     cache = _HashCache()
     digests = [cache.sha256(Path(p)) for p in paths]
-    cache.save()
+    with _HASH_CACHE_LOCK:
+        cache.save()
     return digests
+
+
+_HASH_CACHE_LOCK = threading.Lock()
 
 
 class _HashCache:
@@ -215,9 +220,17 @@ class _HashCache:
         return digest
 
     def save(self) -> None:
+        """Write the entries back, joined with what another thread or process saved since this cache
+        was read (a lost entry only costs a re-read, but the merge promises none)."""
         if not self.changed:
             return
-        entries = dict(list(self.entries.items())[-self.MAX_ENTRIES :])
+        try:
+            on_disk = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            on_disk = {}
+        merged = on_disk if isinstance(on_disk, dict) else {}
+        merged.update(self.entries)
+        entries = dict(list(merged.items())[-self.MAX_ENTRIES :])
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".hashes.json.tmp-{os.getpid()}-{threading.get_ident()}")
