@@ -167,10 +167,11 @@ def test_run_it_locally_from_finish_in_a_real_terminal(tmp_path):
         screen = tmux.wait_for("-Q4_K_M.gguf", timeout=10)  # the file field scrolled to its end
         assert "q4_k_m (recommended)" in screen, screen
         tmux.keys("Tab", "Tab", "Enter")  # the type, the file, Make the GGUF
-        # the notes say the file and the check first; at 80x24 the Modelfile and the commands lie below
-        # (the notes scroll), and the farewell repeats the commands
+        # the notes say the file, the check, the Modelfile and the commands, scrolled into view (they lie
+        # below the buttons); the farewell repeats the commands
         screen = tmux.wait_for("Check PASSED", timeout=240)
-        assert "-Q4_K_M.gguf" in screen, screen
+        screen = tmux.wait_for("llama-cli -m", timeout=10)
+        assert "-Q4_K_M.gguf" in screen and "Modelfile beside it" in screen and "ollama create " in screen, screen
         tmux.keys("C-q")
         screen = tmux.wait_for("EXIT=0")
         assert "llama.cpp:    llama-cli -m " in screen and "Ollama:       ollama create " in screen, screen

@@ -291,3 +291,6 @@ class FinishStep(Step, VerticalScroll):
             f"Check {verdict}: {escape(check.summary)}\n"
             f"Ollama Modelfile beside it: {escape(made.modelfile.path.name)}. Run it with:\n{commands}"
         )
+        # on a small screen the notes lie below the fold: bring them (the verdict, the commands) into view
+        # (after the layout that the new text causes: scrolling before it would stop at the old height)
+        self.call_after_refresh(lambda: self.call_after_refresh(notes.scroll_visible, top=True, animate=False))
