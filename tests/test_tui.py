@@ -179,17 +179,35 @@ async def test_errors_block_and_warnings_need_a_tick(workspace, tmp_path):
         assert not app.screen.query_one("#next", Button).disabled
 
 
-async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_merged(workspace, tmp_path):
-    """Issue 38: Review had no way to give lora_alpha to a PEFT adapter that records none. The field is
-    shown (empty: peft's 8, said in it), a typed value is planned, merged and recorded."""
+def _workspace_with_alpha(workspace, tmp_path, alpha):
+    """The demo's base and adapter, the adapter recording ``alpha`` as lora_alpha (None: no lora_alpha)
+    and its base by path."""
     ws = tmp_path / "ws"
     for name in ("base", "adapter"):
         shutil.copytree(workspace / name, ws / name)
     cfg_path = ws / "adapter" / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
-    del cfg["lora_alpha"]
+    cfg.pop("lora_alpha")
+    if alpha is not None:
+        cfg["lora_alpha"] = alpha
     cfg["base_model_name_or_path"] = str(ws / "base")
     cfg_path.write_text(json.dumps(cfg))
+    return ws
+
+
+async def _merged_with_the_typed_alpha(pilot, app, wizard, out):
+    """Merge from Review; the verification passes and the manifest records the alpha typed (32) as given."""
+    await pilot.press("ctrl+n")
+    await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+    assert "PASSED" in text(app, "#verify-status")
+    manifest = read_manifest(out)
+    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+
+
+async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_merged(workspace, tmp_path):
+    """Issue 38: Review had no way to give lora_alpha to a PEFT adapter that records none. The field is
+    shown (empty: peft's 8, said in it), a typed value is planned, merged and recorded."""
+    ws = _workspace_with_alpha(workspace, tmp_path, None)
     app = MergeApp(ws)
     async with app.run_test(size=(100, 30)) as pilot:
         wizard = await to_review(pilot, app)
@@ -202,25 +220,14 @@ async def test_an_adapter_without_lora_alpha_gets_the_field_and_the_value_is_mer
         await recheck(pilot, app)
         assert 'alpha=32 (from "LoRA alpha")' in text(app, "#plan-text")
         assert "has no lora_alpha" not in text(app, "#findings") and "alpha 32, from" in text(app, "#findings")
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
-        assert "PASSED" in text(app, "#verify-status")
-    manifest = read_manifest(out)
-    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+        await _merged_with_the_typed_alpha(pilot, app, wizard, out)
 
 
 async def test_a_recorded_zero_alpha_gets_the_field_and_the_value_is_merged(workspace, tmp_path):
     """Issue 38: an adapter recording lora_alpha 0 showed the error with no field (a dead end), and the
     engine refused the value even when given. The field says why it is asked, the error tells the user
     to type in it, and the typed value is merged."""
-    ws = tmp_path / "ws"
-    for name in ("base", "adapter"):
-        shutil.copytree(workspace / name, ws / name)
-    cfg_path = ws / "adapter" / "adapter_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["lora_alpha"] = 0
-    cfg["base_model_name_or_path"] = str(ws / "base")
-    cfg_path.write_text(json.dumps(cfg))
+    ws = _workspace_with_alpha(workspace, tmp_path, 0)
     app = MergeApp(ws)
     async with app.run_test(size=(100, 30)) as pilot:
         wizard = await to_review(pilot, app)
@@ -235,11 +242,7 @@ async def test_a_recorded_zero_alpha_gets_the_field_and_the_value_is_merged(work
         await recheck(pilot, app)
         assert 'alpha=32 (from "LoRA alpha")' in text(app, "#plan-text")
         assert "lora_alpha is 0" not in text(app, "#findings")
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
-        assert "PASSED" in text(app, "#verify-status")
-    manifest = read_manifest(out)
-    assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
+        await _merged_with_the_typed_alpha(pilot, app, wizard, out)
 
 
 async def test_a_named_base_that_does_not_fit_gets_the_base_field_and_a_fitting_proposal(workspace, tmp_path):
