@@ -1014,3 +1014,27 @@ def test_the_plan_states_a_longer_verification_for_dora(tmp_path, monkeypatch):
     extra = plans[True].verify_seconds - plans[False].verify_seconds
     assert extra > 1 and extra == pytest.approx(behaviour.DORA_S_PER_VALUE * dora_values, abs=0.11)
     assert plans[True].verify_bytes >= plans[False].verify_bytes
+
+
+def test_shards_finishing_at_once_all_keep_their_hash(tmp_path, monkeypatch):
+    """Each finished shard's digest goes into the hash cache from its own thread, and from other
+    processes too: none may overwrite another's entry (a lost one made the manifest read a shard again)."""
+    import multiprocessing
+    import threading
+
+    import tui_merger.core.record.manifest as manifest
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # seen by the other processes too
+    files = []
+    for i in range(24):
+        files.append(tmp_path / f"shard-{i}")
+        files[-1].write_bytes(bytes([i]) * manifest._HashCache.MIN_SIZE)  # cached: large enough
+    threads = [threading.Thread(target=manifest.remember_hash, args=(f, f"digest-{f.name}")) for f in files[:16]]
+    others = [multiprocessing.get_context("spawn").Process(target=manifest.remember_hash, args=(f, f"digest-{f.name}"))
+              for f in files[16:]]
+    for t in threads + others:
+        t.start()
+    for t in threads + others:
+        t.join()
+    cache = manifest._HashCache()
+    assert sorted(cache.entries.get(cache._key(f)) for f in files) == sorted(f"digest-{f.name}" for f in files)

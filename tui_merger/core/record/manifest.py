@@ -221,21 +221,29 @@ class _HashCache:
 
     def save(self) -> None:
         """Write the entries back, joined with what another thread or process saved since this cache
-        was read (a lost entry only costs a re-read, but the merge promises none)."""
+        was read (a lost entry only costs a re-read, but the merge promises none). Processes take turns
+        through a lock file where the system has ``flock``."""
         if not self.changed:
             return
         try:
-            on_disk = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            on_disk = {}
-        merged = on_disk if isinstance(on_disk, dict) else {}
-        merged.update(self.entries)
-        entries = dict(list(merged.items())[-self.MAX_ENTRIES :])
-        try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".hashes.json.tmp-{os.getpid()}-{threading.get_ident()}")
-            tmp.write_text(json.dumps(entries))
-            os.replace(tmp, self.path)
+            with open(self.path.with_name(".hashes.lock"), "a") as lock:
+                try:
+                    import fcntl
+
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+                except (ImportError, OSError):
+                    pass  # no flock (Windows, some network file systems): threads are still serialised
+                try:
+                    on_disk = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    on_disk = {}
+                merged = on_disk if isinstance(on_disk, dict) else {}
+                merged.update(self.entries)
+                entries = dict(list(merged.items())[-self.MAX_ENTRIES :])
+                tmp = self.path.with_name(f".hashes.json.tmp-{os.getpid()}-{threading.get_ident()}")
+                tmp.write_text(json.dumps(entries))
+                os.replace(tmp, self.path)
         except OSError:
             pass
 
