@@ -126,3 +126,27 @@ def test_a_lora_on_a_tied_head_is_refused(tmp_path):
     with pytest.raises(MergeError, match="ties to its embedding; llama.cpp ignores such a LoRA"):
         export_lora_gguf(base, adapter)
     assert not (adapter / "head-LoRA-F32.gguf").exists()
+
+
+def test_cli_writes_the_lora_the_base_and_a_modelfile_with_adapter(bases, tmp_path, capsys):
+    from tui_merger.cli import main
+
+    base = shutil.copytree(bases["llama"], tmp_path / "llama-base")
+    adapter, _ = make_adapter(base, tmp_path / "my-lora", target_modules=["q_proj", "v_proj"])
+    assert main(["gguf", str(base), "--adapter", str(adapter), "--type", "f16", "--check", "none", "--plain"]) == 0
+    out, _ = capsys.readouterr()
+    lora, base_gguf = adapter / "my-lora-LoRA-F32.gguf", base / "llama-base-F16.gguf"
+    modelfile = adapter / "my-lora-LoRA-F32.Modelfile"
+    assert f"GGUF LoRA written to {lora}\n" in out and f"Base GGUF written to {base_gguf}\n" in out
+    assert "4 LoRA pairs (rank 4, alpha 8)" in out
+    lines = modelfile.read_text().splitlines()
+    assert f"FROM {base_gguf}" in lines and "ADAPTER ./my-lora-LoRA-F32.gguf" in lines
+    assert any(line.startswith('TEMPLATE """') for line in lines)  # the base's Llama 3 chat template
+    assert f"  ollama create my-lora:f16 -f {modelfile}\n" in out and f"  llama-cli -m {base_gguf} --lora {lora}\n" in out
+    # again, for another adapter: the base's GGUF is there and used as it is
+    other, _ = make_adapter(base, tmp_path / "other-lora", seed=1, target_modules=["k_proj"])
+    stamp = base_gguf.stat().st_mtime_ns
+    assert main(["gguf", str(base), "--adapter", str(other), "--type", "f16", "--check", "none", "--plain"]) == 0
+    out, _ = capsys.readouterr()
+    assert f"Base GGUF {base_gguf} is already there: used as it is (--overwrite writes it again)." in out
+    assert base_gguf.stat().st_mtime_ns == stamp and (other / "other-lora-LoRA-F32.Modelfile").is_file()

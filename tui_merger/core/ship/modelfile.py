@@ -87,13 +87,17 @@ class Modelfile:
     why_no_template: str | None  # the sentence the file carries instead
     stops: tuple[str, ...]
     ollama_name: str
+    adapter: Path | None = None  # a GGUF LoRA the Modelfile applies (ADAPTER) to the GGUF of FROM
 
     def commands(self, gguf_path: Path) -> list[str]:
         return run_lines(gguf_path, self)
 
 
-def write_modelfile(folder: Path, gguf_path: Path, type_: str) -> Modelfile:
-    """Write ``<gguf stem>.Modelfile`` beside the GGUF (replacing an older one) and return it."""
+def write_modelfile(folder: Path, gguf_path: Path, type_: str, adapter: Path | None = None) -> Modelfile:
+    """Write ``<gguf stem>.Modelfile`` beside the GGUF (replacing an older one) and return it. With
+    ``adapter`` (a GGUF LoRA, ship/gguf_lora.py), the Modelfile is ``<adapter stem>.Modelfile`` beside the
+    adapter: ``FROM`` the base GGUF (``./name`` when in the same folder, else its whole path) and
+    ``ADAPTER ./<adapter>``."""
     from tui_merger.core.io.files import json_object_or_none
     from tui_merger.core.ship.trial import _load_tokenizer
 
@@ -104,11 +108,20 @@ def write_modelfile(folder: Path, gguf_path: Path, type_: str) -> Modelfile:
     stops = end_tokens(tok, json_object_or_none(folder / "generation_config.json") or {})
     ollama_name = ollama_model_name(folder.name, type_)
     path = gguf_path.with_name(gguf_path.stem + ".Modelfile")
+    source = "./" + gguf_path.name
+    if adapter is not None:
+        adapter = Path(adapter).absolute()
+        ollama_name = ollama_model_name(adapter.parent.name, type_)
+        path = adapter.with_name(adapter.stem + ".Modelfile")
+        source = "./" + gguf_path.name if gguf_path.parent == adapter.parent else str(gguf_path)
+    shown = gguf_path.name + (f" with the LoRA {adapter.name}" if adapter is not None else "")
     lines = [
-        f"# Ollama Modelfile for {gguf_path.name}, written by tui-merger. Create the model with:",
+        f"# Ollama Modelfile for {shown}, written by tui-merger. Create the model with:",
         f"#   ollama create {ollama_name} -f {path.name}",
-        f"FROM {_quote('./' + gguf_path.name)}",
+        f"FROM {_quote(source)}",
     ]
+    if adapter is not None:
+        lines.append(f"ADAPTER {_quote('./' + adapter.name)}")
     if name is not None:
         lines.append(f'TEMPLATE """{GO_TEMPLATES[name]}"""')
     else:
@@ -121,7 +134,7 @@ def write_modelfile(folder: Path, gguf_path: Path, type_: str) -> Modelfile:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
-    return Modelfile(path, text, name, why, tuple(stops), ollama_name)
+    return Modelfile(path, text, name, why, tuple(stops), ollama_name, adapter)
 
 
 def run_lines(gguf_path: Path, modelfile: Modelfile | None) -> list[str]:
@@ -131,7 +144,8 @@ def run_lines(gguf_path: Path, modelfile: Modelfile | None) -> list[str]:
     lines = []
     if modelfile is not None:
         lines.append(f"ollama create {modelfile.ollama_name} -f {shlex.quote(str(modelfile.path))}")
-    lines.append(f"llama-cli -m {shlex.quote(str(Path(gguf_path).absolute()))}")
+    lora = f" --lora {shlex.quote(str(modelfile.adapter))}" if modelfile is not None and modelfile.adapter else ""
+    lines.append(f"llama-cli -m {shlex.quote(str(Path(gguf_path).absolute()))}{lora}")
     return lines
 
 
