@@ -10,7 +10,7 @@
   written; none equal: no TEMPLATE line, and a comment saying that Ollama takes the chat template from
   the GGUF's own ``tokenizer.chat_template`` (it matches it against its known templates when it
   creates the model). The templates are ours, written after the released chat templates of the families
-  the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Mistral's [INST] v0.1 / v1 / v7, Granite 3,
+  the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, Mistral's [INST] v0.1 / v1 / v7, Granite 3,
   DeepSeek-V2); tests/test_modelfile.py holds them against Go's own text/template and the released
   Jinja templates. What no template of ours renders exactly (templates with dates, tools, thinking
   switches: SmolLM3, EXAONE 4, Cohere2, GPT-OSS's harmony, DeepSeek-V3...) keeps the comment.
@@ -46,6 +46,11 @@ GO_TEMPLATES = {
         "{{ end }}{{ end }}<start_of_turn>model\n"
     ),
     "phi3": "{{- range .Messages }}<|{{ .Role }}|>\n{{ .Content }}<|end|>\n{{ end }}<|assistant|>\n",
+    "phi4": (  # <|im_start|>role<|im_sep|> (Phi-4): the assistant's header follows each user message
+        "{{- range .Messages }}{{ if eq .Role \"system\" }}<|im_start|>system<|im_sep|>{{ .Content }}<|im_end|>"
+        "{{ else if eq .Role \"user\" }}<|im_start|>user<|im_sep|>{{ .Content }}<|im_end|><|im_start|>assistant<|im_sep|>"
+        "{{ else if eq .Role \"assistant\" }}{{ .Content }}<|im_end|>{{ end }}{{ end }}"
+    ),
     "mistral-instruct": (  # [INST] ... [/INST] (Mistral 7B v0.1/v0.2 as first released), no generation prompt
         "{{- range $i, $_ := .Messages }}{{ if eq .Role \"user\" }}[INST] " + _FIRST_USER_SYSTEM +
         "{{ .Content }} [/INST]{{ else if eq .Role \"assistant\" }}{{ .Content }}</s>{{ end }}{{ end }}"
