@@ -150,3 +150,17 @@ def test_cli_writes_the_lora_the_base_and_a_modelfile_with_adapter(bases, tmp_pa
     out, _ = capsys.readouterr()
     assert f"Base GGUF {base_gguf} is already there: used as it is (--overwrite writes it again)." in out
     assert base_gguf.stat().st_mtime_ns == stamp and (other / "other-lora-LoRA-F32.Modelfile").is_file()
+
+
+def test_a_lora_llama_cpp_would_not_apply_is_refused(tmp_path):
+    """DeepSeek-V2's MLA: llama.cpp multiplies q and kv_a without their LoRA (measured: a LoRA there changes
+    no logit), so such a file would run as if untrained; a LoRA on o_proj is written."""
+    from test_gguf_families import make_family
+
+    base = make_family(tmp_path / "dsv2", "deepseek_v2")
+    adapter, _ = make_adapter(base, tmp_path / "q", target_modules=["o_proj", "kv_a_proj_with_mqa"])
+    with pytest.raises(MergeError, match="deepseek2 graph does not apply a LoRA to attn_kv_a_mqa"):
+        export_lora_gguf(base, adapter)
+    assert not list(adapter.glob("*.gguf"))
+    fine, _ = make_adapter(base, tmp_path / "o", target_modules=["o_proj"])
+    assert export_lora_gguf(base, fine).pairs == 2

@@ -29,6 +29,14 @@ from pathlib import Path
 from tui_merger.core.errors import MergeError
 
 
+# GGUF tensors (after "blk.N.") whose LoRA llama.cpp's graph for the architecture does not apply (it multiplies
+# them without their adapters), measured with benchmarks/llama_cpp_lora_check.py --targets (llama-cpp-python
+# 0.3.36: a LoRA there changed no logit): a file with them would run as if that part were not trained
+NOT_APPLIED = {
+    "deepseek2": ("attn_q", "attn_q_a", "attn_q_b", "attn_kv_a_mqa"),
+}
+
+
 @dataclass(frozen=True)
 class LoraGgufResult:
     path: Path
@@ -80,6 +88,13 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
     adapter = open_adapter(adapter_folder)
     try:
         pairs = _pairs(adapter, by_hf, hp, base_folder)
+        for name, entry, _, _ in pairs:
+            part = name.split(".")[2] if name.startswith("blk.") else name
+            if part in NOT_APPLIED.get(family.arch, ()):
+                raise MergeError(
+                    f"llama.cpp's {family.arch} graph does not apply a LoRA to {part} (the adapter's {entry.module}), "
+                    "so a GGUF LoRA would run as if it were not trained; merge the adapter instead."
+                )
         alpha = float(adapter.config["lora_alpha"])
         writer = gguf.GGUFWriter(None, family.arch)
         writer.add_type(gguf.GGUFType.ADAPTER)
