@@ -12,8 +12,8 @@
   creates the model). The templates are ours, written after the released chat templates of the families
   the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, Mistral's [INST] v0.1 / v1 / v7, Granite 3,
   DeepSeek-V2); tests/test_modelfile.py holds them against Go's own text/template and the released
-  Jinja templates. What no template of ours renders exactly (templates with dates, tools, thinking
-  switches: SmolLM3, EXAONE 4, Cohere2, GPT-OSS's harmony, DeepSeek-V3...) keeps the comment.
+  Jinja templates. A chat template no template of ours renders exactly (SmolLM3's, EXAONE 4's, Cohere2's,
+  GPT-OSS's, DeepSeek-V3's, OLMo 2's among them) keeps the comment.
 - ``PARAMETER stop`` for each end token the tokenizer names: its ``eos_token`` and the
   ``eos_token_id`` of ``generation_config.json`` (one id or a list). Nothing else is invented.
 
