@@ -10,10 +10,10 @@
   written; none equal: no TEMPLATE line, and a comment saying that Ollama takes the chat template from
   the GGUF's own ``tokenizer.chat_template`` (it matches it against its known templates when it
   creates the model). The templates are ours, written after the released chat templates of the families
-  the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, Mistral's [INST] v0.1 / v1 / v7, Granite 3,
-  DeepSeek-V2); tests/test_modelfile.py holds them against Go's own text/template and the released
+  the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, OLMo 2, Mistral's [INST] v0.1 / v1 / v7,
+  Granite 3, DeepSeek-V2); tests/test_modelfile.py holds them against Go's own text/template and the released
   Jinja templates. A chat template no template of ours renders exactly (SmolLM3's, EXAONE 4's, Cohere2's,
-  GPT-OSS's, DeepSeek-V3's, OLMo 2's among them) keeps the comment.
+  GPT-OSS's, DeepSeek-V3's among them) keeps the comment.
 - ``PARAMETER stop`` for each end token the tokenizer names: its ``eos_token`` and the
   ``eos_token_id`` of ``generation_config.json`` (one id or a list). Nothing else is invented.
 
@@ -50,6 +50,11 @@ GO_TEMPLATES = {
         "{{- range .Messages }}{{ if eq .Role \"system\" }}<|im_start|>system<|im_sep|>{{ .Content }}<|im_end|>"
         "{{ else if eq .Role \"user\" }}<|im_start|>user<|im_sep|>{{ .Content }}<|im_end|><|im_start|>assistant<|im_sep|>"
         "{{ else if eq .Role \"assistant\" }}{{ .Content }}<|im_end|>{{ end }}{{ end }}"
+    ),
+    "olmo2": (  # OLMo 2 (Tulu 3's format with the BOS): <|user|>, an assistant turn closed by <|endoftext|>
+        "{{- range .Messages }}{{ if eq .Role \"system\" }}<|system|>\n{{ .Content }}\n{{ else if eq .Role \"user\" }}"
+        "<|user|>\n{{ .Content }}\n{{ else if eq .Role \"assistant\" }}<|assistant|>\n{{ .Content }}<|endoftext|>\n"
+        "{{ end }}{{ end }}<|assistant|>\n"
     ),
     "mistral-instruct": (  # [INST] ... [/INST] (Mistral 7B v0.1/v0.2 as first released), no generation prompt
         "{{- range $i, $_ := .Messages }}{{ if eq .Role \"user\" }}[INST] " + _FIRST_USER_SYSTEM +
