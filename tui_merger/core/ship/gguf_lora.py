@@ -8,11 +8,11 @@ rank) to the base tensor's product.
 
 The base folder says where each LoRA lands: its tensors are planned as the GGUF export plans them
 (ship/gguf.py, the family data in gguf_families.py), and a LoRA follows its base tensor's transform
-where that is one of rows: Llama-style q/k rows reordered for llama.cpp's rope (lora_b's rows, as
-the converter permutes them), a packed tensor cut into row parts (lora_b's rows, lora_a shared).
-Where a base tensor is computed from the HF one otherwise (DeepSeek's MLA k_b/v_b) or stacked
-(experts), a LoRA on it is refused in one sentence, as are DoRA, LoRA on embeddings, and
-modules_to_save (whole trained copies: a GGUF adapter has no place for them; merge instead).
+where that is a reordering of rows: Llama-style q/k rows for llama.cpp's rope (lora_b's rows, as the
+converter permutes them). Where a base tensor is computed from the HF one otherwise (DeepSeek's MLA
+k_b/v_b), cut from it, or stacked (experts), a LoRA on it is refused in one sentence, as are DoRA,
+LoRA on embeddings, modules_to_save (whole trained copies: a GGUF adapter has no place for them;
+merge instead), and a LoRA on a tensor llama.cpp's graph multiplies without its adapters (NOT_APPLIED).
 
 Where peft's scale is not llama.cpp's alpha / r (rsLoRA's alpha / sqrt(r), alpha_pattern), lora_b is
 multiplied by their ratio, so llama.cpp computes peft's delta; the file's alpha stays lora_alpha.
@@ -88,7 +88,7 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
     adapter = open_adapter(adapter_folder)
     try:
         pairs = _pairs(adapter, by_hf, hp, base_folder)
-        for name, entry, _, _ in pairs:
+        for name, entry, _ in pairs:
             part = name.split(".")[2] if name.startswith("blk.") else name
             if part in NOT_APPLIED.get(family.arch, ()):
                 raise MergeError(
@@ -104,8 +104,8 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
         rescaled, ranks = 0, set()
-        for name, entry, t, rows in pairs:
-            a, b = _factors(entry, t, rows)
+        for name, entry, t in pairs:
+            a, b = _factors(entry, t)
             r = a.shape[0]
             ranks.add(r)
             ratio = entry.scale / (alpha / r)
@@ -149,7 +149,7 @@ def _target(adapter_folder: Path, out: Path | None, overwrite: bool) -> Path:
 
 
 def _pairs(adapter, by_hf: dict, hp: dict, base_folder: Path) -> list:
-    """[(GGUF base tensor name, LoraModule, GgufTensor, (row range) or None)], or one sentence why not."""
+    """[(GGUF base tensor name, LoraModule, GgufTensor)], or one sentence why not."""
     folder = adapter.folder
     if adapter.use_dora:
         raise MergeError(f"{folder} is a DoRA adapter; a GGUF LoRA has no magnitude vector, so llama.cpp cannot run it: merge it instead.")
@@ -179,30 +179,28 @@ def _pairs(adapter, by_hf: dict, hp: dict, base_folder: Path) -> list:
                 )
             raise MergeError(f"{folder} has a LoRA on {module}, which {base_folder} has no weight of; is this adapter for another model?")
         for t in found:
-            if len(t.sources) != 1 or t.derive is not None or t.computed is not None:
+            if len(t.sources) != 1 or t.derive is not None or t.computed is not None or t.rows is not None or len(t.shape) != 2:
                 raise MergeError(
                     f"{folder} has a LoRA on {module}, which llama.cpp's layout stores as {t.name} computed from it "
-                    "(stacked experts or a derived tensor); a GGUF LoRA of it is not written: merge it instead."
+                    "(stacked experts, a part or a derived tensor); a GGUF LoRA of it is not written: merge it instead."
                 )
-            if tuple(t.sources[0].shape) != (entry.B.shape[0], entry.A.shape[1]) and t.rows is None:
+            if tuple(t.sources[0].shape) != (entry.B.shape[0], entry.A.shape[1]):
                 raise MergeError(
                     f"{module}: the LoRA is {entry.B.shape[0]}x{entry.A.shape[1]} but {base_folder.name}'s weight is "
                     f"{list(t.sources[0].shape)}; is this adapter for another model?"
                 )
-            out.append((t.name.removesuffix(".weight") + ".weight", entry, t, t.rows))
+            out.append((t.name.removesuffix(".weight") + ".weight", entry, t))
     if not out:
         raise MergeError(f"{folder} holds no LoRA pair; there is nothing to write.")
     return out
 
 
-def _factors(entry, t, rows):
+def _factors(entry, t):
     """lora_a [r, in] and lora_b [out, r] as float32, lora_b's rows as the base tensor's in the GGUF."""
     import torch
 
     a = entry.A.load().to(torch.float32)
     b = entry.B.load().to(torch.float32)
-    if rows is not None:
-        b = b[rows[0]:rows[1]]
     if t.permute_heads:  # the converter permutes lora_b's rows as it permutes the base tensor's
         n = t.permute_heads
         b = b.reshape(n, 2, b.shape[0] // n // 2, b.shape[1]).transpose(1, 2).reshape(b.shape)
