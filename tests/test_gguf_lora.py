@@ -150,6 +150,15 @@ def test_cli_writes_the_lora_the_base_and_a_modelfile_with_adapter(bases, tmp_pa
     out, _ = capsys.readouterr()
     assert f"Base GGUF {base_gguf} is already there: used as it is (--overwrite writes it again)." in out
     assert base_gguf.stat().st_mtime_ns == stamp and (other / "other-lora-LoRA-F32.Modelfile").is_file()
+    # an adapter saved with its own tokenizer (a chat template set for training): the Modelfile follows it
+    from test_gguf import byte_level_tokenizer
+    from tui_merger.core.ship.modelfile import GO_TEMPLATES
+
+    chatml, _ = make_adapter(base, tmp_path / "chatml-lora", seed=2, target_modules=["o_proj"])
+    byte_level_tokenizer("qwen").save_pretrained(chatml)  # ChatML, where the base's is Llama 3's
+    assert main(["gguf", str(base), "--adapter", str(chatml), "--type", "f16", "--check", "none", "--plain"]) == 0
+    text = (chatml / "chatml-lora-LoRA-F32.Modelfile").read_text()
+    assert f'TEMPLATE """{GO_TEMPLATES["chatml"]}"""' in text and GO_TEMPLATES["llama3"] not in text
 
 
 def test_a_lora_llama_cpp_would_not_apply_is_refused(tmp_path):

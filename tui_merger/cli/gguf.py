@@ -113,7 +113,9 @@ def _cmd_gguf_lora(args, progress) -> int:
 
             print("The base GGUF does not behave like the model: do not share it (the check above says where it differs).", file=sys.stderr)
             return VERIFY_FAILED
-    modelfile = write_modelfile(args.model, base, args.gguf_type, adapter=lora.path)
+    # the chat template the adapter was trained with: its own tokenizer's when it saved one, else the base's
+    chat_folder = args.adapter if (Path(args.adapter) / "tokenizer_config.json").is_file() else args.model
+    modelfile = write_modelfile(chat_folder, base, args.gguf_type, adapter=lora.path)
     print(f"  Ollama Modelfile {modelfile.path}" + ("" if modelfile.template else " (no TEMPLATE: its comment says why)"))
     print("Run it:")
     for line in modelfile.commands(base):
