@@ -41,6 +41,12 @@ def add_parser(sub) -> None:
         "reader where it knows the family; the verdict goes to merge_manifest.json and the model card; none: skip "
         "it, the file is recorded as not checked (default: %(default)s)",
     )
+    p.add_argument(
+        "--adapter", type=Path, metavar="ADAPTER",
+        help="also write this peft LoRA adapter of MODEL (the base) as a GGUF LoRA beside it (ADAPTER/<name>-LoRA-F32.gguf, "
+        "as llama.cpp's convert_lora_to_gguf.py lays it out) and an Ollama Modelfile with FROM the base's GGUF and "
+        "ADAPTER; the base's GGUF is written first unless it is already there",
+    )
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_gguf)
@@ -55,6 +61,8 @@ def cmd_gguf(args) -> int:
     from tui_merger.core.ship.run_locally import make_local
 
     progress = PlainProgress() if args.plain or not is_tty(sys.stderr) else RichProgress()
+    if args.adapter is not None:
+        return _cmd_gguf_lora(args, progress)
     with progress if isinstance(progress, RichProgress) else nullcontext():
         made = make_local(args.model, args.gguf_type, args.out, overwrite=args.overwrite, check=args.check, on_event=progress)
     result, check, modelfile = made.result, made.check, made.modelfile
@@ -71,4 +79,45 @@ def cmd_gguf(args) -> int:
     if check.status == "failed":
         print("The file does not behave like the model: do not share it (the check above says where it differs).", file=sys.stderr)
         return VERIFY_FAILED
+    return 0
+
+
+def _cmd_gguf_lora(args, progress) -> int:
+    """--adapter: the LoRA as a GGUF adapter (first: it needs only the base's headers), the base's GGUF
+    unless it is already there, and the Modelfile that applies one to the other."""
+    from contextlib import nullcontext
+
+    from tui_merger.console import RichProgress
+    from tui_merger.core.options import human_bytes
+    from tui_merger.core.ship.gguf import default_out
+    from tui_merger.core.ship.gguf_lora import export_lora_gguf
+    from tui_merger.core.ship.modelfile import write_modelfile
+    from tui_merger.core.ship.run_locally import make_local
+
+    lora = export_lora_gguf(args.model, args.adapter, overwrite=args.overwrite)
+    print(f"GGUF LoRA written to {lora.path}")
+    print(f"  {lora.arch}, F32, {human_bytes(lora.size)}, {lora.pairs} LoRA pairs (rank {', '.join(map(str, lora.ranks))}, "
+          f"alpha {lora.alpha:g})" + (f", {lora.rescaled} with lora_b scaled to peft's scale" if lora.rescaled else ""))
+    base = default_out(args.model, args.gguf_type) if args.out is None else Path(args.out).expanduser().absolute()
+    base = base / default_out(args.model, args.gguf_type).name if base.is_dir() else base
+    if base.is_file() and not args.overwrite:
+        print(f"Base GGUF {base} is already there: used as it is (--overwrite writes it again).")
+    else:
+        with progress if isinstance(progress, RichProgress) else nullcontext():
+            made = make_local(args.model, args.gguf_type, base, overwrite=args.overwrite, check=args.check, on_event=progress)
+        base = made.result.path
+        print(f"Base GGUF written to {base}")
+        print(f"  check {made.check.line()}")
+        if made.check.status == "failed":
+            from tui_merger.cli.common import VERIFY_FAILED
+
+            print("The base GGUF does not behave like the model: do not share it (the check above says where it differs).", file=sys.stderr)
+            return VERIFY_FAILED
+    # the chat template the adapter was trained with: its own tokenizer's when it saved one, else the base's
+    chat_folder = args.adapter if (Path(args.adapter) / "tokenizer_config.json").is_file() else args.model
+    modelfile = write_modelfile(chat_folder, base, args.gguf_type, adapter=lora.path)
+    print(f"  Ollama Modelfile {modelfile.path}" + ("" if modelfile.template else " (no TEMPLATE: its comment says why)"))
+    print("Run it:")
+    for line in modelfile.commands(base):
+        print(f"  {line}")
     return 0

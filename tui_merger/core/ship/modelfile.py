@@ -9,8 +9,11 @@
   llama.cpp adds itself when the GGUF says so. The first that equals it on every conversation is
   written; none equal: no TEMPLATE line, and a comment saying that Ollama takes the chat template from
   the GGUF's own ``tokenizer.chat_template`` (it matches it against its known templates when it
-  creates the model). The templates are ours, written after the formats (ChatML, Llama 3) that Ollama's
-  ``template/`` folder lists.
+  creates the model). The templates are ours, written after the released chat templates of the families
+  the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, OLMo 2, Mistral's [INST] v0.1 / v1 / v7,
+  Granite 3, DeepSeek-V2); tests/test_modelfile.py holds them against Go's own text/template and the released
+  Jinja templates. A chat template no template of ours renders exactly (SmolLM3's, EXAONE 4's, Cohere2's,
+  GPT-OSS's, DeepSeek-V3's among them) keeps the comment.
 - ``PARAMETER stop`` for each end token the tokenizer names: its ``eos_token`` and the
   ``eos_token_id`` of ``generation_config.json`` (one id or a list). Nothing else is invented.
 
@@ -20,16 +23,60 @@ folder each keep theirs; ``ollama create NAME -f FILE`` takes any file name.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# Ollama Go templates for chat formats we can check against a tokenizer's template by rendering both
+# Ollama Go templates for chat formats we can check against a tokenizer's template by rendering both. Ours,
+# each written after a family's released Jinja template (tests/fixtures/ollama/ names the sources). Ollama
+# passes every message, system ones included, in .Messages, and the system messages joined in .System.
+# A system message the Jinja template refuses (Gemma 1/2, Mistral v0.1) goes, as Gemma 3 and Mistral's
+# later templates put it, in front of the first user message.
+_FIRST_USER_SYSTEM = "{{ if and (eq $i 1) $.System }}{{ $.System }}\n\n{{ end }}"
 GO_TEMPLATES = {
     "chatml": "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n",
     "llama3": (
         "{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>\n"
         "{{- end }}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    "gemma": (  # Gemma 1, 2 and 3: the model's turns are "model"; Gemma 3 puts the system prompt in the first user turn
+        "{{- range $i, $_ := .Messages }}{{ if eq .Role \"user\" }}<start_of_turn>user\n" + _FIRST_USER_SYSTEM +
+        "{{ .Content }}<end_of_turn>\n{{ else if eq .Role \"assistant\" }}<start_of_turn>model\n{{ .Content }}<end_of_turn>\n"
+        "{{ end }}{{ end }}<start_of_turn>model\n"
+    ),
+    "phi3": "{{- range .Messages }}<|{{ .Role }}|>\n{{ .Content }}<|end|>\n{{ end }}<|assistant|>\n",
+    "phi4": (  # <|im_start|>role<|im_sep|> (Phi-4): the assistant's header follows each user message
+        "{{- range .Messages }}{{ if eq .Role \"system\" }}<|im_start|>system<|im_sep|>{{ .Content }}<|im_end|>"
+        "{{ else if eq .Role \"user\" }}<|im_start|>user<|im_sep|>{{ .Content }}<|im_end|><|im_start|>assistant<|im_sep|>"
+        "{{ else if eq .Role \"assistant\" }}{{ .Content }}<|im_end|>{{ end }}{{ end }}"
+    ),
+    "olmo2": (  # OLMo 2 (Tulu 3's format with the BOS): <|user|>, an assistant turn closed by <|endoftext|>
+        "{{- range .Messages }}{{ if eq .Role \"system\" }}<|system|>\n{{ .Content }}\n{{ else if eq .Role \"user\" }}"
+        "<|user|>\n{{ .Content }}\n{{ else if eq .Role \"assistant\" }}<|assistant|>\n{{ .Content }}<|endoftext|>\n"
+        "{{ end }}{{ end }}<|assistant|>\n"
+    ),
+    "mistral-instruct": (  # [INST] ... [/INST] (Mistral 7B v0.1/v0.2 as first released), no generation prompt
+        "{{- range $i, $_ := .Messages }}{{ if eq .Role \"user\" }}[INST] " + _FIRST_USER_SYSTEM +
+        "{{ .Content }} [/INST]{{ else if eq .Role \"assistant\" }}{{ .Content }}</s>{{ end }}{{ end }}"
+    ),
+    "mistral-v1": (  # mistral-common's "v1" template: " [INST] ", the system prompt in the first user message
+        "{{- range $i, $_ := .Messages }}{{ if eq .Role \"user\" }} [INST] " + _FIRST_USER_SYSTEM +
+        "{{ .Content }} [/INST]{{ else if eq .Role \"assistant\" }} {{ .Content }}</s>{{ end }}{{ end }}"
+    ),
+    "mistral-v7": (  # [SYSTEM_PROMPT] ... [/SYSTEM_PROMPT] (Mistral Large 2411)
+        "{{- range .Messages }}{{ if eq .Role \"system\" }}[SYSTEM_PROMPT] {{ .Content }}[/SYSTEM_PROMPT]"
+        "{{ else if eq .Role \"user\" }}[INST] {{ .Content }}[/INST]{{ else if eq .Role \"assistant\" }} {{ .Content }}</s>"
+        "{{ end }}{{ end }}"
+    ),
+    "granite3": (
+        "{{- range .Messages }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n"
+        "{{ end }}<|start_of_role|>assistant<|end_of_role|>"
+    ),
+    "deepseek-v2": (
+        "{{- range .Messages }}{{ if eq .Role \"user\" }}User: {{ .Content }}\n\n{{ else if eq .Role \"assistant\" }}"
+        "Assistant: {{ .Content }}<\uff5cend\u2581of\u2581sentence\uff5c>{{ else if eq .Role \"system\" }}{{ .Content }}\n\n"
+        "{{ end }}{{ end }}Assistant:"
     ),
 }
 CONVERSATIONS = (  # what both renderings must agree on, with the generation prompt added
@@ -37,6 +84,8 @@ CONVERSATIONS = (  # what both renderings must agree on, with the generation pro
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, how can I help?"},
      {"role": "user", "content": "Name a colour.\nOne word."}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Bonjour."}, {"role": "user", "content": "Thanks"}],
 )
 
 
@@ -48,13 +97,17 @@ class Modelfile:
     why_no_template: str | None  # the sentence the file carries instead
     stops: tuple[str, ...]
     ollama_name: str
+    adapter: Path | None = None  # a GGUF LoRA the Modelfile applies (ADAPTER) to the GGUF of FROM
 
     def commands(self, gguf_path: Path) -> list[str]:
         return run_lines(gguf_path, self)
 
 
-def write_modelfile(folder: Path, gguf_path: Path, type_: str) -> Modelfile:
-    """Write ``<gguf stem>.Modelfile`` beside the GGUF (replacing an older one) and return it."""
+def write_modelfile(folder: Path, gguf_path: Path, type_: str, adapter: Path | None = None) -> Modelfile:
+    """Write ``<gguf stem>.Modelfile`` beside the GGUF (replacing an older one) and return it. With
+    ``adapter`` (a GGUF LoRA, ship/gguf_lora.py), the Modelfile is ``<adapter stem>.Modelfile`` beside the
+    adapter: ``FROM`` the base GGUF (``./name`` when in the same folder, else its whole path) and
+    ``ADAPTER ./<adapter>``."""
     from tui_merger.core.io.files import json_object_or_none
     from tui_merger.core.ship.trial import _load_tokenizer
 
@@ -65,11 +118,20 @@ def write_modelfile(folder: Path, gguf_path: Path, type_: str) -> Modelfile:
     stops = end_tokens(tok, json_object_or_none(folder / "generation_config.json") or {})
     ollama_name = ollama_model_name(folder.name, type_)
     path = gguf_path.with_name(gguf_path.stem + ".Modelfile")
+    source = "./" + gguf_path.name
+    if adapter is not None:
+        adapter = Path(adapter).absolute()
+        ollama_name = ollama_model_name(adapter.parent.name, type_)
+        path = adapter.with_name(adapter.stem + ".Modelfile")
+        source = "./" + gguf_path.name if gguf_path.parent == adapter.parent else str(gguf_path)
+    shown = gguf_path.name + (f" with the LoRA {adapter.name}" if adapter is not None else "")
     lines = [
-        f"# Ollama Modelfile for {gguf_path.name}, written by tui-merger. Create the model with:",
+        f"# Ollama Modelfile for {shown}, written by tui-merger. Create the model with:",
         f"#   ollama create {ollama_name} -f {path.name}",
-        f"FROM {_quote('./' + gguf_path.name)}",
+        f"FROM {_quote(source)}",
     ]
+    if adapter is not None:
+        lines.append(f"ADAPTER {_quote('./' + adapter.name)}")
     if name is not None:
         lines.append(f'TEMPLATE """{GO_TEMPLATES[name]}"""')
     else:
@@ -82,7 +144,7 @@ def write_modelfile(folder: Path, gguf_path: Path, type_: str) -> Modelfile:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
-    return Modelfile(path, text, name, why, tuple(stops), ollama_name)
+    return Modelfile(path, text, name, why, tuple(stops), ollama_name, adapter)
 
 
 def run_lines(gguf_path: Path, modelfile: Modelfile | None) -> list[str]:
@@ -92,7 +154,8 @@ def run_lines(gguf_path: Path, modelfile: Modelfile | None) -> list[str]:
     lines = []
     if modelfile is not None:
         lines.append(f"ollama create {modelfile.ollama_name} -f {shlex.quote(str(modelfile.path))}")
-    lines.append(f"llama-cli -m {shlex.quote(str(Path(gguf_path).absolute()))}")
+    lora = f" --lora {shlex.quote(str(modelfile.adapter))}" if modelfile is not None and modelfile.adapter else ""
+    lines.append(f"llama-cli -m {shlex.quote(str(Path(gguf_path).absolute()))}{lora}")
     return lines
 
 
@@ -131,56 +194,217 @@ def _renders_alike(tok, go: str, bos: str) -> bool:
     return compared >= 2
 
 
-_ACTION = re.compile(r"\{\{(-?)\s*(.*?)\s*(-?)\}\}", re.S)
+_ACTION = re.compile(r"\{\{(-\s)?\s*(.*?)\s*(\s-)?\}\}", re.S)
+_TOKEN = re.compile(r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<int>-?\d+)|(?P<op>:=|=|\(|\)|,)|(?P<word>[^\s()=,:]+))')
 
 
 def render_go(template: str, messages) -> str:
-    """Render the subset of Go's text/template that GO_TEMPLATES use (``range .Messages``, ``.Role``,
-    ``.Content``, ``end``, the ``{{-`` / ``-}}`` trims) as Ollama would for ``messages``."""
-    parts: list[tuple[str, str]] = []  # ("text", s) or ("action", s)
-    pos = 0
+    """Render ``template`` as Ollama renders a template that uses ``.Messages`` (its template.Execute): the
+    messages collated (consecutive messages of one role joined by a blank line), ``.System`` all system
+    messages joined, executed by the subset of Go's text/template that GO_TEMPLATES use: text with the
+    ``{{-`` / ``-}}`` trims; ``range .Messages`` (also ``range $i, $_ := .Messages``), ``if`` / ``else if`` /
+    ``else`` / ``end``, ``$x := ...``, ``.Role``, ``.Content``, ``$.System``, ``$.Messages``, string and
+    integer constants, and the functions ``eq``, ``ne``, ``and``, ``or``, ``not``, ``len``, ``slice``.
+    Anything else raises ValueError (not rendered, never guessed)."""
+    system, collated = _collate(messages)
+    root = {"System": system, "Messages": collated}
+    body, i = _parse(_lex(template), 0)
+    if i != len(_lex(template)):
+        raise ValueError("render_go: an {{ end }} without its block")
+    out: list[str] = []
+    _exec(body, root, root, [{}], out)
+    return "".join(out)
+
+
+def _collate(messages):
+    system, collated = [], []
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if role == "system":
+            system.append(content)
+        if collated and collated[-1]["Role"] == role and role != "tool":
+            collated[-1]["Content"] += "\n\n" + content
+        else:
+            collated.append({"Role": role, "Content": content})
+    return "\n\n".join(system), collated
+
+
+def _lex(template: str) -> list[tuple[str, str]]:
+    items: list[tuple[str, str]] = []
+    pos, trim_next = 0, False
     for m in _ACTION.finditer(template):
         text = template[pos:m.start()]
+        if trim_next:
+            text = text.lstrip(" \t\r\n")
         if m.group(1):
             text = text.rstrip(" \t\r\n")
-        if parts and parts[-1][0] == "trim-next":
-            parts.pop()
-            text = text.lstrip(" \t\r\n")
-        parts.append(("text", text))
-        parts.append(("action", m.group(2)))
-        if m.group(3):
-            parts.append(("trim-next", ""))
-        pos = m.end()
+        items.append(("text", text))
+        items.append(("action", m.group(2)))
+        trim_next, pos = bool(m.group(3)), m.end()
     tail = template[pos:]
-    if parts and parts[-1][0] == "trim-next":
-        parts.pop()
-        tail = tail.lstrip(" \t\r\n")
-    parts.append(("text", tail))
-    return _run(parts, messages, None)[0]
+    items.append(("text", tail.lstrip(" \t\r\n") if trim_next else tail))
+    return items
 
 
-def _run(parts, messages, message, i=0):
-    out = []
-    while i < len(parts):
-        kind, value = parts[i]
-        i += 1
+def _parse(items, i, stop=("end",)):
+    """(list of nodes, index of the item that stopped it) - nodes: ("text", s), ("out", expr),
+    ("set", name, expr, declare), ("if", [(cond, body)...], else_body), ("range", key, value, expr, body)."""
+    nodes = []
+    while i < len(items):
+        kind, value = items[i]
         if kind == "text":
-            out.append(value)
-        elif value == "range .Messages":
-            start, end = i, i
-            for m in messages:
-                body, end = _run(parts, messages, m, start)
-                out.append(body)
-            if not messages:
-                _, end = _run(parts, messages, {"role": "", "content": ""}, start)
-            i = end
-        elif value == "end":
-            return "".join(out), i
-        elif value in (".Role", ".Content"):
-            out.append(message[value[1:].lower()])
+            nodes.append(("text", value))
+            i += 1
+            continue
+        head = value.split(None, 1)[0] if value else ""
+        if head in ("end", "else"):
+            if head not in stop:
+                raise ValueError(f"render_go: unexpected {{{{ {value} }}}}")
+            return nodes, i
+        if head == "if":
+            branches, cond = [], value[2:].strip()
+            while True:
+                body, i = _parse(items, i + 1, stop=("end", "else"))
+                branches.append((cond, body))
+                if i >= len(items):
+                    raise ValueError("render_go: an {{ if }} without its {{ end }}")
+                closing = items[i][1]
+                if closing == "end":
+                    nodes.append(("if", branches, []))
+                    break
+                if closing.startswith("else if "):
+                    cond = closing[len("else if "):].strip()
+                    continue
+                if closing == "else":
+                    else_body, i = _parse(items, i + 1)
+                    if i >= len(items):
+                        raise ValueError("render_go: an {{ else }} without its {{ end }}")
+                    nodes.append(("if", branches, else_body))
+                    break
+                raise ValueError(f"render_go: does not render {{{{ {closing} }}}}")
+            i += 1
+        elif head == "range":
+            m = re.fullmatch(r"range\s+(?:(\$\w*)\s*,\s*(\$\w*)\s*:=\s*)?(.+)", value, re.S)
+            if not m:
+                raise ValueError(f"render_go: does not render {{{{ {value} }}}}")
+            body, i = _parse(items, i + 1)
+            if i >= len(items):
+                raise ValueError("render_go: a {{ range }} without its {{ end }}")
+            nodes.append(("range", m.group(1), m.group(2), m.group(3), body))
+            i += 1
         else:
-            raise ValueError(f"render_go does not render {{{{ {value} }}}}")
-    return "".join(out), i
+            m = re.fullmatch(r"(\$\w+)\s*(:=|=)\s*(.+)", value, re.S)
+            nodes.append(("set", m.group(1), m.group(3), m.group(2) == ":=") if m else ("out", value))
+            i += 1
+    return nodes, i
+
+
+def _exec(nodes, dot, root, scopes, out):
+    for node in nodes:
+        kind = node[0]
+        if kind == "text":
+            out.append(node[1])
+        elif kind == "out":
+            out.append(_print(_eval(node[1], dot, root, scopes)))
+        elif kind == "set":
+            _, name, expr, declare = node
+            value = _eval(expr, dot, root, scopes)
+            if declare:
+                scopes[-1][name] = value
+            else:
+                next(s for s in reversed(scopes) if name in s)[name] = value
+        elif kind == "if":
+            for cond, body in node[1]:
+                if _truth(_eval(cond, dot, root, scopes)):
+                    _exec(body, dot, root, scopes + [{}], out)
+                    break
+            else:
+                _exec(node[2], dot, root, scopes + [{}], out)
+        elif kind == "range":
+            _, key, val, expr, body = node
+            seq = _eval(expr, dot, root, scopes)
+            for n, item in enumerate(seq or []):
+                scope = {key: n, val: item} if key else {}
+                _exec(body, item, root, scopes + [scope], out)
+
+
+def _eval(expr: str, dot, root, scopes):
+    tokens = [next(k for k, v in m.groupdict().items() if v is not None) + ":" + m.group(0).strip()
+              for m in _TOKEN.finditer(expr) if m.group(0).strip()]
+    if "".join(t.split(":", 1)[1] for t in tokens) != re.sub(r"\s+", "", expr):
+        raise ValueError(f"render_go: does not render {{{{ {expr} }}}}")
+    value, rest = _command(tokens, dot, root, scopes)
+    if rest:
+        raise ValueError(f"render_go: does not render {{{{ {expr} }}}}")
+    return value
+
+
+_FUNCS = {
+    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "not": lambda a: not _truth(a), "len": len,
+    "slice": lambda s, i=0, j=None: s[i:j],
+}
+
+
+def _command(tokens, dot, root, scopes):
+    """Evaluate one command (an operand, or a function and its arguments) up to a ')' or the end."""
+    if tokens and tokens[0] in ("word:and", "word:or") or tokens and tokens[0].split(":", 1)[1] in _FUNCS:
+        name, args, rest = tokens[0].split(":", 1)[1], [], tokens[1:]
+        while rest and rest[0] != "op:)":
+            arg, rest = _operand(rest, dot, root, scopes)
+            args.append(arg)
+        if name == "and":
+            return next((a for a in args if not _truth(a)), args[-1]), rest
+        if name == "or":
+            return next((a for a in args if _truth(a)), args[-1]), rest
+        return _FUNCS[name](*args), rest
+    return _operand(tokens, dot, root, scopes)
+
+
+def _operand(tokens, dot, root, scopes):
+    kind, text = tokens[0].split(":", 1)
+    rest = tokens[1:]
+    if kind == "op" and text == "(":
+        value, rest = _command(rest, dot, root, scopes)
+        if not rest or rest[0] != "op:)":
+            raise ValueError("render_go: a '(' without its ')'")
+        return value, rest[1:]
+    if kind == "str":
+        return json.loads(text), rest
+    if kind == "int":
+        return int(text), rest
+    if kind == "word":
+        if text.startswith("$."):
+            return _field(root, text[2:]), rest
+        if text.startswith("."):
+            return (dot if text == "." else _field(dot, text[1:])), rest
+        if text == "$":
+            return root, rest
+        if text.startswith("$"):
+            for scope in reversed(scopes):
+                if text in scope:
+                    return scope[text], rest
+            raise ValueError(f"render_go: undefined variable {text}")
+    raise ValueError(f"render_go: does not render {text!r}")
+
+
+def _field(value, path: str):
+    for name in path.split("."):
+        if not isinstance(value, dict) or name not in value:
+            raise ValueError(f"render_go: no field .{name}")
+        value = value[name]
+    return value
+
+
+def _truth(value) -> bool:
+    return bool(value)
+
+
+def _print(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, int)):
+        return str(value)
+    raise ValueError(f"render_go: does not print {type(value).__name__}")
 
 
 # -- stops and the GGUF's BOS ----------------------------------------------------------------------------

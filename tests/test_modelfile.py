@@ -1,0 +1,113 @@
+"""The Ollama TEMPLATE line (ship/modelfile.py, issue 40): our Go templates against the released Jinja
+chat templates of the families the GGUF export writes.
+
+Two independent references: Go's own text/template, executed as Ollama executes a template
+(tests/fixtures/ollama/go_render.go; its renderings are committed in go_renders.json, made by
+make_go_renders.py), and transformers' apply_chat_template on the chat templates as released
+(released_chat_templates.json names where each was copied from). render_go, the Python renderer the
+export uses to choose a template, must agree with Go everywhere; Go's rendering must equal
+transformers' on every conversation the check uses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tui_merger.core.ship.modelfile import CONVERSATIONS, GO_TEMPLATES, chosen_template, render_go
+
+FIXTURES = Path(__file__).parent / "fixtures" / "ollama"
+GO = json.loads((FIXTURES / "go_renders.json").read_text())
+RELEASED = json.loads((FIXTURES / "released_chat_templates.json").read_text())["templates"]
+
+
+def tokenizer(entry: dict, chat_template: str | None = None):
+    """A tokenizer that renders the template with the family's own BOS and EOS strings."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                   bos_token=entry["bos_token"], eos_token=entry["eos_token"],
+                                   chat_template=chat_template or entry["chat_template"])
+
+
+def test_the_recorded_go_renderings_are_of_the_current_templates():
+    assert {n: e["template"] for n, e in GO["templates"].items()} == GO_TEMPLATES, \
+        "GO_TEMPLATES changed: rerun tests/fixtures/ollama/make_go_renders.py"
+    assert [list(c) for c in CONVERSATIONS] == GO["conversations"][:len(CONVERSATIONS)]
+
+
+@pytest.mark.parametrize("name", sorted(GO_TEMPLATES))
+def test_render_go_renders_what_go_renders(name):
+    """Every template on every recorded conversation (collated roles, two system messages, none at all)."""
+    for messages, want in zip(GO["conversations"], GO["templates"][name]["renders"], strict=True):
+        assert render_go(GO_TEMPLATES[name], messages) == want, messages
+
+
+@pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain here (the committed renderings still check)")
+def test_render_go_renders_what_go_renders_now():
+    """With a Go toolchain: Go renders the templates again, also one the fixtures do not hold."""
+    odd = '{{- $x := "" }}{{ range $i, $_ := .Messages }}{{ if ne $i 0 }},{{ end }}{{ $x = .Role }}{{ $x }}' \
+          '{{ if or (eq .Role "tool") (not .Content) }}!{{ else }}={{ len (slice $.Messages $i) }}{{ end }}{{ end }}'
+    cases = [{"template": t, "messages": m} for t in [*GO_TEMPLATES.values(), odd] for m in CONVERSATIONS]
+    run = subprocess.run(["go", "run", "go_render.go"], cwd=FIXTURES, input=json.dumps({"cases": cases}),
+                         capture_output=True, text=True, check=True, timeout=300)
+    assert [render_go(c["template"], c["messages"]) for c in cases] == json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("entry", RELEASED, ids=[e["model"] for e in RELEASED])
+def test_a_released_chat_template_gets_the_go_template_that_renders_it(entry):
+    """Go's rendering (not ours) plus the BOS llama.cpp adds equals transformers' rendering of the released
+    template on each conversation it accepts; the export chooses that template, or none where none does."""
+    tok = tokenizer(entry)
+    add_bos = "bos_token" in entry["chat_template"]  # the template writes the BOS: the GGUF says add it
+    name, why = chosen_template(tok, add_bos)
+    assert name == entry["go_template"], why
+    if name is None:
+        assert "knows no Ollama template" in why
+        return
+    compared = 0
+    for messages, go in zip(GO["conversations"], GO["templates"][name]["renders"]):
+        if not messages or messages not in [list(c) for c in CONVERSATIONS]:
+            continue
+        try:
+            want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - Gemma 1/2 and Mistral v0.1 refuse a system message
+            assert any(m["role"] == "system" for m in messages)
+            continue
+        assert want == (entry["bos_token"] if add_bos else "") + go, messages
+        compared += 1
+    assert compared >= 2
+
+
+def test_a_template_that_moves_the_system_prompt_is_not_matched():
+    """Mistral's v1 template with the system prompt in the last user message (as later Mistral templates put
+    it) renders like v1 on one turn; the multi-turn conversation with a system message tells them apart."""
+    entry = next(e for e in RELEASED if e["go_template"] == "mistral-v1")
+    moved = entry["chat_template"].replace("loop.first and system_message", "loop.last and system_message")
+    assert moved != entry["chat_template"]
+    tok = tokenizer(entry, moved)
+    one_turn = list(CONVERSATIONS[1])
+    assert tok.apply_chat_template(one_turn, tokenize=False, add_generation_prompt=True) == \
+        "<s>" + render_go(GO_TEMPLATES["mistral-v1"], one_turn)
+    name, why = chosen_template(tok, True)
+    assert name is None and "knows no Ollama template" in why
+
+
+def test_a_bos_the_gguf_does_not_add_is_not_matched():
+    """The template writes <bos> but llama.cpp would not add one: our templates never write it, so none fits."""
+    entry = next(e for e in RELEASED if e["go_template"] == "gemma")
+    name, why = chosen_template(tokenizer(entry), False)
+    assert name is None and "knows no Ollama template" in why
+
+
+@pytest.mark.parametrize("template", [
+    "{{ .Prompt }}", "{{ range .Messages }}{{ printf \"%s\" .Content }}{{ end }}", "{{ if .System }}x",
+    "{{ range .Messages }}{{ .Images }}{{ end }}", "{{ end }}",
+])
+def test_render_go_refuses_what_it_does_not_render(template):
+    with pytest.raises(ValueError, match="render_go"):
+        render_go(template, [{"role": "user", "content": "x"}])
