@@ -340,6 +340,10 @@ def _run_info(folder: Path) -> RunInfo:
         tuner = args.get("tuner_type") or args.get("train_type")
         if isinstance(tuner, str) and tuner != "full":
             info.lora = f"an ms-swift {tuner} run"
+            # issue 39 (megatron_lora reads ms-swift's LoRA): rank, alpha, rsLoRA and its base checkpoint
+            from tui_merger.core.formats.megatron_lora import swift_peft
+
+            info.peft, info.pretrained = swift_peft(args)
         return info
     info = RunInfo("megatron-lm", folder, legacy=legacy)
     args = _megatron_lm_args(folder / "common.pt") if not legacy else None
@@ -428,7 +432,11 @@ def local_base(info: RunInfo, folder: Path) -> Path | None:
 def check_iteration(folder: Path, info: RunInfo) -> None:
     """One sentence for an iteration folder that cannot be converted: nothing in it, the legacy format,
     a PEFT run's adapter-only checkpoint that is not Megatron-Bridge's (read by megatron_lora)."""
-    if info.lora and info.framework == "megatron-bridge":
+    if info.lora and info.framework == "ms-swift":  # issue 39: megatron_lora reads ms-swift's LoRA
+        from tui_merger.core.formats.megatron_lora import check_swift_tuner
+
+        check_swift_tuner(folder, info)
+    elif info.lora and info.framework == "megatron-bridge":
         peft = str(info.peft.get("_target_", "")).rsplit(".", 1)[-1]
         if peft not in BRIDGE_PEFT:
             raise MergeError(
