@@ -6,7 +6,7 @@ The fixture (tests/fixtures/ms_swift/generate.py) is written by megatron-core 0.
 from the sharded state dict ms-swift builds (its Megatron LoRA layers need Transformer Engine and CUDA, so ms-swift
 itself did not run); its LoRA weights were first written by peft itself as ``reference_adapter/`` on the base
 ``megatron_layouts/fw/hf_dense``. References: peft's ``merge_and_unload`` of that adapter, and its tensors for the
-PEFT adapter export.
+PEFT adapter export. ``full_tp2`` is a full-parameter run written the same way from the base's own weights.
 """
 
 from __future__ import annotations
@@ -122,6 +122,25 @@ def test_swift_rslora_and_lora_alpha(tmp_path):
     assert torch.allclose(rs, plain * math.sqrt(8), atol=1e-5)
     run_merge(MergeOptions(checkpoint=_run(tmp_path / "c"), out=tmp_path / "a8", base=BASE, lora_alpha=8), fsync=False)
     assert torch.allclose(read_output(tmp_path / "a8")[k] - base[k], plain / 4, atol=1e-6)
+
+
+def test_swift_full_parameter_save_converts_to_the_base_weights(tmp_path):
+    """A full-parameter run (tuner_type full) laid out as ms-swift's models hold it (Transformer Engine spec: the
+    norms as linear_qkv / linear_fc1 ``layer_norm_weight``, fc1 through the SwiGLU factory), TP 2: every tensor
+    equals the weights it was made from; inspect reads the family and sizes from args.json."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "megatron_output"
+    shutil.copytree(FIXTURES / "ms_swift" / "full_tp2", run)
+    (c,) = scan(run).candidates
+    notes = " ".join(c.notes)
+    assert c.backend == "ms-swift" and c.step == 3 and "args.json: TP 2" in notes and "model family: qwen2" in notes, notes
+    result = run_merge(MergeOptions(checkpoint=run, out=tmp_path / "out", base=BASE), fsync=False)
+    assert result.kind == "convert"
+    got, want = read_output(tmp_path / "out"), load_file(BASE / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
 def _refused(checkpoint: Path, out: Path, *words, **options) -> None:
