@@ -232,3 +232,54 @@ def test_inspect_shows_bridge_lora_on_experts(tmp_path):
     notes = " ".join(c.notes)
     assert "PEFT run (LoRA): adapters only (r 8, alpha 16), merged into the base checkpoint" in notes, notes
     assert "EP 2" in notes and not c.needs_base, notes
+
+
+def test_swift_lora_into_the_mcore_model_it_names(tmp_path, peft_merged):
+    """``mcore_model`` in args.json: the run started from a Megatron checkpoint (here ms-swift's own full-parameter
+    save of the same base), which is converted and merged into; the Hugging Face config from ``model_dir``."""
+    full = tmp_path / "full"
+    shutil.copytree(FIXTURES / "ms_swift" / "full_tp2", full)
+    run = _run(tmp_path, model_dir=str(BASE.resolve()), mcore_model=str(full))
+    result = run_merge(MergeOptions(checkpoint=run, out=tmp_path / "out"), fsync=False)
+    assert any("merged into the base checkpoint its args.json names" in n and "iter_0000003" in n
+               for n in result.warnings), result.warnings
+    got = read_output(tmp_path / "out")
+    for name, tensor in peft_merged.items():
+        assert torch.allclose(got[name], tensor, atol=2e-6, rtol=0), name
+
+
+def _rewritten(run: Path, extra: dict) -> None:
+    """The LoRA iteration rewritten by torch.distributed.checkpoint with ``extra`` tensors beside its own, as
+    one process (TP 1) holds them: linear_fc1's lora_B rows [gate; up] of TP rank 0, then of rank 1, become
+    [all gate; all up], the rows a TP 1 run's single rank holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    src = run / "checkpoint-3" / "iter_0000003"
+    meta = dcp.FileSystemReader(str(src)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    fc1 = state["decoder.layers.mlp.linear_fc1.lora_B.default.weight"]
+    g0, u0, g1, u1 = fc1.chunk(4, 1)
+    state["decoder.layers.mlp.linear_fc1.lora_B.default.weight"] = torch.cat([g0, g1, u0, u1], 1)
+    for f in src.iterdir():
+        if f.name != "common.pt" and f.name != "metadata.json":
+            f.unlink()
+    dcp.save({**state, **extra}, storage_writer=dcp.FileSystemWriter(str(src)), no_dist=True)
+
+
+def test_swift_other_adapters_grouped_experts_and_modules_to_save(tmp_path, peft_merged):
+    # ms-swift's frozen reference adapter (mcore_ref_adapter) beside the trained one: said, not merged
+    run = _run(tmp_path / "a")
+    _rewritten(run, {"decoder.layers.self_attention.linear_qkv.lora_A.ref_adapter.weight": torch.ones(2, 8, 32)})
+    result = run_merge(MergeOptions(checkpoint=run, out=tmp_path / "out", base=BASE), fsync=False)
+    assert any("also holds the adapter(s) ref_adapter" in n for n in result.warnings), result.warnings
+    got = read_output(tmp_path / "out")
+    assert all(torch.allclose(got[k], peft_merged[k], atol=2e-6, rtol=0) for k in got)
+    run = _run(tmp_path / "b")
+    _rewritten(run, {"decoder.layers.mlp.experts.linear_fc1.lora_A.default.weight": torch.ones(2, 4, 8, 32)})
+    _refused(run, tmp_path / "o1", "grouped MoE experts", "--adapter", base=BASE)
+    run = _run(tmp_path / "c")
+    _rewritten(run, {"output_layer.modules_to_save.default.weight": torch.ones(64, 32)})
+    _refused(run, tmp_path / "o2", "modules_to_save", base=BASE)

@@ -670,8 +670,9 @@ _SEQ_EXPERTS = re.compile(r"^mlp\.experts\.experts\.(?P<fc>linear_fc[12])\.(?P<p
 
 
 def is_adapter_key(key: str) -> bool:
-    """A LoRA tensor of a PEFT dist checkpoint: Megatron-Bridge's ``*.adapter.*`` or ms-swift's ``*.lora_A/B.*``."""
-    return (".adapter." in key or ".lora_A." in key or ".lora_B." in key) and "_extra_state" not in key
+    """A tensor of a PEFT dist checkpoint: Megatron-Bridge's ``*.adapter.*``, ms-swift's ``*.lora_A/B.*`` (and its
+    ``*.modules_to_save.*``, which is refused when read)."""
+    return (".adapter." in key or ".lora_A." in key or ".lora_B." in key or ".modules_to_save." in key) and "_extra_state" not in key
 
 
 def _swift_name(key: str, dist_dir: Path) -> str | None:
