@@ -100,7 +100,8 @@ def test_inspect_shows_an_swift_lora_run_and_its_base_from_args_json(tmp_path, p
         "ms-swift", "iter_0000003", 3, 2, "megatron_output")
     notes = " ".join(c.notes)
     assert "args.json: TP 2" in notes and "An ms-swift lora run: adapters only (r 8, alpha 32)" in notes, notes
-    assert c.needs_base and "Qwen/Qwen2-tiny-for-tests" in notes, notes
+    assert c.needs_base and "Qwen/Qwen2-tiny-for-tests" in notes and "model family: qwen2" in notes, notes
+    assert (c.lora["r"], c.lora["alpha"], c.lora["rslora"], c.lora["target_modules"]) == (8, 32, False, ["all-linear"])
     # ms-swift records the local folder the model was read from (model_dir): found there, no --base needed
     run = _run(tmp_path / "b", model_dir=str(BASE.resolve()))
     (c,) = scan(run).candidates
@@ -232,6 +233,7 @@ def test_inspect_shows_bridge_lora_on_experts(tmp_path):
     notes = " ".join(c.notes)
     assert "PEFT run (LoRA): adapters only (r 8, alpha 16), merged into the base checkpoint" in notes, notes
     assert "EP 2" in notes and not c.needs_base, notes
+    assert (c.lora["r"], c.lora["alpha"], c.lora["target_modules"]) == (8, 16, ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"])
 
 
 def test_swift_lora_into_the_mcore_model_it_names(tmp_path, peft_merged):

@@ -475,7 +475,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     ``kind``: its step and run (the save folder, whose tracker file marks the latest), the framework
     (as the backend), the parallel sizes, dtype and Hugging Face model its run recorded, and that
     model resolved on this machine like a PEFT adapter's base. None when it is none of them."""
-    from tui_merger.core.formats.base import ALL, Candidate, Found
+    from tui_merger.core.formats.base import ALL, Candidate, Found, lora_info
 
     nemo = "weights" in names and "context" in names and is_nemo2(folder, set(names))
     step = iteration_of(folder.name)
@@ -515,9 +515,13 @@ def detect_run(s, folder: Path, names: dict, kind: str):
                     if info.pretrained else "the Hugging Face model")
             c.notes.append(f"{info.lora[0].upper()}{info.lora[1:]}: adapters only (r {info.peft.get('dim')}, alpha {alpha}), "
                            f"merged into {base}.")
+            # issue 39: the LoRA as inspect shows any adapter's (r, alpha, rsLoRA/DoRA, the targets the run names)
+            c.lora = lora_info({"r": info.peft.get("dim"), "lora_alpha": alpha, "use_rslora": info.peft.get("use_rslora"),
+                                "use_dora": str(info.peft.get("_target_", "")).endswith("DoRA"),
+                                "target_modules": info.peft.get("target_modules")})
     except MergeError as err:
         c.notes.append(str(err))
-    if not info.legacy and not info.lora and (info.model_dir / DCP_METADATA).is_file():
+    if not info.legacy and (info.model_dir / DCP_METADATA).is_file():
         family = _family(info)
         if family:
             c.notes.append(f"model family: {family}.")
