@@ -285,3 +285,27 @@ def test_swift_other_adapters_grouped_experts_and_modules_to_save(tmp_path, peft
     run = _run(tmp_path / "c")
     _rewritten(run, {"output_layer.modules_to_save.default.weight": torch.ones(64, 32)})
     _refused(run, tmp_path / "o2", "modules_to_save", base=BASE)
+
+
+def test_swift_lora_on_moe_experts_at_ep2(tmp_path):
+    """ms-swift's LoRA on a Qwen3-MoE (all-linear: the attention and every expert, TEGroupedLinear lora_A/B saved
+    as megatron-core saves grouped experts), EP 2: merged by W + alpha/r B@A from the LoRA weights as drawn before
+    sharding (reference_lora.safetensors), every expert of both EP ranks."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "megatron_output"
+    shutil.copytree(FIXTURES / "ms_swift" / "moe_ep2", run, ignore=shutil.ignore_patterns("reference_lora.safetensors"))
+    (c,) = scan(run).candidates
+    assert "EP 2" in " ".join(c.notes) and "model family: qwen3_moe" in " ".join(c.notes), c.notes
+    base_dir = FW / "hf_moe"
+    run_merge(MergeOptions(checkpoint=run, out=tmp_path / "out", base=base_dir), fsync=False)
+    got, base = read_output(tmp_path / "out"), load_file(base_dir / "model.safetensors")
+    ref = load_file(FIXTURES / "ms_swift" / "moe_ep2" / "reference_lora.safetensors")
+    assert sorted(got) == sorted(base)
+    targets = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight" for k in ref}
+    assert len(targets) == 2 * (4 + 4 * 3)  # q, k, v, o and 4 experts' gate, up, down in 2 layers
+    for name in targets:
+        m = "base_model.model." + name.removesuffix(".weight")
+        want = base[name].double() + 32 / 8 * (ref[m + ".lora_B.weight"].double() @ ref[m + ".lora_A.weight"].double())
+        assert torch.allclose(got[name].double(), want, atol=1e-6, rtol=0), name
+    assert all(torch.equal(got[k], base[k]) for k in base if k not in targets)

@@ -664,8 +664,10 @@ _STACKED = re.compile(r"^decoder\.layers\.(?P<rest>.+\.adapter\..+)$")
 # ``{module}.lora_A.{adapter}.weight`` / ``lora_B``, the pair Megatron-Bridge calls linear_in / linear_out
 _SWIFT = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 SWIFT_ADAPTER = "default"  # the adapter ms-swift trains (prepare_adapter); others (ref_adapter) are frozen copies
-# Megatron-Bridge's LoRA on SequentialMLP experts: megatron-core names local expert e's linears
-# ``mlp.experts.experts.linear_fc{1,2}`` with the global expert as an extra axis after the layer's
+# LoRA on MoE experts: megatron-core saves SequentialMLP's and TEGroupedMLP's experts alike as
+# ``mlp.experts.experts.linear_fc{1,2}`` with the global expert as an extra axis after the layer's (Megatron-Bridge's
+# adapters on SequentialMLP experts; ms-swift's grouped lora_A/B, TEGroupedLinear with expert TP 1, the only one
+# ms-swift allows: rows whole, fc1's lora_B [gate; up] as gpt_bridge stacks them)
 _SEQ_EXPERTS = re.compile(r"^mlp\.experts\.experts\.(?P<fc>linear_fc[12])\.(?P<param>adapter\..+)$")
 
 
@@ -725,10 +727,10 @@ def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
                 )
             rest = m.group("rest")
             seq = _SEQ_EXPERTS.match(rest)
-            if ".mlp.experts." in f".{rest}" and (seq is None or swift):
+            if ".mlp.experts." in f".{rest}" and seq is None:
                 raise MergeError(
                     f"{dist_dir} holds adapters on grouped MoE experts ({key}), whose layout tui-merger does not read "
-                    "yet (it reads Megatron-Bridge's LoRA on SequentialMLP experts); export the adapter as a Hugging "
+                    "yet (it reads LoRA on experts saved as megatron-core's mlp.experts.experts.*); export the adapter as a Hugging "
                     "Face PEFT adapter with the framework and merge it with --adapter and --base."
                 )
             full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
