@@ -18,6 +18,11 @@ reshards them and names them as Megatron-Bridge's Hugging Face adapter export do
   ``adapter_q/k/v/gate/up`` are already separate; a DoRA magnitude becomes ``lora_magnitude_vector``.
 
 Tensors are read from the shards (the restricted unpickler, mapped) when the merge asks for them.
+
+The same naming serves the adapter-only dist checkpoints of ``read_dist_adapter``: Megatron-Bridge's PEFT
+iterations (``*.adapter.linear_in/out``) and ms-swift's Megatron LoRA iterations (``*.lora_A/B.default``, peft's
+LoRA on megatron-core modules; ``swift_peft`` / ``check_swift_tuner`` read its args.json), MoE experts included
+where megatron-core saves them as ``mlp.experts.experts.*``.
 """
 
 from __future__ import annotations
