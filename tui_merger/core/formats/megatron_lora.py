@@ -18,6 +18,11 @@ reshards them and names them as Megatron-Bridge's Hugging Face adapter export do
   ``adapter_q/k/v/gate/up`` are already separate; a DoRA magnitude becomes ``lora_magnitude_vector``.
 
 Tensors are read from the shards (the restricted unpickler, mapped) when the merge asks for them.
+
+The same naming serves the adapter-only dist checkpoints of ``read_dist_adapter``: Megatron-Bridge's PEFT
+iterations (``*.adapter.linear_in/out``) and ms-swift's Megatron LoRA iterations (``*.lora_A/B.default``, peft's
+LoRA on megatron-core modules; ``swift_peft`` / ``check_swift_tuner`` read its args.json), MoE experts included
+where megatron-core saves them as ``mlp.experts.experts.*``.
 """
 
 from __future__ import annotations
@@ -582,8 +587,9 @@ def _name(layout, hf_config, source: ShardSource, globals_: dict, layers: int, e
     return ShardAdapter(source, kind, r, rank_pattern, sorted(targets), layers, experts, layout)
 
 
-def peft_config(shards: ShardAdapter, alpha, base_name: str | None) -> dict:
-    """adapter_config.json for the shards, as Megatron-Bridge's export writes it."""
+def peft_config(shards: ShardAdapter, alpha, base_name: str | None, use_rslora: bool = False) -> dict:
+    """adapter_config.json for the shards, as Megatron-Bridge's export writes it (``use_rslora``: ms-swift's
+    --use_rslora, scale alpha / sqrt(r) as peft's)."""
     modules = sorted({n.removeprefix("base_model.model.").rsplit(".", 2)[0].rsplit(".", 1)[-1]
                       for n in shards.source.tensors if n.endswith("lora_A.weight")})
     return {
@@ -595,7 +601,7 @@ def peft_config(shards: ShardAdapter, alpha, base_name: str | None) -> dict:
         "alpha_pattern": {},
         "target_modules": modules,
         "use_dora": shards.kind == "dora",
-        "use_rslora": False,
+        "use_rslora": bool(use_rslora),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -659,48 +665,97 @@ def describe(folder: Path, tconfig: dict) -> dict:
 # -- Megatron-Bridge's own PEFT checkpoints: an adapter-only dist checkpoint ------------------------------
 
 _STACKED = re.compile(r"^decoder\.layers\.(?P<rest>.+\.adapter\..+)$")
+# ms-swift (mcore_bridge tuners/lora.py LoraParallelLinear, peft's LoRA on megatron-core modules):
+# ``{module}.lora_A.{adapter}.weight`` / ``lora_B``, the pair Megatron-Bridge calls linear_in / linear_out
+_SWIFT = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+SWIFT_ADAPTER = "default"  # the adapter ms-swift trains (prepare_adapter); others (ref_adapter) are frozen copies
+# LoRA on MoE experts: megatron-core saves SequentialMLP's and TEGroupedMLP's experts alike as
+# ``mlp.experts.experts.linear_fc{1,2}`` with the global expert as an extra axis after the layer's (Megatron-Bridge's
+# adapters on SequentialMLP experts; ms-swift's grouped lora_A/B, TEGroupedLinear with expert TP 1, the only one
+# ms-swift allows: rows whole, fc1's lora_B [gate; up] as gpt_bridge stacks them)
+_SEQ_EXPERTS = re.compile(r"^mlp\.experts\.experts\.(?P<fc>linear_fc[12])\.(?P<param>adapter\..+)$")
+
+
+def is_adapter_key(key: str) -> bool:
+    """A tensor of a PEFT dist checkpoint: Megatron-Bridge's ``*.adapter.*``, ms-swift's ``*.lora_A/B.*`` (and its
+    ``*.modules_to_save.*``, which is refused when read)."""
+    return (".adapter." in key or ".lora_A." in key or ".lora_B." in key or ".modules_to_save." in key) and "_extra_state" not in key
+
+
+def _swift_name(key: str, dist_dir: Path) -> str | None:
+    """ms-swift's name of a LoRA tensor as Megatron-Bridge's (None: another adapter than the trained one)."""
+    m = _SWIFT.match(key)
+    if m is None:
+        raise MergeError(
+            f"{dist_dir} holds {key}, which is not a LoRA A or B matrix tui-merger knows; nothing was written."
+        )
+    if m.group("adapter") != SWIFT_ADAPTER:
+        return None
+    return f"{m.group('mod')}.adapter.{'linear_in' if m.group('ab') == 'A' else 'linear_out'}.weight"
 
 
 def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
-    """The adapter of a Megatron-Bridge PEFT iteration (its trainer saves only the ``*.adapter.*`` entries
-    of the model's sharded state dict: training/checkpointing.py apply_peft_adapter_filter_to_state_dict)
-    under Hugging Face names. megatron-core stores the layers stacked (``decoder.layers.X`` with the layer
-    as dim 0) and already joined across tensor-parallel ranks in the global order (fc1's ``linear_out`` as
-    [gate; up]), so each layer's tensor is one piece; the naming is the shards' (``_name``)."""
+    """The adapter of a PEFT dist checkpoint under Hugging Face names: Megatron-Bridge's PEFT iteration (its
+    trainer saves only the ``*.adapter.*`` entries of the model's sharded state dict: training/checkpointing.py
+    apply_peft_adapter_filter_to_state_dict) or ms-swift's Megatron LoRA iteration (``*.lora_A/B.default.*``:
+    swift/megatron/utils/megatron_lm_utils.py _filter_adapter_state_dict). megatron-core stores the layers
+    stacked (``decoder.layers.X`` with the layer as dim 0; SequentialMLP experts as
+    ``mlp.experts.experts.X`` with the global expert as dim 1) and joined across tensor-parallel ranks, so
+    each layer's tensor is one piece; the naming is the shards' (``_name``)."""
     import torch
 
     from tui_merger.core.io.dcp import DcpStore
 
-    def skip(key: str) -> bool:
-        return ".adapter." not in key or "_extra_state" in key
-
-    store = DcpStore(Path(dist_dir), skip, lambda k: re.sub(r"^(?:model\d*\.|module\.)+", "", k))
+    store = DcpStore(Path(dist_dir), lambda k: not is_adapter_key(k), lambda k: re.sub(r"^(?:model\d*\.|module\.)+", "", k))
+    other_adapters: set[str] = set()
     try:
         globals_: dict[str, _Global] = {}
-        layers = 0
+        layers = experts = 0
         for key, entry in sorted(store.tensors.items()):
-            m = _STACKED.match(key)
+            if ".modules_to_save." in key:
+                raise MergeError(
+                    f"{dist_dir} holds {key}, a whole module trained beside the LoRA (modules_to_save), which "
+                    "tui-merger does not merge from a Megatron checkpoint yet; nothing was written."
+                )
+            name = key
+            swift = ".adapter." not in key
+            if swift:
+                name = _swift_name(key, dist_dir)
+                if name is None:
+                    other_adapters.add(_SWIFT.match(key).group("adapter"))
+                    continue
+            m = _STACKED.match(name)
             if m is None or re.match(r"^\d+\.", m.group("rest")):
                 raise MergeError(
                     f"{dist_dir} holds {key}, an adapter outside megatron-core's stacked decoder layers, which tui-merger "
                     "does not know how to merge; nothing was written."
                 )
-            if ".mlp.experts." in key:
+            rest = m.group("rest")
+            seq = _SEQ_EXPERTS.match(rest)
+            if ".mlp.experts." in f".{rest}" and seq is None:
                 raise MergeError(
-                    f"{dist_dir} holds adapters on MoE experts ({key}), whose stacked layout in a Megatron-Bridge PEFT "
-                    "checkpoint tui-merger does not read yet; export the adapter with Megatron-Bridge's "
-                    "AutoBridge.save_hf_adapter and merge it with --adapter and --base."
+                    f"{dist_dir} holds adapters on grouped MoE experts ({key}), whose layout tui-merger does not read "
+                    "yet (it reads LoRA on experts saved as megatron-core's mlp.experts.experts.*); export the adapter as a Hugging "
+                    "Face PEFT adapter with the framework and merge it with --adapter and --base."
                 )
             full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
             store.read_region(key, (), None, full)
-            if re.search(r"\.adapter\.adapter_(?:gate|up)\.linear_out\.weight$", key):
+            if re.search(r"\.adapter\.adapter_(?:gate|up)\.linear_out\.weight$", name):
                 full = _unswiglu(full, entry)
+            if swift and re.search(r"(?:^|\.)linear_fc1\.adapter\.linear_out\.weight$", name):
+                full = _swift_fc1(full, entry)
             layers = max(layers, full.shape[0])
             for i in range(full.shape[0]):
-                name = f"decoder.layers.{i}.{m.group('rest')}"
-                globals_[name] = _Global(name, [full[i]], None)
+                if seq is None:
+                    name = f"decoder.layers.{i}.{rest}"
+                    globals_[name] = _Global(name, [full[i]], None)
+                    continue
+                experts = max(experts, full.shape[1])
+                for e in range(full.shape[1]):
+                    name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{seq.group('fc')}.{seq.group('param')}"
+                    globals_[name] = _Global(name, [full[i, e]], None)
         if not globals_:
-            raise MergeError(f"{dist_dir} holds no LoRA parameters (no *.adapter.* entries); nothing to merge.")
+            raise MergeError(f"{dist_dir} holds no LoRA parameters (no *.adapter.* or *.lora_A/B.* entries); nothing to merge.")
     finally:
         store.close()
     want = _cfg(hf_config, "num_hidden_layers")
@@ -709,9 +764,21 @@ def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
             f"The adapters in {dist_dir} cover {layers} layers but the model's config has {want}; the adapter and the "
             "config come from different models: pass --base with the model the run started from."
         )
+    said = _cfg(hf_config, "num_experts") or _cfg(hf_config, "num_local_experts")
+    if experts and said != experts:
+        raise MergeError(
+            f"The adapters in {dist_dir} cover {experts} experts but the model's config has {said}; the adapter and "
+            "the config come from different models: pass --base with the model the run started from."
+        )
     layout = ShardLayout(Path(dist_dir), {}, 1, 1, 1, None, {})
     source = ShardSource(Path(dist_dir), [METADATA_FILE] + sorted(store.data_files))
-    return _name(layout, hf_config, source, globals_, layers, 0)
+    shards = _name(layout, hf_config, source, globals_, layers, experts)
+    if other_adapters:
+        shards.notices.append(
+            f"{dist_dir} also holds the adapter(s) {', '.join(sorted(other_adapters))} (ms-swift's frozen reference "
+            f"adapters); only the trained one, {SWIFT_ADAPTER}, is merged."
+        )
+    return shards
 
 
 METADATA_FILE = ".metadata"
@@ -731,3 +798,58 @@ def _unswiglu(full, entry):
     blocks = [full[:, a:b] for a, b in zip(bounds, bounds[1:])]
     tp = len(blocks) // 2
     return torch.cat([blocks[i // 2 + (i % 2) * tp] for i in range(2 * tp)], 1)
+
+
+def _swift_fc1(full, entry):
+    """ms-swift's linear_fc1 ``lora_B``: a TEColumnParallelLinear whose rows on each tensor-parallel rank are
+    [that rank's gate rows; its up rows] (mcore_bridge gpt_bridge.py splits ``stack([gate, up])`` on dim 1), and
+    whose checkpoint joins the ranks' rows one rank after the other (ms-swift applies the SwiGLU factory to the
+    base layer only). The rows are put back as [all gate rows; all up rows]: the ranks are the chunks the
+    checkpoint records on the row axis."""
+    import torch
+
+    axis = len(entry.shape) - 2
+    starts = sorted({c.offsets[axis] for c in entry.chunks})
+    if len(starts) <= 1:
+        return full
+    bounds = starts + [full.shape[axis]]
+    halves = [full.narrow(axis, a, b - a).chunk(2, axis) for a, b in zip(bounds, bounds[1:])]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], axis)
+
+
+# -- ms-swift's Megatron LoRA (swift/megatron, its layers from mcore_bridge tuners/lora.py) ---------------
+
+SWIFT_LORA = "lora"  # the tuner_type whose adapter-only iteration this module reads
+
+
+def swift_peft(args: dict) -> tuple[dict, str | None]:
+    """What ms-swift's args.json records of a LoRA run (MegatronTunerMixin: lora_rank, lora_alpha,
+    use_rslora, target_modules), in the keys Megatron-Bridge's run_config uses (``dim``, ``alpha``), and the
+    Megatron base checkpoint it loaded (``mcore_model``; None when it started from the Hugging Face model)."""
+
+    def num(key):
+        v = args.get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    peft = {"_target_": "ms-swift LoRA", "dim": num("lora_rank"), "alpha": num("lora_alpha"),
+            "use_rslora": args.get("use_rslora") is True, "target_modules": args.get("target_modules")}
+    base = args.get("mcore_model")
+    return peft, base if isinstance(base, str) and base.strip() else None
+
+
+def check_swift_tuner(folder: Path, info) -> None:
+    """One sentence for an ms-swift PEFT run whose Megatron iteration tui-merger cannot merge."""
+    tuner = info.lora.removeprefix("an ms-swift ").removesuffix(" run")
+    if tuner == SWIFT_LORA:
+        return
+    if tuner == "lora_llm":  # LoRA on the language model, the vision tower trained whole: saved merged only
+        raise MergeError(
+            f"{folder} is an ms-swift lora_llm run, whose Megatron iteration holds no weights (ms-swift saves such a "
+            "run only merged, in Hugging Face format, in the checkpoint-N-merged folder beside it); merge or copy "
+            "that folder instead."
+        )
+    raise MergeError(
+        f"{folder} is {info.lora}: its dist checkpoint holds the adapters only, which tui-merger does not "
+        "merge for this tuner_type (it reads ms-swift's lora); export the adapter in Hugging Face PEFT format and "
+        "merge it with --adapter and --base."
+    )

@@ -340,6 +340,10 @@ def _run_info(folder: Path) -> RunInfo:
         tuner = args.get("tuner_type") or args.get("train_type")
         if isinstance(tuner, str) and tuner != "full":
             info.lora = f"an ms-swift {tuner} run"
+            # issue 39 (megatron_lora reads ms-swift's LoRA): rank, alpha, rsLoRA and its base checkpoint
+            from tui_merger.core.formats.megatron_lora import swift_peft
+
+            info.peft, info.pretrained = swift_peft(args)
         return info
     info = RunInfo("megatron-lm", folder, legacy=legacy)
     args = _megatron_lm_args(folder / "common.pt") if not legacy else None
@@ -428,7 +432,11 @@ def local_base(info: RunInfo, folder: Path) -> Path | None:
 def check_iteration(folder: Path, info: RunInfo) -> None:
     """One sentence for an iteration folder that cannot be converted: nothing in it, the legacy format,
     a PEFT run's adapter-only checkpoint that is not Megatron-Bridge's (read by megatron_lora)."""
-    if info.lora and info.framework == "megatron-bridge":
+    if info.lora and info.framework == "ms-swift":  # issue 39: megatron_lora reads ms-swift's LoRA
+        from tui_merger.core.formats.megatron_lora import check_swift_tuner
+
+        check_swift_tuner(folder, info)
+    elif info.lora and info.framework == "megatron-bridge":
         peft = str(info.peft.get("_target_", "")).rsplit(".", 1)[-1]
         if peft not in BRIDGE_PEFT:
             raise MergeError(
@@ -467,7 +475,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     ``kind``: its step and run (the save folder, whose tracker file marks the latest), the framework
     (as the backend), the parallel sizes, dtype and Hugging Face model its run recorded, and that
     model resolved on this machine like a PEFT adapter's base. None when it is none of them."""
-    from tui_merger.core.formats.base import ALL, Candidate, Found
+    from tui_merger.core.formats.base import ALL, Candidate, Found, lora_info
 
     nemo = "weights" in names and "context" in names and is_nemo2(folder, set(names))
     step = iteration_of(folder.name)
@@ -507,9 +515,13 @@ def detect_run(s, folder: Path, names: dict, kind: str):
                     if info.pretrained else "the Hugging Face model")
             c.notes.append(f"{info.lora[0].upper()}{info.lora[1:]}: adapters only (r {info.peft.get('dim')}, alpha {alpha}), "
                            f"merged into {base}.")
+            # issue 39: the LoRA as inspect shows any adapter's (r, alpha, rsLoRA/DoRA, the targets the run names)
+            c.lora = lora_info({"r": info.peft.get("dim"), "lora_alpha": alpha, "use_rslora": info.peft.get("use_rslora"),
+                                "use_dora": str(info.peft.get("_target_", "")).endswith("DoRA"),
+                                "target_modules": info.peft.get("target_modules")})
     except MergeError as err:
         c.notes.append(str(err))
-    if not info.legacy and not info.lora and (info.model_dir / DCP_METADATA).is_file():
+    if not info.legacy and (info.model_dir / DCP_METADATA).is_file():
         family = _family(info)
         if family:
             c.notes.append(f"model family: {family}.")

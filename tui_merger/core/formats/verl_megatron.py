@@ -1368,10 +1368,12 @@ def open_bridge_peft(layout: MegatronLayout, options):
     recorded = info.peft.get("alpha")
     recorded = recorded if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0 else None
     alpha = options.lora_alpha if options.lora_alpha is not None else recorded
+    swift = info.framework == "ms-swift"  # issue 39: ms-swift's LoRA (args.json) read like Bridge's
+    said_in, base_field = ("args.json", "mcore_model") if swift else ("run_config.yaml", "checkpoint.pretrained_checkpoint")
     if alpha is None:
         raise MergeError(
-            f"The run_config.yaml of {layout.folder} records no positive peft.alpha; pass --lora-alpha with the value "
-            "used in training."
+            f"The {said_in} of {layout.folder} records no positive {'lora_alpha' if swift else 'peft.alpha'}; pass "
+            "--lora-alpha with the value used in training."
         )
     base_iter = pretrained_iteration(info, layout.folder) if options.base is None else None
     base_layout = None
@@ -1379,35 +1381,38 @@ def open_bridge_peft(layout: MegatronLayout, options):
         base_layout = _mcore_layout(base_iter)
         if base_layout.run.lora:
             raise MergeError(
-                f"{base_iter}, the pretrained_checkpoint of {layout.folder}, is itself a PEFT run; point "
-                "checkpoint.pretrained_checkpoint at the full model or pass --base with its Hugging Face model."
+                f"{base_iter}, the {base_field} of {layout.folder}, is itself a PEFT run; point "
+                f"{base_field} at the full model or pass --base with its Hugging Face model."
             )
     shards = read_dist_adapter(info.model_dir, config)
-    adapter = adapter_from_source(info.model_dir, peft_config(shards, alpha, info.hf_ref), shards.source)
+    adapter = adapter_from_source(info.model_dir, peft_config(shards, alpha, info.hf_ref, info.peft.get("use_rslora")),
+                                  shards.source)
     inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
     inputs.notices = list(layout.notices)
     try:
         inputs.config = config
         if base_layout is not None:
             base_files = _convert(base_layout, config, config_dir, inputs, options)
-            into = f"the base checkpoint its run_config.yaml names ({base_iter}; --base merges into another)"
+            into = f"the base checkpoint its {said_in} names ({base_iter}; --base merges into another)"
         else:
             base = inputs.base = open_model(config_dir)
             inputs.closers.append(base)
             base_files = [config_dir / f for f in base.files]
-            why = (f"{info.pretrained} (checkpoint.pretrained_checkpoint) is not on this machine" if info.pretrained and
-                   options.base is None else "--base" if options.base is not None else "the run names no pretrained_checkpoint")
+            why = (f"{info.pretrained} ({base_field}) is not on this machine" if info.pretrained and
+                   options.base is None else "--base" if options.base is not None else f"the run names no {base_field}")
             into = f"the Hugging Face model {config_dir} ({why})"
-        said = "--lora-alpha" if options.lora_alpha is not None else "run_config.yaml"
+        said = "--lora-alpha" if options.lora_alpha is not None else said_in
+        kind = "LoRA" if swift else KINDS[shards.kind]
+        rs = ", rsLoRA" if info.peft.get("use_rslora") else ""
         inputs.notices.append(
-            f"A Megatron-Bridge {KINDS[shards.kind]} run: its adapter (rank {shards.r}, alpha {alpha:g} from {said}) is "
+            f"{'An' if swift else 'A'} {info.name} {kind} run: its adapter (rank {shards.r}, alpha {alpha:g} from {said}{rs}) is "
             f"merged into {into}."
         )
         dtype = config_dtype(config)
         inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
         inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
         inputs.notices += shards.notices + adapter.notices + inputs.files.notices
-        inputs.read_files = (base_files + [config_dir / "config.json", layout.folder / "run_config.yaml"]
+        inputs.read_files = (base_files + [config_dir / "config.json", info.config_file]
                              + [info.model_dir / f for f in shards.source.files] + [src for src, _ in inputs.files.copies])
     except BaseException:
         inputs.close()
