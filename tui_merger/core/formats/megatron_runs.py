@@ -44,7 +44,7 @@ MAX_TEXT = 4 << 20  # run configurations are kilobytes
 MAX_COMMON = 16 << 20  # common.pt: args and small training state
 # what Megatron-LM's model_optim_rng.pt / common.pt hold besides tensors (its args, numpy RNG state,
 # enums): unpickled as inert records (torch_pickle), never constructed
-MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_engine", "_io", "io", "enum")
+MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_engine", "_io", "io", "enum", "signal")
 
 BRIDGE_PEFT = ("LoRA", "CanonicalLoRA", "DoRA")  # megatron.bridge.peft classes megatron_lora reads
 FRAMEWORKS = {"megatron-lm": "Megatron-LM", "megatron-bridge": "Megatron-Bridge", "ms-swift": "ms-swift", "nemo2": "NeMo 2"}
@@ -195,6 +195,7 @@ class RunInfo:
     peft: dict = field(default_factory=dict)  # Megatron-Bridge: run_config's peft section (alpha, dim, _target_)
     pretrained: str | None = None  # Megatron-Bridge: checkpoint.pretrained_checkpoint (a PEFT run's base)
     legacy: bool = False  # the legacy torch format (mp_rank_*/model_optim_rng.pt)
+    family: str | None = None  # Megatron-LM: the model its args describe, in words
 
     @property
     def name(self) -> str:
@@ -342,11 +343,15 @@ def _run_info(folder: Path) -> RunInfo:
             info.lora = f"an ms-swift {tuner} run"
         return info
     info = RunInfo("megatron-lm", folder, legacy=legacy)
-    args = _megatron_lm_args(folder / "common.pt") if not legacy else None
+    # the arguments: in common.pt (torch_dist), else in every rank file (the legacy format; its pickle only is read)
+    where = folder / "common.pt" if not legacy else next(
+        (folder / n / LEGACY_FILE for n in sorted(names) if _MP_RANK.match(n) and (folder / n / LEGACY_FILE).is_file()), None)
+    args = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else None
     if args is not None:
-        info.config_file = folder / "common.pt"
+        info.config_file = where
         info.parallel = _sizes(args)
         info.dtype = _dtype(args)
+        info.family = _args_family(args)
         # --tokenizer-model with a Hugging Face tokenizer: often the model's folder or hub id
         tok = args.get("tokenizer_model")
         if args.get("tokenizer_type") == "HuggingFaceTokenizer" and _str(tok):
@@ -354,13 +359,14 @@ def _run_info(folder: Path) -> RunInfo:
     return info
 
 
-def _megatron_lm_args(path: Path) -> dict | None:
-    """The arguments Megatron-LM pickled into a dist checkpoint's common.pt, as plain values (the
+def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> dict | None:
+    """The arguments Megatron-LM pickled into a dist checkpoint's common.pt (or a legacy rank file's
+    model_optim_rng.pt: only its pickle is read, not its tensors), as plain values (the
     ``argparse.Namespace`` is an inert record: its fields are read, nothing is constructed)."""
     from tui_merger.core.io.torch_pickle import Record, TorchFile
 
     try:
-        if not path.is_file() or path.stat().st_size > MAX_COMMON:
+        if not path.is_file() or limit is not None and path.stat().st_size > limit:
             return None
         tf = TorchFile(path, MEGATRON_LM_STATE)
     except (OSError, MergeError):
@@ -374,6 +380,26 @@ def _megatron_lm_args(path: Path) -> dict | None:
                 if v is None or isinstance(v, (str, int, float, bool)) or type(v).__module__ == "torch"}
     finally:
         tf.close()
+
+
+def _args_family(args: dict) -> str | None:
+    """The model Megatron-LM's arguments describe, in words (its args name no Hugging Face family)."""
+    layers, hidden, heads = (_int(args.get(k)) for k in ("num_layers", "hidden_size", "num_attention_heads"))
+    if not (layers and hidden and heads):
+        return None
+    groups = _int(args.get("num_query_groups")) if args.get("group_query_attention") else None
+    parts = [f"{layers} layers", f"hidden {hidden}", f"{heads} heads" + (f" in {groups} query groups" if groups else "")]
+    if args.get("multi_latent_attention"):
+        parts.append("multi-latent attention")
+    parts += [w for k, w in (("swiglu", "SwiGLU"), ("add_qkv_bias", "qkv bias"), ("qk_layernorm", "q/k norm")) if args.get(k)]
+    if _str(args.get("normalization")):
+        parts.append(args["normalization"])
+    experts = _int(args.get("num_experts"))
+    if experts:
+        parts.append(f"MoE {experts} experts, top {args.get('moe_router_topk')}")
+    if _int(args.get("mtp_num_layers")):
+        parts.append(f"{args['mtp_num_layers']} MTP layer(s)")
+    return "GPT (" + ", ".join(parts) + ")"
 
 
 def _first_ref(info: RunInfo) -> RunInfo:
@@ -509,7 +535,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
                            f"merged into {base}.")
     except MergeError as err:
         c.notes.append(str(err))
-    if not info.legacy and not info.lora and (info.model_dir / DCP_METADATA).is_file():
+    if (info.legacy or (info.model_dir / DCP_METADATA).is_file()) and not info.lora:
         family = _family(info)
         if family:
             c.notes.append(f"model family: {family}.")
@@ -534,6 +560,8 @@ def _family(info: RunInfo) -> str | None:
     model_type, NeMo 2's model class), in its own words."""
     if info.config_file is None:
         return None
+    if info.framework == "megatron-lm":
+        return info.family
     if info.framework == "ms-swift":
         v = (read_json(info.config_file) or {}).get("model_type")
         return v if isinstance(v, str) and v else None
