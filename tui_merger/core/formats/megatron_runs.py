@@ -37,6 +37,7 @@ RELEASE = "release"
 RUN_CONFIG = "run_config.yaml"  # Megatron-Bridge: training/utils/checkpoint_utils.py CONFIG_FILE
 ARGS_JSON = "args.json"  # ms-swift: arguments/base_args/base_args.py save_args
 DCP_METADATA = ".metadata"
+TORCH_DIST_VERSIONS = (1,)  # megatron-core's torch_dist sharded_backend_version (dist_checkpointing/strategies/torch.py)
 LEGACY_FILE = "model_optim_rng.pt"
 _MP_RANK = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
 HF_EXPORT = "hf/"  # Megatron-Bridge's checkpoint.also_save_hf_checkpoint (checkpointing.py HF_WEIGHTS_SUBDIR)
@@ -196,6 +197,8 @@ class RunInfo:
     pretrained: str | None = None  # Megatron-Bridge: checkpoint.pretrained_checkpoint (a PEFT run's base)
     legacy: bool = False  # the legacy torch format (mp_rank_*/model_optim_rng.pt)
     family: str | None = None  # Megatron-LM: the model its args describe, in words
+    args: dict = field(default_factory=dict)  # Megatron-LM: its pickled arguments (plain values)
+    version: float | None = None  # Megatron-LM: the checkpoint_version beside them
 
     @property
     def name(self) -> str:
@@ -346,9 +349,9 @@ def _run_info(folder: Path) -> RunInfo:
     # the arguments: in common.pt (torch_dist), else in every rank file (the legacy format; its pickle only is read)
     where = folder / "common.pt" if not legacy else next(
         (folder / n / LEGACY_FILE for n in sorted(names) if _MP_RANK.match(n) and (folder / n / LEGACY_FILE).is_file()), None)
-    args = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else None
+    args, info.version = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else (None, None)
     if args is not None:
-        info.config_file = where
+        info.config_file, info.args = where, args
         info.parallel = _sizes(args)
         info.dtype = _dtype(args)
         info.family = _args_family(args)
@@ -359,25 +362,28 @@ def _run_info(folder: Path) -> RunInfo:
     return info
 
 
-def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> dict | None:
+def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> tuple[dict | None, float | None]:
     """The arguments Megatron-LM pickled into a dist checkpoint's common.pt (or a legacy rank file's
     model_optim_rng.pt: only its pickle is read, not its tensors), as plain values (the
-    ``argparse.Namespace`` is an inert record: its fields are read, nothing is constructed)."""
+    ``argparse.Namespace`` is an inert record: its fields are read, nothing is constructed), and the
+    ``checkpoint_version`` saved with them."""
     from tui_merger.core.io.torch_pickle import Record, TorchFile
 
     try:
         if not path.is_file() or limit is not None and path.stat().st_size > limit:
-            return None
+            return None, None
         tf = TorchFile(path, MEGATRON_LM_STATE)
     except (OSError, MergeError):
-        return None
+        return None, None
     try:
         args = tf.obj.get("args") if isinstance(tf.obj, dict) else None
+        version = tf.obj.get("checkpoint_version") if isinstance(tf.obj, dict) else None
+        version = version if isinstance(version, (int, float)) and not isinstance(version, bool) else None
         if not isinstance(args, Record):
-            return None
+            return None, version
         fields = {k: v for k, v in vars(args).items() if k not in ("args", "kwargs") and isinstance(k, str)}
         return {k: (str(v) if type(v).__module__ == "torch" else v) for k, v in fields.items()
-                if v is None or isinstance(v, (str, int, float, bool)) or type(v).__module__ == "torch"}
+                if v is None or isinstance(v, (str, int, float, bool)) or type(v).__module__ == "torch"}, version
     finally:
         tf.close()
 
@@ -451,6 +457,22 @@ def local_base(info: RunInfo, folder: Path) -> Path | None:
     return None
 
 
+def _missing_rank(folder: Path, info: RunInfo) -> str | None:
+    """The first legacy rank folder the run's arguments say was written and is not here (Megatron-LM's
+    get_checkpoint_name: ``mp_rank_{tp:02d}``, ``_{pp:03d}`` when pipeline-parallel, ``_{ep:03d}`` when
+    expert-parallel); None when the arguments are unknown or every one is here."""
+    if not info.args:
+        return None
+    tp, pp, ep = (info.parallel.get(k, 1) for k in ("tp", "pp", "ep"))
+    for t in range(tp):
+        for p in range(pp):
+            for e in range(ep):
+                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                if not (folder / name / LEGACY_FILE).is_file():
+                    return name
+    return None
+
+
 def check_iteration(folder: Path, info: RunInfo) -> None:
     """One sentence for an iteration folder that cannot be converted: nothing in it, the legacy format,
     a PEFT run's adapter-only checkpoint that is not Megatron-Bridge's (read by megatron_lora)."""
@@ -467,14 +489,39 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
             f"{folder} is {info.lora}: its dist checkpoint holds the adapters only, which tui-merger does not "
             "merge yet; export the adapter in Hugging Face PEFT format and merge it with --adapter and --base."
         )
+    if info.args.get("use_legacy_models"):
+        raise MergeError(
+            f"{folder} was saved from Megatron-LM's legacy model classes (--use-legacy-models), whose tensor names "
+            "tui-merger does not read; convert it to megatron-core first (Megatron-LM's tools/checkpoint/convert.py "
+            "--loader legacy --saver core) and convert that."
+        )
+    if info.version is not None and info.version < 3:
+        raise MergeError(
+            f"{folder} is a Megatron-LM checkpoint of checkpoint_version {info.version}, whose query/key/value order "
+            "tui-merger does not read (it reads version 3, megatron-core's); load it in Megatron-LM and save it again."
+        )
     if info.legacy:
-        return  # the rank files are checked when they are read (LegacyStore)
-    backend = (read_json(info.model_dir / "metadata.json") or {}).get("sharded_backend")
+        missing = _missing_rank(folder, info)
+        if missing is not None:
+            tp, pp, ep = (info.parallel.get(k, 1) for k in ("tp", "pp", "ep"))
+            raise MergeError(
+                f"{folder / missing / LEGACY_FILE} is missing: the run's arguments say TP {tp} x PP {pp} x EP {ep}, "
+                f"{tp * pp * ep} rank folders; copy the whole {folder.name} folder again."
+            )
+        return  # the rank files themselves are checked when they are read (LegacyStore)
+    meta = read_json(info.model_dir / "metadata.json") or {}
+    backend, version = meta.get("sharded_backend"), meta.get("sharded_backend_version")
     if isinstance(backend, str) and backend != "torch_dist":
         raise MergeError(
             f"{info.model_dir} is a megatron-core dist checkpoint in the {backend} format (its metadata.json), which "
             "tui-merger does not read; save it as torch_dist (Megatron-LM: --ckpt-convert-format torch_dist "
             "--ckpt-convert-save DIR) and convert that."
+        )
+    if backend == "torch_dist" and version not in (None, *TORCH_DIST_VERSIONS):
+        raise MergeError(
+            f"{info.model_dir} is a megatron-core torch_dist checkpoint of version {version} (its metadata.json), which "
+            f"tui-merger does not read (it reads version {', '.join(map(str, TORCH_DIST_VERSIONS))}); save it in the "
+            "legacy format (Megatron-LM: --ckpt-convert-format torch --ckpt-convert-save DIR) and convert that."
         )
     if not (info.model_dir / DCP_METADATA).is_file():
         raise MergeError(
