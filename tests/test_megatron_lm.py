@@ -11,6 +11,7 @@ transformers' before saving: every converted tensor must equal it bit for bit. T
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -33,6 +34,8 @@ CASES = {  # case: (reference, dtype, parallel sizes as inspect says them, forma
     "lm_legacy_pp2": ("hf_dense", "bfloat16", "model_optim_rng.pt: TP 1, PP 2, EP 1", "legacy", 2),
     "lm_moe_ep2": ("hf_moe", "float32", "common.pt: TP 1, PP 1, EP 2", "dist", 2),
     "lm_legacy_moe_ep2": ("hf_moe", "float32", "model_optim_rng.pt: TP 1, PP 1, EP 2", "legacy", 2),
+    "lm_legacy_pp2vpp2": ("hf_dense4", "bfloat16", "model_optim_rng.pt: TP 1, PP 2, EP 1, VPP 2", "legacy", 2),
+    "lm_dense_pp2vpp2": ("hf_dense4", "bfloat16", "common.pt: TP 1, PP 2, EP 1, VPP 2", "dist", 2),
 }
 
 
@@ -100,7 +103,8 @@ def test_inspect_shows_each_layout(case):
     assert (Path(c.path).name, c.step, c.latest, c.world_size, c.dtype) == ("iter_0000004", 4, True, ranks, dtype)
     what = "a legacy Megatron checkpoint (mp_rank_*/model_optim_rng.pt)" if kind == "legacy" else "a megatron-core dist"
     assert what in notes and sizes in notes, notes
-    assert f"model family: {MOE if 'moe' in case else DENSE}." in notes, notes
+    family = MOE if "moe" in case else DENSE.replace("2 layers", "4 layers") if "vpp" in case else DENSE
+    assert f"model family: {family}." in notes, notes
     assert c.base_path == str(LM / reference), notes
 
 
@@ -130,6 +134,16 @@ def test_the_new_users_case_with_and_without_base(tmp_path):
     _refused(ckpt, tmp_path / "o1", "Megatron-LM", "hf_dense (args.tokenizer_model)", "--base")
     _merge(ckpt, tmp_path / "o2", base=LM / "hf_dense")
     _equal_to(tmp_path / "o2", "hf_dense")
+    # a folder of that name whose config is another model's (a borrowed tokenizer): not used, said why
+    other = tmp_path / "hf_dense"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64,
+                                                   "num_attention_heads": 4}))
+    (c,) = scan(ckpt).candidates
+    assert c.needs_base and c.base_path is None, c.notes
+    said = "but its config.json says hidden size 64 where the run's arguments say 32; pass --base"
+    assert any(said in n for n in c.notes), c.notes
+    _refused(ckpt, tmp_path / "o3", said)
 
 
 # -- bad input --------------------------------------------------------------------------------------------
@@ -160,8 +174,6 @@ def test_an_iteration_missing_files_is_said_and_nothing_is_written(tmp_path):
 
 
 def test_a_layout_version_we_do_not_read_is_said_and_nothing_is_written(tmp_path):
-    import json
-
     run = _copy(tmp_path, "lm_dense_tp2")
     meta = run / "iter_0000004" / "metadata.json"
     data = json.loads(meta.read_text())

@@ -199,6 +199,7 @@ class RunInfo:
     family: str | None = None  # Megatron-LM: the model its args describe, in words
     args: dict = field(default_factory=dict)  # Megatron-LM: its pickled arguments (plain values)
     version: float | None = None  # Megatron-LM: the checkpoint_version beside them
+    unlike: str | None = None  # Megatron-LM: how the model its args name differs from the args, in words
 
     @property
     def name(self) -> str:
@@ -422,6 +423,12 @@ def base_sentence(info: RunInfo, folder: Path) -> str:
             f"{info.config_file.name} names only the tokenizer ({info.hf_ref}); pass --base with the Hugging Face "
             "model the run started from (its config.json and tokenizer are used)."
         )
+    if info.unlike:
+        return (
+            f"{folder} is a {info.name} checkpoint whose {info.config_file.name} names {info.hf_ref} ({info.hf_field}), "
+            f"but {info.unlike}; pass --base with the Hugging Face model the run started from (its config.json and "
+            "tokenizer are used)."
+        )
     if info.refs:
         named = " and ".join(f"{v} ({f})" for f, v in info.refs)
         which = "which is not" if len(info.refs) == 1 else "neither of which is"
@@ -451,9 +458,27 @@ def local_base(info: RunInfo, folder: Path) -> Path | None:
             found = next((near / p for near in (folder, folder.parent, folder.parent.parent)
                           if (near / p / "config.json").is_file()), None)
         found = found or resolve_model_reference(ref)
+        if found is not None and info.framework == "megatron-lm" and info.args:
+            info.unlike = _unlike_args(info.args, found / "config.json")
+            if info.unlike:  # a tokenizer borrowed from another model: its config is not this model's
+                info.hf_field, info.hf_ref = where, ref
+                return None
         if found is not None:
             info.hf_field, info.hf_ref = where, ref
             return found
+    return None
+
+
+def _unlike_args(args: dict, config_json: Path) -> str | None:
+    """How the Hugging Face config a Megatron-LM run names differs from the model its args describe
+    (layers, hidden size, heads), in words; None when they agree or cannot be compared."""
+    cfg = read_json(config_json) or {}
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for key, arg, what in (("num_hidden_layers", "num_layers", "layers"), ("hidden_size", "hidden_size", "hidden size"),
+                           ("num_attention_heads", "num_attention_heads", "attention heads")):
+        theirs, ours = _int(cfg.get(key)), _int(args.get(arg))
+        if theirs and ours and theirs != ours:
+            return f"its config.json says {what} {theirs} where the run's arguments say {ours}"
     return None
 
 
@@ -464,13 +489,12 @@ def _missing_rank(folder: Path, info: RunInfo) -> str | None:
     if not info.args:
         return None
     tp, pp, ep = (info.parallel.get(k, 1) for k in ("tp", "pp", "ep"))
-    for t in range(tp):
-        for p in range(pp):
-            for e in range(ep):
-                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
-                if not (folder / name / LEGACY_FILE).is_file():
-                    return name
-    return None
+    expected = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                for t in range(tp) for p in range(pp) for e in range(ep)]
+    present = {n for n in _names(folder) if _MP_RANK.match(n)}
+    if not present <= set(expected):  # folders the arguments do not explain: the rank files say what they are
+        return None
+    return next((n for n in expected if not (folder / n / LEGACY_FILE).is_file()), None)
 
 
 def check_iteration(folder: Path, info: RunInfo) -> None:
@@ -590,7 +614,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     c.tokenizer = tokenizer.is_dir()
     found = local_base(info, folder)
     c.needs_base = found is None
-    c.base_model = info.hf_ref if info.framework != "nemo2" else None
+    c.base_model = info.hf_ref if info.framework != "nemo2" and not info.unlike else None
     if found is not None:
         c.base_path = str(found)
         c.base_resolves = "hf-cache" if any(part.startswith("models--") for part in found.parts) else "path"
