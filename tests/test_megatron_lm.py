@@ -34,6 +34,7 @@ CASES = {  # case: (reference, dtype, parallel sizes as inspect says them, forma
     "lm_legacy_pp2": ("hf_dense", "bfloat16", "model_optim_rng.pt: TP 1, PP 2, EP 1", "legacy", 2),
     "lm_moe_ep2": ("hf_moe", "float32", "common.pt: TP 1, PP 1, EP 2", "dist", 2),
     "lm_legacy_moe_ep2": ("hf_moe", "float32", "model_optim_rng.pt: TP 1, PP 1, EP 2", "legacy", 2),
+    "lm_legacy_moe_pp2ep2": ("hf_moe", "float32", "model_optim_rng.pt: TP 1, PP 2, EP 2", "legacy", 4),
     "lm_legacy_pp2vpp2": ("hf_dense4", "bfloat16", "model_optim_rng.pt: TP 1, PP 2, EP 1, VPP 2", "legacy", 2),
     "lm_dense_pp2vpp2": ("hf_dense4", "bfloat16", "common.pt: TP 1, PP 2, EP 1, VPP 2", "dist", 2),
 }
