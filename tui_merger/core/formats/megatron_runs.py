@@ -37,6 +37,7 @@ RELEASE = "release"
 RUN_CONFIG = "run_config.yaml"  # Megatron-Bridge: training/utils/checkpoint_utils.py CONFIG_FILE
 ARGS_JSON = "args.json"  # ms-swift: arguments/base_args/base_args.py save_args
 DCP_METADATA = ".metadata"
+TORCH_DIST_VERSIONS = (1,)  # megatron-core's torch_dist sharded_backend_version (dist_checkpointing/strategies/torch.py)
 LEGACY_FILE = "model_optim_rng.pt"
 _MP_RANK = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
 HF_EXPORT = "hf/"  # Megatron-Bridge's checkpoint.also_save_hf_checkpoint (checkpointing.py HF_WEIGHTS_SUBDIR)
@@ -44,7 +45,7 @@ MAX_TEXT = 4 << 20  # run configurations are kilobytes
 MAX_COMMON = 16 << 20  # common.pt: args and small training state
 # what Megatron-LM's model_optim_rng.pt / common.pt hold besides tensors (its args, numpy RNG state,
 # enums): unpickled as inert records (torch_pickle), never constructed
-MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_engine", "_io", "io", "enum")
+MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_engine", "_io", "io", "enum", "signal")
 
 BRIDGE_PEFT = ("LoRA", "CanonicalLoRA", "DoRA")  # megatron.bridge.peft classes megatron_lora reads
 FRAMEWORKS = {"megatron-lm": "Megatron-LM", "megatron-bridge": "Megatron-Bridge", "ms-swift": "ms-swift", "nemo2": "NeMo 2"}
@@ -195,6 +196,10 @@ class RunInfo:
     peft: dict = field(default_factory=dict)  # Megatron-Bridge: run_config's peft section (alpha, dim, _target_)
     pretrained: str | None = None  # Megatron-Bridge: checkpoint.pretrained_checkpoint (a PEFT run's base)
     legacy: bool = False  # the legacy torch format (mp_rank_*/model_optim_rng.pt)
+    family: str | None = None  # Megatron-LM: the model its args describe, in words
+    args: dict = field(default_factory=dict)  # Megatron-LM: its pickled arguments (plain values)
+    version: float | None = None  # Megatron-LM: the checkpoint_version beside them
+    unlike: str | None = None  # Megatron-LM: how the model its args name differs from the args, in words
 
     @property
     def name(self) -> str:
@@ -346,11 +351,15 @@ def _run_info(folder: Path) -> RunInfo:
             info.peft, info.pretrained = swift_peft(args)
         return info
     info = RunInfo("megatron-lm", folder, legacy=legacy)
-    args = _megatron_lm_args(folder / "common.pt") if not legacy else None
+    # the arguments: in common.pt (torch_dist), else in every rank file (the legacy format; its pickle only is read)
+    where = folder / "common.pt" if not legacy else next(
+        (folder / n / LEGACY_FILE for n in sorted(names) if _MP_RANK.match(n) and (folder / n / LEGACY_FILE).is_file()), None)
+    args, info.version = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else (None, None)
     if args is not None:
-        info.config_file = folder / "common.pt"
+        info.config_file, info.args = where, args
         info.parallel = _sizes(args)
         info.dtype = _dtype(args)
+        info.family = _args_family(args)
         # --tokenizer-model with a Hugging Face tokenizer: often the model's folder or hub id
         tok = args.get("tokenizer_model")
         if args.get("tokenizer_type") == "HuggingFaceTokenizer" and _str(tok):
@@ -358,26 +367,50 @@ def _run_info(folder: Path) -> RunInfo:
     return info
 
 
-def _megatron_lm_args(path: Path) -> dict | None:
-    """The arguments Megatron-LM pickled into a dist checkpoint's common.pt, as plain values (the
-    ``argparse.Namespace`` is an inert record: its fields are read, nothing is constructed)."""
+def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> tuple[dict | None, float | None]:
+    """The arguments Megatron-LM pickled into a dist checkpoint's common.pt (or a legacy rank file's
+    model_optim_rng.pt: only its pickle is read, not its tensors), as plain values (the
+    ``argparse.Namespace`` is an inert record: its fields are read, nothing is constructed), and the
+    ``checkpoint_version`` saved with them."""
     from tui_merger.core.io.torch_pickle import Record, TorchFile
 
     try:
-        if not path.is_file() or path.stat().st_size > MAX_COMMON:
-            return None
+        if not path.is_file() or limit is not None and path.stat().st_size > limit:
+            return None, None
         tf = TorchFile(path, MEGATRON_LM_STATE)
     except (OSError, MergeError):
-        return None
+        return None, None
     try:
         args = tf.obj.get("args") if isinstance(tf.obj, dict) else None
+        version = tf.obj.get("checkpoint_version") if isinstance(tf.obj, dict) else None
+        version = version if isinstance(version, (int, float)) and not isinstance(version, bool) else None
         if not isinstance(args, Record):
-            return None
+            return None, version
         fields = {k: v for k, v in vars(args).items() if k not in ("args", "kwargs") and isinstance(k, str)}
         return {k: (str(v) if type(v).__module__ == "torch" else v) for k, v in fields.items()
-                if v is None or isinstance(v, (str, int, float, bool)) or type(v).__module__ == "torch"}
+                if v is None or isinstance(v, (str, int, float, bool)) or type(v).__module__ == "torch"}, version
     finally:
         tf.close()
+
+
+def _args_family(args: dict) -> str | None:
+    """The model Megatron-LM's arguments describe, in words (its args name no Hugging Face family)."""
+    layers, hidden, heads = (_int(args.get(k)) for k in ("num_layers", "hidden_size", "num_attention_heads"))
+    if not (layers and hidden and heads):
+        return None
+    groups = _int(args.get("num_query_groups")) if args.get("group_query_attention") else None
+    parts = [f"{layers} layers", f"hidden {hidden}", f"{heads} heads" + (f" in {groups} query groups" if groups else "")]
+    if args.get("multi_latent_attention"):
+        parts.append("multi-latent attention")
+    parts += [w for k, w in (("swiglu", "SwiGLU"), ("add_qkv_bias", "qkv bias"), ("qk_layernorm", "q/k norm")) if args.get(k)]
+    if _str(args.get("normalization")):
+        parts.append(args["normalization"])
+    experts = _int(args.get("num_experts"))
+    if experts:
+        parts.append(f"MoE {experts} experts, top {args.get('moe_router_topk')}")
+    if _int(args.get("mtp_num_layers")):
+        parts.append(f"{args['mtp_num_layers']} MTP layer(s)")
+    return "GPT (" + ", ".join(parts) + ")"
 
 
 def _first_ref(info: RunInfo) -> RunInfo:
@@ -393,6 +426,12 @@ def base_sentence(info: RunInfo, folder: Path) -> str:
             f"{folder} is a NeMo 2 checkpoint: its weights have no Hugging Face config.json, and its "
             f"{info.config_file.name} names only the tokenizer ({info.hf_ref}); pass --base with the Hugging Face "
             "model the run started from (its config.json and tokenizer are used)."
+        )
+    if info.unlike:
+        return (
+            f"{folder} is a {info.name} checkpoint whose {info.config_file.name} names {info.hf_ref} ({info.hf_field}), "
+            f"but {info.unlike}; pass --base with the Hugging Face model the run started from (its config.json and "
+            "tokenizer are used)."
         )
     if info.refs:
         named = " and ".join(f"{v} ({f})" for f, v in info.refs)
@@ -423,10 +462,43 @@ def local_base(info: RunInfo, folder: Path) -> Path | None:
             found = next((near / p for near in (folder, folder.parent, folder.parent.parent)
                           if (near / p / "config.json").is_file()), None)
         found = found or resolve_model_reference(ref)
+        if found is not None and info.framework == "megatron-lm" and info.args:
+            info.unlike = _unlike_args(info.args, found / "config.json")
+            if info.unlike:  # a tokenizer borrowed from another model: its config is not this model's
+                info.hf_field, info.hf_ref = where, ref
+                return None
         if found is not None:
             info.hf_field, info.hf_ref = where, ref
             return found
     return None
+
+
+def _unlike_args(args: dict, config_json: Path) -> str | None:
+    """How the Hugging Face config a Megatron-LM run names differs from the model its args describe
+    (layers, hidden size, heads), in words; None when they agree or cannot be compared."""
+    cfg = read_json(config_json) or {}
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for key, arg, what in (("num_hidden_layers", "num_layers", "layers"), ("hidden_size", "hidden_size", "hidden size"),
+                           ("num_attention_heads", "num_attention_heads", "attention heads")):
+        theirs, ours = _int(cfg.get(key)), _int(args.get(arg))
+        if theirs and ours and theirs != ours:
+            return f"its config.json says {what} {theirs} where the run's arguments say {ours}"
+    return None
+
+
+def _missing_rank(folder: Path, info: RunInfo) -> str | None:
+    """The first legacy rank folder the run's arguments say was written and is not here (Megatron-LM's
+    get_checkpoint_name: ``mp_rank_{tp:02d}``, ``_{pp:03d}`` when pipeline-parallel, ``_{ep:03d}`` when
+    expert-parallel); None when the arguments are unknown or every one is here."""
+    if not info.args:
+        return None
+    tp, pp, ep = (info.parallel.get(k, 1) for k in ("tp", "pp", "ep"))
+    expected = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                for t in range(tp) for p in range(pp) for e in range(ep)]
+    present = {n for n in _names(folder) if _MP_RANK.match(n)}
+    if not present <= set(expected):  # folders the arguments do not explain: the rank files say what they are
+        return None
+    return next((n for n in expected if not (folder / n / LEGACY_FILE).is_file()), None)
 
 
 def check_iteration(folder: Path, info: RunInfo) -> None:
@@ -449,14 +521,39 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
             f"{folder} is {info.lora}: its dist checkpoint holds the adapters only, which tui-merger does not "
             "merge yet; export the adapter in Hugging Face PEFT format and merge it with --adapter and --base."
         )
+    if info.args.get("use_legacy_models"):
+        raise MergeError(
+            f"{folder} was saved from Megatron-LM's legacy model classes (--use-legacy-models), whose tensor names "
+            "tui-merger does not read; convert it to megatron-core first (Megatron-LM's tools/checkpoint/convert.py "
+            "--loader legacy --saver core) and convert that."
+        )
+    if info.version is not None and info.version < 3:
+        raise MergeError(
+            f"{folder} is a Megatron-LM checkpoint of checkpoint_version {info.version}, whose query/key/value order "
+            "tui-merger does not read (it reads version 3, megatron-core's); load it in Megatron-LM and save it again."
+        )
     if info.legacy:
-        return  # the rank files are checked when they are read (LegacyStore)
-    backend = (read_json(info.model_dir / "metadata.json") or {}).get("sharded_backend")
+        missing = _missing_rank(folder, info)
+        if missing is not None:
+            tp, pp, ep = (info.parallel.get(k, 1) for k in ("tp", "pp", "ep"))
+            raise MergeError(
+                f"{folder / missing / LEGACY_FILE} is missing: the run's arguments say TP {tp} x PP {pp} x EP {ep}, "
+                f"{tp * pp * ep} rank folders; copy the whole {folder.name} folder again."
+            )
+        return  # the rank files themselves are checked when they are read (LegacyStore)
+    meta = read_json(info.model_dir / "metadata.json") or {}
+    backend, version = meta.get("sharded_backend"), meta.get("sharded_backend_version")
     if isinstance(backend, str) and backend != "torch_dist":
         raise MergeError(
             f"{info.model_dir} is a megatron-core dist checkpoint in the {backend} format (its metadata.json), which "
             "tui-merger does not read; save it as torch_dist (Megatron-LM: --ckpt-convert-format torch_dist "
             "--ckpt-convert-save DIR) and convert that."
+        )
+    if backend == "torch_dist" and version not in (None, *TORCH_DIST_VERSIONS):
+        raise MergeError(
+            f"{info.model_dir} is a megatron-core torch_dist checkpoint of version {version} (its metadata.json), which "
+            f"tui-merger does not read (it reads version {', '.join(map(str, TORCH_DIST_VERSIONS))}); save it in the "
+            "legacy format (Megatron-LM: --ckpt-convert-format torch --ckpt-convert-save DIR) and convert that."
         )
     if not (info.model_dir / DCP_METADATA).is_file():
         raise MergeError(
@@ -521,7 +618,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
                                 "target_modules": info.peft.get("target_modules")})
     except MergeError as err:
         c.notes.append(str(err))
-    if not info.legacy and (info.model_dir / DCP_METADATA).is_file():
+    if info.legacy or (info.model_dir / DCP_METADATA).is_file():
         family = _family(info)
         if family:
             c.notes.append(f"model family: {family}.")
@@ -529,7 +626,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     c.tokenizer = tokenizer.is_dir()
     found = local_base(info, folder)
     c.needs_base = found is None
-    c.base_model = info.hf_ref if info.framework != "nemo2" else None
+    c.base_model = info.hf_ref if info.framework != "nemo2" and not info.unlike else None
     if found is not None:
         c.base_path = str(found)
         c.base_resolves = "hf-cache" if any(part.startswith("models--") for part in found.parts) else "path"
@@ -546,6 +643,8 @@ def _family(info: RunInfo) -> str | None:
     model_type, NeMo 2's model class), in its own words."""
     if info.config_file is None:
         return None
+    if info.framework == "megatron-lm":
+        return info.family
     if info.framework == "ms-swift":
         v = (read_json(info.config_file) or {}).get("model_type")
         return v if isinstance(v, str) and v else None
