@@ -161,13 +161,13 @@ def _reference(folder: Path, cancel) -> _Reference:
     import torch
 
     from tui_merger.core.io.files import json_object_or_none
-    from tui_merger.core.ship.trial import _generator_class, _load_tokenizer
+    from tui_merger.core.ship.trial import generator_class, load_tokenizer
 
     config = json_object_or_none(folder / "config.json")
     if config is None:
         raise MergeError(f"{folder} has no readable config.json")
-    cls = _generator_class(config, folder)
-    tok = _load_tokenizer(folder)
+    cls = generator_class(config, folder)
+    tok = load_tokenizer(folder)
     texts, ids, special = [], [], []
     for text in SAMPLE_TEXTS:
         texts.append(text)
@@ -263,7 +263,7 @@ def _transformers_cannot_read(path: Path) -> str | None:
     import gguf
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    from tui_merger.core.ship.trial import _available_memory
+    from tui_merger.core.io.system import available_memory
 
     try:
         reader = gguf.GGUFReader(path)
@@ -279,7 +279,7 @@ def _transformers_cannot_read(path: Path) -> str | None:
         return (f"transformers {transformers.__version__}'s GGUF reader does not know the {arch} architecture, "
                 "and llama.cpp's Python binding (llama_cpp) is not installed here.")
     values = sum(int(t.n_elements) for t in reader.tensors)
-    available = _available_memory()
+    available = available_memory()
     if available is not None and values * 4 > available * _MEMORY_SHARE:
         from tui_merger.core.options import human_bytes
 

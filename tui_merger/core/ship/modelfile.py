@@ -109,10 +109,10 @@ def write_modelfile(folder: Path, gguf_path: Path, type_: str, adapter: Path | N
     adapter: ``FROM`` the base GGUF (``./name`` when in the same folder, else its whole path) and
     ``ADAPTER ./<adapter>``."""
     from tui_merger.core.io.files import json_object_or_none
-    from tui_merger.core.ship.trial import _load_tokenizer
+    from tui_merger.core.ship.trial import load_tokenizer
 
     folder, gguf_path = Path(folder).absolute(), Path(gguf_path).absolute()
-    tok = _load_tokenizer(folder)
+    tok = load_tokenizer(folder)
     add_bos = _gguf_adds_bos(gguf_path)
     name, why = chosen_template(tok, add_bos)
     stops = end_tokens(tok, json_object_or_none(folder / "generation_config.json") or {})

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tui_merger.core.errors import MergeCancelled, MergeError
+from tui_merger.core.io.system import available_memory
 from tui_merger.core.events import CancelToken, EventSink, TrialFinished, TrialStarted, TrialToken, ignore_event
 from tui_merger.core.io.files import has_tokenizer, json_object_or_none, read_json_object
 from tui_merger.core.io.safetensors_io import FLOAT_DTYPES, SafetensorsFile, itemsize
@@ -87,7 +88,7 @@ def plan_trial(model_dir: Path, against: Path | None = None, *, available: int |
             f"{model_dir} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model), so a "
             "prompt cannot be turned into tokens; copy the tokenizer files of the model it was made from into it."
         )
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     dtype = _trial_dtype(config)
     notes: list[str] = []
     manifest = read_manifest(model_dir)
@@ -145,7 +146,7 @@ def plan_trial(model_dir: Path, against: Path | None = None, *, available: int |
             notes.append(note)
     memory = max(s.memory_bytes for s in sides)
     if available is None:
-        available = _available_memory()
+        available = available_memory()
     fits = available is None or memory <= available
     one_at_a_time = " (one model at a time)" if len(sides) > 1 else ""
     if available is None:
@@ -195,11 +196,11 @@ def _model_config(folder: Path, what: str) -> dict:
     config = read_json_object(folder / "config.json", "copy it again from the original model")
     if not find_weight_files(folder):
         raise MergeError(f"{folder} has no model weights (*.safetensors or pytorch_model.bin).")
-    _generator_class(config, folder)
+    generator_class(config, folder)
     return config
 
 
-def _generator_class(config: dict, folder: Path):
+def generator_class(config: dict, folder: Path):
     """The transformers class named by the config, when it is one that generates text."""
     from tui_merger.core.formats.hf_names import model_class
 
@@ -215,7 +216,7 @@ def _generator_class(config: dict, folder: Path):
     return cls
 
 
-def _load_tokenizer(folder: Path):
+def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     with quiet_libraries():
@@ -338,16 +339,6 @@ def _side_memory(side: TrialSide, dtype: str) -> int:
     return total + total // 10  # what loading and running add (buffers, activations)
 
 
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -388,7 +379,7 @@ def run_trial(
     import torch
 
     with quiet_libraries():
-        tokenizer = _load_tokenizer(plan.model_dir)
+        tokenizer = load_tokenizer(plan.model_dir)
         inputs = encode_prompt(tokenizer, prompt, plan.chat_template)
         if inputs["input_ids"].shape[-1] == 0:  # generate() would fail on it deep in the model's attention
             raise MergeError(
@@ -454,7 +445,7 @@ def generation_settings(model_dir: Path, tokenizer, max_new_tokens: int):
 def _load(side: TrialSide, dtype):
     folder = side.base if side.label == ADAPTER else side.path
     config = read_json_object(folder / "config.json", "copy it again from the original model")
-    cls = _generator_class(config, folder)
+    cls = generator_class(config, folder)
     try:
         model = cls.from_pretrained(folder, dtype=dtype)
     except MergeError:
@@ -498,7 +489,7 @@ def _streamed(side: TrialSide):
     from tui_merger.core.verify import behaviour as bh
 
     folder = side.base if side.label == ADAPTER else side.path
-    cls = _generator_class(read_json_object(folder / "config.json", "copy it again from the original model"), folder)
+    cls = generator_class(read_json_object(folder / "config.json", "copy it again from the original model"), folder)
     source = _dequantized_source(open_model(folder), folder)
     try:
         config = AutoConfig.from_pretrained(folder)

@@ -15,6 +15,7 @@ behave like the unmerged model?
 
 from __future__ import annotations
 
+
 import math
 import time
 from dataclasses import asdict, fields
@@ -27,6 +28,7 @@ from tui_merger.core.verify.streaming import StreamError
 from tui_merger.core.events import CancelToken, EventSink, MergeFinished, PhaseStarted, TensorProgress, TensorWritten, ignore_event
 from tui_merger.core.io import libc
 from tui_merger.core.io.files import config_dtype, json_object_or_none, read_json_object
+from tui_merger.core.io.system import available_memory as _available_memory  # tests set it
 from tui_merger.core.record.manifest import MANIFEST_NAME, read_manifest
 from tui_merger.core.options import MergeOptions, check_option_types
 
@@ -592,16 +594,6 @@ def probe_ids(config: dict, plan):
     vocab = min(v for v in (config.get("vocab_size", text.get("vocab_size")), rows, 1 << 30) if v)
     g = torch.Generator().manual_seed(PROBE_SEED)
     return torch.randint(0, vocab, PROBE_SHAPE, generator=g)
-
-
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def quiet_transformers():
