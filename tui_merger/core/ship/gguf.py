@@ -141,7 +141,7 @@ def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> G
     try:
         tensors = _plan_tensors(folder, source, config, hp, family, type_, notices)
         writer = gguf.GGUFWriter(None, arch)
-        vocab = add_tokenizer(writer, folder, hp["vocab_size"])
+        vocab = add_tokenizer(writer, folder, hp["vocab_size"], notices)
         name = _add_general(writer, folder, type_, tensors)
         _add_hyperparameters(writer, hp, family)
         for t in tensors:

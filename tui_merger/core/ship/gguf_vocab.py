@@ -73,12 +73,15 @@ PRE_TOKENIZERS: dict[tuple, str] = {
 }
 
 
-def add_tokenizer(writer, folder: Path, n_vocab: int) -> int:
-    """Write tokenizer.ggml.* for the folder's tokenizer into ``writer``; returns the vocabulary size."""
+def add_tokenizer(writer, folder: Path, n_vocab: int, notices: list | None = None) -> int:
+    """Write tokenizer.ggml.* for the folder's tokenizer into ``writer``; returns the vocabulary size.
+    What llama.cpp will split differently from the folder's tokenizer, in a way a GGUF cannot say, is
+    appended to ``notices``."""
+    notices = notices if notices is not None else []
     path, spm_model = folder / "tokenizer.json", folder / "tokenizer.model"
     if not path.is_file():
         if spm_model.is_file():
-            return _sentencepiece(writer, folder, n_vocab, None, spm_model)
+            return _sentencepiece(writer, folder, n_vocab, None, spm_model, notices)
         raise MergeError(
             f"{folder} has no tokenizer (no tokenizer.json or tokenizer.model); a GGUF carries the tokenizer, "
             "so copy the tokenizer files of the original model into the folder."
@@ -91,7 +94,7 @@ def add_tokenizer(writer, folder: Path, n_vocab: int) -> int:
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise MergeError(f"{path} is not a valid tokenizer.json; copy it again from the original model.") from None
     if model.get("type") == "BPE" and model.get("byte_fallback"):
-        return _sentencepiece(writer, folder, n_vocab, data, spm_model if spm_model.is_file() else None)
+        return _sentencepiece(writer, folder, n_vocab, data, spm_model if spm_model.is_file() else None, notices)
     return _byte_level(writer, folder, n_vocab, path, data)
 
 
@@ -122,6 +125,7 @@ def _byte_level(writer, folder: Path, n_vocab: int, path: Path, data: dict) -> i
     special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
     if not special.merges:
         raise MergeError(f"{path} has no BPE merges; a byte-level BPE tokenizer needs them.")
+    special.add_special_token.setdefault("bos", False)  # llama.cpp adds one for some names (tekken) unless told
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -183,12 +187,19 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _SPACE = "\u2581"  # SentencePiece's visible space
 
 
-def _sentencepiece(writer, folder: Path, n_vocab: int, data: dict | None, spm_model: Path | None) -> int:
+def _sentencepiece(writer, folder: Path, n_vocab: int, data: dict | None, spm_model: Path | None, notices: list) -> int:
     import gguf
 
     T = gguf.TokenType
     where = folder / ("tokenizer.json" if data is not None else "tokenizer.model")
     space_prefix = _space_prefix(where, data) if data is not None else None
+    pre = (data or {}).get("pre_tokenizer")
+    if space_prefix and isinstance(pre, dict) and pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first":
+        notices.append(
+            f"The tokenizer of {folder.name} puts \u2581 only in front of the whole text and not in front of text that "
+            "already begins with a space (Metaspace, prepend_scheme \"first\"); llama.cpp's SentencePiece tokenizer puts "
+            "it in front of both and after every special token, so such text splits into other ids in llama.cpp."
+        )
     if spm_model is not None:
         pieces, kind, dummy_prefix = read_sentencepiece_model(spm_model)
         if kind != 2:
