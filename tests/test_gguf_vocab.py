@@ -24,6 +24,7 @@ from tui_merger.core.ship.gguf import export_gguf
 from tui_merger.core.ship.gguf_vocab import (
     _DEEPSEEK3_SPLITS,
     _GPT2_SPLIT,
+    _SEED_CODER_SPLIT,
     _TEKKEN_SPLIT,
     read_sentencepiece_model,
 )
@@ -36,6 +37,7 @@ PRE = {
     "tekken": ([("split", _TEKKEN_SPLIT)], "tekken"),
     "deepseek-v3": ([("split", s) for s in _DEEPSEEK3_SPLITS], "deepseek-v3"),
     "gpt2-split": ([("split", _GPT2_SPLIT)], "gpt-2"),
+    "seed-coder": ([("split", _SEED_CODER_SPLIT)], "seed-coder"),
     "starcoder": ([("digits",)], "starcoder"),
 }
 TEXTS = SAMPLES + ["<think> x", " lead", "a  b", "Ünïcödé ÀÉ isn't CamelCase 12345"]
@@ -268,3 +270,13 @@ def test_a_prefix_llama_cpp_puts_elsewhere_is_said(tmp_path):
             assert any('prepend_scheme "first"' in n for n in plan.notices) == said, fixture
         finally:
             plan._source.close()
+
+
+def test_a_tokenizer_model_alone_gives_the_same_vocabulary(exported, tmp_path):
+    """A folder with the tokenizer.model and no tokenizer.json (what llama.cpp's converter reads first)."""
+    full = fields(exported("llama2")[1])
+    folder = sentencepiece_model(tmp_path, "llama2")
+    (folder / "tokenizer.json").unlink()
+    alone_ = fields(export_gguf(folder, "f16", tmp_path / "alone.gguf").path)
+    for key in ("model", "pre", "tokens", "scores", "token_type", "add_space_prefix"):
+        assert alone_[f"tokenizer.ggml.{key}"] == full[f"tokenizer.ggml.{key}"], key

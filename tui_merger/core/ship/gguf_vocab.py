@@ -51,6 +51,9 @@ _TEKKEN_SPLIT = (  # Mistral's tekken (Nemo, Small 3, Ministral): o200k's withou
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_SEED_CODER_SPLIT = (  # ByteDance Seed-Coder / Seed-OSS: single digits, no newline inside punctuation runs
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEEPSEEK3_SPLITS = (  # DeepSeek-V3 / R1: digits in threes, CJK runs, then the words
     r"\p{N}{1,3}",
     "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
@@ -68,9 +71,13 @@ PRE_TOKENIZERS: dict[tuple, str] = {
     (("split", _LLAMA3_SPLIT), _BYTES): "llama-bpe",
     (("split", _O200K_SPLIT), _BYTES): "gpt-4o",
     (("split", _TEKKEN_SPLIT), _BYTES): "tekken",
+    (("split", _SEED_CODER_SPLIT), _BYTES): "seed-coder",
     (*(("split", s) for s in _DEEPSEEK3_SPLITS), _BYTES): "deepseek-v3",
     (("digits",), _BYTES_GPT2): "starcoder",  # single digits, then GPT-2's (StarCoder 2, Granite, Command-R)
 }
+
+
+_ADDS_BOS = {"tekken"}  # pre-tokenizer names llama.cpp turns add_bos on for (llama-vocab.cpp)
 
 
 def add_tokenizer(writer, folder: Path, n_vocab: int, notices: list | None = None) -> int:
@@ -125,7 +132,8 @@ def _byte_level(writer, folder: Path, n_vocab: int, path: Path, data: dict) -> i
     special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
     if not special.merges:
         raise MergeError(f"{path} has no BPE merges; a byte-level BPE tokenizer needs them.")
-    special.add_special_token.setdefault("bos", False)  # llama.cpp adds one for some names (tekken) unless told
+    if pre in _ADDS_BOS:  # llama.cpp adds a BOS for this name unless the file says otherwise
+        special.add_special_token.setdefault("bos", False)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -152,7 +160,7 @@ def _pre_tokenizer(path: Path, data: dict) -> str:
         return PRE_TOKENIZERS[steps]
     raise MergeError(
         f"{what} splits text with a pre-tokenizer llama.cpp does not know by name (GGUF export recognises "
-        "GPT-2's, Qwen2's, Llama 3's, GPT-OSS's, Mistral tekken's, DeepSeek-V3's and StarCoder's); a GGUF of it "
+        "GPT-2's, Qwen2's, Llama 3's, GPT-OSS's, Mistral tekken's, DeepSeek-V3's, Seed-Coder's and StarCoder's); a GGUF of it "
         "would tokenize differently."
     )
 
@@ -270,7 +278,7 @@ def _space_prefix(path: Path, data: dict) -> bool:
     if replaces and (pre is None or (isinstance(pre, dict) and pre.get("type") == "Split"
                                      and (pre.get("pattern") or {}).get("String") == " "
                                      and pre.get("behavior") == "MergedWithPrevious" and not pre.get("invert"))):
-        return prepend  # Gemma's split at spaces keeps pieces apart exactly where "▁" already does
+        return prepend  # (Gemma's split at " " comes after every space became "▁": it splits nothing)
     raise MergeError(
         f"The tokenizer in {path} splits text before its byte-fallback BPE in a way llama.cpp's SentencePiece "
         "tokenizer does not (it replaces spaces with \u2581 and merges pairs, nothing else)."
