@@ -36,7 +36,8 @@ from tui_merger.core.merge.output import check_space
 from tui_merger.core.options import human_bytes
 from tui_merger.core.ship import gguf_families
 from tui_merger.core.ship.gguf_families import REFUSED, Family
-from tui_merger.core.ship.gguf_vocab import _LLAMA3_SPLIT, _O200K_SPLIT, _QWEN2_SPLIT, add_tokenizer  # noqa: F401 (tests build tokenizers with the splits)
+# the tokenizer (tokenizer.ggml.*) is gguf_vocab's; the split regexes stay importable here for the tests
+from tui_merger.core.ship.gguf_vocab import _LLAMA3_SPLIT, _O200K_SPLIT, _QWEN2_SPLIT, add_tokenizer  # noqa: F401
 
 TYPES = ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", "q3_k_m")
 # llama.cpp's k-quant file types (kquants.MIXES: which tensors get which type), written by kquants.py
