@@ -280,3 +280,15 @@ def test_a_tokenizer_model_alone_gives_the_same_vocabulary(exported, tmp_path):
     alone_ = fields(export_gguf(folder, "f16", tmp_path / "alone.gguf").path)
     for key in ("model", "pre", "tokens", "scores", "token_type", "add_space_prefix"):
         assert alone_[f"tokenizer.ggml.{key}"] == full[f"tokenizer.ggml.{key}"], key
+
+
+def test_a_metaspace_split_with_tokens_across_it_is_refused(tmp_path):
+    """Metaspace with split: the folder's tokenizer never makes a token across a "▁"; llama.cpp would. The
+    fast-only fixture was trained without the split (it has such tokens); Llama 2's pieces never cross one."""
+    bad = sentencepiece_model(tmp_path / "bad", "fast_only")
+    _edit(bad, "tokenizer.json", lambda d: d["pre_tokenizer"].update(split=True))
+    with pytest.raises(MergeError, match="splits text at every \u2581 \\(Metaspace split\\) yet has tokens that run across one"):
+        export_gguf(bad, "f16")
+    good = sentencepiece_model(tmp_path / "good", "llama2")
+    _edit(good, "tokenizer.json", lambda d: d["pre_tokenizer"].update(split=True))
+    assert export_gguf(good, "f16").path.is_file()

@@ -193,6 +193,7 @@ def _steps(pre) -> tuple | None:
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _SPACE = "\u2581"  # SentencePiece's visible space
+_ACROSS = re.compile("[^\u2581]\u2581")  # a "▁" after another character: a token across a word start
 
 
 def _sentencepiece(writer, folder: Path, n_vocab: int, data: dict | None, spm_model: Path | None, notices: list) -> int:
@@ -229,6 +230,16 @@ def _sentencepiece(writer, folder: Path, n_vocab: int, data: dict | None, spm_mo
                   for i, (p, s, t) in enumerate(pieces)}
     else:
         tokens = _pieces_from_merges(where, data)
+    if isinstance(pre, dict) and pre.get("type") == "Metaspace" and pre.get("split", True):
+        # the folder's tokenizer cuts the text before every "▁"; llama.cpp's never does, so a token that
+        # runs across a "▁" (learnt without the cut) is one llama.cpp makes where the folder never does
+        across = next((t for t, _, k in tokens.values() if k == T.NORMAL and _ACROSS.search(t)), None)
+        if across is not None:
+            raise MergeError(
+                f"The tokenizer in {where} splits text at every \u2581 (Metaspace split) yet has tokens that run across "
+                f"one ({across!r}); llama.cpp's SentencePiece tokenizer does not split, so it would make those tokens "
+                "where this tokenizer never does."
+            )
     for i, text, special in _added_tokens(where, data) + _added_tokens_json(folder):
         _, score, kind = tokens.get(i, (None, -1000.0, T.UNUSED))
         if kind in (T.UNKNOWN, T.CONTROL, T.BYTE):
