@@ -207,7 +207,7 @@ def _sentencepiece(writer, folder: Path, n_vocab: int, data: dict | None, spm_mo
         notices.append(
             f"The tokenizer of {folder.name} puts \u2581 only in front of the whole text and not in front of text that "
             "already begins with a space (Metaspace, prepend_scheme \"first\"); llama.cpp's SentencePiece tokenizer puts "
-            "it in front of both and after every special token, so such text splits into other ids in llama.cpp."
+            "it there too and after every special token, so such text splits into other ids in llama.cpp."
         )
     if spm_model is not None:
         pieces, kind, dummy_prefix = read_sentencepiece_model(spm_model)
@@ -277,9 +277,9 @@ def _space_prefix(path: Path, data: dict) -> bool:
     prepend, replaces = False, False
     for n in norms if isinstance(norms, list) else [None]:
         kind = n.get("type") if isinstance(n, dict) else None
-        if kind == "Prepend" and n.get("prepend") == _SPACE and not replaces:
+        if kind == "Prepend" and n.get("prepend") == _SPACE:  # before or after the Replace: the same text
             prepend = True
-        elif kind == "Replace" and (n.get("pattern") or {}).get("String") == " " and n.get("content") == _SPACE:
+        elif kind == "Replace" and _string(n.get("pattern")) == " " and n.get("content") == _SPACE:
             replaces = True
         else:
             raise MergeError(f"The tokenizer in {path} normalizes text ({kind}) in a way llama.cpp's SentencePiece tokenizer does not.")
@@ -287,13 +287,18 @@ def _space_prefix(path: Path, data: dict) -> bool:
         scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
         return scheme != "never"
     if replaces and (pre is None or (isinstance(pre, dict) and pre.get("type") == "Split"
-                                     and (pre.get("pattern") or {}).get("String") == " "
+                                     and _string(pre.get("pattern")) == " "
                                      and pre.get("behavior") == "MergedWithPrevious" and not pre.get("invert"))):
         return prepend  # (Gemma's split at " " comes after every space became "▁": it splits nothing)
     raise MergeError(
         f"The tokenizer in {path} splits text before its byte-fallback BPE in a way llama.cpp's SentencePiece "
         "tokenizer does not (it replaces spaces with \u2581 and merges pairs, nothing else)."
     )
+
+
+def _string(pattern) -> str | None:
+    """A tokenizers pattern's plain string ({"String": " "}), None for a regex or anything else."""
+    return pattern.get("String") if isinstance(pattern, dict) else None
 
 
 def _pieces_from_merges(path: Path, data: dict) -> dict:
