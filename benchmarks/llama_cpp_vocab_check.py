@@ -6,7 +6,7 @@
 
 For each tokenizer of tests/test_gguf_vocab.py (the SentencePiece fixtures: Llama 2, Phi-3 and Gemma
 shaped tokenizer.model + tokenizer.json, a fast-only byte-fallback tokenizer.json; byte-level BPE with
-the tekken, DeepSeek-V3, StarCoder and spelled-out GPT-2 splits) on a tiny model, it exports an F16 GGUF,
+the tekken, DeepSeek-V3, Seed-Coder, StarCoder and spelled-out GPT-2 splits) on a tiny model, it exports an F16 GGUF,
 loads it in llama.cpp (llama-cpp-python, vocab only) and compares llama.cpp's ids with transformers'
 tokenizer on the folder: the samples, the chat template rendered, each special token alone. Prints a
 Markdown table; the first differing text of a row is printed below it.

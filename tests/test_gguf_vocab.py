@@ -1,7 +1,7 @@
 """The tokenizer in a GGUF (core/ship/gguf_vocab.py) beyond byte-level BPE with the splits of GPT-2,
 Qwen2, Llama 3 and GPT-OSS: SentencePiece BPE with byte fallback (a tokenizer.model as Llama 2, Phi-3
 and Gemma ship it, and a fast-only tokenizer.json), and the byte-level pre-tokenizers of Mistral's
-tekken, DeepSeek-V3, StarCoder and GPT-2's regex spelled out (EXAONE 4).
+tekken, DeepSeek-V3, Seed-Coder, StarCoder and GPT-2's regex spelled out (llama.cpp's exaone4 split).
 
 The tokenizers are made by the real tools: the SentencePiece fixtures by the ``sentencepiece`` trainer
 and transformers' LlamaTokenizer / GemmaTokenizer (tests/fixtures/gguf_vocab/make_vocab_fixtures.py),

@@ -66,7 +66,7 @@ _BYTES_GPT2 = ("bytes", "gpt-2 regex")  # GPT-2's ByteLevel with its built-in re
 # pre-tokenizer steps -> llama.cpp's name (tokenizer.ggml.pre); llama.cpp splits with the same regexes
 PRE_TOKENIZERS: dict[tuple, str] = {
     (_BYTES_GPT2,): "gpt-2",
-    (("split", _GPT2_SPLIT), _BYTES): "gpt-2",  # GPT-2's regex spelled out (EXAONE 4: llama.cpp's exaone4 is GPT-2's)
+    (("split", _GPT2_SPLIT), _BYTES): "gpt-2",  # GPT-2's regex spelled out (llama.cpp's exaone4 splits with it too)
     (("split", _QWEN2_SPLIT), _BYTES): "qwen2",
     (("split", _LLAMA3_SPLIT), _BYTES): "llama-bpe",
     (("split", _O200K_SPLIT), _BYTES): "gpt-4o",
