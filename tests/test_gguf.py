@@ -395,8 +395,10 @@ BAD = {
     "quantized": ("holds gptq weights", lambda f: _edit_json(f / "config.json", quantization_config={"quant_method": "gptq"})),
     "dynamic rope": ("dynamic rope scaling, which has no GGUF equivalent",
                      lambda f: _edit_json(f / "config.json", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})),
-    "no tokenizer": ("has no tokenizer (no tokenizer.json)", lambda f: (f / "tokenizer.json").unlink()),
-    "sentencepiece": ("SentencePiece-style BPE (byte fallback", lambda f: _tokenizer(f, lambda d: d["model"].update(byte_fallback=True))),
+    "no tokenizer": ("has no tokenizer (no tokenizer.json or tokenizer.model)", lambda f: (f / "tokenizer.json").unlink()),
+    # byte fallback (SentencePiece-style) with a byte-level pre-tokenizer: neither kind llama.cpp reads
+    "sentencepiece": ("in a way llama.cpp's SentencePiece tokenizer does not",
+                      lambda f: _tokenizer(f, lambda d: d["model"].update(byte_fallback=True))),
     "pre-tokenizer": ("pre-tokenizer llama.cpp does not know by name",
                       lambda f: _tokenizer(f, lambda d: d.update(pre_tokenizer={"type": "Whitespace"}))),
     "wordpiece": ("is a WordPiece tokenizer", lambda f: _tokenizer(f, lambda d: d["model"].update(type="WordPiece"))),

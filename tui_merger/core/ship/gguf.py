@@ -36,6 +36,8 @@ from tui_merger.core.merge.output import check_space
 from tui_merger.core.options import human_bytes
 from tui_merger.core.ship import gguf_families
 from tui_merger.core.ship.gguf_families import REFUSED, Family
+# the tokenizer (tokenizer.ggml.*) is gguf_vocab's; the split regexes stay importable here for the tests
+from tui_merger.core.ship.gguf_vocab import _LLAMA3_SPLIT, _O200K_SPLIT, _QWEN2_SPLIT, add_tokenizer  # noqa: F401
 
 TYPES = ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q5_k_s", "q3_k_m")
 # llama.cpp's k-quant file types (kquants.MIXES: which tensors get which type), written by kquants.py
@@ -58,22 +60,6 @@ _BLOCK_BYTES = 8 << 20  # source bytes read and converted at a time (a vocabular
 _EXPERT = re.compile(r"^(?P<layer>.+\.\d+\.[^.]+\.experts)\.(?P<e>\d+)\.(?P<kind>[^.]+)\.weight$")  # one expert's matrix
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer older checkpoints saved; llama.cpp computes it
-
-# The pre-tokenizers llama.cpp knows by name (tokenizer.ggml.pre) that a Hugging Face tokenizer.json
-# spells as one split regex before the byte-level alphabet (or GPT-2's ByteLevel with its own regex).
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_O200K_SPLIT = (  # GPT-OSS (o200k_harmony), what llama.cpp calls gpt-4o
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS = {_QWEN2_SPLIT: "qwen2", _LLAMA3_SPLIT: "llama-bpe", _O200K_SPLIT: "gpt-4o"}
-
 
 @dataclass(frozen=True)
 class GgufTensor:
@@ -156,7 +142,7 @@ def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> G
     try:
         tensors = _plan_tensors(folder, source, config, hp, family, type_, notices)
         writer = gguf.GGUFWriter(None, arch)
-        vocab = _add_tokenizer(writer, folder, hp["vocab_size"])
+        vocab = add_tokenizer(writer, folder, hp["vocab_size"], notices)
         name = _add_general(writer, folder, type_, tensors)
         _add_hyperparameters(writer, hp, family)
         for t in tensors:
@@ -987,96 +973,6 @@ def _add_general(writer, folder: Path, type_: str, tensors) -> str:
     writer.add_file_type(int(ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     return meta.name
-
-
-def _add_tokenizer(writer, folder: Path, n_vocab: int) -> int:
-    """tokenizer.ggml.*: a byte-level BPE tokenizer.json (GPT-2, Qwen2, Llama 3 style) as llama.cpp's
-    "gpt2" model: every id's token (padding ids as [PADn], unused), its type, the merges, the special
-    token ids, add_bos/add_eos and the chat template (gguf's SpecialVocab reads those). Anything else is
-    refused by name."""
-    import gguf
-
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        what = "only a SentencePiece tokenizer.model" if (folder / "tokenizer.model").is_file() else "no tokenizer"
-        raise MergeError(
-            f"{folder} has {what} (no tokenizer.json); a GGUF carries the tokenizer, and tui-merger writes it "
-            "from a tokenizer.json (save the tokenizer with transformers to get one)."
-        )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        model = data["model"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        raise MergeError(f"{path} is not a valid tokenizer.json; copy it again from the original model.") from None
-    pre = _pre_tokenizer(path, data)
-    vocab = model.get("vocab")
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
-        raise MergeError(f"{path} has no token vocabulary; copy it again from the original model.")
-    added = [a for a in data.get("added_tokens") or [] if isinstance(a, dict)]
-    by_id: dict[int, str] = {i: tok for tok, i in vocab.items()}
-    types: dict[int, int] = {}
-    for a in added:
-        i, text = a.get("id"), a.get("content")
-        if not isinstance(i, int) or not isinstance(text, str):
-            raise MergeError(f"{path} has an added token without an id or text; copy it again from the original model.")
-        by_id[i] = text
-        types[i] = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
-    top = max(by_id, default=-1)
-    if top >= n_vocab:
-        raise MergeError(
-            f"The tokenizer of {folder} has token id {top}, beyond the model's {n_vocab} embedding rows "
-            "(config.json vocab_size); the tokenizer does not belong to these weights."
-        )
-    tokens, kinds = [], []
-    for i in range(n_vocab):
-        if i in by_id:
-            tokens.append(by_id[i])
-            kinds.append(int(types.get(i, gguf.TokenType.NORMAL)))
-        else:  # ids the embedding has and the tokenizer never produces (vocabularies padded to a multiple)
-            tokens.append(f"[PAD{i}]")
-            kinds.append(int(gguf.TokenType.UNUSED))
-    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
-    if not special.merges:
-        raise MergeError(f"{path} has no BPE merges; a byte-level BPE tokenizer needs them.")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(kinds)
-    special.add_to_gguf(writer, quiet=True)
-    return n_vocab
-
-
-def _pre_tokenizer(path: Path, data: dict) -> str:
-    """llama.cpp's name for how the tokenizer splits text before BPE (tokenizer.ggml.pre)."""
-    model, pre, norm, dec = data.get("model") or {}, data.get("pre_tokenizer"), data.get("normalizer"), data.get("decoder")
-    what = f"The tokenizer in {path}"
-    if model.get("type") != "BPE":
-        raise MergeError(f"{what} is a {model.get('type')} tokenizer; GGUF export writes byte-level BPE tokenizers (GPT-2, Qwen2, Llama 3 style).")
-    if model.get("byte_fallback"):
-        raise MergeError(
-            f"{what} is a SentencePiece-style BPE (byte fallback, as Llama 2 and Mistral use), which GGUF "
-            "export does not write yet; it writes byte-level BPE tokenizers (GPT-2, Qwen2, Llama 3 style)."
-        )
-    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
-        raise MergeError(f"{what} uses subword prefixes or suffixes, which llama.cpp's byte-level BPE does not.")
-    if not (isinstance(dec, dict) and dec.get("type") == "ByteLevel"):
-        raise MergeError(f"{what} does not decode byte-level tokens (its decoder is {(dec or {}).get('type')}); GGUF export writes byte-level BPE tokenizers.")
-    if norm is not None and not (isinstance(norm, dict) and norm.get("type") == "NFC"):
-        raise MergeError(f"{what} normalizes text ({(norm or {}).get('type')}) in a way llama.cpp does not.")
-    if isinstance(pre, dict) and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
-        return "gpt-2"
-    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else None
-    if isinstance(steps, list) and len(steps) == 2 and all(isinstance(s, dict) for s in steps):
-        split, byte_level = steps
-        pattern = (split.get("pattern") or {}).get("Regex") if isinstance(split.get("pattern"), dict) else None
-        if (split.get("type") == "Split" and str(split.get("behavior", "")).lower() == "isolated" and not split.get("invert")
-                and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex", True)
-                and not byte_level.get("add_prefix_space") and pattern in PRE_TOKENIZERS):
-            return PRE_TOKENIZERS[pattern]
-    raise MergeError(
-        f"{what} splits text with a pre-tokenizer llama.cpp does not know by name (GGUF export recognises "
-        "GPT-2's, Qwen2's, Llama 3's and GPT-OSS's); a GGUF of it would tokenize differently."
-    )
 
 
 # -- helpers -----------------------------------------------------------------------------------------
