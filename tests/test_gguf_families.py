@@ -70,18 +70,25 @@ CASES = {
                       n_shared_experts=1, routed_scaling_factor=1.5, use_qk_norm=True), False),
     "ernie4_5": (dict(NOT_SPECIAL, head_dim=16), False),
     "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
+    "ernie4_5_moe": (dict(NOT_SPECIAL, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2), False),
+    "lfm2": (dict(NOT_SPECIAL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]), False),
+    # a second case of a family: "<model_type>:<what>"
+    "phi3:longrope": (dict(NOT_SPECIAL, max_position_embeddings=1024, original_max_position_embeddings=256,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i for i in range(8)],
+                                            "short_factor": [1.0 + 0.125 * i for i in range(8)]}), False),
 }
 PERMUTED = {"llama", "mistral", "mixtral", "granite", "granitemoe", "smollm3"}  # llama.cpp's LlamaModel and its subclasses
 PLUS_ONE = {"gemma", "gemma2", "gemma3_text"}  # Gemma's norms: llama.cpp stores 1 + w
 
 
-def make_family(path: Path, model_type: str, dtype=torch.float32, seed=0, **overrides) -> Path:
+def make_family(path: Path, case: str, dtype=torch.float32, seed=0, **overrides) -> Path:
     """A tiny random model of the family (random norms and biases, so that a misplaced or untransformed
-    one shows) with the byte-level tokenizer, saved by transformers."""
+    one shows) with the byte-level tokenizer, saved by transformers. ``case``: a key of CASES."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    kw = dict(SMALL, vocab_size=448, **CASES[model_type][0])
+    model_type = case.split(":")[0]
+    kw = dict(SMALL, vocab_size=448, **CASES[case][0])
     kw.update(overrides)
     config = AutoConfig.for_model(model_type, **kw)
     model = AutoModelForCausalLM.from_config(config)
@@ -106,7 +113,7 @@ def built(tmp_path_factory):
             folder = make_family(root / f"tiny-{list(CASES).index(model_type)}", model_type)
             out = root / "gguf" / model_type
             out.mkdir(parents=True, exist_ok=True)
-            cache[model_type] = (folder, export_gguf(folder, "f16", out / f"{model_type}.gguf").path)
+            cache[model_type] = (folder, export_gguf(folder, "f16", out / f"{model_type.replace(':', '-')}.gguf").path)
         return cache[model_type]
 
     return get
@@ -135,6 +142,7 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
     import gguf
 
     folder, path = built(model_type)
+    model_type = model_type.split(":")[0]
     fields = gguf_fields(path)
     arch_name = fields["general.architecture"]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
@@ -195,7 +203,8 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
         kind = name.split(".")[-2]
         if model_type in PERMUTED and kind in heads:
             w = _llama_rope_rows(w, heads[kind])
-        rounded = w.half().float() if w.ndim >= 2 and kind not in ("ffn_gate_inp", "ffn_gate_inp_shexp") else w  # routers F32
+        # F32 as llama.cpp's converter keeps them: routers, the score-correction bias, LFM2's conv kernel
+        rounded = w.half().float() if w.ndim >= 2 and kind not in ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b", "conv") else w
         assert name in stored, (hf_name, name)
         assert torch.equal(stored[name].reshape(w.shape), rounded), (hf_name, name)
         seen.add(name)
@@ -203,6 +212,11 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
         stack = torch.stack([by_index[e] for e in range(len(by_index))])
         assert torch.equal(stored[name].reshape(stack.shape), stack.half().float()), name
         seen.add(name)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":  # Phi-3: the converter writes the factors as two F32 tensors
+        for which in ("long", "short"):
+            assert torch.equal(stored[f"rope_factors_{which}.weight"], torch.tensor(rope[f"{which}_factor"]))
+            seen.add(f"rope_factors_{which}.weight")
     extra = set(stored) - seen - {"rope_freqs.weight"}
     assert not extra, extra
 
@@ -210,7 +224,8 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
 def _expected_keys(model_type: str, config) -> dict:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
     (written here from the converter's classes, as llama.cpp reads them)."""
-    a = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
+    case, model_type = model_type, model_type.split(":")[0]
+    a = {"ernie4_5_moe": "ernie4_5-moe", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
          "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
@@ -225,14 +240,16 @@ def _expected_keys(model_type: str, config) -> dict:
         f"{a}.rope.freq_base": rope["rope_theta"],
         f"{a}.rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 1.0)),
     }
-    if model_type in ("phi", "cohere2"):
+    if model_type == "lfm2":
+        keys[f"{a}.attention.layer_norm_rms_epsilon"] = config.norm_eps
+    elif model_type in ("phi", "cohere2"):
         keys[f"{a}.attention.layer_norm_epsilon"] = config.layer_norm_eps
     elif model_type == "starcoder2":
         keys[f"{a}.attention.layer_norm_epsilon"] = config.norm_epsilon
     else:
         keys[f"{a}.attention.layer_norm_rms_epsilon"] = config.rms_norm_eps
     if model_type in ("gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "cohere2", "exaone4", "ernie4_5", "seed_oss", "glm4",
-                      "gpt_oss", "glm4_moe"):
+                      "gpt_oss", "glm4_moe", "ernie4_5_moe"):
         keys[f"{a}.attention.key_length"] = keys[f"{a}.attention.value_length"] = head_dim
     if model_type == "gemma2":
         keys.update({f"{a}.attn_logit_softcapping": config.attn_logit_softcapping,
@@ -260,6 +277,24 @@ def _expected_keys(model_type: str, config) -> dict:
                      f"{a}.expert_shared_count": config.n_shared_experts, f"{a}.leading_dense_block_count": config.first_k_dense_replace,
                      f"{a}.expert_weights_scale": config.routed_scaling_factor, f"{a}.expert_weights_norm": config.norm_topk_prob,
                      f"{a}.expert_gating_func": 2})
+    if model_type == "ernie4_5_moe":  # Ernie4_5MoeModel.set_gguf_parameters
+        keys.update({f"{a}.expert_count": config.moe_num_experts, f"{a}.expert_used_count": config.moe_k,
+                     f"{a}.interleave_moe_layer_step": config.moe_layer_interval,
+                     f"{a}.leading_dense_block_count": config.moe_layer_start_index,
+                     f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
+                     f"{a}.expert_shared_count": config.moe_num_shared_experts,
+                     # the converter derives it as intermediate_size // num_key_value_heads, which is this for the
+                     # released models; transformers builds the shared experts this wide
+                     f"{a}.expert_shared_feed_forward_length": config.moe_intermediate_size * config.moe_num_shared_experts})
+    if model_type == "lfm2":  # LFM2Model.set_gguf_parameters: KV heads per layer, 0 for the convolutions
+        ff = int(2 * config.intermediate_size / 3)
+        ff = config.block_multiple_of * -(-int(config.block_ffn_dim_multiplier * ff) // config.block_multiple_of)
+        keys.update({f"{a}.attention.head_count_kv": [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types],
+                     f"{a}.shortconv.l_cache": config.conv_L_cache, f"{a}.feed_forward_length": ff})
+    if case == "phi3:longrope":  # Phi3MiniModel: attn_factor from the context's growth, the original context
+        growth = config.max_position_embeddings / config.original_max_position_embeddings
+        keys.update({f"{a}.rope.scaling.attn_factor": math.sqrt(1 + math.log(growth) / math.log(config.original_max_position_embeddings)),
+                     f"{a}.rope.scaling.original_context_length": config.original_max_position_embeddings})
     if model_type.startswith("deepseek"):  # MLA written as MQA: one KV head of kv_lora_rank + rope
         rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
         keys.update({f"{a}.attention.head_count_kv": 1, f"{a}.attention.key_length": rank + rope_dim,
@@ -311,6 +346,8 @@ REFUSALS = {
     "olmoe": (dict(num_key_value_heads=2), "llama.cpp's olmoe layout has one per attention head"),
     "deepseek_v2": (dict(q_lora_rank=None), "allows only for the 27-layer DeepSeek-V2-Lite"),
     "exaone4": (dict(sliding_window=4, layer_types=None), "uses sliding-window attention, which llama.cpp's exaone4 layout"),
+    "lfm2": (dict(conv_bias=True), "its short-convolution layers have biases (conv_bias)"),
+    "ernie4_5_moe": (dict(moe_layer_interval=2), "llama.cpp's ernie4_5-moe loader expects experts in every layer"),
 }
 
 
@@ -334,10 +371,10 @@ def test_families_llama_cpp_runs_but_we_do_not_write_are_refused_with_the_reason
 
     from tui_merger.core.ship.gguf_families import REFUSED
 
-    folder = tmp_path / "lfm2"
+    folder = tmp_path / "gemma4"
     folder.mkdir()
-    AutoConfig.for_model("lfm2", **SMALL, vocab_size=448).save_pretrained(folder)
-    with pytest.raises(MergeError, match=r"is a lfm2 model; its short-convolution layers need llama.cpp's conv") as err:
+    AutoConfig.for_model("gemma4_text", **SMALL, vocab_size=448).save_pretrained(folder)
+    with pytest.raises(MergeError, match=r"is a gemma4_text model; its per-layer embeddings") as err:
         export_gguf(folder, "f16")
     assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
     assert all(reason[0].islower() and not reason.endswith(".") for reason in REFUSED.values())
