@@ -545,7 +545,7 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
         if _SKIPPED.search(ref.name):
             continue
         layer = _LAYER.match(ref.name)
-        if layer and int(layer[1]) >= hp["layers"]:
+        if layer and int(layer[1]) >= hp["layers"] or ref.name.startswith(family.left_out):
             beyond.append(ref.name)
             continue
         if ref.name == "lm_head.weight" and hp["tie_word_embeddings"]:
@@ -558,7 +558,7 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
         if derive is not None:  # one HF tensor -> GGUF tensors computed from it (DeepSeek's kv_b_proj -> k_b, v_b)
             layer = re.search(r"\.(\d+)\.", ref.name)
             for part, shape, fn in derive(hp["config"], tuple(ref.shape)):
-                name = f"blk.{layer[1]}.{part}" + ("" if part.endswith((".weight", ".bias")) else ".weight")
+                name = f"blk.{layer[1]}.{part}" + ("" if part.endswith((".weight", ".bias")) or part in family.bare else ".weight")
                 qtype = _qtype(type_, shape, _keep_f32(family, name), name, fallback)
                 order.append(GgufTensor(name, (ref,), shape, int(qtype), _nbytes(shape, qtype), derive=fn))
             continue
@@ -616,8 +616,9 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
     if type_ in K_MIXES:
         out = _mix_types(out, type_, arch_name, hp, notices)
     if beyond:
+        where = "layers past num_hidden_layers" if _LAYER.match(beyond[0]) else "a module transformers does not load"
         notices.append(
-            f"{len(beyond)} tensor(s) of layers past num_hidden_layers ({beyond[0]}...), the model's next-token-prediction "
+            f"{len(beyond)} tensor(s) of {where} ({beyond[0]}...), the model's next-token-prediction "
             "layers, are left out, as transformers leaves them out: llama.cpp runs the model without them."
         )
     if fallback:

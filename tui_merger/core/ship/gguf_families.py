@@ -57,6 +57,8 @@ class Family:
     keep_f32: tuple[str, ...] = ()  # parts of GGUF names the converter always stores F32 (small conv kernels)
     rope_kinds: tuple[str, ...] = ()  # rope scalings beyond the common ones that the family's keys and tensors say
     computed: Callable[[object], list] | None = None  # config -> [(GGUF name, float32 numpy array)] the converter computes
+    bare: tuple[str, ...] = ()  # derived GGUF tensors named without .weight (Gated DeltaNet's ssm_a)
+    left_out: tuple[str, ...] = ()  # HF name prefixes transformers does not load (next-token-prediction modules: mtp.)
     checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
 
     @property
@@ -268,6 +270,83 @@ def _lfm2_no_conv_bias(config) -> str | None:
     return None
 
 
+def _gdn_heads(config) -> tuple[int, int, int, int]:
+    """Gated DeltaNet's key heads, value heads per key head, key and value head sizes."""
+    nk, nv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    return nk, nv // nk, int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+
+
+def _tiled(w, dim: int, nk: int, per: int, size: int):
+    """Value heads grouped by key head (k0: v0..v{per-1}, k1: ...) -> tiled (v0 of every key head, then
+    v1 ...), along ``dim``: the order llama.cpp's qwen35 graph broadcasts them in (its converter's reorder)."""
+    shape = list(w.shape)
+    grouped = w.reshape(*shape[:dim], nk, per, size, *shape[dim + 1:])
+    return grouped.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen35_linear_attention(part: str, how):
+    """A Qwen3.5 Gated DeltaNet tensor as llama.cpp's converter writes it: value heads tiled, and ``how``
+    (config, shape) -> (GGUF shape, fn of the heads and the tensor)."""
+    def derive(config, shape):
+        heads = _gdn_heads(config)
+        new_shape, fn = how(shape)
+        return [(part, new_shape, lambda w: fn(heads, w))]
+    return derive
+
+
+def _qkv_tiled(heads, w):  # q and k rows as they are, the value rows tiled
+    nk, per, dk, dv = heads
+    return _torch_cat([w[: 2 * nk * dk], _tiled(w[2 * nk * dk:], 0, nk, per, dv)])
+
+
+def _torch_cat(parts):
+    import torch
+
+    return torch.cat(parts, dim=0)
+
+
+_QWEN35_DERIVE = {  # Qwen3_5TextModel / _LinearAttentionVReorderBase in llama.cpp's converter
+    "linear_attn.in_proj_qkv": _qwen35_linear_attention("attn_qkv", lambda s: (s, _qkv_tiled)),
+    "linear_attn.in_proj_z": _qwen35_linear_attention("attn_gate", lambda s: (s, lambda h, w: _tiled(w, 0, h[0], h[1], h[3]))),
+    "linear_attn.in_proj_a": _qwen35_linear_attention("ssm_alpha", lambda s: (s, lambda h, w: _tiled(w, 0, h[0], h[1], 1))),
+    "linear_attn.in_proj_b": _qwen35_linear_attention("ssm_beta", lambda s: (s, lambda h, w: _tiled(w, 0, h[0], h[1], 1))),
+    "linear_attn.out_proj": _qwen35_linear_attention("ssm_out", lambda s: (s, lambda h, w: _tiled(w, 1, h[0], h[1], h[3]))),
+    # the decay stored as the -exp(A_log) it is used as; dt_bias as ssm_dt's bias
+    "linear_attn.A_log": _qwen35_linear_attention("ssm_a", lambda s: (s, lambda h, w: -_tiled(w.float(), 0, h[0], h[1], 1).exp())),
+    "linear_attn.dt_bias": _qwen35_linear_attention("ssm_dt.bias", lambda s: (s, lambda h, w: _tiled(w, 0, h[0], h[1], 1))),
+    # the depthwise conv kernel (channels, 1, K) as 2-D (channels, K), its value channels tiled
+    "linear_attn.conv1d": _qwen35_linear_attention(
+        "ssm_conv1d", lambda s: ((s[0], s[-1]), lambda h, w: _qkv_tiled(h, w.reshape(w.shape[0], w.shape[-1])))),
+    # the gated norm multiplies by w itself (the model's other norms by 1 + w)
+    "linear_attn.norm": lambda config, shape: [("ssm_norm", shape, lambda w: w)],
+}
+
+
+def _mrope_sections(config) -> list:
+    """Qwen3.5's interleaved MRoPE sections, padded to 4 as llama.cpp reads them (its default [11, 11, 10])."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return [int(x) for x in (list(rope.get("mrope_section") or [11, 11, 10]) + [0, 0, 0, 0])[:4]]
+
+
+_GDN_KEYS = {  # Qwen3NextModel.set_gguf_parameters: the Gated DeltaNet's sizes and which layers are recurrent
+    "ssm.conv_kernel": lambda c: int(c.linear_conv_kernel_dim),
+    "ssm.state_size": lambda c: int(c.linear_key_head_dim),
+    "ssm.group_count": lambda c: int(c.linear_num_key_heads),
+    "ssm.time_step_rank": lambda c: int(c.linear_num_value_heads),
+    "ssm.inner_size": lambda c: int(c.linear_value_head_dim * c.linear_num_value_heads),
+    "attention.recurrent_layers": lambda c: [t == "linear_attention" for t in c.layer_types],
+    "full_attention_interval": lambda c: int(getattr(c, "full_attention_interval", None) or 4),
+}
+
+
+def _gdn_heads_divide(config) -> str | None:
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        return "its linear-attention value heads are not a multiple of its key heads, which llama.cpp's layout needs"
+    if config.linear_key_head_dim != config.linear_value_head_dim:
+        return "its linear-attention key and value heads differ in size, and llama.cpp's layout has one state size for both"
+    return None
+
+
 # model_type in config.json -> its family. Order: how often people fine-tune them (the CLI lists them so).
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", "llama", permute_qk=True),
@@ -341,6 +420,9 @@ FAMILIES: dict[str, Family] = {
                                  "expert_shared_count": lambda c: int(getattr(c, "moe_num_shared_experts", 0) or 0),
                                  "expert_shared_feed_forward_length": _ernie_shared_ff},
                            checks=(_ernie_moe_layers,)),
+    "qwen3_5_text": Family("Qwen3.5", "qwen35", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
+                           derive=_QWEN35_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
+                           keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections}, checks=(_gdn_heads_divide,)),
     "lfm2": Family("LFM2", "lfm2", eps="norm_eps", derive={"conv.conv": _lfm2_conv}, keep_f32=("shortconv.conv",),
                    keys={"attention.head_count_kv": _lfm2_kv_heads, "shortconv.l_cache": lambda c: int(c.conv_L_cache),
                          "feed_forward_length": _lfm2_ff},
@@ -350,7 +432,6 @@ FAMILIES: dict[str, Family] = {
 # Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
 REFUSED: dict[str, str] = {
     "qwen3_next": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
-    "qwen3_5_text": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
     "gemma4_text": "its per-layer embeddings and layer scalars need tensors llama.cpp reshapes, which tui-merger does not write yet",
 }
 
