@@ -43,6 +43,8 @@ WIDE_FAMILY = {  # per-family widths that follow hidden 256 (head sizes, expert 
     "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64), "ernie4_5": dict(head_dim=64), "seed_oss": dict(head_dim=64),
     "ernie4_5_moe": dict(head_dim=64, moe_intermediate_size=256),
     "qwen3_5_text": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64),
+    "qwen3_next": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=256,
+                       shared_expert_intermediate_size=512),
     "phi3:longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i / 4 for i in range(32)],
                                            "short_factor": [1.0 + i / 32 for i in range(32)]}),
 }

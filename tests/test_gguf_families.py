@@ -74,13 +74,16 @@ CASES = {
     "lfm2": (dict(NOT_SPECIAL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]), False),
     "qwen3_5_text": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                           layer_types=["linear_attention", "full_attention"], full_attention_interval=2), False),
+    "qwen3_next": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                        layer_types=["linear_attention", "full_attention"], full_attention_interval=2, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64), False),
     # a second case of a family: "<model_type>:<what>"
     "phi3:longrope": (dict(NOT_SPECIAL, max_position_embeddings=1024, original_max_position_embeddings=256,
                            rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i for i in range(8)],
                                             "short_factor": [1.0 + 0.125 * i for i in range(8)]}), False),
 }
 PERMUTED = {"llama", "mistral", "mixtral", "granite", "granitemoe", "smollm3"}  # llama.cpp's LlamaModel and its subclasses
-PLUS_ONE = {"gemma", "gemma2", "gemma3_text", "qwen3_5_text"}  # norms the model applies as 1 + w: llama.cpp stores 1 + w
+PLUS_ONE = {"gemma", "gemma2", "gemma3_text", "qwen3_5_text", "qwen3_next"}  # norms the model applies as 1 + w: llama.cpp stores 1 + w
 
 
 def _qwen35_linear_attention(hf_name: str, w: torch.Tensor, config) -> tuple[str, torch.Tensor]:
@@ -107,6 +110,27 @@ def _qwen35_linear_attention(hf_name: str, w: torch.Tensor, config) -> tuple[str
         "norm.weight": ("ssm_norm.weight", lambda: w),
     }[part]
     return f"blk.{bid}.{name}", value()
+
+
+def _qwen3_next_linear_attention(hf_name: str, w: torch.Tensor, config) -> dict[str, torch.Tensor]:
+    """A Qwen3-Next Gated DeltaNet tensor as llama.cpp's converter writes it (Qwen3NextModel.modify_tensors):
+    in_proj_qkvz's rows, grouped per key head as [q, k, v, z], regrouped into attn_qkv (all q, all k, all v)
+    and attn_gate (all z); A_log as -exp(A_log); the conv kernel 2-D; dt_bias as ssm_dt's bias."""
+    nk, per = config.linear_num_key_heads, config.linear_num_value_heads // config.linear_num_key_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    group = 2 * dk + 2 * per * dv
+
+    def rows(start, size):  # the rows of one part in every key head's group
+        return torch.tensor([g * group + start + i for g in range(nk) for i in range(size)])
+
+    bid, part = hf_name.split(".")[2], hf_name.split(".linear_attn.")[1]
+    if part == "in_proj_qkvz.weight":
+        qkv = torch.cat([rows(0, dk), rows(dk, dk), rows(2 * dk, per * dv)])
+        return {f"blk.{bid}.attn_qkv.weight": w[qkv], f"blk.{bid}.attn_gate.weight": w[rows(2 * dk + per * dv, per * dv)]}
+    name, value = {"A_log": ("ssm_a", lambda: -torch.exp(w)), "dt_bias": ("ssm_dt.bias", lambda: w),
+                   "conv1d.weight": ("ssm_conv1d.weight", lambda: w[:, 0]), "norm.weight": ("ssm_norm.weight", lambda: w),
+                   "in_proj_ba.weight": ("ssm_ba.weight", lambda: w), "out_proj.weight": ("ssm_out.weight", lambda: w)}[part]
+    return {f"blk.{bid}.{name}": value()}
 
 
 def make_family(path: Path, case: str, dtype=torch.float32, seed=0, **overrides) -> Path:
@@ -207,11 +231,13 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
                 assert torch.equal(stored[name].reshape(part.shape), part.half().float()), name
                 seen.add(name)
             continue
-        if model_type == "qwen3_5_text" and ".linear_attn." in hf_name:
-            name, value = _qwen35_linear_attention(hf_name, w, config)
-            f32 = value.ndim == 1 or "conv1d" in hf_name  # the converter keeps the conv kernel F32
-            assert torch.equal(stored[name].reshape(value.shape), value if f32 else value.half().float()), name
-            seen.add(name)
+        if model_type in ("qwen3_5_text", "qwen3_next") and ".linear_attn." in hf_name:
+            parts = (dict([_qwen35_linear_attention(hf_name, w, config)]) if model_type == "qwen3_5_text"
+                     else _qwen3_next_linear_attention(hf_name, w, config))
+            for name, value in parts.items():
+                f32 = value.ndim == 1 or "conv1d" in hf_name  # the converter keeps the conv kernel F32
+                assert torch.equal(stored[name].reshape(value.shape), value if f32 else value.half().float()), name
+                seen.add(name)
             continue
         gpt_oss = {  # GPT-OSS's packed experts, as llama.cpp's converter writes them from 16-bit weights
             "gate_up_proj": lambda w: {"ffn_gate_exps.weight": w.transpose(1, 2)[:, 0::2], "ffn_up_exps.weight": w.transpose(1, 2)[:, 1::2]},
@@ -259,7 +285,7 @@ def _expected_keys(model_type: str, config) -> dict:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
     (written here from the converter's classes, as llama.cpp reads them)."""
     case, model_type = model_type, model_type.split(":")[0]
-    a = {"ernie4_5_moe": "ernie4_5-moe", "qwen3_5_text": "qwen35", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
+    a = {"ernie4_5_moe": "ernie4_5-moe", "qwen3_5_text": "qwen35", "qwen3_next": "qwen3next", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
          "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
@@ -283,7 +309,7 @@ def _expected_keys(model_type: str, config) -> dict:
     else:
         keys[f"{a}.attention.layer_norm_rms_epsilon"] = config.rms_norm_eps
     if model_type in ("gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "cohere2", "exaone4", "ernie4_5", "seed_oss", "glm4",
-                      "gpt_oss", "glm4_moe", "ernie4_5_moe", "qwen3_5_text"):
+                      "gpt_oss", "glm4_moe", "ernie4_5_moe", "qwen3_5_text", "qwen3_next"):
         keys[f"{a}.attention.key_length"] = keys[f"{a}.attention.value_length"] = head_dim
     if model_type == "gemma2":
         keys.update({f"{a}.attn_logit_softcapping": config.attn_logit_softcapping,
@@ -320,13 +346,18 @@ def _expected_keys(model_type: str, config) -> dict:
                      # the converter derives it as intermediate_size // num_key_value_heads, which is this for the
                      # released models; transformers builds the shared experts this wide
                      f"{a}.expert_shared_feed_forward_length": config.moe_intermediate_size * config.moe_num_shared_experts})
-    if model_type == "qwen3_5_text":  # Qwen3NextModel and _Qwen35MRopeMixin's set_gguf_parameters
+    if model_type in ("qwen3_5_text", "qwen3_next"):  # Qwen3NextModel (and _Qwen35MRopeMixin)'s set_gguf_parameters
         keys.update({f"{a}.ssm.conv_kernel": config.linear_conv_kernel_dim, f"{a}.ssm.state_size": config.linear_key_head_dim,
                      f"{a}.ssm.group_count": config.linear_num_key_heads, f"{a}.ssm.time_step_rank": config.linear_num_value_heads,
                      f"{a}.ssm.inner_size": config.linear_value_head_dim * config.linear_num_value_heads,
                      f"{a}.attention.recurrent_layers": [t == "linear_attention" for t in config.layer_types],
-                     f"{a}.full_attention_interval": config.full_attention_interval,
-                     f"{a}.rope.dimension_sections": [11, 11, 10, 0]})
+                     f"{a}.full_attention_interval": config.full_attention_interval})
+    if model_type == "qwen3_5_text":
+        keys[f"{a}.rope.dimension_sections"] = [11, 11, 10, 0]
+    if model_type == "qwen3_next":  # Qwen2MoeModel's and TextModel's expert keys
+        keys.update({f"{a}.expert_count": config.num_experts, f"{a}.expert_used_count": config.num_experts_per_tok,
+                     f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
+                     f"{a}.expert_shared_feed_forward_length": config.shared_expert_intermediate_size})
     if model_type == "lfm2":  # LFM2Model.set_gguf_parameters: KV heads per layer, 0 for the convolutions
         ff = int(2 * config.intermediate_size / 3)
         ff = config.block_multiple_of * -(-int(config.block_ffn_dim_multiplier * ff) // config.block_multiple_of)

@@ -322,6 +322,29 @@ _QWEN35_DERIVE = {  # Qwen3_5TextModel / _LinearAttentionVReorderBase in llama.c
 }
 
 
+def _qkvz_split(config, shape):
+    """Qwen3-Next's in_proj_qkvz, rows grouped per key head as [q, k, v, z], as llama.cpp's converter
+    splits it: attn_qkv (every q, then every k, then every v) and attn_gate (every z)."""
+    nk, per, dk, dv = _gdn_heads(config)
+    hidden = shape[-1]
+
+    def part(w, start, size):
+        return w.reshape(nk, 2 * dk + 2 * per * dv, hidden)[:, start:start + size].reshape(-1, hidden)
+
+    return [("attn_qkv", (nk * (2 * dk + per * dv), hidden),
+             lambda w: _torch_cat([part(w, 0, dk), part(w, dk, dk), part(w, 2 * dk, per * dv)])),
+            ("attn_gate", (nk * per * dv, hidden), lambda w: part(w, 2 * dk + per * dv, per * dv))]
+
+
+_QWEN3_NEXT_DERIVE = {  # Qwen3NextModel.modify_tensors: value heads stay grouped by key head
+    "linear_attn.in_proj_qkvz": _qkvz_split,
+    "linear_attn.A_log": lambda config, shape: [("ssm_a", shape, lambda w: -w.float().exp())],
+    "linear_attn.dt_bias": lambda config, shape: [("ssm_dt.bias", shape, lambda w: w)],
+    "linear_attn.conv1d": lambda config, shape: [("ssm_conv1d", (shape[0], shape[-1]), lambda w: w.reshape(w.shape[0], w.shape[-1]))],
+    "linear_attn.norm": lambda config, shape: [("ssm_norm", shape, lambda w: w)],
+}
+
+
 def _mrope_sections(config) -> list:
     """Qwen3.5's interleaved MRoPE sections, padded to 4 as llama.cpp reads them (its default [11, 11, 10])."""
     rope = getattr(config, "rope_parameters", None) or {}
@@ -423,6 +446,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_text": Family("Qwen3.5", "qwen35", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
                            derive=_QWEN35_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
                            keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections}, checks=(_gdn_heads_divide,)),
+    "qwen3_next": Family("Qwen3-Next", "qwen3next", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
+                         experts="num_experts", expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size",
+                         norm_topk=True, derive=_QWEN3_NEXT_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
+                         keys=_GDN_KEYS, checks=(_moe_every_layer, _gdn_heads_divide)),
     "lfm2": Family("LFM2", "lfm2", eps="norm_eps", derive={"conv.conv": _lfm2_conv}, keep_f32=("shortconv.conv",),
                    keys={"attention.head_count_kv": _lfm2_kv_heads, "shortconv.l_cache": lambda c: int(c.conv_L_cache),
                          "feed_forward_length": _lfm2_ff},
@@ -431,7 +458,6 @@ FAMILIES: dict[str, Family] = {
 
 # Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
 REFUSED: dict[str, str] = {
-    "qwen3_next": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
     "gemma4_text": "its per-layer embeddings and layer scalars need tensors llama.cpp reshapes, which tui-merger does not write yet",
 }
 
