@@ -71,7 +71,7 @@ CASES = {
     "ernie4_5": (dict(NOT_SPECIAL, head_dim=16), False),
     "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
     "ernie4_5_moe": (dict(NOT_SPECIAL, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2), False),
-    "lfm2": (dict(NOT_SPECIAL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]), False),
+    "lfm2": (dict(NOT_SPECIAL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]), True),
     "qwen3_5_text": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                           layer_types=["linear_attention", "full_attention"], full_attention_interval=2), False),
     "qwen3_next": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -487,3 +487,26 @@ def test_next_token_prediction_layers_past_the_model_are_left_out_and_said(tmp_p
         return [t.name for t in gguf.GGUFReader(path).tensors]
 
     assert names(with_mtp.path) == names(plain.path)
+
+
+def test_qwen35_next_token_prediction_module_is_left_out_and_said(tmp_path):
+    """Qwen3.5 and Qwen3-Next releases hold their next-token-prediction module under mtp.*, which transformers
+    does not load (_keys_to_ignore_on_load_unexpected): the GGUF leaves it out and says so."""
+    from safetensors.torch import save_file
+
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "qwen3_5_text")
+    plain = export_gguf(folder, "f16", tmp_path / "plain.gguf")
+    save_file({"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)},
+              folder / "mtp.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {**{k: "model.safetensors" for k in load_file(folder / "model.safetensors")},
+                                           "mtp.fc.weight": "mtp.safetensors", "mtp.layers.0.input_layernorm.weight": "mtp.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    said = []
+    with_mtp = export_gguf(folder, "f16", tmp_path / "mtp.gguf",
+                           on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any(s.startswith("2 tensor(s) of a module transformers does not load (mtp.") for s in said), said
+    import gguf
+
+    assert [t.name for t in gguf.GGUFReader(with_mtp.path).tensors] == [t.name for t in gguf.GGUFReader(plain.path).tensors]

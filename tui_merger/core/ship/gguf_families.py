@@ -458,7 +458,8 @@ FAMILIES: dict[str, Family] = {
 
 # Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
 REFUSED: dict[str, str] = {
-    "gemma4_text": "its per-layer embeddings and layer scalars need tensors llama.cpp reshapes, which tui-merger does not write yet",
+    "gemma4_text": ("its per-layer embeddings, head sizes and KV heads per layer type and proportional rope need keys and "
+                    "tensors of llama.cpp's gemma4 layout that tui-merger does not write yet"),
 }
 
 
