@@ -489,6 +489,15 @@ def test_next_token_prediction_layers_past_the_model_are_left_out_and_said(tmp_p
     assert names(with_mtp.path) == names(plain.path)
 
 
+def test_phi3_longrope_says_when_llama_cpp_takes_the_long_factors(tmp_path):
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "phi3:longrope")
+    said = []
+    export_gguf(folder, "f16", tmp_path / "m.gguf", on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any("llama.cpp rotates with the long ones whenever its context (n_ctx) is above 256 tokens" in s for s in said), said
+
+
 def test_qwen35_next_token_prediction_module_is_left_out_and_said(tmp_path):
     """Qwen3.5 and Qwen3-Next releases hold their next-token-prediction module under mtp.*, which transformers
     does not load (_keys_to_ignore_on_load_unexpected): the GGUF leaves it out and says so."""

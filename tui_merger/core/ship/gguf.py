@@ -382,6 +382,7 @@ def _hyperparameters(folder: Path, raw: dict, family: Family, notices: list) -> 
         reason = check(config)
         if reason:
             raise MergeError(f"{folder} cannot be written as a GGUF: {reason}.")
+    notices.extend(said for said in (note(config) for note in family.notes) if said)
     _sliding_window(folder, config, family, hp, notices)
     if heads % hp["kv_heads"]:
         raise MergeError(f"{folder / 'config.json'}: {heads} attention heads are not a multiple of {hp['kv_heads']} KV heads.")

@@ -59,6 +59,7 @@ class Family:
     computed: Callable[[object], list] | None = None  # config -> [(GGUF name, float32 numpy array)] the converter computes
     bare: tuple[str, ...] = ()  # derived GGUF tensors named without .weight (Gated DeltaNet's ssm_a)
     left_out: tuple[str, ...] = ()  # HF name prefixes transformers does not load (next-token-prediction modules: mtp.)
+    notes: tuple[Callable[[object], str | None], ...] = ()  # config -> a sentence the export says (how llama.cpp runs it)
     checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
 
     @property
@@ -209,6 +210,16 @@ def _longrope_factors(config) -> list:
     if params is None:
         return []
     return [(f"rope_factors_{which}.weight", np.asarray(params[f"{which}_factor"], dtype=np.float32)) for which in ("long", "short")]
+
+
+def _longrope_switch(config) -> str | None:
+    params = _longrope(config)
+    if params is None:
+        return None
+    original = _longrope_original(config, params)
+    return (f"The GGUF holds both longrope factor sets; llama.cpp rotates with the long ones whenever its context (n_ctx) "
+            f"is above {original} tokens (original_max_position_embeddings), transformers only once the sequence is, so "
+            f"for shorter sequences the two agree when n_ctx is at most {original}.")
 
 
 def _longrope_attn_factor(config) -> float | None:
@@ -386,7 +397,8 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family("Phi-3", "phi3", rope_kinds=("longrope",), computed=_longrope_factors,
                    keys={"attention.sliding_window": "sliding_window", "rope.scaling.attn_factor": _longrope_attn_factor,
                          "rope.scaling.original_context_length":
-                             lambda c: int(_longrope_original(c, _longrope(c))) if _longrope(c) else None}),
+                             lambda c: int(_longrope_original(c, _longrope(c))) if _longrope(c) else None},
+                   notes=(_longrope_switch,)),
     "qwen3_moe": Family("Qwen3-MoE", "qwen3moe", head_dim_keys=True, experts="num_experts", expert_ff="moe_intermediate_size",
                         norm_topk=True, checks=(_moe_every_layer,)),
     "mixtral": Family("Mixtral", "llama", permute_qk=True, experts="num_local_experts"),
