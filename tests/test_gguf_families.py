@@ -420,6 +420,8 @@ REFUSALS = {
     "exaone4": (dict(sliding_window=4, layer_types=None), "uses sliding-window attention, which llama.cpp's exaone4 layout"),
     "lfm2": (dict(conv_bias=True), "its short-convolution layers have biases (conv_bias)"),
     "ernie4_5_moe": (dict(moe_layer_interval=2), "llama.cpp's ernie4_5-moe loader expects experts in every layer"),
+    "qwen3_5_text": (dict(linear_value_head_dim=32), "key and value heads differ in size"),
+    "qwen3_next": (dict(mlp_only_layers=[0]), "llama.cpp's layout has experts in every layer"),
 }
 
 
