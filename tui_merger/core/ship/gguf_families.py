@@ -296,8 +296,8 @@ def _tiled(w, dim: int, nk: int, per: int, size: int):
 
 
 def _qwen35_linear_attention(part: str, how):
-    """A Qwen3.5 Gated DeltaNet tensor as llama.cpp's converter writes it: value heads tiled, and ``how``
-    (config, shape) -> (GGUF shape, fn of the heads and the tensor)."""
+    """A Qwen3.5 Gated DeltaNet tensor as llama.cpp's converter writes it (value heads tiled): ``how`` takes
+    the HF shape and gives the GGUF shape and a function of (_gdn_heads, the tensor)."""
     def derive(config, shape):
         heads = _gdn_heads(config)
         new_shape, fn = how(shape)
@@ -386,6 +386,9 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", "llama", permute_qk=True),
     "qwen3": Family("Qwen3", "qwen3", head_dim_keys=True),
     "qwen2": Family("Qwen2", "qwen2"),
+    "qwen3_5_text": Family("Qwen3.5", "qwen35", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
+                           derive=_QWEN35_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
+                           keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections}, checks=(_gdn_heads_divide,)),
     "mistral": Family("Mistral", "llama", permute_qk=True),
     "gemma3_text": Family("Gemma 3", "gemma3", norm_plus_one=True, head_dim_keys=True, swa=6, swa_rope_theta=10000.0,
                           keys={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window"},
@@ -455,9 +458,6 @@ FAMILIES: dict[str, Family] = {
                                  "expert_shared_count": lambda c: int(getattr(c, "moe_num_shared_experts", 0) or 0),
                                  "expert_shared_feed_forward_length": _ernie_shared_ff},
                            checks=(_ernie_moe_layers,)),
-    "qwen3_5_text": Family("Qwen3.5", "qwen35", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
-                           derive=_QWEN35_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
-                           keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections}, checks=(_gdn_heads_divide,)),
     "qwen3_next": Family("Qwen3-Next", "qwen3next", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
                          experts="num_experts", expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size",
                          norm_topk=True, derive=_QWEN3_NEXT_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
