@@ -500,6 +500,20 @@ def test_phi3_longrope_says_when_llama_cpp_takes_the_long_factors(tmp_path):
     assert any("llama.cpp rotates with the long ones whenever its context (n_ctx) is above 256 tokens" in s for s in said), said
 
 
+def test_phi3_longrope_is_not_called_checked_by_transformers_reader_which_drops_the_factors(built):
+    """transformers' GGUF reader builds a Phi-3 with default rope from the file (it does not read
+    rope_factors_long/short): a comparison with it would check another model, so the file is not checked."""
+    from transformers import AutoModelForCausalLM
+
+    from tui_merger.core.ship.gguf_check import NOT_CHECKED, check_gguf
+
+    folder, path = built("phi3:longrope")
+    read = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    assert read.config.rope_parameters.get("rope_type") == "default"  # what makes the check meaningless
+    check = check_gguf(folder, path, "f16", reader="transformers")
+    assert check.status == NOT_CHECKED and "without its longrope factors" in check.summary, check.line()
+
+
 def test_qwen35_next_token_prediction_module_is_left_out_and_said(tmp_path):
     """Qwen3.5 and Qwen3-Next releases hold their next-token-prediction module under mtp.*, which transformers
     does not load (_keys_to_ignore_on_load_unexpected): the GGUF leaves it out and says so."""
