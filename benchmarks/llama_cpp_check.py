@@ -4,7 +4,7 @@ Not part of CI (llama.cpp must be built; a prebuilt wheel is in ../shared/tools)
 
     python -m venv --system-site-packages /work/venvs/llama-sys     # sees this project's torch and transformers
     /work/venvs/llama-sys/bin/pip install --no-deps ../shared/tools/llama_cpp_python-*.whl
-    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_check.py [model_type ...] [--types f16,q8_0,q4_k_m]
+    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_check.py [model_type ...] [--types f16,q8_0,q4_k_m] [--seed 0]
 
 For a tiny random model of each family (tests/test_gguf_families.py's builder and configs, widened to
 hidden 256 so that k-quant rows are whole super-blocks; bf16 weights; a trained byte-level BPE
@@ -41,6 +41,12 @@ WIDE_FAMILY = {  # per-family widths that follow hidden 256 (head sizes, expert 
     "qwen2_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=512),
     "gemma": dict(head_dim=64), "gemma2": dict(head_dim=64, query_pre_attn_scalar=64),
     "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64), "ernie4_5": dict(head_dim=64), "seed_oss": dict(head_dim=64),
+    "ernie4_5_moe": dict(head_dim=64, moe_intermediate_size=256),
+    "qwen3_5_text": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64),
+    "qwen3_next": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=256,
+                       shared_expert_intermediate_size=512),
+    "phi3:longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i / 4 for i in range(32)],
+                                           "short_factor": [1.0 + i / 32 for i in range(32)]}),
 }
 
 
@@ -61,13 +67,18 @@ def main(argv: list[str]) -> int:
         i = argv.index("--types")
         types = argv[i + 1].split(",")
         argv = argv[:i] + argv[i + 2:]
+    seed = 0  # the random weights (another seed: another tiny model, e.g. past an MoE router's near-tie)
+    if "--seed" in argv:
+        i = argv.index("--seed")
+        seed = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
     families = argv or list(CASES)
-    print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}", flush=True)
+    print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}, seed {seed}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for n, family in enumerate(families):
-            folder = make_family(root / f"tiny-{n}", family, dtype=torch.bfloat16, **WIDE, **WIDE_FAMILY.get(family, {}))
+            folder = make_family(root / f"tiny-{n}", family, dtype=torch.bfloat16, seed=seed, **WIDE, **WIDE_FAMILY.get(family, {}))
             bf16 = export_gguf(folder, "bf16", root / f"{folder.name}-bf16.gguf").path
             tok = AutoTokenizer.from_pretrained(folder)
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

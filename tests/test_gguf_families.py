@@ -70,18 +70,77 @@ CASES = {
                       n_shared_experts=1, routed_scaling_factor=1.5, use_qk_norm=True), False),
     "ernie4_5": (dict(NOT_SPECIAL, head_dim=16), False),
     "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
+    "ernie4_5_moe": (dict(NOT_SPECIAL, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2), False),
+    "lfm2": (dict(NOT_SPECIAL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]), True),
+    "qwen3_5_text": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                          layer_types=["linear_attention", "full_attention"], full_attention_interval=2), False),
+    "qwen3_next": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                        layer_types=["linear_attention", "full_attention"], full_attention_interval=2, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64), False),
+    # a second case of a family: "<model_type>:<what>"
+    "phi3:longrope": (dict(NOT_SPECIAL, max_position_embeddings=1024, original_max_position_embeddings=256,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i for i in range(8)],
+                                            "short_factor": [1.0 + 0.125 * i for i in range(8)]}), False),
 }
 PERMUTED = {"llama", "mistral", "mixtral", "granite", "granitemoe", "smollm3"}  # llama.cpp's LlamaModel and its subclasses
-PLUS_ONE = {"gemma", "gemma2", "gemma3_text"}  # Gemma's norms: llama.cpp stores 1 + w
+PLUS_ONE = {"gemma", "gemma2", "gemma3_text", "qwen3_5_text", "qwen3_next"}  # norms the model applies as 1 + w: llama.cpp stores 1 + w
 
 
-def make_family(path: Path, model_type: str, dtype=torch.float32, seed=0, **overrides) -> Path:
+def _qwen35_linear_attention(hf_name: str, w: torch.Tensor, config) -> tuple[str, torch.Tensor]:
+    """A Qwen3.5 Gated DeltaNet tensor as llama.cpp's converter writes it (_LinearAttentionVReorderBase and
+    Qwen3NextModel.modify_tensors): value heads from grouped by key head to tiled, A_log as -exp(A_log),
+    the conv kernel 2-D, dt_bias as ssm_dt's bias. Written here with index lists."""
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+
+    def tiled(size):  # the new order of value-head rows: head v of key group g goes to place v * nk + g
+        return torch.arange(nv * size).reshape(nk, nv // nk, size).permute(1, 0, 2).reshape(-1)
+
+    qkv = torch.cat([torch.arange(2 * nk * dk), 2 * nk * dk + tiled(dv)])
+    bid, part = hf_name.split(".")[2], hf_name.split(".linear_attn.")[1]
+    name, value = {
+        "in_proj_qkv.weight": ("attn_qkv.weight", lambda: w[qkv]),
+        "in_proj_z.weight": ("attn_gate.weight", lambda: w[tiled(dv)]),
+        "in_proj_a.weight": ("ssm_alpha.weight", lambda: w[tiled(1)]),
+        "in_proj_b.weight": ("ssm_beta.weight", lambda: w[tiled(1)]),
+        "out_proj.weight": ("ssm_out.weight", lambda: w[:, tiled(dv)]),
+        "A_log": ("ssm_a", lambda: -torch.exp(w[tiled(1)])),
+        "dt_bias": ("ssm_dt.bias", lambda: w[tiled(1)]),
+        "conv1d.weight": ("ssm_conv1d.weight", lambda: w[:, 0][qkv]),
+        "norm.weight": ("ssm_norm.weight", lambda: w),
+    }[part]
+    return f"blk.{bid}.{name}", value()
+
+
+def _qwen3_next_linear_attention(hf_name: str, w: torch.Tensor, config) -> dict[str, torch.Tensor]:
+    """A Qwen3-Next Gated DeltaNet tensor as llama.cpp's converter writes it (Qwen3NextModel.modify_tensors):
+    in_proj_qkvz's rows, grouped per key head as [q, k, v, z], regrouped into attn_qkv (all q, all k, all v)
+    and attn_gate (all z); A_log as -exp(A_log); the conv kernel 2-D; dt_bias as ssm_dt's bias."""
+    nk, per = config.linear_num_key_heads, config.linear_num_value_heads // config.linear_num_key_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    group = 2 * dk + 2 * per * dv
+
+    def rows(start, size):  # the rows of one part in every key head's group
+        return torch.tensor([g * group + start + i for g in range(nk) for i in range(size)])
+
+    bid, part = hf_name.split(".")[2], hf_name.split(".linear_attn.")[1]
+    if part == "in_proj_qkvz.weight":
+        qkv = torch.cat([rows(0, dk), rows(dk, dk), rows(2 * dk, per * dv)])
+        return {f"blk.{bid}.attn_qkv.weight": w[qkv], f"blk.{bid}.attn_gate.weight": w[rows(2 * dk + per * dv, per * dv)]}
+    name, value = {"A_log": ("ssm_a", lambda: -torch.exp(w)), "dt_bias": ("ssm_dt.bias", lambda: w),
+                   "conv1d.weight": ("ssm_conv1d.weight", lambda: w[:, 0]), "norm.weight": ("ssm_norm.weight", lambda: w),
+                   "in_proj_ba.weight": ("ssm_ba.weight", lambda: w), "out_proj.weight": ("ssm_out.weight", lambda: w)}[part]
+    return {f"blk.{bid}.{name}": value()}
+
+
+def make_family(path: Path, case: str, dtype=torch.float32, seed=0, **overrides) -> Path:
     """A tiny random model of the family (random norms and biases, so that a misplaced or untransformed
-    one shows) with the byte-level tokenizer, saved by transformers."""
+    one shows) with the byte-level tokenizer, saved by transformers. ``case``: a key of CASES."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    kw = dict(SMALL, vocab_size=448, **CASES[model_type][0])
+    model_type = case.split(":")[0]
+    kw = dict(SMALL, vocab_size=448, **CASES[case][0])
     kw.update(overrides)
     config = AutoConfig.for_model(model_type, **kw)
     model = AutoModelForCausalLM.from_config(config)
@@ -106,7 +165,7 @@ def built(tmp_path_factory):
             folder = make_family(root / f"tiny-{list(CASES).index(model_type)}", model_type)
             out = root / "gguf" / model_type
             out.mkdir(parents=True, exist_ok=True)
-            cache[model_type] = (folder, export_gguf(folder, "f16", out / f"{model_type}.gguf").path)
+            cache[model_type] = (folder, export_gguf(folder, "f16", out / f"{model_type.replace(':', '-')}.gguf").path)
         return cache[model_type]
 
     return get
@@ -135,13 +194,14 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
     import gguf
 
     folder, path = built(model_type)
+    model_type = model_type.split(":")[0]
     fields = gguf_fields(path)
     arch_name = fields["general.architecture"]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     config = load_hf(folder).config
     layers = config.num_hidden_layers
     allowed = {gguf.TENSOR_NAMES[t].format(bid=b) + s for t in gguf.MODEL_TENSORS[arch] for b in range(layers)
-               for s in (".weight", ".bias")}
+               for s in (".weight", ".bias", "")}  # "": a name llama.cpp takes bare (ssm_a)
     reader = gguf.GGUFReader(path)
     stored = {t.name: torch.from_numpy(t.data.copy()).float() for t in reader.tensors}
     assert set(stored) <= allowed, sorted(set(stored) - allowed)
@@ -171,6 +231,14 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
                 assert torch.equal(stored[name].reshape(part.shape), part.half().float()), name
                 seen.add(name)
             continue
+        if model_type in ("qwen3_5_text", "qwen3_next") and ".linear_attn." in hf_name:
+            parts = (dict([_qwen35_linear_attention(hf_name, w, config)]) if model_type == "qwen3_5_text"
+                     else _qwen3_next_linear_attention(hf_name, w, config))
+            for name, value in parts.items():
+                f32 = value.ndim == 1 or "conv1d" in hf_name  # the converter keeps the conv kernel F32
+                assert torch.equal(stored[name].reshape(value.shape), value if f32 else value.half().float()), name
+                seen.add(name)
+            continue
         gpt_oss = {  # GPT-OSS's packed experts, as llama.cpp's converter writes them from 16-bit weights
             "gate_up_proj": lambda w: {"ffn_gate_exps.weight": w.transpose(1, 2)[:, 0::2], "ffn_up_exps.weight": w.transpose(1, 2)[:, 1::2]},
             "gate_up_proj_bias": lambda w: {"ffn_gate_exps.bias": w[:, 0::2], "ffn_up_exps.bias": w[:, 1::2]},
@@ -195,7 +263,8 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
         kind = name.split(".")[-2]
         if model_type in PERMUTED and kind in heads:
             w = _llama_rope_rows(w, heads[kind])
-        rounded = w.half().float() if w.ndim >= 2 and kind not in ("ffn_gate_inp", "ffn_gate_inp_shexp") else w  # routers F32
+        # F32 as llama.cpp's converter keeps them: routers, the score-correction bias, LFM2's conv kernel
+        rounded = w.half().float() if w.ndim >= 2 and kind not in ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b", "conv") else w
         assert name in stored, (hf_name, name)
         assert torch.equal(stored[name].reshape(w.shape), rounded), (hf_name, name)
         seen.add(name)
@@ -203,6 +272,11 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
         stack = torch.stack([by_index[e] for e in range(len(by_index))])
         assert torch.equal(stored[name].reshape(stack.shape), stack.half().float()), name
         seen.add(name)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":  # Phi-3: the converter writes the factors as two F32 tensors
+        for which in ("long", "short"):
+            assert torch.equal(stored[f"rope_factors_{which}.weight"], torch.tensor(rope[f"{which}_factor"]))
+            seen.add(f"rope_factors_{which}.weight")
     extra = set(stored) - seen - {"rope_freqs.weight"}
     assert not extra, extra
 
@@ -210,7 +284,8 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
 def _expected_keys(model_type: str, config) -> dict:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
     (written here from the converter's classes, as llama.cpp reads them)."""
-    a = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
+    case, model_type = model_type, model_type.split(":")[0]
+    a = {"ernie4_5_moe": "ernie4_5-moe", "qwen3_5_text": "qwen35", "qwen3_next": "qwen3next", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
          "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
@@ -225,14 +300,16 @@ def _expected_keys(model_type: str, config) -> dict:
         f"{a}.rope.freq_base": rope["rope_theta"],
         f"{a}.rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 1.0)),
     }
-    if model_type in ("phi", "cohere2"):
+    if model_type == "lfm2":
+        keys[f"{a}.attention.layer_norm_rms_epsilon"] = config.norm_eps
+    elif model_type in ("phi", "cohere2"):
         keys[f"{a}.attention.layer_norm_epsilon"] = config.layer_norm_eps
     elif model_type == "starcoder2":
         keys[f"{a}.attention.layer_norm_epsilon"] = config.norm_epsilon
     else:
         keys[f"{a}.attention.layer_norm_rms_epsilon"] = config.rms_norm_eps
     if model_type in ("gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "cohere2", "exaone4", "ernie4_5", "seed_oss", "glm4",
-                      "gpt_oss", "glm4_moe"):
+                      "gpt_oss", "glm4_moe", "ernie4_5_moe", "qwen3_5_text", "qwen3_next"):
         keys[f"{a}.attention.key_length"] = keys[f"{a}.attention.value_length"] = head_dim
     if model_type == "gemma2":
         keys.update({f"{a}.attn_logit_softcapping": config.attn_logit_softcapping,
@@ -260,6 +337,36 @@ def _expected_keys(model_type: str, config) -> dict:
                      f"{a}.expert_shared_count": config.n_shared_experts, f"{a}.leading_dense_block_count": config.first_k_dense_replace,
                      f"{a}.expert_weights_scale": config.routed_scaling_factor, f"{a}.expert_weights_norm": config.norm_topk_prob,
                      f"{a}.expert_gating_func": 2})
+    if model_type == "ernie4_5_moe":  # Ernie4_5MoeModel.set_gguf_parameters
+        keys.update({f"{a}.expert_count": config.moe_num_experts, f"{a}.expert_used_count": config.moe_k,
+                     f"{a}.interleave_moe_layer_step": config.moe_layer_interval,
+                     f"{a}.leading_dense_block_count": config.moe_layer_start_index,
+                     f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
+                     f"{a}.expert_shared_count": config.moe_num_shared_experts,
+                     # the converter derives it as intermediate_size // num_key_value_heads, which is this for the
+                     # released models; transformers builds the shared experts this wide
+                     f"{a}.expert_shared_feed_forward_length": config.moe_intermediate_size * config.moe_num_shared_experts})
+    if model_type in ("qwen3_5_text", "qwen3_next"):  # Qwen3NextModel (and _Qwen35MRopeMixin)'s set_gguf_parameters
+        keys.update({f"{a}.ssm.conv_kernel": config.linear_conv_kernel_dim, f"{a}.ssm.state_size": config.linear_key_head_dim,
+                     f"{a}.ssm.group_count": config.linear_num_key_heads, f"{a}.ssm.time_step_rank": config.linear_num_value_heads,
+                     f"{a}.ssm.inner_size": config.linear_value_head_dim * config.linear_num_value_heads,
+                     f"{a}.attention.recurrent_layers": [t == "linear_attention" for t in config.layer_types],
+                     f"{a}.full_attention_interval": config.full_attention_interval})
+    if model_type == "qwen3_5_text":
+        keys[f"{a}.rope.dimension_sections"] = [11, 11, 10, 0]
+    if model_type == "qwen3_next":  # Qwen2MoeModel's and TextModel's expert keys
+        keys.update({f"{a}.expert_count": config.num_experts, f"{a}.expert_used_count": config.num_experts_per_tok,
+                     f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
+                     f"{a}.expert_shared_feed_forward_length": config.shared_expert_intermediate_size})
+    if model_type == "lfm2":  # LFM2Model.set_gguf_parameters: KV heads per layer, 0 for the convolutions
+        ff = int(2 * config.intermediate_size / 3)
+        ff = config.block_multiple_of * -(-int(config.block_ffn_dim_multiplier * ff) // config.block_multiple_of)
+        keys.update({f"{a}.attention.head_count_kv": [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types],
+                     f"{a}.shortconv.l_cache": config.conv_L_cache, f"{a}.feed_forward_length": ff})
+    if case == "phi3:longrope":  # Phi3MiniModel: attn_factor from the context's growth, the original context
+        growth = config.max_position_embeddings / config.original_max_position_embeddings
+        keys.update({f"{a}.rope.scaling.attn_factor": math.sqrt(1 + math.log(growth) / math.log(config.original_max_position_embeddings)),
+                     f"{a}.rope.scaling.original_context_length": config.original_max_position_embeddings})
     if model_type.startswith("deepseek"):  # MLA written as MQA: one KV head of kv_lora_rank + rope
         rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
         keys.update({f"{a}.attention.head_count_kv": 1, f"{a}.attention.key_length": rank + rope_dim,
@@ -311,6 +418,10 @@ REFUSALS = {
     "olmoe": (dict(num_key_value_heads=2), "llama.cpp's olmoe layout has one per attention head"),
     "deepseek_v2": (dict(q_lora_rank=None), "allows only for the 27-layer DeepSeek-V2-Lite"),
     "exaone4": (dict(sliding_window=4, layer_types=None), "uses sliding-window attention, which llama.cpp's exaone4 layout"),
+    "lfm2": (dict(conv_bias=True), "its short-convolution layers have biases (conv_bias)"),
+    "ernie4_5_moe": (dict(moe_layer_interval=2), "llama.cpp's ernie4_5-moe loader expects experts in every layer"),
+    "qwen3_5_text": (dict(linear_value_head_dim=32), "key and value heads differ in size"),
+    "qwen3_next": (dict(mlp_only_layers=[0]), "llama.cpp's layout has experts in every layer"),
 }
 
 
@@ -334,10 +445,10 @@ def test_families_llama_cpp_runs_but_we_do_not_write_are_refused_with_the_reason
 
     from tui_merger.core.ship.gguf_families import REFUSED
 
-    folder = tmp_path / "lfm2"
+    folder = tmp_path / "gemma4"
     folder.mkdir()
-    AutoConfig.for_model("lfm2", **SMALL, vocab_size=448).save_pretrained(folder)
-    with pytest.raises(MergeError, match=r"is a lfm2 model; its short-convolution layers need llama.cpp's conv") as err:
+    AutoConfig.for_model("gemma4_text", **SMALL, vocab_size=448).save_pretrained(folder)
+    with pytest.raises(MergeError, match=r"is a gemma4_text model; its per-layer embeddings") as err:
         export_gguf(folder, "f16")
     assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
     assert all(reason[0].islower() and not reason.endswith(".") for reason in REFUSED.values())
@@ -378,3 +489,49 @@ def test_next_token_prediction_layers_past_the_model_are_left_out_and_said(tmp_p
         return [t.name for t in gguf.GGUFReader(path).tensors]
 
     assert names(with_mtp.path) == names(plain.path)
+
+
+def test_phi3_longrope_says_when_llama_cpp_takes_the_long_factors(tmp_path):
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "phi3:longrope")
+    said = []
+    export_gguf(folder, "f16", tmp_path / "m.gguf", on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any("llama.cpp rotates with the long ones whenever its context (n_ctx) is above 256 tokens" in s for s in said), said
+
+
+def test_phi3_longrope_is_not_called_checked_by_transformers_reader_which_drops_the_factors(built):
+    """transformers' GGUF reader builds a Phi-3 with default rope from the file (it does not read
+    rope_factors_long/short): a comparison with it would check another model, so the file is not checked."""
+    from transformers import AutoModelForCausalLM
+
+    from tui_merger.core.ship.gguf_check import NOT_CHECKED, check_gguf
+
+    folder, path = built("phi3:longrope")
+    read = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    assert read.config.rope_parameters.get("rope_type") == "default"  # what makes the check meaningless
+    check = check_gguf(folder, path, "f16", reader="transformers")
+    assert check.status == NOT_CHECKED and "without its longrope factors" in check.summary, check.line()
+
+
+def test_qwen35_next_token_prediction_module_is_left_out_and_said(tmp_path):
+    """Qwen3.5 and Qwen3-Next releases hold their next-token-prediction module under mtp.*, which transformers
+    does not load (_keys_to_ignore_on_load_unexpected): the GGUF leaves it out and says so."""
+    from safetensors.torch import save_file
+
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "qwen3_5_text")
+    plain = export_gguf(folder, "f16", tmp_path / "plain.gguf")
+    save_file({"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)},
+              folder / "mtp.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {**{k: "model.safetensors" for k in load_file(folder / "model.safetensors")},
+                                           "mtp.fc.weight": "mtp.safetensors", "mtp.layers.0.input_layernorm.weight": "mtp.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    said = []
+    with_mtp = export_gguf(folder, "f16", tmp_path / "mtp.gguf",
+                           on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any(s.startswith("2 tensor(s) of a module transformers does not load (mtp.") for s in said), said
+    import gguf
+
+    assert [t.name for t in gguf.GGUFReader(with_mtp.path).tensors] == [t.name for t in gguf.GGUFReader(plain.path).tensors]

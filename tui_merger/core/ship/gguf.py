@@ -368,6 +368,7 @@ def _hyperparameters(folder: Path, raw: dict, family: Family, notices: list) -> 
         reason = check(config)
         if reason:
             raise MergeError(f"{folder} cannot be written as a GGUF: {reason}.")
+    notices.extend(said for said in (note(config) for note in family.notes) if said)
     _sliding_window(folder, config, family, hp, notices)
     if heads % hp["kv_heads"]:
         raise MergeError(f"{folder / 'config.json'}: {heads} attention heads are not a multiple of {hp['kv_heads']} KV heads.")
@@ -445,7 +446,7 @@ def _rope(folder: Path, config, family: Family, head_dim: int) -> dict:
     if partial != 1.0 and not family.partial_rotary:
         raise MergeError(f"{folder} rotates only part of each head (partial_rotary_factor); its family's GGUF layout rotates whole heads.")
     rope = {"theta": float(theta), "type": kind, "dim": int(head_dim * partial)}
-    if kind == "default":
+    if kind == "default" or kind in family.rope_kinds:  # rope_kinds: the family's keys and tensors say the scaling
         return rope
     factor = params.get("factor")
     if not isinstance(factor, (int, float)) or factor <= 0:
@@ -531,7 +532,7 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
         if _SKIPPED.search(ref.name):
             continue
         layer = _LAYER.match(ref.name)
-        if layer and int(layer[1]) >= hp["layers"]:
+        if layer and int(layer[1]) >= hp["layers"] or ref.name.startswith(family.left_out):
             beyond.append(ref.name)
             continue
         if ref.name == "lm_head.weight" and hp["tie_word_embeddings"]:
@@ -544,8 +545,8 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
         if derive is not None:  # one HF tensor -> GGUF tensors computed from it (DeepSeek's kv_b_proj -> k_b, v_b)
             layer = re.search(r"\.(\d+)\.", ref.name)
             for part, shape, fn in derive(hp["config"], tuple(ref.shape)):
-                name = f"blk.{layer[1]}.{part}" + ("" if part.endswith((".weight", ".bias")) else ".weight")
-                qtype = _qtype(type_, shape, False, name, fallback)
+                name = f"blk.{layer[1]}.{part}" + ("" if part.endswith((".weight", ".bias")) or part in family.bare else ".weight")
+                qtype = _qtype(type_, shape, _keep_f32(family, name), name, fallback)
                 order.append(GgufTensor(name, (ref,), shape, int(qtype), _nbytes(shape, qtype), derive=fn))
             continue
         split = next((parts for module, parts in family.split.items() if key.endswith(f".{module}")), None)
@@ -579,7 +580,7 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
             if ref.shape[0] != permute * hp["head_dim"] or hp["head_dim"] % 2:
                 raise MergeError(f"{ref.name} has {ref.shape[0]} rows, not {permute} heads of {hp['head_dim']} (config.json).")
         router = kind in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)  # kept F32, as llama.cpp does
-        qtype = _qtype(type_, ref.shape, router, ref.name, fallback)
+        qtype = _qtype(type_, ref.shape, router or _keep_f32(family, base), ref.name, fallback)
         shift = 1.0 if family.norm_plus_one and ref.name.endswith("norm.weight") else 0.0
         order.append(GgufTensor(base + suffix, (ref,), ref.shape, int(qtype), _nbytes(ref.shape, qtype), permute, shift))
     for item in order:
@@ -602,8 +603,9 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
     if type_ in K_MIXES:
         out = _mix_types(out, type_, arch_name, hp, notices)
     if beyond:
+        where = "layers past num_hidden_layers" if _LAYER.match(beyond[0]) else "a module transformers does not load"
         notices.append(
-            f"{len(beyond)} tensor(s) of layers past num_hidden_layers ({beyond[0]}...), the model's next-token-prediction "
+            f"{len(beyond)} tensor(s) of {where} ({beyond[0]}...), the model's next-token-prediction "
             "layers, are left out, as transformers leaves them out: llama.cpp runs the model without them."
         )
     if fallback:
@@ -629,7 +631,15 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
     if hp["rope"]["type"] == "llama3":
         freqs = _llama3_rope_factors(hp)
         out.insert(0, GgufTensor("rope_freqs.weight", (), freqs.shape, int(gguf.GGMLQuantizationType.F32), freqs.nbytes, computed=freqs))
+    if family.computed is not None:  # tensors the converter computes from the config (Phi-3's longrope factors)
+        for name, values in reversed(family.computed(hp["config"])):
+            out.insert(0, GgufTensor(name, (), values.shape, int(gguf.GGMLQuantizationType.F32), values.nbytes, computed=values))
     return out
+
+
+def _keep_f32(family: Family, name: str) -> bool:
+    """The tensors the family's converter always stores F32 (small conv kernels)."""
+    return any(part in name for part in family.keep_f32)
 
 
 def _split(folder, ref, parts: tuple[str, ...], type_: str, fallback: list) -> list[GgufTensor]:
@@ -900,7 +910,7 @@ def _add_hyperparameters(writer, hp: dict, family: Family) -> None:
         "feed_forward_length": hp["intermediate_size"],
         "attention.head_count": hp["heads"],
         "attention.head_count_kv": hp["kv_heads"],
-        "attention.layer_norm_rms_epsilon" if family.eps.startswith("rms") else "attention.layer_norm_epsilon": hp["eps"],
+        "attention.layer_norm_rms_epsilon" if family.rms_norm else "attention.layer_norm_epsilon": hp["eps"],
         "vocab_size": hp["vocab_size"],
         "rope.freq_base": hp["rope"]["theta"],
         "rope.dimension_count": hp["rope"]["dim"],
@@ -916,6 +926,8 @@ def _add_hyperparameters(writer, hp: dict, family: Family) -> None:
         name = f"{family.arch}.{key}"
         if isinstance(value, bool):
             writer.add_bool(name, value)
+        elif isinstance(value, list):  # per layer (LFM2's KV heads, 0 in its convolution layers)
+            writer.add_array(name, value)
         elif isinstance(value, int):
             writer.add_uint32(name, value)
         else:

@@ -278,6 +278,11 @@ def _transformers_cannot_read(path: Path) -> str | None:
 
         return (f"transformers {transformers.__version__}'s GGUF reader does not know the {arch} architecture, "
                 "and llama.cpp's Python binding (llama_cpp) is not installed here.")
+    if any(t.name == "rope_factors_long.weight" for t in reader.tensors):  # Phi-3's longrope
+        import transformers
+
+        return (f"transformers {transformers.__version__}'s GGUF reader builds the model without its longrope factors "
+                "(rope_factors_long, rope_factors_short), so it would compare another model.")
     values = sum(int(t.n_elements) for t in reader.tensors)
     available = available_memory()
     if available is not None and values * 4 > available * _MEMORY_SHARE:

@@ -14,7 +14,9 @@ Adding a family is one entry in ``FAMILIES`` (and a tiny-model case in tests/tes
 - the metadata: the common hyperparameters are written for every family (context, widths, heads, the
   norm epsilon named by ``eps``, rope base and scaling, head sizes); ``keys`` adds the family's own
   (GGUF key after ``<arch>.`` -> a config field, or a function of the config giving the typed value;
-  it may restate a common key), written when there is a value.
+  it may restate a common key; a list is written as a per-layer array), written when there is a value.
+- ``keep_f32`` (tensors the converter always stores F32: LFM2's short convolution), ``rope_kinds`` and
+  ``computed`` (a rope scaling the family says with its own keys and tensors: Phi-3's longrope factors).
 - what llama.cpp's graph fixes and the config could say otherwise: ``swa`` (its sliding-window layer
   pattern), ``norm_topk`` (whether it renormalizes the chosen experts' weights), ``checks`` (a function
   of the config returning the one sentence why a GGUF of it would compute another model, or None).
@@ -25,6 +27,7 @@ in one sentence. This module imports nothing heavy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,7 +36,7 @@ from typing import Callable
 class Family:
     title: str  # what people call it
     arch: str  # llama.cpp's architecture name
-    eps: str = "rms_norm_eps"  # the config field of the norm epsilon; layer_norm_* means LayerNorm (attention.layer_norm_epsilon)
+    eps: str = "rms_norm_eps"  # the config field of the norm epsilon; layer_norm_* and norm_epsilon mean LayerNorm (attention.layer_norm_epsilon)
     permute_qk: bool = False  # HF's rotate-half q/k rows -> llama.cpp's interleaved pairs (llama-style rope)
     norm_plus_one: bool = False  # norms stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w)
     experts: str | None = None  # config field: number of experts (per-expert tensors are stacked per layer)
@@ -51,7 +54,18 @@ class Family:
     yarn_mscale: bool = False  # YaRN's mscale / mscale_all_dim (equal) are expressible (DeepSeek's yarn_log_multiplier)
     split: dict = field(default_factory=dict)  # HF module -> GGUF tensors its rows are split into, in equal parts
     keys: dict = field(default_factory=dict)  # GGUF key (after "<arch>.") -> config field
+    keep_f32: tuple[str, ...] = ()  # parts of GGUF names the converter always stores F32 (small conv kernels)
+    rope_kinds: tuple[str, ...] = ()  # rope scalings beyond the common ones that the family's keys and tensors say
+    computed: Callable[[object], list] | None = None  # config -> [(GGUF name, float32 numpy array)] the converter computes
+    bare: tuple[str, ...] = ()  # derived GGUF tensors named without .weight (Gated DeltaNet's ssm_a)
+    left_out: tuple[str, ...] = ()  # HF name prefixes transformers does not load (next-token-prediction modules: mtp.)
+    notes: tuple[Callable[[object], str | None], ...] = ()  # config -> a sentence the export says (how llama.cpp runs it)
     checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
+
+    @property
+    def rms_norm(self) -> bool:
+        """RMSNorm (attention.layer_norm_rms_epsilon) unless the epsilon's field names a LayerNorm's."""
+        return not self.eps.startswith(("layer_norm", "norm_epsilon"))
 
 
 def _attention_scale_is_head_dim(config) -> str | None:
@@ -176,11 +190,205 @@ _DEEPSEEK_KEYS = {  # llama.cpp's DeepseekV2Model: MLA as MQA with one KV head o
 }
 
 
+def _longrope(config) -> dict | None:
+    """Phi-3's longrope parameters (transformers 5's rope_parameters, or the older rope_scaling), or None."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params if params.get("rope_type", params.get("type")) == "longrope" else None
+
+
+def _longrope_original(config, params: dict) -> int | None:
+    return params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+
+
+def _longrope_factors(config) -> list:
+    """Phi-3's longrope as llama.cpp's converter writes it: the long and short per-frequency divisors as
+    the rope_factors_long / rope_factors_short tensors (llama.cpp takes the long ones when its context
+    is longer than original_max_position_embeddings)."""
+    import numpy as np
+
+    params = _longrope(config)
+    if params is None:
+        return []
+    return [(f"rope_factors_{which}.weight", np.asarray(params[f"{which}_factor"], dtype=np.float32)) for which in ("long", "short")]
+
+
+def _longrope_switch(config) -> str | None:
+    params = _longrope(config)
+    if params is None:
+        return None
+    original = _longrope_original(config, params)
+    return (f"The GGUF holds both longrope factor sets; llama.cpp rotates with the long ones whenever its context (n_ctx) "
+            f"is above {original} tokens (original_max_position_embeddings), transformers only once the sequence is, so "
+            f"for shorter sequences the two agree when n_ctx is at most {original}.")
+
+
+def _longrope_attn_factor(config) -> float | None:
+    """The factor transformers multiplies cos and sin by (its attention_factor, else from the
+    context's growth), which llama.cpp takes as rope.scaling.attn_factor; the converter's formula."""
+    params = _longrope(config)
+    if params is None:
+        return None
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = _longrope_original(config, params)
+    factor = params.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _ernie_moe_layers(config) -> str | None:
+    if getattr(config, "moe_layer_interval", 1) != 1:
+        return ("it has dense layers between its expert layers (moe_layer_interval), and llama.cpp's ernie4_5-moe loader "
+                "expects experts in every layer after the leading dense ones")
+    end = getattr(config, "moe_layer_end_index", None)
+    if end is not None and end < config.num_hidden_layers - 1:
+        return "its last layers are dense (moe_layer_end_index), and llama.cpp's ernie4_5-moe layout has experts up to the last layer"
+    return None
+
+
+def _ernie_shared_ff(config) -> int | None:
+    """The shared experts' width as transformers builds them (moe_intermediate_size per shared expert);
+    for the released models it is the value llama.cpp's converter derives another way."""
+    shared = int(getattr(config, "moe_num_shared_experts", 0) or 0)
+    return int(config.moe_intermediate_size) * shared if shared else None
+
+
+def _lfm2_kv_heads(config) -> list:
+    """LFM2's KV heads per layer, 0 in its short-convolution layers: how llama.cpp tells them apart."""
+    kv = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    return [0 if t == "conv" else kv for t in config.layer_types]
+
+
+def _lfm2_ff(config) -> int:
+    """LFM2's feed-forward width as its MLP computes it from the config (block_auto_adjust_ff_dim)."""
+    ff = int(getattr(config, "block_ff_dim", None) or config.intermediate_size)
+    if getattr(config, "block_auto_adjust_ff_dim", False):
+        ff = int(2 * ff / 3)
+        if getattr(config, "block_ffn_dim_multiplier", None) is not None:
+            ff = int(config.block_ffn_dim_multiplier * ff)
+        multiple = int(config.block_multiple_of)
+        ff = multiple * ((ff + multiple - 1) // multiple)
+    return ff
+
+
+def _lfm2_conv(config, shape):
+    """LFM2's depthwise conv kernel (channels, 1, L) as llama.cpp's 2-D (channels, L)."""
+    return [("shortconv.conv", (shape[0], shape[-1]), lambda w: w.reshape(w.shape[0], w.shape[-1]))]
+
+
+def _lfm2_no_conv_bias(config) -> str | None:
+    if getattr(config, "conv_bias", False):
+        return "its short-convolution layers have biases (conv_bias), which llama.cpp's lfm2 layout does not have"
+    return None
+
+
+def _gdn_heads(config) -> tuple[int, int, int, int]:
+    """Gated DeltaNet's key heads, value heads per key head, key and value head sizes."""
+    nk, nv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    return nk, nv // nk, int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+
+
+def _tiled(w, dim: int, nk: int, per: int, size: int):
+    """Value heads grouped by key head (k0: v0..v{per-1}, k1: ...) -> tiled (v0 of every key head, then
+    v1 ...), along ``dim``: the order llama.cpp's qwen35 graph broadcasts them in (its converter's reorder)."""
+    shape = list(w.shape)
+    grouped = w.reshape(*shape[:dim], nk, per, size, *shape[dim + 1:])
+    return grouped.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen35_linear_attention(part: str, how):
+    """A Qwen3.5 Gated DeltaNet tensor as llama.cpp's converter writes it (value heads tiled): ``how`` takes
+    the HF shape and gives the GGUF shape and a function of (_gdn_heads, the tensor)."""
+    def derive(config, shape):
+        heads = _gdn_heads(config)
+        new_shape, fn = how(shape)
+        return [(part, new_shape, lambda w: fn(heads, w))]
+    return derive
+
+
+def _qkv_tiled(heads, w):  # q and k rows as they are, the value rows tiled
+    nk, per, dk, dv = heads
+    return _torch_cat([w[: 2 * nk * dk], _tiled(w[2 * nk * dk:], 0, nk, per, dv)])
+
+
+def _torch_cat(parts):
+    import torch
+
+    return torch.cat(parts, dim=0)
+
+
+_QWEN35_DERIVE = {  # Qwen3_5TextModel / _LinearAttentionVReorderBase in llama.cpp's converter
+    "linear_attn.in_proj_qkv": _qwen35_linear_attention("attn_qkv", lambda s: (s, _qkv_tiled)),
+    "linear_attn.in_proj_z": _qwen35_linear_attention("attn_gate", lambda s: (s, lambda h, w: _tiled(w, 0, h[0], h[1], h[3]))),
+    "linear_attn.in_proj_a": _qwen35_linear_attention("ssm_alpha", lambda s: (s, lambda h, w: _tiled(w, 0, h[0], h[1], 1))),
+    "linear_attn.in_proj_b": _qwen35_linear_attention("ssm_beta", lambda s: (s, lambda h, w: _tiled(w, 0, h[0], h[1], 1))),
+    "linear_attn.out_proj": _qwen35_linear_attention("ssm_out", lambda s: (s, lambda h, w: _tiled(w, 1, h[0], h[1], h[3]))),
+    # the decay stored as the -exp(A_log) it is used as; dt_bias as ssm_dt's bias
+    "linear_attn.A_log": _qwen35_linear_attention("ssm_a", lambda s: (s, lambda h, w: -_tiled(w.float(), 0, h[0], h[1], 1).exp())),
+    "linear_attn.dt_bias": _qwen35_linear_attention("ssm_dt.bias", lambda s: (s, lambda h, w: _tiled(w, 0, h[0], h[1], 1))),
+    # the depthwise conv kernel (channels, 1, K) as 2-D (channels, K), its value channels tiled
+    "linear_attn.conv1d": _qwen35_linear_attention(
+        "ssm_conv1d", lambda s: ((s[0], s[-1]), lambda h, w: _qkv_tiled(h, w.reshape(w.shape[0], w.shape[-1])))),
+    # the gated norm multiplies by w itself (the model's other norms by 1 + w)
+    "linear_attn.norm": lambda config, shape: [("ssm_norm", shape, lambda w: w)],
+}
+
+
+def _qkvz_split(config, shape):
+    """Qwen3-Next's in_proj_qkvz, rows grouped per key head as [q, k, v, z], as llama.cpp's converter
+    splits it: attn_qkv (every q, then every k, then every v) and attn_gate (every z)."""
+    nk, per, dk, dv = _gdn_heads(config)
+    hidden = shape[-1]
+
+    def part(w, start, size):
+        return w.reshape(nk, 2 * dk + 2 * per * dv, hidden)[:, start:start + size].reshape(-1, hidden)
+
+    return [("attn_qkv", (nk * (2 * dk + per * dv), hidden),
+             lambda w: _torch_cat([part(w, 0, dk), part(w, dk, dk), part(w, 2 * dk, per * dv)])),
+            ("attn_gate", (nk * per * dv, hidden), lambda w: part(w, 2 * dk + per * dv, per * dv))]
+
+
+_QWEN3_NEXT_DERIVE = {  # Qwen3NextModel.modify_tensors: value heads stay grouped by key head
+    "linear_attn.in_proj_qkvz": _qkvz_split,
+    "linear_attn.A_log": lambda config, shape: [("ssm_a", shape, lambda w: -w.float().exp())],
+    "linear_attn.dt_bias": lambda config, shape: [("ssm_dt.bias", shape, lambda w: w)],
+    "linear_attn.conv1d": lambda config, shape: [("ssm_conv1d", (shape[0], shape[-1]), lambda w: w.reshape(w.shape[0], w.shape[-1]))],
+    "linear_attn.norm": lambda config, shape: [("ssm_norm", shape, lambda w: w)],
+}
+
+
+def _mrope_sections(config) -> list:
+    """Qwen3.5's interleaved MRoPE sections, padded to 4 as llama.cpp reads them (its default [11, 11, 10])."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return [int(x) for x in (list(rope.get("mrope_section") or [11, 11, 10]) + [0, 0, 0, 0])[:4]]
+
+
+_GDN_KEYS = {  # Qwen3NextModel.set_gguf_parameters: the Gated DeltaNet's sizes and which layers are recurrent
+    "ssm.conv_kernel": lambda c: int(c.linear_conv_kernel_dim),
+    "ssm.state_size": lambda c: int(c.linear_key_head_dim),
+    "ssm.group_count": lambda c: int(c.linear_num_key_heads),
+    "ssm.time_step_rank": lambda c: int(c.linear_num_value_heads),
+    "ssm.inner_size": lambda c: int(c.linear_value_head_dim * c.linear_num_value_heads),
+    "attention.recurrent_layers": lambda c: [t == "linear_attention" for t in c.layer_types],
+    "full_attention_interval": lambda c: int(getattr(c, "full_attention_interval", None) or 4),
+}
+
+
+def _gdn_heads_divide(config) -> str | None:
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        return "its linear-attention value heads are not a multiple of its key heads, which llama.cpp's layout needs"
+    if config.linear_key_head_dim != config.linear_value_head_dim:
+        return "its linear-attention key and value heads differ in size, and llama.cpp's layout has one state size for both"
+    return None
+
+
 # model_type in config.json -> its family. Order: how often people fine-tune them (the CLI lists them so).
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", "llama", permute_qk=True),
     "qwen3": Family("Qwen3", "qwen3", head_dim_keys=True),
     "qwen2": Family("Qwen2", "qwen2"),
+    "qwen3_5_text": Family("Qwen3.5", "qwen35", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
+                           derive=_QWEN35_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
+                           keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections}, checks=(_gdn_heads_divide,)),
     "mistral": Family("Mistral", "llama", permute_qk=True),
     "gemma3_text": Family("Gemma 3", "gemma3", norm_plus_one=True, head_dim_keys=True, swa=6, swa_rope_theta=10000.0,
                           keys={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window"},
@@ -189,7 +397,11 @@ FAMILIES: dict[str, Family] = {
                      keys={"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping",
                            "attention.sliding_window": "sliding_window"},
                      checks=(_attention_scale_is_head_dim,)),
-    "phi3": Family("Phi-3", "phi3", keys={"attention.sliding_window": "sliding_window"}),
+    "phi3": Family("Phi-3", "phi3", rope_kinds=("longrope",), computed=_longrope_factors,
+                   keys={"attention.sliding_window": "sliding_window", "rope.scaling.attn_factor": _longrope_attn_factor,
+                         "rope.scaling.original_context_length":
+                             lambda c: int(_longrope_original(c, _longrope(c))) if _longrope(c) else None},
+                   notes=(_longrope_switch,)),
     "qwen3_moe": Family("Qwen3-MoE", "qwen3moe", head_dim_keys=True, experts="num_experts", expert_ff="moe_intermediate_size",
                         norm_topk=True, checks=(_moe_every_layer,)),
     "mixtral": Family("Mixtral", "llama", permute_qk=True, experts="num_local_experts"),
@@ -239,15 +451,27 @@ FAMILIES: dict[str, Family] = {
                              "expert_group_used_count": lambda c: int(c.topk_group) if getattr(c, "topk_group", None) else None}),
     "ernie4_5": Family("ERNIE-4.5", "ernie4_5", head_dim_keys=True),
     "seed_oss": Family("Seed-OSS", "seed_oss", head_dim_keys=True),
+    "ernie4_5_moe": Family("ERNIE-4.5-MoE", "ernie4_5-moe", head_dim_keys=True, experts="moe_num_experts", experts_used="moe_k",
+                           expert_ff="moe_intermediate_size",  # its router: softmax, the score-correction bias only chooses
+                           keys={"interleave_moe_layer_step": lambda c: int(c.moe_layer_interval),
+                                 "leading_dense_block_count": lambda c: int(c.moe_layer_start_index),
+                                 "expert_shared_count": lambda c: int(getattr(c, "moe_num_shared_experts", 0) or 0),
+                                 "expert_shared_feed_forward_length": _ernie_shared_ff},
+                           checks=(_ernie_moe_layers,)),
+    "qwen3_next": Family("Qwen3-Next", "qwen3next", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
+                         experts="num_experts", expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size",
+                         norm_topk=True, derive=_QWEN3_NEXT_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
+                         keys=_GDN_KEYS, checks=(_moe_every_layer, _gdn_heads_divide)),
+    "lfm2": Family("LFM2", "lfm2", eps="norm_eps", derive={"conv.conv": _lfm2_conv}, keep_f32=("shortconv.conv",),
+                   keys={"attention.head_count_kv": _lfm2_kv_heads, "shortconv.l_cache": lambda c: int(c.conv_L_cache),
+                         "feed_forward_length": _lfm2_ff},
+                   checks=(_lfm2_no_conv_bias,)),
 }
 
 # Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
 REFUSED: dict[str, str] = {
-    "lfm2": "its short-convolution layers need llama.cpp's conv tensors reshaped, which tui-merger does not write yet",
-    "qwen3_next": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
-    "qwen3_5_text": "its linear-attention (Gated DeltaNet) layers need tensors llama.cpp reorders and splits, which tui-merger does not write yet",
-    "ernie4_5_moe": "llama.cpp's ernie4_5-moe layout needs the router's score-correction statistics handled, which tui-merger does not write yet",
-    "gemma4_text": "its per-layer embeddings and layer scalars need tensors llama.cpp reshapes, which tui-merger does not write yet",
+    "gemma4_text": ("its per-layer embeddings, head sizes and KV heads per layer type and proportional rope need keys and "
+                    "tensors of llama.cpp's gemma4 layout that tui-merger does not write yet"),
 }
 
 
