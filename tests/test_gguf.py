@@ -389,7 +389,7 @@ def _overflow(folder: Path) -> None:
 
 
 BAD = {
-    "gpt2": ("a gpt2 model; GGUF export writes Llama, Qwen3, Qwen2, Mistral", None),
+    "gpt2": ("a gpt2 model; GGUF export writes Llama, Qwen3, Qwen2, Qwen3.5, Mistral", None),
     "adapter": ("is a LoRA adapter, not a model", lambda f: [(f / "config.json").unlink(), (f / "adapter_config.json").write_text("{}")]),
     "vl": ("vision-language model", lambda f: _edit_json(f / "config.json", vision_config={"depth": 2})),
     "quantized": ("holds gptq weights", lambda f: _edit_json(f / "config.json", quantization_config={"quant_method": "gptq"})),
