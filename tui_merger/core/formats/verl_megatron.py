@@ -744,7 +744,11 @@ class _Mapper:
     def run(self) -> _Mapping:
         per_layer: dict[int, list] = {}
         top: dict[str, str] = {}
+        mtp = []  # multi-token prediction layers (mtp_num_layers): no Hugging Face model of these families has them
         for key, entry in self.tensors.items():
+            if key.startswith("mtp."):
+                mtp.append(key)
+                continue
             if key in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",
                        "output_layer.bias"):
                 top[key] = key
@@ -806,6 +810,13 @@ class _Mapper:
             else:
                 head = "lm_head.weight"
                 self._vocab_matrix(head, "output_layer.weight")
+        if mtp:
+            layers = sorted({m.group(1) for k in mtp if (m := re.match(r"^mtp\.layers\.(\d+)\.", k))})
+            self.notices.append(
+                f"The checkpoint holds {len(layers) or 'its'} multi-token prediction layer{'s' if len(layers) != 1 else ''} "
+                f"(mtp.*, {len(mtp)} tensors), which a Hugging Face {self.name} model has no place for: they are left "
+                "out; the model predicts the next token with the weights it was trained with."
+            )
         return _Mapping(self.specs, self.notices, head)
 
     def _vocab_matrix(self, name: str, key: str) -> None:
