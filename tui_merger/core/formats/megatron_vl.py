@@ -85,7 +85,8 @@ def _fill(name: str, m: re.Match) -> str:
 
 
 class _VlMapper:
-    def __init__(self, tensors: dict, config: dict, config_path: Path) -> None:
+    def __init__(self, tensors: dict, config: dict, config_path: Path, parts) -> None:
+        self.parts = parts  # verl_megatron's mapper and records (Mapper, Mapping, Spec, Piece): no import cycle
         self.tensors = tensors
         self.config = config
         self.path = Path(config_path)
@@ -101,7 +102,7 @@ class _VlMapper:
 
     def run(self):
         from tui_merger.core.formats import hf_names
-        from tui_merger.core.formats.verl_megatron import Piece, Spec, _Mapper, _Mapping
+        Spec, _Mapper, _Mapping = self.parts.Spec, self.parts.Mapper, self.parts.Mapping
 
         language = {k[len(LANGUAGE):]: k for k in self.tensors if k.startswith(LANGUAGE)}
         vision = [k for k in self.tensors if k.startswith(VISION)]
@@ -199,7 +200,7 @@ class _VlMapper:
 
     def _pack(self, target: str, experts: dict, state):
         """Qwen3-VL-MoE's packed experts ([E, 2I, H] gate then up, [E, H, I]) from the per-expert specs."""
-        from tui_merger.core.formats.verl_megatron import Piece, Spec
+        Piece, Spec = self.parts.Piece, self.parts.Spec
 
         if target not in state:
             raise MergeError(f"transformers' {self.arch} has neither per-expert weights nor {target}.")
@@ -230,7 +231,7 @@ class _VlMapper:
     # -- the vision tower ---------------------------------------------------------------------------
     def _vision(self, keys: list[str], state, modules, model):
         """(the vision tower's in-memory prefix, {in-memory name: Spec}) for the checkpoint's vision tensors."""
-        from tui_merger.core.formats.verl_megatron import Spec, Piece
+        Piece, Spec = self.parts.Piece, self.parts.Spec
 
         self._style = "none"
         if not keys:
@@ -255,7 +256,7 @@ class _VlMapper:
 
     def _native(self, keys: list[str], state):
         """megatron-core's vision transformer (mbridge / verl): mapped by name, qkv de-interleaved per head."""
-        from tui_merger.core.formats.verl_megatron import Spec, Piece
+        Piece, Spec = self.parts.Piece, self.parts.Spec
 
         self._style = "megatron-core's vision transformer, as mbridge and verl save it"
         vc = self.config.get("vision_config") or {}
@@ -282,7 +283,7 @@ class _VlMapper:
         return prefix, specs
 
     def _native_layer(self, key, rest, prefix, heads, state, specs) -> None:
-        from tui_merger.core.formats.verl_megatron import Spec, Piece
+        Piece, Spec = self.parts.Piece, self.parts.Spec
 
         entry = self.tensors[key]
         m = re.match(r"^(\d+)\.(.+)$", rest)
@@ -340,6 +341,7 @@ def _version() -> str:
         return "(not installed)"
 
 
-def map_vl(tensors: dict, config: dict, config_path: Path):
-    """verl_megatron's _Mapping for a Megatron VL checkpoint's tensors (canonical names)."""
-    return _VlMapper(tensors, config, config_path).run()
+def map_vl(tensors: dict, config: dict, config_path: Path, parts):
+    """verl_megatron's _Mapping for a Megatron VL checkpoint's tensors (canonical names); ``parts``: verl_megatron's
+    text mapper and records (``Mapper``, ``Mapping``, ``Spec``, ``Piece``), handed in."""
+    return _VlMapper(tensors, config, config_path, parts).run()

@@ -1085,7 +1085,8 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
         store = DcpStore(layout.model_dir, skip, canonical)
     inputs.closers.append(store)
     if vl:
-        mapping = map_vl(store.tensors, config, config_dir / "config.json")
+        parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece)
+        mapping = map_vl(store.tensors, config, config_dir / "config.json", parts)
     else:
         mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
     source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
