@@ -1077,6 +1077,11 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     if not vl:
         model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
     if layout.kind == "legacy" or layout.run is not None and layout.run.legacy:
+        if vl:  # their language_model.* layers would not be renumbered across pipeline stages
+            raise MergeError(
+                f"{layout.model_dir} holds a vision-language model in legacy per-rank files, which tui-merger does not "
+                "read; save it as a dist checkpoint (torch_dist) and convert that."
+            )
         store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
                             _cfg(config, "moe_intermediate_size"), "model_optim_rng.pt" if layout.run else "model.pt")
     else:
