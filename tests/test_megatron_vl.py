@@ -121,3 +121,17 @@ def test_vl_refusals(tmp_path):
     data["vision_config"]["num_heads"] = 5
     cfg.write_text(json.dumps(data))
     _refused(vl / "native_qwen25_vl", tmp_path / "o3", "does not match the checkpoint")
+
+
+def test_tied_vl_model_has_no_output_layer(tmp_path):
+    """Trained with tied embeddings (Qwen2.5-VL-3B, Qwen3-VL-2B/4B): Megatron saves no output layer, the config says
+    tied; the model is written without lm_head and transformers ties it to the embedding."""
+    vl = _fixtures(tmp_path)
+    _merge(vl / "native_qwen3_vl_tied", tmp_path / "out")
+    got, want = read_output(tmp_path / "out"), _saved(vl / "hf_qwen3")
+    del want["lm_head.weight"]
+    _equal(got, want)
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert torch.equal(model.lm_head.weight, want["model.language_model.embed_tokens.weight"])
