@@ -135,3 +135,30 @@ def test_tied_vl_model_has_no_output_layer(tmp_path):
 
     model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", dtype=torch.float32)
     assert torch.equal(model.lm_head.weight, want["model.language_model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("case, hf", [("bridge_qwen25_vl_tp2", "hf_qwen25"), ("bridge_qwen3_vl_tp2", "hf_qwen3")])
+def test_ms_swift_vision_tower_names(case, hf):
+    """ms-swift keeps transformers' vision module one level deeper (its HuggingFaceModule, ``module_mapping =
+    {'model.visual': 'visual'}``: ``visual.visual.*``): Megatron-Bridge's save read under those names is placed by
+    the same rule (the module's own parameter names found in transformers' model), every value where it was."""
+    from types import SimpleNamespace
+
+    from tui_merger.core.formats import verl_megatron as vm
+    from tui_merger.core.formats.megatron_vl import map_vl
+    from tui_merger.core.io.dcp import DcpStore
+
+    if not (VL / case / "iter_0000002" / ".metadata").is_file():
+        pytest.skip("Megatron VL fixtures are not generated")
+    store = DcpStore(VL / case / "iter_0000002", vm.skip_key, vm.canonical)
+    try:
+        store.tensors = {("visual.visual." + k.split(".", 1)[1] if k.startswith(("visual.", "vision_model.")) else k): v
+                         for k, v in store.tensors.items()}
+        config = json.loads((VL / hf / "config.json").read_text())
+        parts = SimpleNamespace(Mapper=vm._Mapper, Mapping=vm._Mapping, Spec=vm.Spec, Piece=vm.Piece)
+        mapping = map_vl(store.tensors, config, VL / hf / "config.json", parts)
+        source = vm.MegatronSource(store, mapping.specs, VL / case, list(store.data_files))
+        got = {name: source.load(ref) for name, ref in source.tensors.items()}
+    finally:
+        store.close()
+    _equal(got, _saved(VL / hf))
