@@ -232,4 +232,6 @@ def test_a_vision_language_config_is_named_as_such(tmp_path, capsys):
     run = _copy(tmp_path, "qwen2_tp2")
     _edit_config(run, model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"],
                  vision_config={"depth": 2, "hidden_size": 32})
-    _refused(capsys, tmp_path, run, "vision-language model (Qwen2_5_VLForConditionalGeneration)", "model_merger")
+    # a text model's checkpoint (no language_model.* / vision tower tensors) with a Qwen2.5-VL config
+    _refused(capsys, tmp_path, run, "vision-language model (Qwen2_5_VLForConditionalGeneration)",
+             "no language_model.* tensors")

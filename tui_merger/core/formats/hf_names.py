@@ -24,9 +24,12 @@ def model_class(config: dict):
     if archs:
         return getattr(transformers, str(archs[0]), None)
     # no architectures in config.json (old or hand-written configs): a causal LM when its type is one
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
+    # a vision-language model's (transformers 4.57 wrote its architectures into text_config only)
+    name = (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
+            or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(str(config.get("model_type"))))
     return getattr(transformers, name, None) if isinstance(name, str) else None
 
 

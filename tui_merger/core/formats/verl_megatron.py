@@ -625,6 +625,7 @@ class Spec:
     shape: tuple[int, ...]
     dtype: str
     pieces: list[Piece]
+    flat: bool = False  # pieces placed in the tensor's first two dimensions as one (packed experts, megatron_vl)
 
 
 def _cfg(config: dict, key: str, default=None):
@@ -646,10 +647,11 @@ def model_family(config: dict, config_path) -> str:
             return _ARCH_FAMILY[m.group(1)]
     named = (config.get("architectures") or [None])[0] or config.get("model_type") or "unnamed"
     if isinstance(config.get("vision_config"), dict):
+        from tui_merger.core.formats.megatron_vl import SUPPORTED_VL
+
         raise MergeError(
-            f"{config_path} describes a vision-language model ({named}); tui-merger cannot convert Megatron "
-            "checkpoints of vision-language models yet (the vision tower's Megatron names are not mapped): "
-            "convert it with verl's model_merger, or merge a run trained with FSDP."
+            f"{config_path} describes a vision-language model ({named}); tui-merger converts Megatron checkpoints "
+            f"of {SUPPORTED_VL} vision-language models only."
         )
     raise MergeError(
         f"{config_path} describes a {named} model; tui-merger converts Megatron checkpoints of {SUPPORTED} "
@@ -699,6 +701,7 @@ class _Mapping:
     specs: dict[str, Spec]
     notices: list[str]
     head: str | None  # the HF name the output layer got (lm_head.weight / score.weight), None: absent
+    embed: str = "model.embed_tokens.weight"  # the HF name the embedding got
 
 
 class _Mapper:
@@ -741,7 +744,11 @@ class _Mapper:
     def run(self) -> _Mapping:
         per_layer: dict[int, list] = {}
         top: dict[str, str] = {}
+        mtp = []  # multi-token prediction layers (mtp_num_layers): no Hugging Face model of these families has them
         for key, entry in self.tensors.items():
+            if key.startswith("mtp."):
+                mtp.append(key)
+                continue
             if key in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",
                        "output_layer.bias"):
                 top[key] = key
@@ -803,6 +810,13 @@ class _Mapper:
             else:
                 head = "lm_head.weight"
                 self._vocab_matrix(head, "output_layer.weight")
+        if mtp:
+            layers = sorted({m.group(1) for k in mtp if (m := re.match(r"^mtp\.layers\.(\d+)\.", k))})
+            self.notices.append(
+                f"The checkpoint holds {len(layers) or 'its'} multi-token prediction layer{'s' if len(layers) != 1 else ''} "
+                f"(mtp.*, {len(mtp)} tensors), which a Hugging Face {self.name} model has no place for: they are left "
+                "out; the model predicts the next token with the weights it was trained with."
+            )
         return _Mapping(self.specs, self.notices, head)
 
     def _vocab_matrix(self, name: str, key: str) -> None:
@@ -980,6 +994,8 @@ class MegatronSource:
         spec = self.specs[ref.name]
         if not spec.pieces:  # a tensor the checkpoint implies but does not store (a zero bias)
             out.zero_()
+        if spec.flat:
+            out = out.view((-1,) + tuple(spec.shape[2:]))
         for p in spec.pieces:
             if p.rows is None and len(spec.pieces) == 1:
                 dst = out
@@ -1014,6 +1030,8 @@ class MegatronSource:
     def row_blocks(self, ref: TensorRef):
         """The tensor as row blocks of at most BLOCK_BYTES (views on the files, handed back once
         written): a dtype change goes block by block, never through a whole-tensor buffer."""
+        if self.specs[ref.name].flat:  # blocks of another shape than the tensor's rows: read whole
+            return None
         views = self._views(ref, BLOCK_BYTES)
         if views is None:
             return None
@@ -1053,8 +1071,17 @@ class MegatronSource:
 def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, options, skip=skip_key) -> list[Path]:
     """The checkpoint's model converted to Hugging Face names as ``inputs.base`` (a MegatronSource);
     returns the files it reads."""
-    model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
+    from tui_merger.core.formats.megatron_vl import map_vl, vl_family
+
+    vl = vl_family(config) is not None
+    if not vl:
+        model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
     if layout.kind == "legacy" or layout.run is not None and layout.run.legacy:
+        if vl:  # their language_model.* layers would not be renumbered across pipeline stages
+            raise MergeError(
+                f"{layout.model_dir} holds a vision-language model in legacy per-rank files, which tui-merger does not "
+                "read; save it as a dist checkpoint (torch_dist) and convert that."
+            )
         store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
                             _cfg(config, "moe_intermediate_size"), "model_optim_rng.pt" if layout.run else "model.pt")
     else:
@@ -1062,7 +1089,11 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
             raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
         store = DcpStore(layout.model_dir, skip, canonical)
     inputs.closers.append(store)
-    mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
+    if vl:
+        parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece)
+        mapping = map_vl(store.tensors, config, config_dir / "config.json", parts)
+    else:
+        mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
     source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
     inputs.base = source
     inputs.notices += mapping.notices
@@ -1437,7 +1468,7 @@ def _tie(inputs, options, source: MegatronSource, mapping: _Mapping) -> None:
             )
         return
     if tied:
-        if source.same_rows("model.embed_tokens.weight", head):
+        if source.same_rows(mapping.embed, head):
             del source.tensors[head]
             return
         inputs.config_changes["tie_word_embeddings"] = False
