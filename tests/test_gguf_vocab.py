@@ -292,3 +292,34 @@ def test_a_metaspace_split_with_tokens_across_it_is_refused(tmp_path):
     good = sentencepiece_model(tmp_path / "good", "llama2")
     _edit(good, "tokenizer.json", lambda d: d["pre_tokenizer"].update(split=True))
     assert export_gguf(good, "f16").path.is_file()
+
+
+@pytest.mark.parametrize("fixture", ["llama2", "fast_only"])
+def test_the_check_splits_as_llama_cpp_where_the_tokenizer_json_differs_by_rule(fixture, tmp_path):
+    """A Metaspace "first" tokenizer.json puts "▁" only at the very start; llama.cpp's SentencePiece
+    tokenizer also puts one after every special token and before a leading space. The GGUF check compares
+    llama.cpp's ids with the folder tokenizer's ids made fragment by fragment as llama.cpp does: those equal
+    the ids llama.cpp itself gave (recorded by make_llama_cpp_ids.py), where transformers' own differ."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tui_merger.core.ship.gguf_check import PASSED, FAILED, _as_llama_cpp_splits, _Read, _Reference, _verdict
+    from tui_merger.core.ship.gguf_vocab import spaces_at_start_only
+
+    recorded = json.loads((FIXTURES / "llama_cpp_ids.json").read_text())[fixture]
+    folder = sentencepiece_model(tmp_path, fixture)
+    assert spaces_at_start_only(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    ours = [_as_llama_cpp_splits(tok, r["text"], with_bos=r["bos"]) for r in recorded]
+    theirs = [list(tok(r["text"], add_special_tokens=r["bos"])["input_ids"]) for r in recorded]
+    assert ours == [r["ids"] for r in recorded]
+    assert sum(a != b for a, b in zip(theirs, ours)) == 2  # the leading spaces and the chat
+    logits = torch.zeros(3, 8)
+    ref = _Reference([r["text"] for r in recorded], theirs, [r["bos"] for r in recorded], [1, 2, 3], logits, True, ours)
+    check = _verdict(ref, _Read([r["ids"] for r in recorded], logits), 0.01, "f16", "llama.cpp", expected=ref.llama_ids)
+    assert check.status == PASSED and "transformers' own ids differ on 2 of them" in check.summary
+    wrong = [r["ids"] for r in recorded]
+    wrong[0] = wrong[0][:-1]
+    assert _verdict(ref, _Read(wrong, logits), 0.01, "f16", "llama.cpp", expected=ref.llama_ids).status == FAILED
+    for other in ("phi3", "gemma"):
+        assert not spaces_at_start_only(sentencepiece_model(tmp_path / other, other))

@@ -124,6 +124,8 @@ def check_gguf(
         cancel.raise_if_cancelled()
     if use_llama:
         got, name = _with_llama_cpp(gguf_path, ref)
+        if ref.llama_ids is not None and not isinstance(got, str):
+            return _verdict(ref, got, limit, type_, name, _experts(gguf_path), expected=ref.llama_ids)
     else:
         got, name = _with_transformers(gguf_path, ref)
     if isinstance(got, str):  # the reader could not read the file
@@ -155,6 +157,9 @@ class _Reference:
     prompt: list[int]
     logits: object  # torch tensor [positions, vocab], float32
     add_bos: bool
+    # per text, the ids llama.cpp's SentencePiece tokenizer makes of it where they differ by rule from the
+    # folder's tokenizer (None: the same rule), built from the folder's tokenizer
+    llama_ids: list[list[int]] | None = None
 
 
 def _reference(folder: Path, cancel) -> _Reference:
@@ -182,7 +187,30 @@ def _reference(folder: Path, cancel) -> _Reference:
     probe = list(tok("x")["input_ids"])
     add_bos = tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id]
     logits = _streamed_logits(folder, cls, prompt, cancel)
-    return _Reference(texts, ids, special, prompt, logits.to(torch.float32), add_bos)
+    llama_ids = None
+    from tui_merger.core.ship.gguf_vocab import spaces_at_start_only
+
+    if spaces_at_start_only(folder):
+        llama_ids = [_as_llama_cpp_splits(tok, text, with_bos=special and add_bos) for text, special in zip(texts, special)]
+    return _Reference(texts, ids, special, prompt, logits.to(torch.float32), add_bos, llama_ids)
+
+
+def _as_llama_cpp_splits(tok, text: str, with_bos: bool) -> list[int]:
+    """The ids llama.cpp's SentencePiece tokenizer gives ``text`` (llama-vocab.cpp: the text is cut at every
+    added token; each fragment between them gets a space in front, "▁" after the escape, also a fragment
+    that already begins with one), made with the folder's own tokenizer fragment by fragment: a fragment
+    that begins with a space gets no second "▁" from a tokenizer.json whose Metaspace prepends "first"."""
+    import re
+
+    added = sorted({t.content for t in tok.added_tokens_decoder.values() if t.content}, key=len, reverse=True)
+    ids = [tok.bos_token_id] if with_bos else []
+    pieces = re.split("(" + "|".join(map(re.escape, added)) + ")", text) if added else [text]
+    for i, piece in enumerate(pieces):
+        if i % 2:  # an added token, by its own id
+            ids.append(tok.convert_tokens_to_ids(piece))
+        elif piece:
+            ids.extend(tok(" " + piece, add_special_tokens=False)["input_ids"])
+    return ids
 
 
 def _chat_text(tok) -> str | None:
@@ -341,10 +369,13 @@ def _experts(path: Path) -> int:
     return 0
 
 
-def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str, experts: int = 0) -> GgufCheck:
+def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str, experts: int = 0,
+             expected: list[list[int]] | None = None) -> GgufCheck:
+    """``expected``: the ids to compare with where the reader splits text by another rule than the
+    folder's tokenizer (llama.cpp and a Metaspace "first" tokenizer.json); default the folder's."""
     import torch
 
-    same = [a == b for a, b in zip(ref.ids, got.ids)]
+    same = [a == b for a, b in zip(expected or ref.ids, got.ids)]
     want, have = ref.logits, got.logits
     if tuple(have.shape) != tuple(want.shape):
         return GgufCheck(FAILED, reader, f"the file's logits have shape {list(have.shape)}, the model's {list(want.shape)}.",
@@ -377,8 +408,14 @@ def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str,
     else:
         logits_ok = rel <= limit
         logit_words = f"prompt logits within {rel:.2g} of transformers' (limit {limit:g} for {type_})"
-    what = (f"token ids equal on {sum(same)}/{len(same)} texts, {logit_words}, top token equal at "
-            f"{top_equal}/{positions} positions")
+    what = f"token ids equal on {sum(same)}/{len(same)} texts"
+    if expected is not None:
+        differ = sum(a != b for a, b in zip(expected, ref.ids))
+        what += (f" as llama.cpp splits SentencePiece text (a \u2581 in front of the text and of every text after a "
+                 "special token, also one that begins with a space; this tokenizer.json puts one only at the start, "
+                 f"and not before a space: transformers' own ids differ on {differ} of them)")
+        details["ids_rule"] = "llama.cpp-sentencepiece"
+    what += f", {logit_words}, top token equal at {top_equal}/{positions} positions"
     what += f" ({near_ties} near tie{'s' if near_ties != 1 else ''} within the limit)" if near_ties else ""
     what += f" ({rerouted} more where experts may route differently)" if rerouted else ""
     ok = all(same) and logits_ok and unexplained == 0 and bool(torch.isfinite(have).all())

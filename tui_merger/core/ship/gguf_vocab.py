@@ -105,6 +105,24 @@ def add_tokenizer(writer, folder: Path, n_vocab: int, notices: list | None = Non
     return _byte_level(writer, folder, n_vocab, path, data)
 
 
+def spaces_at_start_only(folder: Path) -> bool:
+    """Whether the folder's tokenizer is a SentencePiece-style BPE (byte fallback) whose tokenizer.json puts
+    "▁" only in front of the whole text (Metaspace, prepend_scheme "first"), where llama.cpp puts it in
+    front of every text fragment after a special token too (the notice of the export)."""
+    data = _json_or_none(Path(folder) / "tokenizer.json")
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        return False
+    model, pre = data["model"], data.get("pre_tokenizer")
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        return False
+    if not (isinstance(pre, dict) and pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first"):
+        return False
+    try:
+        return _space_prefix(Path(folder) / "tokenizer.json", data)
+    except MergeError:
+        return False
+
+
 # -- byte-level BPE ----------------------------------------------------------------------------------
 
 
