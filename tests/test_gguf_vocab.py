@@ -323,3 +323,21 @@ def test_the_check_splits_as_llama_cpp_where_the_tokenizer_json_differs_by_rule(
     assert _verdict(ref, _Read(wrong, logits), 0.01, "f16", "llama.cpp", expected=ref.llama_ids).status == FAILED
     for other in ("phi3", "gemma"):
         assert not spaces_at_start_only(sentencepiece_model(tmp_path / other, other))
+
+
+def test_the_modelfile_reads_add_bos_as_ggufs_own_reader_does(exported):
+    """The Modelfile's template choice needs tokenizer.ggml.add_bos_token; it is read by walking the
+    header's keys (gguf's GGUFReader parses every array first: seconds and hundreds of MB at 150k tokens).
+    Both give the same flag, true (SentencePiece, tekken) and false (other byte-level files)."""
+    import gguf
+
+    from tui_merger.core.ship.modelfile import _gguf_adds_bos
+
+    seen = set()
+    for kind in ("llama2", "gemma", "tekken", "deepseek-v3"):
+        _, path = exported(kind)
+        field = gguf.GGUFReader(path).fields.get("tokenizer.ggml.add_bos_token")
+        want = bool(field is not None and field.parts[field.data[0]][0])
+        assert _gguf_adds_bos(path) == want, kind
+        seen.add(want)
+    assert seen == {True, False}

@@ -424,11 +424,44 @@ def end_tokens(tok, generation_config: dict) -> list[str]:
     return [s for n, s in enumerate(stops) if s not in stops[:n] and "\n" not in s]
 
 
-def _gguf_adds_bos(path: Path) -> bool:
-    import gguf
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
 
-    field = gguf.GGUFReader(path).fields.get("tokenizer.ggml.add_bos_token")
-    return bool(field is not None and field.parts[field.data[0]][0])
+
+def _gguf_adds_bos(path: Path) -> bool:
+    """The file's tokenizer.ggml.add_bos_token, read by walking its key-value header only (gguf's
+    GGUFReader parses every array, a 150k-token vocabulary in seconds and hundreds of MB)."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            return False
+        pos, n_kv = 24, struct.unpack_from("<Q", buf, 16)[0]
+
+        def skip(kind: int, pos: int) -> int:
+            if kind == _GGUF_STRING:
+                return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+            if kind == _GGUF_ARRAY:
+                inner, count = struct.unpack_from("<IQ", buf, pos)
+                pos += 12
+                if inner in _GGUF_SIZES:
+                    return pos + count * _GGUF_SIZES[inner]
+                for _ in range(count):
+                    pos = skip(inner, pos)
+                return pos
+            return pos + _GGUF_SIZES[kind]
+
+        for _ in range(n_kv):
+            length = struct.unpack_from("<Q", buf, pos)[0]
+            key = bytes(buf[pos + 8 : pos + 8 + length])
+            pos += 8 + length
+            kind = struct.unpack_from("<I", buf, pos)[0]
+            pos += 4
+            if key == b"tokenizer.ggml.add_bos_token":
+                return kind == _GGUF_BOOL and buf[pos] != 0
+            pos = skip(kind, pos)
+    return False
 
 
 def _quote(value: str, always: bool = False) -> str:
