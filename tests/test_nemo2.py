@@ -7,9 +7,6 @@ converting NeMo's ``weights/`` back must give exactly those tensors, bit for bit
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -53,12 +50,14 @@ def test_refused_without_base(tmp_path):
 
 
 def test_merge_equals_the_imported_hf_weights_and_verifies(tmp_path):
+    from tui_merger.core.verify.checks import verify_merge
+
     out = tmp_path / "out"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-m", "tui_merger", "merge", str(CKPT), "--base", str(HF), "--out", str(out)],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert f"Verification of {out}: PASSED" in run.stdout, run.stdout
+    options = MergeOptions(checkpoint=CKPT, out=out, base=HF)  # what `merge CKPT --base HF --out O` runs
+    run_merge(options, fsync=False)
+    report = verify_merge(out, options)
+    assert report.passed, [(c.name, c.status, c.summary, c.details) for c in report.checks]
+    assert [c.name for c in report.checks] == ["structure", "recompute", "behaviour"]
     ours, want = read_output(out), read_output(HF)
     assert sorted(ours) == sorted(want) and len(want) == 21
     assert not torch.equal(want["model.norm.weight"], torch.ones(64))  # a lost norm would show
