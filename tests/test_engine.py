@@ -129,10 +129,12 @@ def _with_tokenizer(folder, marker):
     fast.save_pretrained(folder)
 
 
-@pytest.fixture
-def tokenized_pair(tmp_path):
-    base = save_base(tmp_path / "base", qwen_config())
-    adapter = save_adapter(tmp_path / "adapter", base, target_modules=["q_proj"])
+@pytest.fixture(scope="module")
+def tokenized_pair(tmp_path_factory):
+    """Built once: both tests only read it (each merges into its own tmp_path)."""
+    root = tmp_path_factory.mktemp("tokenized")
+    base = save_base(root / "base", qwen_config())
+    adapter = save_adapter(root / "adapter", base, target_modules=["q_proj"])
     _with_tokenizer(base, "BASE-TEMPLATE")
     _with_tokenizer(adapter, "ADAPTER-TEMPLATE")
     return base, adapter

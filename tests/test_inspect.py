@@ -11,8 +11,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,6 @@ from tui_merger.cli import main
 from tui_merger.core.formats import scan as inspect_mod
 from tui_merger.core.formats.scan import scan
 
-ROOT = Path(__file__).resolve().parents[1]
 HUB_REPO, HUB_REV = "acme/tiny-qwen", "0123abcd"
 
 
@@ -447,13 +444,13 @@ def test_cli_reports_problems_and_exits_0(bad, capsys):
     assert "ckpt-\\xff" in out and "junk-\\xfe.safetensors: is not a valid safetensors file" in out
 
 
-def test_cli_json_matches_the_api(found, tree):
-    env = {**os.environ, "HF_HUB_CACHE": str(tree["hub"])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tui_merger", "inspect", str(tree["root"]), "--json"],
-        capture_output=True, text=True, env=env, cwd=ROOT, check=True,
-    )
-    data = json.loads(proc.stdout)
+def test_cli_json_matches_the_api(found, tree, capsys):
+    """`inspect --json` through cli_main in this process (``found`` set HF_HUB_CACHE to the tree's hub)."""
+    capsys.readouterr()
+    code = main(["inspect", str(tree["root"]), "--json"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    data = json.loads(stdout)
     expected = found[0].to_dict()
     data.pop("seconds"), expected.pop("seconds")
     assert data == expected

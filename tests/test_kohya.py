@@ -6,9 +6,6 @@ nothing written."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,6 @@ from tui_merger.core.record.provenance import record_merge
 from tui_merger.core.io.sources import open_model
 from tui_merger.core.verify.checks import verify_merge
 
-ROOT = Path(__file__).resolve().parents[1]
 PATTERNS = dict(
     target_modules=ALL_LINEAR,
     r=4,
@@ -171,17 +167,17 @@ def test_converted_peft_folder_loads_in_peft_and_merges_the_same(made, tmp_path)
         assert torch.equal(merged[name], tensor), name
 
 
-def test_cli_export_adapter_writes_base_and_a_peft_adapter(made, tmp_path):
+def test_cli_export_adapter_writes_base_and_a_peft_adapter(made, tmp_path, capsys):
+    """`merge --export-adapter` through cli_main in this process (test_cli.py runs the console entry point)."""
     from peft import PeftModel
 
+    from tui_merger.cli import main as cli_main
+
     base, kohya, out = made["base"], made["kohya"], tmp_path / "exported"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tui_merger", "merge", "--base", str(base), "--adapter", str(kohya), "--export-adapter", "--out", str(out)],
-        capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
+    code = cli_main(["merge", "--base", str(base), "--adapter", str(kohya), "--export-adapter", "--out", str(out)])
+    stderr = capsys.readouterr().err
+    assert code == 0, stderr
+    assert "Traceback" not in stderr
     manifest = json.loads((out / "merge_manifest.json").read_text())
     assert manifest["kind"] == "export-adapter" and manifest["verification"]["passed"], manifest["verification"]
     merged = PeftModel.from_pretrained(load_base(out), out / "lora_adapter").merge_and_unload().state_dict()

@@ -6,8 +6,6 @@ tiny random Qwen2 model."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -139,18 +137,18 @@ def test_export_combined_adapter_loads_in_peft_and_equals_the_merge(models, tmp_
     assert report.passed, report.to_dict()
 
 
-def test_dry_run_shows_weights_and_overlaps(models):
+def test_dry_run_shows_weights_and_overlaps(models, capsys):
+    """The CLI's dry run, in this process (the console entry point itself is run in test_cli.py)."""
+    from tui_merger.cli import main as cli_main
+
     root, base, a1, a2, _ = models
-    proc = subprocess.run(
-        [sys.executable, "-m", "tui_merger", "merge", "--base", str(base), "--adapter", f"{a1}:0.7",
-         "--adapter", f"{a2}:0.3", "--dry-run"],
-        capture_output=True, text=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "0.7 x adapter 1 (photo: r=4 alpha=8, 14 modules)" in proc.stdout
-    assert "0.3 x adapter 2 (pixel: r=8 alpha=4, 6 modules)" in proc.stdout
-    assert "gate_proj: photo + pixel (2 modules)" in proc.stdout
-    assert "down_proj: photo (2 modules)" in proc.stdout
+    code = cli_main(["merge", "--base", str(base), "--adapter", f"{a1}:0.7", "--adapter", f"{a2}:0.3", "--dry-run"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    assert "0.7 x adapter 1 (photo: r=4 alpha=8, 14 modules)" in stdout
+    assert "0.3 x adapter 2 (pixel: r=8 alpha=4, 6 modules)" in stdout
+    assert "gate_proj: photo + pixel (2 modules)" in stdout
+    assert "down_proj: photo (2 modules)" in stdout
     plan = make_plan(MergeOptions(base=base, adapters=[(a1, 0.7), (a2, 0.3)]))
     overlap = plan.adapter["overlap_modules"]
     assert overlap["model.layers.0.self_attn.q_proj"] == [str(a1), str(a2)]
