@@ -102,9 +102,10 @@ def bench_shape(shape: str, args) -> dict:
         ensure_dora_adapter(base, adapter_dora)
         cases["merge, DoRA"] = lambda out: py("_cli", base, adapter_dora, out, 1)
         cases["peft, DoRA"] = lambda out: py("_peft", base, adapter_dora, out)
-    if args.code is not None:
+    if args.code is not None:  # right after "merge": the two run minutes apart in every round
         code = args.code.resolve()
-        cases["merge (" + str(args.code) + ")"] = lambda out: py("_cli", base, adapter, out, 1, code)
+        other = {"merge (" + str(args.code) + ")": lambda out: py("_cli", base, adapter, out, 1, code)}
+        cases = {k: v for name, make in cases.items() for k, v in [(name, make), *(other.items() if name == "merge" else [])]}
     if args.skip_peft:
         del cases["peft"]
         cases.pop("peft, DoRA", None)
