@@ -119,6 +119,8 @@ def embeddings_of(config: dict, names) -> "EmbeddingNames":
     the usual names taken instead (``io/names.py``), and said so by ``known``."""
     from tui_merger.core.formats.hf_names import EmbeddingNames
 
+    if not isinstance(names, (dict, set, frozenset, list, tuple)):
+        names = list(names)  # read more than once
     found = _embedding_names(config, names)
     if found.known:
         return found
