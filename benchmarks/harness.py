@@ -283,7 +283,8 @@ def timed_rounds(runner: Runner, cases: dict, repeats: int) -> dict:
         for name, make in cases.items():
             r, _ = runner.run(name, make)
             results[name].append(r)
-            print(f"  [{rep + 1}/{repeats}] {name}: {r['wall']:.2f} s, {r['rss']:.0f} MiB", flush=True)
+            print(f"  [{rep + 1}/{repeats}] {name}: {r['wall']:.2f} s, {r['rss']:.0f} MiB, cpu {r['cpu']:.1f} s, "
+                  f"load {loadavg()}", flush=True)
     return results
 
 

@@ -325,6 +325,9 @@ def leave(code: int) -> None:
 def cmd_merge(args) -> int:
     from tui_merger.core.errors import MergeError
     from tui_merger.core.options import MergeOptions
+    from tui_merger.core.plan.preflight import import_ahead
+
+    import_ahead(args.base)  # the plan's imports (transformers' model code) run while the inputs are read
 
     checkpoint = _checkpoint(args)
     if checkpoint is not None and args.backend == "auto" and (args.adapter is None or args.base is None):
