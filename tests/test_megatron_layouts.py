@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 from factory import read_output
+from megatron_helpers import merge_checkpoint as _merge
+from megatron_helpers import refused as _refused
+from megatron_helpers import same_tensors
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.registry import checkpoint_format, format_of
@@ -158,15 +161,8 @@ def _nemo2(tmp: Path) -> Path:
     return folder
 
 
-def _merge(checkpoint: Path, out: Path, base: Path | None = None):
-    return run_merge(MergeOptions(checkpoint=checkpoint, out=out, base=base), fsync=False)
-
-
 def _same_tensors(a: Path, b: Path) -> None:
-    ours, want = read_output(a), read_output(b)
-    assert sorted(ours) == sorted(want)
-    for name, tensor in want.items():
-        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    same_tensors(read_output(a), read_output(b))
 
 
 @pytest.fixture(autouse=True)
@@ -318,17 +314,6 @@ def test_swift_base_from_args_json_and_nemo2_with_base(tmp_path, verl_converted)
 
 
 # -- bad input: one sentence, nothing written ------------------------------------------------------------
-
-
-def _refused(checkpoint: Path, out: Path, *words, base=None) -> str:
-    with pytest.raises(MergeError) as err:
-        _merge(checkpoint, out, base=base)
-    message = str(err.value)
-    assert message.count(". ") == 0 and message.endswith("."), message  # one sentence
-    for w in words:
-        assert w in message, message
-    assert not out.exists()
-    return message
 
 
 def test_refusals(tmp_path):

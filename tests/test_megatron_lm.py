@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from factory import read_output
+from megatron_helpers import merge_checkpoint as _merge
+from megatron_helpers import refused as _refused
+from megatron_helpers import same_tensors
 
-from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.registry import format_of
 from tui_merger.core.formats.scan import scan
-from tui_merger.core.merge.engine import run_merge
-from tui_merger.core.options import MergeOptions
 
 LM = Path(__file__).resolve().parent / "fixtures" / "megatron_lm"
 DENSE = "GPT (2 layers, hidden 32, 4 heads in 2 query groups, SwiGLU, qkv bias, RMSNorm)"
@@ -53,28 +53,10 @@ def empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
-def _merge(checkpoint: Path, out: Path, base: Path | None = None):
-    return run_merge(MergeOptions(checkpoint=checkpoint, out=out, base=base), fsync=False)
-
-
 def _equal_to(out: Path, reference: str) -> None:
     from safetensors.torch import load_file
 
-    got, want = read_output(out), load_file(LM / reference / "model.safetensors")
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-
-
-def _refused(checkpoint: Path, out: Path, *words, base: Path | None = None) -> str:
-    with pytest.raises(MergeError) as err:
-        _merge(checkpoint, out, base=base)
-    message = str(err.value)
-    assert message.count(". ") == 0 and message.endswith("."), message  # one sentence
-    for w in words:
-        assert w in message, message
-    assert not out.exists()
-    return message
+    same_tensors(read_output(out), load_file(LM / reference / "model.safetensors"))
 
 
 # -- inspect ---------------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from factory import read_output
+from megatron_helpers import merge_checkpoint as _merge
+from megatron_helpers import refused as _refused
+from megatron_helpers import same_tensors as _equal
 
-from tui_merger.core.errors import MergeError
-from tui_merger.core.merge.engine import run_merge
-from tui_merger.core.options import MergeOptions
 
 VL = Path(__file__).resolve().parent / "fixtures" / "megatron_vl"
 
@@ -40,20 +40,10 @@ def _fixtures(tmp: Path) -> Path:
     return tmp / "vl"
 
 
-def _merge(checkpoint: Path, out: Path, base: Path | None = None):
-    return run_merge(MergeOptions(checkpoint=checkpoint, out=out, base=base), fsync=False)
-
-
 def _saved(folder: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(folder / "model.safetensors")
-
-
-def _equal(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
 @pytest.mark.parametrize("case, hf", [("bridge_qwen25_vl_tp2", "hf_qwen25"), ("bridge_qwen3_vl_tp2", "hf_qwen3"),
@@ -95,17 +85,6 @@ def test_mtp_layers_are_left_out_with_a_notice(tmp_path):
     said = [n for n in result.warnings if "multi-token prediction" in n]
     assert said and "1 multi-token prediction layer (mtp.*, 12 tensors)" in said[0] and "left out" in said[0], said
     _equal(read_output(tmp_path / "out"), _saved(vl / "hf_qwen3_mtp"))
-
-
-def _refused(checkpoint: Path, out: Path, *words, base=None) -> str:
-    with pytest.raises(MergeError) as err:
-        _merge(checkpoint, out, base=base)
-    message = str(err.value)
-    assert message.count(". ") == 0 and message.endswith("."), message  # one sentence
-    for w in words:
-        assert w in message, message
-    assert not out.exists()
-    return message
 
 
 def test_vl_refusals(tmp_path):

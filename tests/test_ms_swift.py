@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from factory import read_output
+from megatron_helpers import refused as _refused
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.scan import scan
@@ -142,16 +143,6 @@ def test_swift_full_parameter_save_converts_to_the_base_weights(tmp_path):
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-
-
-def _refused(checkpoint: Path, out: Path, *words, **options) -> None:
-    with pytest.raises(MergeError) as err:
-        run_merge(MergeOptions(checkpoint=checkpoint, out=out, **options), fsync=False)
-    message = str(err.value)
-    assert message.count(". ") == 0 and message.endswith("."), message
-    for w in words:
-        assert w in message, message
-    assert not out.exists()
 
 
 def test_swift_bad_input(tmp_path):
