@@ -10,6 +10,7 @@ transformers' on every conversation the check uses."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import shutil
 import subprocess
@@ -17,11 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from tui_merger.core.ship.modelfile import CONVERSATIONS, GO_TEMPLATES, chosen_template, render_go
+from tui_merger.core.ship.modelfile import _DATE_B_D_Y, CONVERSATIONS, GO_TEMPLATES, chosen_template, render_go
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ollama"
 GO = json.loads((FIXTURES / "go_renders.json").read_text())
 RELEASED = json.loads((FIXTURES / "released_chat_templates.json").read_text())["templates"]
+DATE_FORMATS = ("%Y-%m-%d", "%B %d, %Y")  # as Ollama's currentDate writes it, and Granite's (modelfile._DATE_B_D_Y)
+
+
+def on_today(recorded: str) -> str:
+    """A Go rendering recorded with currentDate answering GO["today"], as it reads today (the Jinja templates
+    write today's date through transformers' strftime_now): the recorded day's dates, in each format, replaced."""
+    then, now = datetime.date.fromisoformat(GO["today"]), datetime.date.today()
+    for fmt in DATE_FORMATS:
+        recorded = recorded.replace(then.strftime(fmt), now.strftime(fmt))
+    return recorded
 
 
 def tokenizer(entry: dict, chat_template: str | None = None):
@@ -44,7 +55,16 @@ def test_the_recorded_go_renderings_are_of_the_current_templates():
 def test_render_go_renders_what_go_renders(name):
     """Every template on every recorded conversation (collated roles, two system messages, none at all)."""
     for messages, want in zip(GO["conversations"], GO["templates"][name]["renders"], strict=True):
-        assert render_go(GO_TEMPLATES[name], messages) == want, messages
+        assert render_go(GO_TEMPLATES[name], messages, today=GO["today"]) == want, messages
+
+
+def test_the_date_of_a_template_is_strftimes():
+    """Granite's "%B %d, %Y" built from Ollama's currentDate by Go, on a day of each month, equals Python's
+    strftime, and render_go renders it alike."""
+    assert GO["dates"]["template"] == _DATE_B_D_Y
+    assert len(GO["dates"]["renders"]) == 12
+    for day, go in GO["dates"]["renders"].items():
+        assert go == datetime.date.fromisoformat(day).strftime("%B %d, %Y") == render_go(_DATE_B_D_Y, [], today=day)
 
 
 @pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain here (the committed renderings still check)")
@@ -53,9 +73,9 @@ def test_render_go_renders_what_go_renders_now():
     odd = '{{- $x := "" }}{{ range $i, $_ := .Messages }}{{ if ne $i 0 }},{{ end }}{{ $x = .Role }}{{ $x }}' \
           '{{ if or (eq .Role "tool") (not .Content) }}!{{ else }}={{ len (slice $.Messages $i) }}{{ end }}{{ end }}'
     cases = [{"template": t, "messages": m} for t in [*GO_TEMPLATES.values(), odd] for m in CONVERSATIONS]
-    run = subprocess.run(["go", "run", "go_render.go"], cwd=FIXTURES, input=json.dumps({"cases": cases}),
+    run = subprocess.run(["go", "run", "go_render.go"], cwd=FIXTURES, input=json.dumps({"today": "2031-02-03", "cases": cases}),
                          capture_output=True, text=True, check=True, timeout=300)
-    assert [render_go(c["template"], c["messages"]) for c in cases] == json.loads(run.stdout)
+    assert [render_go(c["template"], c["messages"], today="2031-02-03") for c in cases] == json.loads(run.stdout)
 
 
 @pytest.mark.parametrize("entry", RELEASED, ids=[e["model"] for e in RELEASED])
@@ -78,7 +98,7 @@ def test_a_released_chat_template_gets_the_go_template_that_renders_it(entry):
         except Exception:  # noqa: BLE001 - Gemma 1/2 and Mistral v0.1 refuse a system message
             assert any(m["role"] == "system" for m in messages)
             continue
-        assert want == (entry["bos_token"] if add_bos else "") + go, messages
+        assert want == (entry["bos_token"] if add_bos else "") + on_today(go), messages
         compared += 1
     assert compared >= 2
 
