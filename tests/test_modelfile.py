@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tui_merger.core.ship.modelfile import _DATE_B_D_Y, CONVERSATIONS, GO_TEMPLATES, chosen_template, render_go
+from tui_merger.core.ship.modelfile import CONVERSATIONS, DATE_TEMPLATES, GO_TEMPLATES, chosen_template, render_go
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ollama"
 GO = json.loads((FIXTURES / "go_renders.json").read_text())
 RELEASED = json.loads((FIXTURES / "released_chat_templates.json").read_text())["templates"]
-DATE_FORMATS = ("%Y-%m-%d", "%B %d, %Y")  # as Ollama's currentDate writes it, and Granite's (modelfile._DATE_B_D_Y)
+DATE_FORMATS = ("%Y-%m-%d", *DATE_TEMPLATES)  # as Ollama's currentDate writes it, and those our templates build from it
 
 
 def on_today(recorded: str) -> str:
@@ -58,13 +58,14 @@ def test_render_go_renders_what_go_renders(name):
         assert render_go(GO_TEMPLATES[name], messages, today=GO["today"]) == want, messages
 
 
-def test_the_date_of_a_template_is_strftimes():
-    """Granite's "%B %d, %Y" built from Ollama's currentDate by Go, on a day of each month, equals Python's
-    strftime, and render_go renders it alike."""
-    assert GO["dates"]["template"] == _DATE_B_D_Y
-    assert len(GO["dates"]["renders"]) == 12
-    for day, go in GO["dates"]["renders"].items():
-        assert go == datetime.date.fromisoformat(day).strftime("%B %d, %Y") == render_go(_DATE_B_D_Y, [], today=day)
+@pytest.mark.parametrize("fmt", sorted(DATE_TEMPLATES))
+def test_a_date_built_from_currentdate_is_strftimes(fmt):
+    """Granite's "%B %d, %Y" and SmolLM3's "%d %B %Y", built by Go from Ollama's currentDate on a day of each month,
+    equal Python's strftime, and render_go renders them alike."""
+    recorded = GO["dates"][fmt]
+    assert recorded["template"] == DATE_TEMPLATES[fmt] and len(recorded["renders"]) == 12
+    for day, go in recorded["renders"].items():
+        assert go == datetime.date.fromisoformat(day).strftime(fmt) == render_go(DATE_TEMPLATES[fmt], [], today=day)
 
 
 @pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain here (the committed renderings still check)")

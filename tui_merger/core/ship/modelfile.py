@@ -35,13 +35,28 @@ from pathlib import Path
 # A system message the Jinja template refuses (Gemma 1/2, Mistral v0.1) goes, as Gemma 3 and Mistral's
 # later templates put it, in front of the first user message.
 _FIRST_USER_SYSTEM = "{{ if and (eq $i 1) $.System }}{{ $.System }}\n\n{{ end }}"
-# Today's date as strftime's "%B %d, %Y" (Granite) from Ollama's currentDate (YYYY-MM-DD, Ollama 0.11 and later): the
-# month's name by its number, then the day and the year.
+# Today's date as strftime's "%B %d, %Y" (Granite) and "%d %B %Y" (SmolLM3) from Ollama's currentDate (YYYY-MM-DD,
+# Ollama 0.11 and later): the month's name by its number, the day and the year by position.
 _MONTH_NAME = "{{ $m := slice $d 5 7 }}" + "".join(
     f'{{{{ {"if" if n == 1 else "else if"} eq $m "{n:02d}" }}}}{name}' for n, name in enumerate(
         ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
          "December"), start=1)) + "{{ end }}"
 _DATE_B_D_Y = "{{ $d := currentDate }}" + _MONTH_NAME + " {{ slice $d 8 10 }}, {{ slice $d 0 4 }}"
+_DATE_D_B_Y = "{{ $d := currentDate }}{{ slice $d 8 10 }} " + _MONTH_NAME + " {{ slice $d 0 4 }}"
+DATE_TEMPLATES = {"%B %d, %Y": _DATE_B_D_Y, "%d %B %Y": _DATE_D_B_Y}
+_SMOLLM3_THINK = (  # SmolLM3's custom instructions in its default reasoning mode (/think) when the system prompt gives none
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly "
+    "exploring questions through a systematic thinking process before providing the final precise and accurate solutions. "
+    "This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, "
+    "backtracking, and iteration to develop well-considered thinking process. Please structure your response into two "
+    "main sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. "
+    "In the Thought section, detail your reasoning process in steps. Each step should include detailed considerations "
+    "such as analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the "
+    "current steps, refining any errors, and revisiting previous steps. In the Solution section, based on various "
+    "attempts, explorations, and reflections from the Thought section, systematically present the final solution that "
+    "you deem correct. The Solution section should be logical, accurate, and concise and detail necessary steps needed "
+    "to reach the conclusion."
+)
 
 GO_TEMPLATES = {
     "chatml": "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n",
@@ -119,6 +134,15 @@ GO_TEMPLATES = {
         "{{ else if eq .Role \"user\" }}<|start|>user<|message|>{{ .Content }}<|end|>{{ else if eq .Role \"assistant\" }}"
         "<|start|>assistant<|channel|>final<|message|>{{ .Content }}<|end|>{{ end }}{{ end }}<|start|>assistant"
     ),
+    "smollm3": (  # SmolLM3 in its default reasoning mode (/think): the metadata header with today's date, the first
+        # system message as custom instructions; its template closes that header with <|im_end|> only when it lists tools
+        "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: " + _DATE_D_B_Y +
+        "\nReasoning Mode: /think\n\n## Custom Instructions\n\n{{ $custom := \"\" }}{{ range $i, $_ := .Messages }}"
+        "{{ if and (eq $i 0) (eq .Role \"system\") }}{{ $custom = .Content }}{{ end }}{{ end }}{{ if $custom }}{{ $custom }}"
+        "{{ else }}" + _SMOLLM3_THINK + "{{ end }}\n\n{{ range .Messages }}{{ if eq .Role \"user\" }}<|im_start|>user\n"
+        "{{ .Content }}<|im_end|>\n{{ else if eq .Role \"assistant\" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n"
+        "{{ end }}{{ end }}<|im_start|>assistant\n"
+    ),
     "deepseek-v2": (
         "{{- range .Messages }}{{ if eq .Role \"user\" }}User: {{ .Content }}\n\n{{ else if eq .Role \"assistant\" }}"
         "Assistant: {{ .Content }}<\uff5cend\u2581of\u2581sentence\uff5c>{{ else if eq .Role \"system\" }}{{ .Content }}\n\n"
@@ -137,6 +161,8 @@ GO_TEMPLATE_NOTES = {
     "glm4": f"{_NO_TOOLS}.",
     "granite3.1": f"{_TODAY_NOTE}; {_NO_TOOLS}, nor documents.",
     "granite3.3": f"{_TODAY_NOTE}; thinking mode, tools and documents are not rendered.",
+    "smollm3": f"{_TODAY_NOTE}; the default reasoning mode (/think) only: a /think or /no_think in the system prompt "
+               f"and Ollama's think switch are not rendered as the template renders them; {_NO_TOOLS}.",
     "gpt-oss": f"{_TODAY_NOTE}; reasoning stays at the template's default (medium); {_NO_TOOLS}, nor past reasoning "
                "(the template drops it too).",
 }
