@@ -143,6 +143,15 @@ GO_TEMPLATES = {
         "{{ .Content }}<|im_end|>\n{{ else if eq .Role \"assistant\" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n"
         "{{ end }}{{ end }}<|im_start|>assistant\n"
     ),
+    "exaone4": (  # EXAONE 4 in its default non-reasoning mode: an empty think block opens each assistant turn
+        "{{- range .Messages }}[|{{ .Role }}|]\n{{ if and (eq .Role \"assistant\") .Content }}<think>\n\n</think>\n\n{{ end }}"
+        "{{ .Content }}[|endofturn|]\n{{ end }}[|assistant|]\n<think>\n\n</think>\n\n"
+    ),
+    "glm4.5": (  # GLM-4.5 / 4.6 (glm4moe): past assistant turns with an empty think block, thinking left on for the answer
+        "[gMASK]<sop>{{ range .Messages }}{{ if eq .Role \"user\" }}<|user|>\n{{ .Content }}{{ else if eq .Role \"assistant\" }}"
+        "<|assistant|>\n<think></think>{{ if .Content }}\n{{ .Content }}{{ end }}{{ else if eq .Role \"system\" }}<|system|>\n"
+        "{{ .Content }}{{ end }}{{ end }}<|assistant|>"
+    ),
     "deepseek-v2": (
         "{{- range .Messages }}{{ if eq .Role \"user\" }}User: {{ .Content }}\n\n{{ else if eq .Role \"assistant\" }}"
         "Assistant: {{ .Content }}<\uff5cend\u2581of\u2581sentence\uff5c>{{ else if eq .Role \"system\" }}{{ .Content }}\n\n"
@@ -163,6 +172,9 @@ GO_TEMPLATE_NOTES = {
     "granite3.3": f"{_TODAY_NOTE}; thinking mode, tools and documents are not rendered.",
     "smollm3": f"{_TODAY_NOTE}; the default reasoning mode (/think) only: a /think or /no_think in the system prompt "
                f"and Ollama's think switch are not rendered as the template renders them; {_NO_TOOLS}.",
+    "exaone4": f"non-reasoning mode only (the template's default); {_NO_TOOLS}.",
+    "glm4.5": f"thinking stays on (the template's default); {_NO_TOOLS}; it keeps the spaces around an answer that the "
+              "Jinja template strips.",
     "gpt-oss": f"{_TODAY_NOTE}; reasoning stays at the template's default (medium); {_NO_TOOLS}, nor past reasoning "
                "(the template drops it too).",
 }
