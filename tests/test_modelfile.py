@@ -132,3 +132,43 @@ def test_a_bos_the_gguf_does_not_add_is_not_matched():
 def test_render_go_refuses_what_it_does_not_render(template):
     with pytest.raises(ValueError, match="render_go"):
         render_go(template, [{"role": "user", "content": "x"}])
+
+
+def test_a_modelfile_with_a_dated_template_says_what_it_leaves_out(tmp_path):
+    """write_modelfile end to end on GPT-OSS's released template (a saved tokenizer, a GGUF header without BOS): the
+    TEMPLATE line is the harmony template, a comment above it says what it leaves out, the stops are the tokenizer's
+    end tokens, and the template read back from the file renders what the tokenizer renders today."""
+    import gguf
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tui_merger.core.ship.modelfile import GO_TEMPLATE_NOTES, write_modelfile
+
+    entry = next(e for e in RELEASED if e["go_template"] == "gpt-oss")
+    vocab = {"<unk>": 0, "<|return|>": 1, "<|call|>": 2, "<|endoftext|>": 3}
+    folder = tmp_path / "oss-merged"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                            eos_token="<|return|>", chat_template=entry["chat_template"]).save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3, 2]}))
+    path = folder / "oss-merged-Q4_K_M.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    mf = write_modelfile(folder, path, "q4_k_m")
+    assert mf.template == "gpt-oss" and mf.stops == ("<|return|>", "<|endoftext|>", "<|call|>")
+    lines = mf.path.read_text().splitlines()
+    note = next(i for i, line in enumerate(lines) if line.startswith("# TEMPLATE renders"))
+    assert lines[note].endswith(GO_TEMPLATE_NOTES["gpt-oss"]) and "currentDate" in lines[note]
+    assert lines[note + 1].startswith('TEMPLATE """')
+    text = mf.path.read_text()
+    start = text.index('TEMPLATE """') + len('TEMPLATE """')
+    written = text[start:text.index('"""', start)]
+    assert written == GO_TEMPLATES["gpt-oss"]
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    for messages in CONVERSATIONS:
+        assert render_go(written, messages) == tok.apply_chat_template(list(messages), tokenize=False,
+                                                                       add_generation_prompt=True)

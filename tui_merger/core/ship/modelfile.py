@@ -11,7 +11,8 @@
   the GGUF's own ``tokenizer.chat_template`` (it matches it against its known templates when it
   creates the model). The templates are ours, written after the released chat templates of the families
   the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, OLMo 2, Mistral's [INST] v0.1 / v1 / v7,
-  Granite 3.0 and 3.1-3.3, DeepSeek-V2, V3 and V3.1, Command R7B, GLM-4, GPT-OSS); tests/test_modelfile.py holds
+  Granite 3.0 and 3.1-3.3, DeepSeek-V2, V3 and V3.1, Command R7B, GLM-4, GLM-4.5, GPT-OSS, SmolLM3, EXAONE 4);
+  tests/test_modelfile.py holds
   them against Go's own text/template and the released Jinja templates. Templates that write today's date use
   Ollama's ``currentDate``; what a template leaves out (tools, thinking modes) is a comment above it
   (``GO_TEMPLATE_NOTES``). A chat template no template of ours renders exactly keeps the comment.
