@@ -11,7 +11,7 @@
   the GGUF's own ``tokenizer.chat_template`` (it matches it against its known templates when it
   creates the model). The templates are ours, written after the released chat templates of the families
   the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, OLMo 2, Mistral's [INST] v0.1 / v1 / v7,
-  Granite 3.0 and 3.1-3.3, DeepSeek-V2, V3 and V3.1, Command R7B, GLM-4, GLM-4.5, GPT-OSS, SmolLM3, EXAONE 4);
+  Granite 3.0, 3.1-3.3 and 4, DeepSeek-V2, V3 and V3.1, Command R7B, GLM-4, GLM-4.5, GPT-OSS, SmolLM3, EXAONE 4);
   tests/test_modelfile.py holds
   them against Go's own text/template and the released Jinja templates. Templates that write today's date use
   Ollama's ``currentDate``; what a template leaves out (tools, thinking modes) is a comment above it
@@ -127,6 +127,12 @@ GO_TEMPLATES = {
         "You are a helpful AI assistant.<|end_of_text|>\n{{ end }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n"
         "{{ end }}<|start_of_role|>assistant<|end_of_role|>"
     ),
+    "granite4": (  # Granite 4 (350M and 1B): without a system message, a fixed default one
+        "{{- range $i, $_ := .Messages }}{{ if and (eq $i 0) (ne .Role \"system\") }}<|start_of_role|>system<|end_of_role|>"
+        "You are a helpful assistant. Please ensure responses are professional, accurate, and safe.<|end_of_text|>\n"
+        "{{ end }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n{{ end }}"
+        "<|start_of_role|>assistant<|end_of_role|>"
+    ),
     "gpt-oss": (  # harmony without tools: the system header with today's date, the first system message as developer
         "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n"
         "Current date: {{ currentDate }}\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. "
@@ -176,6 +182,7 @@ GO_TEMPLATE_NOTES = {
     "exaone4": f"non-reasoning mode only (the template's default); {_NO_TOOLS}.",
     "glm4.5": f"thinking stays on (the template's default); {_NO_TOOLS}; it keeps the spaces around an answer that the "
               "Jinja template strips.",
+    "granite4": f"{_NO_TOOLS}, nor documents.",
     "gpt-oss": f"{_TODAY_NOTE}; reasoning stays at the template's default (medium); {_NO_TOOLS}, nor past reasoning "
                "(the template drops it too).",
 }
@@ -284,13 +291,23 @@ def chosen_template(tok, add_bos: bool) -> tuple[str | None, str | None]:
 
 
 def _renders_alike(tok, go: str, bos: str) -> bool:
+    import datetime
+
     compared = 0
     for messages in CONVERSATIONS:
-        try:
-            want = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001, S112 - a template may refuse a conversation (a system role) in any way
+        for _ in range(2):  # a date-bearing template rendered across midnight: render both again on the new day
+            today = datetime.date.today().isoformat()
+            try:
+                want = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 - a template may refuse a conversation (a system role) in any way
+                want = None
+                break
+            got = bos + render_go(go, messages, today=today)
+            if datetime.date.today().isoformat() == today:
+                break
+        if want is None:
             continue
-        if want != bos + render_go(go, messages):
+        if want != got:
             return False
         compared += 1
     return compared >= 2
