@@ -12,8 +12,7 @@
   creates the model). The templates are ours, written after the released chat templates of the families
   the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, OLMo 2, Mistral's [INST] v0.1 / v1 / v7,
   Granite 3.0, 3.1-3.3 and 4, DeepSeek-V2, V3 and V3.1, Command R7B, GLM-4, GLM-4.5, GPT-OSS, SmolLM3, EXAONE 4);
-  tests/test_modelfile.py holds
-  them against Go's own text/template and the released Jinja templates. Templates that write today's date use
+  tests/test_modelfile.py holds them against Go's own text/template and the released Jinja templates. Templates that write today's date use
   Ollama's ``currentDate``; what a template leaves out (tools, thinking modes) is a comment above it
   (``GO_TEMPLATE_NOTES``). A chat template no template of ours renders exactly keeps the comment.
 - ``PARAMETER stop`` for each end token the tokenizer names: its ``eos_token`` and the
@@ -98,7 +97,7 @@ GO_TEMPLATES = {
         "{{- range .Messages }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n"
         "{{ end }}<|start_of_role|>assistant<|end_of_role|>"
     ),
-    "deepseek-v3": (  # DeepSeek-V3 and R1 (as released in the V3 style): every system message first, joined by a blank line
+    "deepseek-v3": (  # DeepSeek-V3 (and R1 templates that render alike): every system message first, joined by a blank line
         "{{- $.System }}{{ range .Messages }}{{ if eq .Role \"user\" }}<\uff5cUser\uff5c>{{ .Content }}{{ else if eq .Role \"assistant\" }}"
         "<\uff5cAssistant\uff5c>{{ .Content }}<\uff5cend\u2581of\u2581sentence\uff5c>{{ end }}{{ end }}<\uff5cAssistant\uff5c>"
     ),
@@ -127,7 +126,7 @@ GO_TEMPLATES = {
         "You are a helpful AI assistant.<|end_of_text|>\n{{ end }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n"
         "{{ end }}<|start_of_role|>assistant<|end_of_role|>"
     ),
-    "granite4": (  # Granite 4 (350M and 1B): without a system message, a fixed default one
+    "granite4": (  # Granite 4 as Ollama's granite4:350m carries it: without a system message, a fixed default one
         "{{- range $i, $_ := .Messages }}{{ if and (eq $i 0) (ne .Role \"system\") }}<|start_of_role|>system<|end_of_role|>"
         "You are a helpful assistant. Please ensure responses are professional, accurate, and safe.<|end_of_text|>\n"
         "{{ end }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n{{ end }}"
