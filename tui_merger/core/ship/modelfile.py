@@ -286,7 +286,8 @@ def chosen_template(tok, add_bos: bool) -> tuple[str | None, str | None]:
         if _renders_alike(tok, go, bos):
             return name, None
     return None, ("tui-merger knows no Ollama template that renders this model's chat template exactly, so Ollama "
-                  "uses the chat template the GGUF carries (tokenizer.chat_template) as it creates the model.")
+                  "takes the chat template from the GGUF (tokenizer.chat_template): Ollama 0.30 and later render it as it is, "
+                  "older versions use the closest of their own templates, or send prompts as they are when none is close.")
 
 
 def _renders_alike(tok, go: str, bos: str) -> bool:
