@@ -112,3 +112,15 @@ def test_refusals(tmp_path):
     data["kv_lora_rank"] = 4
     cfg.write_text(json.dumps(data))
     _refused(folder / "bridge_dsv3_tp2", tmp_path / "o2", "does not match the checkpoint", "kv_lora_rank")
+
+
+def test_legacy_rank_files_are_refused(tmp_path):
+    """Legacy per-rank files (mp_rank_*) of these families: how their MLA projections and MTP layers are split across
+    tensor-parallel ranks is not read from such files, so they are refused rather than joined by guess."""
+    folder = _fixtures(tmp_path, "bridge_glm45_tp2")
+    legacy = Path(__file__).resolve().parent / "fixtures" / "megatron" / "legacy_tp2pp2"
+    shutil.copytree(legacy, tmp_path / "legacy")
+    for cfg in (tmp_path / "legacy").rglob("hf_config_and_tokenizer"):
+        shutil.rmtree(cfg)
+    _refused(tmp_path / "legacy", tmp_path / "o", "GLM-4.5 model in legacy per-rank files", "torch_dist",
+             base=folder / "hf_glm45")

@@ -856,6 +856,9 @@ class _Mapper:
              (" (without q/k norms)", " (with q/k norms)"), "q_layernorm/k_layernorm"),
             ("mlp.router.weight" in keys, self.family in ("qwen2_moe", "qwen3_moe") + _DEEPSEEK_MOE, ("", ""), "MoE routers"),
         ]
+        if self.family in _MLA and "linear_qkv" in keys:  # DeepSeek-V3: multi-latent attention (megatron_mla.py)
+            raise self.fail(f"it describes a {self.name} model (multi-latent attention) but the checkpoint has "
+                            "linear_qkv (grouped-query attention)")
         for held, wanted, said, what in features:
             if held != wanted:
                 raise self.fail(
@@ -887,7 +890,8 @@ class _Mapper:
         if self.family in ("qwen2_moe", "qwen3_moe") + _DEEPSEEK_MOE and sparse != self._hf_sparse(i):
             raise self.fail(
                 f"layer {i} is {'an MoE' if sparse else 'a dense'} layer in the checkpoint but "
-                f"{'dense' if sparse else 'MoE'} by its mlp_only_layers / decoder_sparse_step"
+                f"{'dense' if sparse else 'MoE'} by its "
+                f"{'first_k_dense_replace' if self.family in _DEEPSEEK_MOE else 'mlp_only_layers / decoder_sparse_step'}"
             )
         for _, rest, key, index, kind, name, m in matched:
             entry = self.tensors[key]
@@ -1211,6 +1215,11 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
             raise MergeError(
                 f"{layout.model_dir} holds a vision-language model in legacy per-rank files, which tui-merger does not "
                 "read; save it as a dist checkpoint (torch_dist) and convert that."
+            )
+        if model_family(config, config_dir / "config.json") in _DEEPSEEK_MOE:  # GLM-4.5 / DeepSeek-V3
+            raise MergeError(  # how their MLA projections and MTP layers are split across ranks is not read here
+                f"{layout.model_dir} holds a {FAMILIES[model_family(config, config_dir)]} model in legacy per-rank "
+                "files, which tui-merger does not read; save it as a dist checkpoint (torch_dist) and convert that."
             )
         store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
                             _cfg(config, "moe_intermediate_size"), "model_optim_rng.pt" if layout.run else "model.pt")
