@@ -124,3 +124,18 @@ def test_legacy_rank_files_are_refused(tmp_path):
         shutil.rmtree(cfg)
     _refused(tmp_path / "legacy", tmp_path / "o", "GLM-4.5 model in legacy per-rank files", "torch_dist",
              base=folder / "hf_glm45")
+
+
+def test_routers_without_expert_bias(tmp_path):
+    """A run without the router's expert bias (moe_router_enable_expert_bias off): transformers' GLM-4.5 has one, so
+    it is written as 0 (what adding nothing to the scores is), said once; every other tensor as imported."""
+    folder = _fixtures(tmp_path, "bridge_glm45_tp2")
+    run = folder / "bridge_glm45_tp2"
+    _resave(run / "iter_0000002", lambda s: [s.pop(k) for k in list(s) if k.endswith("router.expert_bias")])
+    result = _merge(run, tmp_path / "out")
+    said = [n for n in result.warnings if "no expert bias" in n]
+    assert len(said) == 1 and "written as 0" in said[0], result.warnings
+    got, want = read_output(tmp_path / "out"), _saved(folder / "hf_glm45")
+    for name in [n for n in want if n.endswith("e_score_correction_bias")]:
+        assert torch.equal(got.pop(name), torch.zeros_like(want.pop(name))), name
+    _equal(got, want)

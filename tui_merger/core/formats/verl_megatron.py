@@ -929,11 +929,14 @@ class _Mapper:
             router = next(key for _, r, key, *_ in matched if r == "mlp.router.weight")
             n = self.tensors[router].shape[-2]  # trained without an expert bias: transformers' is 0, which adds nothing
             self.specs[prefix + "mlp.gate.e_score_correction_bias"] = Spec((n,), "float32", [])
+            said = "The checkpoint's routers have no expert bias (moe_router_enable_expert_bias off)"
+            if not any(x.startswith(said) for x in self.notices):
+                self.notices.append(f"{said}; mlp.gate.e_score_correction_bias is written as 0, which adds nothing to "
+                                    "the routing scores.")
 
     def _hf_sparse(self, i: int) -> bool:
         if self.family in _DEEPSEEK_MOE:  # transformers' rule: routed experts from first_k_dense_replace on
-            first = _cfg(self.config, "first_k_dense_replace", 0) or 0
-            return i >= first and (i - first) % (_cfg(self.config, "moe_layer_freq", 1) or 1) == 0
+            return i >= (_cfg(self.config, "first_k_dense_replace", 0) or 0)
         if i in (_cfg(self.config, "mlp_only_layers") or []):
             return False
         step = _cfg(self.config, "decoder_sparse_step", 1) or 1
