@@ -109,22 +109,25 @@ def main(argv: list[str]) -> int:
                         shutil.copy(f, merged / f.name)
                 return adapter, logits, merged, params
 
-            adapter, want, merged, params = make_lora("lora", targets, experts)
-            label = family + (f", experts ({', '.join(params)})" if params else "")
-            try:
-                lora = export_lora_gguf(base, adapter, root / f"lora-{n}.gguf")
-            except MergeError as err:
-                rows.append((label, "refused: " + str(err)[:150], "", "", "", "", "", "REFUSED"))
-                print("  " + " | ".join(rows[-1]), flush=True)
-                # the same family with a LoRA on its attention only (what a GGUF LoRA can carry there)
-                label = f"{family}, attention only"
-                adapter, want, merged, _ = make_lora("attn", r".*\.self_attn\.[qkvo]_proj", False)
-                try:
-                    lora = export_lora_gguf(base, adapter, root / f"attn-{n}.gguf")
-                except MergeError as err2:
-                    rows.append((label, "refused: " + str(err2)[:150], "", "", "", "", "", "REFUSED"))
-                    print("  " + " | ".join(rows[-1]), flush=True)
+            # all-linear (with the experts); where refused, the attention with the experts; then the attention alone
+            attention = r".*\.self_attn\.[qkvo]_proj"
+            tries = [("lora", targets, experts)] + ([("attn-experts", attention, True)] if experts else []) + [("attn", attention, False)]
+            lora, has_experts = None, None
+            for name, modules, with_experts in tries:
+                if name == "attn-experts" and not has_experts:  # a dense model: no experts to try
                     continue
+                adapter, want, merged, params = make_lora(name, modules, with_experts)
+                has_experts = bool(params) if has_experts is None else has_experts
+                label = family + (", attention" if modules == attention else "") + (
+                    f", experts ({', '.join(params)})" if params else (" only" if modules == attention else ""))
+                try:
+                    lora = export_lora_gguf(base, adapter, root / f"{name}-{n}.gguf")
+                    break
+                except MergeError as err:
+                    rows.append((label, "refused: " + str(err).replace(str(adapter), "the adapter")[:170], "", "", "", "", "", "REFUSED"))
+                    print("  " + " | ".join(rows[-1]), flush=True)
+            if lora is None:
+                continue
             try:
                 base_gguf = export_gguf(base, "f16", root / f"base-{n}.gguf").path
                 merged_gguf = export_gguf(merged, "f16", root / f"{merged.name}.gguf").path
@@ -154,6 +157,8 @@ def main(argv: list[str]) -> int:
             rows.append((label, pairs, f"{rel:.1e}", f"{vs_peft:.1e}", f"{moved:.1e}", f"{greedy}/{NEW_TOKENS}", checked,
                          "PASS" if ok else "FAIL"))
             print("  " + " | ".join(rows[-1]) + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
+            if check.status != "passed":
+                print(f"    check: {check.line()}", flush=True)
     print()
     print("| family | LoRA pairs | logits vs merged GGUF (max rel.) | vs peft (float32) | base alone vs merged "
           "(what the LoRA moves) | greedy = merged GGUF's | tui-merger's check | verdict |")
