@@ -2,7 +2,7 @@
 """Does llama.cpp itself apply what `tui-merger gguf --adapter` writes as the merge would? Not part of CI
 (llama.cpp must be installed; a prebuilt wheel is in ../shared/tools, see llama_cpp_check.py).
 
-    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_lora_check.py [model_type ...] [--targets REGEX]
+    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_lora_check.py [model_type ...] [--targets REGEX] [--no-experts] [--control]
 
 For a tiny random model of each family (tests/test_gguf_families.py's builder and configs, float32) and
 a random all-linear peft LoRA on it (r 8, alpha 16, A and B both random so every pair matters), it writes
@@ -19,7 +19,8 @@ A mixture of experts gets a LoRA on its experts too: peft's ``target_parameters`
 parameter transformers keeps in memory (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``: every
 3-D parameter whose name has "experts") and on its router (a 2-D ``gate.weight`` with a row per expert),
 which the GGUF stacks per layer (``ffn_*_exps.lora_a`` [experts, r, in]); ``--no-experts``: all-linear
-alone, as before. Prints a Markdown table.
+alone, as before. ``--control``: once, the same LoRA with lora_B doubled is checked against the adapter,
+which tui-merger's check must FAIL. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def main(argv: list[str]) -> int:
         i = argv.index("--targets")
         targets, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     experts = "--no-experts" not in argv and targets == "all-linear"
-    argv = [a for a in argv if a != "--no-experts"]
+    control, controlled = "--control" in argv, False  # one control: a wrong LoRA that the check must fail
+    argv = [a for a in argv if a not in ("--no-experts", "--control")]
     families = argv or list(CASES)
     print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}", flush=True)
 
@@ -159,13 +161,27 @@ def main(argv: list[str]) -> int:
             print("  " + " | ".join(rows[-1]) + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
             if check.status != "passed":
                 print(f"    check: {check.line()}", flush=True)
+            if control and not controlled:  # the check can fail: the same LoRA with lora_B doubled, against this adapter
+                from safetensors.torch import load_file, save_file
+
+                wrong = root / f"control-{n}"
+                shutil.copytree(adapter, wrong)
+                weights = load_file(str(wrong / "adapter_model.safetensors"))
+                save_file({k: v * 2 if "lora_B" in k else v for k, v in weights.items()}, str(wrong / "adapter_model.safetensors"))
+                bad = export_lora_gguf(base, wrong, root / f"control-{n}.gguf")
+                check = check_lora_gguf(base, adapter, base_gguf, bad.path)
+                rows.append((f"{label}: control, lora_B doubled", f"{bad.pairs}", "", "", "", "",
+                             check.status.upper() + f" ({check.details.get('logits_rel_median' if check.details.get('experts', 0) > 1 else 'logits_rel')})",
+                             "PASS (caught)" if check.status == "failed" else "FAIL (not caught)"))
+                print("  " + " | ".join(rows[-1]), flush=True)
+                controlled = True
     print()
     print("| family | LoRA pairs | logits vs merged GGUF (max rel.) | vs peft (float32) | base alone vs merged "
           "(what the LoRA moves) | greedy = merged GGUF's | tui-merger's check | verdict |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    return 0 if all(r[-1] in ("PASS", "REFUSED") for r in rows) else 1
+    return 0 if all(r[-1] in ("PASS", "REFUSED", "PASS (caught)") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def check_lora_gguf(
         status = FAILED if got.startswith("!") else NOT_CHECKED
         return GgufCheck(status, name if status == FAILED else None, got.lstrip("!"))
     verdict = _verdict(ref, got, limit, type_, name, _experts(base_gguf), expected=ref.llama_ids)
-    summary = verdict.summary.replace("of transformers'", "of peft's (base + adapter, unmerged)").replace(
+    summary = verdict.summary.replace("of transformers'", "of peft's on the base with the adapter unmerged").replace(
         f"; read by {name}.", f"; {lora_gguf.name} applied to {base_gguf.name} by {name}.")
     return GgufCheck(verdict.status, verdict.reader, summary, {**verdict.details, "reference": "peft, unmerged"})
 
