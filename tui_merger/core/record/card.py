@@ -233,7 +233,8 @@ def ensure_model_card(folder: Path) -> Path | None:
 def _gguf_lines(manifest: dict) -> list[str]:
     """The GGUF files made of the model (``tui-merger gguf``) and whether each was checked, as recorded."""
     entries = [e for e in manifest.get("gguf") or [] if isinstance(e, dict) and e.get("path")]
-    loras = [e for e in manifest.get("gguf_lora") or [] if isinstance(e, dict) and e.get("path")]  # ship/gguf_lora.py
+    loras = manifest.get("gguf_lora") if isinstance(manifest.get("gguf_lora"), list) else []  # ship/gguf_lora.py
+    loras = [e for e in loras if isinstance(e, dict) and e.get("path")]
     if not entries and not loras:
         return []
     lines = ["## GGUF", ""]

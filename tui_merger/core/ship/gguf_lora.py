@@ -368,7 +368,8 @@ def record_lora_gguf(base_folder: Path, result: LoraGgufResult, base_gguf: Path,
     }
     if modelfile is not None:
         entry["modelfile"] = shown(modelfile)
-    entries = [e for e in manifest.get("gguf_lora") or [] if isinstance(e, dict) and e.get("path") != entry["path"]]
+    entries = manifest.get("gguf_lora") if isinstance(manifest.get("gguf_lora"), list) else []
+    entries = [e for e in entries if isinstance(e, dict) and e.get("path") != entry["path"]]
     manifest["gguf_lora"] = entries + [entry]
     write_manifest(folder, manifest)
     card = folder / "README.md"
