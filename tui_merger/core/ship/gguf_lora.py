@@ -38,6 +38,7 @@ and its model card, where the folder has one.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
                      overwrite: bool = False) -> LoraGgufResult:
     """Write the adapter as a GGUF LoRA for the base's GGUF (temporary name, renamed when complete)."""
     import gguf
+    import numpy as np
 
     from tui_merger.core.formats.adapter import open_adapter
     from tui_merger.core.ship import gguf as ship_gguf
@@ -137,28 +139,33 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-        rescaled, ranks, experts = 0, set(), 0
-        for pair in pairs:
-            a, b, scaled = _factors(pair, alpha)
-            ranks.add(a.shape[-2])
-            rescaled += scaled
-            experts += a.dim() == 3
-            writer.add_tensor(pair.name + ".lora_a", a.contiguous().numpy())
-            writer.add_tensor(pair.name + ".lora_b", b.contiguous().numpy())
+        ranks = set()
+        for pair in pairs:  # the infos first, from shapes alone; the data then one pair at a time (memory: one pair)
+            for suffix, shape in zip((".lora_a", ".lora_b"), _shapes(pair)):
+                writer.add_tensor_info(pair.name + suffix, shape, np.dtype(np.float32), 4 * math.prod(shape))
+            ranks.add(_shapes(pair)[0][-2])
+        rescaled = experts = 0
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for pair in pairs:
+                a, b, scaled = _factors(pair, alpha)
+                rescaled += scaled
+                experts += a.dim() == 3
+                writer.write_tensor_data(a.contiguous().numpy())
+                writer.write_tensor_data(b.contiguous().numpy())
+                del a, b
+            writer.close()
+            os.replace(tmp, target)
+        except BaseException:
+            writer.close()
+            tmp.unlink(missing_ok=True)
+            raise
     finally:
         for c in closers:
             c.close()
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, target)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     digest = hashlib.sha256()
     with open(target, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -269,6 +276,14 @@ def _delta_shape(entry, cut) -> tuple[int, int]:
     if entry.transposed:  # delta_e = (B_e @ A_e).T: A reads the rows
         return entry.A.shape[1], entry.B.shape[0]
     return entry.B.shape[0], entry.A.shape[1]
+
+
+def _shapes(pair: _Pair) -> tuple[tuple, tuple]:
+    """The numpy shapes of lora_a and lora_b, from the pair's ranks and its base tensor's shape."""
+    t = pair.tensor
+    r = max((entry.r if cut is not None else entry.A.shape[0]) for entry, cut in (p for p in pair.parts if p is not None))
+    lead = (len(pair.parts),) if len(pair.parts) > 1 else ()
+    return (*lead, r, t.shape[-1]), (*lead, t.shape[-2], r)
 
 
 def _expert_pair(entry, cut, loaded: dict):
