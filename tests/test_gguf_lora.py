@@ -363,3 +363,26 @@ def test_the_base_gguf_type_is_read_from_its_header(bases, tmp_path):
     for type_ in ("f16", "q8_0"):
         path = export_gguf(bases["qwen2"], type_, tmp_path / f"b-{type_}.gguf").path
         assert gguf_type_of(path) == type_ and type_ in LIMITS
+
+
+def test_an_expert_lora_in_peft_018s_layout_is_written_as_peft_018_merged_it(tmp_path):
+    """peft 0.18.1 saved packed-expert LoRA the other way round (lora_A reads dim 1: the delta of expert e
+    is (B_e @ A_e).T), told apart by the adapter's peft_version (tests/fixtures/peft018, made by peft 0.18.1
+    itself): llama.cpp's stacked pairs add what peft 0.18.1's own merge_and_unload changed, per expert."""
+    fixture = Path(__file__).parent / "fixtures" / "peft018"
+    adapter = shutil.copytree(fixture / "adapter", tmp_path / "adapter")
+    folder = shutil.copytree(fixture / "base", tmp_path / "base")  # routing as llama.cpp's qwen3moe routes (the weights as saved)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "norm_topk_prob": True}))
+    result = export_lora_gguf(folder, adapter)
+    fields, tensors = read_lora(result.path)
+    base, merged = _weights(fixture / "base"), _weights(fixture / "peft_merged")
+    alpha, checked = fields["adapter.lora.alpha"], 0
+    for layer in range(config["num_hidden_layers"]):
+        for hf, kind in EXPERT_KINDS.items():
+            a, b = tensors[f"blk.{layer}.{kind}.weight.lora_a"][0], tensors[f"blk.{layer}.{kind}.weight.lora_b"][0]
+            for e in range(config["num_local_experts"]):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"
+                torch.testing.assert_close(alpha / a.shape[1] * (b[e] @ a[e]), merged[name] - base[name], rtol=1e-3, atol=1e-5, msg=name)
+                checked += 1
+    assert checked == 3 * config["num_hidden_layers"] * config["num_local_experts"] and result.experts == 6
