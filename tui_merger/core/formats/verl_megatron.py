@@ -37,11 +37,14 @@ from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
 from tui_merger.core.io.sources import TensorRef, find_weight_files, not_a_folder
 
 MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE"
+SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and Qwen3-Next"
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
 _ARCH_FAMILY = {
     "Llama": "llama", "Qwen2": "qwen2", "Qwen3": "qwen3", "Qwen2Moe": "qwen2_moe", "Qwen3Moe": "qwen3_moe",
 }
+# Qwen3-Next (Gated DeltaNet layers, gated attention, its MTP layer): mapped by megatron_gdn on this mapper
+FAMILIES["qwen3_next"] = "Qwen3-Next"
+_ARCH_FAMILY["Qwen3Next"] = "qwen3_next"
 _ROLES = ("actor", "critic")
 BLOCK_BYTES = 16 << 20  # the largest row block converted at once
 
@@ -626,6 +629,7 @@ class Spec:
     dtype: str
     pieces: list[Piece]
     flat: bool = False  # pieces placed in the tensor's first two dimensions as one (packed experts, megatron_vl)
+    offset: float = 0.0  # added to every value read (megatron_gdn: a norm Megatron keeps zero-centered, HF not)
 
 
 def _cfg(config: dict, key: str, default=None):
@@ -705,6 +709,11 @@ class _Mapping:
 
 
 class _Mapper:
+    # what a subclass for another layer type extends (megatron_gdn): the per-layer patterns, and the kinds that are a
+    # layer's attention weights (with the name said when a layer has none)
+    layer_patterns = _LAYER_PATTERNS
+    attention_kinds = {"qkv": "linear_qkv"}
+
     def __init__(self, tensors: dict[str, ChunkedTensor], config: dict, config_path: Path) -> None:
         self.tensors = tensors
         self.config = config
@@ -858,7 +867,7 @@ class _Mapper:
         prefix = f"model.layers.{i}."
         matched = []
         for rest, key, index in entries:
-            for order, (pattern, kind, name) in enumerate(_LAYER_PATTERNS):
+            for order, (pattern, kind, name) in enumerate(self.layer_patterns):
                 m = pattern.match(rest)
                 if m:
                     matched.append((order, rest, key, index, kind, name, m))
@@ -869,8 +878,11 @@ class _Mapper:
                     f"tui-merger converts Megatron checkpoints of {SUPPORTED} models only."
                 )
         matched.sort(key=lambda x: (x[0], x[1].endswith("bias"), x[1]))  # weights before biases
-        if not any(kind == "qkv" and rest.endswith("weight") for _, rest, _, _, kind, _, _ in matched):
-            raise MergeError(f"Layer {i} has no attention weights (linear_qkv) in the checkpoint; it is incomplete.")
+        if not any(kind in self.attention_kinds and not rest.endswith("bias") for _, rest, _, _, kind, _, _ in matched):
+            raise MergeError(
+                f"Layer {i} has no attention weights ({' or '.join(self.attention_kinds.values())}) in the checkpoint; "
+                "it is incomplete."
+            )
         sparse = any(rest == "mlp.router.weight" for _, rest, *_ in matched)
         if self.family in ("qwen2_moe", "qwen3_moe") and sparse != self._hf_sparse(i):
             raise self.fail(
@@ -903,10 +915,15 @@ class _Mapper:
                         self.add(name_e, key, index + (e,), param[1:])
                     else:
                         self._glu(name_e, key, index + (e,), param[1:])
+            else:  # a kind of a subclass's own patterns
+                self._special(kind, hf, key, index, param, m)
         ids = sorted({int(g) for _, rest, *_ in matched for g in _expert_ids(rest)})
         want = self._experts()
         if ids and isinstance(want, int) and ids != list(range(want)):
             raise self.fail(f"it says {want} experts (num_experts) but layer {i} holds experts {_ranges(ids)}")
+
+    def _special(self, kind: str, hf: str, key: str, index: tuple, param: tuple, m) -> None:
+        raise AssertionError(kind)
 
     def _hf_sparse(self, i: int) -> bool:
         if i in (_cfg(self.config, "mlp_only_layers") or []):
@@ -1003,11 +1020,13 @@ class MegatronSource:
                 n = p.rows[1] - p.rows[0] if p.rows else spec.shape[0]
                 dst = out.narrow(0, p.at, n)
             self.store.read_region(p.key, p.index, p.rows, dst, group=(p.key, p.index))
+        if spec.offset:
+            out.add_(spec.offset)
 
     def _views(self, ref: TensorRef, max_bytes: int | None):
         """The tensor as row views on the files, in order (None: its rows are not contiguous there)."""
         spec = self.specs.get(ref.name)
-        if spec is None or not spec.pieces or not math.prod(spec.shape):
+        if spec is None or not spec.pieces or not math.prod(spec.shape) or spec.offset:
             return None
         views = []
         for p in sorted(spec.pieces, key=lambda p: p.at):
@@ -1089,9 +1108,14 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
             raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
         store = DcpStore(layout.model_dir, skip, canonical)
     inputs.closers.append(store)
+    from tui_merger.core.formats.megatron_gdn import is_gdn_model, map_gdn
+
     if vl:
         parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece)
         mapping = map_vl(store.tensors, config, config_dir / "config.json", parts)
+    elif is_gdn_model(config):  # Qwen3-Next
+        parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece, patterns=_LAYER_PATTERNS)
+        mapping = map_gdn(store.tensors, config, config_dir / "config.json", parts)
     else:
         mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
     source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
