@@ -1439,7 +1439,7 @@ def open_bridge_peft(layout: MegatronLayout, options):
                 f"{base_iter}, the {base_field} of {layout.folder}, is itself a PEFT run; point "
                 f"{base_field} at the full model or pass --base with its Hugging Face model."
             )
-    shards = read_dist_adapter(info.model_dir, config)
+    shards = read_dist_adapter(info.model_dir, config, config_dir)
     adapter = adapter_from_source(info.model_dir, peft_config(shards, alpha, info.hf_ref, info.peft.get("use_rslora")),
                                   shards.source)
     inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
