@@ -294,6 +294,8 @@ class ShardAdapter:
     experts: int
     layout: ShardLayout | None = None
     notices: list[str] = field(default_factory=list)
+    target_regex: str | None = None  # target_modules as peft's regex (a VL model: its language model's layers only)
+    renames: dict = field(default_factory=dict)  # a VL model: in-memory -> save_pretrained names, where they differ
 
 
 def _load_shard(path: Path, source: ShardSource) -> dict:
@@ -599,7 +601,7 @@ def peft_config(shards: ShardAdapter, alpha, base_name: str | None, use_rslora: 
         "lora_alpha": alpha,
         "rank_pattern": shards.rank_pattern,
         "alpha_pattern": {},
-        "target_modules": modules,
+        "target_modules": shards.target_regex or modules,
         "use_dora": shards.kind == "dora",
         "use_rslora": bool(use_rslora),
         "lora_dropout": 0.0,
@@ -830,7 +832,7 @@ def _vl_adapter(dist_dir, hf_config, config_dir, layout, source, globals_, layer
 
     if config_dir is None:
         raise MergeError(f"{dist_dir} holds a vision-language model's LoRA run; pass --base with its Hugging Face model.")
-    lm_layers, vision_names = lora_names(Path(config_dir), sorted(vision))
+    lm_layers, vision_names, renames = lora_names(Path(config_dir), sorted(vision))
     shards = _name(layout, hf_config, source, globals_, layers, experts, prefix="base_model.model." + lm_layers)
     for mod, pair in sorted(vision.items()):
         if set(pair) != {"linear_in", "linear_out"}:
@@ -847,6 +849,16 @@ def _vl_adapter(dist_dir, hf_config, config_dir, layout, source, globals_, layer
         source.add(f"{full}.lora_B.weight", (_Global(mod + ".linear_out.weight", [B], None), None))
         if A.shape[0] != shards.r:
             shards.rank_pattern[re.escape(vision_names[mod])] = A.shape[0]
+    # peft matches a list of target names anywhere (Qwen2.5-VL's vision MLP is gate/up/down_proj too): the adapted
+    # modules as one regex, the language model's by their place in a layer (model.layers. on disk,
+    # model.language_model.layers. in transformers 5's model), the vision tower's by their name under it
+    lm = sorted({n[len("base_model.model." + lm_layers):].split(".", 1)[1].rsplit(".", 2)[0]
+                 for n in source.tensors if n.startswith("base_model.model." + lm_layers) and n.endswith(".lora_A.weight")})
+    tower = sorted(vision_names[m][: -len(m) - 1].rsplit(".", 1)[-1] + "." + m for m in vision)  # visual.blocks.0...
+    shards.target_regex = "|".join(
+        ([r"(?:.*\.)?layers\.\d+\.(?:" + "|".join(map(re.escape, lm)) + ")"] if lm else [])
+        + [r"(?:.*\.)?" + re.escape(t) for t in tower])
+    shards.renames = renames
     if vision:
         shards.targets = sorted(set(shards.targets) | {"vision tower"})
         shards.notices.append(

@@ -350,11 +350,12 @@ def map_vl(tensors: dict, config: dict, config_path: Path, parts):
 # -- LoRA runs of VL models (megatron_lora.read_dist_adapter) -----------------------------------------------------
 
 
-def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[str, str]]:
-    """Where a Megatron VL LoRA run's adapters go, in ``save_pretrained``'s names (as the converted base is written):
-    the prefix of the language model's layers (``model.language_model.layers.`` / ``model.layers.``), and for each
-    vision-tower module the run holds a LoRA pair on (its name inside transformers' vision module: Megatron-Bridge
-    embeds that module, ``vision_model.*`` / ``visual.*``), that module's full name."""
+def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[str, str], dict[str, str]]:
+    """Where a Megatron VL LoRA run's adapters go, under the names of transformers' model (as peft names an adapter
+    of it): the prefix of the language model's layers (``model.language_model.layers.``), for each vision-tower
+    module the run holds a LoRA pair on (its name inside transformers' vision module: Megatron-Bridge embeds that
+    module, ``vision_model.*`` / ``visual.*``) that module's full name, and the renames in-memory -> save_pretrained
+    name where they differ (Qwen2.5-VL's ``model.language_model.layers.*`` is saved as ``model.layers.*``)."""
     from tui_merger.core.formats import hf_names
 
     config_dir = Path(config_dir)
@@ -372,8 +373,7 @@ def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[s
     if not lm or probe not in state:
         raise MergeError(f"transformers' model for {config_dir / 'config.json'} has no language model layers to merge "
                          "the LoRA run's adapters into.")
-    disk = layout.renames.get(probe, probe)
-    layers = disk[: -len("0.self_attn.q_proj.weight")]
+    layers = probe[: -len("0.self_attn.q_proj.weight")]
     found: dict[str, str] = {}
     prefixes = None
     for mod in vision_modules:
@@ -389,5 +389,5 @@ def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[s
         (prefix,) = prefixes
         for mod in vision_modules:
             name = f"{prefix}.{mod}.weight"
-            found[mod] = layout.renames.get(name, name)[: -len(".weight")]
-    return layers, found
+            found[mod] = name[: -len(".weight")]
+    return layers, found, dict(layout.renames)

@@ -28,7 +28,8 @@ from types import SimpleNamespace
 
 from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, DcpStore, check_coverage
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.adapter import chosen_alpha, export_peft_adapter, lora_train_meta_path, read_lora_train_meta
+from tui_merger.core.formats.adapter import (chosen_alpha, export_peft_adapter, lora_train_meta_path, read_lora_train_meta,
+                                             renamed)
 from tui_merger.core.formats.megatron_lora import SHARDS_DIR, shard_files
 from tui_merger.core.formats.megatron_runs import FRAMEWORKS, MEGATRON_LM_STATE
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
@@ -1444,6 +1445,9 @@ def open_bridge_peft(layout: MegatronLayout, options):
                                   shards.source)
     inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
     inputs.notices = list(layout.notices)
+    if shards.renames:  # a VL model saved under other names than its in-memory ones (issue 39): peft wants these
+        inputs.memory_adapter = adapter
+        inputs.adapter = renamed(adapter, lambda n: shards.renames.get(n, n))
     try:
         inputs.config = config
         if base_layout is not None:
@@ -1720,5 +1724,5 @@ class VerlMegatronFormat(Format):
         folder = inputs.adapter.folder
         if options.lora_alpha is not None or not (folder / "adapter_config.json").is_file():  # the shards: written out
             folder = Path(tmp) / "adapter"
-            export_peft_adapter(inputs.adapter, folder, fsync=False)
+            export_peft_adapter(inputs.memory_adapter or inputs.adapter, folder, fsync=False)
         return Reference([(folder, None)])
