@@ -28,7 +28,8 @@ from types import SimpleNamespace
 
 from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, DcpStore, check_coverage
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.adapter import chosen_alpha, export_peft_adapter, lora_train_meta_path, read_lora_train_meta
+from tui_merger.core.formats.adapter import (chosen_alpha, export_peft_adapter, lora_train_meta_path, read_lora_train_meta,
+                                             renamed)
 from tui_merger.core.formats.megatron_lora import SHARDS_DIR, shard_files
 from tui_merger.core.formats.megatron_runs import FRAMEWORKS, MEGATRON_LM_STATE
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
@@ -37,19 +38,21 @@ from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
 from tui_merger.core.io.sources import TensorRef, find_weight_files, not_a_folder
 
 MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE"
+SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, GLM-4.5 and DeepSeek-V3"
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
 _ARCH_FAMILY = {
     "Llama": "llama", "Qwen2": "qwen2", "Qwen3": "qwen3", "Qwen2Moe": "qwen2_moe", "Qwen3Moe": "qwen3_moe",
 }
 # -- GLM-4.5 and DeepSeek-V3 (MoE with expert bias and shared experts; DeepSeek-V3 multi-latent attention,
 # megatron_mla.py); their multi-token prediction layers: MTP_PLACES below
-SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek-V3"
 FAMILIES.update({"glm4_moe": "GLM-4.5", "deepseek_v3": "DeepSeek-V3"})
 _ARCH_FAMILY.update({"Glm4Moe": "glm4_moe", "DeepseekV3": "deepseek_v3"})
 _DEEPSEEK_MOE = ("glm4_moe", "deepseek_v3")  # routed experts from first_k_dense_replace on, shared_experts, expert bias
 _MLA = ("deepseek_v3",)
 # -- end GLM-4.5 / DeepSeek-V3
+# Qwen3-Next (Gated DeltaNet layers, gated attention, its MTP layer): mapped by megatron_gdn on this mapper
+FAMILIES["qwen3_next"] = "Qwen3-Next"
+_ARCH_FAMILY["Qwen3Next"] = "qwen3_next"
 _ROLES = ("actor", "critic")
 BLOCK_BYTES = 16 << 20  # the largest row block converted at once
 
@@ -634,6 +637,7 @@ class Spec:
     dtype: str
     pieces: list[Piece]
     flat: bool = False  # pieces placed in the tensor's first two dimensions as one (packed experts, megatron_vl)
+    offset: float = 0.0  # added to every value read (megatron_gdn: a norm Megatron keeps zero-centered, HF not)
 
 
 def _cfg(config: dict, key: str, default=None):
@@ -715,6 +719,11 @@ class _Mapping:
 
 
 class _Mapper:
+    # what a subclass for another layer type extends (megatron_gdn): the per-layer patterns, and the kinds that are a
+    # layer's attention weights (with the name said when a layer has none)
+    layer_patterns = _LAYER_PATTERNS
+    attention_kinds = {"qkv": "linear_qkv"}
+
     def __init__(self, tensors: dict[str, ChunkedTensor], config: dict, config_path: Path) -> None:
         self.tensors = tensors
         self.config = config
@@ -739,11 +748,10 @@ class _Mapper:
         self.specs: dict[str, Spec] = {}
         self.notices: list[str] = []
         self.config_changes: dict = {}
-        self.patterns = _LAYER_PATTERNS
-        if self.family in _MLA:  # GLM-4.5 / DeepSeek-V3: multi-latent attention's projections ahead of the common keys
+        if self.family in _MLA:  # DeepSeek-V3: multi-latent attention's projections ahead of the common keys
             from tui_merger.core.formats.megatron_mla import MLA_LAYER_KEYS
 
-            self.patterns = [(re.compile(f"(?:{p})$"), k, n) for p, k, n in MLA_LAYER_KEYS] + _LAYER_PATTERNS
+            self.layer_patterns = [(re.compile(f"(?:{p})$"), k, n) for p, k, n in MLA_LAYER_KEYS] + list(self.layer_patterns)
 
     def fail(self, text: str) -> MergeError:
         return MergeError(
@@ -872,7 +880,7 @@ class _Mapper:
         prefix = prefix or f"model.layers.{i}."
         matched = []
         for rest, key, index in entries:
-            for order, (pattern, kind, name) in enumerate(self.patterns):
+            for order, (pattern, kind, name) in enumerate(self.layer_patterns):
                 m = pattern.match(rest)
                 if m:
                     matched.append((order, rest, key, index, kind, name, m))
@@ -883,9 +891,11 @@ class _Mapper:
                     f"tui-merger converts Megatron checkpoints of {SUPPORTED} models only."
                 )
         matched.sort(key=lambda x: (x[0], x[1].endswith("bias"), x[1]))  # weights before biases
-        if not any(kind == "qkv" and rest.endswith("weight") or rest.endswith(_attention_keys(self.family))
+        extra = _attention_keys(self.family)  # MLA's projections
+        if not any(kind in self.attention_kinds and not rest.endswith("bias") or rest.endswith(extra)
                    for _, rest, _, _, kind, _, _ in matched):
-            raise MergeError(f"Layer {i} has no attention weights (linear_qkv) in the checkpoint; it is incomplete.")
+            names = " or ".join([*self.attention_kinds.values(), *(k.rsplit(".", 2)[-2] for k in extra)])
+            raise MergeError(f"Layer {i} has no attention weights ({names}) in the checkpoint; it is incomplete.")
         sparse = any(rest == "mlp.router.weight" for _, rest, *_ in matched)
         if self.family in ("qwen2_moe", "qwen3_moe") + _DEEPSEEK_MOE and sparse != self._hf_sparse(i):
             raise self.fail(
@@ -921,6 +931,8 @@ class _Mapper:
                         self.add(name_e, key, index + (e,), param[1:])
                     else:
                         self._glu(name_e, key, index + (e,), param[1:])
+            else:  # a kind of a subclass's own patterns
+                self._special(kind, hf, key, index, param, m)
         ids = sorted({int(g) for _, rest, *_ in matched for g in _expert_ids(rest)})
         want = self._experts()
         if ids and isinstance(want, int) and ids != list(range(want)):
@@ -933,6 +945,9 @@ class _Mapper:
             if not any(x.startswith(said) for x in self.notices):
                 self.notices.append(f"{said}; mlp.gate.e_score_correction_bias is written as 0, which adds nothing to "
                                     "the routing scores.")
+
+    def _special(self, kind: str, hf: str, key: str, index: tuple, param: tuple, m) -> None:
+        raise AssertionError(kind)
 
     def _hf_sparse(self, i: int) -> bool:
         if self.family in _DEEPSEEK_MOE:  # transformers' rule: routed experts from first_k_dense_replace on
@@ -1140,11 +1155,13 @@ class MegatronSource:
                 n = p.rows[1] - p.rows[0] if p.rows else spec.shape[0]
                 dst = out.narrow(0, p.at, n)
             self.store.read_region(p.key, p.index, p.rows, dst, group=(p.key, p.index))
+        if spec.offset:
+            out.add_(spec.offset)
 
     def _views(self, ref: TensorRef, max_bytes: int | None):
         """The tensor as row views on the files, in order (None: its rows are not contiguous there)."""
         spec = self.specs.get(ref.name)
-        if spec is None or not spec.pieces or not math.prod(spec.shape):
+        if spec is None or not spec.pieces or not math.prod(spec.shape) or spec.offset:
             return None
         views = []
         for p in sorted(spec.pieces, key=lambda p: p.at):
@@ -1231,9 +1248,14 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
             raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
         store = DcpStore(layout.model_dir, skip, canonical)
     inputs.closers.append(store)
+    from tui_merger.core.formats.megatron_gdn import is_gdn_model, map_gdn
+
     if vl:
         parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece)
         mapping = map_vl(store.tensors, config, config_dir / "config.json", parts)
+    elif is_gdn_model(config):  # Qwen3-Next
+        parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece, patterns=_LAYER_PATTERNS)
+        mapping = map_gdn(store.tensors, config, config_dir / "config.json", parts)
     else:
         mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
     source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
@@ -1558,11 +1580,14 @@ def open_bridge_peft(layout: MegatronLayout, options):
                 f"{base_iter}, the {base_field} of {layout.folder}, is itself a PEFT run; point "
                 f"{base_field} at the full model or pass --base with its Hugging Face model."
             )
-    shards = read_dist_adapter(info.model_dir, config)
+    shards = read_dist_adapter(info.model_dir, config, config_dir)
     adapter = adapter_from_source(info.model_dir, peft_config(shards, alpha, info.hf_ref, info.peft.get("use_rslora")),
                                   shards.source)
     inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
     inputs.notices = list(layout.notices)
+    if shards.renames:  # a VL model saved under other names than its in-memory ones (issue 39): peft wants these
+        inputs.memory_adapter = adapter
+        inputs.adapter = renamed(adapter, lambda n: shards.renames.get(n, n))
     try:
         inputs.config = config
         if base_layout is not None:
@@ -1839,5 +1864,5 @@ class VerlMegatronFormat(Format):
         folder = inputs.adapter.folder
         if options.lora_alpha is not None or not (folder / "adapter_config.json").is_file():  # the shards: written out
             folder = Path(tmp) / "adapter"
-            export_peft_adapter(inputs.adapter, folder, fsync=False)
+            export_peft_adapter(inputs.memory_adapter or inputs.adapter, folder, fsync=False)
         return Reference([(folder, None)])
