@@ -61,6 +61,7 @@ class MegatronLayout:
     lora: "LoraRun | None" = None  # a LoRA run (Megatron-Bridge PEFT): its adapter, not the model
     run: "RunInfo | None" = None  # kind "mcore": saved by Megatron-LM, Megatron-Bridge, ms-swift or NeMo 2
     missing_base: str | None = None  # kind "mcore" without a config: why --base is needed
+    config_file: Path | None = None  # the file the config was built from when it is no config.json (NeMo 2's model.yaml)
 
 
 @dataclass
@@ -1074,8 +1075,9 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     from tui_merger.core.formats.megatron_vl import map_vl, vl_family
 
     vl = vl_family(config) is not None
+    config_path = layout.config_file or config_dir / "config.json"
     if not vl:
-        model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
+        model_family(config, config_path)  # an unknown architecture is said before any reading
     if layout.kind == "legacy" or layout.run is not None and layout.run.legacy:
         if vl:  # their language_model.* layers would not be renumbered across pipeline stages
             raise MergeError(
@@ -1091,9 +1093,9 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     inputs.closers.append(store)
     if vl:
         parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece)
-        mapping = map_vl(store.tensors, config, config_dir / "config.json", parts)
+        mapping = map_vl(store.tensors, config, config_path, parts)
     else:
-        mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
+        mapping = _Mapper(store.tensors, config, config_path).run()
     source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
     inputs.base = source
     inputs.notices += mapping.notices
@@ -1135,11 +1137,21 @@ def open_megatron_inputs(options):
         return open_lora_export(layout, options)
     if layout.kind == "mcore" and layout.run.lora:  # Megatron-Bridge PEFT (others are refused by check_iteration)
         return open_bridge_peft(layout, options)
+    nemo = None
     if layout.kind == "mcore":  # the config: --base, else the model the run names (on this machine)
         config_dir = Path(options.base) if options.base is not None else layout.hf_dir
+        if config_dir is None and layout.run.framework == "nemo2":  # issue 39: built from context/model.yaml
+            from tui_merger.core.formats.nemo2_config import nemo2_config
+
+            nemo = nemo2_config(layout.folder)
+            config_dir, layout.config_file = nemo.source.parent, nemo.source
+            layout.notices.append(
+                f"The Hugging Face config is built from {nemo.source} (NeMo's {nemo.nemo_class}) and the tokenizer "
+                f"taken from {nemo.tokenizer or 'nowhere (the context holds none)'}; pass --base to use a model's own."
+            )
         if config_dir is None:
             raise MergeError(layout.missing_base)
-        if options.base is None:
+        if options.base is None and nemo is None:
             layout.notices.append(
                 f"The Hugging Face config and tokenizer are taken from {config_dir}, {layout.run.source()}; pass "
                 "--base to use another."
@@ -1152,7 +1164,7 @@ def open_megatron_inputs(options):
             f"{layout.folder} has no {where} folder with config.json; copy the model's config.json and tokenizer "
             "into it, or pass --base with the original model."
         )
-    config = read_config(config_dir)
+    config = nemo.config if nemo is not None else read_config(config_dir)
     inputs = Inputs(None, empty_adapter(layout.folder), config, FilePlan(), paths_of(options))
     inputs.notices = list(layout.notices)
     try:
@@ -1171,9 +1183,15 @@ def open_megatron_inputs(options):
                 "The checkpoint's config says float32, so the model is written in float32 (twice the size "
                 "of bf16); pass --dtype bf16 for the half-size model verl's merger writes."
             )
-        inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
+        if nemo is not None:  # NeMo 2: the tokenizer folder of its context, the importer's generation config
+            tok = nemo.tokenizer or config_dir
+            inputs.files = plan_files(tok, tok, config, options.tokenizer_from)
+            if nemo.generation is not None and all(name != "generation_config.json" for _, name in inputs.files.copies):
+                inputs.files.copies.append((nemo.generation, "generation_config.json"))
+        else:
+            inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
         inputs.notices += inputs.files.notices
-        inputs.read_files = weights + [config_dir / "config.json"] + [src for src, _ in inputs.files.copies]
+        inputs.read_files = weights + [layout.config_file or config_dir / "config.json"] + [src for src, _ in inputs.files.copies]
     except BaseException:
         inputs.close()
         raise
@@ -1668,8 +1686,8 @@ class VerlMegatronFormat(Format):
             raise
 
     def needs_base(self, c: Candidate) -> bool:
-        if c.backend in MCORE_BACKENDS:  # the weights without a Hugging Face config
-            return not c.base_path
+        if c.backend in MCORE_BACKENDS:  # the weights without a Hugging Face config (NeMo 2's built from its context)
+            return not c.base_path and c.needs_base
         # a LoRA run holds the adapter, not the base (unless its dist checkpoint holds the whole model);
         # any other checkpoint holds every weight and its config
         return c.lora is not None and c.needs_base and not c.base_path
