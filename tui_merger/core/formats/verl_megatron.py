@@ -73,6 +73,7 @@ class LoraRun:
     export: Path | None
     shards: str | None
     shard_dir: Path | None = None  # adapter_checkpoint/ with mp_rank_*_adapter.pt files (read by megatron_lora)
+    dist_dir: Path | None = None  # verl v2 + Megatron-Bridge PEFT: the adapters' dist checkpoint (model/dist_ckpt)
 
 
 def _lora_run(folder: Path) -> LoraRun | None:
@@ -101,7 +102,19 @@ def _lora_run(folder: Path) -> LoraRun | None:
         shards = f"{str(where or 'model/dist_ckpt').rstrip('/')}/"
     if export is None and shards is None:
         return None
-    return LoraRun(export, shards, shard_dir)
+    return LoraRun(export, shards, shard_dir, _peft_dist_dir(folder, contents) if peft and shard_dir is None else None)
+
+
+def _peft_dist_dir(folder: Path, contents: dict) -> Path | None:
+    """issue 39: verl's v2 layout with Megatron-Bridge PEFT (megatron_checkpoint_manager.py save_checkpoint: the
+    model's sharded state dict filtered to its adapters by Bridge's apply_peft_adapter_filter_to_state_dict, saved
+    to model/dist_ckpt; ckpt_contents.json's contents.peft_adapters.path names it): that dist checkpoint, when it
+    is one (its .metadata is there) inside the run's folder."""
+    where = contents.get("peft_adapters", {}).get("path") if isinstance(contents.get("peft_adapters"), dict) else None
+    rel = Path(where) if isinstance(where, str) and where else Path("model") / "dist_ckpt"
+    if rel.is_absolute() or ".." in rel.parts:
+        return None
+    return folder / rel if (folder / rel / METADATA).is_file() else None
 
 
 def lora_refusal(folder: Path, lora: LoraRun) -> str:
@@ -248,7 +261,8 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
         )
     else:
         layout.lora = _lora_run(folder)
-        if layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None:
+        if (layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None
+                and layout.lora.dist_dir is None):
             raise MergeError(lora_refusal(folder, layout.lora))
     return layout
 
@@ -1132,6 +1146,8 @@ def open_megatron_inputs(options):
 
     layout = find_megatron_checkpoint(options.checkpoint)
     if layout.lora is not None:
+        if layout.lora.export is None and layout.lora.dist_dir is not None:  # issue 39: verl v2 + Bridge PEFT
+            return open_verl_bridge_peft(layout, options)
         if layout.lora.export is None:
             return open_lora_shards(layout, options)
         return open_lora_export(layout, options)
@@ -1396,6 +1412,70 @@ def open_lora_shards(layout: MegatronLayout, options):
     return inputs
 
 
+def open_verl_bridge_peft(layout: MegatronLayout, options):
+    """issue 39: inputs of a verl LoRA run in the v2 layout trained with Megatron-Bridge PEFT and saved without its
+    Hugging Face adapter export: the adapters of model/dist_ckpt (Bridge's adapter-only dist checkpoint, read by
+    megatron_lora.read_dist_adapter as for Bridge's own PEFT iterations) merged into the base (``--base``, else the
+    one model/huggingface/config.json names; the dist checkpoint's own base weights when it holds the whole model).
+    verl does not save lora_alpha with them: ``--lora-alpha`` (or a lora_train_meta.json) gives it."""
+    from tui_merger.core.formats.adapter import adapter_from_source
+    from tui_merger.core.formats.input_types import Inputs, paths_of
+    from tui_merger.core.formats.megatron_lora import KINDS, peft_config, read_dist_adapter
+    from tui_merger.core.io.files import FilePlan, plan_files, read_config
+    from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
+    from tui_merger.core.io.sources import open_model
+
+    dist = layout.lora.dist_dir
+    if layout.hf_dir is None or not (layout.hf_dir / "config.json").is_file():
+        raise MergeError(
+            f"{layout.folder} has no model/huggingface/config.json, which says what model the adapters in {dist} belong "
+            "to; copy the run's model/huggingface/ folder again."
+        )
+    run_config = read_config(layout.hf_dir)
+    own = options.base is None and holds_model(dist)
+    found = read_lora_train_meta(layout.folder)
+    meta_path = found[1] if found else None
+    alpha, said = chosen_alpha(options.lora_alpha, found[0].get("lora_alpha") if found else None, "lora_train_meta.json")
+    if alpha is None:
+        raise MergeError(
+            f"The Megatron-Bridge adapters in {dist} do not record lora_alpha, and no lora_train_meta.json does (verl "
+            "keeps it in the training config, actor_rollout_ref.model.lora.alpha); pass --lora-alpha with that value."
+        )
+    base_dir = layout.hf_dir if own else _lora_base(layout, options, {})
+    if not own:
+        _same_shapes(run_config, read_config(base_dir), layout.hf_dir / "config.json", base_dir)
+    shards = read_dist_adapter(dist, run_config)
+    adapter = adapter_from_source(dist, peft_config(shards, alpha, lora_base_named(layout, None)), shards.source)
+    inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
+    inputs.notices = list(layout.notices) + ([said] if said else [])
+    try:
+        if own:
+            inputs.config = run_config
+            base_files = _convert(layout, run_config, layout.hf_dir, inputs, options, _skip_adapters)
+        else:
+            base = inputs.base = open_model(base_dir)
+            inputs.closers.append(base)
+            inputs.config = read_config(base_dir)
+            base_files = [base_dir / f for f in base.files] + [base_dir / "config.json"]
+        inputs.notices.append(
+            f"A verl {KINDS[shards.kind]} run (Megatron-Bridge PEFT): its adapters in {dist} (rank {shards.r}, alpha "
+            f"{alpha:g}) are merged into "
+            + (f"the base weights the same dist checkpoint holds (--base merges into another)." if own else f"{base_dir}.")
+        )
+        dtype = config_dtype(inputs.config)
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        inputs.files = plan_files(layout.hf_dir if own else base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
+        inputs.notices += shards.notices + adapter.notices + inputs.files.notices
+        inputs.read_files = (base_files + [layout.hf_dir / "config.json", dist / METADATA]
+                             + [dist / f for f in shards.source.files] + [src for src, _ in inputs.files.copies])
+        if meta_path is not None and options.lora_alpha is None:
+            inputs.read_files.append(meta_path)
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
 def open_bridge_peft(layout: MegatronLayout, options):
     """Inputs of a Megatron-Bridge PEFT iteration (adapter-only dist checkpoint, the LoRA in run_config.yaml):
     its adapter (formats/megatron_lora.py read_dist_adapter, named as Bridge's Hugging Face export names it)
@@ -1558,6 +1638,9 @@ class VerlMegatronFormat(Format):
         if lora.export is None and lora.shard_dir is not None:
             self._shards(s, c, folder, lora)
             return
+        if lora.export is None and lora.dist_dir is not None:
+            self._dist_peft(s, c, folder, lora)
+            return
         if lora.export is None:
             c.lora = lora_info(None)
             c.notes.append(f"a LoRA run whose adapter is only in Megatron-Bridge shards in {lora.shards}: "
@@ -1579,6 +1662,40 @@ class VerlMegatronFormat(Format):
         if c.base_model is None:
             c.notes.append("the run names no base model: pass --base with the model it started from.")
         s.resolve_base(c, lora.export)
+
+    def _dist_peft(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
+        """issue 39: verl's v2 layout with Megatron-Bridge PEFT, the adapters in a dist checkpoint: rank and
+        targets from its index (.metadata); lora_alpha is not recorded."""
+        from tui_merger.core.io.dcp import read_metadata
+
+        try:
+            keys = read_metadata(lora.dist_dir).state_dict_metadata
+        except MergeError as err:
+            s.problem(lora.dist_dir / METADATA, str(err))
+            return
+        ins = {str(k): v for k, v in keys.items() if str(k).endswith(".adapter.linear_in.weight")}
+        size = next((getattr(v, "size", None) for v in ins.values()), None)
+        targets = sorted({k.split(".adapter.")[0].rsplit(".", 1)[-1] for k in ins})
+        c.lora = lora_info({"r": int(size[-2]) if size else None, "target_modules": targets or None})
+        own = holds_model(lora.dist_dir)
+        c.needs_base = not own
+        c.notes.append(f"a Megatron-Bridge PEFT run saved by verl: its adapters are in {lora.dist_dir.relative_to(folder)}/ "
+                       "(a dist checkpoint) and are merged into the base model the run started from.")
+        meta_path = lora_train_meta_path(folder)
+        alpha = ((s.json(meta_path) if meta_path is not None else None) or {}).get("lora_alpha")
+        if alpha:
+            c.lora["alpha"] = alpha
+        else:
+            c.notes.append("the adapters do not record lora_alpha (verl keeps it in its training config, "
+                           "actor_rollout_ref.model.lora.alpha): the merge needs --lora-alpha.")
+        if own:
+            return
+        hf = folder / "model" / "huggingface"
+        named = (s.json(hf / "config.json") or {}).get("_name_or_path") if (hf / "config.json").is_file() else None
+        c.base_model = named if isinstance(named, str) and named else None
+        if c.base_model is None:
+            c.notes.append("the run names no base model: pass --base with the model it started from.")
+        s.resolve_base(c, hf)
 
     def _shards(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
         """verl's adapter shards: the LoRA kind, rank, targets and parallel layout from the file names,
@@ -1655,9 +1772,9 @@ class VerlMegatronFormat(Format):
                 return str(err)
             return None
         lora = _lora_run(Path(c.path)) if c.lora is not None else None
-        if lora is not None and lora.export is None and lora.shard_dir is None:
+        if lora is not None and lora.export is None and lora.shard_dir is None and lora.dist_dir is None:
             return lora_refusal(Path(c.path), lora)
-        if lora is not None and lora.export is None:
+        if lora is not None and lora.export is None and lora.shard_dir is not None:
             from tui_merger.core.formats.megatron_lora import describe, transformer_config
 
             return describe(lora.shard_dir, transformer_config(Path(c.path)))["problem"]
@@ -1678,6 +1795,15 @@ class VerlMegatronFormat(Format):
 
         if layout.hf_dir is None:
             return None
+        if layout.lora.dist_dir is not None:  # issue 39: verl v2 + Megatron-Bridge PEFT
+            from tui_merger.core.formats.megatron_lora import read_dist_adapter
+
+            shards = read_dist_adapter(layout.lora.dist_dir, read_config(layout.hf_dir))
+            try:
+                return adapter_from_source(layout.lora.dist_dir, peft_config(shards, shards.r, None), shards.source)
+            except BaseException:
+                shards.source.close()
+                raise
         shards = read_shards(shard_layout(layout.lora.shard_dir, transformer_config(layout.folder)), read_config(layout.hf_dir))
         try:
             return adapter_from_source(layout.lora.shard_dir, peft_config(shards, shards.r, None), shards.source)
