@@ -159,3 +159,23 @@ def test_merge_with_base_equals_the_imported_hf_weights_and_verifies(tmp_path):
     ours, want = read_output(out), read_output(HF)
     assert len(want) == 21
     same_tensors(ours, want)
+
+
+def test_qwen3_moe_config_from_nemos_own_context():
+    """NeMo's Qwen3 importer on a Qwen3-MoE (generate_nemo2.py qwen3_moe): only its context/model.yaml and the
+    imported model's config.json are kept. The weights are not a fixture: on megatron-core's local spec the
+    importer maps the experts to Transformer Engine's grouped names only ("No matches found for source key:
+    **.mlp.experts.*.down_proj.weight"), so NeMo's checkpoint holds initial experts, not the model's (every other
+    tensor converted bit for bit when tried), and 128 experts (the importer passes no expert count) made it 1.7 MB."""
+    from transformers import AutoConfig
+
+    from tui_merger.core.formats.nemo2_config import nemo2_config
+
+    top = FIXTURES / "nemo2_qwen3_moe"
+    built = nemo2_config(top / "nemo2")
+    assert built.nemo_class == "Qwen3MoEConfig"
+    cfg = AutoConfig.for_model(built.config["model_type"], **{k: v for k, v in built.config.items() if k != "model_type"})
+    ours = {k: getattr(cfg, k, None) for k in FIELDS}
+    want = _config_fields(top / "hf")
+    assert ours == want
+    assert (ours["num_experts"], ours["num_experts_per_tok"], ours["moe_intermediate_size"], ours["head_dim"]) == (128, 8, 2, 128)
