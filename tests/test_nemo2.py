@@ -169,10 +169,11 @@ def test_qwen3_moe_config_from_nemos_own_context():
     tensor converted bit for bit when tried), and 128 experts (the importer passes no expert count) made it 1.7 MB."""
     from transformers import AutoConfig
 
+    from tui_merger.core.formats.megatron_runs import read_yaml
     from tui_merger.core.formats.nemo2_config import nemo2_config
 
     top = FIXTURES / "nemo2_qwen3_moe"
-    built = nemo2_config(top / "nemo2")
+    built = nemo2_config(top / "nemo2", read_yaml(top / "nemo2" / "context" / "model.yaml"))
     assert built.nemo_class == "Qwen3MoEConfig"
     cfg = AutoConfig.for_model(built.config["model_type"], **{k: v for k, v in built.config.items() if k != "model_type"})
     ours = {k: getattr(cfg, k, None) for k in FIELDS}

@@ -634,7 +634,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     elif info.framework == "nemo2":  # issue 39: the config built from context/model.yaml (nemo2_config)
         from tui_merger.core.formats.nemo2_config import inspect_sentence
 
-        c.needs_base, sentence = inspect_sentence(folder)
+        c.needs_base, sentence = inspect_sentence(folder, read_yaml(folder / "context" / "model.yaml"))
         c.notes.append(sentence)
     else:
         c.base_resolves = "missing" if c.base_model else None

@@ -18,7 +18,7 @@ config needs that is missing, or a model these readers do not convert, is one se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tui_merger.core.errors import MergeError
@@ -40,7 +40,6 @@ class Nemo2Config:
     nemo_class: str  # the config class NeMo recorded, e.g. Qwen2Config
     tokenizer: Path | None  # context/nemo_tokenizer when it holds a tokenizer
     generation: Path | None = None  # context/artifacts/generation_config.json
-    notes: list[str] = field(default_factory=list)
 
 
 def _ask_base(folder: Path, why: str) -> MergeError:
@@ -62,14 +61,12 @@ def _target(v) -> str:
     return str(v.get("_target_", "")) if isinstance(v, dict) else str(v or "")
 
 
-def nemo2_config(folder: Path) -> Nemo2Config:
+def nemo2_config(folder: Path, model: dict | None) -> Nemo2Config:
     """The Hugging Face config of the NeMo 2 checkpoint ``folder`` (holding ``weights/`` and ``context/``)
-    from its context/model.yaml; a MergeError asking for --base when it cannot be built."""
-    from tui_merger.core.formats.megatron_runs import read_yaml
-
+    from ``model``, its context/model.yaml as megatron_runs.read_yaml reads it (None: not readable); a
+    MergeError asking for --base when it cannot be built."""
     context = folder / "context"
     path = context / MODEL_YAML
-    model = read_yaml(path)
     if model is None:
         raise _ask_base(folder, f"context/ holds no readable {MODEL_YAML}")
     cfg = model.get("config")
@@ -169,11 +166,11 @@ def nemo2_config(folder: Path) -> Nemo2Config:
     return Nemo2Config(config, path, cls, tok, gen if gen.is_file() else None)
 
 
-def inspect_sentence(folder: Path) -> tuple[bool, str]:
-    """inspect: whether the NeMo 2 checkpoint ``folder`` needs --base, and the sentence saying so or
-    saying where its Hugging Face config comes from."""
+def inspect_sentence(folder: Path, model: dict | None) -> tuple[bool, str]:
+    """inspect: whether the NeMo 2 checkpoint ``folder`` (its model.yaml read as ``model``) needs --base, and
+    the sentence saying so or saying where its Hugging Face config comes from."""
     try:
-        built = nemo2_config(folder)
+        built = nemo2_config(folder, model)
     except MergeError as err:
         return True, str(err)
     tok = "its tokenizer from context/nemo_tokenizer" if built.tokenizer else "no tokenizer in its context"

@@ -124,11 +124,11 @@ def lora_refusal(folder: Path, lora: LoraRun) -> str:
             f"{folder / SHARDS_DIR} holds no mp_rank_*_adapter.pt files; copy the run's whole {SHARDS_DIR}/ folder "
             "again."
         )
+    # issue 39: a complete one is merged (_peft_dist_dir); here its index is missing
     return (
-        f"{folder} holds a Megatron PEFT adapter only as Megatron-Bridge shards in {lora.shards} (a dist checkpoint), "
-        "which tui-merger cannot merge yet: export the adapter in Hugging Face PEFT format into model/huggingface/adapter/ "
-        "(adapter_config.json + adapter_model.safetensors) and merge it with --base, or merge with verl's "
-        "scripts/megatron_merge_lora.py."
+        f"{folder / lora.shards.rstrip('/')} holds no complete dist checkpoint of the run's Megatron-Bridge adapters (no "
+        f"{METADATA}, its index) and there is no Hugging Face adapter export in model/huggingface/adapter/; copy the "
+        "run's whole model/ folder again, or merge the exported adapter with --adapter and --base."
     )
 
 
@@ -1157,9 +1157,10 @@ def open_megatron_inputs(options):
     if layout.kind == "mcore":  # the config: --base, else the model the run names (on this machine)
         config_dir = Path(options.base) if options.base is not None else layout.hf_dir
         if config_dir is None and layout.run.framework == "nemo2":  # issue 39: built from context/model.yaml
-            from tui_merger.core.formats.nemo2_config import nemo2_config
+            from tui_merger.core.formats.megatron_runs import read_yaml
+            from tui_merger.core.formats.nemo2_config import MODEL_YAML, nemo2_config
 
-            nemo = nemo2_config(layout.folder)
+            nemo = nemo2_config(layout.folder, read_yaml(layout.folder / "context" / MODEL_YAML))
             config_dir, layout.config_file = nemo.source.parent, nemo.source
             layout.notices.append(
                 f"The Hugging Face config is built from {nemo.source} (NeMo's {nemo.nemo_class}) and the tokenizer "
@@ -1643,8 +1644,7 @@ class VerlMegatronFormat(Format):
             return
         if lora.export is None:
             c.lora = lora_info(None)
-            c.notes.append(f"a LoRA run whose adapter is only in Megatron-Bridge shards in {lora.shards}: "
-                           "tui-merger needs its Hugging Face adapter export in model/huggingface/adapter/.")
+            c.notes.append(lora_refusal(folder, lora))  # issue 39: a complete dist checkpoint is read (_dist_peft)
             return
         cfg = s.json(lora.export / "adapter_config.json", quiet_missing=False)
         _, infos = s.headers_dtype(lora.export, [n for n in s.names(lora.export) if n == "adapter_model.safetensors"])
