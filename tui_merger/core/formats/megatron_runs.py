@@ -636,6 +636,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
 
         c.needs_base, sentence = inspect_sentence(folder, read_yaml(folder / "context" / "model.yaml"))
         c.notes.append(sentence)
+        c.tokenizer = c.tokenizer or (folder / "context" / "nemo_tokenizer").is_dir()
     else:
         c.base_resolves = "missing" if c.base_model else None
         c.notes.append(base_sentence(info, folder))

@@ -65,6 +65,22 @@ def nemo2_config(folder: Path, model: dict | None) -> Nemo2Config:
     """The Hugging Face config of the NeMo 2 checkpoint ``folder`` (holding ``weights/`` and ``context/``)
     from ``model``, its context/model.yaml as megatron_runs.read_yaml reads it (None: not readable); a
     MergeError asking for --base when it cannot be built."""
+    model_type, values, cls, path = _fields(folder, model)
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    hf = transformers.AutoConfig.for_model(model_type, **values)
+    hf.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]  # transformers' own name for the family
+    config = hf.to_diff_dict()  # what save_pretrained writes
+    tok = path.parent / TOKENIZER_DIR
+    tok = tok if tok.is_dir() else None
+    gen = path.parent.joinpath(*GENERATION)
+    return Nemo2Config(config, path, cls, tok, gen if gen.is_file() else None)
+
+
+def _fields(folder: Path, model: dict | None) -> tuple[str, dict, str, Path]:
+    """(Hugging Face model type, the config's fields, NeMo's config class, model.yaml's path), checked; no
+    transformers needed (inspect)."""
     context = folder / "context"
     path = context / MODEL_YAML
     if model is None:
@@ -153,26 +169,16 @@ def nemo2_config(folder: Path, model: dict | None) -> Nemo2Config:
     if dtype in ("float32", "bfloat16", "float16"):
         values["dtype"] = dtype
 
-    import transformers
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    hf = transformers.AutoConfig.for_model(model_type, **values)
-    hf.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]  # transformers' own name for the family
-    config = hf.to_diff_dict()  # what save_pretrained writes
-    tok = context / TOKENIZER_DIR
-    tok = tok if tok.is_dir() else None
-    gen = context.joinpath(*GENERATION)
-    return Nemo2Config(config, path, cls, tok, gen if gen.is_file() else None)
+    return model_type, values, cls, path
 
 
 def inspect_sentence(folder: Path, model: dict | None) -> tuple[bool, str]:
     """inspect: whether the NeMo 2 checkpoint ``folder`` (its model.yaml read as ``model``) needs --base, and
     the sentence saying so or saying where its Hugging Face config comes from."""
     try:
-        built = nemo2_config(folder, model)
+        _, _, cls, _ = _fields(folder, model)
     except MergeError as err:
         return True, str(err)
-    tok = "its tokenizer from context/nemo_tokenizer" if built.tokenizer else "no tokenizer in its context"
-    return False, (f"its Hugging Face config: built from context/{MODEL_YAML} (NeMo's {built.nemo_class}, "
-                   f"{built.config['architectures'][0]}), {tok}.")
+    tok = ("its tokenizer from context/nemo_tokenizer" if (folder / "context" / TOKENIZER_DIR).is_dir()
+           else "no tokenizer in its context")
+    return False, f"its Hugging Face config: built from context/{MODEL_YAML} (NeMo's {cls}), {tok}."
