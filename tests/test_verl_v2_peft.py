@@ -34,16 +34,16 @@ def empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
-def _formula() -> dict:
+def _formula(dist: Path = DIST) -> dict:
     """W + 16/8 * B @ A per Hugging Face weight, from the dist checkpoint as torch.distributed.checkpoint reads it."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = dcp.FileSystemReader(str(DIST)).read_metadata()
+    meta = dcp.FileSystemReader(str(dist)).read_metadata()
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(DIST)), no_dist=True)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(dist)), no_dist=True)
     base = load_file(BASE / "model.safetensors")
 
     def delta(mod, i):
@@ -129,3 +129,20 @@ def test_an_incomplete_dist_checkpoint_is_still_refused(tmp_path):
     shutil.copytree(RUN, run)
     (run / "global_step_3" / "actor" / "model" / "dist_ckpt" / ".metadata").unlink()
     refused(run, tmp_path / "o", "model/dist_ckpt", base=BASE, lora_alpha=16)
+
+
+def test_use_dist_checkpointing_still_saves_the_adapters_only(tmp_path):
+    """verl's v2 save with use_dist_checkpointing=True and save_contents ["model", "hf_model"] (run_whole): its manifest
+    names model/dist_ckpt as the model, but the PEFT subset replaced the model section before saving, so the dist
+    checkpoint holds the adapters only; the base is asked for, not taken from it."""
+    whole = FIXTURES / "verl_v2_peft" / "run_whole"
+    manifest = json.loads((whole / "global_step_3" / "actor" / "ckpt_contents.json").read_text())
+    assert manifest["contents"]["model"]["path"] == "model/dist_ckpt" and manifest["backend"]["use_dist_checkpointing"]
+    (c,) = scan(whole).candidates
+    assert c.needs_base
+    refused(whole, tmp_path / "o", "--base", lora_alpha=16)
+    out = tmp_path / "out"
+    merge_checkpoint(whole, out, base=BASE, lora_alpha=16)
+    got = read_output(out)
+    for name, tensor in _formula(whole / "global_step_3" / "actor" / "model" / "dist_ckpt").items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=0, msg=name)
