@@ -1417,8 +1417,9 @@ def open_verl_bridge_peft(layout: MegatronLayout, options):
     """issue 39: inputs of a verl LoRA run in the v2 layout trained with Megatron-Bridge PEFT and saved without its
     Hugging Face adapter export: the adapters of model/dist_ckpt (Bridge's adapter-only dist checkpoint, read by
     megatron_lora.read_dist_adapter as for Bridge's own PEFT iterations) merged into the base (``--base``, else the
-    one model/huggingface/config.json names; the dist checkpoint's own base weights when it holds the whole model).
-    verl does not save lora_alpha with them: ``--lora-alpha`` (or a lora_train_meta.json) gives it."""
+    one model/huggingface/config.json names). verl's v2 save keeps no base weight there even with
+    use_dist_checkpointing (the PEFT subset replaces the model section), and does not save lora_alpha:
+    ``--lora-alpha`` (or a lora_train_meta.json) gives it."""
     from tui_merger.core.formats.adapter import adapter_from_source
     from tui_merger.core.formats.input_types import Inputs, paths_of
     from tui_merger.core.formats.megatron_lora import KINDS, peft_config, read_dist_adapter
@@ -1433,7 +1434,6 @@ def open_verl_bridge_peft(layout: MegatronLayout, options):
             "to; copy the run's model/huggingface/ folder again."
         )
     run_config = read_config(layout.hf_dir)
-    own = options.base is None and holds_model(dist)
     found = read_lora_train_meta(layout.folder)
     meta_path = found[1] if found else None
     alpha, said = chosen_alpha(options.lora_alpha, found[0].get("lora_alpha") if found else None, "lora_train_meta.json")
@@ -1442,30 +1442,24 @@ def open_verl_bridge_peft(layout: MegatronLayout, options):
             f"The Megatron-Bridge adapters in {dist} do not record lora_alpha, and no lora_train_meta.json does (verl "
             "keeps it in the training config, actor_rollout_ref.model.lora.alpha); pass --lora-alpha with that value."
         )
-    base_dir = layout.hf_dir if own else _lora_base(layout, options, {})
-    if not own:
-        _same_shapes(run_config, read_config(base_dir), layout.hf_dir / "config.json", base_dir)
+    base_dir = _lora_base(layout, options, {})
+    _same_shapes(run_config, read_config(base_dir), layout.hf_dir / "config.json", base_dir)
     shards = read_dist_adapter(dist, run_config)
     adapter = adapter_from_source(dist, peft_config(shards, alpha, lora_base_named(layout, None)), shards.source)
     inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
     inputs.notices = list(layout.notices) + ([said] if said else [])
     try:
-        if own:
-            inputs.config = run_config
-            base_files = _convert(layout, run_config, layout.hf_dir, inputs, options, _skip_adapters)
-        else:
-            base = inputs.base = open_model(base_dir)
-            inputs.closers.append(base)
-            inputs.config = read_config(base_dir)
-            base_files = [base_dir / f for f in base.files] + [base_dir / "config.json"]
+        base = inputs.base = open_model(base_dir)
+        inputs.closers.append(base)
+        inputs.config = read_config(base_dir)
+        base_files = [base_dir / f for f in base.files] + [base_dir / "config.json"]
         inputs.notices.append(
             f"A verl {KINDS[shards.kind]} run (Megatron-Bridge PEFT): its adapters in {dist} (rank {shards.r}, alpha "
-            f"{alpha:g}) are merged into "
-            + (f"the base weights the same dist checkpoint holds (--base merges into another)." if own else f"{base_dir}.")
+            f"{alpha:g}) are merged into {base_dir}."
         )
         dtype = config_dtype(inputs.config)
         inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
-        inputs.files = plan_files(layout.hf_dir if own else base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
+        inputs.files = plan_files(base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
         inputs.notices += shards.notices + adapter.notices + inputs.files.notices
         inputs.read_files = (base_files + [layout.hf_dir / "config.json", dist / METADATA]
                              + [dist / f for f in shards.source.files] + [src for src, _ in inputs.files.copies])
@@ -1677,8 +1671,7 @@ class VerlMegatronFormat(Format):
         size = next((getattr(v, "size", None) for v in ins.values()), None)
         targets = sorted({k.split(".adapter.")[0].rsplit(".", 1)[-1] for k in ins})
         c.lora = lora_info({"r": int(size[-2]) if size else None, "target_modules": targets or None})
-        own = holds_model(lora.dist_dir)
-        c.needs_base = not own
+        c.needs_base = True  # verl's v2 PEFT save keeps no base weight in model/dist_ckpt (open_verl_bridge_peft)
         c.notes.append(f"a Megatron-Bridge PEFT run saved by verl: its adapters are in {lora.dist_dir.relative_to(folder)}/ "
                        "(a dist checkpoint) and are merged into the base model the run started from.")
         meta_path = lora_train_meta_path(folder)
@@ -1688,8 +1681,6 @@ class VerlMegatronFormat(Format):
         else:
             c.notes.append("the adapters do not record lora_alpha (verl keeps it in its training config, "
                            "actor_rollout_ref.model.lora.alpha): the merge needs --lora-alpha.")
-        if own:
-            return
         hf = folder / "model" / "huggingface"
         named = (s.json(hf / "config.json") or {}).get("_name_or_path") if (hf / "config.json").is_file() else None
         c.base_model = named if isinstance(named, str) and named else None
