@@ -173,7 +173,7 @@ def test_config_of_another_family(tmp_path, capsys):
 def test_unknown_architecture(tmp_path, capsys):
     run = _copy(tmp_path, "qwen2_tp2")
     _edit_config(run, model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    _refused(capsys, tmp_path, run, "GPT2LMHeadModel", "Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE")
+    _refused(capsys, tmp_path, run, "GPT2LMHeadModel", "Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE")
 
 
 def test_missing_legacy_rank_file(tmp_path, capsys):

@@ -42,6 +42,14 @@ FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen2_moe": "
 _ARCH_FAMILY = {
     "Llama": "llama", "Qwen2": "qwen2", "Qwen3": "qwen3", "Qwen2Moe": "qwen2_moe", "Qwen3Moe": "qwen3_moe",
 }
+# -- GLM-4.5 and DeepSeek-V3 (MoE with expert bias and shared experts; DeepSeek-V3 multi-latent attention,
+# megatron_mla.py); their multi-token prediction layers: MTP_PLACES below
+SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek-V3"
+FAMILIES.update({"glm4_moe": "GLM-4.5", "deepseek_v3": "DeepSeek-V3"})
+_ARCH_FAMILY.update({"Glm4Moe": "glm4_moe", "DeepseekV3": "deepseek_v3"})
+_DEEPSEEK_MOE = ("glm4_moe", "deepseek_v3")  # routed experts from first_k_dense_replace on, shared_experts, expert bias
+_MLA = ("deepseek_v3",)
+# -- end GLM-4.5 / DeepSeek-V3
 _ROLES = ("actor", "critic")
 BLOCK_BYTES = 16 << 20  # the largest row block converted at once
 
@@ -685,6 +693,7 @@ _LAYER_KEYS = [
     (r"mlp\.linear_fc1\.(weight|bias)", "glu", "mlp.{}_proj.{1}"),
     (r"mlp\.linear_fc2\.(weight|bias)", "copy", "mlp.down_proj.{1}"),
     (r"mlp\.router\.weight", "copy", "mlp.gate.weight"),
+    (r"mlp\.router\.expert_bias", "copy", "mlp.gate.e_score_correction_bias"),  # GLM-4.5 / DeepSeek-V3
     (r"mlp\.experts\.experts\.linear_fc1\.weight", "experts_glu", "mlp.experts.{e}.{}_proj.weight"),
     (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", "glu", "mlp.experts.{1}.{}_proj.weight"),
     (r"mlp\.experts\.linear_fc1\.weight(\d+)", "glu", "mlp.experts.{1}.{}_proj.weight"),
@@ -717,6 +726,7 @@ class _Mapping:
     notices: list[str]
     head: str | None  # the HF name the output layer got (lm_head.weight / score.weight), None: absent
     embed: str = "model.embed_tokens.weight"  # the HF name the embedding got
+    config_changes: dict = field(default_factory=dict)  # config.json fields the written model needs (MTP layers)
 
 
 class _Mapper:
@@ -743,6 +753,12 @@ class _Mapper:
         self.vocab = _cfg(config, "vocab_size")
         self.specs: dict[str, Spec] = {}
         self.notices: list[str] = []
+        self.config_changes: dict = {}
+        self.patterns = _LAYER_PATTERNS
+        if self.family in _MLA:  # GLM-4.5 / DeepSeek-V3: multi-latent attention's projections ahead of the common keys
+            from tui_merger.core.formats.megatron_mla import MLA_LAYER_KEYS
+
+            self.patterns = [(re.compile(f"(?:{p})$"), k, n) for p, k, n in MLA_LAYER_KEYS] + _LAYER_PATTERNS
 
     def fail(self, text: str) -> MergeError:
         return MergeError(
@@ -825,14 +841,8 @@ class _Mapper:
             else:
                 head = "lm_head.weight"
                 self._vocab_matrix(head, "output_layer.weight")
-        if mtp:
-            layers = sorted({m.group(1) for k in mtp if (m := re.match(r"^mtp\.layers\.(\d+)\.", k))})
-            self.notices.append(
-                f"The checkpoint holds {len(layers) or 'its'} multi-token prediction layer{'s' if len(layers) != 1 else ''} "
-                f"(mtp.*, {len(mtp)} tensors), which a Hugging Face {self.name} model has no place for: they are left "
-                "out; the model predicts the next token with the weights it was trained with."
-            )
-        return _Mapping(self.specs, self.notices, head)
+        self._mtp(mtp, head)
+        return _Mapping(self.specs, self.notices, head, config_changes=self.config_changes)
 
     def _vocab_matrix(self, name: str, key: str) -> None:
         entry = self.tensors[key]
@@ -854,26 +864,30 @@ class _Mapper:
         keys = " ".join(self.tensors)
         features = [  # (in the checkpoint, implied by the config, what the config says, what the tensors are)
             ("linear_qkv.bias" in keys,
-             self.family in ("qwen2", "qwen2_moe") or bool(_cfg(self.config, "attention_bias", False)),
+             self.family in ("qwen2", "qwen2_moe") or bool(_cfg(self.config, "attention_bias", False)) and self.family not in _MLA,
              (" (q/k/v projections without biases)", " (q/k/v projections with biases)"), "linear_qkv biases"),
-            ("q_layernorm" in keys, self.family in ("qwen3", "qwen3_moe"),
+            ("q_layernorm" in keys and self.family not in _MLA,
+             self.family in ("qwen3", "qwen3_moe") or self.family == "glm4_moe" and bool(_cfg(self.config, "use_qk_norm")),
              (" (without q/k norms)", " (with q/k norms)"), "q_layernorm/k_layernorm"),
-            ("mlp.router.weight" in keys, self.family in ("qwen2_moe", "qwen3_moe"), ("", ""), "MoE routers"),
+            ("mlp.router.weight" in keys, self.family in ("qwen2_moe", "qwen3_moe") + _DEEPSEEK_MOE, ("", ""), "MoE routers"),
         ]
+        if self.family in _MLA and "linear_qkv" in keys:  # DeepSeek-V3: multi-latent attention (megatron_mla.py)
+            raise self.fail(f"it describes a {self.name} model (multi-latent attention) but the checkpoint has "
+                            "linear_qkv (grouped-query attention)")
         for held, wanted, said, what in features:
             if held != wanted:
                 raise self.fail(
                     f"it describes a {self.name} model{said[wanted]} but the checkpoint {'has' if held else 'has no'} {what}"
                 )
-        if "shared_experts" in keys and self.family != "qwen2_moe":
+        if "shared_experts" in keys and self.family not in ("qwen2_moe",) + _DEEPSEEK_MOE:
             raise self.fail(f"it describes a {self.name} model, which has no shared experts, but the checkpoint has them")
 
     # -- one layer ----------------------------------------------------------------------------------
-    def _layer(self, i: int, entries) -> None:
-        prefix = f"model.layers.{i}."
+    def _layer(self, i: int, entries, prefix: str | None = None) -> None:
+        prefix = prefix or f"model.layers.{i}."
         matched = []
         for rest, key, index in entries:
-            for order, (pattern, kind, name) in enumerate(_LAYER_PATTERNS):
+            for order, (pattern, kind, name) in enumerate(self.patterns):
                 m = pattern.match(rest)
                 if m:
                     matched.append((order, rest, key, index, kind, name, m))
@@ -884,19 +898,23 @@ class _Mapper:
                     f"tui-merger converts Megatron checkpoints of {SUPPORTED} models only."
                 )
         matched.sort(key=lambda x: (x[0], x[1].endswith("bias"), x[1]))  # weights before biases
-        if not any(kind == "qkv" and rest.endswith("weight") for _, rest, _, _, kind, _, _ in matched):
+        if not any(kind == "qkv" and rest.endswith("weight") or rest.endswith(_attention_keys(self.family))
+                   for _, rest, _, _, kind, _, _ in matched):
             raise MergeError(f"Layer {i} has no attention weights (linear_qkv) in the checkpoint; it is incomplete.")
         sparse = any(rest == "mlp.router.weight" for _, rest, *_ in matched)
-        if self.family in ("qwen2_moe", "qwen3_moe") and sparse != self._hf_sparse(i):
+        if self.family in ("qwen2_moe", "qwen3_moe") + _DEEPSEEK_MOE and sparse != self._hf_sparse(i):
             raise self.fail(
                 f"layer {i} is {'an MoE' if sparse else 'a dense'} layer in the checkpoint but "
-                f"{'dense' if sparse else 'MoE'} by its mlp_only_layers / decoder_sparse_step"
+                f"{'dense' if sparse else 'MoE'} by its "
+                f"{'first_k_dense_replace' if self.family in _DEEPSEEK_MOE else 'mlp_only_layers / decoder_sparse_step'}"
             )
         for _, rest, key, index, kind, name, m in matched:
             entry = self.tensors[key]
             param = entry.shape[len(index):]
             groups = [g or "" for g in m.groups()]
             hf = prefix + name.replace("{1}", groups[0] if groups else "")
+            if self.family in _DEEPSEEK_MOE:  # their Hugging Face models say shared_experts, Qwen2-MoE shared_expert
+                hf = hf.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
             if kind == "copy":
                 self._check_copy(hf, key, param)
                 self.add(hf, key, index, param)
@@ -922,8 +940,18 @@ class _Mapper:
         want = self._experts()
         if ids and isinstance(want, int) and ids != list(range(want)):
             raise self.fail(f"it says {want} experts (num_experts) but layer {i} holds experts {_ranges(ids)}")
+        if self.family in _DEEPSEEK_MOE and sparse and not any(r == "mlp.router.expert_bias" for _, r, *_ in matched):
+            router = next(key for _, r, key, *_ in matched if r == "mlp.router.weight")
+            n = self.tensors[router].shape[-2]  # trained without an expert bias: transformers' is 0, which adds nothing
+            self.specs[prefix + "mlp.gate.e_score_correction_bias"] = Spec((n,), "float32", [])
+            said = "The checkpoint's routers have no expert bias (moe_router_enable_expert_bias off)"
+            if not any(x.startswith(said) for x in self.notices):
+                self.notices.append(f"{said}; mlp.gate.e_score_correction_bias is written as 0, which adds nothing to "
+                                    "the routing scores.")
 
     def _hf_sparse(self, i: int) -> bool:
+        if self.family in _DEEPSEEK_MOE:  # transformers' rule: routed experts from first_k_dense_replace on
+            return i >= (_cfg(self.config, "first_k_dense_replace", 0) or 0)
         if i in (_cfg(self.config, "mlp_only_layers") or []):
             return False
         step = _cfg(self.config, "decoder_sparse_step", 1) or 1
@@ -931,9 +959,11 @@ class _Mapper:
 
     def _experts(self):
         """transformers 5 saves num_experts as num_local_experts."""
-        return _cfg(self.config, "num_experts") or _cfg(self.config, "num_local_experts")
+        return _cfg(self.config, "num_experts") or _cfg(self.config, "num_local_experts") or _cfg(self.config, "n_routed_experts")
 
     def _check_copy(self, hf: str, key: str, param: tuple) -> None:
+        if self.family in _MLA and ".self_attn." in hf:
+            return self._check_mla(hf, key, param)
         if hf.endswith("o_proj.weight") and tuple(param) != (self.hidden, self.heads * self.head_dim):
             raise self.fail(
                 f"{self.heads} heads of dim {self.head_dim} and hidden_size {self.hidden} make o_proj "
@@ -969,6 +999,9 @@ class _Mapper:
             want, what = _cfg(self.config, "moe_intermediate_size"), "moe_intermediate_size"
         elif ".shared_expert." in hf:
             want, what = _cfg(self.config, "shared_expert_intermediate_size"), "shared_expert_intermediate_size"
+        elif ".shared_experts." in hf:  # GLM-4.5 / DeepSeek-V3: n_shared_experts experts' width, as one MLP
+            want = (_cfg(self.config, "moe_intermediate_size") or 0) * (_cfg(self.config, "n_shared_experts") or 0)
+            what = "moe_intermediate_size x n_shared_experts"
         else:
             want, what = _cfg(self.config, "intermediate_size"), "intermediate_size"
         if isinstance(want, int) and want != half:
@@ -976,6 +1009,110 @@ class _Mapper:
         rest = tuple(param[1:])
         for part, r in (("gate", (0, half)), ("up", (half, 2 * half))):
             self.add(hf.replace("{}", part), key, index, (half,) + rest, rows=r)
+
+    # -- GLM-4.5 / DeepSeek-V3: multi-latent attention's shapes (megatron_mla.py) -----------------------
+    def _check_mla(self, hf: str, key: str, param: tuple) -> None:
+        from tui_merger.core.formats.megatron_mla import mla_shape
+
+        found = mla_shape(self.config, _cfg, hf)
+        if found is None:
+            return
+        shape, fields = found
+        if not shape:
+            raise self.fail(f"it has no {fields} (no {hf.rsplit('.', 2)[-2]}) but the checkpoint holds {key}")
+        if tuple(param) != shape:
+            raise self.fail(f"its {fields} make {hf.split('.', 3)[-1]} {list(shape)}, but {key} is {list(param)} per layer")
+
+    # -- multi-token prediction layers: where the family's Hugging Face checkpoints keep them -----------
+    def _mtp(self, keys: list[str], head: str | None) -> None:
+        """megatron-core's ``mtp.layers.{i}.{enorm,hnorm,eh_proj,final_layernorm}.weight`` and its decoder layer
+        ``mtp.layers.{i}.transformer_layer.*`` written under the names of ``MTP_PLACES[family]`` (the embedding and
+        the output layer are the main model's: written again where the family keeps its own copies)."""
+        if not keys:
+            return
+        place = MTP_PLACES.get(self.family)
+        per: dict[int, list] = {}
+        for key in keys:
+            m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", key)
+            if place is None:
+                continue
+            if not m:
+                raise MergeError(
+                    f"The checkpoint holds {key}, which is not a multi-token prediction layer's tensor tui-merger knows; "
+                    f"it converts megatron-core's mtp.layers.<i>.* of {self.name} models."
+                )
+            per.setdefault(int(m.group(1)), []).append((m.group(2), key))
+        if place is None:
+            layers = sorted({m.group(1) for k in keys if (m := re.match(r"^mtp\.layers\.(\d+)\.", k))})
+            self.notices.append(
+                f"The checkpoint holds {len(layers) or 'its'} multi-token prediction layer{'s' if len(layers) != 1 else ''} "
+                f"(mtp.*, {len(keys)} tensors), which a Hugging Face {self.name} model has no place for: they are left "
+                "out; the model predicts the next token with the weights it was trained with."
+            )
+            return
+        found = sorted(per)
+        if found != list(range(len(found))):
+            raise MergeError(f"The checkpoint holds multi-token prediction layers {found[:8]}, not 0..{len(found) - 1}; "
+                             "it is incomplete (a pipeline stage is missing).")
+        count = place["count"]
+        said = _cfg(self.config, count)
+        if said != len(found):
+            self.config_changes[count] = len(found)
+            self.notices.append(
+                f"The checkpoint holds {len(found)} multi-token prediction layer{'s' if len(found) != 1 else ''} but the "
+                f"config says {said or 0} ({count}); {count} is set to {len(found)}, so that the layers written are read."
+            )
+        for i in found:
+            names = {k: v.format(i=i, n=self.layers + i) for k, v in place.items() if k != "count"}
+            entries = dict(per[i])
+            for part, want in (("enorm.weight", (self.hidden,)), ("hnorm.weight", (self.hidden,)),
+                               ("eh_proj.weight", (self.hidden, 2 * self.hidden)),
+                               ("final_layernorm.weight", (self.hidden,))):
+                key = entries.pop(part, None)
+                if key is None:
+                    raise MergeError(f"Multi-token prediction layer {i} has no mtp.layers.{i}.{part}; the checkpoint is "
+                                     "incomplete.")
+                if tuple(self.tensors[key].shape) != want:
+                    raise self.fail(f"hidden_size {self.hidden} makes {part.split('.')[0]} {list(want)}, but {key} is "
+                                    f"{list(self.tensors[key].shape)}")
+                self.add(names[part.split(".")[0]], key, (), want)
+            layer = [(rest[len("transformer_layer."):], key, ()) for rest, key in entries.items()
+                     if rest.startswith("transformer_layer.")]
+            stray = [key for rest, key in entries.items() if not rest.startswith("transformer_layer.")]
+            if stray:
+                raise MergeError(f"The checkpoint holds {stray[0]}, which has no counterpart in a Hugging Face "
+                                 f"{self.name} model's multi-token prediction layer; tui-merger cannot convert it.")
+            self._layer(self.layers + i, layer, prefix=names["layer"])
+            if "embed" in names:
+                self.specs[names["embed"]] = self.specs["model.embed_tokens.weight"]
+            if "head" in names:
+                self.specs[names["head"]] = self.specs[head if head == "lm_head.weight" else "model.embed_tokens.weight"]
+        self.notices.append(
+            f"The checkpoint's {len(found)} multi-token prediction layer{'s are' if len(found) != 1 else ' is'} written "
+            f"as {self.name} keeps {'them' if len(found) != 1 else 'it'} ({MTP_PLACES[self.family]['layer'].format(i=0, n=self.layers)}*)."
+        )
+
+
+# -- multi-token prediction layers, where each family's Hugging Face checkpoints keep them (issue 39) --------------
+# Templates: {i} the MTP layer, {n} num_hidden_layers + i. "count": the config field that says how many. A family
+# without an entry has no place for them: they are left out with a notice.
+# GLM-4.5 and DeepSeek-V3 as released: one extra decoder layer model.layers.{num_hidden_layers} with enorm, hnorm,
+# eh_proj, shared_head.norm, and copies of the embedding and lm_head (shared with the main model in megatron-core);
+# megatron-core's final_layernorm of the MTP layer is shared_head.norm (Megatron-Bridge's GLM-4.5 mapping).
+_MTP_AS_LAYER = {"count": "num_nextn_predict_layers", "layer": "model.layers.{n}.", "enorm": "model.layers.{n}.enorm.weight",
+                 "hnorm": "model.layers.{n}.hnorm.weight", "eh_proj": "model.layers.{n}.eh_proj.weight",
+                 "final_layernorm": "model.layers.{n}.shared_head.norm.weight",
+                 "embed": "model.layers.{n}.embed_tokens.weight", "head": "model.layers.{n}.shared_head.head.weight"}
+MTP_PLACES: dict[str, dict[str, str]] = {"glm4_moe": _MTP_AS_LAYER, "deepseek_v3": _MTP_AS_LAYER}
+
+
+def _attention_keys(family: str) -> tuple[str, ...]:
+    """The keys (after ``decoder.layers.N.``) besides linear_qkv that say a layer has its attention weights."""
+    if family in _MLA:
+        from tui_merger.core.formats.megatron_mla import MLA_ATTENTION
+
+        return MLA_ATTENTION
+    return ()
 
 
 # -- the tensor source ------------------------------------------------------------------------------
@@ -1098,6 +1235,11 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
                 f"{layout.model_dir} holds a vision-language model in legacy per-rank files, which tui-merger does not "
                 "read; save it as a dist checkpoint (torch_dist) and convert that."
             )
+        if model_family(config, config_dir / "config.json") in _DEEPSEEK_MOE:  # GLM-4.5 / DeepSeek-V3
+            raise MergeError(  # how their MLA projections and MTP layers are split across ranks is not read here
+                f"{layout.model_dir} holds a {FAMILIES[model_family(config, config_dir)]} model in legacy per-rank "
+                "files, which tui-merger does not read; save it as a dist checkpoint (torch_dist) and convert that."
+            )
         store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
                             _cfg(config, "moe_intermediate_size"), "model_optim_rng.pt" if layout.run else "model.pt")
     else:
@@ -1113,6 +1255,7 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
     inputs.base = source
     inputs.notices += mapping.notices
+    inputs.config_changes.update(mapping.config_changes)  # e.g. num_nextn_predict_layers (MTP layers written)
     _tie(inputs, options, source, mapping)
     if isinstance(store, LegacyStore):
         return [layout.model_dir / f for f in store.data_files]
