@@ -72,6 +72,7 @@ class MegatronLayout:
     lora: "LoraRun | None" = None  # a LoRA run (Megatron-Bridge PEFT): its adapter, not the model
     run: "RunInfo | None" = None  # kind "mcore": saved by Megatron-LM, Megatron-Bridge, ms-swift or NeMo 2
     missing_base: str | None = None  # kind "mcore" without a config: why --base is needed
+    config_file: Path | None = None  # the file the config was built from when it is no config.json (NeMo 2's model.yaml)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class LoraRun:
     export: Path | None
     shards: str | None
     shard_dir: Path | None = None  # adapter_checkpoint/ with mp_rank_*_adapter.pt files (read by megatron_lora)
+    dist_dir: Path | None = None  # verl v2 + Megatron-Bridge PEFT: the adapters' dist checkpoint (model/dist_ckpt)
 
 
 def _lora_run(folder: Path) -> LoraRun | None:
@@ -111,7 +113,19 @@ def _lora_run(folder: Path) -> LoraRun | None:
         shards = f"{str(where or 'model/dist_ckpt').rstrip('/')}/"
     if export is None and shards is None:
         return None
-    return LoraRun(export, shards, shard_dir)
+    return LoraRun(export, shards, shard_dir, _peft_dist_dir(folder, contents) if peft and shard_dir is None else None)
+
+
+def _peft_dist_dir(folder: Path, contents: dict) -> Path | None:
+    """issue 39: verl's v2 layout with Megatron-Bridge PEFT (megatron_checkpoint_manager.py save_checkpoint: the
+    model's sharded state dict filtered to its adapters by Bridge's apply_peft_adapter_filter_to_state_dict, saved
+    to model/dist_ckpt; ckpt_contents.json's contents.peft_adapters.path names it): that dist checkpoint, when it
+    is one (its .metadata is there) inside the run's folder."""
+    where = contents.get("peft_adapters", {}).get("path") if isinstance(contents.get("peft_adapters"), dict) else None
+    rel = Path(where) if isinstance(where, str) and where else Path("model") / "dist_ckpt"
+    if rel.is_absolute() or ".." in rel.parts:
+        return None
+    return folder / rel if (folder / rel / METADATA).is_file() else None
 
 
 def lora_refusal(folder: Path, lora: LoraRun) -> str:
@@ -121,11 +135,11 @@ def lora_refusal(folder: Path, lora: LoraRun) -> str:
             f"{folder / SHARDS_DIR} holds no mp_rank_*_adapter.pt files; copy the run's whole {SHARDS_DIR}/ folder "
             "again."
         )
+    # issue 39: a complete one is merged (_peft_dist_dir); here its index is missing
     return (
-        f"{folder} holds a Megatron PEFT adapter only as Megatron-Bridge shards in {lora.shards} (a dist checkpoint), "
-        "which tui-merger cannot merge yet: export the adapter in Hugging Face PEFT format into model/huggingface/adapter/ "
-        "(adapter_config.json + adapter_model.safetensors) and merge it with --base, or merge with verl's "
-        "scripts/megatron_merge_lora.py."
+        f"{folder / lora.shards.rstrip('/')} holds no complete dist checkpoint of the run's Megatron-Bridge adapters (no "
+        f"{METADATA}, its index) and there is no Hugging Face adapter export in model/huggingface/adapter/; copy the "
+        "run's whole model/ folder again, or merge the exported adapter with --adapter and --base."
     )
 
 
@@ -258,7 +272,8 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
         )
     else:
         layout.lora = _lora_run(folder)
-        if layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None:
+        if (layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None
+                and layout.lora.dist_dir is None):
             raise MergeError(lora_refusal(folder, layout.lora))
     return layout
 
@@ -1228,17 +1243,18 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     from tui_merger.core.formats.megatron_vl import map_vl, vl_family
 
     vl = vl_family(config) is not None
+    config_path = layout.config_file or config_dir / "config.json"
     if not vl:
-        model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
+        model_family(config, config_path)  # an unknown architecture is said before any reading
     if layout.kind == "legacy" or layout.run is not None and layout.run.legacy:
         if vl:  # their language_model.* layers would not be renumbered across pipeline stages
             raise MergeError(
                 f"{layout.model_dir} holds a vision-language model in legacy per-rank files, which tui-merger does not "
                 "read; save it as a dist checkpoint (torch_dist) and convert that."
             )
-        if model_family(config, config_dir / "config.json") in _DEEPSEEK_MOE:  # GLM-4.5 / DeepSeek-V3
+        if model_family(config, config_path) in _DEEPSEEK_MOE:  # GLM-4.5 / DeepSeek-V3
             raise MergeError(  # how their MLA projections and MTP layers are split across ranks is not read here
-                f"{layout.model_dir} holds a {FAMILIES[model_family(config, config_dir)]} model in legacy per-rank "
+                f"{layout.model_dir} holds a {FAMILIES[model_family(config, config_path)]} model in legacy per-rank "
                 "files, which tui-merger does not read; save it as a dist checkpoint (torch_dist) and convert that."
             )
         store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
@@ -1252,12 +1268,12 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
 
     if vl:
         parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece)
-        mapping = map_vl(store.tensors, config, config_dir / "config.json", parts)
+        mapping = map_vl(store.tensors, config, config_path, parts)
     elif is_gdn_model(config):  # Qwen3-Next
         parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece, patterns=_LAYER_PATTERNS)
-        mapping = map_gdn(store.tensors, config, config_dir / "config.json", parts)
+        mapping = map_gdn(store.tensors, config, config_path, parts)
     else:
-        mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
+        mapping = _Mapper(store.tensors, config, config_path).run()
     source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
     inputs.base = source
     inputs.notices += mapping.notices
@@ -1295,16 +1311,29 @@ def open_megatron_inputs(options):
 
     layout = find_megatron_checkpoint(options.checkpoint)
     if layout.lora is not None:
+        if layout.lora.export is None and layout.lora.dist_dir is not None:  # issue 39: verl v2 + Bridge PEFT
+            return open_verl_bridge_peft(layout, options)
         if layout.lora.export is None:
             return open_lora_shards(layout, options)
         return open_lora_export(layout, options)
     if layout.kind == "mcore" and layout.run.lora:  # Megatron-Bridge PEFT (others are refused by check_iteration)
         return open_bridge_peft(layout, options)
+    nemo = None
     if layout.kind == "mcore":  # the config: --base, else the model the run names (on this machine)
         config_dir = Path(options.base) if options.base is not None else layout.hf_dir
+        if config_dir is None and layout.run.framework == "nemo2":  # issue 39: built from context/model.yaml
+            from tui_merger.core.formats.megatron_runs import read_yaml
+            from tui_merger.core.formats.nemo2_config import MODEL_YAML, nemo2_config
+
+            nemo = nemo2_config(layout.folder, read_yaml(layout.folder / "context" / MODEL_YAML))
+            config_dir, layout.config_file = nemo.source.parent, nemo.source
+            layout.notices.append(
+                f"The Hugging Face config is built from {nemo.source} (NeMo's {nemo.nemo_class}) and the tokenizer "
+                f"taken from {nemo.tokenizer or 'nowhere (the context holds none)'}; pass --base to use a model's own."
+            )
         if config_dir is None:
             raise MergeError(layout.missing_base)
-        if options.base is None:
+        if options.base is None and nemo is None:
             layout.notices.append(
                 f"The Hugging Face config and tokenizer are taken from {config_dir}, {layout.run.source()}; pass "
                 "--base to use another."
@@ -1317,7 +1346,7 @@ def open_megatron_inputs(options):
             f"{layout.folder} has no {where} folder with config.json; copy the model's config.json and tokenizer "
             "into it, or pass --base with the original model."
         )
-    config = read_config(config_dir)
+    config = nemo.config if nemo is not None else read_config(config_dir)
     inputs = Inputs(None, empty_adapter(layout.folder), config, FilePlan(), paths_of(options))
     inputs.notices = list(layout.notices)
     try:
@@ -1336,9 +1365,15 @@ def open_megatron_inputs(options):
                 "The checkpoint's config says float32, so the model is written in float32 (twice the size "
                 "of bf16); pass --dtype bf16 for the half-size model verl's merger writes."
             )
-        inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
+        if nemo is not None:  # NeMo 2: the tokenizer folder of its context, the importer's generation config
+            tok = nemo.tokenizer or config_dir
+            inputs.files = plan_files(tok, tok, config, options.tokenizer_from)
+            if nemo.generation is not None and all(name != "generation_config.json" for _, name in inputs.files.copies):
+                inputs.files.copies.append((nemo.generation, "generation_config.json"))
+        else:
+            inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
         inputs.notices += inputs.files.notices
-        inputs.read_files = weights + [config_dir / "config.json"] + [src for src, _ in inputs.files.copies]
+        inputs.read_files = weights + [layout.config_file or config_dir / "config.json"] + [src for src, _ in inputs.files.copies]
     except BaseException:
         inputs.close()
         raise
@@ -1543,6 +1578,64 @@ def open_lora_shards(layout: MegatronLayout, options):
     return inputs
 
 
+def open_verl_bridge_peft(layout: MegatronLayout, options):
+    """issue 39: inputs of a verl LoRA run in the v2 layout trained with Megatron-Bridge PEFT and saved without its
+    Hugging Face adapter export: the adapters of model/dist_ckpt (Bridge's adapter-only dist checkpoint, read by
+    megatron_lora.read_dist_adapter as for Bridge's own PEFT iterations) merged into the base (``--base``, else the
+    one model/huggingface/config.json names). verl's v2 save keeps no base weight there even with
+    use_dist_checkpointing (the PEFT subset replaces the model section), and does not save lora_alpha:
+    ``--lora-alpha`` (or a lora_train_meta.json) gives it."""
+    from tui_merger.core.formats.adapter import adapter_from_source
+    from tui_merger.core.formats.input_types import Inputs, paths_of
+    from tui_merger.core.formats.megatron_lora import KINDS, peft_config, read_dist_adapter
+    from tui_merger.core.io.files import FilePlan, plan_files, read_config
+    from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
+    from tui_merger.core.io.sources import open_model
+
+    dist = layout.lora.dist_dir
+    if layout.hf_dir is None or not (layout.hf_dir / "config.json").is_file():
+        raise MergeError(
+            f"{layout.folder} has no model/huggingface/config.json, which says what model the adapters in {dist} belong "
+            "to; copy the run's model/huggingface/ folder again."
+        )
+    run_config = read_config(layout.hf_dir)
+    found = read_lora_train_meta(layout.folder)
+    meta_path = found[1] if found else None
+    alpha, said = chosen_alpha(options.lora_alpha, found[0].get("lora_alpha") if found else None, "lora_train_meta.json")
+    if alpha is None:
+        raise MergeError(
+            f"The Megatron-Bridge adapters in {dist} do not record lora_alpha, and no lora_train_meta.json does (verl "
+            "keeps it in the training config, actor_rollout_ref.model.lora.alpha); pass --lora-alpha with that value."
+        )
+    base_dir = _lora_base(layout, options, {})
+    _same_shapes(run_config, read_config(base_dir), layout.hf_dir / "config.json", base_dir)
+    shards = read_dist_adapter(dist, run_config)
+    adapter = adapter_from_source(dist, peft_config(shards, alpha, lora_base_named(layout, None)), shards.source)
+    inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
+    inputs.notices = list(layout.notices) + ([said] if said else [])
+    try:
+        base = inputs.base = open_model(base_dir)
+        inputs.closers.append(base)
+        inputs.config = read_config(base_dir)
+        base_files = [base_dir / f for f in base.files] + [base_dir / "config.json"]
+        inputs.notices.append(
+            f"A verl {KINDS[shards.kind]} run (Megatron-Bridge PEFT): its adapters in {dist} (rank {shards.r}, alpha "
+            f"{alpha:g}) are merged into {base_dir}."
+        )
+        dtype = config_dtype(inputs.config)
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        inputs.files = plan_files(base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
+        inputs.notices += shards.notices + adapter.notices + inputs.files.notices
+        inputs.read_files = (base_files + [layout.hf_dir / "config.json", dist / METADATA]
+                             + [dist / f for f in shards.source.files] + [src for src, _ in inputs.files.copies])
+        if meta_path is not None and options.lora_alpha is None:
+            inputs.read_files.append(meta_path)
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
 def open_bridge_peft(layout: MegatronLayout, options):
     """Inputs of a Megatron-Bridge PEFT iteration (adapter-only dist checkpoint, the LoRA in run_config.yaml):
     its adapter (formats/megatron_lora.py read_dist_adapter, named as Bridge's Hugging Face export names it)
@@ -1708,10 +1801,12 @@ class VerlMegatronFormat(Format):
         if lora.export is None and lora.shard_dir is not None:
             self._shards(s, c, folder, lora)
             return
+        if lora.export is None and lora.dist_dir is not None:
+            self._dist_peft(s, c, folder, lora)
+            return
         if lora.export is None:
             c.lora = lora_info(None)
-            c.notes.append(f"a LoRA run whose adapter is only in Megatron-Bridge shards in {lora.shards}: "
-                           "tui-merger needs its Hugging Face adapter export in model/huggingface/adapter/.")
+            c.notes.append(lora_refusal(folder, lora))  # issue 39: a complete dist checkpoint is read (_dist_peft)
             return
         cfg = s.json(lora.export / "adapter_config.json", quiet_missing=False)
         _, infos = s.headers_dtype(lora.export, [n for n in s.names(lora.export) if n == "adapter_model.safetensors"])
@@ -1729,6 +1824,37 @@ class VerlMegatronFormat(Format):
         if c.base_model is None:
             c.notes.append("the run names no base model: pass --base with the model it started from.")
         s.resolve_base(c, lora.export)
+
+    def _dist_peft(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
+        """issue 39: verl's v2 layout with Megatron-Bridge PEFT, the adapters in a dist checkpoint: rank and
+        targets from its index (.metadata); lora_alpha is not recorded."""
+        from tui_merger.core.io.dcp import read_metadata
+
+        try:
+            keys = read_metadata(lora.dist_dir).state_dict_metadata
+        except MergeError as err:
+            s.problem(lora.dist_dir / METADATA, str(err))
+            return
+        ins = {str(k): v for k, v in keys.items() if str(k).endswith(".adapter.linear_in.weight")}
+        size = next((getattr(v, "size", None) for v in ins.values()), None)
+        targets = sorted({k.split(".adapter.")[0].rsplit(".", 1)[-1] for k in ins})
+        c.lora = lora_info({"r": int(size[-2]) if size else None, "target_modules": targets or None})
+        c.needs_base = True  # verl's v2 PEFT save keeps no base weight in model/dist_ckpt (open_verl_bridge_peft)
+        c.notes.append(f"a Megatron-Bridge PEFT run saved by verl: its adapters are in {lora.dist_dir.relative_to(folder)}/ "
+                       "(a dist checkpoint) and are merged into the base model the run started from.")
+        meta_path = lora_train_meta_path(folder)
+        alpha = ((s.json(meta_path) if meta_path is not None else None) or {}).get("lora_alpha")
+        if alpha:
+            c.lora["alpha"] = alpha
+        else:
+            c.notes.append("the adapters do not record lora_alpha (verl keeps it in its training config, "
+                           "actor_rollout_ref.model.lora.alpha): the merge needs --lora-alpha.")
+        hf = folder / "model" / "huggingface"
+        named = (s.json(hf / "config.json") or {}).get("_name_or_path") if (hf / "config.json").is_file() else None
+        c.base_model = named if isinstance(named, str) and named else None
+        if c.base_model is None:
+            c.notes.append("the run names no base model: pass --base with the model it started from.")
+        s.resolve_base(c, hf)
 
     def _shards(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
         """verl's adapter shards: the LoRA kind, rank, targets and parallel layout from the file names,
@@ -1805,9 +1931,9 @@ class VerlMegatronFormat(Format):
                 return str(err)
             return None
         lora = _lora_run(Path(c.path)) if c.lora is not None else None
-        if lora is not None and lora.export is None and lora.shard_dir is None:
+        if lora is not None and lora.export is None and lora.shard_dir is None and lora.dist_dir is None:
             return lora_refusal(Path(c.path), lora)
-        if lora is not None and lora.export is None:
+        if lora is not None and lora.export is None and lora.shard_dir is not None:
             from tui_merger.core.formats.megatron_lora import describe, transformer_config
 
             return describe(lora.shard_dir, transformer_config(Path(c.path)))["problem"]
@@ -1828,6 +1954,15 @@ class VerlMegatronFormat(Format):
 
         if layout.hf_dir is None:
             return None
+        if layout.lora.dist_dir is not None:  # issue 39: verl v2 + Megatron-Bridge PEFT
+            from tui_merger.core.formats.megatron_lora import read_dist_adapter
+
+            shards = read_dist_adapter(layout.lora.dist_dir, read_config(layout.hf_dir))
+            try:
+                return adapter_from_source(layout.lora.dist_dir, peft_config(shards, shards.r, None), shards.source)
+            except BaseException:
+                shards.source.close()
+                raise
         shards = read_shards(shard_layout(layout.lora.shard_dir, transformer_config(layout.folder)), read_config(layout.hf_dir))
         try:
             return adapter_from_source(layout.lora.shard_dir, peft_config(shards, shards.r, None), shards.source)
@@ -1836,8 +1971,8 @@ class VerlMegatronFormat(Format):
             raise
 
     def needs_base(self, c: Candidate) -> bool:
-        if c.backend in MCORE_BACKENDS:  # the weights without a Hugging Face config
-            return not c.base_path
+        if c.backend in MCORE_BACKENDS:  # the weights without a Hugging Face config (NeMo 2's built from its context)
+            return not c.base_path and c.needs_base
         # a LoRA run holds the adapter, not the base (unless its dist checkpoint holds the whole model);
         # any other checkpoint holds every weight and its config
         return c.lora is not None and c.needs_base and not c.base_path
