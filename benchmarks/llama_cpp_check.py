@@ -45,6 +45,7 @@ WIDE_FAMILY = {  # per-family widths that follow hidden 256 (head sizes, expert 
     "qwen3_5_text": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64),
     "qwen3_next": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=256,
                        shared_expert_intermediate_size=512),
+    "gemma4_text": dict(head_dim=64, global_head_dim=128, hidden_size_per_layer_input=64),
     "phi3:longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i / 4 for i in range(32)],
                                            "short_factor": [1.0 + i / 32 for i in range(32)]}),
 }
@@ -61,6 +62,7 @@ def main(argv: list[str]) -> int:
     from test_gguf import SAMPLES
     from test_gguf_families import CASES, make_family
     from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_families import FAMILIES
 
     types = ["f16", "q8_0", "q4_k_m"]
     if "--types" in argv:
@@ -80,6 +82,8 @@ def main(argv: list[str]) -> int:
         for n, family in enumerate(families):
             folder = make_family(root / f"tiny-{n}", family, dtype=torch.bfloat16, seed=seed, **WIDE, **WIDE_FAMILY.get(family, {}))
             bf16 = export_gguf(folder, "bf16", root / f"{folder.name}-bf16.gguf").path
+            if FAMILIES[family.split(":")[0]].unquantized:  # matrices llama-quantize keeps as they come: from F16, as ours
+                bf16 = export_gguf(folder, "f16", root / f"{folder.name}-f16-in.gguf").path
             tok = AutoTokenizer.from_pretrained(folder)
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
             chat = tok.apply_chat_template([{"role": "user", "content": "2+2=? 中文 🤖 and a longer question"}],

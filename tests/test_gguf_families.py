@@ -77,6 +77,12 @@ CASES = {
     "qwen3_next": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                         layer_types=["linear_attention", "full_attention"], full_attention_interval=2, num_experts=4,
                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64), False),
+    # per-layer embeddings, full-attention layers with their own head size and KV heads (k = v) and proportional
+    # rope, the last two layers reusing keys and values, double-wide MLPs there, logit soft-capping
+    "gemma4_text": (dict(NOT_SPECIAL, num_hidden_layers=6, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                         attention_k_eq_v=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=448, sliding_window=4,
+                         num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=30.0,
+                         layer_types=["sliding_attention", "full_attention"] * 3), False),
     # a second case of a family: "<model_type>:<what>"
     "phi3:longrope": (dict(NOT_SPECIAL, max_position_embeddings=1024, original_max_position_embeddings=256,
                            rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i for i in range(8)],
@@ -148,6 +154,10 @@ def make_family(path: Path, case: str, dtype=torch.float32, seed=0, **overrides)
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+            if model_type == "gemma4_text" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Gemma 4 attends with scale 1 and relies on its trained q/k norms: random ones near 1 make attention
+                # so sharp that rounding flips it; head_dim ** -1/4 each scales q.k as 1/sqrt(head_dim) does elsewhere
+                p.mul_(p.numel() ** -0.25)
     model.to(dtype).save_pretrained(path)
     byte_level_tokenizer({"llama": "llama3", "gpt_oss": "o200k"}.get(model_type, "qwen")).save_pretrained(path)
     return path

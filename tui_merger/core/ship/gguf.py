@@ -326,6 +326,8 @@ def _hyperparameters(folder: Path, raw: dict, family: Family, notices: list) -> 
     except Exception as err:  # a config transformers cannot build: say it in one sentence
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise MergeError(f"transformers cannot read {folder / 'config.json'} ({first[:200]}); fix or replace it.") from None
+    if getattr(config, "is_heterogeneous", False):  # per-layer values (Gemma 4's full-attention heads): the family's keys
+        config.allow_global_per_layer_attribute_access = True  # read them per layer; the common keys take the base ones
 
     def need(name: str):
         value = getattr(config, name, None)
@@ -398,6 +400,8 @@ def _sliding_window(folder: Path, config, family: Family, hp: dict, notices: lis
     types = getattr(config, "layer_types", None)
     sliding = [t == "sliding_attention" for t in types] if isinstance(types, (list, tuple)) else None
     swa = family.swa if family.swa_layers in (None, hp["layers"]) else None
+    if "attention.sliding_window_pattern" in family.keys:  # llama.cpp reads which layers slide from the file (Gemma 4)
+        return
     if swa:
         want = [i % swa < swa - 1 for i in range(hp["layers"])]
         if sliding is not None and sliding != want:
@@ -431,7 +435,8 @@ def _rope(folder: Path, config, family: Family, head_dim: int) -> dict:
         params = dict(params["full_attention"])
         want = ({"rope_type": "default", "rope_theta": family.swa_rope_theta} if family.swa_rope_theta is not None
                 else {"rope_type": params.get("rope_type") or "default", "rope_theta": params.get("rope_theta")})
-        if local and ((local.get("rope_type") or "default"), local.get("rope_theta")) != (want["rope_type"], want["rope_theta"]):
+        own = "rope.freq_base_swa" in family.keys  # the sliding layers' base is a key of its own (Gemma 4; its checks say the rest)
+        if local and not own and ((local.get("rope_type") or "default"), local.get("rope_theta")) != (want["rope_type"], want["rope_theta"]):
             raise MergeError(
                 f"{folder} rotates its sliding-window layers with rope {local.get('rope_type')} base "
                 f"{local.get('rope_theta')}; llama.cpp's {family.arch} rotates them with rope {want['rope_type']} base "
@@ -581,6 +586,8 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
                 raise MergeError(f"{ref.name} has {ref.shape[0]} rows, not {permute} heads of {hp['head_dim']} (config.json).")
         router = kind in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)  # kept F32, as llama.cpp does
         qtype = _qtype(type_, ref.shape, router or _keep_f32(family, base), ref.name, fallback)
+        if type_ == "q8_0" and any(part in base for part in family.unquantized):  # as llama-quantize leaves it
+            qtype = gguf.GGMLQuantizationType.F16
         shift = 1.0 if family.norm_plus_one and ref.name.endswith("norm.weight") else 0.0
         order.append(GgufTensor(base + suffix, (ref,), ref.shape, int(qtype), _nbytes(ref.shape, qtype), permute, shift))
     for item in order:
@@ -997,7 +1004,7 @@ def _quiet_library_logs():
     those stay out of the user's terminal."""
     import logging
 
-    loggers = [logging.getLogger(name) for name in ("gguf", "metadata")]
+    loggers = [logging.getLogger(name) for name in ("gguf", "metadata", "transformers.integrations.heterogeneity.configuration_utils")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
