@@ -62,7 +62,6 @@ def main(argv: list[str]) -> int:
     from test_gguf import SAMPLES
     from test_gguf_families import CASES, make_family
     from tui_merger.core.ship.gguf import export_gguf
-    from tui_merger.core.ship.gguf_families import FAMILIES
 
     types = ["f16", "q8_0", "q4_k_m"]
     if "--types" in argv:
@@ -82,8 +81,6 @@ def main(argv: list[str]) -> int:
         for n, family in enumerate(families):
             folder = make_family(root / f"tiny-{n}", family, dtype=torch.bfloat16, seed=seed, **WIDE, **WIDE_FAMILY.get(family, {}))
             bf16 = export_gguf(folder, "bf16", root / f"{folder.name}-bf16.gguf").path
-            if FAMILIES[family.split(":")[0]].unquantized:  # matrices llama-quantize keeps as they come: from F16, as ours
-                bf16 = export_gguf(folder, "f16", root / f"{folder.name}-f16-in.gguf").path
             tok = AutoTokenizer.from_pretrained(folder)
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
             chat = tok.apply_chat_template([{"role": "user", "content": "2+2=? 中文 🤖 and a longer question"}],

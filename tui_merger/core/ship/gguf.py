@@ -586,8 +586,9 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
                 raise MergeError(f"{ref.name} has {ref.shape[0]} rows, not {permute} heads of {hp['head_dim']} (config.json).")
         router = kind in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)  # kept F32, as llama.cpp does
         qtype = _qtype(type_, ref.shape, router or _keep_f32(family, base), ref.name, fallback)
-        if type_ == "q8_0" and any(part in base for part in family.unquantized):  # as llama-quantize leaves it
-            qtype = gguf.GGMLQuantizationType.F16
+        if type_ != "bf16" and type_ != "f16" and any(part in base for part in family.unquantized):
+            # llama-quantize leaves it as it comes from the 16-bit conversion: bf16 weights as BF16, others F16
+            qtype = gguf.GGMLQuantizationType.BF16 if ref.dtype == "bfloat16" else gguf.GGMLQuantizationType.F16
         shift = 1.0 if family.norm_plus_one and ref.name.endswith("norm.weight") else 0.0
         order.append(GgufTensor(base + suffix, (ref,), ref.shape, int(qtype), _nbytes(ref.shape, qtype), permute, shift))
     for item in order:
