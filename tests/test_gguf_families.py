@@ -181,6 +181,14 @@ def built(tmp_path_factory):
     return get
 
 
+def _config(folder: Path):
+    """The folder's config as transformers builds it; a per-layer one (Gemma 4) answers with its base values."""
+    config = load_hf(folder).config
+    if getattr(config, "is_heterogeneous", False):
+        config.allow_global_per_layer_attribute_access = True
+    return config
+
+
 def _gguf_name_of(hf_name: str, tmap) -> tuple[str, int | None]:
     """gguf's own TensorNameMap: the GGUF name of an HF tensor, and its expert index (None when not one)."""
     m = re.match(r"^(.+\.experts)\.(\d+)\.([^.]+)\.weight$", hf_name)
@@ -208,7 +216,7 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
     fields = gguf_fields(path)
     arch_name = fields["general.architecture"]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
-    config = load_hf(folder).config
+    config = _config(folder)
     layers = config.num_hidden_layers
     allowed = {gguf.TENSOR_NAMES[t].format(bid=b) + s for t in gguf.MODEL_TENSORS[arch] for b in range(layers)
                for s in (".weight", ".bias", "")}  # "": a name llama.cpp takes bare (ssm_a)
@@ -287,15 +295,22 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
         for which in ("long", "short"):
             assert torch.equal(stored[f"rope_factors_{which}.weight"], torch.tensor(rope[f"{which}_factor"]))
             seen.add(f"rope_factors_{which}.weight")
+    if model_type == "gemma4_text":  # Gemma4Model.generate_extra_tensors: proportional rope as per-pair divisors
+        full = json.loads((folder / "config.json").read_text())["rope_parameters"]["full_attention"]
+        global_head_dim = CASES["gemma4_text"][0]["global_head_dim"]
+        rotated = int(global_head_dim * full["partial_rotary_factor"] / 2)
+        want_freqs = torch.tensor([1.0] * rotated + [1e30] * (global_head_dim // 2 - rotated), dtype=torch.float32)
+        assert torch.equal(stored["rope_freqs.weight"], want_freqs)
+        seen.add("rope_freqs.weight")
     extra = set(stored) - seen - {"rope_freqs.weight"}
     assert not extra, extra
 
 
-def _expected_keys(model_type: str, config) -> dict:
+def _expected_keys(model_type: str, config, folder: Path) -> dict:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
     (written here from the converter's classes, as llama.cpp reads them)."""
     case, model_type = model_type, model_type.split(":")[0]
-    a = {"ernie4_5_moe": "ernie4_5-moe", "qwen3_5_text": "qwen35", "qwen3_next": "qwen3next", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
+    a = {"gemma4_text": "gemma4", "ernie4_5_moe": "ernie4_5-moe", "qwen3_5_text": "qwen35", "qwen3_next": "qwen3next", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
          "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
@@ -389,6 +404,25 @@ def _expected_keys(model_type: str, config) -> dict:
                      f"{a}.expert_gating_func": 2 if model_type == "deepseek_v3" else 1})  # transformers: V3 sigmoid, V2 softmax
         if config.q_lora_rank:
             keys[f"{a}.attention.q_lora_rank"] = config.q_lora_rank
+    if model_type == "gemma4_text":  # Gemma4Model.set_gguf_parameters, from config.json as saved
+        raw = json.loads((folder / "config.json").read_text())
+        per_layer = {int(i): v for i, v in raw["per_layer_config"].items()}  # the full-attention layers' own values
+        sliding = [t == "sliding_attention" for t in raw["layer_types"]]
+        full_head = per_layer[sliding.index(False)]["head_dim"]
+        first_shared = raw["num_hidden_layers"] - raw["num_kv_shared_layers"]
+        keys.update({f"{a}.attention.key_length": full_head, f"{a}.attention.value_length": full_head,
+                     f"{a}.attention.key_length_swa": raw["head_dim"], f"{a}.attention.value_length_swa": raw["head_dim"],
+                     f"{a}.rope.dimension_count": full_head, f"{a}.rope.dimension_count_swa": raw["head_dim"],
+                     f"{a}.rope.freq_base": raw["rope_parameters"]["full_attention"]["rope_theta"],
+                     f"{a}.rope.freq_base_swa": raw["rope_parameters"]["sliding_attention"]["rope_theta"],
+                     f"{a}.attention.sliding_window": raw["sliding_window"], f"{a}.attention.sliding_window_pattern": sliding,
+                     f"{a}.attention.shared_kv_layers": raw["num_kv_shared_layers"],
+                     f"{a}.embedding_length_per_layer_input": raw["hidden_size_per_layer_input"],
+                     f"{a}.final_logit_softcapping": raw["final_logit_softcapping"],
+                     f"{a}.feed_forward_length": [raw["intermediate_size"] * (2 if i >= first_shared else 1)
+                                                  for i in range(raw["num_hidden_layers"])],
+                     f"{a}.attention.head_count_kv": [raw["num_key_value_heads"] if s else per_layer[i]["num_key_value_heads"]
+                                                      for i, s in enumerate(sliding)]})
     return keys
 
 
@@ -396,8 +430,8 @@ def _expected_keys(model_type: str, config) -> dict:
 def test_the_metadata_is_what_llama_cpps_converter_writes(built, model_type):
     folder, path = built(model_type)
     fields = gguf_fields(path)
-    config = load_hf(folder).config
-    for key, value in _expected_keys(model_type, config).items():
+    config = _config(folder)
+    for key, value in _expected_keys(model_type, config, folder).items():
         assert key in fields, key
         got = fields[key]
         assert (got == pytest.approx(value, rel=1e-6)) if isinstance(value, float) else got == value, (key, got, value)
@@ -432,6 +466,7 @@ REFUSALS = {
     "ernie4_5_moe": (dict(moe_layer_interval=2), "llama.cpp's ernie4_5-moe loader expects experts in every layer"),
     "qwen3_5_text": (dict(linear_value_head_dim=32), "key and value heads differ in size"),
     "qwen3_next": (dict(mlp_only_layers=[0]), "llama.cpp's layout has experts in every layer"),
+    "gemma4_text": (dict(use_bidirectional_attention="all"), "and llama.cpp's gemma4 graph is causal"),
 }
 
 
@@ -450,18 +485,18 @@ def test_a_config_llama_cpp_would_compute_differently_is_one_sentence(tmp_path, 
     assert sorted(p.name for p in folder.iterdir()) == before
 
 
-def test_families_llama_cpp_runs_but_we_do_not_write_are_refused_with_the_reason(tmp_path):
-    from transformers import AutoConfig
-
-    from tui_merger.core.ship.gguf_families import REFUSED
-
-    folder = tmp_path / "gemma4"
-    folder.mkdir()
-    AutoConfig.for_model("gemma4_text", **SMALL, vocab_size=448).save_pretrained(folder)
-    with pytest.raises(MergeError, match=r"is a gemma4_text model; its per-layer embeddings") as err:
+def test_gemma4_sharing_keys_and_values_of_other_layers_than_llama_cpps_is_refused(tmp_path):
+    """transformers' Gemma 4 reuses the keys and values of the last layer of each type before the sharing;
+    llama.cpp takes the last two layers (sliding, then full): another order would attend to other values."""
+    folder = make_family(tmp_path / "m", "gemma4_text", layer_types=["sliding_attention", "full_attention", "full_attention",
+                                                                     "sliding_attention", "sliding_attention", "full_attention"])
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(MergeError) as err:
         export_gguf(folder, "f16")
-    assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
-    assert all(reason[0].islower() and not reason.endswith(".") for reason in REFUSED.values())
+    message = str(err.value)
+    assert "its layer 4 reuses the keys and values of layer 3, and llama.cpp's gemma4 takes them from layer 2" in message, message
+    assert "\n" not in message and message.endswith(".")
+    assert sorted(p.name for p in folder.iterdir()) == before
 
 
 def test_mistral_with_a_sliding_window_shorter_than_its_context_says_so(tmp_path):
@@ -522,6 +557,20 @@ def test_phi3_longrope_is_not_called_checked_by_transformers_reader_which_drops_
     assert read.config.rope_parameters.get("rope_type") == "default"  # what makes the check meaningless
     check = check_gguf(folder, path, "f16", reader="transformers")
     assert check.status == NOT_CHECKED and "without its longrope factors" in check.summary, check.line()
+
+
+def test_gemma4_is_not_called_checked_by_transformers_reader_which_builds_another_model(built):
+    """transformers' GGUF reader knows the gemma4 architecture by name but reads none of its per-type keys:
+    from our file it builds a model of Gemma 4's default sizes (or none at all), so the file is not checked."""
+    from transformers import AutoModelForCausalLM
+
+    from tui_merger.core.ship.gguf_check import NOT_CHECKED, check_gguf
+
+    folder, path = built("gemma4_text")
+    with pytest.raises(Exception):  # what makes the check meaningless: it cannot even hold the file's tensors
+        AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    check = check_gguf(folder, path, "f16", reader="transformers")
+    assert check.status == NOT_CHECKED and "reader builds Gemma 4 without" in check.summary, check.line()
 
 
 def test_qwen35_next_token_prediction_module_is_left_out_and_said(tmp_path):
