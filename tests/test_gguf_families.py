@@ -84,6 +84,9 @@ CASES = {
                          num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=30.0,
                          layer_types=["sliding_attention", "full_attention"] * 3), False),
     # a second case of a family: "<model_type>:<what>"
+    "gemma4_text:moe": (dict(NOT_SPECIAL, num_hidden_layers=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                             attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=4, enable_moe_block=True,
+                             num_experts=4, top_k_experts=2, moe_intermediate_size=32), False),
     "phi3:longrope": (dict(NOT_SPECIAL, max_position_embeddings=1024, original_max_position_embeddings=256,
                            rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i for i in range(8)],
                                             "short_factor": [1.0 + 0.125 * i for i in range(8)]}), False),
@@ -212,14 +215,14 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
     import gguf
 
     folder, path = built(model_type)
-    model_type = model_type.split(":")[0]
+    case, model_type = model_type, model_type.split(":")[0]
     fields = gguf_fields(path)
     arch_name = fields["general.architecture"]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     config = _config(folder)
     layers = config.num_hidden_layers
     allowed = {gguf.TENSOR_NAMES[t].format(bid=b) + s for t in gguf.MODEL_TENSORS[arch] for b in range(layers)
-               for s in (".weight", ".bias", "")}  # "": a name llama.cpp takes bare (ssm_a)
+               for s in (".weight", ".bias", ".scale", "")}  # "": a name llama.cpp takes bare (ssm_a); .scale: Gemma 4's router
     reader = gguf.GGUFReader(path)
     stored = {t.name: torch.from_numpy(t.data.copy()).float() for t in reader.tensors}
     assert set(stored) <= allowed, sorted(set(stored) - allowed)
@@ -270,6 +273,12 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
                 assert torch.equal(stored[name].reshape(want_value.shape), want_value), name
                 seen.add(name)
             continue
+        gemma4_router = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
+        if model_type == "gemma4_text" and hf_name.split(".", 3)[-1] in gemma4_router:  # Gemma4Model.modify_tensors
+            name = f"blk.{hf_name.split('.')[2]}.{gemma4_router[hf_name.split('.', 3)[-1]]}"
+            assert torch.equal(stored[name], w), name  # 1-D: F32
+            seen.add(name)
+            continue
         name, expert = _gguf_name_of(hf_name.replace("_bias", ".bias"), tmap)
         if not name.endswith((".weight", ".bias")):  # GPT-OSS's sinks: the converter adds .weight
             name += ".weight"
@@ -297,7 +306,7 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
             seen.add(f"rope_factors_{which}.weight")
     if model_type == "gemma4_text":  # Gemma4Model.generate_extra_tensors: proportional rope as per-pair divisors
         full = json.loads((folder / "config.json").read_text())["rope_parameters"]["full_attention"]
-        global_head_dim = CASES["gemma4_text"][0]["global_head_dim"]
+        global_head_dim = CASES[case][0]["global_head_dim"]
         rotated = int(global_head_dim * full["partial_rotary_factor"] / 2)
         want_freqs = torch.tensor([1.0] * rotated + [1e30] * (global_head_dim // 2 - rotated), dtype=torch.float32)
         assert torch.equal(stored["rope_freqs.weight"], want_freqs)
@@ -423,6 +432,13 @@ def _expected_keys(model_type: str, config, folder: Path) -> dict:
                                                   for i in range(raw["num_hidden_layers"])],
                      f"{a}.attention.head_count_kv": [raw["num_key_value_heads"] if s else per_layer[i]["num_key_value_heads"]
                                                       for i, s in enumerate(sliding)]})
+        if not raw["use_double_wide_mlp"] or not raw["num_kv_shared_layers"]:  # the common key
+            keys[f"{a}.feed_forward_length"] = raw["intermediate_size"]
+        if raw["enable_moe_block"]:
+            keys.update({f"{a}.expert_count": raw["num_experts"], f"{a}.expert_used_count": raw["top_k_experts"],
+                         f"{a}.expert_feed_forward_length": raw["moe_intermediate_size"]})
+        if raw["final_logit_softcapping"] is None:
+            del keys[f"{a}.final_logit_softcapping"]
     return keys
 
 

@@ -691,7 +691,8 @@ def _mix_types(tensors: list[GgufTensor], type_: str, arch: str, hp: dict, notic
 
     from tui_merger.core.ship import kquants
 
-    model = kquants.Model(arch, hp["layers"], hp.get("experts", 0), hp["heads"], hp["kv_heads"])
+    experts = hp.get("experts") or hp["keys"].get("expert_count", 0)  # Gemma 4 says its experts with its own keys
+    model = kquants.Model(arch, hp["layers"], experts, hp["heads"], hp["kv_heads"])
     # a (1, n) matrix is 1-D to ggml (ggml_n_dims), and llama-quantize leaves it as it is
     types, fallbacks = kquants.tensor_types([(t.name, t.shape) for t in tensors if _ggml_dims(t.shape) >= 2], type_, model)
     out = [replace(t, qtype=types[t.name], nbytes=_nbytes(t.shape, types[t.name])) if t.name in types else t
