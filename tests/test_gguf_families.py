@@ -575,6 +575,27 @@ def test_phi3_longrope_is_not_called_checked_by_transformers_reader_which_drops_
     assert check.status == NOT_CHECKED and "without its longrope factors" in check.summary, check.line()
 
 
+def test_gemma4_shared_layers_keys_and_values_transformers_does_not_load_are_left_out_and_said(tmp_path):
+    """A Gemma 4 checkpoint may hold k/v projections for the layers that reuse earlier keys and values;
+    transformers does not load them and llama.cpp's graph does not use them (it loads them if present: dead weight)."""
+    from safetensors.torch import save_file
+
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "gemma4_text")
+    plain = export_gguf(folder, "f16", tmp_path / "plain.gguf")
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({"model.layers.4.self_attn.k_proj.weight": torch.zeros(32, 64), "model.layers.5.self_attn.k_norm.weight": torch.ones(32)})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    said = []
+    extra = export_gguf(folder, "f16", tmp_path / "extra.gguf", on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any(s.startswith("2 tensor(s) (model.layers.4.self_attn.k_proj.weight...) are left out, as transformers does not load them")
+               for s in said), said
+    import gguf
+
+    assert [t.name for t in gguf.GGUFReader(extra.path).tensors] == [t.name for t in gguf.GGUFReader(plain.path).tensors]
+
+
 def test_gemma4_is_not_called_checked_by_transformers_reader_which_builds_another_model(built):
     """transformers' GGUF reader knows the gemma4 architecture by name but reads none of its per-type keys:
     from our file it builds a model of Gemma 4's default sizes (or none at all), so the file is not checked."""

@@ -533,12 +533,17 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
     order: list[str | GgufTensor] = []
     fallback: list[str] = []
     beyond: list[str] = []  # next-token-prediction layers past num_hidden_layers (DeepSeek-V3, GLM-4.5)
+    unloaded, unloaded_why = family.unloaded(hp["config"]) if family.unloaded else ((), "")
+    skipped: list[str] = []  # tensors transformers does not load for this config (Gemma 4's shared-KV layers' k/v)
     for ref in source.tensors.values():
         if _SKIPPED.search(ref.name):
             continue
         layer = _LAYER.match(ref.name)
         if layer and int(layer[1]) >= hp["layers"] or ref.name.startswith(family.left_out):
             beyond.append(ref.name)
+            continue
+        if unloaded and ref.name.startswith(unloaded):
+            skipped.append(ref.name)
             continue
         if ref.name == "lm_head.weight" and hp["tie_word_embeddings"]:
             continue  # tied: llama.cpp uses token_embd, as transformers does
@@ -610,6 +615,8 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
         out.append(GgufTensor(item, tuple(refs), shape, int(qtype), _nbytes(shape, qtype)))
     if type_ in K_MIXES:
         out = _mix_types(out, type_, arch_name, hp, notices)
+    if skipped:
+        notices.append(f"{len(skipped)} tensor(s) ({skipped[0]}...) are left out, as transformers does not load them: {unloaded_why}.")
     if beyond:
         where = "layers past num_hidden_layers" if _LAYER.match(beyond[0]) else "a module transformers does not load"
         notices.append(

@@ -61,6 +61,7 @@ class Family:
     computed: Callable[[object], list] | None = None  # config -> [(GGUF name, float32 numpy array)] the converter computes
     bare: tuple[str, ...] = ()  # derived GGUF tensors named without .weight (Gated DeltaNet's ssm_a)
     left_out: tuple[str, ...] = ()  # HF name prefixes transformers does not load (next-token-prediction modules: mtp.)
+    unloaded: Callable[[object], tuple] | None = None  # config -> (HF name prefixes transformers does not load, why)
     notes: tuple[Callable[[object], str | None], ...] = ()  # config -> a sentence the export says (how llama.cpp runs it)
     checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
 
@@ -473,6 +474,16 @@ _GEMMA4_KEYS = {  # Gemma4Model.set_gguf_parameters in llama.cpp's converter (Ge
     "expert_feed_forward_length": lambda c: int(c.moe_intermediate_size) if getattr(c, "enable_moe_block", False) else None,
 }
 
+def _gemma4_shared_kv(config) -> tuple:
+    """The keys and values of the layers that reuse earlier ones' (num_kv_shared_layers): transformers does not
+    load them (_keys_to_ignore_on_load_unexpected) and llama.cpp's graph does not use them."""
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    first = config.num_hidden_layers - shared
+    names = tuple(f"model.layers.{i}.self_attn.{part}." for i in range(first, config.num_hidden_layers)
+                  for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+    return names, "those layers reuse the keys and values of earlier layers, in llama.cpp's gemma4 too"
+
+
 _GEMMA4_DERIVE = {  # the router's input scale and its per-expert output scale, as the converter names them
     "router.scale": lambda config, shape: [("ffn_gate_inp.scale", shape, lambda w: w)],
     "router.per_expert_scale": lambda config, shape: [("ffn_down_exps.scale", shape, lambda w: w)],
@@ -562,7 +573,7 @@ FAMILIES: dict[str, Family] = {
                          keys=_GDN_KEYS, checks=(_moe_every_layer, _gdn_heads_divide)),
     "gemma4_text": Family("Gemma 4", "gemma4", partial_rotary=True, head_dim_keys=True, rope_kinds=("proportional",),
                           computed=_gemma4_rope_freqs, derive=_GEMMA4_DERIVE, unquantized=("per_layer_model_proj",), bare=("ffn_gate_inp.scale", "ffn_down_exps.scale"),
-                          keys=_GEMMA4_KEYS, checks=(_gemma4_graph,)),
+                          keys=_GEMMA4_KEYS, unloaded=_gemma4_shared_kv, checks=(_gemma4_graph,)),
     "lfm2": Family("LFM2", "lfm2", eps="norm_eps", derive={"conv.conv": _lfm2_conv}, keep_f32=("shortconv.conv",),
                    keys={"attention.head_count_kv": _lfm2_kv_heads, "shortconv.l_cache": lambda c: int(c.conv_L_cache),
                          "feed_forward_length": _lfm2_ff},
