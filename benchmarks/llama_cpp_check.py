@@ -45,6 +45,8 @@ WIDE_FAMILY = {  # per-family widths that follow hidden 256 (head sizes, expert 
     "qwen3_5_text": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64),
     "qwen3_next": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=256,
                        shared_expert_intermediate_size=512),
+    "gemma4_text": dict(head_dim=64, global_head_dim=128, hidden_size_per_layer_input=64),
+    "gemma4_text:moe": dict(head_dim=64, global_head_dim=128, moe_intermediate_size=256),
     "phi3:longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i / 4 for i in range(32)],
                                            "short_factor": [1.0 + i / 32 for i in range(32)]}),
 }

@@ -6,7 +6,8 @@
 
 For each tokenizer of tests/test_gguf_vocab.py (the SentencePiece fixtures: Llama 2, Phi-3 and Gemma
 shaped tokenizer.model + tokenizer.json, a fast-only byte-fallback tokenizer.json; byte-level BPE with
-the tekken, DeepSeek-V3, Seed-Coder, StarCoder and spelled-out GPT-2 splits) on a tiny model, it exports an F16 GGUF,
+the tekken, DeepSeek-V3, Seed-Coder, StarCoder and spelled-out GPT-2 splits; the Gemma one on a Gemma 4 model) on a
+tiny model, it exports an F16 GGUF,
 loads it in llama.cpp (llama-cpp-python, vocab only) and compares llama.cpp's ids with transformers'
 tokenizer on the folder: the samples, the chat template rendered, each special token alone. Prints a
 Markdown table; the first differing text of a row is printed below it.
@@ -22,20 +23,29 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 
+# Gemma 4's tokenizer is Gemma's (transformers builds it as GemmaTokenizer); llama.cpp turns add_bos on for its arch
+ON_ARCH = {"gemma on gemma4": ("gemma", "gemma4_text")}
+
+
 def main() -> int:
     import llama_cpp
     from llama_cpp import Llama
     from transformers import AutoTokenizer
 
-    from test_gguf_vocab import CHAT, PRE, SENTENCEPIECE, TEXTS, byte_level_model, fields, sentencepiece_model
+    from test_gguf_families import make_family
+    from test_gguf_vocab import CHAT, FIXTURES, PRE, SENTENCEPIECE, TEXTS, byte_level_model, fields, sentencepiece_model, with_tokenizer
     from tui_merger.core.ship.gguf import export_gguf
 
     print(f"llama-cpp-python {llama_cpp.__version__}", flush=True)
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for kind in list(SENTENCEPIECE) + list(PRE):
-            folder = sentencepiece_model(root, kind) if kind in SENTENCEPIECE else byte_level_model(root, kind)
+        for kind in list(SENTENCEPIECE) + list(PRE) + list(ON_ARCH):
+            if kind in ON_ARCH:  # a tokenizer fixture on another family's model: llama.cpp's vocabulary rules per arch
+                fixture, family = ON_ARCH[kind]
+                folder = with_tokenizer(make_family(root / f"tiny-{kind}", family, vocab_size=448), FIXTURES / fixture)
+            else:
+                folder = sentencepiece_model(root, kind) if kind in SENTENCEPIECE else byte_level_model(root, kind)
             path = export_gguf(folder, "f16", root / f"{kind}.gguf").path
             f = fields(path)
             tok = AutoTokenizer.from_pretrained(folder)

@@ -77,7 +77,16 @@ CASES = {
     "qwen3_next": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                         layer_types=["linear_attention", "full_attention"], full_attention_interval=2, num_experts=4,
                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64), False),
+    # per-layer embeddings, full-attention layers with their own head size and KV heads (k = v) and proportional
+    # rope, the last two layers reusing keys and values, double-wide MLPs there, logit soft-capping
+    "gemma4_text": (dict(NOT_SPECIAL, num_hidden_layers=6, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                         attention_k_eq_v=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=448, sliding_window=4,
+                         num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=30.0,
+                         layer_types=["sliding_attention", "full_attention"] * 3), False),
     # a second case of a family: "<model_type>:<what>"
+    "gemma4_text:moe": (dict(NOT_SPECIAL, num_hidden_layers=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                             attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=4, enable_moe_block=True,
+                             num_experts=4, top_k_experts=2, moe_intermediate_size=32), False),
     "phi3:longrope": (dict(NOT_SPECIAL, max_position_embeddings=1024, original_max_position_embeddings=256,
                            rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i for i in range(8)],
                                             "short_factor": [1.0 + 0.125 * i for i in range(8)]}), False),
@@ -148,6 +157,10 @@ def make_family(path: Path, case: str, dtype=torch.float32, seed=0, **overrides)
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+            if model_type == "gemma4_text" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Gemma 4 attends with scale 1 and relies on its trained q/k norms: random ones near 1 make attention
+                # so sharp that rounding flips it; head_dim ** -1/4 each scales q.k as 1/sqrt(head_dim) does elsewhere
+                p.mul_(p.numel() ** -0.25)
     model.to(dtype).save_pretrained(path)
     byte_level_tokenizer({"llama": "llama3", "gpt_oss": "o200k"}.get(model_type, "qwen")).save_pretrained(path)
     return path
@@ -169,6 +182,14 @@ def built(tmp_path_factory):
         return cache[model_type]
 
     return get
+
+
+def _config(folder: Path):
+    """The folder's config as transformers builds it; a per-layer one (Gemma 4) answers with its base values."""
+    config = load_hf(folder).config
+    if getattr(config, "is_heterogeneous", False):
+        config.allow_global_per_layer_attribute_access = True
+    return config
 
 
 def _gguf_name_of(hf_name: str, tmap) -> tuple[str, int | None]:
@@ -194,14 +215,14 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
     import gguf
 
     folder, path = built(model_type)
-    model_type = model_type.split(":")[0]
+    case, model_type = model_type, model_type.split(":")[0]
     fields = gguf_fields(path)
     arch_name = fields["general.architecture"]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
-    config = load_hf(folder).config
+    config = _config(folder)
     layers = config.num_hidden_layers
     allowed = {gguf.TENSOR_NAMES[t].format(bid=b) + s for t in gguf.MODEL_TENSORS[arch] for b in range(layers)
-               for s in (".weight", ".bias", "")}  # "": a name llama.cpp takes bare (ssm_a)
+               for s in (".weight", ".bias", ".scale", "")}  # "": a name llama.cpp takes bare (ssm_a); .scale: Gemma 4's router
     reader = gguf.GGUFReader(path)
     stored = {t.name: torch.from_numpy(t.data.copy()).float() for t in reader.tensors}
     assert set(stored) <= allowed, sorted(set(stored) - allowed)
@@ -252,6 +273,12 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
                 assert torch.equal(stored[name].reshape(want_value.shape), want_value), name
                 seen.add(name)
             continue
+        gemma4_router = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
+        if model_type == "gemma4_text" and hf_name.split(".", 3)[-1] in gemma4_router:  # Gemma4Model.modify_tensors
+            name = f"blk.{hf_name.split('.')[2]}.{gemma4_router[hf_name.split('.', 3)[-1]]}"
+            assert torch.equal(stored[name], w), name  # 1-D: F32
+            seen.add(name)
+            continue
         name, expert = _gguf_name_of(hf_name.replace("_bias", ".bias"), tmap)
         if not name.endswith((".weight", ".bias")):  # GPT-OSS's sinks: the converter adds .weight
             name += ".weight"
@@ -277,15 +304,22 @@ def test_every_weight_is_where_llama_cpps_layout_puts_it(built, model_type):
         for which in ("long", "short"):
             assert torch.equal(stored[f"rope_factors_{which}.weight"], torch.tensor(rope[f"{which}_factor"]))
             seen.add(f"rope_factors_{which}.weight")
+    if model_type == "gemma4_text":  # Gemma4Model.generate_extra_tensors: proportional rope as per-pair divisors
+        full = json.loads((folder / "config.json").read_text())["rope_parameters"]["full_attention"]
+        global_head_dim = CASES[case][0]["global_head_dim"]
+        rotated = int(global_head_dim * full["partial_rotary_factor"] / 2)
+        want_freqs = torch.tensor([1.0] * rotated + [1e30] * (global_head_dim // 2 - rotated), dtype=torch.float32)
+        assert torch.equal(stored["rope_freqs.weight"], want_freqs)
+        seen.add("rope_freqs.weight")
     extra = set(stored) - seen - {"rope_freqs.weight"}
     assert not extra, extra
 
 
-def _expected_keys(model_type: str, config) -> dict:
+def _expected_keys(model_type: str, config, folder: Path) -> dict:
     """The keys llama.cpp's convert_hf_to_gguf.py writes for the family, with the config's values
     (written here from the converter's classes, as llama.cpp reads them)."""
     case, model_type = model_type, model_type.split(":")[0]
-    a = {"ernie4_5_moe": "ernie4_5-moe", "qwen3_5_text": "qwen35", "qwen3_next": "qwen3next", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
+    a = {"gemma4_text": "gemma4", "ernie4_5_moe": "ernie4_5-moe", "qwen3_5_text": "qwen35", "qwen3_next": "qwen3next", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "qwen2_moe": "qwen2moe",
          "phi": "phi2", "olmo3": "olmo2", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(model_type, model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
@@ -379,6 +413,32 @@ def _expected_keys(model_type: str, config) -> dict:
                      f"{a}.expert_gating_func": 2 if model_type == "deepseek_v3" else 1})  # transformers: V3 sigmoid, V2 softmax
         if config.q_lora_rank:
             keys[f"{a}.attention.q_lora_rank"] = config.q_lora_rank
+    if model_type == "gemma4_text":  # Gemma4Model.set_gguf_parameters, from config.json as saved
+        raw = json.loads((folder / "config.json").read_text())
+        per_layer = {int(i): v for i, v in raw["per_layer_config"].items()}  # the full-attention layers' own values
+        sliding = [t == "sliding_attention" for t in raw["layer_types"]]
+        full_head = per_layer[sliding.index(False)]["head_dim"]
+        first_shared = raw["num_hidden_layers"] - raw["num_kv_shared_layers"]
+        keys.update({f"{a}.attention.key_length": full_head, f"{a}.attention.value_length": full_head,
+                     f"{a}.attention.key_length_swa": raw["head_dim"], f"{a}.attention.value_length_swa": raw["head_dim"],
+                     f"{a}.rope.dimension_count": full_head, f"{a}.rope.dimension_count_swa": raw["head_dim"],
+                     f"{a}.rope.freq_base": raw["rope_parameters"]["full_attention"]["rope_theta"],
+                     f"{a}.rope.freq_base_swa": raw["rope_parameters"]["sliding_attention"]["rope_theta"],
+                     f"{a}.attention.sliding_window": raw["sliding_window"], f"{a}.attention.sliding_window_pattern": sliding,
+                     f"{a}.attention.shared_kv_layers": raw["num_kv_shared_layers"],
+                     f"{a}.embedding_length_per_layer_input": raw["hidden_size_per_layer_input"],
+                     f"{a}.final_logit_softcapping": raw["final_logit_softcapping"],
+                     f"{a}.feed_forward_length": [raw["intermediate_size"] * (2 if i >= first_shared else 1)
+                                                  for i in range(raw["num_hidden_layers"])],
+                     f"{a}.attention.head_count_kv": [raw["num_key_value_heads"] if s else per_layer[i]["num_key_value_heads"]
+                                                      for i, s in enumerate(sliding)]})
+        if not raw["use_double_wide_mlp"] or not raw["num_kv_shared_layers"]:  # the common key
+            keys[f"{a}.feed_forward_length"] = raw["intermediate_size"]
+        if raw["enable_moe_block"]:
+            keys.update({f"{a}.expert_count": raw["num_experts"], f"{a}.expert_used_count": raw["top_k_experts"],
+                         f"{a}.expert_feed_forward_length": raw["moe_intermediate_size"]})
+        if raw["final_logit_softcapping"] is None:
+            del keys[f"{a}.final_logit_softcapping"]
     return keys
 
 
@@ -386,8 +446,8 @@ def _expected_keys(model_type: str, config) -> dict:
 def test_the_metadata_is_what_llama_cpps_converter_writes(built, model_type):
     folder, path = built(model_type)
     fields = gguf_fields(path)
-    config = load_hf(folder).config
-    for key, value in _expected_keys(model_type, config).items():
+    config = _config(folder)
+    for key, value in _expected_keys(model_type, config, folder).items():
         assert key in fields, key
         got = fields[key]
         assert (got == pytest.approx(value, rel=1e-6)) if isinstance(value, float) else got == value, (key, got, value)
@@ -422,6 +482,7 @@ REFUSALS = {
     "ernie4_5_moe": (dict(moe_layer_interval=2), "llama.cpp's ernie4_5-moe loader expects experts in every layer"),
     "qwen3_5_text": (dict(linear_value_head_dim=32), "key and value heads differ in size"),
     "qwen3_next": (dict(mlp_only_layers=[0]), "llama.cpp's layout has experts in every layer"),
+    "gemma4_text": (dict(use_bidirectional_attention="all"), "and llama.cpp's gemma4 graph is causal"),
 }
 
 
@@ -440,18 +501,18 @@ def test_a_config_llama_cpp_would_compute_differently_is_one_sentence(tmp_path, 
     assert sorted(p.name for p in folder.iterdir()) == before
 
 
-def test_families_llama_cpp_runs_but_we_do_not_write_are_refused_with_the_reason(tmp_path):
-    from transformers import AutoConfig
-
-    from tui_merger.core.ship.gguf_families import REFUSED
-
-    folder = tmp_path / "gemma4"
-    folder.mkdir()
-    AutoConfig.for_model("gemma4_text", **SMALL, vocab_size=448).save_pretrained(folder)
-    with pytest.raises(MergeError, match=r"is a gemma4_text model; its per-layer embeddings") as err:
+def test_gemma4_sharing_keys_and_values_of_other_layers_than_llama_cpps_is_refused(tmp_path):
+    """transformers' Gemma 4 reuses the keys and values of the last layer of each type before the sharing;
+    llama.cpp takes the last two layers (sliding, then full): another order would attend to other values."""
+    folder = make_family(tmp_path / "m", "gemma4_text", layer_types=["sliding_attention", "full_attention", "full_attention",
+                                                                     "sliding_attention", "sliding_attention", "full_attention"])
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(MergeError) as err:
         export_gguf(folder, "f16")
-    assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
-    assert all(reason[0].islower() and not reason.endswith(".") for reason in REFUSED.values())
+    message = str(err.value)
+    assert "its layer 4 reuses the keys and values of layer 3, and llama.cpp's gemma4 takes them from layer 2" in message, message
+    assert "\n" not in message and message.endswith(".")
+    assert sorted(p.name for p in folder.iterdir()) == before
 
 
 def test_mistral_with_a_sliding_window_shorter_than_its_context_says_so(tmp_path):
@@ -512,6 +573,41 @@ def test_phi3_longrope_is_not_called_checked_by_transformers_reader_which_drops_
     assert read.config.rope_parameters.get("rope_type") == "default"  # what makes the check meaningless
     check = check_gguf(folder, path, "f16", reader="transformers")
     assert check.status == NOT_CHECKED and "without its longrope factors" in check.summary, check.line()
+
+
+def test_gemma4_shared_layers_keys_and_values_transformers_does_not_load_are_left_out_and_said(tmp_path):
+    """A Gemma 4 checkpoint may hold k/v projections for the layers that reuse earlier keys and values;
+    transformers does not load them and llama.cpp's graph does not use them (it loads them if present: dead weight)."""
+    from safetensors.torch import save_file
+
+    from tui_merger.core.events import Notice
+
+    folder = make_family(tmp_path / "m", "gemma4_text")
+    plain = export_gguf(folder, "f16", tmp_path / "plain.gguf")
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({"model.layers.4.self_attn.k_proj.weight": torch.zeros(32, 64), "model.layers.5.self_attn.k_norm.weight": torch.ones(32)})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    said = []
+    extra = export_gguf(folder, "f16", tmp_path / "extra.gguf", on_event=lambda e: said.append(e.message) if isinstance(e, Notice) else None)
+    assert any(s.startswith("2 tensor(s) (model.layers.4.self_attn.k_proj.weight...) are left out, as transformers does not load them")
+               for s in said), said
+    import gguf
+
+    assert [t.name for t in gguf.GGUFReader(extra.path).tensors] == [t.name for t in gguf.GGUFReader(plain.path).tensors]
+
+
+def test_gemma4_is_not_called_checked_by_transformers_reader_which_builds_another_model(built):
+    """transformers' GGUF reader knows the gemma4 architecture by name but reads none of its per-type keys:
+    from our file it builds a model of Gemma 4's default sizes (or none at all), so the file is not checked."""
+    from transformers import AutoModelForCausalLM
+
+    from tui_merger.core.ship.gguf_check import NOT_CHECKED, check_gguf
+
+    folder, path = built("gemma4_text")
+    with pytest.raises(Exception):  # what makes the check meaningless: it cannot even hold the file's tensors
+        AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    check = check_gguf(folder, path, "f16", reader="transformers")
+    assert check.status == NOT_CHECKED and "reader builds Gemma 4 without" in check.summary, check.line()
 
 
 def test_qwen35_next_token_prediction_module_is_left_out_and_said(tmp_path):

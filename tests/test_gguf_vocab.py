@@ -1,7 +1,8 @@
 """The tokenizer in a GGUF (core/ship/gguf_vocab.py) beyond byte-level BPE with the splits of GPT-2,
 Qwen2, Llama 3 and GPT-OSS: SentencePiece BPE with byte fallback (a tokenizer.model as Llama 2, Phi-3
 and Gemma ship it, and a fast-only tokenizer.json), and the byte-level pre-tokenizers of Mistral's
-tekken, DeepSeek-V3, Seed-Coder, StarCoder and GPT-2's regex spelled out (llama.cpp's exaone4 split).
+tekken, DeepSeek LLM / V2 (llama.cpp's deepseek-llm), DeepSeek-V3, Seed-Coder, StarCoder and GPT-2's regex
+spelled out (llama.cpp's exaone4 split).
 
 The tokenizers are made by the real tools: the SentencePiece fixtures by the ``sentencepiece`` trainer
 and transformers' LlamaTokenizer / GemmaTokenizer (tests/fixtures/gguf_vocab/make_vocab_fixtures.py),
@@ -23,6 +24,7 @@ from tui_merger.core.errors import MergeError
 from tui_merger.core.ship.gguf import export_gguf
 from tui_merger.core.ship.gguf_vocab import (
     _DEEPSEEK3_SPLITS,
+    _DEEPSEEK_LLM_SPLITS,
     _GPT2_SPLIT,
     _SEED_CODER_SPLIT,
     _TEKKEN_SPLIT,
@@ -39,6 +41,7 @@ PRE = {
     "gpt2-split": ([("split", _GPT2_SPLIT)], "gpt-2"),
     "seed-coder": ([("split", _SEED_CODER_SPLIT)], "seed-coder"),
     "starcoder": ([("digits",)], "starcoder"),
+    "deepseek-llm": ([("split", s) for s in _DEEPSEEK_LLM_SPLITS] + [("digits",)], "deepseek-llm"),  # DeepSeek-V2's
 }
 TEXTS = SAMPLES + ["<think> x", " lead", "a  b", "Ünïcödé ÀÉ isn't CamelCase 12345"]
 CHAT = [{"role": "user", "content": "2+2=? 中文 🤖"}, {"role": "assistant", "content": "4 ok"}, {"role": "user", "content": " again"}]
@@ -323,6 +326,24 @@ def test_the_check_splits_as_llama_cpp_where_the_tokenizer_json_differs_by_rule(
     assert _verdict(ref, _Read(wrong, logits), 0.01, "f16", "llama.cpp", expected=ref.llama_ids).status == FAILED
     for other in ("phi3", "gemma"):
         assert not spaces_at_start_only(sentencepiece_model(tmp_path / other, other))
+
+
+def test_deepseek_v2s_pre_tokenizer_is_llama_cpps_deepseek_llm_with_its_ids(tmp_path):
+    """DeepSeek LLM / V2 / Coder-V2 split text with five regexes and single digits before the byte alphabet;
+    llama.cpp calls that split deepseek-llm. On a tokenizer of that shape (deepseek_llm/, trained by
+    ``tokenizers``), the GGUF names it so, and transformers' ids on the texts equal the ids llama.cpp gave
+    for a GGUF of it (recorded by make_llama_cpp_ids.py with llama-cpp-python 0.3.36)."""
+    from transformers import AutoTokenizer
+
+    recorded = json.loads((FIXTURES / "llama_cpp_ids.json").read_text())["deepseek_llm"]
+    folder = with_tokenizer(make_family(tmp_path / "m", "mistral"), FIXTURES / "deepseek_llm")
+    path = export_gguf(folder, "f16", tmp_path / "m.gguf").path
+    assert fields(path)["tokenizer.ggml.pre"] == "deepseek-llm"
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert [r["text"] for r in recorded] == TEXTS + [tok.apply_chat_template(CHAT, tokenize=False)]
+    assert [tok.encode(r["text"]) for r in recorded] == [r["ids"] for r in recorded]
+    digits = tok.encode("1234567890")  # the step that tells it from llama.cpp's other DeepSeek splits: one id a digit
+    assert len(digits) == 10
 
 
 def test_the_modelfile_reads_add_bos_as_ggufs_own_reader_does(exported):

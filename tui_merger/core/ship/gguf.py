@@ -326,6 +326,8 @@ def _hyperparameters(folder: Path, raw: dict, family: Family, notices: list) -> 
     except Exception as err:  # a config transformers cannot build: say it in one sentence
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise MergeError(f"transformers cannot read {folder / 'config.json'} ({first[:200]}); fix or replace it.") from None
+    if getattr(config, "is_heterogeneous", False):  # per-layer values (Gemma 4's full-attention heads): the family's keys
+        config.allow_global_per_layer_attribute_access = True  # read them per layer; the common keys take the base ones
 
     def need(name: str):
         value = getattr(config, name, None)
@@ -398,6 +400,8 @@ def _sliding_window(folder: Path, config, family: Family, hp: dict, notices: lis
     types = getattr(config, "layer_types", None)
     sliding = [t == "sliding_attention" for t in types] if isinstance(types, (list, tuple)) else None
     swa = family.swa if family.swa_layers in (None, hp["layers"]) else None
+    if "attention.sliding_window_pattern" in family.keys:  # llama.cpp reads which layers slide from the file (Gemma 4)
+        return
     if swa:
         want = [i % swa < swa - 1 for i in range(hp["layers"])]
         if sliding is not None and sliding != want:
@@ -431,7 +435,8 @@ def _rope(folder: Path, config, family: Family, head_dim: int) -> dict:
         params = dict(params["full_attention"])
         want = ({"rope_type": "default", "rope_theta": family.swa_rope_theta} if family.swa_rope_theta is not None
                 else {"rope_type": params.get("rope_type") or "default", "rope_theta": params.get("rope_theta")})
-        if local and ((local.get("rope_type") or "default"), local.get("rope_theta")) != (want["rope_type"], want["rope_theta"]):
+        own = "rope.freq_base_swa" in family.keys  # the sliding layers' base is a key of its own (Gemma 4; its checks say the rest)
+        if local and not own and ((local.get("rope_type") or "default"), local.get("rope_theta")) != (want["rope_type"], want["rope_theta"]):
             raise MergeError(
                 f"{folder} rotates its sliding-window layers with rope {local.get('rope_type')} base "
                 f"{local.get('rope_theta')}; llama.cpp's {family.arch} rotates them with rope {want['rope_type']} base "
@@ -528,12 +533,17 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
     order: list[str | GgufTensor] = []
     fallback: list[str] = []
     beyond: list[str] = []  # next-token-prediction layers past num_hidden_layers (DeepSeek-V3, GLM-4.5)
+    unloaded, unloaded_why = family.unloaded(hp["config"]) if family.unloaded else ((), "")
+    skipped: list[str] = []  # tensors transformers does not load for this config (Gemma 4's shared-KV layers' k/v)
     for ref in source.tensors.values():
         if _SKIPPED.search(ref.name):
             continue
         layer = _LAYER.match(ref.name)
         if layer and int(layer[1]) >= hp["layers"] or ref.name.startswith(family.left_out):
             beyond.append(ref.name)
+            continue
+        if unloaded and ref.name.startswith(unloaded):
+            skipped.append(ref.name)
             continue
         if ref.name == "lm_head.weight" and hp["tie_word_embeddings"]:
             continue  # tied: llama.cpp uses token_embd, as transformers does
@@ -581,6 +591,9 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
                 raise MergeError(f"{ref.name} has {ref.shape[0]} rows, not {permute} heads of {hp['head_dim']} (config.json).")
         router = kind in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)  # kept F32, as llama.cpp does
         qtype = _qtype(type_, ref.shape, router or _keep_f32(family, base), ref.name, fallback)
+        if type_ != "bf16" and type_ != "f16" and any(part in base for part in family.unquantized):
+            # llama-quantize leaves it as it comes from the 16-bit conversion: bf16 weights as BF16, others F16
+            qtype = gguf.GGMLQuantizationType.BF16 if ref.dtype == "bfloat16" else gguf.GGMLQuantizationType.F16
         shift = 1.0 if family.norm_plus_one and ref.name.endswith("norm.weight") else 0.0
         order.append(GgufTensor(base + suffix, (ref,), ref.shape, int(qtype), _nbytes(ref.shape, qtype), permute, shift))
     for item in order:
@@ -602,6 +615,8 @@ def _plan_tensors(folder, source, config, hp, family: Family, type_, notices) ->
         out.append(GgufTensor(item, tuple(refs), shape, int(qtype), _nbytes(shape, qtype)))
     if type_ in K_MIXES:
         out = _mix_types(out, type_, arch_name, hp, notices)
+    if skipped:
+        notices.append(f"{len(skipped)} tensor(s) ({skipped[0]}...) are left out, as transformers does not load them: {unloaded_why}.")
     if beyond:
         where = "layers past num_hidden_layers" if _LAYER.match(beyond[0]) else "a module transformers does not load"
         notices.append(
@@ -683,7 +698,8 @@ def _mix_types(tensors: list[GgufTensor], type_: str, arch: str, hp: dict, notic
 
     from tui_merger.core.ship import kquants
 
-    model = kquants.Model(arch, hp["layers"], hp.get("experts", 0), hp["heads"], hp["kv_heads"])
+    experts = hp.get("experts") or hp["keys"].get("expert_count", 0)  # Gemma 4 says its experts with its own keys
+    model = kquants.Model(arch, hp["layers"], experts, hp["heads"], hp["kv_heads"])
     # a (1, n) matrix is 1-D to ggml (ggml_n_dims), and llama-quantize leaves it as it is
     types, fallbacks = kquants.tensor_types([(t.name, t.shape) for t in tensors if _ggml_dims(t.shape) >= 2], type_, model)
     out = [replace(t, qtype=types[t.name], nbytes=_nbytes(t.shape, types[t.name])) if t.name in types else t
@@ -997,7 +1013,7 @@ def _quiet_library_logs():
     those stay out of the user's terminal."""
     import logging
 
-    loggers = [logging.getLogger(name) for name in ("gguf", "metadata")]
+    loggers = [logging.getLogger(name) for name in ("gguf", "metadata", "transformers.integrations.heterogeneity.configuration_utils")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)

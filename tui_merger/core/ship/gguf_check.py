@@ -378,6 +378,12 @@ def _transformers_cannot_read(path: Path) -> str | None:
 
         return (f"transformers {transformers.__version__}'s GGUF reader does not know the {arch} architecture, "
                 "and llama.cpp's Python binding (llama_cpp) is not installed here.")
+    if arch == "gemma4":  # its reader maps gemma4's common keys only (integrations/ggml.py), none of these
+        import transformers
+
+        return (f"transformers {transformers.__version__}'s GGUF reader builds Gemma 4 without the file's sliding-layer head "
+                "size, per-layer embedding size, layer pattern, shared KV layers, rope bases and soft-capping, so it would "
+                "compare another model.")
     if any(t.name == "rope_factors_long.weight" for t in reader.tensors):  # Phi-3's longrope
         import transformers
 

@@ -15,7 +15,8 @@ Adding a family is one entry in ``FAMILIES`` (and a tiny-model case in tests/tes
   norm epsilon named by ``eps``, rope base and scaling, head sizes); ``keys`` adds the family's own
   (GGUF key after ``<arch>.`` -> a config field, or a function of the config giving the typed value;
   it may restate a common key; a list is written as a per-layer array), written when there is a value.
-- ``keep_f32`` (tensors the converter always stores F32: LFM2's short convolution), ``rope_kinds`` and
+- ``keep_f32`` (tensors the converter always stores F32: LFM2's short convolution), ``unquantized`` (matrices
+  llama.cpp's quantizer keeps 16-bit: Gemma 4's per-layer model projection), ``rope_kinds`` and
   ``computed`` (a rope scaling the family says with its own keys and tensors: Phi-3's longrope factors).
 - what llama.cpp's graph fixes and the config could say otherwise: ``swa`` (its sliding-window layer
   pattern), ``norm_topk`` (whether it renormalizes the chosen experts' weights), ``checks`` (a function
@@ -55,10 +56,12 @@ class Family:
     split: dict = field(default_factory=dict)  # HF module -> GGUF tensors its rows are split into, in equal parts
     keys: dict = field(default_factory=dict)  # GGUF key (after "<arch>.") -> config field
     keep_f32: tuple[str, ...] = ()  # parts of GGUF names the converter always stores F32 (small conv kernels)
+    unquantized: tuple[str, ...] = ()  # parts of GGUF names llama-quantize leaves as they are: 16-bit in q8_0 too
     rope_kinds: tuple[str, ...] = ()  # rope scalings beyond the common ones that the family's keys and tensors say
     computed: Callable[[object], list] | None = None  # config -> [(GGUF name, float32 numpy array)] the converter computes
     bare: tuple[str, ...] = ()  # derived GGUF tensors named without .weight (Gated DeltaNet's ssm_a)
     left_out: tuple[str, ...] = ()  # HF name prefixes transformers does not load (next-token-prediction modules: mtp.)
+    unloaded: Callable[[object], tuple] | None = None  # config -> (HF name prefixes transformers does not load, why)
     notes: tuple[Callable[[object], str | None], ...] = ()  # config -> a sentence the export says (how llama.cpp runs it)
     checks: tuple[Callable[[object], str | None], ...] = ()  # config -> why llama.cpp would compute another model
 
@@ -381,6 +384,112 @@ def _gdn_heads_divide(config) -> str | None:
     return None
 
 
+def _gemma4_layer(config, i: int):
+    """transformers' view of one Gemma 4 layer (its head size and KV heads: full-attention layers have their own)."""
+    per_layer = getattr(config, "per_layer_config", None)
+    return per_layer[i] if per_layer is not None else config
+
+
+def _gemma4_full_head_dim(config) -> int:
+    """The full-attention layers' head size (global_head_dim), what llama.cpp takes as key_length."""
+    full = [i for i, t in enumerate(config.layer_types) if t != "sliding_attention"]
+    return int(_gemma4_layer(config, full[-1]).head_dim) if full else int(config.head_dim)
+
+
+def _gemma4_kv_heads(config) -> list | None:
+    """KV heads per layer when the full-attention layers have other than the sliding ones (num_global_key_value_heads)."""
+    heads = [int(_gemma4_layer(config, i).num_key_value_heads) for i in range(config.num_hidden_layers)]
+    return heads if len(set(heads)) > 1 else None
+
+
+def _gemma4_ff(config) -> list | None:
+    """use_double_wide_mlp: the layers that reuse another layer's keys and values have twice the MLP width."""
+    if not getattr(config, "use_double_wide_mlp", False) or not config.num_kv_shared_layers:
+        return None
+    first = config.num_hidden_layers - config.num_kv_shared_layers
+    return [int(config.intermediate_size) * (2 if i >= first else 1) for i in range(config.num_hidden_layers)]
+
+
+def _gemma4_rope_freqs(config) -> list:
+    """Gemma 4's proportional rope for the full-attention layers as llama.cpp's converter writes it: llama.cpp
+    rotates the whole head (rope.dimension_count = the head size) and divides each frequency by rope_freqs,
+    1 for the rotated pairs and 1e30 (no rotation) for the rest."""
+    import numpy as np
+
+    rope = (config.rope_parameters or {}).get("full_attention") or {}
+    head_dim = _gemma4_full_head_dim(config)
+    rotated = head_dim // 2
+    if rope.get("rope_type") == "proportional":  # transformers' _compute_proportional_rope_parameters
+        rotated = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    values = [1.0] * rotated + [1e30] * (head_dim // 2 - rotated)
+    return [("rope_freqs.weight", np.asarray(values, dtype=np.float32))]
+
+
+def _gemma4_graph(config) -> str | None:
+    """What llama.cpp's gemma4 graph fixes: causal attention, default rope on the sliding layers,
+    proportional (or default) rope without a factor on the others, one vocabulary for both embeddings,
+    and shared keys/values taken from the last two layers before the sharing (sliding, then full)."""
+    if getattr(config, "use_bidirectional_attention", None) == "all":
+        return "it attends in both directions (use_bidirectional_attention all), and llama.cpp's gemma4 graph is causal"
+    rope = config.rope_parameters or {}
+    local, full = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
+    if (local.get("rope_type") or "default") != "default":
+        return f"its sliding-window layers use {local.get('rope_type')} rope, and llama.cpp's gemma4 rotates them with default rope"
+    if (full.get("rope_type") or "default") not in ("default", "proportional") or float(full.get("factor", 1.0) or 1.0) != 1.0:
+        return (f"its full-attention layers use {full.get('rope_type')} rope with factor {full.get('factor')}, and llama.cpp's "
+                "gemma4 rotates them with proportional rope only")
+    if getattr(config, "hidden_size_per_layer_input", 0) and config.vocab_size_per_layer_input != config.vocab_size:
+        return ("its per-layer embeddings have another vocabulary size (vocab_size_per_layer_input) than its embeddings, and "
+                "llama.cpp's gemma4 takes one per token for both")
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    first = config.num_hidden_layers - shared
+    for i in range(first, config.num_hidden_layers) if shared else ():
+        kind = config.layer_types[i]
+        source = max(j for j in range(first) if config.layer_types[j] == kind)
+        want = first - (2 if kind == "sliding_attention" else 1)
+        if source != want:
+            return (f"its layer {i} reuses the keys and values of layer {source}, and llama.cpp's gemma4 takes them from "
+                    f"layer {want} (the last two layers before the sharing: sliding, then full attention)")
+    return None
+
+
+_GEMMA4_KEYS = {  # Gemma4Model.set_gguf_parameters in llama.cpp's converter (Gemma3Model's with per-type heads)
+    "attention.head_count_kv": _gemma4_kv_heads,
+    "feed_forward_length": _gemma4_ff,
+    "attention.key_length": _gemma4_full_head_dim,
+    "attention.value_length": _gemma4_full_head_dim,
+    "attention.key_length_swa": lambda c: int(c.head_dim),
+    "attention.value_length_swa": lambda c: int(c.head_dim),
+    "rope.dimension_count": _gemma4_full_head_dim,  # proportional rope: the whole head, rope_freqs says which pairs
+    "rope.dimension_count_swa": lambda c: int(c.head_dim),
+    "rope.freq_base_swa": lambda c: float(((c.rope_parameters or {}).get("sliding_attention") or {}).get("rope_theta", 10000.0)),
+    "attention.sliding_window": "sliding_window",
+    "attention.sliding_window_pattern": lambda c: [t == "sliding_attention" for t in c.layer_types],
+    "attention.shared_kv_layers": lambda c: int(getattr(c, "num_kv_shared_layers", 0) or 0),
+    "embedding_length_per_layer_input": lambda c: int(getattr(c, "hidden_size_per_layer_input", 0) or 0),
+    "final_logit_softcapping": "final_logit_softcapping",
+    # the mixture of experts (26B-A4B): its experts are stored stacked already
+    "expert_count": lambda c: int(c.num_experts) if getattr(c, "enable_moe_block", False) else None,
+    "expert_used_count": lambda c: int(c.top_k_experts) if getattr(c, "enable_moe_block", False) else None,
+    "expert_feed_forward_length": lambda c: int(c.moe_intermediate_size) if getattr(c, "enable_moe_block", False) else None,
+}
+
+def _gemma4_shared_kv(config) -> tuple:
+    """The keys and values of the layers that reuse earlier ones' (num_kv_shared_layers): transformers does not
+    load them (_keys_to_ignore_on_load_unexpected) and llama.cpp's graph does not use them."""
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    first = config.num_hidden_layers - shared
+    names = tuple(f"model.layers.{i}.self_attn.{part}." for i in range(first, config.num_hidden_layers)
+                  for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+    return names, "those layers reuse the keys and values of earlier layers, in llama.cpp's gemma4 too"
+
+
+_GEMMA4_DERIVE = {  # the router's input scale and its per-expert output scale, as the converter names them
+    "router.scale": lambda config, shape: [("ffn_gate_inp.scale", shape, lambda w: w)],
+    "router.per_expert_scale": lambda config, shape: [("ffn_down_exps.scale", shape, lambda w: w)],
+}
+
+
 # model_type in config.json -> its family. Order: how often people fine-tune them (the CLI lists them so).
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", "llama", permute_qk=True),
@@ -462,6 +571,9 @@ FAMILIES: dict[str, Family] = {
                          experts="num_experts", expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size",
                          norm_topk=True, derive=_QWEN3_NEXT_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
                          keys=_GDN_KEYS, checks=(_moe_every_layer, _gdn_heads_divide)),
+    "gemma4_text": Family("Gemma 4", "gemma4", partial_rotary=True, head_dim_keys=True, rope_kinds=("proportional",),
+                          computed=_gemma4_rope_freqs, derive=_GEMMA4_DERIVE, unquantized=("per_layer_model_proj",), bare=("ffn_gate_inp.scale", "ffn_down_exps.scale"),
+                          keys=_GEMMA4_KEYS, unloaded=_gemma4_shared_kv, checks=(_gemma4_graph,)),
     "lfm2": Family("LFM2", "lfm2", eps="norm_eps", derive={"conv.conv": _lfm2_conv}, keep_f32=("shortconv.conv",),
                    keys={"attention.head_count_kv": _lfm2_kv_heads, "shortconv.l_cache": lambda c: int(c.conv_L_cache),
                          "feed_forward_length": _lfm2_ff},
@@ -469,10 +581,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 # Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").
-REFUSED: dict[str, str] = {
-    "gemma4_text": ("its per-layer embeddings, head sizes and KV heads per layer type and proportional rope need keys and "
-                    "tensors of llama.cpp's gemma4 layout that tui-merger does not write yet"),
-}
+REFUSED: dict[str, str] = {}
 
 
 def family_names() -> str:

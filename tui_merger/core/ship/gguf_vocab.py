@@ -4,7 +4,7 @@ tokenizer gives.
 
 Two kinds, told apart by how the tokenizer behaves, never by the model's name:
 
-- **byte-level BPE** (GPT-2, Qwen2, Llama 3, GPT-OSS, Mistral's tekken, DeepSeek-V3): llama.cpp's
+- **byte-level BPE** (GPT-2, Qwen2, Llama 3, GPT-OSS, Mistral's tekken, DeepSeek LLM / V2 / V3): llama.cpp's
   ``"gpt2"`` model, the merges, and ``tokenizer.ggml.pre``, llama.cpp's name for how the text is split
   before BPE. llama.cpp recognises a pre-tokenizer by hashing the ids of a fixed text; here the
   tokenizer.json's own pre-tokenizer steps (the split regexes llama.cpp transcribed) name it.
@@ -60,6 +60,24 @@ _DEEPSEEK3_SPLITS = (  # DeepSeek-V3 / R1: digits in threes, CJK runs, then the 
     r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+# DeepSeek LLM / V2's letters: the cased letters of these scripts (code points; several of them, such as the
+# Kelvin and Ohm signs and Greek's oxia forms, change under Unicode normalization, so they are not spelled here)
+_DEEPSEEK_LETTERS = "".join(chr(int(lo, 16)) + (f"-{chr(int(hi, 16))}" if hi else "") for lo, _, hi in (part.partition("-") for part in (
+    "41-5A 61-7A B5 C0-D6 D8-F6 F8-1BA 1BC-1BF 1C4-293 295-2AF 370-373 376 377 37B-37D 37F 386 388-38A 38C 38E-3A1 "
+    "3A3-3F5 3F7-481 48A-52F 531-556 10A0-10C5 13A0-13F5 13F8-13FD 1C90-1CBA 1CBD-1CBF 1D00-1D2B 1D6B-1D77 1D79-1D9A "
+    "1E00-1F15 1F18-1F1D 1F20-1F45 1F48-1F4D 1F50-1F57 1F59 1F5B 1F5D 1F5F-1F7D 1F80-1FB4 1FB6-1FBC 1FBE 1FC2-1FC4 "
+    "1FC6-1FCC 1FD0-1FD3 1FD6-1FDB 1FE0-1FEC 1FF2-1FF4 1FF6-1FFC 2102 2107 210A-2113 2115 2119-211D 2124 2126 2128 "
+    "212A-212D 212F-2134 2139 213C-213F 2145-2149 214E 2183 2184 2C00-2C7B 2C7E-2CE4 2CEB-2CEE 2CF2 2CF3 A640-A66D "
+    "A680-A69B A722-A76F A771-A787 A78B-A78E AB70-ABBF FB00-FB06 FB13-FB17 FF21-FF3A FF41-FF5A 10400-1044F 104B0-104D3 "
+    "104D8-104FB 10C80-10CB2 10CC0-10CF2 118A0-118DF 1E900-1E943").split()))
+_DEEPSEEK_LLM_SPLITS = (  # DeepSeek LLM, DeepSeek-V2 and DeepSeek-Coder-V2 (then single digits): line breaks, a space
+    # and letters, a space and ASCII / full-width punctuation, trailing spaces, CJK and Hangul runs
+    r"[\r\n]",
+    r"\s?[" + _DEEPSEEK_LETTERS + "]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+)
 _BYTES = ("bytes",)  # the byte-level alphabet, without a regex of its own
 _BYTES_GPT2 = ("bytes", "gpt-2 regex")  # GPT-2's ByteLevel with its built-in regex
 
@@ -74,6 +92,7 @@ PRE_TOKENIZERS: dict[tuple, str] = {
     (("split", _SEED_CODER_SPLIT), _BYTES): "seed-coder",
     (*(("split", s) for s in _DEEPSEEK3_SPLITS), _BYTES): "deepseek-v3",
     (("digits",), _BYTES_GPT2): "starcoder",  # single digits, then GPT-2's (StarCoder 2, Granite, Command-R)
+    (*(("split", s) for s in _DEEPSEEK_LLM_SPLITS), ("digits",), _BYTES): "deepseek-llm",
 }
 
 
@@ -178,7 +197,8 @@ def _pre_tokenizer(path: Path, data: dict) -> str:
         return PRE_TOKENIZERS[steps]
     raise MergeError(
         f"{what} splits text with a pre-tokenizer llama.cpp does not know by name (GGUF export recognises "
-        "GPT-2's, Qwen2's, Llama 3's, GPT-OSS's, Mistral tekken's, DeepSeek-V3's, Seed-Coder's and StarCoder's); a GGUF of it "
+        "GPT-2's, Qwen2's, Llama 3's, GPT-OSS's, Mistral tekken's, DeepSeek LLM / V2's, DeepSeek-V3's, Seed-Coder's and "
+        "StarCoder's); a GGUF of it "
         "would tokenize differently."
     )
 
