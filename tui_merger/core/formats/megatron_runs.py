@@ -49,6 +49,10 @@ MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_en
 
 BRIDGE_PEFT = ("LoRA", "CanonicalLoRA", "DoRA")  # megatron.bridge.peft classes megatron_lora reads
 FRAMEWORKS = {"megatron-lm": "Megatron-LM", "megatron-bridge": "Megatron-Bridge", "ms-swift": "ms-swift", "nemo2": "NeMo 2"}
+# what inspect, the plain flow and the Find step head such a checkpoint with (Candidate.kind: what is shown; the
+# Format that reads it stays verl_megatron's, Candidate.format): the framework that saved it, not verl
+SHOWN_KINDS = {"megatron-lm": "megatron-lm", "megatron-bridge": "megatron-bridge", "ms-swift": "ms-swift-megatron",
+               "nemo2": "nemo2"}
 
 
 def iteration_of(name: str) -> int | None:
@@ -568,8 +572,8 @@ _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def detect_run(s, folder: Path, names: dict, kind: str):
-    """inspect: an iteration folder (or NeMo 2 checkpoint folder) of these layouts as a Candidate of
-    ``kind``: its step and run (the save folder, whose tracker file marks the latest), the framework
+    """inspect: an iteration folder (or NeMo 2 checkpoint folder) of these layouts as a Candidate of the
+    format ``kind``, shown as the framework that saved it (``SHOWN_KINDS``): its step and run (the save folder, whose tracker file marks the latest), the framework
     (as the backend), the parallel sizes, dtype and Hugging Face model its run recorded, and that
     model resolved on this machine like a PEFT adapter's base. None when it is none of them."""
     from tui_merger.core.formats.base import ALL, Candidate, Found, lora_info
@@ -579,7 +583,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     if not nemo and step is None:
         return None
     info = run_info(folder)
-    c = Candidate(kind, str(folder), backend=info.framework)
+    c = Candidate(SHOWN_KINDS[info.framework], str(folder), backend=info.framework, format=kind)
     if step is not None and folder.name != RELEASE:
         c.run, c.step = str(folder.parent), step
         if info.framework == "ms-swift" and _SWIFT_CHECKPOINT.match(folder.parent.name):
@@ -636,6 +640,14 @@ def detect_run(s, folder: Path, names: dict, kind: str):
         c.notes.append(base_sentence(info, folder))
     s.sized(c, names.values(), recursive=True)
     return Found(c, ALL)
+
+
+def next_step(c, path: str, base: str, alpha: str, out: str) -> str:
+    """The command inspect suggests for one of these checkpoints: the plain merge of the iteration folder
+    (the layout is detected: verl's ``--backend megatron --local_dir`` is for verl's own layouts)."""
+    from shlex import quote
+
+    return f"tui-merger merge {quote(path)}{base}{alpha} --out {quote(out)}"
 
 
 def _family(info: RunInfo) -> str | None:
