@@ -39,6 +39,7 @@ ARGS_JSON = "args.json"  # ms-swift: arguments/base_args/base_args.py save_args
 DCP_METADATA = ".metadata"
 TORCH_DIST_VERSIONS = (1,)  # megatron-core's torch_dist sharded_backend_version (dist_checkpointing/strategies/torch.py)
 LEGACY_FILE = "model_optim_rng.pt"
+_PLAIN_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _MP_RANK = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
 HF_EXPORT = "hf/"  # Megatron-Bridge's checkpoint.also_save_hf_checkpoint (checkpointing.py HF_WEIGHTS_SUBDIR)
 MAX_TEXT = 4 << 20  # run configurations are kilobytes
@@ -204,6 +205,7 @@ class RunInfo:
     args: dict = field(default_factory=dict)  # Megatron-LM: its pickled arguments (plain values)
     version: float | None = None  # Megatron-LM: the checkpoint_version beside them
     unlike: str | None = None  # Megatron-LM: how the model its args name differs from the args, in words
+    ckpt_format: str | None = None  # Megatron-LM: "torch_dcp" / "fsdp_dtensor" when not torch_dist or torch
 
     @property
     def name(self) -> str:
@@ -355,10 +357,16 @@ def _run_info(folder: Path) -> RunInfo:
             info.peft, info.pretrained = swift_peft(args)
         return info
     info = RunInfo("megatron-lm", folder, legacy=legacy)
-    # the arguments: in common.pt (torch_dist), else in every rank file (the legacy format; its pickle only is read)
+    # the arguments: in common.pt (torch_dist), else in every rank file (the legacy format; its pickle only is read),
+    # else (torch_dcp / fsdp_dtensor: torch.distributed.checkpoint.save of the whole state dict) a bytes item
+    dcp = not legacy and DCP_METADATA in names and "common.pt" not in names and "metadata.json" not in names
     where = folder / "common.pt" if not legacy else next(
         (folder / n / LEGACY_FILE for n in sorted(names) if _MP_RANK.match(n) and (folder / n / LEGACY_FILE).is_file()), None)
-    args, info.version = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else (None, None)
+    if dcp:
+        args, info.version, where = _dcp_args(folder)
+        info.ckpt_format = _dcp_format(folder, args)
+    else:
+        args, info.version = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else (None, None)
     if args is not None:
         info.config_file, info.args = where, args
         info.parallel = _sizes(args)
@@ -371,7 +379,7 @@ def _run_info(folder: Path) -> RunInfo:
     return info
 
 
-def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> tuple[dict | None, float | None]:
+def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON, value: bool = False) -> tuple[dict | None, float | None]:
     """The arguments Megatron-LM pickled into a dist checkpoint's common.pt (or a legacy rank file's
     model_optim_rng.pt: only its pickle is read, not its tensors), as plain values (the
     ``argparse.Namespace`` is an inert record: its fields are read, nothing is constructed), and the
@@ -385,8 +393,11 @@ def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> tuple[dict 
     except (OSError, MergeError):
         return None, None
     try:
-        args = tf.obj.get("args") if isinstance(tf.obj, dict) else None
-        version = tf.obj.get("checkpoint_version") if isinstance(tf.obj, dict) else None
+        if value:  # one value of a torch_dcp checkpoint: the args, or the version
+            args, version = tf.obj, tf.obj
+        else:
+            args = tf.obj.get("args") if isinstance(tf.obj, dict) else None
+            version = tf.obj.get("checkpoint_version") if isinstance(tf.obj, dict) else None
         version = version if isinstance(version, (int, float)) and not isinstance(version, bool) else None
         if not isinstance(args, Record):
             return None, version
@@ -395,6 +406,59 @@ def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> tuple[dict 
                 if v is None or isinstance(v, (str, int, float, bool)) or type(v).__module__ == "torch"}, version
     finally:
         tf.close()
+
+
+def _dcp_args(folder: Path) -> tuple[dict | None, float | None, Path | None]:
+    """Megatron-LM's arguments in a torch_dcp / fsdp_dtensor checkpoint: ``torch.distributed.checkpoint.save``
+    writes each non-tensor value (``args``, ``checkpoint_version``) as a ``torch.save`` archive at the byte range
+    ``.metadata`` names; those archives (kilobytes) are read as common.pt is. (args, version, the .distcp file)."""
+    import tempfile
+
+    from tui_merger.core.io.dcp import _field, read_metadata
+
+    try:
+        storage = _field(read_metadata(folder), "storage_data")
+    except MergeError:
+        return None, None, None
+    where = {_field(index, "fqn", 0): info for index, info in storage.items()} if isinstance(storage, dict) else {}
+    found: dict = {}
+    with tempfile.TemporaryDirectory(prefix="tui-merger-args-") as tmp:
+        for fqn in ("args", "checkpoint_version"):
+            info = where.get(fqn)
+            rel, start, length = (_field(info, n, i) for i, n in enumerate(("relative_path", "offset", "length")))
+            if not (isinstance(rel, str) and _PLAIN_FILE.match(rel) and isinstance(start, int) and isinstance(length, int)
+                    and 0 < length <= MAX_COMMON):
+                continue
+            try:
+                with open(folder / rel, "rb") as f:
+                    f.seek(start)
+                    (Path(tmp) / fqn).write_bytes(f.read(length))
+            except OSError:
+                continue
+            found[fqn] = (rel, _megatron_lm_args(Path(tmp) / fqn, value=True))
+    if "args" not in found:
+        return None, None, None
+    rel, (args, _) = found["args"]
+    version = found.get("checkpoint_version", (None, (None, None)))[1][1]
+    return args, version, folder / rel
+
+
+def _dcp_format(folder: Path, args: dict | None) -> str:
+    """torch_dcp, or fsdp_dtensor (Megatron FSDP): its arguments say so, or its keys do (Megatron-LM's
+    preprocess_fsdp_dtensor_state_dict and tools/checkpoint/checkpoint_inspector.py split SwiGLU's
+    linear_fc1 into ``weight_w`` / ``weight_v`` and keep the model under ``model.module.``)."""
+    from tui_merger.core.io.dcp import _field, read_metadata
+
+    if (args or {}).get("ckpt_format") == "fsdp_dtensor" or (args or {}).get("use_megatron_fsdp"):
+        return "fsdp_dtensor"
+    try:
+        keys = _field(read_metadata(folder), "state_dict_metadata") or {}
+    except MergeError:
+        return "torch_dcp"
+    split = re.compile(r"\.linear_fc1\.(?:weight|bias)\d*_[wv]$")
+    if any(isinstance(k, str) and (k.startswith("model.module.") or split.search(k)) for k in keys):
+        return "fsdp_dtensor"
+    return "torch_dcp"
 
 
 def _args_family(args: dict) -> str | None:
@@ -545,6 +609,12 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
                 f"{tp * pp * ep} rank folders; copy the whole {folder.name} folder again."
             )
         return  # the rank files themselves are checked when they are read (LegacyStore)
+    if info.ckpt_format == "fsdp_dtensor":
+        raise MergeError(
+            f"{folder} is a Megatron-LM checkpoint in the fsdp_dtensor format (Megatron FSDP: linear_fc1 saved as "
+            "weight_w / weight_v under model.module.), which tui-merger does not read; load it in Megatron-LM with "
+            "--ckpt-convert-format torch_dist --ckpt-convert-save DIR and convert what that saves."
+        )
     meta = read_json(info.model_dir / "metadata.json") or {}
     backend, version = meta.get("sharded_backend"), meta.get("sharded_backend_version")
     if isinstance(backend, str) and backend != "torch_dist":
@@ -602,7 +672,8 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     c.dtype = info.dtype or _stored_dtype(s, info.model_dir)
     parallel = ", ".join(f"{k.upper()} {v}" for k, v in info.parallel.items())
     what = (f"a legacy Megatron checkpoint (mp_rank_*/{LEGACY_FILE}) saved by {info.name}" if info.legacy
-            else f"a megatron-core dist checkpoint saved by {info.name}")
+            else f"a torch.distributed.checkpoint of the whole state dict (--ckpt-format {info.ckpt_format}) saved by "
+            f"{info.name}" if info.ckpt_format else f"a megatron-core dist checkpoint saved by {info.name}")
     if info.config_file is not None:
         what += f" ({info.config_file.name}" + (f": {parallel})" if parallel else ")")
     c.notes.append(what + ".")
