@@ -37,6 +37,8 @@ CASES = {  # case: (reference, dtype, parallel sizes as inspect says them, forma
     "lm_legacy_moe_pp2ep2": ("hf_moe", "float32", "model_optim_rng.pt: TP 1, PP 2, EP 2", "legacy", 4),
     "lm_legacy_pp2vpp2": ("hf_dense4", "bfloat16", "model_optim_rng.pt: TP 1, PP 2, EP 1, VPP 2", "legacy", 2),
     "lm_dense_pp2vpp2": ("hf_dense4", "bfloat16", "common.pt: TP 1, PP 2, EP 1, VPP 2", "dist", 2),
+    # expert tensor parallelism 2 (TP 1) x EP 2: 4 processes, each expert's fc1/fc2 split over 2 ranks
+    "lm_moe_etp2ep2": ("hf_moe", "float32", "common.pt: TP 1, PP 1, EP 2, ETP 2", "dist", 4),
     # --ckpt-format torch_dcp (torch FSDP2 over 2 data-parallel ranks), saved with its optimizer after one step
     "lm_dcp_dp2_optim": ("hf_dense", "bfloat16", "__0_0.distcp: TP 1, PP 1, EP 1", "dcp", 2),
 }
@@ -262,3 +264,15 @@ def test_fsdp_dtensor_is_refused_in_one_sentence(tmp_path):
     (c,) = scan(run).candidates
     assert c.kind == "megatron-lm" and said in c.notes, c.notes
     assert format_of(c).next_step(c, c.path, "BASE", "out") == said
+
+
+def test_legacy_format_with_expert_tensor_parallelism_is_refused(tmp_path):
+    """Megatron-LM's own legacy save at ETP 2 x EP 2 with TP 1 (4 processes): its rank files are named by TP and EP
+    rank only, so the 4 ranks wrote 2 files, each holding one expert-TP half of its experts. Refused in one
+    sentence that says so (before, the half experts were blamed on the config), nothing written; inspect says it."""
+    run = _copy(tmp_path, "lm_legacy_moe_etp2ep2")
+    assert sorted(p.name for p in (run / "iter_0000004").iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    said = _refused(run, tmp_path / "o", "expert tensor parallelism 2 and tensor parallelism 1", "--ckpt-format torch_dist",
+                    base=LM / "hf_moe")
+    (c,) = scan(_case("lm_legacy_moe_etp2ep2")).candidates
+    assert said.replace(str(run), str(LM / "lm_legacy_moe_etp2ep2")) in c.notes, c.notes

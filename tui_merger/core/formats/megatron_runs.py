@@ -272,7 +272,11 @@ def _int(value) -> int | None:
 def _sizes(d: dict) -> dict:
     keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
             "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
-    return {k: v for k, key in keys.items() if (v := _int(d.get(key))) is not None}
+    sizes = {k: v for k, key in keys.items() if (v := _int(d.get(key))) is not None}
+    etp = _int(d.get("expert_tensor_parallel_size"))  # the experts' own TP (megatron-core's default: TP's)
+    if etp is not None and etp != sizes.get("tp", 1):
+        sizes["etp"] = etp
+    return sizes
 
 
 def _dtype(d: dict) -> str | None:
@@ -599,6 +603,13 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
         raise MergeError(
             f"{folder} is a Megatron-LM checkpoint of checkpoint_version {info.version}, whose query/key/value order "
             "tui-merger does not read (it reads version 3, megatron-core's); load it in Megatron-LM and save it again."
+        )
+    if info.legacy and info.parallel.get("etp", info.parallel.get("tp", 1)) != info.parallel.get("tp", 1):
+        raise MergeError(
+            f"{folder} is a Megatron-LM checkpoint in the legacy torch format saved with expert tensor parallelism "
+            f"{info.parallel['etp']} and tensor parallelism {info.parallel.get('tp', 1)}: that format names its rank "
+            "files by TP and EP rank only, so the expert tensor-parallel ranks wrote over each other's file and each "
+            "expert is only partly in it; save the run again with --ckpt-format torch_dist and convert that."
         )
     if info.legacy:
         missing = _missing_rank(folder, info)
