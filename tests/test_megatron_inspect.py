@@ -28,6 +28,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CASES = {
     "megatron-lm torch_dist": ("megatron_lm", "lm_dense_tp2", "megatron-lm", "megatron-lm", "hf_dense", None),
     "megatron-lm legacy": ("megatron_lm", "lm_legacy_moe_ep2", "megatron-lm", "megatron-lm", "hf_moe", None),
+    "megatron-lm torch_dcp": ("megatron_lm", "lm_dcp_dp2_optim", "megatron-lm", "megatron-lm", "hf_dense", None),
     "megatron-bridge": ("megatron_layouts/fw", "bridge_dense_tp2", "megatron-bridge", "megatron-bridge", "hf_dense", None),
     "megatron-bridge vl": ("megatron_vl", "bridge_qwen3_vl_tp2", "megatron-bridge", "megatron-bridge", "hf_qwen3", None),
     "nemo2": ("megatron_layouts/nemo2_saved", "nemo2", "nemo2", "nemo2", "hf", "hf"),
