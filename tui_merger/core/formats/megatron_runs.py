@@ -10,6 +10,9 @@ and the source file it was read from):
   ``common.pt`` (read with inert records: TP/PP/EP/VPP, dtype, a Hugging Face tokenizer). The legacy ``torch`` format puts ``mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt``
   in the iteration folder instead: read by verl_megatron's LegacyStore, the args, optimizer and RNG
   state in them unpickled as inert records.
+  ``--ckpt-format torch_dcp`` (torch FSDP2) saves the whole state dict with ``torch.distributed.checkpoint`` instead:
+  ``.metadata`` and ``.distcp`` files only, the args a pickled bytes item (read the same way); ``fsdp_dtensor``
+  (Megatron FSDP) is refused.
 - Megatron-Bridge: the same folders, plus ``iter_{N:07d}/run_config.yaml`` (``yaml.safe_dump`` of its
   ConfigContainer) and ``train_state.pt`` (and ``latest_train_state.pt`` beside the tracker file).
 - ms-swift (``megatron sft``/``pt``): ``<output>/checkpoint-{N}/`` holding ``args.json``,
@@ -367,8 +370,14 @@ def _run_info(folder: Path) -> RunInfo:
     where = folder / "common.pt" if not legacy else next(
         (folder / n / LEGACY_FILE for n in sorted(names) if _MP_RANK.match(n) and (folder / n / LEGACY_FILE).is_file()), None)
     if dcp:
-        args, info.version, where = _dcp_args(folder)
-        info.ckpt_format = _dcp_format(folder, args)
+        from tui_merger.core.io.dcp import read_metadata
+
+        try:
+            md = read_metadata(folder)  # (a bad one is said when the checkpoint is read)
+        except MergeError:
+            md = None
+        args, info.version, where = _dcp_args(folder, md)
+        info.ckpt_format = _dcp_format(md, args)
     else:
         args, info.version = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else (None, None)
     if args is not None:
@@ -412,18 +421,15 @@ def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON, value: bool = 
         tf.close()
 
 
-def _dcp_args(folder: Path) -> tuple[dict | None, float | None, Path | None]:
+def _dcp_args(folder: Path, md) -> tuple[dict | None, float | None, Path | None]:
     """Megatron-LM's arguments in a torch_dcp / fsdp_dtensor checkpoint: ``torch.distributed.checkpoint.save``
     writes each non-tensor value (``args``, ``checkpoint_version``) as a ``torch.save`` archive at the byte range
     ``.metadata`` names; those archives (kilobytes) are read as common.pt is. (args, version, the .distcp file)."""
     import tempfile
 
-    from tui_merger.core.io.dcp import _field, read_metadata
+    from tui_merger.core.io.dcp import _field
 
-    try:
-        storage = _field(read_metadata(folder), "storage_data")
-    except MergeError:
-        return None, None, None
+    storage = _field(md, "storage_data") if md is not None else None
     where = {_field(index, "fqn", 0): info for index, info in storage.items()} if isinstance(storage, dict) else {}
     found: dict = {}
     with tempfile.TemporaryDirectory(prefix="tui-merger-args-") as tmp:
@@ -447,18 +453,15 @@ def _dcp_args(folder: Path) -> tuple[dict | None, float | None, Path | None]:
     return args, version, folder / rel
 
 
-def _dcp_format(folder: Path, args: dict | None) -> str:
+def _dcp_format(md, args: dict | None) -> str:
     """torch_dcp, or fsdp_dtensor (Megatron FSDP): its arguments say so, or its keys do (Megatron-LM's
     preprocess_fsdp_dtensor_state_dict and tools/checkpoint/checkpoint_inspector.py split SwiGLU's
     linear_fc1 into ``weight_w`` / ``weight_v`` and keep the model under ``model.module.``)."""
-    from tui_merger.core.io.dcp import _field, read_metadata
+    from tui_merger.core.io.dcp import _field
 
     if (args or {}).get("ckpt_format") == "fsdp_dtensor" or (args or {}).get("use_megatron_fsdp"):
         return "fsdp_dtensor"
-    try:
-        keys = _field(read_metadata(folder), "state_dict_metadata") or {}
-    except MergeError:
-        return "torch_dcp"
+    keys = (_field(md, "state_dict_metadata") or {}) if md is not None else {}
     split = re.compile(r"\.linear_fc1\.(?:weight|bias)\d*_[wv]$")
     if any(isinstance(k, str) and (k.startswith("model.module.") or split.search(k)) for k in keys):
         return "fsdp_dtensor"
