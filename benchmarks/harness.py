@@ -327,3 +327,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def llama_cpp_run(path, prompt: list[int], new_tokens: int, lora_path=None, threads: int = 2):
+    """llama.cpp itself (llama-cpp-python's ``Llama``; never a dependency of tui-merger) on the GGUF at
+    ``path``, with the GGUF LoRA ``lora_path`` applied (llama.cpp's ``--lora``) when given: the prompt's
+    logits ([positions, vocab], numpy float32) and ``new_tokens`` greedy tokens after it. The llama.cpp
+    scripts (llama_cpp_*_check.py) share it."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    kw = {"lora_path": str(lora_path)} if lora_path else {}
+    llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, seed=0, n_threads=threads, **kw)
+    try:
+        llm.eval(prompt)
+        logits = np.array(llm.scores[: len(prompt)], dtype=np.float32)
+        llm.reset()
+        tokens = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1) if new_tokens else ():
+            tokens.append(token)
+            if len(tokens) == new_tokens:
+                break
+    finally:
+        llm.close() if hasattr(llm, "close") else None
+        del llm
+    return logits, tokens

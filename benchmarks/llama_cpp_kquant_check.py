@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 NEW_TOKENS = 16
 TYPES = ("q4_k_m", "q5_k_m", "q6_k")
@@ -33,23 +33,11 @@ def main() -> int:
     import llama_cpp
     from llama_cpp import Llama
 
+    from harness import llama_cpp_run
     from kquant_factory import MODELS, make_kquant_model
     from tui_merger.core.ship.gguf import export_gguf
 
     print(f"llama-cpp-python {llama_cpp.__version__}", flush=True)
-
-    def run(path: Path, prompt: list[int]):
-        llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, seed=0, n_threads=2)
-        llm.eval(prompt)
-        logits = np.array(llm.scores[: len(prompt)], dtype=np.float32)
-        llm.reset()
-        tokens = []
-        for token in llm.generate(prompt, temp=0.0, top_k=1):
-            tokens.append(token)
-            if len(tokens) == NEW_TOKENS:
-                break
-        del llm
-        return logits, tokens
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,15 +49,15 @@ def main() -> int:
             prompt = llm.tokenize("<|im_start|>user\nthe merged model runs locally<|im_end|>\n<|im_start|>assistant\n".encode(),
                                   add_bos=False, special=True)
             del llm
-            want_logits, want_tokens = run(f16, prompt)
+            want_logits, want_tokens = llama_cpp_run(f16, prompt, NEW_TOKENS)
             ref = root / f"{name}-llama-Q4_K_M.gguf"
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
             assert llama_cpp.llama_model_quantize(str(f16).encode(), str(ref).encode(), ctypes.byref(params)) == 0
-            ref_logits, _ = run(ref, prompt)
+            ref_logits, _ = llama_cpp_run(ref, prompt, NEW_TOKENS)
             for type_ in TYPES:
                 path = export_gguf(folder, type_, root / f"{name}-{type_}.gguf").path
-                logits, tokens = run(path, prompt)
+                logits, tokens = llama_cpp_run(path, prompt, NEW_TOKENS)
                 rel = float(np.abs(logits - want_logits).max() / np.abs(want_logits).max())
                 same = sum(a == b for a, b in zip(tokens, want_tokens))
                 vs_llama = "bit for bit" if type_ != "q4_k_m" else (

@@ -2,18 +2,25 @@
 """Does llama.cpp itself apply what `tui-merger gguf --adapter` writes as the merge would? Not part of CI
 (llama.cpp must be installed; a prebuilt wheel is in ../shared/tools, see llama_cpp_check.py).
 
-    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_lora_check.py [model_type ...] [--targets REGEX]
+    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_lora_check.py [model_type ...] [--targets REGEX] [--no-experts] [--control]
 
 For a tiny random model of each family (tests/test_gguf_families.py's builder and configs, float32) and
 a random all-linear peft LoRA on it (r 8, alpha 16, A and B both random so every pair matters), it writes
 the base's F16 GGUF and the LoRA's GGUF (ship/gguf_lora.py), and the F16 GGUF of peft's merge_and_unload
-of the two; llama.cpp (llama-cpp-python's ``Llama(model_path=base, lora_path=lora)``) runs the chat prompt
-and its logits are compared with llama.cpp's on the merged GGUF (max difference relative to the largest
-logit; limit 1e-2, f16's) and with peft's in transformers (float32; the judge where a MoE router picks
-other experts for the merged model's f16 weights); 12 greedy tokens against
-the merged GGUF's. A family whose LoRA cannot be a GGUF LoRA is listed with the sentence that refuses it,
-then tried again with a LoRA on its attention only.
-Prints a Markdown table.
+of the two; llama.cpp (llama-cpp-python's ``Llama(model_path=base, lora_path=lora)``, benchmarks/harness.py's
+``llama_cpp_run``) runs the chat prompt and its logits are compared with llama.cpp's on the merged GGUF (max
+difference relative to the largest logit; limit 1e-2, f16's) and with peft's in transformers (float32; the
+judge where a MoE router picks other experts for the merged model's f16 weights); 12 greedy tokens against
+the merged GGUF's. The last column is tui-merger's own check of the file (gguf_check.check_lora_gguf, what
+`tui-merger gguf --adapter` records). A family whose LoRA cannot be a GGUF LoRA is listed with the sentence
+that refuses it, then tried again with a LoRA on its attention only.
+
+A mixture of experts gets a LoRA on its experts too: peft's ``target_parameters`` on each packed expert
+parameter transformers keeps in memory (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``: every
+3-D parameter whose name has "experts") and on its router (a 2-D ``gate.weight`` with a row per expert),
+which the GGUF stacks per layer (``ffn_*_exps.lora_a`` [experts, r, in]); ``--no-experts``: all-linear
+alone, as before. ``--control``: once, the same LoRA with lora_B doubled is checked against the adapter,
+which tui-merger's check must FAIL. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 NEW_TOKENS, LIMIT = 12, 1e-2
 
@@ -34,21 +41,43 @@ def main(argv: list[str]) -> int:
 
     import torch
     import llama_cpp
-    from llama_cpp import Llama
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from harness import llama_cpp_run
     from test_gguf_families import CASES, make_family
     from tui_merger.core.errors import MergeError
     from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_check import check_lora_gguf
     from tui_merger.core.ship.gguf_lora import export_lora_gguf
 
     targets = "all-linear"
     if "--targets" in argv:  # e.g. --targets '.*\.self_attn\.o_proj': a LoRA on these modules only
         i = argv.index("--targets")
         targets, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    experts = "--no-experts" not in argv and targets == "all-linear"
+    control, controlled = "--control" in argv, False  # one control: a wrong LoRA that the check must fail
+    argv = [a for a in argv if a not in ("--no-experts", "--control")]
     families = argv or list(CASES)
     print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}", flush=True)
+
+    def run(path, prompt, lora_path=None):
+        logits, tokens = llama_cpp_run(path, prompt, NEW_TOKENS, lora_path=lora_path)
+        return torch.from_numpy(logits), tokens
+
+    def expert_parameters(model) -> list[str]:
+        """peft target_parameters for a MoE's packed experts and its router (none for a dense model)."""
+        config = model.config
+        n = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                  if isinstance(getattr(config, k, None), int)), 0)
+        params = set()
+        for name, p in model.named_parameters():
+            if p.dim() == 3 and ".experts." in name:
+                params.add(".".join(name.split(".")[-2:]))
+            elif n and p.dim() == 2 and name.endswith(".gate.weight") and p.shape[0] == n:
+                params.add("gate.weight")
+        return sorted(params)
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -60,11 +89,13 @@ def main(argv: list[str]) -> int:
                                            tokenize=False, add_generation_prompt=True)
             prompt = tok.encode(chat)
 
-            def make_lora(name, targets):
+            def make_lora(name, targets, with_experts):
                 """The adapter saved, peft's logits on the prompt, and the merged folder."""
                 torch.manual_seed(n)
                 model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-                peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
+                params = expert_parameters(model) if with_experts else []
+                peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False,
+                                                              target_parameters=params or None))
                 with torch.no_grad():  # B as random as A, but small enough that the model stays a model
                     for pname, p in peft_model.named_parameters():
                         if "lora_B" in pname or "lora_A" in pname:
@@ -78,70 +109,79 @@ def main(argv: list[str]) -> int:
                 for f in base.iterdir():
                     if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
                         shutil.copy(f, merged / f.name)
-                return adapter, logits, merged
+                return adapter, logits, merged, params
 
-            adapter, want, merged = make_lora("lora", targets)
-            try:
-                lora = export_lora_gguf(base, adapter, root / f"lora-{n}.gguf")
-            except MergeError as err:
-                rows.append((family, "refused: " + str(err)[:150], "", "", "", "", "REFUSED"))
-                print("  " + " | ".join(rows[-1]), flush=True)
-                # the same family with a LoRA on its attention only (what a GGUF LoRA can carry there)
-                family = f"{family}, attention only"
-                adapter, want, merged = make_lora("attn", r".*\.self_attn\.[qkvo]_proj")
-                try:
-                    lora = export_lora_gguf(base, adapter, root / f"attn-{n}.gguf")
-                except MergeError as err2:
-                    rows.append((family, "refused: " + str(err2)[:150], "", "", "", "", "REFUSED"))
-                    print("  " + " | ".join(rows[-1]), flush=True)
+            # all-linear (with the experts); where refused, the attention with the experts; then the attention alone
+            attention = r".*\.self_attn\.[qkvo]_proj"
+            tries = [("lora", targets, experts)] + ([("attn-experts", attention, True)] if experts else []) + [("attn", attention, False)]
+            lora, has_experts = None, None
+            for name, modules, with_experts in tries:
+                if name == "attn-experts" and not has_experts:  # a dense model: no experts to try
                     continue
+                adapter, want, merged, params = make_lora(name, modules, with_experts)
+                has_experts = bool(params) if has_experts is None else has_experts
+                label = family + (", attention" if modules == attention else "") + (
+                    f", experts ({', '.join(params)})" if params else (" only" if modules == attention else ""))
+                try:
+                    lora = export_lora_gguf(base, adapter, root / f"{name}-{n}.gguf")
+                    break
+                except MergeError as err:
+                    rows.append((label, "refused: " + str(err).replace(str(adapter), "the adapter")[:170], "", "", "", "", "", "REFUSED"))
+                    print("  " + " | ".join(rows[-1]), flush=True)
+            if lora is None:
+                continue
             try:
                 base_gguf = export_gguf(base, "f16", root / f"base-{n}.gguf").path
                 merged_gguf = export_gguf(merged, "f16", root / f"{merged.name}.gguf").path
             except MergeError as err:
-                rows.append((family, "GGUF of the base not written: " + str(err)[:120], "", "", "", "", "FAIL"))
+                rows.append((label, "GGUF of the base not written: " + str(err)[:120], "", "", "", "", "", "FAIL"))
                 print("  " + " | ".join(rows[-1]), flush=True)
                 continue
-
-            def run(path, lora_path=None):
-                kw = {"lora_path": str(lora_path)} if lora_path else {}
-                llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, seed=0, n_threads=2, **kw)
-                llm.eval(prompt)
-                scores = torch.tensor(llm.scores[: len(prompt)])
-                llm.reset()
-                tokens = []
-                for token in llm.generate(prompt, temp=0.0, top_k=1):
-                    tokens.append(token)
-                    if len(tokens) == NEW_TOKENS:
-                        break
-                del llm
-                return scores, tokens
-
+            pairs = f"{lora.pairs}" + (f" ({lora.experts} stacked)" if lora.experts else "")
             try:
-                with_lora, lora_tokens = run(base_gguf, lora.path)
+                with_lora, lora_tokens = run(base_gguf, prompt, lora.path)
             except Exception as err:  # noqa: BLE001 - a row of the table
-                rows.append((family, f"{lora.pairs}", f"llama.cpp does not load it: {err}"[:150], "", "", "", "FAIL"))
+                rows.append((label, pairs, f"llama.cpp does not load it: {err}"[:150], "", "", "", "", "FAIL"))
                 print("  " + " | ".join(rows[-1]), flush=True)
                 continue
-            plain, _ = run(base_gguf)
-            ref, ref_tokens = run(merged_gguf)
+            plain, _ = run(base_gguf, prompt)
+            ref, ref_tokens = run(merged_gguf, prompt)
             rel = ((with_lora - ref).abs().max() / ref.abs().max()).item()
             vs_peft = ((with_lora - want).abs().max() / want.abs().max()).item()
             moved = ((plain - ref).abs().max() / ref.abs().max()).item()  # what the LoRA changes at all
             greedy = sum(a == b for a, b in zip(lora_tokens, ref_tokens))
+            check = check_lora_gguf(base, adapter, base_gguf, lora.path)  # what `tui-merger gguf --adapter` records
+            checked = check.status.upper() + (f" ({check.details.get('logits_rel_median' if check.details.get('experts', 0) > 1 else 'logits_rel')})"
+                                              if check.details else "")
             # a MoE router may pick another expert for f16-rounded merged weights than for base + F32 LoRA: then
             # llama.cpp with the LoRA is judged against peft itself (float32)
-            ok = min(rel, vs_peft) < LIMIT and moved > 10 * min(rel, vs_peft)
-            rows.append((family, f"{lora.pairs}", f"{rel:.1e}", f"{vs_peft:.1e}", f"{moved:.1e}", f"{greedy}/{NEW_TOKENS}",
+            ok = min(rel, vs_peft) < LIMIT and moved > 10 * min(rel, vs_peft) and check.status == "passed"
+            rows.append((label, pairs, f"{rel:.1e}", f"{vs_peft:.1e}", f"{moved:.1e}", f"{greedy}/{NEW_TOKENS}", checked,
                          "PASS" if ok else "FAIL"))
             print("  " + " | ".join(rows[-1]) + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
+            if check.status != "passed":
+                print(f"    check: {check.line()}", flush=True)
+            if control and not controlled:  # the check can fail: the same LoRA with lora_B doubled, against this adapter
+                from safetensors.torch import load_file, save_file
+
+                wrong = root / f"control-{n}"
+                shutil.copytree(adapter, wrong)
+                weights = load_file(str(wrong / "adapter_model.safetensors"))
+                save_file({k: v * 2 if "lora_B" in k else v for k, v in weights.items()}, str(wrong / "adapter_model.safetensors"))
+                bad = export_lora_gguf(base, wrong, root / f"control-{n}.gguf")
+                check = check_lora_gguf(base, adapter, base_gguf, bad.path)
+                rows.append((f"{label}: control, lora_B doubled", f"{bad.pairs}", "", "", "", "",
+                             check.status.upper() + f" ({check.details.get('logits_rel_median' if check.details.get('experts', 0) > 1 else 'logits_rel')})",
+                             "PASS (caught)" if check.status == "failed" else "FAIL (not caught)"))
+                print("  " + " | ".join(rows[-1]), flush=True)
+                controlled = True
     print()
     print("| family | LoRA pairs | logits vs merged GGUF (max rel.) | vs peft (float32) | base alone vs merged "
-          "(what the LoRA moves) | greedy = merged GGUF's | verdict |")
-    print("|---|---|---|---|---|---|---|")
+          "(what the LoRA moves) | greedy = merged GGUF's | tui-merger's check | verdict |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    return 0 if all(r[-1] in ("PASS", "REFUSED") for r in rows) else 1
+    return 0 if all(r[-1] in ("PASS", "REFUSED", "PASS (caught)") for r in rows) else 1
 
 
 if __name__ == "__main__":

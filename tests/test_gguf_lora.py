@@ -173,3 +173,216 @@ def test_a_lora_llama_cpp_would_not_apply_is_refused(tmp_path):
     assert not list(adapter.glob("*.gguf"))
     fine, _ = make_adapter(base, tmp_path / "o", target_modules=["o_proj"])
     assert export_lora_gguf(base, fine).pairs == 2
+
+
+# -- experts (issue 40): peft's pairs on packed experts and per-expert Linear pairs, stacked as llama.cpp stacks them
+
+
+def _safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _weights(folder: Path) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(_safetensors(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_base(tmp_path_factory):
+    from test_gguf_families import make_family
+
+    return make_family(tmp_path_factory.mktemp("moe") / "qwen3-moe-base", "qwen3_moe", seed=5)
+
+
+EXPERT_KINDS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def test_a_lora_on_packed_experts_and_the_router_is_stacked_per_expert_as_peft_merges_it(moe_base, tmp_path):
+    """peft target_parameters on Qwen3-MoE's packed gate_up_proj / down_proj and its router: lora_a
+    [experts, r, in] and lora_b [experts, out, r] per layer and kind, expert e's pair at index e. What
+    llama.cpp adds for expert e (alpha / r * lora_b[e] @ lora_a[e]) is what peft's merge_and_unload changes
+    in that expert's tensor as save_pretrained writes it; lora_a[e] is rows e*r.. of peft's saved lora_A."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(moe_base, dtype=torch.float32)
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=params,
+                                                  init_lora_weights=False))
+    adapter = tmp_path / "experts-lora"
+    peft_model.save_pretrained(adapter)
+    peft_model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    result = export_lora_gguf(moe_base, adapter)
+    fields, tensors = read_lora(result.path)
+    config = AutoConfig.from_pretrained(moe_base)
+    layers, experts = config.num_hidden_layers, config.num_experts
+    assert result.experts == 3 * layers and result.pairs == 5 * layers and result.ranks == (4,)
+    base, merged = _weights(moe_base), _weights(tmp_path / "merged")
+    alpha = fields["adapter.lora.alpha"]
+    for layer in range(layers):
+        for hf, kind in EXPERT_KINDS.items():
+            a, b = tensors[f"blk.{layer}.{kind}.weight.lora_a"][0], tensors[f"blk.{layer}.{kind}.weight.lora_b"][0]
+            assert a.shape[:2] == b.shape[:1] + b.shape[2:] == (experts, 4), (kind, a.shape, b.shape)
+            for e in range(experts):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"
+                torch.testing.assert_close(alpha / 4 * (b[e] @ a[e]), merged[name] - base[name], rtol=1e-4, atol=1e-6, msg=name)
+        a, b = tensors[f"blk.{layer}.ffn_gate_inp.weight.lora_a"][0], tensors[f"blk.{layer}.ffn_gate_inp.weight.lora_b"][0]
+        name = f"model.layers.{layer}.mlp.gate.weight"
+        assert a.dim() == 2 and b.shape == (experts, 4)
+        torch.testing.assert_close(alpha / 4 * (b @ a), merged[name] - base[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the raw values, read from peft's own file: down_proj's lora_A reads moe_intermediate_size columns
+    saved = _safetensors(adapter / "adapter_model.safetensors")
+    down_a = next(v for k, v in saved.items() if ".layers.0.mlp.experts." in k and "lora_A" in k
+                  and v.shape[1] == config.moe_intermediate_size)
+    a = tensors["blk.0.ffn_down_exps.weight.lora_a"][0]
+    for e in range(experts):
+        torch.testing.assert_close(a[e], down_a[e * 4:(e + 1) * 4], rtol=0, atol=0)
+
+
+def test_per_expert_linear_loras_are_stacked_and_an_expert_without_one_is_zero(moe_base, tmp_path):
+    """An adapter saved the way peft saves one per expert Linear (``experts.3.gate_proj.lora_A``, as models
+    whose experts were nn.Linear modules and Megatron-Bridge's exports have it), written here with
+    safetensors: each expert's pair lands at its index of the stacked tensor as saved, an expert the
+    adapter does not train gets zeros, and a rank pattern's other rank is padded with zeros and rescaled."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(moe_base)
+    hidden, inter, experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    torch.manual_seed(1)
+    saved, want = {}, {}
+    for e in (0, 1, 3):  # expert 2 has no LoRA
+        r = 2 if e == 3 else 4  # rank_pattern: expert 3's gate_proj at r 2
+        a, b = torch.randn(r, hidden), torch.randn(inter, r)
+        prefix = f"base_model.model.model.layers.1.mlp.experts.{e}.gate_proj"
+        saved[f"{prefix}.lora_A.weight"], saved[f"{prefix}.lora_B.weight"] = a, b
+        want[e] = (a, b, 8 / r)
+    adapter = tmp_path / "per-expert"
+    adapter.mkdir()
+    save_file(saved, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"], "task_type": "CAUSAL_LM",
+        "rank_pattern": {"model.layers.1.mlp.experts.3.gate_proj": 2}}))
+    result = export_lora_gguf(moe_base, adapter)
+    fields, tensors = read_lora(result.path)
+    assert result.pairs == result.experts == 1 and result.rescaled == 1
+    assert set(tensors) == {"blk.1.ffn_gate_exps.weight.lora_a", "blk.1.ffn_gate_exps.weight.lora_b"}
+    a, b = tensors["blk.1.ffn_gate_exps.weight.lora_a"][0], tensors["blk.1.ffn_gate_exps.weight.lora_b"][0]
+    assert a.shape == (experts, 4, hidden) and b.shape == (experts, inter, 4)
+    assert not a[2].any() and not b[2].any()
+    for e, (ea, eb, scale) in want.items():
+        torch.testing.assert_close(fields["adapter.lora.alpha"] / 4 * (b[e] @ a[e]), scale * (eb @ ea), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[0], want[0][0], rtol=0, atol=0)
+    assert not a[3][2:].any() and not b[3][:, 2:].any()  # rank 2 padded to 4 with zeros
+
+
+def test_a_lora_on_a_tensor_llama_cpp_computes_from_it_is_refused(tmp_path):
+    """DeepSeek's MLA kv_b_proj: llama.cpp stores k_b / v_b computed from it, so no pair of lora_a / lora_b
+    says its LoRA; one sentence, nothing written."""
+    from test_gguf_families import make_family
+
+    base = make_family(tmp_path / "dsv2", "deepseek_v2")
+    adapter, _ = make_adapter(base, tmp_path / "kvb", target_modules=["kv_b_proj"])
+    with pytest.raises(MergeError, match=r"llama.cpp's layout stores as blk\.\d\.attn_k_b\.weight computed from it"):
+        export_lora_gguf(base, adapter)
+    assert not list(adapter.glob("*.gguf")) and not list(adapter.glob(".*tmp*"))
+
+
+# -- the check and its record
+
+
+def _with_manifest(folder: Path) -> Path:
+    from tui_merger.core.record.manifest import FORMAT, write_manifest
+
+    write_manifest(folder, {"format": FORMAT, "merged_at": "2026-12-04T20:00:00+00:00", "kind": "merge", "inputs": [],
+                            "outputs": [], "base_model": None}, fsync=False)
+    return folder
+
+
+def test_without_llama_cpp_the_lora_is_recorded_as_not_checked(bases, tmp_path, capsys):
+    """CI has no llama.cpp, and only llama.cpp applies a GGUF LoRA: the command says the file was not
+    checked, and so do the manifest (gguf_lora) and the model card; with transformers' reader asked for,
+    the same."""
+    from tui_merger.cli import main
+    from tui_merger.core.ship.gguf_check import llama_cpp_version
+
+    base = _with_manifest(shutil.copytree(bases["qwen2"], tmp_path / "base"))
+    adapter, _ = make_adapter(base, tmp_path / "my-lora", target_modules=["q_proj", "v_proj"])
+    for check in (["--check", "transformers"], [] if llama_cpp_version() is None else None):
+        if check is None:
+            continue
+        assert main(["gguf", str(base), "--adapter", str(adapter), "--type", "f16", "--plain", "--overwrite", *check]) == 0
+        out, _ = capsys.readouterr()
+        said = ("transformers' GGUF reader cannot apply a GGUF LoRA" if check else
+                "llama.cpp's Python binding (llama_cpp) is not installed here, and only llama.cpp applies a GGUF LoRA")
+        assert f"  LoRA check not checked: {said}" in out, out
+        assert f"  LoRA and its check recorded in {base / 'merge_manifest.json'}" in out
+        (entry,) = json.loads((base / "merge_manifest.json").read_text())["gguf_lora"]
+        assert entry["path"] == str(adapter / "my-lora-LoRA-F32.gguf") and entry["base_gguf"] == "base-F16.gguf"
+        assert entry["check"]["status"] == "not checked" and entry["check"]["reader"] is None
+        assert entry["pairs"] == 4 and entry["ranks"] == [4] and entry["modelfile"].endswith("my-lora-LoRA-F32.Modelfile")
+        card = (base / "README.md").read_text()
+        line = next(x for x in card.splitlines() if "my-lora-LoRA-F32.gguf" in x)
+        assert "a LoRA of the adapter `my-lora` for `base-F16.gguf`" in line and f"Check not checked: {said}" in line
+        assert "PASSED" not in line and "FAILED" not in line
+
+
+def test_a_lora_is_never_called_checked_without_a_check(bases, tmp_path, capsys):
+    """--check none: "not checked: skipped"; a base without a manifest: nothing recorded, said; and a
+    manifest entry whose check is missing or was not made reads "not checked" on the card, never PASSED."""
+    from tui_merger.cli import main
+    from tui_merger.core.record.card import render_model_card
+    from tui_merger.core.ship.gguf_check import check_lora_gguf
+
+    base = shutil.copytree(bases["qwen2"], tmp_path / "plain-base")
+    adapter, _ = make_adapter(base, tmp_path / "a", target_modules=["o_proj"])
+    assert main(["gguf", str(base), "--adapter", str(adapter), "--type", "f16", "--plain", "--check", "none"]) == 0
+    out, _ = capsys.readouterr()
+    assert "  LoRA check not checked: skipped (--check none).\n" in out
+    assert f"  not recorded: {base} has no merge_manifest.json (it was not made by tui-merger)\n" in out
+    assert not (base / "merge_manifest.json").exists()
+    lora, base_gguf = adapter / "a-LoRA-F32.gguf", base / "plain-base-F16.gguf"
+    check = check_lora_gguf(base, adapter, base_gguf, lora, reader="transformers")
+    assert check.status == "not checked" and check.reader is None and not check.passed
+    for recorded in ({}, {"check": {"status": "not checked", "summary": "x"}}, {"check": {"status": "maybe"}}):
+        card = render_model_card({"format": "tui-merger-manifest/1", "kind": "merge", "merged_at": "now", "out": "/x",
+                                  "gguf_lora": [{"path": "a-LoRA-F32.gguf", "size": 1, "sha256": "0", **recorded}]})
+        line = next(x for x in card.splitlines() if "a-LoRA-F32.gguf" in x)
+        assert "Check not checked" in line and "PASSED" not in line
+
+
+def test_the_base_gguf_type_is_read_from_its_header(bases, tmp_path):
+    from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_check import LIMITS, gguf_type_of
+
+    for type_ in ("f16", "q8_0"):
+        path = export_gguf(bases["qwen2"], type_, tmp_path / f"b-{type_}.gguf").path
+        assert gguf_type_of(path) == type_ and type_ in LIMITS
+
+
+def test_an_expert_lora_in_peft_018s_layout_is_written_as_peft_018_merged_it(tmp_path):
+    """peft 0.18.1 saved packed-expert LoRA the other way round (lora_A reads dim 1: the delta of expert e
+    is (B_e @ A_e).T), told apart by the adapter's peft_version (tests/fixtures/peft018, made by peft 0.18.1
+    itself): llama.cpp's stacked pairs add what peft 0.18.1's own merge_and_unload changed, per expert."""
+    fixture = Path(__file__).parent / "fixtures" / "peft018"
+    adapter = shutil.copytree(fixture / "adapter", tmp_path / "adapter")
+    folder = shutil.copytree(fixture / "base", tmp_path / "base")  # routing as llama.cpp's qwen3moe routes (the weights as saved)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "norm_topk_prob": True}))
+    result = export_lora_gguf(folder, adapter)
+    fields, tensors = read_lora(result.path)
+    base, merged = _weights(fixture / "base"), _weights(fixture / "peft_merged")
+    alpha, checked = fields["adapter.lora.alpha"], 0
+    for layer in range(config["num_hidden_layers"]):
+        for hf, kind in EXPERT_KINDS.items():
+            a, b = tensors[f"blk.{layer}.{kind}.weight.lora_a"][0], tensors[f"blk.{layer}.{kind}.weight.lora_b"][0]
+            for e in range(config["num_local_experts"]):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"
+                torch.testing.assert_close(alpha / a.shape[1] * (b[e] @ a[e]), merged[name] - base[name], rtol=1e-3, atol=1e-5, msg=name)
+                checked += 1
+    assert checked == 3 * config["num_hidden_layers"] * config["num_local_experts"] and result.experts == 6

@@ -31,7 +31,7 @@ CASES = {
     "megatron-lm torch_dcp": ("megatron_lm", "lm_dcp_dp2_optim", "megatron-lm", "megatron-lm", "hf_dense", None),
     "megatron-bridge": ("megatron_layouts/fw", "bridge_dense_tp2", "megatron-bridge", "megatron-bridge", "hf_dense", None),
     "megatron-bridge vl": ("megatron_vl", "bridge_qwen3_vl_tp2", "megatron-bridge", "megatron-bridge", "hf_qwen3", None),
-    "nemo2": ("megatron_layouts/nemo2_saved", "nemo2", "nemo2", "nemo2", "hf", "hf"),
+    "nemo2": ("megatron_layouts/nemo2_saved", "nemo2", "nemo2", "nemo2", "hf", None),  # config from context/
     "ms-swift": ("ms_swift", "full_tp2", "ms-swift-megatron", "ms-swift", "../megatron_layouts/fw/hf_dense",
                  "../megatron_layouts/fw/hf_dense"),
 }

@@ -141,7 +141,7 @@ def test_an_export_without_lora_alpha_needs_lora_alpha(tmp_path, made, capsys):
 def test_a_run_without_the_export_says_what_is_missing(tmp_path, made, capsys):
     run = _run(tmp_path, made, export=False)
     args = ["merge", "--backend", "megatron", "--local_dir", str(run), "--target_dir", str(tmp_path / "merged"), "--plain"]
-    line = refused_by_cli(capsys, tmp_path, args, ["Megatron-Bridge shards in model/dist_ckpt/", "cannot merge yet",
+    line = refused_by_cli(capsys, tmp_path, args, ["model/dist_ckpt holds no complete dist checkpoint", ".metadata",
                                                    "model/huggingface/adapter/", "--base"])
     assert line.count(".") <= 6  # one sentence (paths and file names have dots)
 
@@ -171,5 +171,5 @@ def test_inspect_shows_the_lora_run(tmp_path, made):
     other = _run(tmp_path / "other", made, export=False)
     (c,) = [c for c in scan(other).candidates if c.kind == "verl-megatron"]
     problem = why_not_mergeable(c)
-    assert problem and "Megatron-Bridge shards" in problem and "model/huggingface/adapter/" in problem
+    assert problem and "Megatron-Bridge adapters" in problem and "model/huggingface/adapter/" in problem
     assert format_of(c).next_step(c, str(other), "BASE", "out") == problem

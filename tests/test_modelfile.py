@@ -10,6 +10,7 @@ transformers' on every conversation the check uses."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import shutil
 import subprocess
@@ -17,11 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from tui_merger.core.ship.modelfile import CONVERSATIONS, GO_TEMPLATES, chosen_template, render_go
+from tui_merger.core.ship.modelfile import CONVERSATIONS, DATE_TEMPLATES, GO_TEMPLATES, chosen_template, render_go
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ollama"
 GO = json.loads((FIXTURES / "go_renders.json").read_text())
 RELEASED = json.loads((FIXTURES / "released_chat_templates.json").read_text())["templates"]
+DATE_FORMATS = ("%Y-%m-%d", *DATE_TEMPLATES)  # as Ollama's currentDate writes it, and those our templates build from it
+
+
+def on_today(recorded: str) -> str:
+    """A Go rendering recorded with currentDate answering GO["today"], as it reads today (the Jinja templates
+    write today's date through transformers' strftime_now): the recorded day's dates, in each format, replaced."""
+    then, now = datetime.date.fromisoformat(GO["today"]), datetime.date.today()
+    for fmt in DATE_FORMATS:
+        recorded = recorded.replace(then.strftime(fmt), now.strftime(fmt))
+    return recorded
 
 
 def tokenizer(entry: dict, chat_template: str | None = None):
@@ -44,7 +55,17 @@ def test_the_recorded_go_renderings_are_of_the_current_templates():
 def test_render_go_renders_what_go_renders(name):
     """Every template on every recorded conversation (collated roles, two system messages, none at all)."""
     for messages, want in zip(GO["conversations"], GO["templates"][name]["renders"], strict=True):
-        assert render_go(GO_TEMPLATES[name], messages) == want, messages
+        assert render_go(GO_TEMPLATES[name], messages, today=GO["today"]) == want, messages
+
+
+@pytest.mark.parametrize("fmt", sorted(DATE_TEMPLATES))
+def test_a_date_built_from_currentdate_is_strftimes(fmt):
+    """Granite's "%B %d, %Y" and SmolLM3's "%d %B %Y", built by Go from Ollama's currentDate on a day of each month,
+    equal Python's strftime, and render_go renders them alike."""
+    recorded = GO["dates"][fmt]
+    assert recorded["template"] == DATE_TEMPLATES[fmt] and len(recorded["renders"]) == 12
+    for day, go in recorded["renders"].items():
+        assert go == datetime.date.fromisoformat(day).strftime(fmt) == render_go(DATE_TEMPLATES[fmt], [], today=day)
 
 
 @pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain here (the committed renderings still check)")
@@ -53,9 +74,9 @@ def test_render_go_renders_what_go_renders_now():
     odd = '{{- $x := "" }}{{ range $i, $_ := .Messages }}{{ if ne $i 0 }},{{ end }}{{ $x = .Role }}{{ $x }}' \
           '{{ if or (eq .Role "tool") (not .Content) }}!{{ else }}={{ len (slice $.Messages $i) }}{{ end }}{{ end }}'
     cases = [{"template": t, "messages": m} for t in [*GO_TEMPLATES.values(), odd] for m in CONVERSATIONS]
-    run = subprocess.run(["go", "run", "go_render.go"], cwd=FIXTURES, input=json.dumps({"cases": cases}),
+    run = subprocess.run(["go", "run", "go_render.go"], cwd=FIXTURES, input=json.dumps({"today": "2031-02-03", "cases": cases}),
                          capture_output=True, text=True, check=True, timeout=300)
-    assert [render_go(c["template"], c["messages"]) for c in cases] == json.loads(run.stdout)
+    assert [render_go(c["template"], c["messages"], today="2031-02-03") for c in cases] == json.loads(run.stdout)
 
 
 @pytest.mark.parametrize("entry", RELEASED, ids=[e["model"] for e in RELEASED])
@@ -78,7 +99,7 @@ def test_a_released_chat_template_gets_the_go_template_that_renders_it(entry):
         except Exception:  # noqa: BLE001 - Gemma 1/2 and Mistral v0.1 refuse a system message
             assert any(m["role"] == "system" for m in messages)
             continue
-        assert want == (entry["bos_token"] if add_bos else "") + go, messages
+        assert want == (entry["bos_token"] if add_bos else "") + on_today(go), messages
         compared += 1
     assert compared >= 2
 
@@ -111,3 +132,43 @@ def test_a_bos_the_gguf_does_not_add_is_not_matched():
 def test_render_go_refuses_what_it_does_not_render(template):
     with pytest.raises(ValueError, match="render_go"):
         render_go(template, [{"role": "user", "content": "x"}])
+
+
+def test_a_modelfile_with_a_dated_template_says_what_it_leaves_out(tmp_path):
+    """write_modelfile end to end on GPT-OSS's released template (a saved tokenizer, a GGUF header without BOS): the
+    TEMPLATE line is the harmony template, a comment above it says what it leaves out, the stops are the tokenizer's
+    end tokens, and the template read back from the file renders what the tokenizer renders today."""
+    import gguf
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tui_merger.core.ship.modelfile import GO_TEMPLATE_NOTES, write_modelfile
+
+    entry = next(e for e in RELEASED if e["go_template"] == "gpt-oss")
+    vocab = {"<unk>": 0, "<|return|>": 1, "<|call|>": 2, "<|endoftext|>": 3}
+    folder = tmp_path / "oss-merged"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                            eos_token="<|return|>", chat_template=entry["chat_template"]).save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3, 2]}))
+    path = folder / "oss-merged-Q4_K_M.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    mf = write_modelfile(folder, path, "q4_k_m")
+    assert mf.template == "gpt-oss" and mf.stops == ("<|return|>", "<|endoftext|>", "<|call|>")
+    lines = mf.path.read_text().splitlines()
+    note = next(i for i, line in enumerate(lines) if line.startswith("# TEMPLATE renders"))
+    assert lines[note].endswith(GO_TEMPLATE_NOTES["gpt-oss"]) and "currentDate" in lines[note]
+    assert lines[note + 1].startswith('TEMPLATE """')
+    text = mf.path.read_text()
+    start = text.index('TEMPLATE """') + len('TEMPLATE """')
+    written = text[start:text.index('"""', start)]
+    assert written == GO_TEMPLATES["gpt-oss"]
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    for messages in CONVERSATIONS:
+        assert render_go(written, messages) == tok.apply_chat_template(list(messages), tokenize=False,
+                                                                       add_generation_prompt=True)

@@ -32,8 +32,9 @@ def announced(path, *args, **kwargs):
     print("SHARD", path.name, flush=True)
     time.sleep(0.3)
 engine._write_shard = announced
-from tui_merger.cli import main
-sys.exit(main(sys.argv[1:]))
+from tui_merger.cli import console_defaults, leave, main
+console_defaults()
+leave(main(sys.argv[1:]))  # as the console script (cli.entry) runs it: no interpreter teardown at the end
 """
 
 
@@ -310,8 +311,9 @@ def gate(module, name):
 
 owner, _, name = sys.argv[1].rpartition(".")
 gate(provenance if name == "record_merge" else getattr(verify, owner) if owner else verify, name)
-from tui_merger.cli import main
-sys.exit(main(sys.argv[2:]))
+from tui_merger.cli import console_defaults, leave, main
+console_defaults()
+leave(main(sys.argv[2:]))
 """
 
 

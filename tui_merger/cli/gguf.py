@@ -45,7 +45,9 @@ def add_parser(sub) -> None:
         "--adapter", type=Path, metavar="ADAPTER",
         help="also write this peft LoRA adapter of MODEL (the base) as a GGUF LoRA beside it (ADAPTER/<name>-LoRA-F32.gguf, "
         "as llama.cpp's convert_lora_to_gguf.py lays it out) and an Ollama Modelfile with FROM the base's GGUF and "
-        "ADAPTER; the base's GGUF is written first unless it is already there",
+        "ADAPTER; the base's GGUF is written first unless it is already there; then llama.cpp runs the base's GGUF with the "
+        "LoRA against peft on the base with the adapter (--check; only llama.cpp applies a GGUF LoRA: without "
+        "llama-cpp-python the LoRA is recorded as not checked)",
     )
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -116,8 +118,42 @@ def _cmd_gguf_lora(args, progress) -> int:
     # the chat template the adapter was trained with: its own tokenizer's when it saved one, else the base's
     chat_folder = args.adapter if (Path(args.adapter) / "tokenizer_config.json").is_file() else args.model
     modelfile = write_modelfile(chat_folder, base, args.gguf_type, adapter=lora.path)
+    check = check_lora(args, lora, base, modelfile.path, progress)
     print(f"  Ollama Modelfile {modelfile.path}" + ("" if modelfile.template else " (no TEMPLATE: its comment says why)"))
     print("Run it:")
     for line in modelfile.commands(base):
         print(f"  {line}")
+    if check.status == "failed":
+        from tui_merger.cli.common import VERIFY_FAILED
+
+        print("llama.cpp with the LoRA does not behave like the base with the adapter: do not share it (the check above "
+              "says where it differs).", file=sys.stderr)
+        return VERIFY_FAILED
     return 0
+
+
+def check_lora(args, lora, base: Path, modelfile: Path, progress):
+    """The GGUF LoRA checked with llama.cpp on the base's GGUF (--check), the verdict printed and recorded in
+    the base folder's merge_manifest.json where it has one."""
+    from contextlib import nullcontext
+
+    from tui_merger.console import RichProgress
+    from tui_merger.core.ship.gguf_check import NOT_CHECKED, GgufCheck, check_lora_gguf
+    from tui_merger.core.ship.gguf_lora import record_lora_gguf
+
+    if args.check == "none":
+        check = GgufCheck(NOT_CHECKED, None, "skipped (--check none).")
+    else:
+        with progress if isinstance(progress, RichProgress) else nullcontext():
+            check = check_lora_gguf(args.model, args.adapter, base, lora.path, reader=args.check, on_event=progress)
+    print(f"  LoRA check {check.line()}")
+    try:
+        recorded = record_lora_gguf(args.model, lora, base, check, modelfile)
+    except OSError as err:  # a read-only folder: the files and the check stand
+        print(f"  not recorded: {Path(args.model) / 'merge_manifest.json'} could not be updated ({err.strerror or err}).")
+        return check
+    if recorded:
+        print(f"  LoRA and its check recorded in {Path(args.model) / 'merge_manifest.json'}")
+    else:
+        print(f"  not recorded: {args.model} has no merge_manifest.json (it was not made by tui-merger)")
+    return check

@@ -535,6 +535,8 @@ def export_peft_adapter(adapter: PeftAdapter, dest: Path, fsync: bool = True) ->
         # a module named by its index ("merger.mlp.0") would, as a suffix, also match other modules
         # ("blocks.0", a whole vision block): name each module exactly (peft full-matches a string)
         targets = "^(?:" + "|".join(re.escape(mod) for mod in sorted(modules)) + ")$"
+    if isinstance(cfg.get("target_modules"), str):  # a regex the reader chose (megatron_lora: a VL model's language
+        targets = cfg["target_modules"]  # model only, whose names a vision tower shares); peft full-matches it
     config = {
         "peft_type": "LORA",
         "task_type": cfg.get("task_type", "CAUSAL_LM"),

@@ -294,6 +294,8 @@ class ShardAdapter:
     experts: int
     layout: ShardLayout | None = None
     notices: list[str] = field(default_factory=list)
+    target_regex: str | None = None  # target_modules as peft's regex (a VL model: its language model's layers only)
+    renames: dict = field(default_factory=dict)  # a VL model: in-memory -> save_pretrained names, where they differ
 
 
 def _load_shard(path: Path, source: ShardSource) -> dict:
@@ -497,7 +499,8 @@ def _read(layout: ShardLayout, hf_config: dict, source: ShardSource) -> ShardAda
     return shards
 
 
-def _name(layout, hf_config, source: ShardSource, globals_: dict, layers: int, experts: int) -> ShardAdapter:
+def _name(layout, hf_config, source: ShardSource, globals_: dict, layers: int, experts: int,
+          prefix: str = "base_model.model.model.layers.") -> ShardAdapter:
     heads, kv = _cfg(hf_config, "num_attention_heads"), _cfg(hf_config, "num_key_value_heads")
     kv = kv or heads
     hidden = _cfg(hf_config, "hidden_size")
@@ -512,7 +515,6 @@ def _name(layout, hf_config, source: ShardSource, globals_: dict, layers: int, e
     targets = set()
     ranks: Counter = Counter()
     by_module: dict[str, int] = {}
-    prefix = "base_model.model.model.layers."
     for mod, subs in sorted(modules.items()):
         m = _LAYER.match(mod)
         i, rest = int(m.group(1)), m.group(2)
@@ -599,7 +601,7 @@ def peft_config(shards: ShardAdapter, alpha, base_name: str | None, use_rslora: 
         "lora_alpha": alpha,
         "rank_pattern": shards.rank_pattern,
         "alpha_pattern": {},
-        "target_modules": modules,
+        "target_modules": shards.target_regex or modules,
         "use_dora": shards.kind == "dora",
         "use_rslora": bool(use_rslora),
         "lora_dropout": 0.0,
@@ -694,7 +696,7 @@ def _swift_name(key: str, dist_dir: Path) -> str | None:
     return f"{m.group('mod')}.adapter.{'linear_in' if m.group('ab') == 'A' else 'linear_out'}.weight"
 
 
-def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
+def read_dist_adapter(dist_dir: Path, hf_config: dict, config_dir: Path | None = None) -> ShardAdapter:
     """The adapter of a PEFT dist checkpoint under Hugging Face names: Megatron-Bridge's PEFT iteration (its
     trainer saves only the ``*.adapter.*`` entries of the model's sharded state dict: training/checkpointing.py
     apply_peft_adapter_filter_to_state_dict) or ms-swift's Megatron LoRA iteration (``*.lora_A/B.default.*``:
@@ -706,12 +708,20 @@ def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
 
     from tui_merger.core.io.dcp import DcpStore
 
-    store = DcpStore(Path(dist_dir), lambda k: not is_adapter_key(k), lambda k: re.sub(r"^(?:model\d*\.|module\.)+", "", k))
+    store = DcpStore(Path(dist_dir), lambda k: not (is_adapter_key(k) or _vl_vision_key(k)),
+                     lambda k: re.sub(r"^(?:model\d*\.|module\.)+", "", k))
     other_adapters: set[str] = set()
+    vision: dict[str, dict] = {}  # a VL run's vision-tower LoRA pairs: module -> {linear_in / linear_out: tensor}
+    vl = False
     try:
         globals_: dict[str, _Global] = {}
         layers = experts = 0
         for key, entry in sorted(store.tensors.items()):
+            if _vl_vision_key(key):  # Megatron VL LoRA run (issue 39): the vision tower's pairs, read whole
+                full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+                store.read_region(key, (), None, full)
+                vision.setdefault(_vl_vision_module(key, dist_dir), {})[key.rsplit(".", 2)[-2]] = full
+                continue
             if ".modules_to_save." in key:
                 raise MergeError(
                     f"{dist_dir} holds {key}, a whole module trained beside the LoRA (modules_to_save), which "
@@ -724,6 +734,9 @@ def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
                 if name is None:
                     other_adapters.add(_SWIFT.match(key).group("adapter"))
                     continue
+            if name.startswith(_VL_LANGUAGE):  # a VL model's language model (issue 39)
+                vl = True
+                name = name[len(_VL_LANGUAGE):]
             m = _STACKED.match(name)
             if m is None or re.match(r"^\d+\.", m.group("rest")):
                 raise MergeError(
@@ -772,7 +785,10 @@ def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
         )
     layout = ShardLayout(Path(dist_dir), {}, 1, 1, 1, None, {})
     source = ShardSource(Path(dist_dir), [METADATA_FILE] + sorted(store.data_files))
-    shards = _name(layout, hf_config, source, globals_, layers, experts)
+    if vl or vision:
+        shards = _vl_adapter(dist_dir, hf_config, config_dir, layout, source, globals_, layers, experts, vision)
+    else:
+        shards = _name(layout, hf_config, source, globals_, layers, experts)
     if other_adapters:
         shards.notices.append(
             f"{dist_dir} also holds the adapter(s) {', '.join(sorted(other_adapters))} (ms-swift's frozen reference "
@@ -782,6 +798,74 @@ def read_dist_adapter(dist_dir: Path, hf_config: dict) -> ShardAdapter:
 
 
 METADATA_FILE = ".metadata"
+
+
+# -- LoRA runs of Megatron VL models (issue 39) -------------------------------------------------------------------
+# Megatron-Bridge's VL models keep the language model under ``language_model.`` (its adapters as any text model's)
+# and embed transformers' vision module under ``vision_model.`` / ``visual.``; Bridge's LoRA wraps every module its
+# targets name, so the vision tower's own nn.Linear layers named ``linear_fc1`` / ``linear_fc2`` (Qwen3-VL's blocks,
+# merger and deepstack mergers) get a ``LinearAdapter``: ``{module}.linear_in.weight`` [r, in] and
+# ``{module}.linear_out.weight`` [out, r], whole on every rank, scaled alpha / dim like the others.
+_VL_LANGUAGE = "language_model."
+_VL_VISION = ("vision_model.", "visual.")
+_VL_PAIR = re.compile(r"^(?:vision_model|visual)\.(?P<mod>.+)\.(?:linear_in|linear_out)\.weight$")
+
+
+def _vl_vision_key(key: str) -> bool:
+    return key.startswith(_VL_VISION) and "_extra_state" not in key
+
+
+def _vl_vision_module(key: str, dist_dir) -> str:
+    m = _VL_PAIR.match(key)
+    if m is None:
+        raise MergeError(
+            f"{dist_dir} holds {key}, a vision-tower tensor that is not a LoRA pair (linear_in / linear_out), which "
+            "tui-merger does not merge from a Megatron checkpoint; nothing was written."
+        )
+    return m.group("mod")
+
+
+def _vl_adapter(dist_dir, hf_config, config_dir, layout, source, globals_, layers, experts, vision) -> ShardAdapter:
+    """The adapter of a VL model's LoRA run: the language model's as a text model's, under the language model's
+    ``save_pretrained`` names, and the vision tower's pairs under the vision module's (megatron_vl.lora_names)."""
+    from tui_merger.core.formats.megatron_vl import lora_names
+
+    if config_dir is None:
+        raise MergeError(f"{dist_dir} holds a vision-language model's LoRA run; pass --base with its Hugging Face model.")
+    lm_layers, vision_names, renames = lora_names(Path(config_dir), sorted(vision))
+    shards = _name(layout, hf_config, source, globals_, layers, experts, prefix="base_model.model." + lm_layers)
+    for mod, pair in sorted(vision.items()):
+        if set(pair) != {"linear_in", "linear_out"}:
+            raise MergeError(
+                f"{dist_dir} holds only half of the LoRA pair of the vision tower's {mod} (linear_in or linear_out is "
+                "missing); the files are incomplete: copy them again."
+            )
+        A, B = pair["linear_in"], pair["linear_out"]
+        if A.dim() != 2 or B.dim() != 2 or B.shape[1] != A.shape[0]:
+            raise MergeError(f"The vision tower's {mod}: linear_in {list(A.shape)} and linear_out {list(B.shape)} do not "
+                             "make a LoRA pair; the adapter files are damaged.")
+        full = "base_model.model." + vision_names[mod]
+        source.add(f"{full}.lora_A.weight", (_Global(mod + ".linear_in.weight", [A], None), None))
+        source.add(f"{full}.lora_B.weight", (_Global(mod + ".linear_out.weight", [B], None), None))
+        if A.shape[0] != shards.r:
+            shards.rank_pattern[re.escape(vision_names[mod])] = A.shape[0]
+    # peft matches a list of target names anywhere (Qwen2.5-VL's vision MLP is gate/up/down_proj too): the adapted
+    # modules as one regex, the language model's by their place in a layer (model.layers. on disk,
+    # model.language_model.layers. in transformers 5's model), the vision tower's by their name under it
+    lm = sorted({n[len("base_model.model." + lm_layers):].split(".", 1)[1].rsplit(".", 2)[0]
+                 for n in source.tensors if n.startswith("base_model.model." + lm_layers) and n.endswith(".lora_A.weight")})
+    tower = sorted(vision_names[m][: -len(m) - 1].rsplit(".", 1)[-1] + "." + m for m in vision)  # visual.blocks.0...
+    shards.target_regex = "|".join(
+        ([r"(?:.*\.)?layers\.\d+\.(?:" + "|".join(map(re.escape, lm)) + ")"] if lm else [])
+        + [r"(?:.*\.)?" + re.escape(t) for t in tower])
+    shards.renames = renames
+    if vision:
+        shards.targets = sorted(set(shards.targets) | {"vision tower"})
+        shards.notices.append(
+            f"The run also trained LoRA on {len(vision)} linear layers of the vision tower ({', '.join(sorted(vision)[:3])}"
+            f"{', ...' if len(vision) > 3 else ''}: Megatron-Bridge's targets name them too); they are merged as well."
+        )
+    return shards
 
 
 def _unswiglu(full, entry):

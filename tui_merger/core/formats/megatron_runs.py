@@ -720,6 +720,12 @@ def detect_run(s, folder: Path, names: dict, kind: str):
         c.base_path = str(found)
         c.base_resolves = "hf-cache" if any(part.startswith("models--") for part in found.parts) else "path"
         c.notes.append(f"its Hugging Face config: {found}, {info.source()}.")
+    elif info.framework == "nemo2":  # issue 39: the config built from context/model.yaml (nemo2_config)
+        from tui_merger.core.formats.nemo2_config import inspect_sentence
+
+        c.needs_base, sentence = inspect_sentence(folder, read_yaml(folder / "context" / "model.yaml"))
+        c.notes.append(sentence)
+        c.tokenizer = c.tokenizer or (folder / "context" / "nemo_tokenizer").is_dir()
     else:
         c.base_resolves = "missing" if c.base_model else None
         c.notes.append(base_sentence(info, folder))

@@ -345,3 +345,49 @@ def map_vl(tensors: dict, config: dict, config_path: Path, parts):
     """verl_megatron's _Mapping for a Megatron VL checkpoint's tensors (canonical names); ``parts``: verl_megatron's
     text mapper and records (``Mapper``, ``Mapping``, ``Spec``, ``Piece``), handed in."""
     return _VlMapper(tensors, config, config_path, parts).run()
+
+
+# -- LoRA runs of VL models (megatron_lora.read_dist_adapter) -----------------------------------------------------
+
+
+def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[str, str], dict[str, str]]:
+    """Where a Megatron VL LoRA run's adapters go, under the names of transformers' model (as peft names an adapter
+    of it): the prefix of the language model's layers (``model.language_model.layers.``), for each vision-tower
+    module the run holds a LoRA pair on (its name inside transformers' vision module: Megatron-Bridge embeds that
+    module, ``vision_model.*`` / ``visual.*``) that module's full name, and the renames in-memory -> save_pretrained
+    name where they differ (Qwen2.5-VL's ``model.language_model.layers.*`` is saved as ``model.layers.*``)."""
+    from tui_merger.core.formats import hf_names
+
+    config_dir = Path(config_dir)
+    layout = hf_names.disk_layout(config_dir)
+    if layout is None:
+        raise MergeError(
+            f"transformers {_version()} cannot build the model of {config_dir / 'config.json'}, so where the LoRA "
+            "run's adapters go is unknown; install a transformers that has it."
+        )
+    model = layout.model
+    state = model.state_dict()
+    modules = {id(m): n for n, m in model.named_modules()}
+    lm = modules.get(id(model.get_decoder()))
+    probe = f"{lm}.layers.0.self_attn.q_proj.weight"
+    if not lm or probe not in state:
+        raise MergeError(f"transformers' model for {config_dir / 'config.json'} has no language model layers to merge "
+                         "the LoRA run's adapters into.")
+    layers = probe[: -len("0.self_attn.q_proj.weight")]
+    found: dict[str, str] = {}
+    prefixes = None
+    for mod in vision_modules:
+        here = {k[: -len(f".{mod}.weight")] for k in state if k.endswith(f".{mod}.weight")}
+        prefixes = here if prefixes is None else prefixes & here
+    if vision_modules:
+        if not prefixes or len(prefixes) != 1:
+            raise MergeError(
+                f"The LoRA run holds adapters on the vision tower's {vision_modules[0]}, which transformers' model for "
+                f"{config_dir / 'config.json'} has no single place for; it is from another model: pass --base with the "
+                "model the run was trained from."
+            )
+        (prefix,) = prefixes
+        for mod in vision_modules:
+            name = f"{prefix}.{mod}.weight"
+            found[mod] = name[: -len(".weight")]
+    return layers, found, dict(layout.renames)

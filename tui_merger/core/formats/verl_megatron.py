@@ -28,7 +28,8 @@ from types import SimpleNamespace
 
 from tui_merger.core.io.dcp import METADATA, Chunk, ChunkedTensor, ChunkStore, DcpStore, check_coverage
 from tui_merger.core.errors import MergeError
-from tui_merger.core.formats.adapter import chosen_alpha, export_peft_adapter, lora_train_meta_path, read_lora_train_meta
+from tui_merger.core.formats.adapter import (chosen_alpha, export_peft_adapter, lora_train_meta_path, read_lora_train_meta,
+                                             renamed)
 from tui_merger.core.formats.megatron_lora import SHARDS_DIR, shard_files
 from tui_merger.core.formats.megatron_runs import FRAMEWORKS, MEGATRON_LM_STATE
 from tui_merger.core.formats.base import ALL, STEP_DIR, Candidate, Format, Found, Reference, is_dir, lora_info, step_of
@@ -37,11 +38,21 @@ from tui_merger.core.io.files import TOKENIZER_MARKERS, config_dtype
 from tui_merger.core.io.sources import TensorRef, find_weight_files, not_a_folder
 
 MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE"
+SUPPORTED = "Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, GLM-4.5 and DeepSeek-V3"
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
 _ARCH_FAMILY = {
     "Llama": "llama", "Qwen2": "qwen2", "Qwen3": "qwen3", "Qwen2Moe": "qwen2_moe", "Qwen3Moe": "qwen3_moe",
 }
+# -- GLM-4.5 and DeepSeek-V3 (MoE with expert bias and shared experts; DeepSeek-V3 multi-latent attention,
+# megatron_mla.py); their multi-token prediction layers: MTP_PLACES below
+FAMILIES.update({"glm4_moe": "GLM-4.5", "deepseek_v3": "DeepSeek-V3"})
+_ARCH_FAMILY.update({"Glm4Moe": "glm4_moe", "DeepseekV3": "deepseek_v3"})
+_DEEPSEEK_MOE = ("glm4_moe", "deepseek_v3")  # routed experts from first_k_dense_replace on, shared_experts, expert bias
+_MLA = ("deepseek_v3",)
+# -- end GLM-4.5 / DeepSeek-V3
+# Qwen3-Next (Gated DeltaNet layers, gated attention, its MTP layer): mapped by megatron_gdn on this mapper
+FAMILIES["qwen3_next"] = "Qwen3-Next"
+_ARCH_FAMILY["Qwen3Next"] = "qwen3_next"
 _ROLES = ("actor", "critic")
 BLOCK_BYTES = 16 << 20  # the largest row block converted at once
 
@@ -61,6 +72,7 @@ class MegatronLayout:
     lora: "LoraRun | None" = None  # a LoRA run (Megatron-Bridge PEFT): its adapter, not the model
     run: "RunInfo | None" = None  # kind "mcore": saved by Megatron-LM, Megatron-Bridge, ms-swift or NeMo 2
     missing_base: str | None = None  # kind "mcore" without a config: why --base is needed
+    config_file: Path | None = None  # the file the config was built from when it is no config.json (NeMo 2's model.yaml)
 
 
 @dataclass
@@ -72,6 +84,7 @@ class LoraRun:
     export: Path | None
     shards: str | None
     shard_dir: Path | None = None  # adapter_checkpoint/ with mp_rank_*_adapter.pt files (read by megatron_lora)
+    dist_dir: Path | None = None  # verl v2 + Megatron-Bridge PEFT: the adapters' dist checkpoint (model/dist_ckpt)
 
 
 def _lora_run(folder: Path) -> LoraRun | None:
@@ -100,7 +113,19 @@ def _lora_run(folder: Path) -> LoraRun | None:
         shards = f"{str(where or 'model/dist_ckpt').rstrip('/')}/"
     if export is None and shards is None:
         return None
-    return LoraRun(export, shards, shard_dir)
+    return LoraRun(export, shards, shard_dir, _peft_dist_dir(folder, contents) if peft and shard_dir is None else None)
+
+
+def _peft_dist_dir(folder: Path, contents: dict) -> Path | None:
+    """issue 39: verl's v2 layout with Megatron-Bridge PEFT (megatron_checkpoint_manager.py save_checkpoint: the
+    model's sharded state dict filtered to its adapters by Bridge's apply_peft_adapter_filter_to_state_dict, saved
+    to model/dist_ckpt; ckpt_contents.json's contents.peft_adapters.path names it): that dist checkpoint, when it
+    is one (its .metadata is there) inside the run's folder."""
+    where = contents.get("peft_adapters", {}).get("path") if isinstance(contents.get("peft_adapters"), dict) else None
+    rel = Path(where) if isinstance(where, str) and where else Path("model") / "dist_ckpt"
+    if rel.is_absolute() or ".." in rel.parts:
+        return None
+    return folder / rel if (folder / rel / METADATA).is_file() else None
 
 
 def lora_refusal(folder: Path, lora: LoraRun) -> str:
@@ -110,11 +135,11 @@ def lora_refusal(folder: Path, lora: LoraRun) -> str:
             f"{folder / SHARDS_DIR} holds no mp_rank_*_adapter.pt files; copy the run's whole {SHARDS_DIR}/ folder "
             "again."
         )
+    # issue 39: a complete one is merged (_peft_dist_dir); here its index is missing
     return (
-        f"{folder} holds a Megatron PEFT adapter only as Megatron-Bridge shards in {lora.shards} (a dist checkpoint), "
-        "which tui-merger cannot merge yet: export the adapter in Hugging Face PEFT format into model/huggingface/adapter/ "
-        "(adapter_config.json + adapter_model.safetensors) and merge it with --base, or merge with verl's "
-        "scripts/megatron_merge_lora.py."
+        f"{folder / lora.shards.rstrip('/')} holds no complete dist checkpoint of the run's Megatron-Bridge adapters (no "
+        f"{METADATA}, its index) and there is no Hugging Face adapter export in model/huggingface/adapter/; copy the "
+        "run's whole model/ folder again, or merge the exported adapter with --adapter and --base."
     )
 
 
@@ -247,7 +272,8 @@ def find_megatron_checkpoint(path) -> MegatronLayout:
         )
     else:
         layout.lora = _lora_run(folder)
-        if layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None:
+        if (layout.lora is not None and layout.lora.export is None and layout.lora.shard_dir is None
+                and layout.lora.dist_dir is None):
             raise MergeError(lora_refusal(folder, layout.lora))
     return layout
 
@@ -626,6 +652,7 @@ class Spec:
     dtype: str
     pieces: list[Piece]
     flat: bool = False  # pieces placed in the tensor's first two dimensions as one (packed experts, megatron_vl)
+    offset: float = 0.0  # added to every value read (megatron_gdn: a norm Megatron keeps zero-centered, HF not)
 
 
 def _cfg(config: dict, key: str, default=None):
@@ -670,6 +697,7 @@ _LAYER_KEYS = [
     (r"mlp\.linear_fc1\.(weight|bias)", "glu", "mlp.{}_proj.{1}"),
     (r"mlp\.linear_fc2\.(weight|bias)", "copy", "mlp.down_proj.{1}"),
     (r"mlp\.router\.weight", "copy", "mlp.gate.weight"),
+    (r"mlp\.router\.expert_bias", "copy", "mlp.gate.e_score_correction_bias"),  # GLM-4.5 / DeepSeek-V3
     (r"mlp\.experts\.experts\.linear_fc1\.weight", "experts_glu", "mlp.experts.{e}.{}_proj.weight"),
     (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", "glu", "mlp.experts.{1}.{}_proj.weight"),
     (r"mlp\.experts\.linear_fc1\.weight(\d+)", "glu", "mlp.experts.{1}.{}_proj.weight"),
@@ -702,9 +730,15 @@ class _Mapping:
     notices: list[str]
     head: str | None  # the HF name the output layer got (lm_head.weight / score.weight), None: absent
     embed: str = "model.embed_tokens.weight"  # the HF name the embedding got
+    config_changes: dict = field(default_factory=dict)  # config.json fields the written model needs (MTP layers)
 
 
 class _Mapper:
+    # what a subclass for another layer type extends (megatron_gdn): the per-layer patterns, and the kinds that are a
+    # layer's attention weights (with the name said when a layer has none)
+    layer_patterns = _LAYER_PATTERNS
+    attention_kinds = {"qkv": "linear_qkv"}
+
     def __init__(self, tensors: dict[str, ChunkedTensor], config: dict, config_path: Path) -> None:
         self.tensors = tensors
         self.config = config
@@ -728,6 +762,11 @@ class _Mapper:
         self.vocab = _cfg(config, "vocab_size")
         self.specs: dict[str, Spec] = {}
         self.notices: list[str] = []
+        self.config_changes: dict = {}
+        if self.family in _MLA:  # DeepSeek-V3: multi-latent attention's projections ahead of the common keys
+            from tui_merger.core.formats.megatron_mla import MLA_LAYER_KEYS
+
+            self.layer_patterns = [(re.compile(f"(?:{p})$"), k, n) for p, k, n in MLA_LAYER_KEYS] + list(self.layer_patterns)
 
     def fail(self, text: str) -> MergeError:
         return MergeError(
@@ -810,14 +849,8 @@ class _Mapper:
             else:
                 head = "lm_head.weight"
                 self._vocab_matrix(head, "output_layer.weight")
-        if mtp:
-            layers = sorted({m.group(1) for k in mtp if (m := re.match(r"^mtp\.layers\.(\d+)\.", k))})
-            self.notices.append(
-                f"The checkpoint holds {len(layers) or 'its'} multi-token prediction layer{'s' if len(layers) != 1 else ''} "
-                f"(mtp.*, {len(mtp)} tensors), which a Hugging Face {self.name} model has no place for: they are left "
-                "out; the model predicts the next token with the weights it was trained with."
-            )
-        return _Mapping(self.specs, self.notices, head)
+        self._mtp(mtp, head)
+        return _Mapping(self.specs, self.notices, head, config_changes=self.config_changes)
 
     def _vocab_matrix(self, name: str, key: str) -> None:
         entry = self.tensors[key]
@@ -839,26 +872,30 @@ class _Mapper:
         keys = " ".join(self.tensors)
         features = [  # (in the checkpoint, implied by the config, what the config says, what the tensors are)
             ("linear_qkv.bias" in keys,
-             self.family in ("qwen2", "qwen2_moe") or bool(_cfg(self.config, "attention_bias", False)),
+             self.family in ("qwen2", "qwen2_moe") or bool(_cfg(self.config, "attention_bias", False)) and self.family not in _MLA,
              (" (q/k/v projections without biases)", " (q/k/v projections with biases)"), "linear_qkv biases"),
-            ("q_layernorm" in keys, self.family in ("qwen3", "qwen3_moe"),
+            ("q_layernorm" in keys and self.family not in _MLA,
+             self.family in ("qwen3", "qwen3_moe") or self.family == "glm4_moe" and bool(_cfg(self.config, "use_qk_norm")),
              (" (without q/k norms)", " (with q/k norms)"), "q_layernorm/k_layernorm"),
-            ("mlp.router.weight" in keys, self.family in ("qwen2_moe", "qwen3_moe"), ("", ""), "MoE routers"),
+            ("mlp.router.weight" in keys, self.family in ("qwen2_moe", "qwen3_moe") + _DEEPSEEK_MOE, ("", ""), "MoE routers"),
         ]
+        if self.family in _MLA and "linear_qkv" in keys:  # DeepSeek-V3: multi-latent attention (megatron_mla.py)
+            raise self.fail(f"it describes a {self.name} model (multi-latent attention) but the checkpoint has "
+                            "linear_qkv (grouped-query attention)")
         for held, wanted, said, what in features:
             if held != wanted:
                 raise self.fail(
                     f"it describes a {self.name} model{said[wanted]} but the checkpoint {'has' if held else 'has no'} {what}"
                 )
-        if "shared_experts" in keys and self.family != "qwen2_moe":
+        if "shared_experts" in keys and self.family not in ("qwen2_moe",) + _DEEPSEEK_MOE:
             raise self.fail(f"it describes a {self.name} model, which has no shared experts, but the checkpoint has them")
 
     # -- one layer ----------------------------------------------------------------------------------
-    def _layer(self, i: int, entries) -> None:
-        prefix = f"model.layers.{i}."
+    def _layer(self, i: int, entries, prefix: str | None = None) -> None:
+        prefix = prefix or f"model.layers.{i}."
         matched = []
         for rest, key, index in entries:
-            for order, (pattern, kind, name) in enumerate(_LAYER_PATTERNS):
+            for order, (pattern, kind, name) in enumerate(self.layer_patterns):
                 m = pattern.match(rest)
                 if m:
                     matched.append((order, rest, key, index, kind, name, m))
@@ -869,19 +906,25 @@ class _Mapper:
                     f"tui-merger converts Megatron checkpoints of {SUPPORTED} models only."
                 )
         matched.sort(key=lambda x: (x[0], x[1].endswith("bias"), x[1]))  # weights before biases
-        if not any(kind == "qkv" and rest.endswith("weight") for _, rest, _, _, kind, _, _ in matched):
-            raise MergeError(f"Layer {i} has no attention weights (linear_qkv) in the checkpoint; it is incomplete.")
+        extra = _attention_keys(self.family)  # MLA's projections
+        if not any(kind in self.attention_kinds and not rest.endswith("bias") or rest.endswith(extra)
+                   for _, rest, _, _, kind, _, _ in matched):
+            names = " or ".join([*self.attention_kinds.values(), *(k.rsplit(".", 2)[-2] for k in extra)])
+            raise MergeError(f"Layer {i} has no attention weights ({names}) in the checkpoint; it is incomplete.")
         sparse = any(rest == "mlp.router.weight" for _, rest, *_ in matched)
-        if self.family in ("qwen2_moe", "qwen3_moe") and sparse != self._hf_sparse(i):
+        if self.family in ("qwen2_moe", "qwen3_moe") + _DEEPSEEK_MOE and sparse != self._hf_sparse(i):
             raise self.fail(
                 f"layer {i} is {'an MoE' if sparse else 'a dense'} layer in the checkpoint but "
-                f"{'dense' if sparse else 'MoE'} by its mlp_only_layers / decoder_sparse_step"
+                f"{'dense' if sparse else 'MoE'} by its "
+                f"{'first_k_dense_replace' if self.family in _DEEPSEEK_MOE else 'mlp_only_layers / decoder_sparse_step'}"
             )
         for _, rest, key, index, kind, name, m in matched:
             entry = self.tensors[key]
             param = entry.shape[len(index):]
             groups = [g or "" for g in m.groups()]
             hf = prefix + name.replace("{1}", groups[0] if groups else "")
+            if self.family in _DEEPSEEK_MOE:  # their Hugging Face models say shared_experts, Qwen2-MoE shared_expert
+                hf = hf.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
             if kind == "copy":
                 self._check_copy(hf, key, param)
                 self.add(hf, key, index, param)
@@ -903,12 +946,27 @@ class _Mapper:
                         self.add(name_e, key, index + (e,), param[1:])
                     else:
                         self._glu(name_e, key, index + (e,), param[1:])
+            else:  # a kind of a subclass's own patterns
+                self._special(kind, hf, key, index, param, m)
         ids = sorted({int(g) for _, rest, *_ in matched for g in _expert_ids(rest)})
         want = self._experts()
         if ids and isinstance(want, int) and ids != list(range(want)):
             raise self.fail(f"it says {want} experts (num_experts) but layer {i} holds experts {_ranges(ids)}")
+        if self.family in _DEEPSEEK_MOE and sparse and not any(r == "mlp.router.expert_bias" for _, r, *_ in matched):
+            router = next(key for _, r, key, *_ in matched if r == "mlp.router.weight")
+            n = self.tensors[router].shape[-2]  # trained without an expert bias: transformers' is 0, which adds nothing
+            self.specs[prefix + "mlp.gate.e_score_correction_bias"] = Spec((n,), "float32", [])
+            said = "The checkpoint's routers have no expert bias (moe_router_enable_expert_bias off)"
+            if not any(x.startswith(said) for x in self.notices):
+                self.notices.append(f"{said}; mlp.gate.e_score_correction_bias is written as 0, which adds nothing to "
+                                    "the routing scores.")
+
+    def _special(self, kind: str, hf: str, key: str, index: tuple, param: tuple, m) -> None:
+        raise AssertionError(kind)
 
     def _hf_sparse(self, i: int) -> bool:
+        if self.family in _DEEPSEEK_MOE:  # transformers' rule: routed experts from first_k_dense_replace on
+            return i >= (_cfg(self.config, "first_k_dense_replace", 0) or 0)
         if i in (_cfg(self.config, "mlp_only_layers") or []):
             return False
         step = _cfg(self.config, "decoder_sparse_step", 1) or 1
@@ -916,9 +974,11 @@ class _Mapper:
 
     def _experts(self):
         """transformers 5 saves num_experts as num_local_experts."""
-        return _cfg(self.config, "num_experts") or _cfg(self.config, "num_local_experts")
+        return _cfg(self.config, "num_experts") or _cfg(self.config, "num_local_experts") or _cfg(self.config, "n_routed_experts")
 
     def _check_copy(self, hf: str, key: str, param: tuple) -> None:
+        if self.family in _MLA and ".self_attn." in hf:
+            return self._check_mla(hf, key, param)
         if hf.endswith("o_proj.weight") and tuple(param) != (self.hidden, self.heads * self.head_dim):
             raise self.fail(
                 f"{self.heads} heads of dim {self.head_dim} and hidden_size {self.hidden} make o_proj "
@@ -954,6 +1014,9 @@ class _Mapper:
             want, what = _cfg(self.config, "moe_intermediate_size"), "moe_intermediate_size"
         elif ".shared_expert." in hf:
             want, what = _cfg(self.config, "shared_expert_intermediate_size"), "shared_expert_intermediate_size"
+        elif ".shared_experts." in hf:  # GLM-4.5 / DeepSeek-V3: n_shared_experts experts' width, as one MLP
+            want = (_cfg(self.config, "moe_intermediate_size") or 0) * (_cfg(self.config, "n_shared_experts") or 0)
+            what = "moe_intermediate_size x n_shared_experts"
         else:
             want, what = _cfg(self.config, "intermediate_size"), "intermediate_size"
         if isinstance(want, int) and want != half:
@@ -961,6 +1024,110 @@ class _Mapper:
         rest = tuple(param[1:])
         for part, r in (("gate", (0, half)), ("up", (half, 2 * half))):
             self.add(hf.replace("{}", part), key, index, (half,) + rest, rows=r)
+
+    # -- GLM-4.5 / DeepSeek-V3: multi-latent attention's shapes (megatron_mla.py) -----------------------
+    def _check_mla(self, hf: str, key: str, param: tuple) -> None:
+        from tui_merger.core.formats.megatron_mla import mla_shape
+
+        found = mla_shape(self.config, _cfg, hf)
+        if found is None:
+            return
+        shape, fields = found
+        if not shape:
+            raise self.fail(f"it has no {fields} (no {hf.rsplit('.', 2)[-2]}) but the checkpoint holds {key}")
+        if tuple(param) != shape:
+            raise self.fail(f"its {fields} make {hf.split('.', 3)[-1]} {list(shape)}, but {key} is {list(param)} per layer")
+
+    # -- multi-token prediction layers: where the family's Hugging Face checkpoints keep them -----------
+    def _mtp(self, keys: list[str], head: str | None) -> None:
+        """megatron-core's ``mtp.layers.{i}.{enorm,hnorm,eh_proj,final_layernorm}.weight`` and its decoder layer
+        ``mtp.layers.{i}.transformer_layer.*`` written under the names of ``MTP_PLACES[family]`` (the embedding and
+        the output layer are the main model's: written again where the family keeps its own copies)."""
+        if not keys:
+            return
+        place = MTP_PLACES.get(self.family)
+        per: dict[int, list] = {}
+        for key in keys:
+            m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", key)
+            if place is None:
+                continue
+            if not m:
+                raise MergeError(
+                    f"The checkpoint holds {key}, which is not a multi-token prediction layer's tensor tui-merger knows; "
+                    f"it converts megatron-core's mtp.layers.<i>.* of {self.name} models."
+                )
+            per.setdefault(int(m.group(1)), []).append((m.group(2), key))
+        if place is None:
+            layers = sorted({m.group(1) for k in keys if (m := re.match(r"^mtp\.layers\.(\d+)\.", k))})
+            self.notices.append(
+                f"The checkpoint holds {len(layers) or 'its'} multi-token prediction layer{'s' if len(layers) != 1 else ''} "
+                f"(mtp.*, {len(keys)} tensors), which a Hugging Face {self.name} model has no place for: they are left "
+                "out; the model predicts the next token with the weights it was trained with."
+            )
+            return
+        found = sorted(per)
+        if found != list(range(len(found))):
+            raise MergeError(f"The checkpoint holds multi-token prediction layers {found[:8]}, not 0..{len(found) - 1}; "
+                             "it is incomplete (a pipeline stage is missing).")
+        count = place["count"]
+        said = _cfg(self.config, count)
+        if said != len(found):
+            self.config_changes[count] = len(found)
+            self.notices.append(
+                f"The checkpoint holds {len(found)} multi-token prediction layer{'s' if len(found) != 1 else ''} but the "
+                f"config says {said or 0} ({count}); {count} is set to {len(found)}, so that the layers written are read."
+            )
+        for i in found:
+            names = {k: v.format(i=i, n=self.layers + i) for k, v in place.items() if k != "count"}
+            entries = dict(per[i])
+            for part, want in (("enorm.weight", (self.hidden,)), ("hnorm.weight", (self.hidden,)),
+                               ("eh_proj.weight", (self.hidden, 2 * self.hidden)),
+                               ("final_layernorm.weight", (self.hidden,))):
+                key = entries.pop(part, None)
+                if key is None:
+                    raise MergeError(f"Multi-token prediction layer {i} has no mtp.layers.{i}.{part}; the checkpoint is "
+                                     "incomplete.")
+                if tuple(self.tensors[key].shape) != want:
+                    raise self.fail(f"hidden_size {self.hidden} makes {part.split('.')[0]} {list(want)}, but {key} is "
+                                    f"{list(self.tensors[key].shape)}")
+                self.add(names[part.split(".")[0]], key, (), want)
+            layer = [(rest[len("transformer_layer."):], key, ()) for rest, key in entries.items()
+                     if rest.startswith("transformer_layer.")]
+            stray = [key for rest, key in entries.items() if not rest.startswith("transformer_layer.")]
+            if stray:
+                raise MergeError(f"The checkpoint holds {stray[0]}, which has no counterpart in a Hugging Face "
+                                 f"{self.name} model's multi-token prediction layer; tui-merger cannot convert it.")
+            self._layer(self.layers + i, layer, prefix=names["layer"])
+            if "embed" in names:
+                self.specs[names["embed"]] = self.specs["model.embed_tokens.weight"]
+            if "head" in names:
+                self.specs[names["head"]] = self.specs[head if head == "lm_head.weight" else "model.embed_tokens.weight"]
+        self.notices.append(
+            f"The checkpoint's {len(found)} multi-token prediction layer{'s are' if len(found) != 1 else ' is'} written "
+            f"as {self.name} keeps {'them' if len(found) != 1 else 'it'} ({MTP_PLACES[self.family]['layer'].format(i=0, n=self.layers)}*)."
+        )
+
+
+# -- multi-token prediction layers, where each family's Hugging Face checkpoints keep them (issue 39) --------------
+# Templates: {i} the MTP layer, {n} num_hidden_layers + i. "count": the config field that says how many. A family
+# without an entry has no place for them: they are left out with a notice.
+# GLM-4.5 and DeepSeek-V3 as released: one extra decoder layer model.layers.{num_hidden_layers} with enorm, hnorm,
+# eh_proj, shared_head.norm, and copies of the embedding and lm_head (shared with the main model in megatron-core);
+# megatron-core's final_layernorm of the MTP layer is shared_head.norm (Megatron-Bridge's GLM-4.5 mapping).
+_MTP_AS_LAYER = {"count": "num_nextn_predict_layers", "layer": "model.layers.{n}.", "enorm": "model.layers.{n}.enorm.weight",
+                 "hnorm": "model.layers.{n}.hnorm.weight", "eh_proj": "model.layers.{n}.eh_proj.weight",
+                 "final_layernorm": "model.layers.{n}.shared_head.norm.weight",
+                 "embed": "model.layers.{n}.embed_tokens.weight", "head": "model.layers.{n}.shared_head.head.weight"}
+MTP_PLACES: dict[str, dict[str, str]] = {"glm4_moe": _MTP_AS_LAYER, "deepseek_v3": _MTP_AS_LAYER}
+
+
+def _attention_keys(family: str) -> tuple[str, ...]:
+    """The keys (after ``decoder.layers.N.``) besides linear_qkv that say a layer has its attention weights."""
+    if family in _MLA:
+        from tui_merger.core.formats.megatron_mla import MLA_ATTENTION
+
+        return MLA_ATTENTION
+    return ()
 
 
 # -- the tensor source ------------------------------------------------------------------------------
@@ -1003,11 +1170,13 @@ class MegatronSource:
                 n = p.rows[1] - p.rows[0] if p.rows else spec.shape[0]
                 dst = out.narrow(0, p.at, n)
             self.store.read_region(p.key, p.index, p.rows, dst, group=(p.key, p.index))
+        if spec.offset:
+            out.add_(spec.offset)
 
     def _views(self, ref: TensorRef, max_bytes: int | None):
         """The tensor as row views on the files, in order (None: its rows are not contiguous there)."""
         spec = self.specs.get(ref.name)
-        if spec is None or not spec.pieces or not math.prod(spec.shape):
+        if spec is None or not spec.pieces or not math.prod(spec.shape) or spec.offset:
             return None
         views = []
         for p in sorted(spec.pieces, key=lambda p: p.at):
@@ -1074,13 +1243,19 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
     from tui_merger.core.formats.megatron_vl import map_vl, vl_family
 
     vl = vl_family(config) is not None
+    config_path = layout.config_file or config_dir / "config.json"
     if not vl:
-        model_family(config, config_dir / "config.json")  # an unknown architecture is said before any reading
+        model_family(config, config_path)  # an unknown architecture is said before any reading
     if layout.kind == "legacy" or layout.run is not None and layout.run.legacy:
         if vl:  # their language_model.* layers would not be renumbered across pipeline stages
             raise MergeError(
                 f"{layout.model_dir} holds a vision-language model in legacy per-rank files, which tui-merger does not "
                 "read; save it as a dist checkpoint (torch_dist) and convert that."
+            )
+        if model_family(config, config_path) in _DEEPSEEK_MOE:  # GLM-4.5 / DeepSeek-V3
+            raise MergeError(  # how their MLA projections and MTP layers are split across ranks is not read here
+                f"{layout.model_dir} holds a {FAMILIES[model_family(config, config_path)]} model in legacy per-rank "
+                "files, which tui-merger does not read; save it as a dist checkpoint (torch_dist) and convert that."
             )
         store = LegacyStore(layout.model_dir, _cfg(config, "num_experts") or _cfg(config, "num_local_experts"),
                             _cfg(config, "moe_intermediate_size"), "model_optim_rng.pt" if layout.run else "model.pt")
@@ -1089,14 +1264,20 @@ def _convert(layout: MegatronLayout, config: dict, config_dir: Path, inputs, opt
             raise MergeError(f"{layout.model_dir} is missing; the checkpoint is incomplete: copy the whole folder again.")
         store = DcpStore(layout.model_dir, skip, canonical)
     inputs.closers.append(store)
+    from tui_merger.core.formats.megatron_gdn import is_gdn_model, map_gdn
+
     if vl:
         parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece)
-        mapping = map_vl(store.tensors, config, config_dir / "config.json", parts)
+        mapping = map_vl(store.tensors, config, config_path, parts)
+    elif is_gdn_model(config):  # Qwen3-Next
+        parts = SimpleNamespace(Mapper=_Mapper, Mapping=_Mapping, Spec=Spec, Piece=Piece, patterns=_LAYER_PATTERNS)
+        mapping = map_gdn(store.tensors, config, config_path, parts)
     else:
-        mapping = _Mapper(store.tensors, config, config_dir / "config.json").run()
+        mapping = _Mapper(store.tensors, config, config_path).run()
     source = MegatronSource(store, mapping.specs, layout.model_dir, list(store.data_files))
     inputs.base = source
     inputs.notices += mapping.notices
+    inputs.config_changes.update(mapping.config_changes)  # e.g. num_nextn_predict_layers (MTP layers written)
     _tie(inputs, options, source, mapping)
     if isinstance(store, LegacyStore):
         return [layout.model_dir / f for f in store.data_files]
@@ -1130,16 +1311,29 @@ def open_megatron_inputs(options):
 
     layout = find_megatron_checkpoint(options.checkpoint)
     if layout.lora is not None:
+        if layout.lora.export is None and layout.lora.dist_dir is not None:  # issue 39: verl v2 + Bridge PEFT
+            return open_verl_bridge_peft(layout, options)
         if layout.lora.export is None:
             return open_lora_shards(layout, options)
         return open_lora_export(layout, options)
     if layout.kind == "mcore" and layout.run.lora:  # Megatron-Bridge PEFT (others are refused by check_iteration)
         return open_bridge_peft(layout, options)
+    nemo = None
     if layout.kind == "mcore":  # the config: --base, else the model the run names (on this machine)
         config_dir = Path(options.base) if options.base is not None else layout.hf_dir
+        if config_dir is None and layout.run.framework == "nemo2":  # issue 39: built from context/model.yaml
+            from tui_merger.core.formats.megatron_runs import read_yaml
+            from tui_merger.core.formats.nemo2_config import MODEL_YAML, nemo2_config
+
+            nemo = nemo2_config(layout.folder, read_yaml(layout.folder / "context" / MODEL_YAML))
+            config_dir, layout.config_file = nemo.source.parent, nemo.source
+            layout.notices.append(
+                f"The Hugging Face config is built from {nemo.source} (NeMo's {nemo.nemo_class}) and the tokenizer "
+                f"taken from {nemo.tokenizer or 'nowhere (the context holds none)'}; pass --base to use a model's own."
+            )
         if config_dir is None:
             raise MergeError(layout.missing_base)
-        if options.base is None:
+        if options.base is None and nemo is None:
             layout.notices.append(
                 f"The Hugging Face config and tokenizer are taken from {config_dir}, {layout.run.source()}; pass "
                 "--base to use another."
@@ -1152,7 +1346,7 @@ def open_megatron_inputs(options):
             f"{layout.folder} has no {where} folder with config.json; copy the model's config.json and tokenizer "
             "into it, or pass --base with the original model."
         )
-    config = read_config(config_dir)
+    config = nemo.config if nemo is not None else read_config(config_dir)
     inputs = Inputs(None, empty_adapter(layout.folder), config, FilePlan(), paths_of(options))
     inputs.notices = list(layout.notices)
     try:
@@ -1171,9 +1365,15 @@ def open_megatron_inputs(options):
                 "The checkpoint's config says float32, so the model is written in float32 (twice the size "
                 "of bf16); pass --dtype bf16 for the half-size model verl's merger writes."
             )
-        inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
+        if nemo is not None:  # NeMo 2: the tokenizer folder of its context, the importer's generation config
+            tok = nemo.tokenizer or config_dir
+            inputs.files = plan_files(tok, tok, config, options.tokenizer_from)
+            if nemo.generation is not None and all(name != "generation_config.json" for _, name in inputs.files.copies):
+                inputs.files.copies.append((nemo.generation, "generation_config.json"))
+        else:
+            inputs.files = plan_files(config_dir, config_dir, config, options.tokenizer_from)
         inputs.notices += inputs.files.notices
-        inputs.read_files = weights + [config_dir / "config.json"] + [src for src, _ in inputs.files.copies]
+        inputs.read_files = weights + [layout.config_file or config_dir / "config.json"] + [src for src, _ in inputs.files.copies]
     except BaseException:
         inputs.close()
         raise
@@ -1378,6 +1578,64 @@ def open_lora_shards(layout: MegatronLayout, options):
     return inputs
 
 
+def open_verl_bridge_peft(layout: MegatronLayout, options):
+    """issue 39: inputs of a verl LoRA run in the v2 layout trained with Megatron-Bridge PEFT and saved without its
+    Hugging Face adapter export: the adapters of model/dist_ckpt (Bridge's adapter-only dist checkpoint, read by
+    megatron_lora.read_dist_adapter as for Bridge's own PEFT iterations) merged into the base (``--base``, else the
+    one model/huggingface/config.json names). verl's v2 save keeps no base weight there even with
+    use_dist_checkpointing (the PEFT subset replaces the model section), and does not save lora_alpha:
+    ``--lora-alpha`` (or a lora_train_meta.json) gives it."""
+    from tui_merger.core.formats.adapter import adapter_from_source
+    from tui_merger.core.formats.input_types import Inputs, paths_of
+    from tui_merger.core.formats.megatron_lora import KINDS, peft_config, read_dist_adapter
+    from tui_merger.core.io.files import FilePlan, plan_files, read_config
+    from tui_merger.core.io.safetensors_io import FLOAT_DTYPES
+    from tui_merger.core.io.sources import open_model
+
+    dist = layout.lora.dist_dir
+    if layout.hf_dir is None or not (layout.hf_dir / "config.json").is_file():
+        raise MergeError(
+            f"{layout.folder} has no model/huggingface/config.json, which says what model the adapters in {dist} belong "
+            "to; copy the run's model/huggingface/ folder again."
+        )
+    run_config = read_config(layout.hf_dir)
+    found = read_lora_train_meta(layout.folder)
+    meta_path = found[1] if found else None
+    alpha, said = chosen_alpha(options.lora_alpha, found[0].get("lora_alpha") if found else None, "lora_train_meta.json")
+    if alpha is None:
+        raise MergeError(
+            f"The Megatron-Bridge adapters in {dist} do not record lora_alpha, and no lora_train_meta.json does (verl "
+            "keeps it in the training config, actor_rollout_ref.model.lora.alpha); pass --lora-alpha with that value."
+        )
+    base_dir = _lora_base(layout, options, {})
+    _same_shapes(run_config, read_config(base_dir), layout.hf_dir / "config.json", base_dir)
+    shards = read_dist_adapter(dist, run_config)
+    adapter = adapter_from_source(dist, peft_config(shards, alpha, lora_base_named(layout, None)), shards.source)
+    inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
+    inputs.notices = list(layout.notices) + ([said] if said else [])
+    try:
+        base = inputs.base = open_model(base_dir)
+        inputs.closers.append(base)
+        inputs.config = read_config(base_dir)
+        base_files = [base_dir / f for f in base.files] + [base_dir / "config.json"]
+        inputs.notices.append(
+            f"A verl {KINDS[shards.kind]} run (Megatron-Bridge PEFT): its adapters in {dist} (rank {shards.r}, alpha "
+            f"{alpha:g}) are merged into {base_dir}."
+        )
+        dtype = config_dtype(inputs.config)
+        inputs.dtype = dtype if dtype in FLOAT_DTYPES else None
+        inputs.files = plan_files(base_dir, layout.hf_dir, inputs.config, options.tokenizer_from)
+        inputs.notices += shards.notices + adapter.notices + inputs.files.notices
+        inputs.read_files = (base_files + [layout.hf_dir / "config.json", dist / METADATA]
+                             + [dist / f for f in shards.source.files] + [src for src, _ in inputs.files.copies])
+        if meta_path is not None and options.lora_alpha is None:
+            inputs.read_files.append(meta_path)
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
+
+
 def open_bridge_peft(layout: MegatronLayout, options):
     """Inputs of a Megatron-Bridge PEFT iteration (adapter-only dist checkpoint, the LoRA in run_config.yaml):
     its adapter (formats/megatron_lora.py read_dist_adapter, named as Bridge's Hugging Face export names it)
@@ -1415,11 +1673,14 @@ def open_bridge_peft(layout: MegatronLayout, options):
                 f"{base_iter}, the {base_field} of {layout.folder}, is itself a PEFT run; point "
                 f"{base_field} at the full model or pass --base with its Hugging Face model."
             )
-    shards = read_dist_adapter(info.model_dir, config)
+    shards = read_dist_adapter(info.model_dir, config, config_dir)
     adapter = adapter_from_source(info.model_dir, peft_config(shards, alpha, info.hf_ref, info.peft.get("use_rslora")),
                                   shards.source)
     inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
     inputs.notices = list(layout.notices)
+    if shards.renames:  # a VL model saved under other names than its in-memory ones (issue 39): peft wants these
+        inputs.memory_adapter = adapter
+        inputs.adapter = renamed(adapter, lambda n: shards.renames.get(n, n))
     try:
         inputs.config = config
         if base_layout is not None:
@@ -1540,10 +1801,12 @@ class VerlMegatronFormat(Format):
         if lora.export is None and lora.shard_dir is not None:
             self._shards(s, c, folder, lora)
             return
+        if lora.export is None and lora.dist_dir is not None:
+            self._dist_peft(s, c, folder, lora)
+            return
         if lora.export is None:
             c.lora = lora_info(None)
-            c.notes.append(f"a LoRA run whose adapter is only in Megatron-Bridge shards in {lora.shards}: "
-                           "tui-merger needs its Hugging Face adapter export in model/huggingface/adapter/.")
+            c.notes.append(lora_refusal(folder, lora))  # issue 39: a complete dist checkpoint is read (_dist_peft)
             return
         cfg = s.json(lora.export / "adapter_config.json", quiet_missing=False)
         _, infos = s.headers_dtype(lora.export, [n for n in s.names(lora.export) if n == "adapter_model.safetensors"])
@@ -1561,6 +1824,37 @@ class VerlMegatronFormat(Format):
         if c.base_model is None:
             c.notes.append("the run names no base model: pass --base with the model it started from.")
         s.resolve_base(c, lora.export)
+
+    def _dist_peft(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
+        """issue 39: verl's v2 layout with Megatron-Bridge PEFT, the adapters in a dist checkpoint: rank and
+        targets from its index (.metadata); lora_alpha is not recorded."""
+        from tui_merger.core.io.dcp import read_metadata
+
+        try:
+            keys = read_metadata(lora.dist_dir).state_dict_metadata
+        except MergeError as err:
+            s.problem(lora.dist_dir / METADATA, str(err))
+            return
+        ins = {str(k): v for k, v in keys.items() if str(k).endswith(".adapter.linear_in.weight")}
+        size = next((getattr(v, "size", None) for v in ins.values()), None)
+        targets = sorted({k.split(".adapter.")[0].rsplit(".", 1)[-1] for k in ins})
+        c.lora = lora_info({"r": int(size[-2]) if size else None, "target_modules": targets or None})
+        c.needs_base = True  # verl's v2 PEFT save keeps no base weight in model/dist_ckpt (open_verl_bridge_peft)
+        c.notes.append(f"a Megatron-Bridge PEFT run saved by verl: its adapters are in {lora.dist_dir.relative_to(folder)}/ "
+                       "(a dist checkpoint) and are merged into the base model the run started from.")
+        meta_path = lora_train_meta_path(folder)
+        alpha = ((s.json(meta_path) if meta_path is not None else None) or {}).get("lora_alpha")
+        if alpha:
+            c.lora["alpha"] = alpha
+        else:
+            c.notes.append("the adapters do not record lora_alpha (verl keeps it in its training config, "
+                           "actor_rollout_ref.model.lora.alpha): the merge needs --lora-alpha.")
+        hf = folder / "model" / "huggingface"
+        named = (s.json(hf / "config.json") or {}).get("_name_or_path") if (hf / "config.json").is_file() else None
+        c.base_model = named if isinstance(named, str) and named else None
+        if c.base_model is None:
+            c.notes.append("the run names no base model: pass --base with the model it started from.")
+        s.resolve_base(c, hf)
 
     def _shards(self, s, c: Candidate, folder: Path, lora: LoraRun) -> None:
         """verl's adapter shards: the LoRA kind, rank, targets and parallel layout from the file names,
@@ -1637,9 +1931,9 @@ class VerlMegatronFormat(Format):
                 return str(err)
             return None
         lora = _lora_run(Path(c.path)) if c.lora is not None else None
-        if lora is not None and lora.export is None and lora.shard_dir is None:
+        if lora is not None and lora.export is None and lora.shard_dir is None and lora.dist_dir is None:
             return lora_refusal(Path(c.path), lora)
-        if lora is not None and lora.export is None:
+        if lora is not None and lora.export is None and lora.shard_dir is not None:
             from tui_merger.core.formats.megatron_lora import describe, transformer_config
 
             return describe(lora.shard_dir, transformer_config(Path(c.path)))["problem"]
@@ -1660,6 +1954,15 @@ class VerlMegatronFormat(Format):
 
         if layout.hf_dir is None:
             return None
+        if layout.lora.dist_dir is not None:  # issue 39: verl v2 + Megatron-Bridge PEFT
+            from tui_merger.core.formats.megatron_lora import read_dist_adapter
+
+            shards = read_dist_adapter(layout.lora.dist_dir, read_config(layout.hf_dir))
+            try:
+                return adapter_from_source(layout.lora.dist_dir, peft_config(shards, shards.r, None), shards.source)
+            except BaseException:
+                shards.source.close()
+                raise
         shards = read_shards(shard_layout(layout.lora.shard_dir, transformer_config(layout.folder)), read_config(layout.hf_dir))
         try:
             return adapter_from_source(layout.lora.shard_dir, peft_config(shards, shards.r, None), shards.source)
@@ -1668,8 +1971,8 @@ class VerlMegatronFormat(Format):
             raise
 
     def needs_base(self, c: Candidate) -> bool:
-        if c.backend in MCORE_BACKENDS:  # the weights without a Hugging Face config
-            return not c.base_path
+        if c.backend in MCORE_BACKENDS:  # the weights without a Hugging Face config (NeMo 2's built from its context)
+            return not c.base_path and c.needs_base
         # a LoRA run holds the adapter, not the base (unless its dist checkpoint holds the whole model);
         # any other checkpoint holds every weight and its config
         return c.lora is not None and c.needs_base and not c.base_path
@@ -1700,5 +2003,5 @@ class VerlMegatronFormat(Format):
         folder = inputs.adapter.folder
         if options.lora_alpha is not None or not (folder / "adapter_config.json").is_file():  # the shards: written out
             folder = Path(tmp) / "adapter"
-            export_peft_adapter(inputs.adapter, folder, fsync=False)
+            export_peft_adapter(inputs.memory_adapter or inputs.adapter, folder, fsync=False)
         return Reference([(folder, None)])

@@ -233,7 +233,9 @@ def ensure_model_card(folder: Path) -> Path | None:
 def _gguf_lines(manifest: dict) -> list[str]:
     """The GGUF files made of the model (``tui-merger gguf``) and whether each was checked, as recorded."""
     entries = [e for e in manifest.get("gguf") or [] if isinstance(e, dict) and e.get("path")]
-    if not entries:
+    loras = manifest.get("gguf_lora") if isinstance(manifest.get("gguf_lora"), list) else []  # ship/gguf_lora.py
+    loras = [e for e in loras if isinstance(e, dict) and e.get("path")]
+    if not entries and not loras:
         return []
     lines = ["## GGUF", ""]
     for e in entries:
@@ -245,5 +247,12 @@ def _gguf_lines(manifest: dict) -> list[str]:
             verdict = ("not checked" if status == "not checked" else status.upper()) + f": {check.get('summary', '')}"
         modelfile = f"; Ollama: `{Path(str(e['modelfile'])).name}`" if e.get("modelfile") else ""
         lines.append(f"- `{Path(str(e['path'])).name}` ({str(e.get('type', '')).upper()}{modelfile}). Check {verdict}")
+    for e in loras:  # a GGUF LoRA of an adapter for this model, checked with llama.cpp on the base's GGUF
+        check = e.get("check") if isinstance(e.get("check"), dict) else None
+        status = str(check.get("status")) if check else "not checked"
+        verdict = ("not checked" if status not in ("passed", "failed") else status.upper()) + (f": {check.get('summary', '')}" if check else "")
+        adapter = f" of the adapter `{Path(str(e['adapter'])).name}`" if e.get("adapter") else ""
+        base = f" for `{Path(str(e['base_gguf'])).name}`" if e.get("base_gguf") else ""
+        lines.append(f"- `{Path(str(e['path'])).name}` (a LoRA{adapter}{base}, F32; llama.cpp `--lora`, Ollama `ADAPTER`). Check {verdict}")
     lines.append("")
     return lines

@@ -25,6 +25,9 @@ Schema (``format: tui-merger-manifest/1``)::
       "verification": null | {"passed": true, "summary": "...", "checks": [...]},
       "gguf": [{"path": "merged-Q8_0.gguf" | "/abs/file.gguf", "size": 123, "sha256": "...", "type": "q8_0",
                 "architecture": "qwen2", "name": "...", "made_at": "...", "tool": {...}}]  (tui-merger gguf; optional)
+      "gguf_lora": [{"path": "/abs/adapter/x-LoRA-F32.gguf", "size": 1, "sha256": "...", "type": "f32", "adapter": "/abs/adapter",
+                     "base_gguf": "x-F16.gguf", "pairs": 28, "experts": 0, "ranks": [8], "alpha": 16.0, "check": {...}, ...}]
+                   (tui-merger gguf --adapter, ship/gguf_lora.py; optional)
     }
 """
 

@@ -134,6 +134,68 @@ def check_gguf(
     return _verdict(ref, got, limit, type_, name, _experts(gguf_path))
 
 
+def check_lora_gguf(
+    base_folder: Path,
+    adapter_folder: Path,
+    base_gguf: Path,
+    lora_gguf: Path,
+    reader: str = "auto",
+    on_event: EventSink = ignore_event,
+    cancel: CancelToken | None = None,
+) -> GgufCheck:
+    """Compare llama.cpp running the base's GGUF with the GGUF LoRA applied (``--lora``) with transformers
+    on the base folder with the peft adapter applied by peft, unmerged (the independent reference): token
+    ids, prompt logits within the base GGUF type's limit (the LoRA itself is F32), top tokens, as
+    ``check_gguf`` judges a GGUF. Only llama.cpp applies a GGUF LoRA: without llama_cpp (or with
+    ``reader`` "transformers") the file is NOT_CHECKED, said so; never raises for a file that differs."""
+    base_folder, adapter_folder = Path(base_folder).absolute(), Path(adapter_folder).absolute()
+    base_gguf, lora_gguf = Path(base_gguf).absolute(), Path(lora_gguf).absolute()
+    if reader not in ("auto", "llama.cpp", "transformers"):
+        raise MergeError(f"{reader!r} is not a GGUF reader tui-merger checks with; choose auto, llama.cpp or transformers.")
+    if reader == "transformers":
+        return GgufCheck(NOT_CHECKED, None, "transformers' GGUF reader cannot apply a GGUF LoRA; only llama.cpp can check it.")
+    if llama_cpp_version() is None:
+        return GgufCheck(NOT_CHECKED, None, "llama.cpp's Python binding (llama_cpp) is not installed here, and only llama.cpp "
+                         "applies a GGUF LoRA; install llama-cpp-python to check it.")
+    type_ = gguf_type_of(base_gguf)
+    limit = LIMITS.get(type_) if type_ else None
+    if limit is None:
+        return GgufCheck(NOT_CHECKED, None, f"tui-merger has no measured logit limit for the base GGUF's type ({type_ or 'unknown'}).")
+    on_event(PhaseStarted("check", f"Checking {lora_gguf.name} on {base_gguf.name} with llama.cpp"))
+    try:
+        ref = _reference(base_folder, cancel, adapter=adapter_folder)
+    except MergeError as err:
+        return GgufCheck(NOT_CHECKED, None, f"the base with the adapter cannot be run as the reference ({str(err).rstrip('.')}).")
+    if cancel is not None:
+        cancel.raise_if_cancelled()
+    got, name = _with_llama_cpp(base_gguf, ref, lora=lora_gguf)
+    if isinstance(got, str):
+        status = FAILED if got.startswith("!") else NOT_CHECKED
+        return GgufCheck(status, name if status == FAILED else None, got.lstrip("!"))
+    verdict = _verdict(ref, got, limit, type_, name, _experts(base_gguf), expected=ref.llama_ids)
+    summary = verdict.summary.replace("of transformers'", "of peft's on the base with the adapter unmerged").replace(
+        f"; read by {name}.", f"; {lora_gguf.name} applied to {base_gguf.name} by {name}.")
+    return GgufCheck(verdict.status, verdict.reader, summary, {**verdict.details, "reference": "peft, unmerged"})
+
+
+def gguf_type_of(path: Path) -> str | None:
+    """The type name (f16, q4_k_m...) of a GGUF's ``general.file_type``, by gguf's own LlamaFileType
+    (MOSTLY_Q4_K_M -> q4_k_m); None where the header says none."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields.get("general.file_type")
+    except Exception:  # noqa: BLE001 - an unreadable file: its loading says what
+        return None
+    if field is None or not field.data:
+        return None
+    try:
+        kind = gguf.LlamaFileType(int(field.parts[field.data[0]][0]))
+    except ValueError:
+        return None
+    return kind.name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+
+
 def llama_cpp_version() -> str | None:
     import importlib.metadata
     import importlib.util
@@ -162,7 +224,9 @@ class _Reference:
     llama_ids: list[list[int]] | None = None
 
 
-def _reference(folder: Path, cancel) -> _Reference:
+def _reference(folder: Path, cancel, adapter: Path | None = None) -> _Reference:
+    """transformers on the folder; with ``adapter``, peft's LoRA applied to it unmerged (the reference of a
+    GGUF LoRA)."""
     import torch
 
     from tui_merger.core.io.files import json_object_or_none
@@ -186,7 +250,7 @@ def _reference(folder: Path, cancel) -> _Reference:
     prompt = ids[-1]
     probe = list(tok("x")["input_ids"])
     add_bos = tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id]
-    logits = _streamed_logits(folder, cls, prompt, cancel)
+    logits = _streamed_logits(folder, cls, prompt, cancel, adapter)
     llama_ids = None
     from tui_merger.core.ship.gguf_vocab import spaces_at_start_only
 
@@ -224,8 +288,9 @@ def _chat_text(tok) -> str | None:
     return None
 
 
-def _streamed_logits(folder: Path, cls, prompt: list[int], cancel):
-    """transformers' own forward of the folder's model, float32, one module's weights in memory at a time."""
+def _streamed_logits(folder: Path, cls, prompt: list[int], cancel, adapter: Path | None = None):
+    """transformers' own forward of the folder's model, float32, one module's weights in memory at a time;
+    with ``adapter``, peft's forward of the model with that LoRA (behaviour.streamer_with_adapter)."""
     import torch
     from transformers import AutoConfig
 
@@ -236,7 +301,11 @@ def _streamed_logits(folder: Path, cls, prompt: list[int], cancel):
     try:
         try:
             config = AutoConfig.from_pretrained(folder)
-            streamer, missing = bh.streamer_for_files(cls, config, source.tensors, "merged model", cancel=cancel)
+            if adapter is None:
+                streamer, missing = bh.streamer_for_files(cls, config, source.tensors, "merged model", cancel=cancel)
+            else:
+                streamer, missing = bh.streamer_with_adapter(cls, config, source.tensors, [(Path(adapter), None)],
+                                                             "base model with the adapter", cancel=cancel)
         except bh.NoReference as err:
             raise MergeError(str(err)) from None
         if missing:
@@ -258,7 +327,8 @@ class _Read:
     logits: object  # torch tensor [positions, vocab]
 
 
-def _with_llama_cpp(path: Path, ref: _Reference):
+def _with_llama_cpp(path: Path, ref: _Reference, lora: Path | None = None):
+    """The GGUF at ``path`` (with the GGUF LoRA ``lora`` applied, llama.cpp's --lora) as llama.cpp reads it."""
     import torch
 
     name = f"llama.cpp (llama-cpp-python {llama_cpp_version()})"
@@ -269,8 +339,10 @@ def _with_llama_cpp(path: Path, ref: _Reference):
     try:
         with _quiet_stderr():
             llm = Llama(model_path=str(path), n_ctx=max(256, len(ref.prompt) + 8), logits_all=True, verbose=False,
-                        seed=0, n_threads=max(1, min(4, os.cpu_count() or 1)))
+                        seed=0, n_threads=max(1, min(4, os.cpu_count() or 1)), **({"lora_path": str(lora)} if lora else {}))
     except Exception as err:  # noqa: BLE001 - llama.cpp reports a file it refuses as a ValueError or worse
+        if lora is not None:
+            return (f"!{name} did not load the LoRA {Path(lora).name} with {Path(path).name} ({_first_line(err)}).", name)
         return (f"!{name} did not load the file ({_first_line(err)}); a llama.cpp older than the file's "
                 "architecture refuses it too: with a current llama-cpp-python, make the GGUF again."), name
     try:

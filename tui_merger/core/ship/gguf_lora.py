@@ -8,19 +8,37 @@ rank) to the base tensor's product.
 
 The base folder says where each LoRA lands: its tensors are planned as the GGUF export plans them
 (ship/gguf.py, the family data in gguf_families.py), and a LoRA follows its base tensor's transform
-where that is a reordering of rows: Llama-style q/k rows for llama.cpp's rope (lora_b's rows, as the
-converter permutes them). Where a base tensor is computed from the HF one otherwise (DeepSeek's MLA
-k_b/v_b), cut from it, or stacked (experts), a LoRA on it is refused in one sentence, as are DoRA,
-LoRA on embeddings, modules_to_save (whole trained copies: a GGUF adapter has no place for them;
-merge instead), and a LoRA on a tensor llama.cpp's graph multiplies without its adapters (NOT_APPLIED).
+where that is a reordering or a cut of rows: Llama-style q/k rows for llama.cpp's rope (lora_b's rows,
+as the converter permutes them), a packed tensor split into parts (lora_b's rows of each part).
+
+Experts: llama.cpp stacks a layer's experts of one kind into one tensor (``ffn_gate_exps`` [experts, out,
+in]) and runs their LoRA with the same expert ids (``build_lora_mm_id``): ``lora_a`` [experts, r, in] and
+``lora_b`` [experts, out, r], expert e's pair at index e, as the converter stacks per-expert lora_A /
+lora_B. Both ways peft trains experts land there: a LoRA per expert Linear (``experts.3.gate_proj``) and
+``target_parameters`` on packed experts (``mlp.experts.gate_up_proj``), whose pairs the merge's own
+placement (formats/hf_names.py) cuts into per-expert pairs on the tensors ``save_pretrained`` writes, or
+keeps on a packed on-disk tensor (GraniteMoE's input_linear), cut here per expert. An expert without a
+LoRA gets zeros; experts of other ranks are padded with zero rows to the largest (exact: the padding adds
+nothing, and each lora_b carries its own scale). A router's LoRA (``gate.weight``) is an ordinary pair on
+``ffn_gate_inp``.
+
+Refused in one sentence: a LoRA on a tensor llama.cpp computes from the HF one (DeepSeek's MLA k_b/v_b,
+GPT-OSS's MXFP4 experts), DoRA, LoRA on embeddings, modules_to_save (whole trained copies: a GGUF
+adapter has no place for them; merge instead), and a LoRA on a tensor llama.cpp's graph multiplies
+without its adapters (NOT_APPLIED).
 
 Where peft's scale is not llama.cpp's alpha / r (rsLoRA's alpha / sqrt(r), alpha_pattern), lora_b is
 multiplied by their ratio, so llama.cpp computes peft's delta; the file's alpha stays lora_alpha.
+
+``record_lora_gguf`` puts the file and its check (gguf_check.check_lora_gguf: llama.cpp with the base's
+GGUF and this file against peft on the base) into the base folder's merge_manifest.json (``gguf_lora``)
+and its model card, where the folder has one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -48,6 +66,19 @@ class LoraGgufResult:
     size: int
     sha256: str
     seconds: float
+    experts: int = 0  # of the pairs, stacked expert tensors (lora_a [experts, r, in])
+    adapter: Path | None = None  # the adapter folder it was made of
+
+
+@dataclass
+class _Pair:
+    """One base tensor's LoRA: ``parts`` [(LoraModule, kind)] per expert (one part for a plain tensor;
+    None where an expert has no LoRA); kind: None (the module's own pair), or (packed entry's expert
+    index, experts) for a packed on-disk tensor's LoRA cut per expert."""
+
+    name: str  # the base tensor's GGUF name, ending in .weight
+    tensor: object  # gguf.GgufTensor
+    parts: list
 
 
 def default_lora_out(adapter_folder: Path) -> Path:
@@ -60,6 +91,7 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
                      overwrite: bool = False) -> LoraGgufResult:
     """Write the adapter as a GGUF LoRA for the base's GGUF (temporary name, renamed when complete)."""
     import gguf
+    import numpy as np
 
     from tui_merger.core.formats.adapter import open_adapter
     from tui_merger.core.ship import gguf as ship_gguf
@@ -74,25 +106,29 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
     config = ship_gguf._read_config(base_folder)
     family = gguf_families.FAMILIES[config["model_type"]]
     notices: list[str] = []
+    closers: list = []
     with ship_gguf._quiet_library_logs():
         hp = ship_gguf._hyperparameters(base_folder, config, family, notices)
         source = ship_gguf._open_source(base_folder)
         try:
             planned = ship_gguf._plan_tensors(base_folder, source, config, hp, family, "f16", notices)
+            adapter = open_adapter(adapter_folder)
+            closers.append(adapter)
+            adapter = _on_disk(adapter, source, base_folder, closers)
+        except BaseException:
+            for c in closers:
+                c.close()
+            raise
         finally:
             source.close()
-    by_hf = {}
-    for t in planned:
-        for ref in t.sources:
-            by_hf.setdefault(ref.name, []).append(t)
-    adapter = open_adapter(adapter_folder)
     try:
-        pairs = _pairs(adapter, by_hf, hp, base_folder)
-        for name, entry, _ in pairs:
-            part = name.split(".")[2] if name.startswith("blk.") else name
+        pairs = _pairs(adapter, planned, hp, base_folder)
+        for pair in pairs:
+            part = pair.name.split(".")[2] if pair.name.startswith("blk.") else pair.name
             if part in NOT_APPLIED.get(family.arch, ()):
+                module = next(p[0].module for p in pair.parts if p is not None)
                 raise MergeError(
-                    f"llama.cpp's {family.arch} graph does not apply a LoRA to {part} (the adapter's {entry.module}), "
+                    f"llama.cpp's {family.arch} graph does not apply a LoRA to {part} (the adapter's {module}), "
                     "so a GGUF LoRA would run as if it were not trained; merge the adapter instead."
                 )
         alpha = float(adapter.config["lora_alpha"])
@@ -103,36 +139,39 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-        rescaled, ranks = 0, set()
-        for name, entry, t in pairs:
-            a, b = _factors(entry, t)
-            r = a.shape[0]
-            ranks.add(r)
-            ratio = entry.scale / (alpha / r)
-            if abs(ratio - 1.0) > 1e-12:
-                b = b * ratio
-                rescaled += 1
-            writer.add_tensor(name + ".lora_a", a.contiguous().numpy())
-            writer.add_tensor(name + ".lora_b", b.contiguous().numpy())
+        ranks = set()
+        for pair in pairs:  # the infos first, from shapes alone; the data then one pair at a time (memory: one pair)
+            for suffix, shape in zip((".lora_a", ".lora_b"), _shapes(pair)):
+                writer.add_tensor_info(pair.name + suffix, shape, np.dtype(np.float32), 4 * math.prod(shape))
+            ranks.add(_shapes(pair)[0][-2])
+        rescaled = experts = 0
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for pair in pairs:
+                a, b, scaled = _factors(pair, alpha)
+                rescaled += scaled
+                experts += a.dim() == 3
+                writer.write_tensor_data(a.contiguous().numpy())
+                writer.write_tensor_data(b.contiguous().numpy())
+                del a, b
+            writer.close()
+            os.replace(tmp, target)
+        except BaseException:
+            writer.close()
+            tmp.unlink(missing_ok=True)
+            raise
     finally:
-        adapter.close()
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, target)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+        for c in closers:
+            c.close()
     digest = hashlib.sha256()
     with open(target, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return LoraGgufResult(target, family.arch, alpha, tuple(sorted(ranks)), len(pairs), rescaled,
-                          target.stat().st_size, digest.hexdigest(), time.perf_counter() - started)
+                          target.stat().st_size, digest.hexdigest(), time.perf_counter() - started, experts, adapter_folder)
 
 
 def _target(adapter_folder: Path, out: Path | None, overwrite: bool) -> Path:
@@ -148,8 +187,16 @@ def _target(adapter_folder: Path, out: Path | None, overwrite: bool) -> Path:
     return target
 
 
-def _pairs(adapter, by_hf: dict, hp: dict, base_folder: Path) -> list:
-    """[(GGUF base tensor name, LoraModule, GgufTensor)], or one sentence why not."""
+def _on_disk(adapter, source, base_folder: Path, closers: list):
+    """The adapter under the base's on-disk names, its target_parameters pairs placed as the merge places
+    them (per-expert pairs on the tensors save_pretrained writes; packed on-disk experts in expert_lora)."""
+    from tui_merger.core.formats.inputs import _on_disk_names
+
+    return _on_disk_names(adapter, source, base_folder, closers)
+
+
+def _pairs(adapter, planned: list, hp: dict, base_folder: Path) -> list[_Pair]:
+    """The base tensors the adapter changes, in the base GGUF's order, or one sentence why not."""
     folder = adapter.folder
     if adapter.use_dora:
         raise MergeError(f"{folder} is a DoRA adapter; a GGUF LoRA has no magnitude vector, so llama.cpp cannot run it: merge it instead.")
@@ -159,49 +206,188 @@ def _pairs(adapter, by_hf: dict, hp: dict, base_folder: Path) -> list:
             f"{folder} also saves whole trained modules ({kept[0]}...: modules_to_save or new token rows), which a "
             "GGUF LoRA cannot carry; merge the adapter and export the merged folder instead."
         )
-    if adapter.param_lora or adapter.expert_lora:
-        name = next(iter({**adapter.param_lora, **adapter.expert_lora}))
-        raise MergeError(f"{folder} has a LoRA on packed parameters ({name}); a GGUF LoRA of experts is not written: merge it instead.")
+    if adapter.param_lora:  # placement left some (the base could not say where they lie)
+        name = next(iter(adapter.param_lora))
+        raise MergeError(f"{folder} has a LoRA on parameters ({name}) whose place in {base_folder.name} is unknown; merge it instead.")
     if adapter.fan_in_fan_out:
         raise MergeError(f"{folder} stores its LoRA as fan_in_fan_out (Conv1D layers), which no family tui-merger writes as GGUF has.")
-    out = []
     for module, entry in sorted(adapter.lora.items()):
         if entry.is_embedding:
             raise MergeError(f"{folder} has a LoRA on the embedding {module}; tui-merger writes GGUF LoRAs of linear layers only: merge it instead.")
         if entry.B_bias is not None:
             raise MergeError(f"{folder} trains a bias with its LoRA ({module}); a GGUF LoRA has no place for it: merge it instead.")
-        found = by_hf.get(module + ".weight")
-        if not found:
-            if module.endswith("lm_head") and hp["tie_word_embeddings"]:
+    used: set[str] = set()
+    out = []
+    for t in planned:
+        parts = []
+        for ref in t.sources:
+            module = ref.name.removesuffix(".weight")
+            entry = adapter.lora.get(module) if ref.name.endswith(".weight") else None
+            packed = adapter.expert_lora.get(ref.name)
+            if entry is not None:
+                used.add(module)
+                parts.append((entry, None))
+            elif packed is not None:
+                used.add(ref.name)
+                parts.extend((packed, (e, packed.experts)) for e in range(packed.experts))
+            else:
+                parts.append(None)
+        if all(p is None for p in parts):
+            continue
+        what = next(p[0].module for p in parts if p is not None)
+        if t.derive is not None or t.computed is not None:
+            raise MergeError(
+                f"{folder} has a LoRA on {what}, which llama.cpp's layout stores as {t.name} computed from it "
+                "(a derived tensor, not a cut or a stack of it); a GGUF LoRA of it is not written: merge it instead."
+            )
+        stacked = len(parts) > 1
+        if len(t.shape) != (3 if stacked else 2) or (stacked and len(parts) != t.shape[0]):
+            raise MergeError(
+                f"{folder} has a LoRA on {what}, which llama.cpp's layout stores as {t.name} of shape {list(t.shape)}; "
+                "a GGUF LoRA of it is not written: merge it instead."
+            )
+        want = tuple(t.sources[0].shape[-2:])  # one matrix of the base: an expert's, or the whole packed one's rows
+        for p in parts:
+            if p is not None and _delta_shape(*p) != want:
+                have = _delta_shape(*p)
                 raise MergeError(
-                    f"{folder} has a LoRA on lm_head, which {base_folder.name} ties to its embedding; llama.cpp "
-                    "ignores such a LoRA, so merge the adapter instead."
+                    f"{p[0].module}: the LoRA is {have[0]}x{have[1]} but {base_folder.name}'s weight is "
+                    f"{list(want)}; is this adapter for another model?"
                 )
-            raise MergeError(f"{folder} has a LoRA on {module}, which {base_folder} has no weight of; is this adapter for another model?")
-        for t in found:
-            if len(t.sources) != 1 or t.derive is not None or t.computed is not None or t.rows is not None or len(t.shape) != 2:
-                raise MergeError(
-                    f"{folder} has a LoRA on {module}, which llama.cpp's layout stores as {t.name} computed from it "
-                    "(stacked experts, a part or a derived tensor); a GGUF LoRA of it is not written: merge it instead."
-                )
-            if tuple(t.sources[0].shape) != (entry.B.shape[0], entry.A.shape[1]):
-                raise MergeError(
-                    f"{module}: the LoRA is {entry.B.shape[0]}x{entry.A.shape[1]} but {base_folder.name}'s weight is "
-                    f"{list(t.sources[0].shape)}; is this adapter for another model?"
-                )
-            out.append((t.name.removesuffix(".weight") + ".weight", entry, t))
+        out.append(_Pair(t.name.removesuffix(".weight") + ".weight", t, parts))
+    left = sorted(set(adapter.lora) - used) + sorted(set(adapter.expert_lora) - used)
+    if left:
+        module = left[0]
+        if module.endswith("lm_head") and hp["tie_word_embeddings"]:
+            raise MergeError(
+                f"{folder} has a LoRA on lm_head, which {base_folder.name} ties to its embedding; llama.cpp "
+                "ignores such a LoRA, so merge the adapter instead."
+            )
+        raise MergeError(f"{folder} has a LoRA on {module}, which {base_folder} has no weight of; is this adapter for another model?")
     if not out:
         raise MergeError(f"{folder} holds no LoRA pair; there is nothing to write.")
     return out
 
 
-def _factors(entry, t):
-    """lora_a [r, in] and lora_b [out, r] as float32, lora_b's rows as the base tensor's in the GGUF."""
+def _delta_shape(entry, cut) -> tuple[int, int]:
+    """(rows, columns) of the weight a part's delta is added to (one expert's matrix for a packed cut)."""
+    if cut is None:
+        return entry.B.shape[0], entry.A.shape[1]
+    if entry.transposed:  # delta_e = (B_e @ A_e).T: A reads the rows
+        return entry.A.shape[1], entry.B.shape[0]
+    return entry.B.shape[0], entry.A.shape[1]
+
+
+def _shapes(pair: _Pair) -> tuple[tuple, tuple]:
+    """The numpy shapes of lora_a and lora_b, from the pair's ranks and its base tensor's shape."""
+    t = pair.tensor
+    r = max((entry.r if cut is not None else entry.A.shape[0]) for entry, cut in (p for p in pair.parts if p is not None))
+    lead = (len(pair.parts),) if len(pair.parts) > 1 else ()
+    return (*lead, r, t.shape[-1]), (*lead, t.shape[-2], r)
+
+
+def _expert_pair(entry, cut, loaded: dict):
+    """lora_A [r, in] and lora_B [out, r] (float32) of one part: the module's own pair, or expert e's of
+    a packed pair (A_e: rows e*r.. of lora_A; B_e: every experts-th column of lora_B from e; transposed
+    layout: the delta is (B_e @ A_e).T, so A_e.T writes and B_e.T reads), as formats/hf_names.py cuts them."""
     import torch
 
-    a = entry.A.load().to(torch.float32)
-    b = entry.B.load().to(torch.float32)
-    if t.permute_heads:  # the converter permutes lora_b's rows as it permutes the base tensor's
-        n = t.permute_heads
-        b = b.reshape(n, 2, b.shape[0] // n // 2, b.shape[1]).transpose(1, 2).reshape(b.shape)
-    return a.clone(), b.clone()
+    key = id(entry)
+    if key not in loaded:
+        loaded[key] = (entry.A.load().to(torch.float32), entry.B.load().to(torch.float32))
+    a, b = loaded[key]
+    if cut is None:
+        return a, b
+    e, experts = cut
+    r = entry.r
+    a_e, b_e = a[e * r:(e + 1) * r], b[:, e::experts]
+    if entry.transposed:
+        return b_e.T, a_e.T
+    return a_e, b_e
+
+
+def _factors(pair: _Pair, alpha: float):
+    """lora_a and lora_b as float32 (stacked per expert: [experts, r, in], [experts, out, r]), lora_b's rows
+    as the base tensor's in the GGUF and scaled so that llama.cpp's alpha / r gives peft's scale; and
+    whether any was rescaled."""
+    import torch
+
+    t = pair.tensor
+    loaded: dict = {}
+    pieces = []
+    for p in pair.parts:
+        if p is None:
+            pieces.append(None)
+            continue
+        entry, cut = p
+        a, b = _expert_pair(entry, cut, loaded)
+        if t.rows is not None:  # a part of a packed tensor: its rows
+            b = b[t.rows[0]:t.rows[1]]
+        if t.permute_heads:  # the converter permutes lora_b's rows as it permutes the base tensor's
+            n = t.permute_heads
+            b = b.reshape(n, 2, b.shape[0] // n // 2, b.shape[1]).transpose(1, 2).reshape(b.shape)
+        pieces.append((a, b, entry.scale))
+    r = max(p[0].shape[0] for p in pieces if p is not None)
+    rows = t.shape[-2]
+    cols = t.shape[-1]
+    a_out = torch.zeros((len(pieces), r, cols), dtype=torch.float32)
+    b_out = torch.zeros((len(pieces), rows, r), dtype=torch.float32)
+    scaled = False
+    for i, p in enumerate(pieces):
+        if p is None:
+            continue  # an expert without a LoRA: zeros add nothing
+        a, b, scale = p
+        ratio = scale / (alpha / r)
+        if abs(ratio - 1.0) > 1e-12:
+            b = b * ratio
+            scaled = True
+        a_out[i, : a.shape[0]] = a
+        b_out[i, :, : b.shape[1]] = b
+    if len(pieces) == 1 and t.sources and len(t.shape) == 2:
+        return a_out[0], b_out[0], scaled
+    return a_out, b_out, scaled
+
+
+def record_lora_gguf(base_folder: Path, result: LoraGgufResult, base_gguf: Path, check, modelfile: Path | None = None) -> bool:
+    """Add (or replace) the LoRA's entry, with its check (gguf_check.GgufCheck), in ``gguf_lora`` of the base
+    folder's merge_manifest.json, and the model card when tui-merger wrote it; False when the folder has
+    no manifest (a base tui-merger did not make): then nothing is recorded."""
+    from tui_merger import __version__
+    from tui_merger.core.record.card import is_ours, write_model_card
+    from tui_merger.core.record.manifest import now_iso, read_manifest, write_manifest
+
+    folder = Path(base_folder).absolute()
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return False
+
+    def shown(path) -> str:
+        path = Path(path).absolute()
+        return path.relative_to(folder).as_posix() if path.is_relative_to(folder) else str(path)
+
+    entry = {
+        "path": shown(result.path),
+        "size": result.size,
+        "sha256": result.sha256,
+        "type": "f32",
+        "architecture": result.arch,
+        "adapter": str(result.adapter) if result.adapter is not None else None,
+        "base_gguf": shown(base_gguf),
+        "pairs": result.pairs,
+        "experts": result.experts,
+        "ranks": list(result.ranks),
+        "alpha": result.alpha,
+        "made_at": now_iso(),
+        "tool": {"name": "tui-merger", "version": __version__},
+        "check": check.record(),
+    }
+    if modelfile is not None:
+        entry["modelfile"] = shown(modelfile)
+    entries = manifest.get("gguf_lora") if isinstance(manifest.get("gguf_lora"), list) else []
+    entries = [e for e in entries if isinstance(e, dict) and e.get("path") != entry["path"]]
+    manifest["gguf_lora"] = entries + [entry]
+    write_manifest(folder, manifest)
+    card = folder / "README.md"
+    if not card.exists() or is_ours(card):
+        write_model_card(folder, manifest, overwrite=False)
+    return True

@@ -11,9 +11,10 @@
   the GGUF's own ``tokenizer.chat_template`` (it matches it against its known templates when it
   creates the model). The templates are ours, written after the released chat templates of the families
   the GGUF export writes (ChatML, Llama 3, Gemma 1-3, Phi-3, Phi-4, OLMo 2, Mistral's [INST] v0.1 / v1 / v7,
-  Granite 3, DeepSeek-V2); tests/test_modelfile.py holds them against Go's own text/template and the released
-  Jinja templates. A chat template no template of ours renders exactly (SmolLM3's, EXAONE 4's, Cohere2's,
-  GPT-OSS's, DeepSeek-V3's among them) keeps the comment.
+  Granite 3.0, 3.1-3.3 and 4, DeepSeek-V2, V3 and V3.1, Command R7B, GLM-4, GLM-4.5, GPT-OSS, SmolLM3, EXAONE 4);
+  tests/test_modelfile.py holds them against Go's own text/template and the released Jinja templates. Templates that write today's date use
+  Ollama's ``currentDate``; what a template leaves out (tools, thinking modes) is a comment above it
+  (``GO_TEMPLATE_NOTES``). A chat template no template of ours renders exactly keeps the comment.
 - ``PARAMETER stop`` for each end token the tokenizer names: its ``eos_token`` and the
   ``eos_token_id`` of ``generation_config.json`` (one id or a list). Nothing else is invented.
 
@@ -34,6 +35,29 @@ from pathlib import Path
 # A system message the Jinja template refuses (Gemma 1/2, Mistral v0.1) goes, as Gemma 3 and Mistral's
 # later templates put it, in front of the first user message.
 _FIRST_USER_SYSTEM = "{{ if and (eq $i 1) $.System }}{{ $.System }}\n\n{{ end }}"
+# Today's date as strftime's "%B %d, %Y" (Granite) and "%d %B %Y" (SmolLM3) from Ollama's currentDate (YYYY-MM-DD,
+# Ollama 0.11 and later): the month's name by its number, the day and the year by position.
+_MONTH_NAME = "{{ $m := slice $d 5 7 }}" + "".join(
+    f'{{{{ {"if" if n == 1 else "else if"} eq $m "{n:02d}" }}}}{name}' for n, name in enumerate(
+        ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+         "December"), start=1)) + "{{ end }}"
+_DATE_B_D_Y = "{{ $d := currentDate }}" + _MONTH_NAME + " {{ slice $d 8 10 }}, {{ slice $d 0 4 }}"
+_DATE_D_B_Y = "{{ $d := currentDate }}{{ slice $d 8 10 }} " + _MONTH_NAME + " {{ slice $d 0 4 }}"
+DATE_TEMPLATES = {"%B %d, %Y": _DATE_B_D_Y, "%d %B %Y": _DATE_D_B_Y}
+_SMOLLM3_THINK = (  # SmolLM3's custom instructions in its default reasoning mode (/think) when the system prompt gives none
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly "
+    "exploring questions through a systematic thinking process before providing the final precise and accurate solutions. "
+    "This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, "
+    "backtracking, and iteration to develop well-considered thinking process. Please structure your response into two "
+    "main sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. "
+    "In the Thought section, detail your reasoning process in steps. Each step should include detailed considerations "
+    "such as analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the "
+    "current steps, refining any errors, and revisiting previous steps. In the Solution section, based on various "
+    "attempts, explorations, and reflections from the Thought section, systematically present the final solution that "
+    "you deem correct. The Solution section should be logical, accurate, and concise and detail necessary steps needed "
+    "to reach the conclusion."
+)
+
 GO_TEMPLATES = {
     "chatml": "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n",
     "llama3": (
@@ -73,11 +97,93 @@ GO_TEMPLATES = {
         "{{- range .Messages }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n"
         "{{ end }}<|start_of_role|>assistant<|end_of_role|>"
     ),
+    "deepseek-v3": (  # DeepSeek-V3 (and R1 templates that render alike): every system message first, joined by a blank line
+        "{{- $.System }}{{ range .Messages }}{{ if eq .Role \"user\" }}<\uff5cUser\uff5c>{{ .Content }}{{ else if eq .Role \"assistant\" }}"
+        "<\uff5cAssistant\uff5c>{{ .Content }}<\uff5cend\u2581of\u2581sentence\uff5c>{{ end }}{{ end }}<\uff5cAssistant\uff5c>"
+    ),
+    "deepseek-v3.1": (  # DeepSeek-V3.1 in its default non-thinking mode: "</think>" opens each assistant turn
+        "{{- $.System }}{{ range .Messages }}{{ if eq .Role \"user\" }}<\uff5cUser\uff5c>{{ .Content }}{{ else if eq .Role \"assistant\" }}"
+        "<\uff5cAssistant\uff5c></think>{{ .Content }}<\uff5cend\u2581of\u2581sentence\uff5c>{{ end }}{{ end }}<\uff5cAssistant\uff5c></think>"
+    ),
+    "command-r7b": (  # Cohere2 (Command R7B)'s default template without tools or documents: the first system message, or an empty system turn
+        "{{- range $i, $_ := .Messages }}{{ if eq $i 0 }}<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{{ if eq .Role \"system\" }}{{ .Content }}"
+        "{{ end }}<|END_OF_TURN_TOKEN|>{{ end }}{{ if eq .Role \"user\" }}<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{{ .Content }}<|END_OF_TURN_TOKEN|>"
+        "{{ else if eq .Role \"assistant\" }}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>{{ .Content }}<|END_RESPONSE|>"
+        "<|END_OF_TURN_TOKEN|>{{ end }}{{ end }}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>"
+    ),
+    "glm4": (  # GLM-4 chat: [gMASK]<sop>, then <|role|> and a newline before each message that has content
+        "[gMASK]<sop>{{ range .Messages }}{{ if .Content }}<|{{ .Role }}|>\n{{ .Content }}{{ end }}{{ end }}<|assistant|>"
+    ),
+    "granite3.1": (  # Granite 3.1 / 3.2: without a system message, a default one that carries today's date
+        "{{- range $i, $_ := .Messages }}{{ if and (eq $i 0) (ne .Role \"system\") }}<|start_of_role|>system<|end_of_role|>"
+        "Knowledge Cutoff Date: April 2024.\nToday's Date: " + _DATE_B_D_Y + ".\nYou are Granite, developed by IBM. "
+        "You are a helpful AI assistant.<|end_of_text|>\n{{ end }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n"
+        "{{ end }}<|start_of_role|>assistant<|end_of_role|>"
+    ),
+    "granite3.3": (  # Granite 3.3: the same, its default system message spaced as its template writes it
+        "{{- range $i, $_ := .Messages }}{{ if and (eq $i 0) (ne .Role \"system\") }}<|start_of_role|>system<|end_of_role|>"
+        " Knowledge Cutoff Date: April 2024.\n Today's Date: " + _DATE_B_D_Y + ". You are Granite, developed by IBM. "
+        "You are a helpful AI assistant.<|end_of_text|>\n{{ end }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n"
+        "{{ end }}<|start_of_role|>assistant<|end_of_role|>"
+    ),
+    "granite4": (  # Granite 4 as Ollama's granite4:350m carries it: without a system message, a fixed default one
+        "{{- range $i, $_ := .Messages }}{{ if and (eq $i 0) (ne .Role \"system\") }}<|start_of_role|>system<|end_of_role|>"
+        "You are a helpful assistant. Please ensure responses are professional, accurate, and safe.<|end_of_text|>\n"
+        "{{ end }}<|start_of_role|>{{ .Role }}<|end_of_role|>{{ .Content }}<|end_of_text|>\n{{ end }}"
+        "<|start_of_role|>assistant<|end_of_role|>"
+    ),
+    "gpt-oss": (  # harmony without tools: the system header with today's date, the first system message as developer
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n"
+        "Current date: {{ currentDate }}\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. "
+        "Channel must be included for every message.<|end|>{{ range $i, $_ := .Messages }}{{ if eq .Role \"system\" }}"
+        "{{ if and (eq $i 0) .Content }}<|start|>developer<|message|># Instructions\n\n{{ .Content }}\n\n<|end|>{{ end }}"
+        "{{ else if eq .Role \"user\" }}<|start|>user<|message|>{{ .Content }}<|end|>{{ else if eq .Role \"assistant\" }}"
+        "<|start|>assistant<|channel|>final<|message|>{{ .Content }}<|end|>{{ end }}{{ end }}<|start|>assistant"
+    ),
+    "smollm3": (  # SmolLM3 in its default reasoning mode (/think): the metadata header with today's date, the first
+        # system message as custom instructions; its template closes that header with <|im_end|> only when it lists tools
+        "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: " + _DATE_D_B_Y +
+        "\nReasoning Mode: /think\n\n## Custom Instructions\n\n{{ $custom := \"\" }}{{ range $i, $_ := .Messages }}"
+        "{{ if and (eq $i 0) (eq .Role \"system\") }}{{ $custom = .Content }}{{ end }}{{ end }}{{ if $custom }}{{ $custom }}"
+        "{{ else }}" + _SMOLLM3_THINK + "{{ end }}\n\n{{ range .Messages }}{{ if eq .Role \"user\" }}<|im_start|>user\n"
+        "{{ .Content }}<|im_end|>\n{{ else if eq .Role \"assistant\" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n"
+        "{{ end }}{{ end }}<|im_start|>assistant\n"
+    ),
+    "exaone4": (  # EXAONE 4 in its default non-reasoning mode: an empty think block opens each assistant turn
+        "{{- range .Messages }}[|{{ .Role }}|]\n{{ if and (eq .Role \"assistant\") .Content }}<think>\n\n</think>\n\n{{ end }}"
+        "{{ .Content }}[|endofturn|]\n{{ end }}[|assistant|]\n<think>\n\n</think>\n\n"
+    ),
+    "glm4.5": (  # GLM-4.5 / 4.6 (glm4moe): past assistant turns with an empty think block, thinking left on for the answer
+        "[gMASK]<sop>{{ range .Messages }}{{ if eq .Role \"user\" }}<|user|>\n{{ .Content }}{{ else if eq .Role \"assistant\" }}"
+        "<|assistant|>\n<think></think>{{ if .Content }}\n{{ .Content }}{{ end }}{{ else if eq .Role \"system\" }}<|system|>\n"
+        "{{ .Content }}{{ end }}{{ end }}<|assistant|>"
+    ),
     "deepseek-v2": (
         "{{- range .Messages }}{{ if eq .Role \"user\" }}User: {{ .Content }}\n\n{{ else if eq .Role \"assistant\" }}"
         "Assistant: {{ .Content }}<\uff5cend\u2581of\u2581sentence\uff5c>{{ else if eq .Role \"system\" }}{{ .Content }}\n\n"
         "{{ end }}{{ end }}Assistant:"
     ),
+}
+# What a template leaves out (written as a comment above its TEMPLATE line): the check compares plain conversations,
+# so tools, documents and thinking switches are never claimed; a date comes from Ollama's currentDate (0.11 and later).
+_NO_TOOLS = "tools are not rendered"
+_TODAY_NOTE = "today's date comes from Ollama's currentDate (Ollama 0.11 or later)"
+GO_TEMPLATE_NOTES = {
+    "deepseek-v3.1": f"non-thinking mode only; {_NO_TOOLS}.",
+    "deepseek-v3": f"{_NO_TOOLS}.",
+    "command-r7b": f"the template's plain chat only ({_NO_TOOLS}, nor documents); it keeps the spaces around a message "
+                   "that the Jinja template strips.",
+    "glm4": f"{_NO_TOOLS}.",
+    "granite3.1": f"{_TODAY_NOTE}; {_NO_TOOLS}, nor documents.",
+    "granite3.3": f"{_TODAY_NOTE}; thinking mode, tools and documents are not rendered.",
+    "smollm3": f"{_TODAY_NOTE}; the default reasoning mode (/think) only: a /think or /no_think in the system prompt "
+               f"and Ollama's think switch are not rendered as the template renders them; {_NO_TOOLS}.",
+    "exaone4": f"non-reasoning mode only (the template's default); {_NO_TOOLS}.",
+    "glm4.5": f"thinking stays on (the template's default); {_NO_TOOLS}; it keeps the spaces around an answer that the "
+              "Jinja template strips.",
+    "granite4": f"{_NO_TOOLS}, nor documents.",
+    "gpt-oss": f"{_TODAY_NOTE}; reasoning stays at the template's default (medium); {_NO_TOOLS}, nor past reasoning "
+               "(the template drops it too).",
 }
 CONVERSATIONS = (  # what both renderings must agree on, with the generation prompt added
     [{"role": "user", "content": "Hello!"}],
@@ -133,6 +239,8 @@ def write_modelfile(folder: Path, gguf_path: Path, type_: str, adapter: Path | N
     if adapter is not None:
         lines.append(f"ADAPTER {_quote('./' + adapter.name)}")
     if name is not None:
+        if name in GO_TEMPLATE_NOTES:
+            lines.append(f"# TEMPLATE renders the chat template exactly on plain conversations; {GO_TEMPLATE_NOTES[name]}")
         lines.append(f'TEMPLATE """{GO_TEMPLATES[name]}"""')
     else:
         lines.append(f"# No TEMPLATE: {why}")
@@ -178,17 +286,28 @@ def chosen_template(tok, add_bos: bool) -> tuple[str | None, str | None]:
         if _renders_alike(tok, go, bos):
             return name, None
     return None, ("tui-merger knows no Ollama template that renders this model's chat template exactly, so Ollama "
-                  "uses the chat template the GGUF carries (tokenizer.chat_template) as it creates the model.")
+                  "takes the chat template from the GGUF (tokenizer.chat_template): Ollama 0.30 and later render it as it is, "
+                  "older versions use the closest of their own templates, or send prompts as they are when none is close.")
 
 
 def _renders_alike(tok, go: str, bos: str) -> bool:
+    import datetime
+
     compared = 0
     for messages in CONVERSATIONS:
-        try:
-            want = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001, S112 - a template may refuse a conversation (a system role) in any way
+        for _ in range(2):  # a date-bearing template rendered across midnight: render both again on the new day
+            today = datetime.date.today().isoformat()
+            try:
+                want = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 - a template may refuse a conversation (a system role) in any way
+                want = None
+                break
+            got = bos + render_go(go, messages, today=today)
+            if datetime.date.today().isoformat() == today:
+                break
+        if want is None:
             continue
-        if want != bos + render_go(go, messages):
+        if want != got:
             return False
         compared += 1
     return compared >= 2
@@ -198,16 +317,19 @@ _ACTION = re.compile(r"\{\{(-\s)?\s*(.*?)\s*(\s-)?\}\}", re.S)
 _TOKEN = re.compile(r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<int>-?\d+)|(?P<op>:=|=|\(|\)|,)|(?P<word>[^\s()=,:]+))')
 
 
-def render_go(template: str, messages) -> str:
+def render_go(template: str, messages, today: str | None = None) -> str:
     """Render ``template`` as Ollama renders a template that uses ``.Messages`` (its template.Execute): the
     messages collated (consecutive messages of one role joined by a blank line), ``.System`` all system
     messages joined, executed by the subset of Go's text/template that GO_TEMPLATES use: text with the
     ``{{-`` / ``-}}`` trims; ``range .Messages`` (also ``range $i, $_ := .Messages``), ``if`` / ``else if`` /
     ``else`` / ``end``, ``$x := ...``, ``.Role``, ``.Content``, ``$.System``, ``$.Messages``, string and
-    integer constants, and the functions ``eq``, ``ne``, ``and``, ``or``, ``not``, ``len``, ``slice``.
+    integer constants, and the functions ``eq``, ``ne``, ``and``, ``or``, ``not``, ``len``, ``slice`` and Ollama's
+    ``currentDate`` (``today``, YYYY-MM-DD; by default the local date, as Ollama's server takes it).
     Anything else raises ValueError (not rendered, never guessed)."""
+    import datetime
+
     system, collated = _collate(messages)
-    root = {"System": system, "Messages": collated}
+    root = {"System": system, "Messages": collated, _TODAY: today or datetime.date.today().isoformat()}
     body, i = _parse(_lex(template), 0)
     if i != len(_lex(template)):
         raise ValueError("render_go: an {{ end }} without its block")
@@ -339,6 +461,7 @@ def _eval(expr: str, dot, root, scopes):
     return value
 
 
+_TODAY = " today"  # the root's key for currentDate's answer (no Go field has a space)
 _FUNCS = {
     "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "not": lambda a: not _truth(a), "len": len,
     "slice": lambda s, i=0, j=None: s[i:j],
@@ -347,7 +470,7 @@ _FUNCS = {
 
 def _command(tokens, dot, root, scopes):
     """Evaluate one command (an operand, or a function and its arguments) up to a ')' or the end."""
-    if tokens and tokens[0] in ("word:and", "word:or") or tokens and tokens[0].split(":", 1)[1] in _FUNCS:
+    if tokens and tokens[0] in ("word:and", "word:or", "word:currentDate") or tokens and tokens[0].split(":", 1)[1] in _FUNCS:
         name, args, rest = tokens[0].split(":", 1)[1], [], tokens[1:]
         while rest and rest[0] != "op:)":
             arg, rest = _operand(rest, dot, root, scopes)
@@ -356,6 +479,8 @@ def _command(tokens, dot, root, scopes):
             return next((a for a in args if not _truth(a)), args[-1]), rest
         if name == "or":
             return next((a for a in args if _truth(a)), args[-1]), rest
+        if name == "currentDate":  # Ollama's: the date as YYYY-MM-DD, its arguments ignored
+            return root[_TODAY], rest
         return _FUNCS[name](*args), rest
     return _operand(tokens, dot, root, scopes)
 
