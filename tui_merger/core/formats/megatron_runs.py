@@ -10,6 +10,9 @@ and the source file it was read from):
   ``common.pt`` (read with inert records: TP/PP/EP/VPP, dtype, a Hugging Face tokenizer). The legacy ``torch`` format puts ``mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt``
   in the iteration folder instead: read by verl_megatron's LegacyStore, the args, optimizer and RNG
   state in them unpickled as inert records.
+  ``--ckpt-format torch_dcp`` (torch FSDP2) saves the whole state dict with ``torch.distributed.checkpoint`` instead:
+  ``.metadata`` and ``.distcp`` files only, the args a pickled bytes item (read the same way); ``fsdp_dtensor``
+  (Megatron FSDP) is refused.
 - Megatron-Bridge: the same folders, plus ``iter_{N:07d}/run_config.yaml`` (``yaml.safe_dump`` of its
   ConfigContainer) and ``train_state.pt`` (and ``latest_train_state.pt`` beside the tracker file).
 - ms-swift (``megatron sft``/``pt``): ``<output>/checkpoint-{N}/`` holding ``args.json``,
@@ -39,6 +42,7 @@ ARGS_JSON = "args.json"  # ms-swift: arguments/base_args/base_args.py save_args
 DCP_METADATA = ".metadata"
 TORCH_DIST_VERSIONS = (1,)  # megatron-core's torch_dist sharded_backend_version (dist_checkpointing/strategies/torch.py)
 LEGACY_FILE = "model_optim_rng.pt"
+_PLAIN_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _MP_RANK = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
 HF_EXPORT = "hf/"  # Megatron-Bridge's checkpoint.also_save_hf_checkpoint (checkpointing.py HF_WEIGHTS_SUBDIR)
 MAX_TEXT = 4 << 20  # run configurations are kilobytes
@@ -49,6 +53,10 @@ MEGATRON_LM_STATE = ("argparse", "numpy", "_codecs", "megatron", "transformer_en
 
 BRIDGE_PEFT = ("LoRA", "CanonicalLoRA", "DoRA")  # megatron.bridge.peft classes megatron_lora reads
 FRAMEWORKS = {"megatron-lm": "Megatron-LM", "megatron-bridge": "Megatron-Bridge", "ms-swift": "ms-swift", "nemo2": "NeMo 2"}
+# what inspect, the plain flow and the Find step head such a checkpoint with (Candidate.kind: what is shown; the
+# Format that reads it stays verl_megatron's, Candidate.format): the framework that saved it, not verl
+SHOWN_KINDS = {"megatron-lm": "megatron-lm", "megatron-bridge": "megatron-bridge", "ms-swift": "ms-swift-megatron",
+               "nemo2": "nemo2"}
 
 
 def iteration_of(name: str) -> int | None:
@@ -200,6 +208,7 @@ class RunInfo:
     args: dict = field(default_factory=dict)  # Megatron-LM: its pickled arguments (plain values)
     version: float | None = None  # Megatron-LM: the checkpoint_version beside them
     unlike: str | None = None  # Megatron-LM: how the model its args name differs from the args, in words
+    ckpt_format: str | None = None  # Megatron-LM: "torch_dcp" / "fsdp_dtensor" when not torch_dist or torch
 
     @property
     def name(self) -> str:
@@ -266,7 +275,11 @@ def _int(value) -> int | None:
 def _sizes(d: dict) -> dict:
     keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
             "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
-    return {k: v for k, key in keys.items() if (v := _int(d.get(key))) is not None}
+    sizes = {k: v for k, key in keys.items() if (v := _int(d.get(key))) is not None}
+    etp = _int(d.get("expert_tensor_parallel_size"))  # the experts' own TP (megatron-core's default: TP's)
+    if etp is not None and etp != sizes.get("tp", 1):
+        sizes["etp"] = etp
+    return sizes
 
 
 def _dtype(d: dict) -> str | None:
@@ -351,10 +364,22 @@ def _run_info(folder: Path) -> RunInfo:
             info.peft, info.pretrained = swift_peft(args)
         return info
     info = RunInfo("megatron-lm", folder, legacy=legacy)
-    # the arguments: in common.pt (torch_dist), else in every rank file (the legacy format; its pickle only is read)
+    # the arguments: in common.pt (torch_dist), else in every rank file (the legacy format; its pickle only is read),
+    # else (torch_dcp / fsdp_dtensor: torch.distributed.checkpoint.save of the whole state dict) a bytes item
+    dcp = not legacy and DCP_METADATA in names and "common.pt" not in names and "metadata.json" not in names
     where = folder / "common.pt" if not legacy else next(
         (folder / n / LEGACY_FILE for n in sorted(names) if _MP_RANK.match(n) and (folder / n / LEGACY_FILE).is_file()), None)
-    args, info.version = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else (None, None)
+    if dcp:
+        from tui_merger.core.io.dcp import read_metadata
+
+        try:
+            md = read_metadata(folder)  # (a bad one is said when the checkpoint is read)
+        except MergeError:
+            md = None
+        args, info.version, where = _dcp_args(folder, md)
+        info.ckpt_format = _dcp_format(md, args)
+    else:
+        args, info.version = _megatron_lm_args(where, limit=None if legacy else MAX_COMMON) if where is not None else (None, None)
     if args is not None:
         info.config_file, info.args = where, args
         info.parallel = _sizes(args)
@@ -367,7 +392,7 @@ def _run_info(folder: Path) -> RunInfo:
     return info
 
 
-def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> tuple[dict | None, float | None]:
+def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON, value: bool = False) -> tuple[dict | None, float | None]:
     """The arguments Megatron-LM pickled into a dist checkpoint's common.pt (or a legacy rank file's
     model_optim_rng.pt: only its pickle is read, not its tensors), as plain values (the
     ``argparse.Namespace`` is an inert record: its fields are read, nothing is constructed), and the
@@ -381,8 +406,11 @@ def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> tuple[dict 
     except (OSError, MergeError):
         return None, None
     try:
-        args = tf.obj.get("args") if isinstance(tf.obj, dict) else None
-        version = tf.obj.get("checkpoint_version") if isinstance(tf.obj, dict) else None
+        if value:  # one value of a torch_dcp checkpoint: the args, or the version
+            args, version = tf.obj, tf.obj
+        else:
+            args = tf.obj.get("args") if isinstance(tf.obj, dict) else None
+            version = tf.obj.get("checkpoint_version") if isinstance(tf.obj, dict) else None
         version = version if isinstance(version, (int, float)) and not isinstance(version, bool) else None
         if not isinstance(args, Record):
             return None, version
@@ -391,6 +419,53 @@ def _megatron_lm_args(path: Path, limit: int | None = MAX_COMMON) -> tuple[dict 
                 if v is None or isinstance(v, (str, int, float, bool)) or type(v).__module__ == "torch"}, version
     finally:
         tf.close()
+
+
+def _dcp_args(folder: Path, md) -> tuple[dict | None, float | None, Path | None]:
+    """Megatron-LM's arguments in a torch_dcp / fsdp_dtensor checkpoint: ``torch.distributed.checkpoint.save``
+    writes each non-tensor value (``args``, ``checkpoint_version``) as a ``torch.save`` archive at the byte range
+    ``.metadata`` names; those archives (kilobytes) are read as common.pt is. (args, version, the .distcp file)."""
+    import tempfile
+
+    from tui_merger.core.io.dcp import _field
+
+    storage = _field(md, "storage_data") if md is not None else None
+    where = {_field(index, "fqn", 0): info for index, info in storage.items()} if isinstance(storage, dict) else {}
+    found: dict = {}
+    with tempfile.TemporaryDirectory(prefix="tui-merger-args-") as tmp:
+        for fqn in ("args", "checkpoint_version"):
+            info = where.get(fqn)
+            rel, start, length = (_field(info, n, i) for i, n in enumerate(("relative_path", "offset", "length")))
+            if not (isinstance(rel, str) and _PLAIN_FILE.match(rel) and isinstance(start, int) and isinstance(length, int)
+                    and 0 < length <= MAX_COMMON):
+                continue
+            try:
+                with open(folder / rel, "rb") as f:
+                    f.seek(start)
+                    (Path(tmp) / fqn).write_bytes(f.read(length))
+            except OSError:
+                continue
+            found[fqn] = (rel, _megatron_lm_args(Path(tmp) / fqn, value=True))
+    if "args" not in found:
+        return None, None, None
+    rel, (args, _) = found["args"]
+    version = found.get("checkpoint_version", (None, (None, None)))[1][1]
+    return args, version, folder / rel
+
+
+def _dcp_format(md, args: dict | None) -> str:
+    """torch_dcp, or fsdp_dtensor (Megatron FSDP): its arguments say so, or its keys do (Megatron-LM's
+    preprocess_fsdp_dtensor_state_dict and tools/checkpoint/checkpoint_inspector.py split SwiGLU's
+    linear_fc1 into ``weight_w`` / ``weight_v`` and keep the model under ``model.module.``)."""
+    from tui_merger.core.io.dcp import _field
+
+    if (args or {}).get("ckpt_format") == "fsdp_dtensor" or (args or {}).get("use_megatron_fsdp"):
+        return "fsdp_dtensor"
+    keys = (_field(md, "state_dict_metadata") or {}) if md is not None else {}
+    split = re.compile(r"\.linear_fc1\.(?:weight|bias)\d*_[wv]$")
+    if any(isinstance(k, str) and (k.startswith("model.module.") or split.search(k)) for k in keys):
+        return "fsdp_dtensor"
+    return "torch_dcp"
 
 
 def _args_family(args: dict) -> str | None:
@@ -532,6 +607,13 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
             f"{folder} is a Megatron-LM checkpoint of checkpoint_version {info.version}, whose query/key/value order "
             "tui-merger does not read (it reads version 3, megatron-core's); load it in Megatron-LM and save it again."
         )
+    if info.legacy and info.parallel.get("etp", info.parallel.get("tp", 1)) != info.parallel.get("tp", 1):
+        raise MergeError(
+            f"{folder} is a Megatron-LM checkpoint in the legacy torch format saved with expert tensor parallelism "
+            f"{info.parallel['etp']} and tensor parallelism {info.parallel.get('tp', 1)}: that format names its rank "
+            "files by TP and EP rank only, so the expert tensor-parallel ranks wrote over each other's file and each "
+            "expert is only partly in it; save the run again with --ckpt-format torch_dist and convert that."
+        )
     if info.legacy:
         missing = _missing_rank(folder, info)
         if missing is not None:
@@ -541,6 +623,12 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
                 f"{tp * pp * ep} rank folders; copy the whole {folder.name} folder again."
             )
         return  # the rank files themselves are checked when they are read (LegacyStore)
+    if info.ckpt_format == "fsdp_dtensor":
+        raise MergeError(
+            f"{folder} is a Megatron-LM checkpoint in the fsdp_dtensor format (Megatron FSDP: linear_fc1 saved as "
+            "weight_w / weight_v under model.module.), which tui-merger does not read; load it in Megatron-LM with "
+            "--ckpt-convert-format torch_dist --ckpt-convert-save DIR and convert what that saves."
+        )
     meta = read_json(info.model_dir / "metadata.json") or {}
     backend, version = meta.get("sharded_backend"), meta.get("sharded_backend_version")
     if isinstance(backend, str) and backend != "torch_dist":
@@ -568,8 +656,8 @@ _DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def detect_run(s, folder: Path, names: dict, kind: str):
-    """inspect: an iteration folder (or NeMo 2 checkpoint folder) of these layouts as a Candidate of
-    ``kind``: its step and run (the save folder, whose tracker file marks the latest), the framework
+    """inspect: an iteration folder (or NeMo 2 checkpoint folder) of these layouts as a Candidate of the
+    format ``kind``, shown as the framework that saved it (``SHOWN_KINDS``): its step and run (the save folder, whose tracker file marks the latest), the framework
     (as the backend), the parallel sizes, dtype and Hugging Face model its run recorded, and that
     model resolved on this machine like a PEFT adapter's base. None when it is none of them."""
     from tui_merger.core.formats.base import ALL, Candidate, Found, lora_info
@@ -579,7 +667,7 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     if not nemo and step is None:
         return None
     info = run_info(folder)
-    c = Candidate(kind, str(folder), backend=info.framework)
+    c = Candidate(SHOWN_KINDS[info.framework], str(folder), backend=info.framework, format=kind)
     if step is not None and folder.name != RELEASE:
         c.run, c.step = str(folder.parent), step
         if info.framework == "ms-swift" and _SWIFT_CHECKPOINT.match(folder.parent.name):
@@ -598,7 +686,8 @@ def detect_run(s, folder: Path, names: dict, kind: str):
     c.dtype = info.dtype or _stored_dtype(s, info.model_dir)
     parallel = ", ".join(f"{k.upper()} {v}" for k, v in info.parallel.items())
     what = (f"a legacy Megatron checkpoint (mp_rank_*/{LEGACY_FILE}) saved by {info.name}" if info.legacy
-            else f"a megatron-core dist checkpoint saved by {info.name}")
+            else f"a torch.distributed.checkpoint of the whole state dict (--ckpt-format {info.ckpt_format}) saved by "
+            f"{info.name}" if info.ckpt_format else f"a megatron-core dist checkpoint saved by {info.name}")
     if info.config_file is not None:
         what += f" ({info.config_file.name}" + (f": {parallel})" if parallel else ")")
     c.notes.append(what + ".")
@@ -642,6 +731,14 @@ def detect_run(s, folder: Path, names: dict, kind: str):
         c.notes.append(base_sentence(info, folder))
     s.sized(c, names.values(), recursive=True)
     return Found(c, ALL)
+
+
+def next_step(c, path: str, base: str, alpha: str, out: str) -> str:
+    """The command inspect suggests for one of these checkpoints: the plain merge of the iteration folder
+    (the layout is detected: verl's ``--backend megatron --local_dir`` is for verl's own layouts)."""
+    from shlex import quote
+
+    return f"tui-merger merge {quote(path)}{base}{alpha} --out {quote(out)}"
 
 
 def _family(info: RunInfo) -> str | None:

@@ -1987,6 +1987,10 @@ class VerlMegatronFormat(Format):
         needed = self.needs_base(c) if c.backend in MCORE_BACKENDS else c.lora is not None and c.needs_base
         base = f" --base {base_arg}" if needed else ""
         alpha = " --lora-alpha ALPHA" if self.needs_alpha(c) else ""
+        if c.backend in MCORE_BACKENDS:  # issue 39: Megatron-LM, Bridge, ms-swift, NeMo 2: their own command
+            from tui_merger.core.formats.megatron_runs import next_step
+
+            return next_step(c, path, base, alpha, out)
         return f"tui-merger merge --backend megatron --local_dir {quote(path)}{base}{alpha} --target_dir {quote(out)}"
 
     def open(self, options):
