@@ -16,12 +16,15 @@ never a pairwise or tree reduction), products keep C's left-to-right grouping (`
 read the low mantissa bits), including what it gives out of its range. Half precision is numpy's
 round-to-nearest-even, as ggml's software conversion.
 
-numpy only; nothing here reads or writes files.
+numpy, and numba's compiled loops of the same operations when numba is installed (kquants_jit.py);
+nothing here reads or writes files.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,23 +41,34 @@ K_TYPES = {Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block 
 _BLOCK = {Q4_0: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q3_K: 256, Q4_K: 256, Q5_K: 256, Q6_K: 256, F16: 1}
 
 
-def quantize(rows: np.ndarray, qtype: int, threads: int | None = None) -> np.ndarray:
+def quantize(rows: np.ndarray, qtype: int, threads: int | None = None, backend: str | None = None) -> np.ndarray:
     """float32 rows (..., n with n a multiple of 256) as ggml stores them in ``qtype`` (a k-quant):
     uint8 (..., n / 256 * block bytes). Chunks of super-blocks are quantized on ``threads`` threads
-    (default: the cores this process may use); numpy releases the GIL inside each operation."""
+    (default: the cores this process may use), by numba's compiled loops (kquants_jit.py) when numba
+    is installed and they are compiled, else by numpy (which releases the GIL inside each operation);
+    both give the same bytes. ``backend``: "auto" (the default; the TUI_MERGER_KQUANTS environment
+    variable may say "numpy" or "numba"), "numpy", or "numba" (waits for the compiled loops; an error
+    if numba cannot be imported)."""
     x = np.ascontiguousarray(rows, dtype=F)
     if x.shape[-1] % QK_K:
         raise ValueError(f"rows of {x.shape[-1]} values are not a multiple of {QK_K}")
     blocks = x.reshape(-1, QK_K)
-    fn = {Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}[qtype]
     out = np.empty((blocks.shape[0], K_TYPES[qtype]), dtype=np.uint8)
-    chunk = _COLUMNS // (QK_K // (16 if qtype in (Q3_K, Q6_K) else 32))  # super-blocks per thread step
+    kernel = _compiled(qtype, backend or os.environ.get("TUI_MERGER_KQUANTS") or "auto")
+    if kernel is not None:
+        chunk = _JIT_CHUNK
+
+        def one(start: int) -> None:
+            kernel(blocks[start:start + chunk], out[start:start + chunk])
+    else:
+        fn = {Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}[qtype]
+        chunk = _COLUMNS // (QK_K // (16 if qtype in (Q3_K, Q6_K) else 32))  # super-blocks per thread step
+
+        def one(start: int) -> None:
+            with np.errstate(all="ignore"):  # ggml divides by zero too, and then does not use the result
+                out[start:start + chunk] = fn(blocks[start:start + chunk])
+
     starts = range(0, blocks.shape[0], chunk)
-
-    def one(start: int) -> None:
-        with np.errstate(all="ignore"):  # ggml divides by zero too, and then does not use the result
-            out[start:start + chunk] = fn(blocks[start:start + chunk])
-
     n = min(threads or _cores(), len(starts))
     if n <= 1:
         for start in starts:
@@ -68,9 +82,56 @@ def quantize(rows: np.ndarray, qtype: int, threads: int | None = None) -> np.nda
     return out.reshape(*x.shape[:-1], -1)
 
 
-def _cores() -> int:
-    import os
+# -- numba's compiled loops (kquants_jit.py), when numba is installed ------------------------------------
+# The first k-quant tensor starts compiling (or loading from numba's cache) the loops of its type in a
+# thread of its own; until they are ready, numpy quantizes, so that a first compile (10-30 s) is spent
+# beside useful work, not before it. The bytes are the same either way.
+_JIT_CHUNK = 256  # super-blocks per thread step of the compiled loops
+_jit_lock = threading.Lock()
+_jit_state: dict[int, object] = {}  # qtype -> threading.Thread (compiling), a kernel, or None (failed)
+jit_error: str | None = None  # why the compiled loops are not used, when they are not
 
+
+def _compiled(qtype: int, backend: str):
+    if backend == "numpy":
+        return None
+    if backend not in ("auto", "numba"):
+        raise ValueError(f"unknown k-quant backend {backend!r}: auto, numpy or numba")
+    with _jit_lock:
+        state = _jit_state.get(qtype, _MISSING)
+        if state is _MISSING:
+            state = threading.Thread(target=_compile, args=(qtype,), name="kquants-jit", daemon=True)
+            _jit_state[qtype] = state
+            state.start()
+    if isinstance(state, threading.Thread):
+        if backend == "auto":
+            return None
+        state.join()
+        state = _jit_state[qtype]
+    if state is None and backend == "numba":
+        raise RuntimeError(f"numba's k-quant loops are not available: {jit_error}")
+    return state
+
+
+_MISSING = object()
+
+
+def _compile(qtype: int) -> None:
+    global jit_error
+    try:
+        import importlib
+
+        kquants_jit = importlib.import_module("tui_merger.core.ship.kquants_jit")
+        kernel = {Q3_K: kquants_jit.q3_k, Q4_K: kquants_jit.q4_k, Q5_K: kquants_jit.q5_k, Q6_K: kquants_jit.q6_k}[qtype]
+        kernel(np.zeros((1, QK_K), dtype=F), np.zeros((1, K_TYPES[qtype]), dtype=np.uint8))  # compiles or loads
+    except Exception as e:  # numba missing, or one that does not work with this numpy: numpy does it
+        jit_error = f"{type(e).__name__}: {e}".splitlines()[0]
+        kernel = None
+    with _jit_lock:
+        _jit_state[qtype] = kernel
+
+
+def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
