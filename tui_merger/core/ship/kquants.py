@@ -613,6 +613,8 @@ def tensor_types(tensors, mix_name: str, model: Model) -> tuple[dict[str, int], 
             if ncols % _BLOCK[new]:
                 new = F16
         types[name] = new
+    for qtype in set(types.values()) & set(K_TYPES):  # numba's loops start compiling (or loading) now,
+        _compiled(qtype, os.environ.get("TUI_MERGER_KQUANTS") or "auto")  # while the writer gets ready
     return types, fallbacks
 
 
