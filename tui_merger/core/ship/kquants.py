@@ -54,7 +54,8 @@ def quantize(rows: np.ndarray, qtype: int, threads: int | None = None, backend: 
         raise ValueError(f"rows of {x.shape[-1]} values are not a multiple of {QK_K}")
     blocks = x.reshape(-1, QK_K)
     out = np.empty((blocks.shape[0], K_TYPES[qtype]), dtype=np.uint8)
-    kernel = _compiled(qtype, backend or os.environ.get("TUI_MERGER_KQUANTS") or "auto")
+    kernel = _compiled(qtype, backend or os.environ.get("TUI_MERGER_KQUANTS") or "auto",
+                       start=x.size >= _JIT_CALL_VALUES)
     if kernel is not None:
         chunk = _JIT_CHUNK
 
@@ -87,18 +88,26 @@ def quantize(rows: np.ndarray, qtype: int, threads: int | None = None, backend: 
 # thread of its own; until they are ready, numpy quantizes, so that a first compile (10-30 s) is spent
 # beside useful work, not before it. The bytes are the same either way.
 _JIT_CHUNK = 256  # super-blocks per thread step of the compiled loops
+# Small work does not start a compile (numpy is done first, and a process that ends mid-compile leaves
+# nothing cached): a model with this many k-quant values when planned, or a call with this many.
+_JIT_MODEL_VALUES = 1 << 26
+_JIT_CALL_VALUES = 1 << 22
 _jit_lock = threading.Lock()
 _jit_state: dict[int, object] = {}  # qtype -> threading.Thread (compiling), a kernel, or None (failed)
 jit_error: str | None = None  # why the compiled loops are not used, when they are not
 
 
-def _compiled(qtype: int, backend: str):
+def _compiled(qtype: int, backend: str, start: bool = True):
+    """The compiled kernel of ``qtype`` when it is ready (backend "numba": waits for it), else None;
+    starts compiling it in a thread when ``start`` (or backend "numba") and nothing has yet."""
     if backend == "numpy":
         return None
     if backend not in ("auto", "numba"):
         raise ValueError(f"unknown k-quant backend {backend!r}: auto, numpy or numba")
     with _jit_lock:
         state = _jit_state.get(qtype, _MISSING)
+        if state is _MISSING and not start and backend == "auto":
+            return None
         if state is _MISSING:
             state = threading.Thread(target=_compile, args=(qtype,), name="kquants-jit", daemon=True)
             _jit_state[qtype] = state
@@ -613,8 +622,10 @@ def tensor_types(tensors, mix_name: str, model: Model) -> tuple[dict[str, int], 
             if ncols % _BLOCK[new]:
                 new = F16
         types[name] = new
+    values = sum(int(np.prod(shapes[n])) for n, t in types.items() if t in K_TYPES)
     for qtype in set(types.values()) & set(K_TYPES):  # numba's loops start compiling (or loading) now,
-        _compiled(qtype, os.environ.get("TUI_MERGER_KQUANTS") or "auto")  # while the writer gets ready
+        _compiled(qtype, os.environ.get("TUI_MERGER_KQUANTS") or "auto",  # while the writer gets ready
+                  start=values >= _JIT_MODEL_VALUES)
     return types, fallbacks
 
 
