@@ -220,5 +220,16 @@ def test_without_numba_numpy_writes_the_same_bytes(monkeypatch):
         state.join()
     assert kquants._jit_state[kquants.Q4_K] is None and "numba" in kquants.jit_error
     assert np.array_equal(kquants.quantize(rows, kquants.Q4_K), want["q4_k"])
-    with pytest.raises(RuntimeError, match="numba's k-quant loops are not available: .*numba"):
+    from tui_merger.core.errors import MergeError
+
+    with pytest.raises(MergeError, match=r"numba's k-quant loops were asked for .* not available \(.*numba.*\); install numba"):
         kquants.quantize(rows, kquants.Q4_K, backend="numba")
+
+
+def test_a_mistyped_backend_is_refused_in_one_sentence(monkeypatch):
+    from tui_merger.core.errors import MergeError
+
+    monkeypatch.setenv("TUI_MERGER_KQUANTS", "numbaa")
+    entry = RECORD["types_only"]["llama20"]
+    with pytest.raises(MergeError, match=r"^TUI_MERGER_KQUANTS is 'numbaa', which is not a k-quant backend; .*numpy or numba"):
+        kquants.tensor_types(list(entry["shapes"].items()), "q4_k_m", kquants.Model(**entry["model"]))

@@ -54,8 +54,7 @@ def quantize(rows: np.ndarray, qtype: int, threads: int | None = None, backend: 
         raise ValueError(f"rows of {x.shape[-1]} values are not a multiple of {QK_K}")
     blocks = x.reshape(-1, QK_K)
     out = np.empty((blocks.shape[0], K_TYPES[qtype]), dtype=np.uint8)
-    kernel = _compiled(qtype, backend or os.environ.get("TUI_MERGER_KQUANTS") or "auto",
-                       start=x.size >= _JIT_CALL_VALUES)
+    kernel = _compiled(qtype, backend or _backend(), start=x.size >= _JIT_CALL_VALUES)
     if kernel is not None:
         chunk = _JIT_CHUNK
 
@@ -85,8 +84,8 @@ def quantize(rows: np.ndarray, qtype: int, threads: int | None = None, backend: 
 
 # -- numba's compiled loops (kquants_jit.py), when numba is installed ------------------------------------
 # The first k-quant tensor starts compiling (or loading from numba's cache) the loops of its type in a
-# thread of its own; until they are ready, numpy quantizes, so that a first compile (10-30 s) is spent
-# beside useful work, not before it. The bytes are the same either way.
+# thread of its own; until they are ready, numpy quantizes, so that a first compile (12.5 s of CPU for
+# Q4_K_M's two kernels) is spent beside useful work, not before it. The bytes are the same either way.
 _JIT_CHUNK = 256  # super-blocks per thread step of the compiled loops
 # Small work does not start a compile (numpy is done first, and a process that ends mid-compile leaves
 # nothing cached): a model with this many k-quant values when planned, or a call with this many.
@@ -95,6 +94,17 @@ _JIT_CALL_VALUES = 1 << 22
 _jit_lock = threading.Lock()
 _jit_state: dict[int, object] = {}  # qtype -> threading.Thread (compiling), a kernel, or None (failed)
 jit_error: str | None = None  # why the compiled loops are not used, when they are not
+
+
+def _backend() -> str:
+    """TUI_MERGER_KQUANTS: auto (unset), numpy or numba; anything else is refused, not ignored."""
+    value = os.environ.get("TUI_MERGER_KQUANTS", "").strip().lower() or "auto"
+    if value not in ("auto", "numpy", "numba"):
+        from tui_merger.core.errors import MergeError
+
+        raise MergeError(f"TUI_MERGER_KQUANTS is {value!r}, which is not a k-quant backend; set it to auto, "
+                         "numpy or numba, or unset it.")
+    return value
 
 
 def _compiled(qtype: int, backend: str, start: bool = True):
@@ -118,7 +128,10 @@ def _compiled(qtype: int, backend: str, start: bool = True):
         state.join()
         state = _jit_state[qtype]
     if state is None and backend == "numba":
-        raise RuntimeError(f"numba's k-quant loops are not available: {jit_error}")
+        from tui_merger.core.errors import MergeError
+
+        raise MergeError(f"numba's k-quant loops were asked for (TUI_MERGER_KQUANTS=numba) but are not available "
+                         f"({jit_error}); install numba, or unset TUI_MERGER_KQUANTS to let numpy write the same bytes.")
     return state
 
 
@@ -624,8 +637,7 @@ def tensor_types(tensors, mix_name: str, model: Model) -> tuple[dict[str, int], 
         types[name] = new
     values = sum(int(np.prod(shapes[n])) for n, t in types.items() if t in K_TYPES)
     for qtype in set(types.values()) & set(K_TYPES):  # numba's loops start compiling (or loading) now,
-        _compiled(qtype, os.environ.get("TUI_MERGER_KQUANTS") or "auto",  # while the writer gets ready
-                  start=values >= _JIT_MODEL_VALUES)
+        _compiled(qtype, _backend(), start=values >= _JIT_MODEL_VALUES)  # while the writer gets ready
     return types, fallbacks
 
 
