@@ -10,6 +10,9 @@ for byte (first round).
     python benchmarks/bench_gguf_kquant.py --llama-python /work/venvs/llama/bin/python --layers 8 --repeats 3
     python benchmarks/bench_gguf_kquant.py --llama-python /work/venvs/llama/bin/python --model DIR --repeats 1
 
+Ours uses numba's compiled k-quant loops when the Python running this has numba (core/ship/kquants_jit.py;
+compiled once per machine, so run it once before measuring), numpy's with --kquants numpy or without numba.
+
 llama.cpp's wheel has no convert_hf_to_gguf.py, so the first step of its way is our own BF16 export
 (bf16 weights copied as they are, what `convert_hf_to_gguf.py --outtype bf16` writes for them); its
 quantizer then reads that file. Neither way checks its file here (`--check none`: llama.cpp's two steps
@@ -68,7 +71,8 @@ def child_tok(folder: str) -> None:
     child_tokenizer(folder)
 
 
-def child_cli(src: str, type_: str, out: str, check: str) -> None:
+def child_cli(src: str, type_: str, out: str, check: str, kquants: str = "auto") -> None:
+    os.environ["TUI_MERGER_KQUANTS"] = kquants  # core/ship/kquants.py: auto (numba when installed), numpy, numba
     os.execv(sys.executable, [sys.executable, "-m", "tui_merger", "gguf", src, "--type", type_, "--out", out,
                               "--plain", "--check", check])
 
@@ -93,6 +97,15 @@ def linked(model: Path, cache: Path, me: list) -> Path:
     return dst
 
 
+def _numba() -> str:
+    from importlib import metadata
+
+    try:
+        return f"numba {metadata.version('numba')} installed (llvmlite {metadata.version('llvmlite')})"
+    except metadata.PackageNotFoundError:
+        return "numba not installed (numpy's loops)"
+
+
 def spread(xs: list[float]) -> str:
     med = statistics.median(xs)
     return f"{med:.1f}" if len(xs) == 1 else f"{med:.1f} ({min(xs):.1f}-{max(xs):.1f})"
@@ -109,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, help="an existing bf16 Qwen2 folder instead of the random model")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of both ways")
     ap.add_argument("--check", default="none", choices=("none", "auto"), help="tui-merger's check of its file")
+    ap.add_argument("--kquants", default="auto", choices=("auto", "numpy", "numba"),
+                    help="our k-quant loops: numba's when installed (auto), or numpy's")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     args = ap.parse_args(argv)
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -144,7 +159,7 @@ def main(argv=None) -> int:
             got = {}
             for way in (("ours", "llama") if rnd % 2 == 0 else ("llama", "ours")):
                 if way == "ours":
-                    got["ours"] = step("ours", [*me, "_cli", str(src), "q4_k_m", str(tmp / "ours.gguf"), args.check])
+                    got["ours"] = step("ours", [*me, "_cli", str(src), "q4_k_m", str(tmp / "ours.gguf"), args.check, args.kquants])
                 else:
                     got["bf16"] = step("bf16", [*me, "_cli", str(src), "bf16", str(tmp / "bf16.gguf"), args.check])
                     got["quant"] = step("quant", [args.llama_python, "-c", QUANTIZE, str(tmp / "bf16.gguf"), str(tmp / "llama.gguf")])
@@ -165,6 +180,7 @@ def main(argv=None) -> int:
     both = [b["wall"] + q["wall"] for b, q in zip(cases["bf16"], cases["quant"])]
     both_cpu = [b["cpu"] + q["cpu"] for b, q in zip(cases["bf16"], cases["quant"])]
     print()
+    print(f"k-quants: {args.kquants}; {_numba()}")
     print(f"{src.name}: {size / 1e9:.2f} GB bf16; {cores} cores; {args.repeats} round(s), interleaved; "
           f"--check {args.check}; load average (1 min) before the steps: {min(loads):.1f}-{max(loads):.1f}")
     col = lambda k, key: spread([r[key] for r in cases[k]])  # noqa: E731

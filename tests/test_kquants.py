@@ -151,3 +151,85 @@ def test_what_llama_quantize_counts_as_a_matrix(shape, want):
     dimensions of size 1: Qwen2-MoE's (1, hidden) shared-expert gate stays as it is (found by llama.cpp
     itself loading our file)."""
     assert kquants.quantizable("blk.0.ffn_gate_inp_shexp_x.weight", shape) is want
+
+
+# -- numba's compiled loops (kquants_jit.py) against the same ggml-made blocks ----------------------------
+
+
+def _hard_rows():
+    with np.load(FIXTURES / "blocks.npz") as made:
+        return made["rows"].astype(np.float32), {k: made[k] for k in ("q3_k", "q4_k", "q5_k", "q6_k")}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("qtype", ["q3_k", "q4_k", "q5_k", "q6_k"])
+def test_both_backends_give_ggmls_bytes(qtype, backend):
+    """Each backend alone (not the mix of both that a first export uses while numba compiles)."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    rows, want = _hard_rows()
+    assert np.array_equal(kquants.quantize(rows, getattr(kquants, qtype.upper()), backend=backend), want[qtype])
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
+def test_the_lanes_and_the_exact_loop_each_give_ggmls_bytes(qtype):
+    """The vector path (many sub-blocks side by side) hands a group back to the one-block-at-a-time loop
+    when a value rounds outside nearest_int's easy range; the hard rows take both roads, and each road
+    alone gives ggml's bytes. On smooth random rows no group is handed back."""
+    pytest.importorskip("numba")
+    from tui_merger.core.ship import kquants_jit as J
+
+    rows, want = _hard_rows()
+    blocks, size = rows.reshape(-1, 256), kquants.K_TYPES[getattr(kquants, qtype.upper())]
+    exact, lanes = np.zeros((len(blocks), size), np.uint8), np.zeros((len(blocks), size), np.uint8)
+    getattr(J, qtype + "_exact")(blocks, exact)
+    assert np.array_equal(exact, want[qtype].reshape(-1, size))
+    assert getattr(J, qtype)(blocks, lanes) == 0  # ggml's hard rows stay in the easy range
+    assert np.array_equal(lanes, want[qtype].reshape(-1, size))
+    if qtype == "q6_k":
+        return  # |iscale * x| <= 32.9 whenever the sub-block is not all zero: only inf or NaN input leaves it
+    # a sub-block spanning one subnormal step: iscale is inf, the rounding leaves the easy range, and the
+    # group is redone by the exact loop, which does what numpy's bits trick does
+    odd = (np.random.default_rng(1).standard_normal((3 * J.G, 256)) * 0.02).astype(np.float32)
+    odd[J.G + 1, 32:64] = np.where(np.arange(32) % 2, np.float32(1e-45), np.float32(0))
+    out = np.zeros((len(odd), size), np.uint8)
+    assert getattr(J, qtype)(odd, out) == 1
+    assert np.array_equal(out, kquants.quantize(odd, getattr(kquants, qtype.upper()), backend="numpy"))
+    smooth = (np.random.default_rng(0).standard_normal((4 * J.G, 256)) * 0.02).astype(np.float32)
+    out = np.zeros((len(smooth), size), np.uint8)
+    assert getattr(J, qtype)(smooth, out) == 0
+    assert np.array_equal(out, kquants.quantize(smooth, getattr(kquants, qtype.upper()), backend="numpy"))
+
+
+def test_without_numba_numpy_writes_the_same_bytes(monkeypatch):
+    """numba not importable: the compile thread records why, and numpy writes ggml's bytes; asking for
+    numba then is an error that says why."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba -> ImportError
+    monkeypatch.delitem(sys.modules, "tui_merger.core.ship.kquants_jit", raising=False)
+    monkeypatch.setattr(kquants, "jit_error", None)
+    monkeypatch.setattr(kquants, "_jit_state", {})
+    rows, want = _hard_rows()
+    assert np.array_equal(kquants.quantize(rows, kquants.Q4_K), want["q4_k"])
+    assert kquants.Q4_K not in kquants._jit_state  # 11k values: too few to start a compile
+    monkeypatch.setattr(kquants, "_JIT_CALL_VALUES", 1)
+    assert np.array_equal(kquants.quantize(rows, kquants.Q4_K), want["q4_k"])
+    state = kquants._jit_state[kquants.Q4_K]  # the compile thread, or already what it left
+    if hasattr(state, "join"):
+        state.join()
+    assert kquants._jit_state[kquants.Q4_K] is None and "numba" in kquants.jit_error
+    assert np.array_equal(kquants.quantize(rows, kquants.Q4_K), want["q4_k"])
+    from tui_merger.core.errors import MergeError
+
+    with pytest.raises(MergeError, match=r"numba's k-quant loops were asked for .* not available \(.*numba.*\); install numba"):
+        kquants.quantize(rows, kquants.Q4_K, backend="numba")
+
+
+def test_a_mistyped_backend_is_refused_in_one_sentence(monkeypatch):
+    from tui_merger.core.errors import MergeError
+
+    monkeypatch.setenv("TUI_MERGER_KQUANTS", "numbaa")
+    entry = RECORD["types_only"]["llama20"]
+    with pytest.raises(MergeError, match=r"^TUI_MERGER_KQUANTS is 'numbaa', which is not a k-quant backend; .*numpy or numba"):
+        kquants.tensor_types(list(entry["shapes"].items()), "q4_k_m", kquants.Model(**entry["model"]))

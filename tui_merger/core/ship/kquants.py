@@ -16,12 +16,15 @@ never a pairwise or tree reduction), products keep C's left-to-right grouping (`
 read the low mantissa bits), including what it gives out of its range. Half precision is numpy's
 round-to-nearest-even, as ggml's software conversion.
 
-numpy only; nothing here reads or writes files.
+numpy, and numba's compiled loops of the same operations when numba is installed (kquants_jit.py);
+nothing here reads or writes files.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,23 +41,34 @@ K_TYPES = {Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block 
 _BLOCK = {Q4_0: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q3_K: 256, Q4_K: 256, Q5_K: 256, Q6_K: 256, F16: 1}
 
 
-def quantize(rows: np.ndarray, qtype: int, threads: int | None = None) -> np.ndarray:
+def quantize(rows: np.ndarray, qtype: int, threads: int | None = None, backend: str | None = None) -> np.ndarray:
     """float32 rows (..., n with n a multiple of 256) as ggml stores them in ``qtype`` (a k-quant):
     uint8 (..., n / 256 * block bytes). Chunks of super-blocks are quantized on ``threads`` threads
-    (default: the cores this process may use); numpy releases the GIL inside each operation."""
+    (default: the cores this process may use), by numba's compiled loops (kquants_jit.py) when numba
+    is installed and they are compiled, else by numpy (which releases the GIL inside each operation);
+    both give the same bytes. ``backend``: "auto" (the default; the TUI_MERGER_KQUANTS environment
+    variable may say "numpy" or "numba"), "numpy", or "numba" (waits for the compiled loops; an error
+    if numba cannot be imported)."""
     x = np.ascontiguousarray(rows, dtype=F)
     if x.shape[-1] % QK_K:
         raise ValueError(f"rows of {x.shape[-1]} values are not a multiple of {QK_K}")
     blocks = x.reshape(-1, QK_K)
-    fn = {Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}[qtype]
     out = np.empty((blocks.shape[0], K_TYPES[qtype]), dtype=np.uint8)
-    chunk = _COLUMNS // (QK_K // (16 if qtype in (Q3_K, Q6_K) else 32))  # super-blocks per thread step
+    kernel = _compiled(qtype, backend or _backend(), start=x.size >= _JIT_CALL_VALUES)
+    if kernel is not None:
+        chunk = _JIT_CHUNK
+
+        def one(start: int) -> None:
+            kernel(blocks[start:start + chunk], out[start:start + chunk])
+    else:
+        fn = {Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}[qtype]
+        chunk = _COLUMNS // (QK_K // (16 if qtype in (Q3_K, Q6_K) else 32))  # super-blocks per thread step
+
+        def one(start: int) -> None:
+            with np.errstate(all="ignore"):  # ggml divides by zero too, and then does not use the result
+                out[start:start + chunk] = fn(blocks[start:start + chunk])
+
     starts = range(0, blocks.shape[0], chunk)
-
-    def one(start: int) -> None:
-        with np.errstate(all="ignore"):  # ggml divides by zero too, and then does not use the result
-            out[start:start + chunk] = fn(blocks[start:start + chunk])
-
     n = min(threads or _cores(), len(starts))
     if n <= 1:
         for start in starts:
@@ -68,9 +82,78 @@ def quantize(rows: np.ndarray, qtype: int, threads: int | None = None) -> np.nda
     return out.reshape(*x.shape[:-1], -1)
 
 
-def _cores() -> int:
-    import os
+# -- numba's compiled loops (kquants_jit.py), when numba is installed ------------------------------------
+# The first k-quant tensor starts compiling (or loading from numba's cache) the loops of its type in a
+# thread of its own; until they are ready, numpy quantizes, so that a first compile (12.5 s of CPU for
+# Q4_K_M's two kernels) is spent beside useful work, not before it. The bytes are the same either way.
+_JIT_CHUNK = 256  # super-blocks per thread step of the compiled loops
+# Small work does not start a compile (numpy is done first, and a process that ends mid-compile leaves
+# nothing cached): a model with this many k-quant values when planned, or a call with this many.
+_JIT_MODEL_VALUES = 1 << 26
+_JIT_CALL_VALUES = 1 << 22
+_jit_lock = threading.Lock()
+_jit_state: dict[int, object] = {}  # qtype -> threading.Thread (compiling), a kernel, or None (failed)
+jit_error: str | None = None  # why the compiled loops are not used, when they are not
 
+
+def _backend() -> str:
+    """TUI_MERGER_KQUANTS: auto (unset), numpy or numba; anything else is refused, not ignored."""
+    value = os.environ.get("TUI_MERGER_KQUANTS", "").strip().lower() or "auto"
+    if value not in ("auto", "numpy", "numba"):
+        from tui_merger.core.errors import MergeError
+
+        raise MergeError(f"TUI_MERGER_KQUANTS is {value!r}, which is not a k-quant backend; set it to auto, "
+                         "numpy or numba, or unset it.")
+    return value
+
+
+def _compiled(qtype: int, backend: str, start: bool = True):
+    """The compiled kernel of ``qtype`` when it is ready (backend "numba": waits for it), else None;
+    starts compiling it in a thread when ``start`` (or backend "numba") and nothing has yet."""
+    if backend == "numpy":
+        return None
+    if backend not in ("auto", "numba"):
+        raise ValueError(f"unknown k-quant backend {backend!r}: auto, numpy or numba")
+    with _jit_lock:
+        state = _jit_state.get(qtype, _MISSING)
+        if state is _MISSING and not start and backend == "auto":
+            return None
+        if state is _MISSING:
+            state = threading.Thread(target=_compile, args=(qtype,), name="kquants-jit", daemon=True)
+            _jit_state[qtype] = state
+            state.start()
+    if isinstance(state, threading.Thread):
+        if backend == "auto":
+            return None
+        state.join()
+        state = _jit_state[qtype]
+    if state is None and backend == "numba":
+        from tui_merger.core.errors import MergeError
+
+        raise MergeError(f"numba's k-quant loops were asked for (TUI_MERGER_KQUANTS=numba) but are not available "
+                         f"({jit_error}); install numba, or unset TUI_MERGER_KQUANTS to let numpy write the same bytes.")
+    return state
+
+
+_MISSING = object()
+
+
+def _compile(qtype: int) -> None:
+    global jit_error
+    try:
+        import importlib
+
+        kquants_jit = importlib.import_module("tui_merger.core.ship.kquants_jit")
+        kernel = {Q3_K: kquants_jit.q3_k, Q4_K: kquants_jit.q4_k, Q5_K: kquants_jit.q5_k, Q6_K: kquants_jit.q6_k}[qtype]
+        kernel(np.zeros((1, QK_K), dtype=F), np.zeros((1, K_TYPES[qtype]), dtype=np.uint8))  # compiles or loads
+    except Exception as e:  # numba missing, or one that does not work with this numpy: numpy does it
+        jit_error = f"{type(e).__name__}: {e}".splitlines()[0]
+        kernel = None
+    with _jit_lock:
+        _jit_state[qtype] = kernel
+
+
+def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -552,6 +635,9 @@ def tensor_types(tensors, mix_name: str, model: Model) -> tuple[dict[str, int], 
             if ncols % _BLOCK[new]:
                 new = F16
         types[name] = new
+    values = sum(int(np.prod(shapes[n])) for n, t in types.items() if t in K_TYPES)
+    for qtype in set(types.values()) & set(K_TYPES):  # numba's loops start compiling (or loading) now,
+        _compiled(qtype, _backend(), start=values >= _JIT_MODEL_VALUES)  # while the writer gets ready
     return types, fallbacks
 
 

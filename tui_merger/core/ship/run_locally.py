@@ -23,7 +23,9 @@ RUN_LOCALLY_TYPE = "q4_k_m"
 # (docs/command-line.md: 0.5B f16 6.9 s, q8_0 8.0 s; 3B widths q4_k_m 6 layers in 163 s): the estimate
 # is that rate, so a faster machine takes less
 SOURCE_BYTES_PER_SECOND = {"f16": 150e6, "bf16": 150e6, "q8_0": 125e6}
-K_QUANT_BYTES_PER_SECOND = 7.4e6
+K_QUANT_BYTES_PER_SECOND = 7.4e6  # numpy's k-quant loops
+# numba's (core/ship/kquants_jit.py): 3B widths, 8 layers (1.86 GB) in 123-144 s at load average 14-28
+K_QUANT_NUMBA_BYTES_PER_SECOND = 14e6
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,14 @@ def estimate(folder: Path, type_: str) -> Estimate:
         source_bytes = sum(int(getattr(ref, "nbytes", 0) or 0) for ref in source.tensors.values())
     finally:
         source.close()
-    rate = SOURCE_BYTES_PER_SECOND.get(type_, K_QUANT_BYTES_PER_SECOND)
+    rate = SOURCE_BYTES_PER_SECOND.get(type_) or _k_quant_rate()
     return Estimate(type_, size, source_bytes / rate, source_bytes)
+
+
+def _k_quant_rate() -> float:
+    from importlib.util import find_spec
+
+    return K_QUANT_NUMBA_BYTES_PER_SECOND if find_spec("numba") is not None else K_QUANT_BYTES_PER_SECOND
 
 
 def make_local(
