@@ -351,6 +351,8 @@ def _expected_keys(model_type: str, config, folder: Path) -> dict:
                      f"{a}.attention.sliding_window": config.sliding_window})
     if model_type in ("gemma3_text", "cohere2", "olmo3", "gpt_oss"):
         keys[f"{a}.attention.sliding_window"] = config.sliding_window
+    if model_type == "gemma3_text":  # llama.cpp's gemma3 reads the sliding layers' rope base (else 10000); the converter writes it
+        keys[f"{a}.rope.freq_base_swa"] = config.rope_parameters["sliding_attention"]["rope_theta"]
     if model_type == "cohere2":
         keys[f"{a}.logit_scale"] = config.logit_scale
     if model_type in ("granite", "granitemoe"):

@@ -71,6 +71,13 @@ class Family:
         return not self.eps.startswith(("layer_norm", "norm_epsilon"))
 
 
+def _gemma3_local_base(config) -> float:
+    """The sliding layers' rope base, which llama.cpp's gemma3 reads as rope.freq_base_swa (10000 when
+    absent) and the converter writes; gguf._rope refuses any other than the family's swa_rope_theta."""
+    local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention") or {}
+    return float(local.get("rope_theta") or getattr(config, "rope_local_base_freq", None) or 10000.0)
+
+
 def _attention_scale_is_head_dim(config) -> str | None:
     """Gemma 2/3: llama.cpp scales attention by 1/sqrt(head_dim) (by 1/sqrt(hidden/heads) for the 27B
     layouts), where transformers takes query_pre_attn_scalar."""
@@ -500,7 +507,8 @@ FAMILIES: dict[str, Family] = {
                            keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections}, checks=(_gdn_heads_divide,)),
     "mistral": Family("Mistral", "llama", permute_qk=True),
     "gemma3_text": Family("Gemma 3", "gemma3", norm_plus_one=True, head_dim_keys=True, swa=6, swa_rope_theta=10000.0,
-                          keys={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window"},
+                          keys={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window",
+                                "rope.freq_base_swa": _gemma3_local_base},
                           checks=(_attention_scale_is_head_dim,)),
     "gemma2": Family("Gemma 2", "gemma2", norm_plus_one=True, head_dim_keys=True, swa=2,
                      keys={"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping",
