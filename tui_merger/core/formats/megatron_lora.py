@@ -782,7 +782,8 @@ def read_dist_adapter(dist_dir: Path, hf_config: dict, config_dir: Path | None =
     said = _cfg(hf_config, "num_experts") or _cfg(hf_config, "num_local_experts")
     if experts and said != experts:
         raise MergeError(
-            f"The adapters in {dist_dir} cover {experts} experts but the model's config has {said}; the adapter and "
+            f"The adapters in {dist_dir} cover {experts} experts but the model's config has "
+            f"{said if said else 'no experts'}; the adapter and "
             "the config come from different models: pass --base with the model the run started from."
         )
     layout = ShardLayout(Path(dist_dir), {}, 1, 1, 1, None, {})
@@ -901,7 +902,7 @@ def _vl_packed_experts(dist_dir, config_dir, lm_layers, globals_, source) -> lis
     if not modules:
         return []
     params = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
-    targets = set()
+    targets: dict[str, int] = {}
     for (layer, fc), by_expert in sorted(pairs.items()):
         module = f"{lm_layers}{layer}.mlp.experts"
         order = modules.get(module)
@@ -923,8 +924,8 @@ def _vl_packed_experts(dist_dir, config_dir, lm_layers, globals_, source) -> lis
         key = f"base_model.model.{module}.{'base_layer.' * depth}lora_"
         source.add(key + "A.weight", (_Global(f"layers.{layer}.mlp.experts.{fc}.linear_in (packed)", [a], None), None))
         source.add(key + "B.weight", (_Global(f"layers.{layer}.mlp.experts.{fc}.linear_out (packed)", [b], None), None))
-        targets.add(f"mlp.experts.{params[fc]}")
-    return sorted(targets)
+        targets[f"mlp.experts.{params[fc]}"] = order.index(params[fc])
+    return sorted(targets, key=targets.get)  # the module's parameter order, as peft nests them
 
 
 def _unswiglu(full, entry):
