@@ -174,3 +174,19 @@ def test_vl_moe_lora_refused_on_a_base_without_experts(tmp_path):
     written."""
     vl = _fixtures(tmp_path)
     refused(vl / CASE, tmp_path / "out", "4 experts", "no experts", "--base", base=vl / "hf_qwen3")
+
+
+def test_vl_moe_lora_merges_from_the_command_line(tmp_path):
+    """`tui-merger merge RUN --out O` in its own process (the command line imports transformers ahead in a thread,
+    which once made the base read as one transformers cannot build): written (verification is the test above's)."""
+    import os
+    import subprocess
+    import sys
+
+    vl = _fixtures(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "tui_merger", "merge", str(vl / CASE), "--out", str(tmp_path / "out"),
+                          "--no-verify"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "Merged model written" in run.stdout, run.stdout + run.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file()
