@@ -296,6 +296,7 @@ class ShardAdapter:
     notices: list[str] = field(default_factory=list)
     target_regex: str | None = None  # target_modules as peft's regex (a VL model: its language model's layers only)
     renames: dict = field(default_factory=dict)  # a VL model: in-memory -> save_pretrained names, where they differ
+    target_parameters: list = field(default_factory=list)  # a VL MoE model's packed experts (peft target_parameters)
 
 
 def _load_shard(path: Path, source: ShardSource) -> dict:
@@ -602,6 +603,7 @@ def peft_config(shards: ShardAdapter, alpha, base_name: str | None, use_rslora: 
         "rank_pattern": shards.rank_pattern,
         "alpha_pattern": {},
         "target_modules": shards.target_regex or modules,
+        **({"target_parameters": shards.target_parameters} if shards.target_parameters else {}),
         "use_dora": shards.kind == "dora",
         "use_rslora": bool(use_rslora),
         "lora_dropout": 0.0,
@@ -780,7 +782,8 @@ def read_dist_adapter(dist_dir: Path, hf_config: dict, config_dir: Path | None =
     said = _cfg(hf_config, "num_experts") or _cfg(hf_config, "num_local_experts")
     if experts and said != experts:
         raise MergeError(
-            f"The adapters in {dist_dir} cover {experts} experts but the model's config has {said}; the adapter and "
+            f"The adapters in {dist_dir} cover {experts} experts but the model's config has "
+            f"{said if said else 'no experts'}; the adapter and "
             "the config come from different models: pass --base with the model the run started from."
         )
     layout = ShardLayout(Path(dist_dir), {}, 1, 1, 1, None, {})
@@ -833,7 +836,11 @@ def _vl_adapter(dist_dir, hf_config, config_dir, layout, source, globals_, layer
     if config_dir is None:
         raise MergeError(f"{dist_dir} holds a vision-language model's LoRA run; pass --base with its Hugging Face model.")
     lm_layers, vision_names, renames = lora_names(Path(config_dir), sorted(vision))
+    packed = _vl_packed_experts(dist_dir, Path(config_dir), lm_layers, globals_, source)
     shards = _name(layout, hf_config, source, globals_, layers, experts, prefix="base_model.model." + lm_layers)
+    if packed:
+        shards.target_parameters = packed
+        shards.targets = sorted(set(shards.targets) | {"experts"})
     for mod, pair in sorted(vision.items()):
         if set(pair) != {"linear_in", "linear_out"}:
             raise MergeError(
@@ -853,7 +860,8 @@ def _vl_adapter(dist_dir, hf_config, config_dir, layout, source, globals_, layer
     # modules as one regex, the language model's by their place in a layer (model.layers. on disk,
     # model.language_model.layers. in transformers 5's model), the vision tower's by their name under it
     lm = sorted({n[len("base_model.model." + lm_layers):].split(".", 1)[1].rsplit(".", 2)[0]
-                 for n in source.tensors if n.startswith("base_model.model." + lm_layers) and n.endswith(".lora_A.weight")})
+                 for n in source.tensors if n.startswith("base_model.model." + lm_layers) and n.endswith(".lora_A.weight")
+                 and not re.search(r"\.mlp\.experts\.(?:base_layer\.)*lora_A\.weight$", n)})  # packed: parameters
     tower = sorted(vision_names[m][: -len(m) - 1].rsplit(".", 1)[-1] + "." + m for m in vision)  # visual.blocks.0...
     shards.target_regex = "|".join(
         ([r"(?:.*\.)?layers\.\d+\.(?:" + "|".join(map(re.escape, lm)) + ")"] if lm else [])
@@ -866,6 +874,58 @@ def _vl_adapter(dist_dir, hf_config, config_dir, layout, source, globals_, layer
             f"{', ...' if len(vision) > 3 else ''}: Megatron-Bridge's targets name them too); they are merged as well."
         )
     return shards
+
+
+_VL_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.adapter\."
+                        r"(linear_in|linear_out)\.weight$")
+
+
+def _vl_packed_experts(dist_dir, config_dir, lm_layers, globals_, source) -> list[str]:
+    """A VL MoE model whose experts transformers keeps packed (Qwen3-VL-MoE: ``mlp.experts.gate_up_proj``
+    [experts, 2 * ffn, hidden], gate rows first, ``down_proj`` [experts, hidden, ffn]): the experts' LoRA pairs
+    (megatron-core's per-expert ``linear_fc1`` = [gate; up] and ``linear_fc2``) leave ``globals_`` and become peft's
+    ``target_parameters`` LoRA on those parameters: lora_A [experts * r, in] (expert e's rows e * r ...), lora_B
+    [out, r * experts] (expert e's column j at j * experts + e), nested in the module's parameter order. Returns the
+    target_parameters ([] when the run has no expert adapters or the base keeps its experts one module each)."""
+    import torch
+
+    from tui_merger.core.formats.megatron_vl import packed_experts
+
+    pairs: dict[tuple[int, str], dict[int, dict[str, object]]] = {}
+    for name in list(globals_):
+        m = _VL_EXPERT.match(name)
+        if m:
+            pairs.setdefault((int(m.group(1)), m.group(3)), {}).setdefault(int(m.group(2)), {})[m.group(4)] = name
+    if not pairs:
+        return []
+    modules = packed_experts(config_dir)
+    if not modules:
+        return []
+    params = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+    targets: dict[str, int] = {}
+    for (layer, fc), by_expert in sorted(pairs.items()):
+        module = f"{lm_layers}{layer}.mlp.experts"
+        order = modules.get(module)
+        if order is None or params[fc] not in order:
+            raise MergeError(
+                f"{dist_dir} holds LoRA on layer {layer}'s experts, but transformers' model for "
+                f"{Path(config_dir) / 'config.json'} has no packed {params[fc]} there; pass --base with the model the run "
+                "was trained from."
+            )
+        n = len(by_expert)
+        if sorted(by_expert) != list(range(n)) or any(set(p) != {"linear_in", "linear_out"} for p in by_expert.values()):
+            raise MergeError(f"{dist_dir} holds an incomplete set of expert LoRA pairs on layer {layer}'s {fc}; the "
+                             "files are damaged: copy them again.")
+        A = [globals_.pop(by_expert[e]["linear_in"]).load() for e in range(n)]
+        B = [globals_.pop(by_expert[e]["linear_out"]).load() for e in range(n)]
+        a = torch.cat(A, 0)  # [experts * r, in]
+        b = torch.stack(B, -1).reshape(B[0].shape[0], -1)  # [out, r * experts]: column j * experts + e
+        depth = len(order) - 1 - order.index(params[fc])  # the first parameter innermost (peft's nesting)
+        key = f"base_model.model.{module}.{'base_layer.' * depth}lora_"
+        source.add(key + "A.weight", (_Global(f"layers.{layer}.mlp.experts.{fc}.linear_in (packed)", [a], None), None))
+        source.add(key + "B.weight", (_Global(f"layers.{layer}.mlp.experts.{fc}.linear_out (packed)", [b], None), None))
+        targets[f"mlp.experts.{params[fc]}"] = order.index(params[fc])
+    return sorted(targets, key=targets.get)  # the module's parameter order, as peft nests them
 
 
 def _unswiglu(full, entry):

@@ -359,6 +359,10 @@ def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[s
     from tui_merger.core.formats import hf_names
 
     config_dir = Path(config_dir)
+    # the command line imports transformers ahead in a thread (plan/preflight.py): a first
+    # transformers.AutoConfig while that thread is inside transformers.models.auto raised AttributeError
+    # (and the base read as "cannot build"); importing the module itself waits for the other thread
+    import transformers.models.auto  # noqa: F401
     layout = hf_names.disk_layout(config_dir)
     if layout is None:
         raise MergeError(
@@ -391,3 +395,22 @@ def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[s
             name = f"{prefix}.{mod}.weight"
             found[mod] = name[: -len(".weight")]
     return layers, found, dict(layout.renames)
+
+
+def packed_experts(config_dir: Path) -> dict[str, list[str]]:
+    """The modules of transformers' model for ``config_dir`` that keep their MoE experts packed as 3-D parameters
+    (Qwen3-VL-MoE's ``mlp.experts`` with ``gate_up_proj`` [experts, 2 * ffn, hidden] and ``down_proj`` [experts,
+    hidden, ffn] in transformers 5) -> those parameters' names in the module's order (peft nests the LoRA of
+    several parameters of one module in that order, the first innermost); {} when it has none."""
+    from tui_merger.core.formats import hf_names
+
+    layout = hf_names.disk_layout(Path(config_dir))
+    if layout is None:
+        return {}
+    out: dict[str, list[str]] = {}
+    for name, module in layout.model.named_modules():
+        if name.endswith(".mlp.experts"):
+            params = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+            if params:
+                out[name] = params
+    return out

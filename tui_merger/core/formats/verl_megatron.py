@@ -1678,6 +1678,10 @@ def open_bridge_peft(layout: MegatronLayout, options):
                                   shards.source)
     inputs = Inputs(None, adapter, {}, FilePlan(), paths_of(options), closers=[adapter])
     inputs.notices = list(layout.notices)
+    if adapter.param_lora:  # a VL MoE run's packed experts (megatron_lora._vl_packed_experts): placed in the base
+        from tui_merger.core.formats.hf_names import place_parameter_loras
+
+        place_parameter_loras(adapter, config_dir, inputs.closers)
     if shards.renames:  # a VL model saved under other names than its in-memory ones (issue 39): peft wants these
         inputs.memory_adapter = adapter
         inputs.adapter = renamed(adapter, lambda n: shards.renames.get(n, n))
