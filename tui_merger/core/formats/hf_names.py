@@ -94,6 +94,10 @@ def _meta_of(config_dir: Path):
     import json
 
     import transformers
+    # The command line imports transformers' model code ahead in a thread (plan/preflight.import_ahead): a
+    # first transformers.AutoConfig while that thread is inside transformers.models.auto raised AttributeError,
+    # and the base read as "cannot build". Importing the module itself waits for the other thread.
+    import transformers.models.auto  # noqa: F401
 
     config_path = Path(config_dir) / "config.json"
     try:
@@ -485,6 +489,7 @@ def meta_of_config(config: dict):
                 return model
     try:
         import transformers
+        import transformers.models.auto  # noqa: F401 - waits for the command line's import-ahead thread (_meta_of)
 
         cls = model_class(config)
         if cls is None:

@@ -359,10 +359,6 @@ def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[s
     from tui_merger.core.formats import hf_names
 
     config_dir = Path(config_dir)
-    # the command line imports transformers ahead in a thread (plan/preflight.py): a first
-    # transformers.AutoConfig while that thread is inside transformers.models.auto raised AttributeError
-    # (and the base read as "cannot build"); importing the module itself waits for the other thread
-    import transformers.models.auto  # noqa: F401
     layout = hf_names.disk_layout(config_dir)
     if layout is None:
         raise MergeError(
