@@ -1,12 +1,13 @@
 """ms-swift's Megatron LoRA saves (issue 39): ``<output>/checkpoint-N/{args.json, latest_checkpointed_iteration.txt,
 iter_NNNNNNN/}`` whose dist checkpoint holds only the ``*.lora_A/B.default.weight`` tensors of megatron-core's
-sharded state dict (TP 2 here).
+sharded state dict (TP 2 here), with their Transformer Engine ``_extra_state`` and the ``rng_state``.
 
-The fixture (tests/fixtures/ms_swift/generate.py) is written by megatron-core 0.16.1's own ``dist_checkpointing.save``
-from the sharded state dict ms-swift builds (its Megatron LoRA layers need Transformer Engine and CUDA, so ms-swift
-itself did not run); its LoRA weights were first written by peft itself as ``reference_adapter/`` on the base
-``megatron_layouts/fw/hf_dense``. References: peft's ``merge_and_unload`` of that adapter, and its tensors for the
-PEFT adapter export. ``full_tp2`` is a full-parameter run written the same way from the base's own weights.
+The fixtures ``swift_lora_tp2`` and ``swift_full_tp2`` were written by ms-swift 4.6.0's own
+``MegatronTrainer.save_checkpoint`` on CPU (tests/fixtures/ms_swift/generate_real.py: a Transformer Engine CPU shim,
+no training step); the LoRA run's weights are a PEFT adapter written by peft itself (``lora_tp2/reference_adapter``,
+on the base ``megatron_layouts/fw/hf_dense``) that ms-swift loaded with ``--adapters``. References: peft's
+``merge_and_unload`` of that adapter, its tensors for the PEFT adapter export, and the base's own weights for the
+full save. ``moe_ep2`` is still written by megatron-core's ``dist_checkpointing.save`` (generate.py).
 """
 
 from __future__ import annotations
@@ -131,9 +132,10 @@ def test_swift_rslora_and_lora_alpha(tmp_path):
 
 
 def test_swift_full_parameter_save_converts_to_the_base_weights(tmp_path):
-    """A full-parameter run (tuner_type full) laid out as ms-swift's models hold it (Transformer Engine spec: the
-    norms as linear_qkv / linear_fc1 ``layer_norm_weight``, fc1 through the SwiGLU factory), TP 2: every tensor
-    equals the weights it was made from; inspect reads the family and sizes from args.json."""
+    """ms-swift's own full-parameter save (tuner_type full, TP 2, Transformer Engine spec: the norms as
+    linear_qkv / linear_fc1 ``layer_norm_weight``, TE ``_extra_state`` and ``rng_state`` beside them): every tensor
+    equals the base ms-swift loaded; inspect reads the family and sizes from args.json; the ``last-checkpoint``
+    link ms-swift makes is neither a second checkpoint nor a problem, and can be named itself."""
     from safetensors.torch import load_file
 
     run = tmp_path / "megatron_output"
@@ -147,6 +149,9 @@ def test_swift_full_parameter_save_converts_to_the_base_weights(tmp_path):
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    run_merge(MergeOptions(checkpoint=run / "last-checkpoint", out=tmp_path / "out2", base=BASE), fsync=False)
+    got = read_output(tmp_path / "out2")
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
 
 
 def test_swift_bad_input(tmp_path):
