@@ -165,6 +165,13 @@ def test_swift_bad_input(tmp_path):
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
     _refused(_run(tmp_path / "e"), tmp_path / "o5", "cover 2 layers", "has 3", base=other)
+    # ms-swift's save with save_safetensors and no_save_optim: the iteration holds only common.pt (its
+    # save_checkpoint passes no model), the weights are its Hugging Face export beside it
+    run = _run(tmp_path / "g", save_safetensors=True, no_save_optim=True)
+    for p in (run / "checkpoint-3" / "iter_0000003").iterdir():
+        if p.name != "common.pt":
+            p.unlink()
+    _refused(run, tmp_path / "o7", "holds no weights", "no_save_optim", "checkpoint-3-merged", base=BASE)
     # an iteration missing one of its files
     run = _run(tmp_path / "f")
     next((run / "checkpoint-3" / "iter_0000003").glob("*.distcp")).unlink()
