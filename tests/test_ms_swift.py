@@ -1,12 +1,13 @@
 """ms-swift's Megatron LoRA saves (issue 39): ``<output>/checkpoint-N/{args.json, latest_checkpointed_iteration.txt,
 iter_NNNNNNN/}`` whose dist checkpoint holds only the ``*.lora_A/B.default.weight`` tensors of megatron-core's
-sharded state dict (TP 2 here).
+sharded state dict (TP 2 here), with their Transformer Engine ``_extra_state`` and the ``rng_state``.
 
-The fixture (tests/fixtures/ms_swift/generate.py) is written by megatron-core 0.16.1's own ``dist_checkpointing.save``
-from the sharded state dict ms-swift builds (its Megatron LoRA layers need Transformer Engine and CUDA, so ms-swift
-itself did not run); its LoRA weights were first written by peft itself as ``reference_adapter/`` on the base
-``megatron_layouts/fw/hf_dense``. References: peft's ``merge_and_unload`` of that adapter, and its tensors for the
-PEFT adapter export. ``full_tp2`` is a full-parameter run written the same way from the base's own weights.
+The fixtures ``swift_lora_tp2`` and ``swift_full_tp2`` were written by ms-swift 4.6.0's own
+``MegatronTrainer.save_checkpoint`` on CPU (tests/fixtures/ms_swift/generate_real.py: a Transformer Engine CPU shim,
+no training step); the LoRA run's weights are a PEFT adapter written by peft itself (``lora_tp2/reference_adapter``,
+on the base ``megatron_layouts/fw/hf_dense``) that ms-swift loaded with ``--adapters``. References: peft's
+``merge_and_unload`` of that adapter, its tensors for the PEFT adapter export, and the base's own weights for the
+full save. ``moe_ep2`` is still written by megatron-core's ``dist_checkpointing.save`` (generate.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from tui_merger.core.merge.engine import run_merge
 from tui_merger.core.options import MergeOptions
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SWIFT = FIXTURES / "ms_swift" / "lora_tp2"
+SWIFT = FIXTURES / "ms_swift" / "swift_lora_tp2"  # written by ms-swift 4.6.0's own save (generate_real.py)
+REFERENCE = FIXTURES / "ms_swift" / "lora_tp2" / "reference_adapter"  # written by peft; ms-swift loaded it (--adapters)
+FULL = FIXTURES / "ms_swift" / "swift_full_tp2"  # ms-swift's own full-parameter save of the base
 BASE = FIXTURES / "megatron_layouts" / "fw" / "hf_dense"
 
 
@@ -39,7 +42,7 @@ def empty_cache(tmp_path, monkeypatch):
 def _run(tmp: Path, **args) -> Path:
     """The ms-swift output folder copied, its args.json (both copies) changed by ``args``."""
     run = tmp / "megatron_output"
-    shutil.copytree(SWIFT, run, ignore=shutil.ignore_patterns("reference_adapter"))
+    shutil.copytree(SWIFT, run, symlinks=True)
     for path in (run / "args.json", run / "checkpoint-3" / "args.json"):
         said = json.loads(path.read_text())
         said.update(args)
@@ -54,7 +57,7 @@ def peft_merged():
     from peft import PeftModel
 
     model = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, SWIFT / "reference_adapter").merge_and_unload()
+    merged = PeftModel.from_pretrained(model, REFERENCE).merge_and_unload()
     return {k: v.detach().clone() for k, v in merged.state_dict().items()}
 
 
@@ -88,7 +91,7 @@ def test_swift_lora_exports_the_adapter_peft_wrote(tmp_path):
     folder = next(p.parent for p in (tmp_path / "out").rglob("adapter_config.json"))
     config = json.loads((folder / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (8, 32, False)
-    ours, want = load_file(folder / "adapter_model.safetensors"), load_file(SWIFT / "reference_adapter" / "adapter_model.safetensors")
+    ours, want = load_file(folder / "adapter_model.safetensors"), load_file(REFERENCE / "adapter_model.safetensors")
     assert sorted(ours) == sorted(want)
     for name, tensor in want.items():
         assert torch.equal(ours[name], tensor), name
@@ -101,7 +104,9 @@ def test_inspect_shows_an_swift_lora_run_and_its_base_from_args_json(tmp_path, p
         "ms-swift", "iter_0000003", 3, 2, "megatron_output")
     notes = " ".join(c.notes)
     assert "args.json: TP 2" in notes and "An ms-swift lora run: adapters only (r 8, alpha 32)" in notes, notes
-    assert c.needs_base and "Qwen/Qwen2-tiny-for-tests" in notes and "model family: qwen2" in notes, notes
+    # ms-swift records the local folder it read the model from (model_dir; here the generator's, gone): --base needed
+    assert c.needs_base and "/models/Qwen2-tiny (model_dir), which is not on this machine" in notes, notes
+    assert "model family: qwen2" in notes, notes
     assert (c.lora["r"], c.lora["alpha"], c.lora["rslora"], c.lora["target_modules"]) == (8, 32, False, ["all-linear"])
     # ms-swift records the local folder the model was read from (model_dir): found there, no --base needed
     run = _run(tmp_path / "b", model_dir=str(BASE.resolve()))
@@ -127,13 +132,14 @@ def test_swift_rslora_and_lora_alpha(tmp_path):
 
 
 def test_swift_full_parameter_save_converts_to_the_base_weights(tmp_path):
-    """A full-parameter run (tuner_type full) laid out as ms-swift's models hold it (Transformer Engine spec: the
-    norms as linear_qkv / linear_fc1 ``layer_norm_weight``, fc1 through the SwiGLU factory), TP 2: every tensor
-    equals the weights it was made from; inspect reads the family and sizes from args.json."""
+    """ms-swift's own full-parameter save (tuner_type full, TP 2, Transformer Engine spec: the norms as
+    linear_qkv / linear_fc1 ``layer_norm_weight``, TE ``_extra_state`` and ``rng_state`` beside them): every tensor
+    equals the base ms-swift loaded; inspect reads the family and sizes from args.json; the ``last-checkpoint``
+    link ms-swift makes is neither a second checkpoint nor a problem, and can be named itself."""
     from safetensors.torch import load_file
 
     run = tmp_path / "megatron_output"
-    shutil.copytree(FIXTURES / "ms_swift" / "full_tp2", run)
+    shutil.copytree(FULL, run, symlinks=True)
     (c,) = scan(run).candidates
     notes = " ".join(c.notes)
     assert c.backend == "ms-swift" and c.step == 3 and "args.json: TP 2" in notes and "model family: qwen2" in notes, notes
@@ -143,10 +149,13 @@ def test_swift_full_parameter_save_converts_to_the_base_weights(tmp_path):
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    run_merge(MergeOptions(checkpoint=run / "last-checkpoint", out=tmp_path / "out2", base=BASE), fsync=False)
+    got = read_output(tmp_path / "out2")
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
 
 
 def test_swift_bad_input(tmp_path):
-    _refused(_run(tmp_path / "a"), tmp_path / "o1", "Qwen/Qwen2-tiny-for-tests", "--base")
+    _refused(_run(tmp_path / "a"), tmp_path / "o1", "Qwen2-tiny (model_dir)", "--base")
     _refused(_run(tmp_path / "b", lora_alpha=None), tmp_path / "o2", "args.json", "lora_alpha", "--lora-alpha", base=BASE)
     _refused(_run(tmp_path / "c", tuner_type="lora_llm"), tmp_path / "o3", "lora_llm", "checkpoint-N-merged", base=BASE)
     _refused(_run(tmp_path / "d", tuner_type="longlora"), tmp_path / "o4", "longlora", "--adapter", base=BASE)
@@ -156,6 +165,13 @@ def test_swift_bad_input(tmp_path):
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
     _refused(_run(tmp_path / "e"), tmp_path / "o5", "cover 2 layers", "has 3", base=other)
+    # ms-swift's save with save_safetensors and no_save_optim: the iteration holds only common.pt (its
+    # save_checkpoint passes no model), the weights are its Hugging Face export beside it
+    run = _run(tmp_path / "g", save_safetensors=True, no_save_optim=True)
+    for p in (run / "checkpoint-3" / "iter_0000003").iterdir():
+        if p.name != "common.pt":
+            p.unlink()
+    _refused(run, tmp_path / "o7", "holds no weights", "no_save_optim", "checkpoint-3-merged", base=BASE)
     # an iteration missing one of its files
     run = _run(tmp_path / "f")
     next((run / "checkpoint-3" / "iter_0000003").glob("*.distcp")).unlink()
@@ -231,7 +247,7 @@ def test_swift_lora_into_the_mcore_model_it_names(tmp_path, peft_merged):
     """``mcore_model`` in args.json: the run started from a Megatron checkpoint (here ms-swift's own full-parameter
     save of the same base), which is converted and merged into; the Hugging Face config from ``model_dir``."""
     full = tmp_path / "full"
-    shutil.copytree(FIXTURES / "ms_swift" / "full_tp2", full)
+    shutil.copytree(FULL, full, symlinks=True)
     run = _run(tmp_path, model_dir=str(BASE.resolve()), mcore_model=str(full))
     result = run_merge(MergeOptions(checkpoint=run, out=tmp_path / "out"), fsync=False)
     assert any("merged into the base checkpoint its args.json names" in n and "iter_0000003" in n

@@ -975,7 +975,10 @@ def swift_peft(args: dict) -> tuple[dict, str | None]:
         v = args.get(key)
         return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
-    peft = {"_target_": "ms-swift LoRA", "dim": num("lora_rank"), "alpha": num("lora_alpha"),
+    alpha = num("lora_alpha")  # ms-swift's own args.json holds a float (lora_alpha: 32.0): said as 32
+    if isinstance(alpha, float) and alpha.is_integer():
+        alpha = int(alpha)
+    peft = {"_target_": "ms-swift LoRA", "dim": num("lora_rank"), "alpha": alpha,
             "use_rslora": args.get("use_rslora") is True, "target_modules": args.get("target_modules")}
     base = args.get("mcore_model")
     return peft, base if isinstance(base, str) and base.strip() else None

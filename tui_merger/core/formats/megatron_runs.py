@@ -643,6 +643,16 @@ def check_iteration(folder: Path, info: RunInfo) -> None:
             f"tui-merger does not read (it reads version {', '.join(map(str, TORCH_DIST_VERSIONS))}); save it in the "
             "legacy format (Megatron-LM: --ckpt-convert-format torch --ckpt-convert-save DIR) and convert that."
         )
+    said = read_json(info.config_file) or {} if info.framework == "ms-swift" and info.config_file else {}
+    if (not (info.model_dir / DCP_METADATA).is_file() and said.get("save_safetensors") is True
+            and said.get("no_save_optim") is True):
+        # issue 39: ms-swift's save_checkpoint passes no model to save_mcore_checkpoint then (only common.pt)
+        raise MergeError(
+            f"{info.model_dir} holds no weights: ms-swift saves none in its Megatron iteration when save_safetensors "
+            f"and no_save_optim are both set (args.json); its weights are the Hugging Face files it wrote in "
+            f"{info.model_dir.parent} (with merge_lora, the merged model in {info.model_dir.parent.name}-merged), so "
+            "point tui-merger at those (an adapter with --adapter and --base)."
+        )
     if not (info.model_dir / DCP_METADATA).is_file():
         raise MergeError(
             f"{info.model_dir} has no {DCP_METADATA} file (the dist checkpoint's index), so it holds no complete "
