@@ -121,3 +121,20 @@ def test_the_structure_check_counts_the_experts(all_linear, tmp_path, capsys):
     structure = next(c for c in report["checks"] if c["name"] == "structure")
     assert structure["status"] == "fail"
     assert "model.layers.0.mlp.experts has 3 of the 4 experts the config declares (missing: expert 3)" in structure["details"]
+
+
+def test_parameter_loras_a_reader_left_unplaced_are_refused_not_dropped(all_linear):
+    """peft's target_parameters pairs are placed in the base's tensors by the reader that opens the inputs
+    (hf_names.place_parameter_loras); a path that never placed them must not plan a merge without them."""
+    import json
+
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.formats.adapter import open_adapter
+    from tui_merger.core.io.sources import open_model
+    from tui_merger.core.plan.plan import build_plan
+
+    base, adapter_dir = all_linear
+    adapter = open_adapter(adapter_dir)
+    assert adapter.param_lora  # peft's packed-expert pairs, not yet placed
+    with pytest.raises(MergeError, match=r"cannot place in this checkpoint's tensors yet; nothing was written"):
+        build_plan(open_model(base), adapter, json.loads((base / "config.json").read_text()), None, 1 << 30)

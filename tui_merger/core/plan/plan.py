@@ -267,6 +267,13 @@ def build_plan(
                 ops[bname].append(BiasOp(mod, entry.B_bias, entry.scale))
 
     # 3b. LoRA on packed experts kept packed on disk (peft target_parameters)
+    unplaced = list(getattr(adapter, "param_lora", {}) or {})
+    if unplaced:  # a reader that never placed them in the base's tensors: refused, never dropped
+        raise MergeError(
+            f"The adapter changes parameters ({', '.join(unplaced[:3])}{', ...' if len(unplaced) > 3 else ''}; peft's "
+            "target_parameters) that tui-merger cannot place in this checkpoint's tensors yet; nothing was written. "
+            "Where the run also saved a PEFT adapter folder, merge that: tui-merger merge --base BASE --adapter ADAPTER."
+        )
     for pname, entry in getattr(adapter, "expert_lora", {}).items():
         module, _, param = pname.rpartition(".")
         name = resolve(module, param, "LoRA on experts")
