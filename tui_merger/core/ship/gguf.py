@@ -34,7 +34,7 @@ from tui_merger.core.events import CancelToken, EventSink, Notice, PhaseStarted,
 from tui_merger.core.io.files import fsync_path
 from tui_merger.core.merge.output import check_space
 from tui_merger.core.options import human_bytes
-from tui_merger.core.ship import gguf_families
+from tui_merger.core.ship import gguf_families, gguf_vl
 from tui_merger.core.ship.gguf_families import REFUSED, Family
 # the tokenizer (tokenizer.ggml.*) is gguf_vocab's; the split regexes stay importable here for the tests
 from tui_merger.core.ship.gguf_vocab import _LLAMA3_SPLIT, _O200K_SPLIT, _QWEN2_SPLIT, add_tokenizer  # noqa: F401
@@ -59,6 +59,7 @@ CANCELLED = "GGUF export cancelled; nothing was written."
 _BLOCK_BYTES = 8 << 20  # source bytes read and converted at a time (a vocabulary-sized embedding is never held whole)
 _EXPERT = re.compile(r"^(?P<layer>.+\.\d+\.[^.]+\.experts)\.(?P<e>\d+)\.(?P<kind>[^.]+)\.weight$")  # one expert's matrix
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_VL = "__vision_language__"  # in the config dict of a vision-language folder's language model: the folder's model_type
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer older checkpoints saved; llama.cpp computes it
 
 @dataclass(frozen=True)
@@ -140,6 +141,8 @@ def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> G
     hp = _hyperparameters(folder, config, family, notices)
     source = _open_source(folder)
     try:
+        if config.get(_VL):
+            source = gguf_vl.text_source(folder, source, hp["config"], notices)
         tensors = _plan_tensors(folder, source, config, hp, family, type_, notices)
         writer = gguf.GGUFWriter(None, arch)
         vocab = add_tokenizer(writer, folder, hp["vocab_size"], notices)
@@ -290,11 +293,9 @@ def _read_config(folder: Path) -> dict:
     if not isinstance(config, dict):
         raise MergeError(f"{path} does not hold a JSON object; copy it again from the original model.")
     model_type = config.get("model_type")
-    if "text_config" in config or "vision_config" in config:
-        raise MergeError(
-            f"{folder} is a vision-language model ({model_type}); GGUF export writes text models only "
-            f"({FAMILY_NAMES}), and llama.cpp keeps a vision tower in a separate mmproj file."
-        )
+    if gguf_vl.is_vl(config):  # its language model, as llama.cpp's converter writes it (the vision tower: mmproj, not ours)
+        config = {**gguf_vl.text_config(folder, config, FAMILIES, FAMILY_NAMES), _VL: model_type}
+        model_type = config.get("model_type")
     if model_type in REFUSED:
         raise MergeError(f"{folder} is a {model_type} model; {REFUSED[model_type]}.")
     if model_type not in FAMILIES:
@@ -326,6 +327,7 @@ def _hyperparameters(folder: Path, raw: dict, family: Family, notices: list) -> 
     except Exception as err:  # a config transformers cannot build: say it in one sentence
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise MergeError(f"transformers cannot read {folder / 'config.json'} ({first[:200]}); fix or replace it.") from None
+    config = gguf_vl.text_hf_config(config)  # a vision-language folder: its language model's config
     if getattr(config, "is_heterogeneous", False):  # per-layer values (Gemma 4's full-attention heads): the family's keys
         config.allow_global_per_layer_attribute_access = True  # read them per layer; the common keys take the base ones
 
