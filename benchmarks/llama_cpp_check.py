@@ -5,6 +5,8 @@ Not part of CI (llama.cpp must be built; a prebuilt wheel is in ../shared/tools)
     python -m venv --system-site-packages /work/venvs/llama-sys     # sees this project's torch and transformers
     /work/venvs/llama-sys/bin/pip install --no-deps ../shared/tools/llama_cpp_python-*.whl
     /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_check.py [model_type ...] [--types f16,q8_0,q4_k_m] [--seed 0]
+    (model_type vl:gemma3 / vl:gemma4: a Gemma 3 / Gemma 4 vision-language folder, its language model's GGUF judged
+    against the VL model's own logits on text-only input; the in-app check's verdict is printed for each file)
 
 For a tiny random model of each family (tests/test_gguf_families.py's builder and configs, widened to
 hidden 256 so that k-quant rows are whole super-blocks; bf16 weights; a trained byte-level BPE
@@ -60,11 +62,13 @@ def main(argv: list[str]) -> int:
     import torch
     import llama_cpp
     from llama_cpp import Llama
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from test_gguf import SAMPLES
     from test_gguf_families import CASES, make_family
+    from test_gguf_vl_text import make_vl
     from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_check import check_gguf
 
     types = ["f16", "q8_0", "q4_k_m"]
     if "--types" in argv:
@@ -82,10 +86,16 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for n, family in enumerate(families):
-            folder = make_family(root / f"tiny-{n}", family, dtype=torch.bfloat16, seed=seed, **WIDE, **WIDE_FAMILY.get(family, {}))
+            vl = family.startswith("vl:")  # a vision-language folder (Gemma 3/4): its language model's GGUF, judged
+            # against the VL model's own logits on text-only input, and the in-app check's verdict shown
+            if vl:
+                text_type = f"{family[3:]}_text"
+                folder = make_vl(root / f"tiny-{n}", family[3:], seed=seed, dtype=torch.bfloat16, **WIDE, **WIDE_FAMILY.get(text_type, {}))
+            else:
+                folder = make_family(root / f"tiny-{n}", family, dtype=torch.bfloat16, seed=seed, **WIDE, **WIDE_FAMILY.get(family, {}))
             bf16 = export_gguf(folder, "bf16", root / f"{folder.name}-bf16.gguf").path
             tok = AutoTokenizer.from_pretrained(folder)
-            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            hf = (AutoModelForImageTextToText if vl else AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32).eval()
             chat = tok.apply_chat_template([{"role": "user", "content": "2+2=? 中文 🤖 and a longer question"}],
                                            tokenize=False, add_generation_prompt=True)
             texts = SAMPLES + [chat]
@@ -145,6 +155,11 @@ def main(argv: list[str]) -> int:
                     vs = f"{rel:.1e}"
                 rows.append((family, type_, "yes", f"{same_ids}/{len(texts)}", vs, f"{greedy}/{NEW_TOKENS}",
                              "PASS" if ok else "FAIL"))
+                if vl:
+                    del llm
+                    verdict = check_gguf(folder, path, type_, reader="llama.cpp")
+                    print(f"  {family} {type_}: the in-app check says {verdict.line()}", flush=True)
+                    llm = None
                 print("  " + " | ".join(rows[-1]) + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
                 del llm
     print()

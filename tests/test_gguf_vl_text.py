@@ -34,14 +34,17 @@ SPECIAL_IDS = {  # the image tokens inside the tiny vocabulary
 }
 
 
-def make_vl(path: Path, vl_type: str, seed: int = 0) -> Path:
-    """A tiny random ``Gemma{3,4}ForConditionalGeneration`` (random norms, as test_gguf_families makes them), saved by transformers."""
+def make_vl(path: Path, vl_type: str, seed: int = 0, dtype=torch.float32, **text_overrides) -> Path:
+    """A tiny random ``Gemma{3,4}ForConditionalGeneration`` (random norms, as test_gguf_families makes them), saved by
+    transformers; ``text_overrides`` widen the language model (benchmarks/llama_cpp_check.py)."""
     import transformers
     from transformers import AutoConfig
 
     torch.manual_seed(seed)
     text_type = f"{vl_type}_text"
     text = dict(SMALL, vocab_size=448, **CASES[text_type][0])
+    text.update(text_overrides)
+    text["pad_token_id"] = 0  # the VL model's forward replaces image/audio tokens by it (Gemma 4 needs one)
     text.pop("rope_theta", None) if "rope_parameters" in text else None
     config = AutoConfig.for_model(vl_type, text_config=text, vision_config=VISION[vl_type], audio_config=None,
                                   **SPECIAL_IDS[vl_type]) if vl_type == "gemma4" else \
@@ -54,7 +57,7 @@ def make_vl(path: Path, vl_type: str, seed: int = 0) -> Path:
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
             if vl_type == "gemma4" and "language_model" in name and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.mul_(p.numel() ** -0.25)  # as test_gguf_families does for Gemma 4 (attention scale 1)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     byte_level_tokenizer("qwen").save_pretrained(path)
     return path
 
@@ -164,3 +167,40 @@ def test_vl_folder_names_where_transformers_keeps_them(tmp_path):
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
     for x, y in zip(a.tensors, b.tensors):
         assert np.array_equal(np.asarray(x.data), np.asarray(y.data)), x.name
+
+
+def test_check_of_vl_gguf_runs_the_vl_model_on_text(pair, tmp_path):
+    """The in-app check's reference for a VL folder is transformers' own VL model on the text-only prompt (streamed
+    from the folder): equal to from_pretrained's logits. Without llama.cpp, transformers' GGUF reader cannot read
+    gemma3/gemma4 files: the file is "not checked", never PASSED."""
+    import transformers
+
+    from tui_merger.core.ship import gguf_check
+
+    _vl_type, vl, _text = pair
+    ref = gguf_check._reference(vl, None)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vl, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([ref.prompt])).logits[0]
+    torch.testing.assert_close(ref.logits, want, rtol=1e-4, atol=1e-4)
+    path = export_gguf(vl, "f16", tmp_path / "vl.gguf").path
+    verdict = gguf_check.check_gguf(vl, path, "f16", reader="transformers")
+    assert verdict.status == gguf_check.NOT_CHECKED and not verdict.passed
+
+
+@pytest.mark.parametrize("rope, checked", [
+    ({"full_attention": {"rope_type": "default", "rope_theta": 50000.0}}, True),
+    ({"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}, False),  # as Gemma 3 4B+
+])
+def test_transformers_reader_checks_gemma3_only_where_it_builds_the_same_model(tmp_path, rope, checked):
+    """transformers' GGUF reader builds Gemma 3 with query_pre_attn_scalar 256 and no rope scaling: with head size 256
+    and no scaling it is the file's model (PASSED); with Gemma 3 4B's linear rope scaling it is another (measured:
+    FAILED at 0.37 on a file llama.cpp PASSES at 0.0078), so "not checked"; head size 16 (above): "not checked"."""
+    from test_gguf_families import make_family
+    from tui_merger.core.ship import gguf_check
+
+    rope = {**rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    folder = make_family(tmp_path / "g", "gemma3_text", head_dim=256, query_pre_attn_scalar=256, rope_parameters=rope)
+    path = export_gguf(folder, "f16", tmp_path / "g.gguf").path
+    verdict = gguf_check.check_gguf(folder, path, "f16", reader="transformers")
+    assert verdict.status == (gguf_check.PASSED if checked else gguf_check.NOT_CHECKED), verdict.line()

@@ -358,6 +358,21 @@ def _with_llama_cpp(path: Path, ref: _Reference, lora: Path | None = None):
     return _Read(ids, logits), name
 
 
+def _gemma3_misread(reader) -> bool:
+    """transformers' reader maps neither gemma3's rope scaling (Gemma 3 4B+: linear, factor 8) nor its attention scale
+    (query_pre_attn_scalar, default 256; llama.cpp scales by the head size): measured wrong on such files (gemvl)."""
+
+    def value(key):
+        field = reader.fields.get(key)
+        if field is None or not field.data:
+            return None
+        part = field.parts[field.data[0]]
+        return bytes(part).decode() if field.types and field.types[0].name == "STRING" else part[0]
+
+    scaling = value("gemma3.rope.scaling.type")
+    return value("gemma3.attention.key_length") != 256 or scaling not in (None, "none")
+
+
 def _transformers_cannot_read(path: Path) -> str | None:
     """Why transformers' GGUF reader cannot check this file (None: it can try), from the header alone."""
     import gguf
@@ -384,6 +399,12 @@ def _transformers_cannot_read(path: Path) -> str | None:
         return (f"transformers {transformers.__version__}'s GGUF reader builds Gemma 4 without the file's sliding-layer head "
                 "size, per-layer embedding size, layer pattern, shared KV layers, rope bases and soft-capping, so it would "
                 "compare another model.")
+    if arch == "gemma3" and _gemma3_misread(reader):
+        import transformers
+
+        return (f"transformers {transformers.__version__}'s GGUF reader builds Gemma 3 with attention scale 1/16 "
+                "(query_pre_attn_scalar 256) and without rope scaling, not as this file says, so it would compare "
+                "another model.")
     if any(t.name == "rope_factors_long.weight" for t in reader.tensors):  # Phi-3's longrope
         import transformers
 
