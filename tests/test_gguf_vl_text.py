@@ -27,6 +27,7 @@ VISION = {
     "gemma4": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                    head_dim=16, patch_size=4, position_embedding_size=64, pooling_kernel_size=2),
 }
+AUDIO = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4], output_proj_dims=32)
 SPECIAL_IDS = {  # the image tokens inside the tiny vocabulary
     "gemma3": dict(image_token_index=440, boi_token_index=441, eoi_token_index=442, mm_tokens_per_image=4),
     "gemma4": dict(image_token_id=440, boi_token_id=441, eoi_token_id=442, video_token_id=443, audio_token_id=444,
@@ -46,9 +47,8 @@ def make_vl(path: Path, vl_type: str, seed: int = 0, dtype=torch.float32, **text
     text.update(text_overrides)
     text["pad_token_id"] = 0  # the VL model's forward replaces image/audio tokens by it (Gemma 4 needs one)
     text.pop("rope_theta", None) if "rope_parameters" in text else None
-    config = AutoConfig.for_model(vl_type, text_config=text, vision_config=VISION[vl_type], audio_config=None,
-                                  **SPECIAL_IDS[vl_type]) if vl_type == "gemma4" else \
-        AutoConfig.for_model(vl_type, text_config=text, vision_config=VISION[vl_type], **SPECIAL_IDS[vl_type])
+    extra = {"audio_config": AUDIO} if vl_type == "gemma4" else {}  # Gemma 4 E2B / E4B also hear
+    config = AutoConfig.for_model(vl_type, text_config=text, vision_config=VISION[vl_type], **extra, **SPECIAL_IDS[vl_type])
     cls = getattr(transformers, f"{vl_type.capitalize()}ForConditionalGeneration")
     model = cls(config)
     with torch.no_grad():
@@ -119,7 +119,8 @@ def test_language_model_of_vl_folder_equals_text_export(pair, type_, tmp_path):
     said = [e.message for e in events if isinstance(e, Notice)]
     vision = [t for t in said if "vision tower" in t]
     assert len(vision) == 1 and "mmproj" in vision[0] and "not in this GGUF" in vision[0]
-    assert not any("vision" in t.name or "mm_" in t.name for t in a.tensors)
+    assert ("audio tower" in vision[0]) == (vl_type == "gemma4")
+    assert not any(w in t.name for t in a.tensors for w in ("vision", "audio", "mm_"))
 
 
 def test_vl_family_we_do_not_write_is_refused(tmp_path):

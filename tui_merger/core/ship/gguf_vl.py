@@ -27,7 +27,7 @@ from pathlib import Path
 from tui_merger.core.errors import MergeError
 
 VISION_NOTICE = (
-    "{n} tensor(s) of the vision tower and projector ({first}...) are not in this GGUF: it holds the language "
+    "{n} tensor(s) of the vision tower and projector{audio} ({first}...) are not in this GGUF: it holds the language "
     "model only, which llama.cpp, Ollama and LM Studio run on text; llama.cpp keeps a vision tower in a separate "
     "mmproj file, which tui-merger does not write."
 )
@@ -181,5 +181,6 @@ def text_source(folder: Path, source, text_cfg, notices: list) -> TextSource:
     """``source`` (the VL folder's) under the text model's names; a notice for what is left out."""
     mapping, left_out = text_names(folder, list(source.tensors), text_cfg)
     if left_out:
-        notices.append(VISION_NOTICE.format(n=len(left_out), first=left_out[0]))
+        audio = " and of the audio tower" if any("audio" in name for name in left_out) else ""  # Gemma 4 E2B / E4B
+        notices.append(VISION_NOTICE.format(n=len(left_out), first=left_out[0], audio=audio))
     return TextSource(source, mapping)
