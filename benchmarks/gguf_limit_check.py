@@ -6,7 +6,7 @@
 For each tiny random model (llama_cpp_check.py's builder and widths, bf16 weights) it writes the GGUF of
 the type and runs gguf_check.check_gguf with llama.cpp: the verdict, the measured spread, the model's own
 rounding spread, the fixed LIMITS floor and the derived limit. ``--control=1.1``: also the GGUF of a copy of
-the folder with one tensor (layer 0's o_proj, else the first 2-D one) scaled by that factor (repeat the option for more), checked against the
+the folder with one tensor (layer 0's mlp.gate_proj: not followed by a norm that undoes a scale, as o_proj is in Gemma; else the first 2-D one) scaled by that factor (repeat the option for more), checked against the
 unchanged folder: it must FAIL. Prints a Markdown table.
 """
 
@@ -29,7 +29,7 @@ def scaled_copy(folder: Path, dest: Path, factor: float = 1.01) -> str:
     shutil.copytree(folder, dest)
     for f in sorted(dest.glob("*.safetensors")):
         state = load_file(f)
-        name = next((n for n in state if "layers.0." in n and "o_proj.weight" in n), None) or \
+        name = next((n for n in state if "layers.0." in n and "mlp.gate_proj.weight" in n), None) or \
             next(n for n in state if state[n].dim() == 2 and "embed" not in n)
         state[name] = (state[name].float() * factor).to(state[name].dtype)
         save_file(state, f, metadata={"format": "pt"})

@@ -519,14 +519,19 @@ def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str,
         return GgufCheck(FAILED, reader, f"the file's logits have shape {list(have.shape)}, the model's {list(want.shape)}.",
                          {"texts": len(ref.texts), "ids_equal": sum(same)})
     scale = float(want.abs().max()) or 1.0
-    per_position = (have - want).abs().max(-1).values / scale
-    rel = float(per_position.max())
-    median = float(per_position.median())
-    floor, own = limit, None
+    floor, own, turned = limit, None, 0
     if ref.rounded is not None and tuple(ref.rounded.shape) == tuple(want.shape):
         own_position = (ref.rounded - want).abs().max(-1).values / scale  # the model's own rounding, as measured
         own = float(own_position.median() if experts > 1 else own_position.max())
         limit = max(floor, OWN_FACTOR * own)
+        if experts > 1:  # where the type's rounding itself turns an expert choice, the file is held to the
+            # reference rounded the same way: both must have turned it (and agree there)
+            where = own_position > limit
+            turned = int(where.sum())
+            want = torch.where(where[:, None], ref.rounded, want)
+    per_position = (have - want).abs().max(-1).values / scale
+    rel = float(per_position.max())
+    median = float(per_position.median())
     limit_words = (f"limit {limit:.2g} from this model's own {type_} rounding, {OWN_FACTOR} x {own:.2g}" if limit > floor
                    else f"limit {limit:g} for {type_}" + (f"; its own {type_} rounding moves them {own:.2g}" if own is not None else ""))
     top_want, top_have = want.argmax(-1), have.argmax(-1)
@@ -551,6 +556,10 @@ def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str,
                        f"most ({limit_words}; {MOE_CEILING}x that at {over} position{'s' if over != 1 else ''} "
                        "where a mixture of experts may route differently)")
         details["positions_over_limit"] = over
+        details["positions_turned_by_own_rounding"] = turned
+        if turned:
+            logit_words += (f", at {turned} position{'s' if turned != 1 else ''} where this model's own {type_} rounding "
+                            f"turns an expert choice compared with transformers' rounded to {type_}")
     else:
         logits_ok = rel <= limit
         logit_words = f"prompt logits within {rel:.2g} of transformers' ({limit_words})"
