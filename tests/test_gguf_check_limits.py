@@ -98,3 +98,22 @@ def test_a_mixture_of_experts_where_its_own_rounding_turns_the_router(plain):
     other[k] = ref.logits[k + 1]
     check = _verdict(ref, _Read(ids, other), LIMITS["bf16"], "bf16", "test", experts=4)
     assert check.status == FAILED and check.details["logits_rel"] > MOE_CEILING * LIMITS["bf16"], check.summary
+
+
+def test_a_dense_model_is_held_at_its_median_position_too(plain):
+    """One sharp position whose own rounding moves it by 2x LIMITS widens the limit of the largest position,
+    not of every position: a file 0.03 off at every position (what a wrong tensor does) fails on its median."""
+    ref = _reference(plain, None, type_="bf16")
+    scale = ref.logits.abs().max()
+    k = len(ref.prompt) // 2
+    ref.rounded = ref.logits.clone()
+    ref.rounded[k, 0] += 2 * LIMITS["bf16"] * scale
+    ids = [list(i) for i in ref.ids]
+    have = ref.logits.clone()
+    have[:, 0] += 0.03 * scale
+    check = _verdict(ref, _Read(ids, have), LIMITS["bf16"], "bf16", "test")
+    assert check.details["limit"] == pytest.approx(0.12, rel=1e-2) and check.details["limit_median"] == LIMITS["bf16"]
+    assert check.status == FAILED and "at the median position (limit 0.02)" in check.summary, check.summary
+    have = ref.logits.clone()
+    have[k, 0] += 0.03 * scale  # the same move at the sharp position alone
+    assert _verdict(ref, _Read(ids, have), LIMITS["bf16"], "bf16", "test").status == PASSED
