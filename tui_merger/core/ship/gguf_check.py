@@ -11,7 +11,8 @@ as the verification runs it, so memory stays flat in model size):
 
 - token ids of sample texts (ASCII, digits, Chinese, emoji, whitespace) and of a chat rendered by the
   folder's chat template with its special tokens: the GGUF's tokenizer must give the very same ids;
-- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``;
+- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``, for
+  f16/bf16 or 3x the model's own spread under the type's rounding where larger (ROUNDED, OWN_FACTOR);
 - the top token at every prompt position: equal, or where not, the reference's own margin between its
   top token and the GGUF's is within the same limit (a near tie that rounding can flip).
 
