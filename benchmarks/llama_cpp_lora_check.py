@@ -151,8 +151,8 @@ def main(argv: list[str]) -> int:
             moved = ((plain - ref).abs().max() / ref.abs().max()).item()  # what the LoRA changes at all
             greedy = sum(a == b for a, b in zip(lora_tokens, ref_tokens))
             check = check_lora_gguf(base, adapter, base_gguf, lora.path)  # what `tui-merger gguf --adapter` records
-            checked = check.status.upper() + (f" ({check.details.get('logits_rel_median' if check.details.get('experts', 0) > 1 else 'logits_rel')})"
-                                              if check.details else "")
+            checked = check.status.upper() + (f" ({check.details.get('logits_rel_median' if check.details.get('experts', 0) > 1 else 'logits_rel')}"
+                                              f", limit {check.details.get('limit')})" if check.details else "")
             # a MoE router may pick another expert for f16-rounded merged weights than for base + F32 LoRA: then
             # llama.cpp with the LoRA is judged against peft itself (float32)
             ok = min(rel, vs_peft) < LIMIT and moved > 10 * min(rel, vs_peft) and check.status == "passed"
@@ -171,7 +171,8 @@ def main(argv: list[str]) -> int:
                 bad = export_lora_gguf(base, wrong, root / f"control-{n}.gguf")
                 check = check_lora_gguf(base, adapter, base_gguf, bad.path)
                 rows.append((f"{label}: control, lora_B doubled", f"{bad.pairs}", "", "", "", "",
-                             check.status.upper() + f" ({check.details.get('logits_rel_median' if check.details.get('experts', 0) > 1 else 'logits_rel')})",
+                             check.status.upper() + f" ({check.details.get('logits_rel_median' if check.details.get('experts', 0) > 1 else 'logits_rel')}"
+                             f", limit {check.details.get('limit')})",
                              "PASS (caught)" if check.status == "failed" else "FAIL (not caught)"))
                 print("  " + " | ".join(rows[-1]), flush=True)
                 controlled = True

@@ -11,7 +11,8 @@ as the verification runs it, so memory stays flat in model size):
 
 - token ids of sample texts (ASCII, digits, Chinese, emoji, whitespace) and of a chat rendered by the
   folder's chat template with its special tokens: the GGUF's tokenizer must give the very same ids;
-- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``;
+- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``, for
+  f16/bf16 or 3x the model's own spread under the type's rounding where larger (ROUNDED, OWN_FACTOR);
 - the top token at every prompt position: equal, or where not, the reference's own margin between its
   top token and the GGUF's is within the same limit (a near tie that rounding can flip).
 
@@ -57,6 +58,17 @@ LIMITS = {
 # the limit holds for the median position, every position stays within MOE_CEILING times it, and the top
 # token is compared at the positions within the limit.
 MOE_CEILING = 6
+# The float types whose rounding the check measures on the model at hand: the reference runs a second
+# time with its weights and matrix-product inputs rounded to the type (_streamed_logits' round_to), and
+# the limit is the larger of LIMITS[type] and OWN_FACTOR times that own spread (same measure, same
+# positions). A dense model is held to it at its largest position and, with the model's median own spread,
+# at its median position: rounding moves a few sharp positions far, a wrong tensor moves every position.
+# A model whose attention is sharp (Gemma 3's q/k norms) moves its logits more under the same rounding; a
+# fixed limit measured on plain models called such correct files FAILED. OWN_FACTOR: llama.cpp's own
+# difference is 0.67-1.5x the model's own spread on the files measured (benchmarks/gguf_limit_check.py,
+# docs/formats.md), so 3 leaves 2x; the same factor as LIMITS over their measurements.
+ROUNDED = ("f16", "bf16")
+OWN_FACTOR = 3
 SAMPLE_TEXTS = (
     "Hello, world! The merge is done.",
     "Numbers: 3.14159, 2026-12-01, 1234567890 and 42.",
@@ -117,7 +129,7 @@ def check_gguf(
         if why:
             return GgufCheck(NOT_CHECKED, None, why + " Install llama-cpp-python to check it with llama.cpp itself.")
     try:
-        ref = _reference(folder, cancel)
+        ref = _reference(folder, cancel, type_=type_)
     except MergeError as err:
         return GgufCheck(NOT_CHECKED, None, f"the model folder cannot be run as the reference ({str(err).rstrip('.')}).")
     if cancel is not None:
@@ -163,7 +175,7 @@ def check_lora_gguf(
         return GgufCheck(NOT_CHECKED, None, f"tui-merger has no measured logit limit for the base GGUF's type ({type_ or 'unknown'}).")
     on_event(PhaseStarted("check", f"Checking {lora_gguf.name} on {base_gguf.name} with llama.cpp"))
     try:
-        ref = _reference(base_folder, cancel, adapter=adapter_folder)
+        ref = _reference(base_folder, cancel, adapter=adapter_folder, type_=type_)
     except MergeError as err:
         return GgufCheck(NOT_CHECKED, None, f"the base with the adapter cannot be run as the reference ({str(err).rstrip('.')}).")
     if cancel is not None:
@@ -222,11 +234,14 @@ class _Reference:
     # per text, the ids llama.cpp's SentencePiece tokenizer makes of it where they differ by rule from the
     # folder's tokenizer (None: the same rule), built from the folder's tokenizer
     llama_ids: list[list[int]] | None = None
+    # the same forward with the weights, and every matrix product's input, rounded to the GGUF's float type
+    # (ROUNDED): how far this model's own logits move under that type's rounding; None for other types
+    rounded: object = None
 
 
-def _reference(folder: Path, cancel, adapter: Path | None = None) -> _Reference:
+def _reference(folder: Path, cancel, adapter: Path | None = None, type_: str | None = None) -> _Reference:
     """transformers on the folder; with ``adapter``, peft's LoRA applied to it unmerged (the reference of a
-    GGUF LoRA)."""
+    GGUF LoRA). For a float ``type_`` (ROUNDED) the forward runs a second time rounded to that type."""
     import torch
 
     from tui_merger.core.io.files import json_object_or_none
@@ -251,12 +266,15 @@ def _reference(folder: Path, cancel, adapter: Path | None = None) -> _Reference:
     probe = list(tok("x")["input_ids"])
     add_bos = tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id]
     logits = _streamed_logits(folder, cls, prompt, cancel, adapter)
+    rounded = None
+    if type_ in ROUNDED:
+        rounded = _streamed_logits(folder, cls, prompt, cancel, adapter, round_to=type_).to(torch.float32)
     llama_ids = None
     from tui_merger.core.ship.gguf_vocab import spaces_at_start_only
 
     if spaces_at_start_only(folder):
         llama_ids = [_as_llama_cpp_splits(tok, text, with_bos=special and add_bos) for text, special in zip(texts, special)]
-    return _Reference(texts, ids, special, prompt, logits.to(torch.float32), add_bos, llama_ids)
+    return _Reference(texts, ids, special, prompt, logits.to(torch.float32), add_bos, llama_ids, rounded)
 
 
 def _as_llama_cpp_splits(tok, text: str, with_bos: bool) -> list[int]:
@@ -288,9 +306,15 @@ def _chat_text(tok) -> str | None:
     return None
 
 
-def _streamed_logits(folder: Path, cls, prompt: list[int], cancel, adapter: Path | None = None):
+def _streamed_logits(folder: Path, cls, prompt: list[int], cancel, adapter: Path | None = None,
+                     round_to: str | None = None):
     """transformers' own forward of the folder's model, float32, one module's weights in memory at a time;
-    with ``adapter``, peft's forward of the model with that LoRA (behaviour.streamer_with_adapter)."""
+    with ``adapter``, peft's forward of the model with that LoRA (behaviour.streamer_with_adapter).
+
+    ``round_to`` ("f16", "bf16"): every floating weight of the files goes through that type as it is read
+    (the GGUF stores it so), and the input of every linear layer too, as llama.cpp's CPU matrix product
+    converts its float32 input to the matrix's f16/bf16 type (ggml's vec_dot_type); the adapter's own
+    weights stay float32 as a GGUF LoRA keeps them."""
     import torch
     from transformers import AutoConfig
 
@@ -298,24 +322,65 @@ def _streamed_logits(folder: Path, cls, prompt: list[int], cancel, adapter: Path
     from tui_merger.core.verify import behaviour as bh
 
     source = open_model(folder)
+    tensors = source.tensors
+    dtype = None
+    if round_to is not None:
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[round_to]
+        tensors = {name: _RoundedRef(ref, dtype) for name, ref in tensors.items()}
     try:
         try:
             config = AutoConfig.from_pretrained(folder)
             if adapter is None:
-                streamer, missing = bh.streamer_for_files(cls, config, source.tensors, "merged model", cancel=cancel)
+                streamer, missing = bh.streamer_for_files(cls, config, tensors, "merged model", cancel=cancel)
             else:
-                streamer, missing = bh.streamer_with_adapter(cls, config, source.tensors, [(Path(adapter), None)],
+                streamer, missing = bh.streamer_with_adapter(cls, config, tensors, [(Path(adapter), None)],
                                                              "base model with the adapter", cancel=cancel)
         except bh.NoReference as err:
             raise MergeError(str(err)) from None
         if missing:
             raise MergeError(f"it lacks {len(missing)} weight(s) ({', '.join(missing[:3])})")
+        if dtype is not None:
+            _round_linear_inputs(streamer.model, dtype)
         try:
             return streamer(torch.tensor([prompt])).logits[0].detach().clone()
         finally:
             streamer.close()
     finally:
         source.close()
+
+
+class _RoundedRef:
+    """A file tensor (io.sources.TensorRef) read through another float type: what the GGUF stores."""
+
+    def __init__(self, ref, dtype) -> None:
+        self._ref, self._dtype = ref, dtype
+
+    def __getattr__(self, name):
+        return getattr(self._ref, name)
+
+    def load(self):
+        value = self._ref.load()
+        if not value.is_floating_point() or value.dtype == self._dtype or value.element_size() < 2:
+            return value  # integers, fp8 with its scales: a converter's business; already the type
+        return value.to(self._dtype)
+
+    def load_into(self, out) -> None:
+        out.copy_(self.load())
+
+
+def _round_linear_inputs(model, dtype) -> None:
+    """Round the input of every linear layer to ``dtype`` (peft's lora_A/lora_B excepted: a GGUF LoRA is
+    F32, llama.cpp multiplies it in float32)."""
+    import torch
+
+    def pre_hook(module, args):
+        if args and torch.is_tensor(args[0]) and args[0].is_floating_point():
+            return (args[0].to(dtype).to(args[0].dtype), *args[1:])
+        return None
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "lora_" not in name:
+            module.register_forward_pre_hook(pre_hook)
 
 
 # -- the readers -------------------------------------------------------------------------------------
@@ -480,9 +545,23 @@ def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str,
         return GgufCheck(FAILED, reader, f"the file's logits have shape {list(have.shape)}, the model's {list(want.shape)}.",
                          {"texts": len(ref.texts), "ids_equal": sum(same)})
     scale = float(want.abs().max()) or 1.0
+    floor, own, turned = limit, None, 0
+    median_limit = limit  # a dense model: the median position too (a wrong tensor moves every position)
+    if ref.rounded is not None and tuple(ref.rounded.shape) == tuple(want.shape):
+        own_position = (ref.rounded - want).abs().max(-1).values / scale  # the model's own rounding, as measured
+        own = float(own_position.median() if experts > 1 else own_position.max())
+        limit = max(floor, OWN_FACTOR * own)
+        median_limit = max(floor, OWN_FACTOR * float(own_position.median()))
+        if experts > 1:  # where the type's rounding itself turns an expert choice, the file is held to the
+            # reference rounded the same way: both must have turned it (and agree there)
+            where = own_position > limit
+            turned = int(where.sum())
+            want = torch.where(where[:, None], ref.rounded, want)
     per_position = (have - want).abs().max(-1).values / scale
     rel = float(per_position.max())
     median = float(per_position.median())
+    limit_words = (f"limit {limit:.2g} from this model's own {type_} rounding, {OWN_FACTOR} x {own:.2g}" if limit > floor
+                   else f"limit {limit:g} for {type_}" + (f"; its own {type_} rounding moves them {own:.2g}" if own is not None else ""))
     top_want, top_have = want.argmax(-1), have.argmax(-1)
     margin = (want.max(-1).values - want.gather(-1, top_have[:, None])[:, 0]) / scale  # the reference's own gap
     within = per_position <= limit
@@ -494,19 +573,27 @@ def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str,
     positions = len(ref.prompt)
     details = {
         "texts": len(ref.texts), "ids_equal": sum(same), "logits_rel": float(f"{rel:.3g}"),
-        "logits_rel_median": float(f"{median:.3g}"), "limit": limit, "experts": experts,
+        "logits_rel_median": float(f"{median:.3g}"), "limit": float(f"{limit:.3g}"), "limit_floor": floor,
+        "own_rounding_rel": None if own is None else float(f"{own:.3g}"), "experts": experts,
         "top_equal": top_equal, "top_near_ties": near_ties, "top_rerouted": rerouted, "positions": positions,
     }
     if experts > 1:
         over = positions - int(within.sum())
         logits_ok = median <= limit and rel <= MOE_CEILING * limit
         logit_words = (f"prompt logits within {median:.2g} of transformers' at the median position and {rel:.2g} at "
-                       f"most (limit {limit:g} for {type_}, {MOE_CEILING}x that at {over} position{'s' if over != 1 else ''} "
+                       f"most ({limit_words}; {MOE_CEILING}x that at {over} position{'s' if over != 1 else ''} "
                        "where a mixture of experts may route differently)")
         details["positions_over_limit"] = over
+        details["positions_turned_by_own_rounding"] = turned
+        if turned:
+            logit_words += (f", at {turned} position{'s' if turned != 1 else ''} where this model's own {type_} rounding "
+                            f"turns an expert choice compared with transformers' rounded to {type_}")
     else:
-        logits_ok = rel <= limit
-        logit_words = f"prompt logits within {rel:.2g} of transformers' (limit {limit:g} for {type_})"
+        logits_ok = rel <= limit and median <= median_limit
+        logit_words = f"prompt logits within {rel:.2g} of transformers' ({limit_words})"
+        if median_limit < limit:  # the largest position is allowed the model's largest own spread, the median its median
+            logit_words += f" and {median:.2g} at the median position (limit {median_limit:.2g})"
+            details["limit_median"] = float(f"{median_limit:.3g}")
     what = f"token ids equal on {sum(same)}/{len(same)} texts"
     if expected is not None:
         differ = sum(a != b for a, b in zip(expected, ref.ids))
