@@ -321,3 +321,27 @@ def test_swift_lora_on_moe_experts_at_ep2(tmp_path):
         assert d.abs().max() > 1e-3, name
         assert torch.allclose(got[name].double(), base[name].double() + d, atol=1e-6, rtol=0), name
     assert all(torch.equal(got[k], base[k]) for k in base if k not in targets)
+
+
+def test_swift_vl_full_save_converts_to_the_base_weights(tmp_path):
+    """ms-swift 4.6.0's own full-parameter save of a tiny Qwen2.5-VL at TP 2 (generate_real.py vl: mcore_bridge's
+    Qwen2.5-VL provider on CPU, transformers' vision module held one level deeper, ``visual.visual.*``, the text
+    model under ``language_model.*``): every tensor equals the base ms-swift loaded (megatron_vl/hf_qwen25)."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "megatron_output"
+    shutil.copytree(FIXTURES / "ms_swift" / "swift_vl_full_tp2", run, symlinks=True)
+    (c,) = scan(run).candidates
+    notes = " ".join(c.notes)
+    assert c.backend == "ms-swift" and c.step == 3 and "args.json: TP 2" in notes, notes
+    assert "model family: qwen2_5_vl" in notes and c.needs_base, notes  # model_dir was the generator's folder
+    base_dir = FIXTURES / "megatron_vl" / "hf_qwen25"
+    result = run_merge(MergeOptions(checkpoint=run, out=tmp_path / "out", base=base_dir), fsync=False)
+    assert result.kind == "convert"
+    assert any("the vision tower (30 tensors, transformers' own vision module, as ms-swift saves it)" in n
+               for n in result.warnings), result.warnings
+    got, want = read_output(tmp_path / "out"), load_file(base_dir / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert sum(k.startswith("visual.") for k in want) == 30  # the vision tower, as save_pretrained names it
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
