@@ -7,7 +7,8 @@ The fixtures ``swift_lora_tp2`` and ``swift_full_tp2`` were written by ms-swift 
 no training step); the LoRA run's weights are a PEFT adapter written by peft itself (``lora_tp2/reference_adapter``,
 on the base ``megatron_layouts/fw/hf_dense``) that ms-swift loaded with ``--adapters``. References: peft's
 ``merge_and_unload`` of that adapter, its tensors for the PEFT adapter export, and the base's own weights for the
-full save. ``moe_ep2`` is still written by megatron-core's ``dist_checkpointing.save`` (generate.py).
+full save. ``swift_lora_moe_ep2`` is ms-swift's own LoRA save on a Qwen3-MoE at EP 2 (generate_real.py moe), of
+the LoRA weights generate.py drew (``moe_ep2/reference_lora.safetensors``) that ms-swift loaded with --adapters.
 """
 
 from __future__ import annotations
@@ -295,15 +296,18 @@ def test_swift_other_adapters_grouped_experts_and_modules_to_save(tmp_path, peft
 
 
 def test_swift_lora_on_moe_experts_at_ep2(tmp_path):
-    """ms-swift's LoRA on a Qwen3-MoE (all-linear: the attention and every expert, TEGroupedLinear lora_A/B saved
-    as megatron-core saves grouped experts), EP 2: merged by W + alpha/r B@A from the LoRA weights as drawn before
-    sharding (reference_lora.safetensors), every expert of both EP ranks."""
+    """ms-swift 4.6.0's own LoRA save on a Qwen3-MoE (generate_real.py moe: all-linear, the attention and every
+    expert, grouped GEMM: TEGroupedLinear lora_A/B saved as ``mlp.experts.experts.linear_fc*`` with the global expert
+    as an axis), EP 2: the LoRA weights ms-swift loaded with --adapters (moe_ep2/reference_lora.safetensors, peft's
+    names) merged by W + alpha/r B@A, every expert of both EP ranks, within 1e-6."""
     from safetensors.torch import load_file
 
     run = tmp_path / "megatron_output"
-    shutil.copytree(FIXTURES / "ms_swift" / "moe_ep2", run, ignore=shutil.ignore_patterns("reference_lora.safetensors"))
+    shutil.copytree(FIXTURES / "ms_swift" / "swift_lora_moe_ep2", run, symlinks=True)
     (c,) = scan(run).candidates
-    assert "EP 2" in " ".join(c.notes) and "model family: qwen3_moe" in " ".join(c.notes), c.notes
+    notes = " ".join(c.notes)
+    assert c.backend == "ms-swift" and c.step == 3 and c.world_size == 2, notes
+    assert "EP 2" in notes and "model family: qwen3_moe" in notes and "r 8, alpha 32" in notes, notes
     base_dir = FW / "hf_moe"
     run_merge(MergeOptions(checkpoint=run, out=tmp_path / "out", base=base_dir), fsync=False)
     got, base = read_output(tmp_path / "out"), load_file(base_dir / "model.safetensors")
@@ -313,6 +317,31 @@ def test_swift_lora_on_moe_experts_at_ep2(tmp_path):
     assert len(targets) == 2 * (4 + 4 * 3)  # q, k, v, o and 4 experts' gate, up, down in 2 layers
     for name in targets:
         m = "base_model.model." + name.removesuffix(".weight")
-        want = base[name].double() + 32 / 8 * (ref[m + ".lora_B.weight"].double() @ ref[m + ".lora_A.weight"].double())
-        assert torch.allclose(got[name].double(), want, atol=1e-6, rtol=0), name
+        d = 32 / 8 * (ref[m + ".lora_B.weight"].double() @ ref[m + ".lora_A.weight"].double())
+        assert d.abs().max() > 1e-3, name
+        assert torch.allclose(got[name].double(), base[name].double() + d, atol=1e-6, rtol=0), name
     assert all(torch.equal(got[k], base[k]) for k in base if k not in targets)
+
+
+def test_swift_vl_full_save_converts_to_the_base_weights(tmp_path):
+    """ms-swift 4.6.0's own full-parameter save of a tiny Qwen2.5-VL at TP 2 (generate_real.py vl: mcore_bridge's
+    Qwen2.5-VL provider on CPU, transformers' vision module held one level deeper, ``visual.visual.*``, the text
+    model under ``language_model.*``): every tensor equals the base ms-swift loaded (megatron_vl/hf_qwen25)."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "megatron_output"
+    shutil.copytree(FIXTURES / "ms_swift" / "swift_vl_full_tp2", run, symlinks=True)
+    (c,) = scan(run).candidates
+    notes = " ".join(c.notes)
+    assert c.backend == "ms-swift" and c.step == 3 and "args.json: TP 2" in notes, notes
+    assert "model family: qwen2_5_vl" in notes and c.needs_base, notes  # model_dir was the generator's folder
+    base_dir = FIXTURES / "megatron_vl" / "hf_qwen25"
+    result = run_merge(MergeOptions(checkpoint=run, out=tmp_path / "out", base=base_dir), fsync=False)
+    assert result.kind == "convert"
+    assert any("the vision tower (30 tensors, transformers' own vision module, as ms-swift saves it)" in n
+               for n in result.warnings), result.warnings
+    got, want = read_output(tmp_path / "out"), load_file(base_dir / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert sum(k.startswith("visual.") for k in want) == 30  # the vision tower, as save_pretrained names it
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

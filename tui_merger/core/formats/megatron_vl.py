@@ -246,7 +246,8 @@ class _VlMapper:
                 break
         if prefixes and len(prefixes) == 1:
             (prefix,) = prefixes
-            self._style = "transformers' own vision module, as Megatron-Bridge saves it"
+            saver = "ms-swift" if all(k.startswith("visual.visual.") for k in keys) else "Megatron-Bridge"
+            self._style = f"transformers' own vision module, as {saver} saves it"
             specs = {}
             for k, r in rel.items():
                 entry = self.tensors[k]
