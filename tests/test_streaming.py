@@ -134,3 +134,38 @@ def test_free_heap_memory_a_unit_leaves_is_handed_back():
         assert libc.heap_free_bytes() is not None
     finally:
         c.free(keep)
+
+
+def test_reading_module_sources_from_two_threads_at_once_never_trips_the_parser():
+    """The verification streams the merged model and the reference in two threads; both read module classes'
+    source (``_reads_child_weights``), and CPython 3.11's parser run in two threads at once raised "SystemError: AST
+    constructor recursion depth mismatch" (a CI failure on a Qwen2.5-VL verification). One source at a time."""
+    import threading
+
+    import torch
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+    import tui_merger.core.verify.streaming as st
+
+    classes = [c for c in vars(m).values()
+               if isinstance(c, type) and c.__module__ == m.__name__ and issubclass(c, torch.nn.Module)]
+    errors = []
+
+    def work():
+        for _ in range(10):
+            st._SOURCES.clear()
+            for cls in classes:
+                module = cls.__new__(cls)
+                torch.nn.Module.__init__(module)
+                module.add_module("child", torch.nn.Linear(1, 1))
+                try:
+                    st._reads_child_weights(module)
+                except SystemError as err:
+                    errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import threading
 from dataclasses import dataclass
 
 from tui_merger.core.errors import MergeError
@@ -286,6 +287,7 @@ def _units(model):
 
 
 _SOURCES: dict[type, str] = {}
+_SOURCE_LOCK = threading.Lock()
 _CHILD_WEIGHT = re.compile(
     r"self\.(\w+)\.(?:weight|bias)\b(?!\s*\.\s*(?:device|dtype|shape|ndim|size|dim|is_\w+)\b)(?!\s*=[^=])")
 
@@ -304,11 +306,17 @@ def _reads_child_weights(module) -> bool:
         return False
     text = _SOURCES.get(cls)
     if text is None:
-        try:
-            text = inspect.getsource(cls)
-        except (OSError, TypeError):
-            text = ""
-        _SOURCES[cls] = text
+        # one class's source at a time: the verification streams two models in two threads, and CPython
+        # 3.11's parser, run by inspect.getsource in both at once, raised "SystemError: AST constructor
+        # recursion depth mismatch" (seen in CI on a Qwen2.5-VL verification)
+        with _SOURCE_LOCK:
+            text = _SOURCES.get(cls)
+            if text is None:
+                try:
+                    text = inspect.getsource(cls)
+                except (OSError, TypeError):
+                    text = ""
+                _SOURCES[cls] = text
     children = dict(module.named_children())
     return any(
         (child := children.get(m.group(1))) is not None and any(True for _ in child.parameters())
