@@ -1,5 +1,6 @@
 """What the Megatron layout tests (Megatron-LM, Megatron-Bridge, ms-swift, NeMo 2, VL) share: a merge of a
-checkpoint, a refusal checked as one sentence with nothing written, and bit-for-bit tensor equality."""
+checkpoint, a refusal checked as one sentence with nothing written, bit-for-bit tensor equality, and a dist
+checkpoint's tensors read by torch.distributed.checkpoint itself (the independent reference)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def same_tensors(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def dcp_tensors(folder: Path) -> dict:
+    """Every tensor of the dist checkpoint in ``folder``, read by torch.distributed.checkpoint itself."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    return state

@@ -20,7 +20,7 @@ import torch
 from factory import read_output
 from megatron_helpers import merge_checkpoint as _merge
 from megatron_helpers import refused as _refused
-from megatron_helpers import same_tensors
+from megatron_helpers import dcp_tensors, same_tensors
 
 from tui_merger.core.errors import MergeError
 from tui_merger.core.formats.registry import checkpoint_format, format_of
@@ -451,14 +451,10 @@ def test_nemo2_weights_under_module_prefix(tmp_path):
     """NeMo 2 keeps the model under ``module.`` in weights/ (its MegatronParallel wrapper): the same dist
     checkpoint rewritten by torch.distributed.checkpoint with every key prefixed converts to the same tensors."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     fw = _fw(tmp_path)
     src = fw / "bridge_dense_tp2" / "iter_0000003"
-    meta = dcp.FileSystemReader(str(src)).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    state = dcp_tensors(src)
     ckpt = tmp_path / "nemo" / "checkpoints" / "step=3"
     dcp.save({f"module.{k}": t for k, t in state.items()}, storage_writer=dcp.FileSystemWriter(str(ckpt / "weights")),
              no_dist=True)
@@ -474,18 +470,13 @@ def test_bridge_dora_run_merges_with_its_magnitudes(tmp_path):
     (it equals the plain LoRA merge), so the reference is DoRA's formula (peft's: m * (W + s BA) / ||W + s BA||
     per output row) on the tensors torch.distributed.checkpoint reads from the iteration, for the projections
     that need no splitting (o_proj, down_proj)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     fw = _fw(tmp_path)
     src = fw / "bridge_dora_tp2" / "iter_0000003"
     _merge(fw / "bridge_dora_tp2", tmp_path / "out")
     got, base = read_output(tmp_path / "out"), _file_tensors(fw / "hf_dense" / "model.safetensors")
     lora_only = _file_tensors(fw / "bridge_dora_tp2" / "expected_merged.safetensors")
-    meta = dcp.FileSystemReader(str(src)).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    state = dcp_tensors(src)
     for mega, hf in (("self_attention.linear_proj", "self_attn.o_proj"), ("mlp.linear_fc2", "mlp.down_proj")):
         for i in range(2):
             a, b, m = (state[f"decoder.layers.{mega}.adapter.{p}"][i] for p in ("linear_in.weight", "linear_out.weight", "weight_magnitude"))

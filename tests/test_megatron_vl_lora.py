@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from factory import read_output
-from megatron_helpers import merge_checkpoint, refused
+from megatron_helpers import dcp_tensors, merge_checkpoint, refused
 
 VL = Path(__file__).resolve().parent / "fixtures" / "megatron_vl"
 SCALE = 16 / 8  # the runs' alpha / dim (run_config.yaml peft)
@@ -42,18 +42,6 @@ def _file(path: Path) -> dict:
     return load_file(path)
 
 
-def _adapters(iteration: Path) -> dict:
-    """Every tensor of the adapter-only iteration, read by torch.distributed.checkpoint itself."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta = dcp.FileSystemReader(str(iteration)).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(iteration)), no_dist=True)
-    return state
-
-
 def _formula(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (base.double() + SCALE * (b.double() @ a.double())).float()
 
@@ -70,7 +58,7 @@ def test_vl_lora_run_merges_into_its_base_run(tmp_path, case, hf, lm):
     assert any("LoRA run" in w and "base checkpoint" in w for w in result.warnings), result.warnings
     got, base = read_output(tmp_path / "out"), _file(vl / hf / "model.safetensors")
     bridge = _file(vl / case / "expected_merged.safetensors")
-    state = _adapters(vl / case / "iter_0000003")
+    state = dcp_tensors(vl / case / "iter_0000003")
     assert sorted(got) == sorted(base)
     for mega, proj in (("self_attention.linear_proj", "self_attn.o_proj"), ("mlp.linear_fc2", "mlp.down_proj")):
         for i in range(2):

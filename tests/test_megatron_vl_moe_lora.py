@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from factory import read_output
-from megatron_helpers import merge_checkpoint, refused
+from megatron_helpers import dcp_tensors, merge_checkpoint, refused
 
 VL = Path(__file__).resolve().parent / "fixtures" / "megatron_vl"
 CASE = "bridge_lora_qwen3_vl_moe_tp2"
@@ -50,18 +50,6 @@ def _file(path: Path) -> dict:
     return load_file(path)
 
 
-def _adapters(iteration: Path) -> dict:
-    """Every tensor of the adapter-only iteration, read by torch.distributed.checkpoint itself."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta = dcp.FileSystemReader(str(iteration)).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(iteration)), no_dist=True)
-    return state
-
-
 def _delta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return SCALE * (b.double() @ a.double())
 
@@ -69,7 +57,7 @@ def _delta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _expected(vl: Path) -> dict:
     """The merged model in transformers 5's names and layout, by hand from the base file and the adapter tensors."""
     base = _file(vl / "hf_qwen3_moe" / "model.safetensors")
-    state = _adapters(vl / CASE / "iter_0000003")
+    state = dcp_tensors(vl / CASE / "iter_0000003")
     want = {k: v.double() for k, v in base.items()}
     ad = "language_model.decoder.layers.{}.adapter.linear_{}.weight"
     group = (HEADS // KV + 2) * HEAD_DIM  # megatron's fused qkv: per query group [q heads; k; v]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from factory import read_output
+from megatron_helpers import dcp_tensors
 from megatron_helpers import refused as _refused
 
 from tui_merger.core.errors import MergeError
@@ -192,9 +193,7 @@ def test_bridge_lora_on_moe_experts_merges_by_the_formula(tmp_path):
     into the base checkpoint its run_config.yaml names. Bridge 0.3.1's own export fails at EP 2 (see
     fixtures/megatron_layouts/README.md), so the reference is W + alpha/r * B @ A on the tensors
     torch.distributed.checkpoint reads from the iteration, with the weights the base was imported from."""
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     fw = tmp_path / "fw"
     for case in ("bridge_lora_moe_ep2", "bridge_moe_ep2", "hf_moe"):
@@ -202,10 +201,7 @@ def test_bridge_lora_on_moe_experts_merges_by_the_formula(tmp_path):
     result = run_merge(MergeOptions(checkpoint=fw / "bridge_lora_moe_ep2", out=tmp_path / "out"), fsync=False)
     assert any("base checkpoint its run_config.yaml names" in n and "alpha 16" in n for n in result.warnings), result.warnings
     src = fw / "bridge_lora_moe_ep2" / "iter_0000003"
-    meta = dcp.FileSystemReader(str(src)).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    state = dcp_tensors(src)
     got, base = read_output(tmp_path / "out"), load_file(fw / "hf_moe" / "model.safetensors")
     assert sorted(got) == sorted(base)
 
@@ -263,13 +259,9 @@ def _rewritten(run: Path, extra: dict) -> None:
     one process (TP 1) holds them: linear_fc1's lora_B rows [gate; up] of TP rank 0, then of rank 1, become
     [all gate; all up], the rows a TP 1 run's single rank holds."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     src = run / "checkpoint-3" / "iter_0000003"
-    meta = dcp.FileSystemReader(str(src)).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)), no_dist=True)
+    state = dcp_tensors(src)
     fc1 = state["decoder.layers.mlp.linear_fc1.lora_B.default.weight"]
     g0, u0, g1, u1 = fc1.chunk(4, 1)
     state["decoder.layers.mlp.linear_fc1.lora_B.default.weight"] = torch.cat([g0, g1, u0, u1], 1)
