@@ -57,12 +57,13 @@ for _qwen in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
 # case -> (the VL model_type, its language model's model_type, that config's own values); "<model_type>:<what>": another
 # language model inside the same kind of folder
 MROPE = {"rope_type": "default", "rope_theta": 50000.0}
-QWEN3_VL = dict(head_dim=16, rope_parameters=dict(MROPE, mrope_interleaved=True))
+QWEN_VL = dict(bos_token_id=None, eos_token_id=None, rope_parameters=MROPE)  # Qwen2-VL's default ids lie past the tiny vocabulary
+QWEN3_VL = dict(QWEN_VL, head_dim=16, rope_parameters=dict(MROPE, mrope_interleaved=True))
 VL_CASES = {
     "gemma3": ("gemma3", "gemma3_text", CASES["gemma3_text"][0]),
     "gemma4": ("gemma4", "gemma4_text", CASES["gemma4_text"][0]),
-    "qwen2_vl": ("qwen2_vl", "qwen2_vl_text", dict(rope_parameters=MROPE)),
-    "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_text", dict(rope_parameters=MROPE)),
+    "qwen2_vl": ("qwen2_vl", "qwen2_vl_text", QWEN_VL),
+    "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_text", QWEN_VL),
     "qwen3_vl": ("qwen3_vl", "qwen3_vl_text", QWEN3_VL),
     # experts 2 * 48 wide against hidden 64: the packed layouts (in memory, as released) differ in shape
     "qwen3_vl_moe": ("qwen3_vl_moe", "qwen3_vl_moe_text", dict(QWEN3_VL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)),
