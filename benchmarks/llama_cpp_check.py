@@ -6,7 +6,7 @@ Not part of CI (llama.cpp must be built; a prebuilt wheel is in ../shared/tools)
     /work/venvs/llama-sys/bin/pip install --no-deps ../shared/tools/llama_cpp_python-*.whl
     /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_check.py [model_type ...] [--types f16,q8_0,q4_k_m] [--seed 0]
     (vl:<case>, a case of tests/test_gguf_vl_text.py's VL_CASES: vl:gemma3 vl:gemma4 vl:qwen2_vl vl:qwen2_5_vl vl:qwen3_vl
-    vl:qwen3_vl_moe vl:llava vl:llava:mistral vl:llava:qwen2 vl:mistral3: a vision-language folder, its language model's
+    vl:qwen3_vl:tied vl:qwen3_vl_moe vl:llava vl:llava:mistral vl:llava:qwen2 vl:mistral3: a vision-language folder, its language model's
     GGUF judged against the VL model's own logits on text-only input; the in-app check's verdict is printed for each file)
 
 For a tiny random model of each family (tests/test_gguf_families.py's builder and configs, widened to

@@ -65,6 +65,7 @@ VL_CASES = {
     "qwen2_vl": ("qwen2_vl", "qwen2_vl_text", QWEN_VL),
     "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_text", QWEN_VL),
     "qwen3_vl": ("qwen3_vl", "qwen3_vl_text", QWEN3_VL),
+    "qwen3_vl:tied": ("qwen3_vl", "qwen3_vl_text", dict(QWEN3_VL, tie_word_embeddings=True)),  # as Qwen3-VL 2B / 4B
     # experts 2 * 48 wide against hidden 64: the packed layouts (in memory, as released) differ in shape
     "qwen3_vl_moe": ("qwen3_vl_moe", "qwen3_vl_moe_text", dict(QWEN3_VL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)),
     "llava": ("llava", "llama", CASES["llama"][0]),
@@ -102,8 +103,8 @@ def make_vl(path: Path, case: str, seed: int = 0, dtype=torch.float32, **text_ov
     if vl_type.startswith("qwen"):  # the merger's output: the language model's width
         vision["out_hidden_size" if vl_type != "qwen2_vl" else "hidden_size"] = text["hidden_size"]
     extra = {"audio_config": AUDIO} if vl_type == "gemma4" else {}  # Gemma 4 E2B / E4B also hear
-    if vl_type in ("llava", "mistral3") or vl_type.startswith("qwen"):
-        extra["tie_word_embeddings"] = False  # as the released checkpoints (Mistral3Config's default ties)
+    if vl_type in ("llava", "mistral3") or vl_type.startswith("qwen"):  # the whole model's (Mistral3Config's default ties)
+        extra["tie_word_embeddings"] = text.pop("tie_word_embeddings", False)
     config = AutoConfig.for_model(vl_type, text_config=text, vision_config=vision, **extra, **SPECIAL_IDS[vl_type])
     cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[vl_type])
     model = cls(config)
@@ -261,7 +262,7 @@ def test_check_of_vl_gguf_runs_the_vl_model_on_text(case, tmp_path):
 # case -> the architecture llama.cpp's converter writes its language model as: Qwen2VLModel (qwen2vl), Qwen3VLTextModel
 # (qwen3vl), Qwen3VLMoeTextModel (qwen3vlmoe), LlamaModel for LlavaForConditionalGeneration (llama; Qwen2 inside: qwen2,
 # as the converter does when text_config names Qwen2ForCausalLM), Mistral3Model (mistral3, LlamaModel's layout)
-ARCH = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe", "llava": "llama",
+ARCH = {"qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_vl:tied": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe", "llava": "llama",
         "llava:mistral": "llama", "llava:qwen2": "qwen2", "mistral3": "mistral3"}
 PERMUTED_VL = {"llava", "llava:mistral", "mistral3"}  # LlamaModel.permute on q/k rows (weights and biases)
 
@@ -320,7 +321,7 @@ def converter_tensors(folder: Path, case: str) -> dict:
     return out
 
 
-NEW_VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "llava:mistral", "llava:qwen2", "mistral3"]
+NEW_VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl:tied", "qwen3_vl_moe", "llava", "llava:mistral", "llava:qwen2", "mistral3"]
 
 
 @pytest.mark.parametrize("case", NEW_VL)
@@ -331,6 +332,7 @@ def test_language_model_is_what_llama_cpps_converter_writes(exported, case):
     want = converter_tensors(folder, case)
     stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
     assert sorted(stored) == sorted(want)
+    assert ("output.weight" in stored) == (case != "qwen3_vl:tied")  # tied: llama.cpp takes token_embd, as transformers
     for name, w in want.items():
         t = stored[name]
         f32 = w.ndim == 1 or ".ffn_gate_inp." in name  # norms, biases and the router: F32, as the converter keeps them
