@@ -353,7 +353,7 @@ def converter_keys(folder: Path, case: str) -> dict:
     hp = {**raw, **raw["text_config"]}
     a = ARCH[case]
     head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
-    rope = hp.get("rope_parameters") or {}
+    rope = hp.get("rope_parameters", hp.get("rope_scaling")) or {}
     keys = {
         f"{a}.context_length": hp["max_position_embeddings"],
         f"{a}.embedding_length": hp["hidden_size"],
@@ -465,3 +465,40 @@ def test_transformers_reader_checks_gemma3_only_where_it_builds_the_same_model(t
     path = export_gguf(folder, "f16", tmp_path / "g.gguf").path
     verdict = gguf_check.check_gguf(folder, path, "f16", reader="transformers")
     assert verdict.status == (gguf_check.PASSED if checked else gguf_check.NOT_CHECKED), verdict.line()
+
+
+def test_qwen3_vl_moe_saved_by_transformers_4_57_in_the_hub_layout():
+    """tests/fixtures/megatron_vl/hf_qwen3_moe: a Qwen3-VL-MoE saved by transformers 4.57 in the Hub release's layout
+    (gate_up_proj [experts, hidden, 2 * ff]; no tokenizer, so no whole export): its language model's tensors placed
+    by transformers' rules, and the experts the family derives from them, equal transformers 5's own load of it."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from tui_merger.core.ship import gguf_families, gguf_vl
+
+    folder = Path(__file__).resolve().parent / "fixtures" / "megatron_vl" / "hf_qwen3_moe"
+    config = gguf_vl.text_hf_config(transformers.AutoConfig.from_pretrained(folder))
+    family = gguf_families.FAMILIES["qwen3_vl_moe_text"]
+    disk = load_file(folder / "model.safetensors")
+    mapping, left_out = gguf_vl.text_names(folder, list(disk), config, tuple(family.derive))
+    assert left_out and all(n.startswith("model.visual.") for n in left_out)
+    loaded = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    memory = {f"model.{k}": v for k, v in loaded.get_decoder().state_dict().items()}
+    memory["lm_head.weight"] = loaded.get_output_embeddings().weight.detach()
+    assert sorted(mapping) == sorted(memory)
+    ff, derived = config.moe_intermediate_size, 0
+    for name, on_disk in mapping.items():
+        w, want = disk[on_disk], memory[name]
+        fn = next((fn for module, fn in family.derive.items() if name.endswith(f".{module}")), None)
+        if fn is None:
+            assert torch.equal(w.float(), want), name
+            continue
+        assert w.shape != want.shape  # the Hub layout: transposed from transformers' parameter
+        for part, shape, f in fn(config, tuple(w.shape)):
+            got = f(w).float()
+            expect = {"ffn_gate_exps": want[:, :ff], "ffn_up_exps": want[:, ff:], "ffn_down_exps": want}[part]
+            assert tuple(got.shape) == tuple(shape) and torch.equal(got, expect), (name, part)
+            derived += 1
+    assert derived == 3 * config.num_hidden_layers
+    assert family.keys["rope.dimension_sections"](config) == [1, 1, 2, 0]
+    assert family.keys["n_deepstack_layers"](config) == len(loaded.config.vision_config.deepstack_visual_indexes)
