@@ -435,6 +435,25 @@ def test_qwen25_vl_config_with_the_text_fields_at_the_top_as_released(exported, 
     _same_file(path, export_gguf(other, "f16", tmp_path / "flat.gguf").path)
 
 
+def test_qwen25_vl_with_the_names_transformers_4_5x_saved(exported, tmp_path):
+    """transformers 4.52-4.57 saved Qwen2.5-VL as model.language_model.* / model.visual.*, transformers 5 saves the
+    release's model.* / visual.*: both load alike (transformers' renames), and give the same GGUF."""
+    folder, path, _ = exported("qwen2_5_vl")
+
+    def newer(state):
+        out = {}
+        for k, v in state.items():
+            if k.startswith("model."):
+                k = "model.language_model." + k[len("model."):]
+            elif k.startswith("visual."):
+                k = "model." + k
+            out[k] = v
+        return out
+
+    other = _rewrite(folder, tmp_path / "newer", tensors=newer)
+    _same_file(path, export_gguf(other, "f16", tmp_path / "newer.gguf").path)
+
+
 def test_qwen3_vl_moe_experts_as_released(exported, tmp_path):
     """Qwen3-VL-MoE as released stores its packed experts transposed (gate_up_proj [experts, hidden, 2 * ff], down_proj
     [experts, ff, hidden]); transformers 5 saves them as it holds them. transformers loads both alike, and both give

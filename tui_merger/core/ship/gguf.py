@@ -294,7 +294,7 @@ def _read_config(folder: Path) -> dict:
         raise MergeError(f"{path} does not hold a JSON object; copy it again from the original model.")
     model_type = config.get("model_type")
     if gguf_vl.is_vl(config):  # its language model, as llama.cpp's converter writes it (the vision tower: mmproj, not ours)
-        config = {**gguf_vl.text_config(folder, config, FAMILIES, FAMILY_NAMES), _VL: model_type}
+        config = {**gguf_vl.text_config(folder, config, FAMILIES), _VL: model_type}
         model_type = config.get("model_type")
     if model_type in REFUSED:
         raise MergeError(f"{folder} is a {model_type} model; {REFUSED[model_type]}.")

@@ -63,7 +63,7 @@ def vl_names() -> str:
     return ", ".join(titles[:-1]) + " and " + titles[-1]
 
 
-def text_config(folder: Path, config: dict, families: dict, family_names: str) -> dict:
+def text_config(folder: Path, config: dict, families: dict) -> dict:
     """The text model's config dict of a VL folder; one sentence when its language model is not a family we write."""
     model_type = config.get("model_type")
     _title, written_as = TEXT_OF.get(model_type, ("", {}))
@@ -76,7 +76,7 @@ def text_config(folder: Path, config: dict, families: dict, family_names: str) -
         raise MergeError(
             f"{folder} is a vision-language model ({model_type}) whose language model "
             f"({inner or 'of unknown type'}) is not one GGUF export writes; tui-merger writes the language model of "
-            f"{vl_names()} vision-language folders and the text families {family_names}."
+            f"{vl_names()} vision-language folders."
         )
     out = dict(text)
     for key in ("tie_word_embeddings", "quantization_config"):
