@@ -454,6 +454,28 @@ def test_qwen25_vl_with_the_names_transformers_4_5x_saved(exported, tmp_path):
     _same_file(path, export_gguf(other, "f16", tmp_path / "newer.gguf").path)
 
 
+def test_mistral_small_config_that_ties_by_default_keeps_its_own_head(exported, tmp_path):
+    """Mistral Small 3.1's config.json says nothing of tie_word_embeddings at its top level (Mistral3Config's default
+    there: true) and false in text_config, and its checkpoint holds the head: transformers 5 does not tie a head held
+    with other values, llama.cpp's converter writes it; so does the export (a notice says so)."""
+    import transformers
+
+    folder, path, _ = exported("mistral3")
+
+    def silent(raw):
+        raw.pop("tie_word_embeddings", None)
+        raw["text_config"]["tie_word_embeddings"] = False
+        return raw
+
+    other = _rewrite(folder, tmp_path / "silent", config=silent)
+    loaded = transformers.AutoModelForImageTextToText.from_pretrained(other, dtype=torch.float32)
+    assert loaded.config.tie_word_embeddings  # the top level's default
+    assert not torch.equal(loaded.get_output_embeddings().weight, loaded.get_input_embeddings().weight)  # not tied
+    events = []
+    _same_file(path, export_gguf(other, "f16", tmp_path / "silent.gguf", on_event=events.append).path)
+    assert any("keeps it" in e.message for e in events if isinstance(e, Notice))
+
+
 def test_qwen3_vl_moe_experts_as_released(exported, tmp_path):
     """Qwen3-VL-MoE as released stores its packed experts transposed (gate_up_proj [experts, hidden, 2 * ff], down_proj
     [experts, ff, hidden]); transformers 5 saves them as it holds them. transformers loads both alike, and both give

@@ -143,6 +143,7 @@ def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> G
     try:
         if config.get(_VL):
             source = gguf_vl.text_source(folder, source, hp["config"], notices, tuple(family.derive))
+            hp["tie_word_embeddings"] = gguf_vl.tied(source, hp["tie_word_embeddings"], notices)
         tensors = _plan_tensors(folder, source, config, hp, family, type_, notices)
         writer = gguf.GGUFWriter(None, arch)
         vocab = add_tokenizer(writer, folder, hp["vocab_size"], notices)

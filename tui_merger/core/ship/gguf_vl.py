@@ -241,6 +241,19 @@ class TextSource:
         self.inner.close()
 
 
+def tied(source: TextSource, tie: bool, notices: list) -> bool:
+    """Whether the GGUF leaves the output matrix out (llama.cpp then uses the embedding): the whole model's
+    ``tie_word_embeddings``, unless the folder holds its own output matrix. transformers 5 ties by the top level of
+    the config, whose default is true (Mistral Small 3.1's config.json says nothing there, its text_config says
+    false), but does not tie a head that the checkpoint holds with other values; llama.cpp's converter writes a
+    head that is there."""
+    if tie and "lm_head.weight" in source.tensors:
+        notices.append("The folder holds its own output matrix although its config ties it to the embedding "
+                       "(tie_word_embeddings): the GGUF keeps it, as transformers and llama.cpp's converter do.")
+        return False
+    return tie
+
+
 def text_source(folder: Path, source, text_cfg, notices: list, derived: tuple = ()) -> TextSource:
     """``source`` (the VL folder's) under the text model's names; a notice for what is left out."""
     mapping, left_out = text_names(folder, list(source.tensors), text_cfg, derived)
