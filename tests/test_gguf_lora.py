@@ -386,3 +386,110 @@ def test_an_expert_lora_in_peft_018s_layout_is_written_as_peft_018_merged_it(tmp
                 torch.testing.assert_close(alpha / a.shape[1] * (b[e] @ a[e]), merged[name] - base[name], rtol=1e-3, atol=1e-5, msg=name)
                 checked += 1
     assert checked == 3 * config["num_hidden_layers"] * config["num_local_experts"] and result.experts == 6
+
+
+# -- derived tensors (issue 40): a base tensor llama.cpp's converter moves (rows regrouped, value heads tiled,
+# experts transposed and gate / up split) gets its LoRA moved alike; the reference transforms are
+# test_gguf_families' (written from convert_hf_to_gguf.py), applied to peft's own merge delta
+
+
+def _alpha_b_a(fields, tensors, name):
+    a, b = tensors[name + ".lora_a"][0], tensors[name + ".lora_b"][0]
+    return fields["adapter.lora.alpha"] / a.shape[-2] * (b @ a)
+
+
+def test_a_lora_on_qwen35_linear_attention_is_moved_as_the_converter_moves_it(tmp_path):
+    """Qwen3.5 (2 key heads, 4 value heads): _LinearAttentionVReorderBase tiles the value heads of in_proj_qkv,
+    in_proj_z, in_proj_a, in_proj_b (rows: lora_b's rows move) and out_proj (columns: lora_a's columns move),
+    running the reorder on lora_A / lora_B; every pair adds the reordered peft delta, and the factors are
+    peft's saved lora_A / lora_B moved, nothing else."""
+    from safetensors.torch import load_file
+    from test_gguf_families import _qwen35_linear_attention, make_family
+    from transformers import AutoConfig
+
+    base = make_family(tmp_path / "q35", "qwen3_5_text", seed=1)
+    adapter, delta = make_adapter(base, tmp_path / "q35-lora")
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    config = AutoConfig.from_pretrained(base)
+    assert fields["general.architecture"] == "qwen35" and result.pairs == len(delta) == len(tensors) // 2
+    linear = [k for k in delta if ".linear_attn." in k]
+    assert {k.split(".linear_attn.")[1] for k in linear} == {f"{p}.weight" for p in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")}
+    names = gguf_names("qwen35", config.num_hidden_layers, [k for k in delta if k not in linear])
+    for hf, want in delta.items():
+        name, want = _qwen35_linear_attention(hf, want, config) if hf in linear else (names[hf], want)
+        torch.testing.assert_close(_alpha_b_a(fields, tensors, name), want, rtol=1e-5, atol=1e-6, msg=hf)
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.0.linear_attn."
+    nk, nv, dv = config.linear_num_key_heads, config.linear_num_value_heads, config.linear_value_head_dim
+    tiled = torch.arange(nv * dv).reshape(nk, nv // nk, dv).permute(1, 0, 2).reshape(-1)  # the converter's _reorder_v_heads
+    a, b = tensors["blk.0.ssm_out.weight.lora_a"][0], tensors["blk.0.ssm_out.weight.lora_b"][0]
+    assert torch.equal(a, saved[prefix + "out_proj.lora_A.weight"][:, tiled]) and torch.equal(b, saved[prefix + "out_proj.lora_B.weight"])
+    a, b = tensors["blk.0.attn_gate.weight.lora_a"][0], tensors["blk.0.attn_gate.weight.lora_b"][0]
+    assert torch.equal(a, saved[prefix + "in_proj_z.lora_A.weight"]) and torch.equal(b, saved[prefix + "in_proj_z.lora_B.weight"][tiled])
+    assert not torch.equal(tiled, torch.arange(nv * dv))  # the case moves something
+
+
+def test_a_lora_on_qwen3_next_in_proj_qkvz_is_regrouped_into_attn_qkv_and_attn_gate(tmp_path):
+    """Qwen3-Next: in_proj_qkvz's rows (per key head [q, k, v, z]) regrouped into attn_qkv and attn_gate as
+    Qwen3NextModel.modify_tensors regroups the weight (its own LoRA conversion stops there: the regroup
+    reshapes the row size, which its LoraTorchTensor cannot; the rows of B move all the same); in_proj_ba
+    and out_proj as they are; the experts and router stacked."""
+    from test_gguf_families import _qwen3_next_linear_attention, make_family
+    from transformers import AutoConfig
+
+    base = make_family(tmp_path / "q3n", "qwen3_next", seed=1)
+    adapter, delta = make_adapter(base, tmp_path / "q3n-lora")
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    config = AutoConfig.from_pretrained(base)
+    linear = [k for k in delta if ".linear_attn." in k]
+    assert {k.split(".linear_attn.")[1] for k in linear} == {"in_proj_qkvz.weight", "in_proj_ba.weight", "out_proj.weight"}
+    for hf in linear:
+        for name, want in _qwen3_next_linear_attention(hf, delta[hf], config).items():
+            torch.testing.assert_close(_alpha_b_a(fields, tensors, name), want, rtol=1e-5, atol=1e-6, msg=f"{hf} {name}")
+    # in_proj_qkvz: two pairs; the packed experts (all-linear adds them: not in the .weight delta) stacked per layer and kind
+    assert result.pairs == len(delta) + 1 + result.experts and result.experts == 3 * config.num_hidden_layers
+    names = gguf_names("qwen3next", config.num_hidden_layers, [k for k in delta if k not in linear])
+    for hf in names:
+        torch.testing.assert_close(_alpha_b_a(fields, tensors, names[hf]), delta[hf], rtol=1e-5, atol=1e-6, msg=hf)
+
+
+def test_a_gpt_oss_expert_lora_is_transposed_and_split_into_gate_and_up_per_expert(tmp_path):
+    """GPT-OSS's packed experts (gate_up_proj [experts, hidden, 2 * ff], gate and up interleaved; down_proj
+    [experts, ff, hidden]) as llama.cpp's converter writes them from 16-bit weights: transposed, gate the
+    even rows and up the odd ones. peft target_parameters on both: for each expert, what llama.cpp adds to
+    ffn_gate_exps / ffn_up_exps / ffn_down_exps is the same transform of peft's merge delta (the tensors
+    save_pretrained writes). The base's experts may be 16-bit or llama.cpp's MXFP4: a LoRA is added to the
+    product either way."""
+    from peft import LoraConfig, get_peft_model
+    from test_gguf_families import make_family
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = make_family(tmp_path / "oss", "gpt_oss", seed=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    adapter = tmp_path / "oss-lora"
+    peft_model.save_pretrained(adapter)
+    peft_model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    config = AutoConfig.from_pretrained(base)
+    layers, experts = config.num_hidden_layers, config.num_local_experts
+    assert result.experts == 3 * layers and result.pairs == 4 * layers
+    before, after = _weights(base), _weights(tmp_path / "merged")
+    moved = {  # the converter's GptOssModel.modify_tensors on 16-bit experts
+        "gate_up_proj": lambda w: {"ffn_gate_exps": w.transpose(1, 2)[:, 0::2], "ffn_up_exps": w.transpose(1, 2)[:, 1::2]},
+        "down_proj": lambda w: {"ffn_down_exps": w.transpose(1, 2)},
+    }
+    for layer in range(layers):
+        for hf, how in moved.items():
+            name = f"model.layers.{layer}.mlp.experts.{hf}"
+            for kind, want in how(after[name] - before[name]).items():
+                a, b = tensors[f"blk.{layer}.{kind}.weight.lora_a"][0], tensors[f"blk.{layer}.{kind}.weight.lora_b"][0]
+                assert a.shape[:2] == (experts, 4) and b.shape == (experts, want.shape[1], 4)
+                for e in range(experts):
+                    torch.testing.assert_close(fields["adapter.lora.alpha"] / 4 * (b[e] @ a[e]), want[e], rtol=1e-4, atol=1e-6,
+                                               msg=f"{name} {kind} {e}")

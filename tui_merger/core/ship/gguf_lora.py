@@ -79,6 +79,7 @@ class _Pair:
     name: str  # the base tensor's GGUF name, ending in .weight
     tensor: object  # gguf.GgufTensor
     parts: list
+    gather: tuple | None = None  # a derived tensor that is the source's entries moved: _gather's (rows, cols, transposed)
 
 
 def default_lora_out(adapter_folder: Path) -> Path:
@@ -235,7 +236,8 @@ def _pairs(adapter, planned: list, hp: dict, base_folder: Path) -> list[_Pair]:
         if all(p is None for p in parts):
             continue
         what = next(p[0].module for p in parts if p is not None)
-        if t.derive is not None or t.computed is not None:
+        gather = _gather(t) if t.derive is not None and t.computed is None else None
+        if gather is None and (t.derive is not None or t.computed is not None):
             raise MergeError(
                 f"{folder} has a LoRA on {what}, which llama.cpp's layout stores as {t.name} computed from it "
                 "(a derived tensor, not a cut or a stack of it); a GGUF LoRA of it is not written: merge it instead."
@@ -254,7 +256,7 @@ def _pairs(adapter, planned: list, hp: dict, base_folder: Path) -> list[_Pair]:
                     f"{p[0].module}: the LoRA is {have[0]}x{have[1]} but {base_folder.name}'s weight is "
                     f"{list(want)}; is this adapter for another model?"
                 )
-        out.append(_Pair(t.name.removesuffix(".weight") + ".weight", t, parts))
+        out.append(_Pair(t.name.removesuffix(".weight") + ".weight", t, parts, gather))
     left = sorted(set(adapter.lora) - used) + sorted(set(adapter.expert_lora) - used)
     if left:
         module = left[0]
@@ -267,6 +269,43 @@ def _pairs(adapter, planned: list, hp: dict, base_folder: Path) -> list[_Pair]:
     if not out:
         raise MergeError(f"{folder} holds no LoRA pair; there is nothing to write.")
     return out
+
+
+def _gather(t):
+    """Where a derived base tensor (GgufTensor.derive) takes each entry from, when it only moves the source's
+    entries: ``(rows, cols, transposed)`` such that one matrix of it is ``W[rows][:, cols]`` (``.T`` when
+    transposed) of the source's matrix W, per expert alike; None when it computes anything else (DeepSeek's
+    k_b / v_b, ``-exp(A_log)``). Then its LoRA is B's rows and A's columns moved (swapped and transposed for
+    a transposed tensor), what convert_lora_to_gguf.py does by running the base's transform on lora_A / lora_B:
+    Qwen3.5's value heads tiled (rows of in_proj_qkv / z / a / b, columns of out_proj), Qwen3-Next's
+    in_proj_qkvz regrouped into attn_qkv and attn_gate, GPT-OSS's packed experts transposed and gate_up split.
+
+    Found by running the transform itself on two index tensors of the source's shape (one expert's matrix for
+    stacked experts; int32, views where the transform allows): one holding each entry's row, one its column.
+    An entry taken from one place reads there in both, and a transform that only moves entries gives rows
+    that depend on one axis of the result and columns on the other."""
+    import torch
+
+    shape = tuple(t.sources[0].shape)
+    if len(shape) not in (2, 3) or len(t.shape) != len(shape) or len(t.sources) != 1:
+        return None
+    lead = (1,) if len(shape) == 3 else ()
+    n_rows, n_cols = shape[-2:]
+    probes = [torch.arange(n_rows, dtype=torch.int32).reshape(*lead, n_rows, 1).expand(*lead, n_rows, n_cols),
+              torch.arange(n_cols, dtype=torch.int32).reshape(*lead, 1, n_cols).expand(*lead, n_rows, n_cols)]
+    try:
+        got = [t.derive(p) for p in probes]
+    except Exception:  # noqa: BLE001 - a transform that is not a gather of a matrix (its shapes, its dtype)
+        return None
+    want = (*lead, *t.shape[-2:])
+    if any(not isinstance(g, torch.Tensor) or g.dtype != torch.int32 or tuple(g.shape) != want for g in got):
+        return None
+    r, c = (g.reshape(t.shape[-2:]) for g in got)
+    if bool((r == r[:, :1]).all()) and bool((c == c[:1]).all()):
+        return r[:, 0].long(), c[0].long(), False
+    if bool((r == r[:1]).all()) and bool((c == c[:, :1]).all()):  # rows of the result from the source's columns
+        return r[0].long(), c[:, 0].long(), True
+    return None
 
 
 def _delta_shape(entry, cut) -> tuple[int, int]:
@@ -321,6 +360,9 @@ def _factors(pair: _Pair, alpha: float):
             continue
         entry, cut = p
         a, b = _expert_pair(entry, cut, loaded)
+        if pair.gather is not None:  # the base's rows and columns moved (and perhaps transposed): A's columns, B's rows
+            rows, cols, transposed = pair.gather
+            a, b = (b[rows].T, a[:, cols].T) if transposed else (a[:, cols], b[rows])
         if t.rows is not None:  # a part of a packed tensor: its rows
             b = b[t.rows[0]:t.rows[1]]
         if t.permute_heads:  # the converter permutes lora_b's rows as it permutes the base tensor's
