@@ -34,6 +34,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 NEW_TOKENS, LIMIT = 12, 1e-2
+# per-family config changes from tests/test_gguf_families.py's tiny cases. Qwen3.5: MRoPE sections that fit its
+# head: the released models' [11, 11, 10] are half of their 64 rotary dims (head_dim 256 x 0.25); on the tiny
+# head_dim 16 (4 rotary dims) that default (what the config leaves out, and llama.cpp's converter writes then) sums
+# to 32 > 16, and llama.cpp's rope aborts the process (GGML_ASSERT(sect_dims <= ne0)) on the base alone
+OVERRIDES = {
+    "qwen3_5_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                          "mrope_section": [1, 1, 0]}),
+}
 
 
 def main(argv: list[str]) -> int:
@@ -74,8 +82,8 @@ def main(argv: list[str]) -> int:
         for name, p in model.named_parameters():
             if p.dim() == 3 and ".experts." in name:
                 params.add(".".join(name.split(".")[-2:]))
-            elif n and p.dim() == 2 and name.endswith(".gate.weight") and p.shape[0] == n:
-                params.add("gate.weight")
+            elif n and p.dim() == 2 and name.endswith((".gate.weight", ".router.weight")) and p.shape[0] == n:
+                params.add(".".join(name.split(".")[-2:]))  # the router (GPT-OSS's: mlp.router.weight)
         return sorted(params)
 
     rows = []
@@ -83,7 +91,7 @@ def main(argv: list[str]) -> int:
         root = Path(tmp)
         for n, family in enumerate(families):
             started = time.perf_counter()
-            base = make_family(root / f"base-{n}", family, dtype=torch.float32)
+            base = make_family(root / f"base-{n}", family, dtype=torch.float32, **OVERRIDES.get(family, {}))
             tok = AutoTokenizer.from_pretrained(base)
             chat = tok.apply_chat_template([{"role": "user", "content": "2+2=? and a longer question"}],
                                            tokenize=False, add_generation_prompt=True)

@@ -344,9 +344,21 @@ def test_a_lora_is_never_called_checked_without_a_check(bases, tmp_path, capsys)
     assert main(["gguf", str(base), "--adapter", str(adapter), "--type", "f16", "--plain", "--check", "none"]) == 0
     out, _ = capsys.readouterr()
     assert "  LoRA check not checked: skipped (--check none).\n" in out
-    assert f"  not recorded: {base} has no merge_manifest.json (it was not made by tui-merger)\n" in out
-    assert not (base / "merge_manifest.json").exists()
     lora, base_gguf = adapter / "a-LoRA-F32.gguf", base / "plain-base-F16.gguf"
+    # a base without a manifest (a Hub download) is left as it is: the record goes beside the LoRA, and says so
+    record = adapter / "a-LoRA-F32.json"
+    assert (f"  LoRA and its check recorded in {record} ({base} has no merge_manifest.json: it was not made by "
+            "tui-merger, so neither it nor its model card is changed)\n") in out
+    assert not (base / "merge_manifest.json").exists() and not (base / "README.md").exists()
+    saved = json.loads(record.read_text())
+    assert saved["format"] == "tui-merger-gguf-lora/1" and saved["base"] == str(base) and saved["not_in_manifest"]
+    assert saved["path"] == "a-LoRA-F32.gguf" and saved["base_gguf"] == str(base_gguf) and saved["modelfile"] == "a-LoRA-F32.Modelfile"
+    assert saved["size"] == lora.stat().st_size and saved["pairs"] == 2 and saved["ranks"] == [4] and saved["alpha"] == 8.0
+    import hashlib
+
+    assert saved["sha256"] == hashlib.sha256(lora.read_bytes()).hexdigest()
+    assert saved["check"]["status"] == "not checked" and saved["check"]["reader"] is None
+    assert not list(adapter.glob(".*tmp*"))
     check = check_lora_gguf(base, adapter, base_gguf, lora, reader="transformers")
     assert check.status == "not checked" and check.reader is None and not check.passed
     for recorded in ({}, {"check": {"status": "not checked", "summary": "x"}}, {"check": {"status": "maybe"}}):

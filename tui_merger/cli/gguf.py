@@ -139,7 +139,7 @@ def check_lora(args, lora, base: Path, modelfile: Path, progress):
 
     from tui_merger.console import RichProgress
     from tui_merger.core.ship.gguf_check import NOT_CHECKED, GgufCheck, check_lora_gguf
-    from tui_merger.core.ship.gguf_lora import record_lora_gguf
+    from tui_merger.core.ship.gguf_lora import lora_record_path, record_lora_gguf, write_lora_record
 
     if args.check == "none":
         check = GgufCheck(NOT_CHECKED, None, "skipped (--check none).")
@@ -147,13 +147,19 @@ def check_lora(args, lora, base: Path, modelfile: Path, progress):
         with progress if isinstance(progress, RichProgress) else nullcontext():
             check = check_lora_gguf(args.model, args.adapter, base, lora.path, reader=args.check, on_event=progress)
     print(f"  LoRA check {check.line()}")
+    manifest = Path(args.model) / "merge_manifest.json"
     try:
         recorded = record_lora_gguf(args.model, lora, base, check, modelfile)
-    except OSError as err:  # a read-only folder: the files and the check stand
-        print(f"  not recorded: {Path(args.model) / 'merge_manifest.json'} could not be updated ({err.strerror or err}).")
+    except OSError as err:  # a read-only base folder: the record goes beside the LoRA
+        why = f"{manifest} could not be updated ({err.strerror or err})"
+        try:
+            print(f"  LoRA and its check recorded in {write_lora_record(args.model, lora, base, check, modelfile, why=why)} ({why})")
+        except OSError as again:
+            print(f"  not recorded: {why}, nor {lora_record_path(lora.path)} written ({again.strerror or again}).")
         return check
     if recorded:
-        print(f"  LoRA and its check recorded in {Path(args.model) / 'merge_manifest.json'}")
+        print(f"  LoRA and its check recorded in {manifest}")
     else:
-        print(f"  not recorded: {args.model} has no merge_manifest.json (it was not made by tui-merger)")
+        print(f"  LoRA and its check recorded in {lora_record_path(lora.path)} ({args.model} has no merge_manifest.json: "
+              "it was not made by tui-merger, so neither it nor its model card is changed)")
     return check

@@ -390,22 +390,17 @@ def _factors(pair: _Pair, alpha: float):
     return a_out, b_out, scaled
 
 
-def record_lora_gguf(base_folder: Path, result: LoraGgufResult, base_gguf: Path, check, modelfile: Path | None = None) -> bool:
-    """Add (or replace) the LoRA's entry, with its check (gguf_check.GgufCheck), in ``gguf_lora`` of the base
-    folder's merge_manifest.json, and the model card when tui-merger wrote it; False when the folder has
-    no manifest (a base tui-merger did not make): then nothing is recorded."""
+LORA_RECORD_FORMAT = "tui-merger-gguf-lora/1"
+
+
+def lora_record_path(lora_path: Path) -> Path:
+    """The JSON record beside a GGUF LoRA whose base folder has no manifest: x-LoRA-F32.gguf -> x-LoRA-F32.json."""
+    return Path(lora_path).with_suffix(".json")
+
+
+def _lora_entry(result: LoraGgufResult, base_gguf: Path, check, modelfile: Path | None, shown) -> dict:
     from tui_merger import __version__
-    from tui_merger.core.record.card import is_ours, write_model_card
-    from tui_merger.core.record.manifest import now_iso, read_manifest, write_manifest
-
-    folder = Path(base_folder).absolute()
-    manifest = read_manifest(folder)
-    if manifest is None:
-        return False
-
-    def shown(path) -> str:
-        path = Path(path).absolute()
-        return path.relative_to(folder).as_posix() if path.is_relative_to(folder) else str(path)
+    from tui_merger.core.record.manifest import now_iso
 
     entry = {
         "path": shown(result.path),
@@ -425,6 +420,54 @@ def record_lora_gguf(base_folder: Path, result: LoraGgufResult, base_gguf: Path,
     }
     if modelfile is not None:
         entry["modelfile"] = shown(modelfile)
+    return entry
+
+
+def write_lora_record(base_folder: Path, result: LoraGgufResult, base_gguf: Path, check, modelfile: Path | None = None,
+                      why: str = "no merge_manifest.json") -> Path:
+    """The LoRA's record as a small JSON beside it (lora_record_path): the manifest entry's fields (paths beside
+    it by name, others absolute), the base folder, and why it is not in the base's manifest; written atomically,
+    replacing the record of an earlier file at that path."""
+    import json
+
+    target = lora_record_path(result.path)
+    here = target.parent
+
+    def shown(path) -> str:
+        path = Path(path).absolute()
+        return path.name if path.parent == here else str(path)
+
+    record = {"format": LORA_RECORD_FORMAT, **_lora_entry(result, base_gguf, check, modelfile, shown),
+              "base": str(Path(base_folder).absolute()), "not_in_manifest": why}
+    tmp = here / f".{target.name}.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
+
+
+def record_lora_gguf(base_folder: Path, result: LoraGgufResult, base_gguf: Path, check, modelfile: Path | None = None) -> bool:
+    """Add (or replace) the LoRA's entry, with its check (gguf_check.GgufCheck), in ``gguf_lora`` of the base
+    folder's merge_manifest.json, and the model card when tui-merger wrote it: True. A base folder without a
+    manifest (a Hub download, a folder tui-merger did not make) is not written to: the record goes to a JSON
+    beside the LoRA (write_lora_record, at lora_record_path(result.path)) and the answer is False."""
+    from tui_merger.core.record.card import is_ours, write_model_card
+    from tui_merger.core.record.manifest import read_manifest, write_manifest
+
+    folder = Path(base_folder).absolute()
+    manifest = read_manifest(folder)
+    if manifest is None:
+        write_lora_record(folder, result, base_gguf, check, modelfile)
+        return False
+
+    def shown(path) -> str:
+        path = Path(path).absolute()
+        return path.relative_to(folder).as_posix() if path.is_relative_to(folder) else str(path)
+
+    entry = _lora_entry(result, base_gguf, check, modelfile, shown)
     entries = manifest.get("gguf_lora") if isinstance(manifest.get("gguf_lora"), list) else []
     entries = [e for e in entries if isinstance(e, dict) and e.get("path") != entry["path"]]
     manifest["gguf_lora"] = entries + [entry]
