@@ -169,6 +169,9 @@ def main(argv: list[str]) -> int:
             print("  " + " | ".join(rows[-1]) + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
             if check.status != "passed":
                 print(f"    check: {check.line()}", flush=True)
+            if family == "gpt_oss" and lora.experts:  # the experts as llama.cpp's own GPT-OSS files hold them: MXFP4
+                rows.append(mxfp4_row(label, pairs, base_gguf, with_lora, lora.path, prompt, want, run))
+                print("  " + " | ".join(rows[-1]), flush=True)
             if control and not controlled:  # the check can fail: the same LoRA with lora_B doubled, against this adapter
                 from safetensors.torch import load_file, save_file
 
@@ -191,6 +194,37 @@ def main(argv: list[str]) -> int:
     for row in rows:
         print("| " + " | ".join(row) + " |")
     return 0 if all(r[-1] in ("PASS", "REFUSED", "PASS (caught)") for r in rows) else 1
+
+
+def mxfp4_row(label, pairs, base_gguf, with_f16, lora_path, prompt, want, run):
+    """GPT-OSS with its experts in MXFP4 (llama.cpp's ``llama_model_quantize`` to MOSTLY_MXFP4_MOE: the experts
+    MXFP4, the rest as they were, as llama.cpp's own GPT-OSS files hold them): the same LoRA file on the MXFP4
+    base, against peft (float32). MXFP4 rounds the base's experts to 4 bits, so the judge is that rounding's
+    own size: the MXFP4 base alone against the F16 base alone. PASS: with the LoRA, llama.cpp is within 3x
+    that of peft, and 5x closer to peft than the MXFP4 base alone is (the LoRA is applied, not dropped).
+    Columns: vs the F16 base with the same LoRA; vs peft; the MXFP4 base alone vs peft."""
+    import ctypes
+
+    import gguf
+    import llama_cpp
+
+    out = base_gguf.with_name(base_gguf.stem + "-MXFP4.gguf")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+    assert llama_cpp.llama_model_quantize(str(base_gguf).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    exps = [t for t in gguf.GGUFReader(out).tensors if "_exps.weight" in t.name]
+    mx = sum(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in exps)
+    with_lora, _ = run(out, prompt, lora_path)
+    plain, _ = run(out, prompt)
+    plain_f16, _ = run(base_gguf, prompt)
+    scale = want.abs().max()
+    vs_f16 = ((with_lora - with_f16).abs().max() / with_f16.abs().max()).item()
+    vs_peft = ((with_lora - want).abs().max() / scale).item()
+    moved = ((plain - want).abs().max() / scale).item()
+    own = ((plain - plain_f16).abs().max() / plain_f16.abs().max()).item()  # MXFP4's own rounding, no LoRA
+    ok = mx == len(exps) > 0 and vs_peft < 3 * own and moved > 5 * vs_peft
+    return (f"{label}, base experts MXFP4 ({mx}/{len(exps)} ffn_*_exps; MXFP4 base alone vs F16 base alone {own:.1e})", pairs,
+            f"{vs_f16:.1e} (vs F16 base + LoRA)", f"{vs_peft:.1e}", f"{moved:.1e}", "", "", "PASS" if ok else "FAIL")
 
 
 if __name__ == "__main__":

@@ -505,3 +505,26 @@ def test_a_gpt_oss_expert_lora_is_transposed_and_split_into_gate_and_up_per_expe
                 for e in range(experts):
                     torch.testing.assert_close(fields["adapter.lora.alpha"] / 4 * (b[e] @ a[e]), want[e], rtol=1e-4, atol=1e-6,
                                                msg=f"{name} {kind} {e}")
+
+
+def test_only_a_transform_that_moves_entries_is_taken_for_one():
+    """A derived tensor's LoRA is written only where the base's transform moves entries (rows, columns, a
+    transpose); one that scales or combines them (w * 2, -exp(w), a sum of rows) or changes the matrix's
+    rank of axes (DeepSeek's k_b) stays refused (None)."""
+    from types import SimpleNamespace
+
+    from tui_merger.core.ship.gguf import GgufTensor
+    from tui_merger.core.ship.gguf_lora import _gather
+
+    def tensor(shape, out, fn):
+        return GgufTensor("blk.0.x.weight", (SimpleNamespace(name="x.weight", shape=shape),), out, 0, 0, derive=fn)
+
+    rows, cols, transposed = _gather(tensor((6, 4), (3, 4), lambda w: w[1::2]))
+    assert rows.tolist() == [1, 3, 5] and cols.tolist() == [0, 1, 2, 3] and not transposed
+    # GPT-OSS's gate: out[i, j] = W[j, 2 i] per expert; rows: the source rows of the result's columns
+    rows, cols, transposed = _gather(tensor((2, 6, 4), (2, 2, 6), lambda w: w.transpose(1, 2)[:, 0::2]))
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5] and cols.tolist() == [0, 2] and transposed
+    for shape, out, fn in (((6, 4), (6, 4), lambda w: w * 2), ((6, 4), (6, 4), lambda w: -w.float().exp()),
+                           ((6, 4), (3, 4), lambda w: w[0::2] + w[1::2]), ((6, 4), (2, 4, 3), lambda w: w.reshape(2, 3, 4).transpose(1, 2)),
+                           ((6, 4), (6, 4), lambda w: torch.maximum(w, w.flip(0)))):  # indices in range: the random check
+        assert _gather(tensor(shape, out, fn)) is None

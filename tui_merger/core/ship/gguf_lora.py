@@ -283,7 +283,8 @@ def _gather(t):
     Found by running the transform itself on two index tensors of the source's shape (one expert's matrix for
     stacked experts; int32, views where the transform allows): one holding each entry's row, one its column.
     An entry taken from one place reads there in both, and a transform that only moves entries gives rows
-    that depend on one axis of the result and columns on the other."""
+    that depend on one axis of the result and columns on the other. Then confirmed: on a random matrix the
+    transform gives exactly that gather of it (a transform that scales or combines entries does not)."""
     import torch
 
     shape = tuple(t.sources[0].shape)
@@ -302,10 +303,21 @@ def _gather(t):
         return None
     r, c = (g.reshape(t.shape[-2:]) for g in got)
     if bool((r == r[:, :1]).all()) and bool((c == c[:1]).all()):
-        return r[:, 0].long(), c[0].long(), False
-    if bool((r == r[:1]).all()) and bool((c == c[:, :1]).all()):  # rows of the result from the source's columns
-        return r[0].long(), c[:, 0].long(), True
-    return None
+        found = r[:, 0].long(), c[0].long(), False
+    elif bool((r == r[:1]).all()) and bool((c == c[:, :1]).all()):  # rows of the result from the source's columns
+        found = r[0].long(), c[:, 0].long(), True
+    else:
+        return None
+    rows, cols, transposed = found
+    if not (0 <= int(rows.min()) and int(rows.max()) < n_rows and 0 <= int(cols.min()) and int(cols.max()) < n_cols):
+        return None  # e.g. a scaled tensor (w * 2): not where entries come from
+    x = torch.randn(*lead, n_rows, n_cols, generator=torch.Generator().manual_seed(0))  # and it is that gather
+    moved = x.reshape(n_rows, n_cols)[rows][:, cols]
+    try:
+        ok = torch.equal(t.derive(x).reshape(t.shape[-2:]), moved.T if transposed else moved)
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    return found if ok else None
 
 
 def _delta_shape(entry, cut) -> tuple[int, int]:
