@@ -528,3 +528,61 @@ def test_only_a_transform_that_moves_entries_is_taken_for_one():
                            ((6, 4), (3, 4), lambda w: w[0::2] + w[1::2]), ((6, 4), (2, 4, 3), lambda w: w.reshape(2, 3, 4).transpose(1, 2)),
                            ((6, 4), (6, 4), lambda w: torch.maximum(w, w.flip(0)))):  # indices in range: the random check
         assert _gather(tensor(shape, out, fn)) is None
+
+
+def test_a_lora_for_gpt_oss_released_in_mxfp4_is_written_from_its_dequantized_names(tmp_path, capsys):
+    """GPT-OSS as released (experts as MXFP4 *_blocks / *_scales, tests/fp8_factory.py): the adapter was trained
+    on transformers' dequantizing load, and its GGUF LoRA needs the base's names and shapes only. What llama.cpp
+    adds per expert is peft's merge delta on that load, moved as the converter moves the experts. The base's
+    GGUF is llama.cpp's to make (MXFP4): without one given, the command says so before writing anything;
+    with one (--out), the LoRA and Modelfile are written for it."""
+    import transformers
+    from fp8_factory import make_mxfp4_base
+    from peft import LoraConfig, get_peft_model
+    from test_gguf import byte_level_tokenizer
+    from tui_merger.cli import main
+
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=4,
+                                       num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                       vocab_size=448, max_position_embeddings=64, sliding_window=16,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    torch.manual_seed(0)
+    base = tmp_path / "gpt-oss-mxfp4"
+    make_mxfp4_base(base, transformers.GptOssForCausalLM(config))
+    byte_level_tokenizer("o200k").save_pretrained(base)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                                              quantization_config=transformers.Mxfp4Config(dequantize=True))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "dequantized")  # its 16-bit GGUF stands in for llama.cpp's MXFP4 one below
+    byte_level_tokenizer("o200k").save_pretrained(tmp_path / "dequantized")
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    adapter = tmp_path / "oss-lora"
+    peft_model.save_pretrained(adapter)
+    after = peft_model.merge_and_unload().state_dict()
+    # the command: no base GGUF to use, and none it may make: one sentence, nothing written
+    assert main(["gguf", str(base), "--adapter", str(adapter), "--check", "none", "--plain"]) != 0
+    _, err = capsys.readouterr()
+    assert f"{base} holds mxfp4 weights: tui-merger writes the LoRA for it but not its GGUF" in err
+    assert not list(tmp_path.rglob("*.gguf"))
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    assert fields["general.architecture"] == "gpt-oss" and result.experts == 6 and result.pairs == 8
+    for layer in range(2):
+        name = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = after[name + "gate_up_proj"] - before[name + "gate_up_proj"], after[name + "down_proj"] - before[name + "down_proj"]
+        for kind, want in (("ffn_gate_exps", gate_up.transpose(1, 2)[:, 0::2]), ("ffn_up_exps", gate_up.transpose(1, 2)[:, 1::2]),
+                           ("ffn_down_exps", down.transpose(1, 2))):
+            got = _alpha_b_a(fields, tensors, f"blk.{layer}.{kind}.weight")
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"{layer} {kind}")
+    # with the base's GGUF given (here the dequantized model's), the LoRA and its Modelfile; the GGUF is not rewritten
+    from tui_merger.core.ship.gguf import export_gguf
+
+    given = export_gguf(tmp_path / "dequantized", "f16", tmp_path / "gpt-oss-MXFP4.gguf").path
+    stamp = given.read_bytes()
+    assert main(["gguf", str(base), "--adapter", str(adapter), "--out", str(given), "--check", "none", "--plain", "--overwrite"]) == 0
+    out, _ = capsys.readouterr()
+    assert f"Base GGUF {given} is used as it is (llama.cpp's to make: {base} holds mxfp4 weights)." in out and given.read_bytes() == stamp
+    assert f"FROM {given}" in (adapter / "oss-lora-LoRA-F32.Modelfile").read_text()

@@ -92,17 +92,26 @@ def _cmd_gguf_lora(args, progress) -> int:
     from tui_merger.console import RichProgress
     from tui_merger.core.options import human_bytes
     from tui_merger.core.ship.gguf import default_out
-    from tui_merger.core.ship.gguf_lora import export_lora_gguf
+    from tui_merger.core.errors import MergeError
+    from tui_merger.core.ship.gguf_lora import export_lora_gguf, quantization_of
     from tui_merger.core.ship.modelfile import write_modelfile
     from tui_merger.core.ship.run_locally import make_local
 
+    base = default_out(args.model, args.gguf_type) if args.out is None else Path(args.out).expanduser().absolute()
+    base = base / default_out(args.model, args.gguf_type).name if base.is_dir() else base
+    quantized = quantization_of(args.model)
+    if quantized and not base.is_file():  # before anything is written: its GGUF is not ours to make
+        raise MergeError(
+            f"{args.model} holds {quantized} weights: tui-merger writes the LoRA for it but not its GGUF; give the "
+            f"base's GGUF made by llama.cpp (e.g. its {quantized} GGUF of the released model) with --out, which is used as it is."
+        )
     lora = export_lora_gguf(args.model, args.adapter, overwrite=args.overwrite)
     print(f"GGUF LoRA written to {lora.path}")
     print(f"  {lora.arch}, F32, {human_bytes(lora.size)}, {lora.pairs} LoRA pairs (rank {', '.join(map(str, lora.ranks))}, "
           f"alpha {lora.alpha:g})" + (f", {lora.rescaled} with lora_b scaled to peft's scale" if lora.rescaled else ""))
-    base = default_out(args.model, args.gguf_type) if args.out is None else Path(args.out).expanduser().absolute()
-    base = base / default_out(args.model, args.gguf_type).name if base.is_dir() else base
-    if base.is_file() and not args.overwrite:
+    if base.is_file() and quantized:
+        print(f"Base GGUF {base} is used as it is (llama.cpp's to make: {args.model} holds {quantized} weights).")
+    elif base.is_file() and not args.overwrite:
         print(f"Base GGUF {base} is already there: used as it is (--overwrite writes it again).")
     else:
         with progress if isinstance(progress, RichProgress) else nullcontext():

@@ -22,17 +22,23 @@ LoRA gets zeros; experts of other ranks are padded with zero rows to the largest
 nothing, and each lora_b carries its own scale). A router's LoRA (``gate.weight``) is an ordinary pair on
 ``ffn_gate_inp``.
 
-Refused in one sentence: a LoRA on a tensor llama.cpp computes from the HF one (DeepSeek's MLA k_b/v_b,
-GPT-OSS's MXFP4 experts), DoRA, LoRA on embeddings, modules_to_save (whole trained copies: a GGUF
-adapter has no place for them; merge instead), and a LoRA on a tensor llama.cpp's graph multiplies
-without its adapters (NOT_APPLIED).
+A base tensor the converter derives by moving the HF tensor's entries (Qwen3.5's value heads tiled,
+Qwen3-Next's in_proj_qkvz regrouped into attn_qkv and attn_gate, GPT-OSS's packed experts transposed with
+gate_up split into gate and up) gets its LoRA moved alike: lora_b's rows and lora_a's columns, swapped and
+transposed for a transposed tensor (_gather: what convert_lora_to_gguf.py does by running the base's
+modify_tensors on lora_A / lora_B). GPT-OSS's experts may be MXFP4 in the base GGUF (llama.cpp's own files)
+or 16-bit (ours): llama.cpp adds the LoRA's product to theirs either way.
+
+Refused in one sentence: a LoRA on a tensor llama.cpp computes from the HF one (DeepSeek's MLA k_b/v_b),
+DoRA, LoRA on embeddings, modules_to_save (whole trained copies: a GGUF adapter has no place for them;
+merge instead), and a LoRA on a tensor llama.cpp's graph multiplies without its adapters (NOT_APPLIED).
 
 Where peft's scale is not llama.cpp's alpha / r (rsLoRA's alpha / sqrt(r), alpha_pattern), lora_b is
 multiplied by their ratio, so llama.cpp computes peft's delta; the file's alpha stays lora_alpha.
 
 ``record_lora_gguf`` puts the file and its check (gguf_check.check_lora_gguf: llama.cpp with the base's
 GGUF and this file against peft on the base) into the base folder's merge_manifest.json (``gguf_lora``)
-and its model card, where the folder has one.
+and its model card, where the folder has one; else (a Hub download) into ``<lora>.json`` beside the file.
 """
 
 from __future__ import annotations
@@ -104,13 +110,18 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
     if not (adapter_folder / "adapter_config.json").is_file():
         raise MergeError(f"{adapter_folder} has no adapter_config.json; --adapter takes a peft LoRA adapter folder.")
     target = _target(adapter_folder, out, overwrite)
-    config = ship_gguf._read_config(base_folder)
+    # a LoRA needs the base's names and shapes only: a base released quantized (GPT-OSS's MXFP4 experts) is
+    # read as transformers' dequantizing load names and shapes it, the one the adapter was trained on
+    config = ship_gguf._read_config(base_folder, quantized_ok=True)
+    scheme = _scheme(config)
     family = gguf_families.FAMILIES[config["model_type"]]
     notices: list[str] = []
     closers: list = []
     with ship_gguf._quiet_library_logs():
         hp = ship_gguf._hyperparameters(base_folder, config, family, notices)
         source = ship_gguf._open_source(base_folder)
+        if scheme is not None:
+            source = _DequantNames(source, scheme, config)
         try:
             planned = ship_gguf._plan_tensors(base_folder, source, config, hp, family, "f16", notices)
             adapter = open_adapter(adapter_folder)
@@ -173,6 +184,50 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
             digest.update(block)
     return LoraGgufResult(target, family.arch, alpha, tuple(sorted(ranks)), len(pairs), rescaled,
                           target.stat().st_size, digest.hexdigest(), time.perf_counter() - started, experts, adapter_folder)
+
+
+class _DequantNames:
+    """A quantized base's tensors as its dequantized parameters (formats/dequant.DequantSource: GPT-OSS's
+    ``gate_up_proj`` for ``gate_up_proj_blocks`` + ``_scales``), each named as that parameter: what the LoRA's
+    plan reads (names, shapes); no weight of the base is read."""
+
+    def __init__(self, source, scheme, config: dict):
+        import dataclasses
+
+        from tui_merger.core.formats.dequant import DequantSource
+
+        view = DequantSource(source, scheme, config)
+        self.tensors = {name: dataclasses.replace(ref, name=name) for name, ref in view.tensors.items()}
+        self.files = source.files
+        self.close = source.close
+
+
+def quantization_of(base_folder: Path) -> str | None:
+    """The quant_method of a base released quantized ("mxfp4", "fp8"...), None for a 16-bit one: its LoRA is
+    written, its GGUF is llama.cpp's to make."""
+    import json
+
+    try:
+        q = json.loads((Path(base_folder) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None  # the export says what is wrong with the folder
+    return (q.get("quant_method") or "quantized") if isinstance(q, dict) and q else ("quantized" if q else None)
+
+
+def _scheme(config: dict):
+    """The released-quantized format of the base (formats/dequant.py), None for a 16-bit one; one sentence for
+    weights saved quantized in a way that cannot be read as the adapter's base (bitsandbytes, GPTQ, AWQ)."""
+    from tui_merger.core.formats.dequant import scheme_of
+
+    if not config.get("quantization_config"):
+        return None
+    scheme = scheme_of(config)
+    if scheme is None:
+        q = config["quantization_config"]
+        method = q.get("quant_method", "quantized") if isinstance(q, dict) else "quantized"
+        raise MergeError(f"The base holds {method} weights, which tui-merger does not read as a model's weights; "
+                         "give the 16-bit base the adapter was trained on.")
+    return scheme
 
 
 def _target(adapter_folder: Path, out: Path | None, overwrite: bool) -> Path:
