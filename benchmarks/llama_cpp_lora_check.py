@@ -199,10 +199,12 @@ def main(argv: list[str]) -> int:
 def mxfp4_row(label, pairs, base_gguf, with_f16, lora_path, prompt, want, run):
     """GPT-OSS with its experts in MXFP4 (llama.cpp's ``llama_model_quantize`` to MOSTLY_MXFP4_MOE: the experts
     MXFP4, the rest as they were, as llama.cpp's own GPT-OSS files hold them): the same LoRA file on the MXFP4
-    base, against peft (float32). MXFP4 rounds the base's experts to 4 bits, so the judge is that rounding's
-    own size: the MXFP4 base alone against the F16 base alone. PASS: with the LoRA, llama.cpp is within 3x
-    that of peft, and 5x closer to peft than the MXFP4 base alone is (the LoRA is applied, not dropped).
-    Columns: vs the F16 base with the same LoRA; vs peft; the MXFP4 base alone vs peft."""
+    base. MXFP4 rounds the base's experts to 4 bits, so neither peft nor the F16 run is matched to f16's limit;
+    what must hold is that llama.cpp adds the same LoRA to MXFP4 experts as to F16 ones: the LoRA's effect on
+    the logits (with it minus without it) on the MXFP4 base equals its effect on the F16 base within 0.2 of
+    its size (a LoRA dropped or doubled is 1.0 off), and llama.cpp with it stays within 3x the MXFP4 base's own
+    rounding (MXFP4 base alone vs F16 base alone) of peft. Columns: the effect's difference; vs peft; the
+    MXFP4 base alone vs peft."""
     import ctypes
 
     import gguf
@@ -218,13 +220,14 @@ def mxfp4_row(label, pairs, base_gguf, with_f16, lora_path, prompt, want, run):
     plain, _ = run(out, prompt)
     plain_f16, _ = run(base_gguf, prompt)
     scale = want.abs().max()
-    vs_f16 = ((with_lora - with_f16).abs().max() / with_f16.abs().max()).item()
+    effect, effect_f16 = with_lora - plain, with_f16 - plain_f16
+    off = ((effect - effect_f16).abs().max() / effect_f16.abs().max()).item()
     vs_peft = ((with_lora - want).abs().max() / scale).item()
     moved = ((plain - want).abs().max() / scale).item()
     own = ((plain - plain_f16).abs().max() / plain_f16.abs().max()).item()  # MXFP4's own rounding, no LoRA
-    ok = mx == len(exps) > 0 and vs_peft < 3 * own and moved > 5 * vs_peft
+    ok = mx == len(exps) > 0 and off < 0.2 and vs_peft < 3 * own
     return (f"{label}, base experts MXFP4 ({mx}/{len(exps)} ffn_*_exps; MXFP4 base alone vs F16 base alone {own:.1e})", pairs,
-            f"{vs_f16:.1e} (vs F16 base + LoRA)", f"{vs_peft:.1e}", f"{moved:.1e}", "", "", "PASS" if ok else "FAIL")
+            f"{off:.1e} (the LoRA's effect vs on the F16 base)", f"{vs_peft:.1e}", f"{moved:.1e}", "", "", "PASS" if ok else "FAIL")
 
 
 if __name__ == "__main__":

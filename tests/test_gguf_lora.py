@@ -586,3 +586,43 @@ def test_a_lora_for_gpt_oss_released_in_mxfp4_is_written_from_its_dequantized_na
     out, _ = capsys.readouterr()
     assert f"Base GGUF {given} is used as it is (llama.cpp's to make: {base} holds mxfp4 weights)." in out and given.read_bytes() == stamp
     assert f"FROM {given}" in (adapter / "oss-lora-LoRA-F32.Modelfile").read_text()
+
+
+def test_gemma4_expert_loras_carry_the_per_expert_scale_and_a_lora_llama_cpp_drops_is_refused(tmp_path):
+    """Gemma 4's MoE scales each expert's output by router.per_expert_scale; llama.cpp stores it as
+    ffn_down_exps.scale and multiplies only the base's product by it, then adds the LoRA's (llama-graph.cpp's
+    build_lora_mm_id), so lora_b of expert e carries scale[e]: what llama.cpp adds, scale[e] times peft's
+    delta. gate_up (ffn_gate_up_exps, no scale) as it is. A LoRA on per_layer_model_projection, which
+    llama.cpp's gemma4 graph multiplies without adapters (measured: the logits with it equal the base's
+    alone), is refused."""
+    from peft import LoraConfig, get_peft_model
+    from test_gguf_families import make_family
+    from transformers import AutoModelForCausalLM
+
+    base = make_family(tmp_path / "g4moe", "gemma4_text:moe", seed=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                                                  target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    adapter = tmp_path / "g4-lora"
+    peft_model.save_pretrained(adapter)
+    after = peft_model.merge_and_unload().state_dict()
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    assert result.experts == 4
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        scale = before[prefix + "router.per_expert_scale"]
+        assert not torch.allclose(scale, torch.ones_like(scale))  # the case tells
+        for hf, kind, factor in (("experts.gate_up_proj", "ffn_gate_up_exps", torch.ones_like(scale)), ("experts.down_proj", "ffn_down_exps", scale)):
+            delta = after[prefix + hf] - before[prefix + hf]
+            a, b = tensors[f"blk.{layer}.{kind}.weight.lora_a"][0], tensors[f"blk.{layer}.{kind}.weight.lora_b"][0]
+            for e in range(delta.shape[0]):
+                torch.testing.assert_close(fields["adapter.lora.alpha"] / 4 * (b[e] @ a[e]), factor[e] * delta[e], rtol=1e-4, atol=1e-6,
+                                           msg=f"{layer} {kind} {e}")
+    dense = make_family(tmp_path / "g4", "gemma4_text", seed=1)
+    dropped, _ = make_adapter(dense, tmp_path / "ple", target_modules=["q_proj", "per_layer_model_projection"])
+    with pytest.raises(MergeError, match="gemma4 graph does not apply a LoRA to per_layer_model_proj"):
+        export_lora_gguf(dense, dropped)
+    assert not list(dropped.glob("*.gguf"))

@@ -58,6 +58,7 @@ from tui_merger.core.errors import MergeError
 # 0.3.36: a LoRA there changed no logit): a file with them would run as if that part were not trained
 NOT_APPLIED = {
     "deepseek2": ("attn_q", "attn_q_a", "attn_q_b", "attn_kv_a_mqa"),
+    "gemma4": ("per_layer_model_proj",),  # measured: llama.cpp's logits with the LoRA equal the base's alone
 }
 
 
@@ -86,6 +87,7 @@ class _Pair:
     tensor: object  # gguf.GgufTensor
     parts: list
     gather: tuple | None = None  # a derived tensor that is the source's entries moved: _gather's (rows, cols, transposed)
+    expert_scale: object = None  # the base's per-expert output scale of a stacked tensor (torch [experts]), see _expert_scales
 
 
 def default_lora_out(adapter_folder: Path) -> Path:
@@ -124,6 +126,7 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
             source = _DequantNames(source, scheme, config)
         try:
             planned = ship_gguf._plan_tensors(base_folder, source, config, hp, family, "f16", notices)
+            scales = _expert_scales(planned)
             adapter = open_adapter(adapter_folder)
             closers.append(adapter)
             adapter = _on_disk(adapter, source, base_folder, closers)
@@ -136,7 +139,9 @@ def export_lora_gguf(base_folder: Path, adapter_folder: Path, out: Path | None =
     try:
         pairs = _pairs(adapter, planned, hp, base_folder)
         for pair in pairs:
-            part = pair.name.split(".")[2] if pair.name.startswith("blk.") else pair.name
+            pair.expert_scale = scales.get(pair.name)
+        for pair in pairs:
+            part = pair.name.split(".")[2] if pair.name.startswith("blk.") else pair.name.removesuffix(".weight")
             if part in NOT_APPLIED.get(family.arch, ()):
                 module = next(p[0].module for p in pair.parts if p is not None)
                 raise MergeError(
@@ -326,6 +331,21 @@ def _pairs(adapter, planned: list, hp: dict, base_folder: Path) -> list[_Pair]:
     return out
 
 
+def _expert_scales(planned: list) -> dict:
+    """{stacked expert tensor's GGUF name: the base's per-expert scale of its output} (Gemma 4's
+    router.per_expert_scale as ffn_down_exps.scale), read from the base. llama.cpp multiplies the base
+    product by it and then adds the LoRA's (build_lora_mm_id), where the model scales the expert's whole
+    output: so lora_b of expert e carries scale[e]."""
+    import torch
+
+    out = {}
+    for t in planned:
+        if t.name.endswith("_exps.scale") and len(t.sources) == 1:
+            w = t.sources[0].load()
+            out[t.name.removesuffix(".scale") + ".weight"] = (t.derive(w) if t.derive is not None else w).to(torch.float32).reshape(-1)
+    return out
+
+
 def _gather(t):
     """Where a derived base tensor (GgufTensor.derive) takes each entry from, when it only moves the source's
     entries: ``(rows, cols, transposed)`` such that one matrix of it is ``W[rows][:, cols]`` (``.T`` when
@@ -452,6 +472,8 @@ def _factors(pair: _Pair, alpha: float):
             scaled = True
         a_out[i, : a.shape[0]] = a
         b_out[i, :, : b.shape[1]] = b
+    if pair.expert_scale is not None:  # llama.cpp scales the base's product only: the LoRA's carries it too
+        b_out *= pair.expert_scale.reshape(-1, 1, 1)
     if len(pieces) == 1 and t.sources and len(t.shape) == 2:
         return a_out[0], b_out[0], scaled
     return a_out, b_out, scaled
