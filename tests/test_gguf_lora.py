@@ -146,9 +146,10 @@ def test_cli_writes_the_lora_the_base_and_a_modelfile_with_adapter(bases, tmp_pa
     # again, for another adapter: the base's GGUF is there and used as it is
     other, _ = make_adapter(base, tmp_path / "other-lora", seed=1, target_modules=["k_proj"])
     stamp = base_gguf.stat().st_mtime_ns
-    assert main(["gguf", str(base), "--adapter", str(other), "--type", "f16", "--check", "none", "--plain"]) == 0
+    assert main(["gguf", str(base), "--adapter", str(other), "--type", "q8_0", "--out", str(base_gguf), "--check", "none", "--plain"]) == 0
     out, _ = capsys.readouterr()
     assert f"Base GGUF {base_gguf} is already there: used as it is (--overwrite writes it again)." in out
+    assert "  ollama create other-lora:f16 -f" in out  # the tag says the GGUF's own type, not --type's
     assert base_gguf.stat().st_mtime_ns == stamp and (other / "other-lora-LoRA-F32.Modelfile").is_file()
     # an adapter saved with its own tokenizer (a chat template set for training): the Modelfile follows it
     from test_gguf import byte_level_tokenizer

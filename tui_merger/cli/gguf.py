@@ -126,7 +126,10 @@ def _cmd_gguf_lora(args, progress) -> int:
             return VERIFY_FAILED
     # the chat template the adapter was trained with: its own tokenizer's when it saved one, else the base's
     chat_folder = args.adapter if (Path(args.adapter) / "tokenizer_config.json").is_file() else args.model
-    modelfile = write_modelfile(chat_folder, base, args.gguf_type, adapter=lora.path)
+    from tui_merger.core.ship.gguf_check import gguf_type_of
+
+    # the tag says the base GGUF's own type (one used as it is may not be --type's)
+    modelfile = write_modelfile(chat_folder, base, gguf_type_of(base) or args.gguf_type, adapter=lora.path)
     check = check_lora(args, lora, base, modelfile.path, progress)
     print(f"  Ollama Modelfile {modelfile.path}" + ("" if modelfile.template else " (no TEMPLATE: its comment says why)"))
     print("Run it:")
