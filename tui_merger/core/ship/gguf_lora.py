@@ -20,7 +20,12 @@ placement (formats/hf_names.py) cuts into per-expert pairs on the tensors ``save
 keeps on a packed on-disk tensor (GraniteMoE's input_linear), cut here per expert. An expert without a
 LoRA gets zeros; experts of other ranks are padded with zero rows to the largest (exact: the padding adds
 nothing, and each lora_b carries its own scale). A router's LoRA (``gate.weight``) is an ordinary pair on
-``ffn_gate_inp``.
+``ffn_gate_inp``. Where the base scales each expert's output (Gemma 4's per_expert_scale, ``ffn_down_exps.scale``),
+llama.cpp scales only the base's product: lora_b of expert e carries scale[e] (_expert_scales).
+
+A base released quantized (GPT-OSS's MXFP4 experts, FP8 releases) is planned from the names and shapes
+transformers' dequantizing load gives it (formats/dequant.py), the model the adapter was trained on; the LoRA
+reads no base weight (but Gemma 4's expert scales).
 
 A base tensor the converter derives by moving the HF tensor's entries (Qwen3.5's value heads tiled,
 Qwen3-Next's in_proj_qkvz regrouped into attn_qkv and attn_gate, GPT-OSS's packed experts transposed with
