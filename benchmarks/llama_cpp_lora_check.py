@@ -34,13 +34,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 NEW_TOKENS, LIMIT = 12, 1e-2
-# per-family config changes from tests/test_gguf_families.py's tiny cases. Qwen3.5: MRoPE sections that fit its
-# head: the released models' [11, 11, 10] are half of their 64 rotary dims (head_dim 256 x 0.25); on the tiny
-# head_dim 16 (4 rotary dims) that default (what the config leaves out, and llama.cpp's converter writes then) sums
-# to 32 > 16, and llama.cpp's rope aborts the process (GGML_ASSERT(sect_dims <= ne0)) on the base alone
+# per-family config changes from tests/test_gguf_families.py's tiny cases. Qwen3.5: heads of 64 (as
+# llama_cpp_check.py's table has them) and MRoPE sections that fit them: the released models' [11, 11, 10] are half
+# of their 64 rotary dims (head_dim 256 x 0.25). On the tiny case's head_dim 16 that default (what the config leaves
+# out, and llama.cpp's converter writes then) sums to 32 > 16, and llama.cpp's rope aborts the process
+# (GGML_ASSERT(sect_dims <= ne0)) on the base alone; with sections [1, 1, 0] it runs, but llama.cpp's f16 Qwen3.5
+# of heads of 16 is itself 0.013 from transformers on a merged model (its own GGUF check FAILS, no LoRA involved),
+# where heads of 64 give 0.0019
 OVERRIDES = {
-    "qwen3_5_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                                          "mrope_section": [1, 1, 0]}),
+    "qwen3_5_text": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                          "mrope_section": [3, 3, 2]}),
 }
 
 
