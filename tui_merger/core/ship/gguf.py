@@ -274,7 +274,7 @@ def record_gguf(folder: Path, result: GgufResult) -> bool:
 # -- the folder and its config ---------------------------------------------------------------------
 
 
-def _read_config(folder: Path) -> dict:
+def _read_config(folder: Path, quantized_ok: bool = False) -> dict:
     if not folder.is_dir():
         if folder.is_file():
             raise MergeError(f"{folder} is a file; give the model folder that holds it ({folder.parent}).")
@@ -304,7 +304,7 @@ def _read_config(folder: Path) -> dict:
             f"{folder} is a {model_type or 'model of unknown type'} model; GGUF export writes {FAMILY_NAMES} "
             "models (the families whose GGUF layout llama.cpp defines, listed in docs/formats.md)."
         )
-    if config.get("quantization_config"):
+    if config.get("quantization_config") and not quantized_ok:  # quantized_ok: names and shapes only (gguf_lora)
         method = (config["quantization_config"] or {}).get("quant_method", "quantized") if isinstance(config["quantization_config"], dict) else "quantized"
         raise MergeError(
             f"{folder} holds {method} weights; make the GGUF from the 16-bit model (llama.cpp quantizes from there)."
