@@ -1,0 +1,443 @@
+"""The vision tower and projector of a vision-language folder as llama.cpp's mmproj GGUF.
+
+llama.cpp (``llama-mtmd-cli``, ``llama-server --mmproj``) and Ollama 0.30+ (a second ``FROM`` in the
+Modelfile) run a vision-language model as two files: the language model's GGUF (``gguf.py`` with
+``gguf_vl.py``) and an mmproj file, ``general.architecture`` ``clip``, that holds the vision tower and the
+projector into the language model's embeddings. This module writes that file as llama.cpp's converter
+(``convert_hf_to_gguf.py --mmproj --outtype f16``) writes it: the ``clip.*`` keys, the image mean and std of
+the folder's preprocessor config, the tensor names of the ``gguf`` package's own ``TensorNameMap`` for
+``MODEL_ARCH.MMPROJ``, the converter's transforms (Qwen2-VL's fused qkv split into q, k, v; the 3-D patch
+convolution split into two 2-D ones; Gemma 3's soft-embedding norm stored as 1 + w) and its types (matrices
+F16, norms, biases, 1-D and position embeddings F32, each tower's own exceptions).
+
+A tower is data: one ``Tower`` per model type in ``TOWERS``. A tower llama.cpp's converter does not
+express, or one not done here, gets one sentence and no mmproj; the language model's GGUF is written all
+the same. The file is streamed like the language model's (``gguf.write_gguf``: temporary name, renamed when
+complete) and named as llama.cpp's converter prefixes it: ``mmproj-<folder name>-F16.gguf``, beside the GGUF.
+
+gguf, numpy, torch and transformers are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tui_merger.core.errors import MergeError
+
+MMPROJ_TYPE = "f16"  # what model pages publish beside every quantization of the language model (mmproj-F16)
+NOT_SUPPORTED = (
+    "{model_type}'s vision tower has no mmproj writer in tui-merger (it writes the mmproj of Gemma 3, Qwen2-VL, "
+    "Qwen2.5-VL and Qwen3-VL), so the GGUF runs on text only."
+)
+
+
+@dataclass(frozen=True)
+class Tower:
+    """How llama.cpp's converter writes one model type's vision tower (its ``MmprojModel`` subclass)."""
+
+    projector: str  # clip.projector_type: the name of its gguf.VisionProjectorType
+    prefixes: tuple[str, ...]  # the tower's and projector's tensors, by the converter's names
+    renames: tuple[tuple[str, str], ...] = ()  # on-disk prefix -> the converter's (newer transformers' names)
+    vision: Callable[[dict, dict], dict] | None = None  # (vision config, whole config) -> the converter's hparams
+    keys: Callable[[dict, dict, dict], list] | None = None  # (vision, whole config, preprocessor) -> [(writer method, value)]
+    force: Callable[[str, str], str | None] | None = None  # (converter's HF name, GGUF name) -> F16 / F32 / None
+    skip: tuple[str, ...] = ()  # HF name parts the converter leaves out
+    split_qkv: bool = False  # a fused attn.qkv split into q, k, v (Qwen2-VL, Qwen2.5-VL)
+    split_patch: bool = False  # the Conv3D patch embedding (temporal 2) split into two Conv2D
+    plus_one: tuple[str, ...] = ()  # norms stored as 1 + w (Gemma's RMSNorm)
+    special: Callable[[str, dict], str | None] | None = None  # a GGUF name the name map does not give (Qwen3-VL's merger)
+    rename_weight: bool = False  # "..._weight" -> "....weight" (Gemma 3's mm_input_projection_weight)
+
+
+# -- the towers ----------------------------------------------------------------------------------------
+
+
+def _gemma3_keys(vision: dict, config: dict, pre: dict) -> list:
+    out = [("add_vision_attention_layernorm_eps", vision.get("layer_norm_eps", 1e-6)), ("add_vision_use_gelu", True)]
+    seq = pre.get("image_seq_length", 256)
+    factor = (vision["image_size"] // vision["patch_size"]) // int(seq ** 0.5)
+    want = config.get("mm_tokens_per_image")
+    if isinstance(want, int) and want != seq:
+        raise MergeError(
+            f"the processor config says {seq} image tokens (image_seq_length) and config.json {want} "
+            "(mm_tokens_per_image); llama.cpp would pool the image to another number of tokens than the model"
+        )
+    if factor > 0 and factor != 4:  # llama.cpp's default is 4: the converter writes only another value
+        out.append(("add_vision_projector_scale_factor", factor))
+    return out
+
+
+def _gemma3_force(name: str, new: str) -> str | None:
+    if "input_projection" in name:
+        return "F16"
+    if ".embeddings." in name:
+        return "F32"
+    return None
+
+
+def _qwen2vl_vision(vision: dict, config: dict) -> dict:
+    vision = dict(vision)
+    vision["image_size"] = vision.get("image_size", 560)
+    vision["num_attention_heads"] = vision.get("num_heads")
+    vision["num_hidden_layers"] = vision.get("depth")
+    if "embed_dim" in vision:  # Qwen2-VL: hidden_size is the projector's output, embed_dim the tower's width
+        vision["intermediate_size"] = vision.get("hidden_size")
+        vision["hidden_size"] = vision.get("embed_dim")
+    return vision
+
+
+def _qwen2vl_keys(vision: dict, config: dict, pre: dict) -> list:
+    out = []
+    if config.get("model_type") == "qwen2_5_vl":
+        full = vision.get("fullatt_block_indexes")
+        if not full:
+            raise MergeError("its vision config has no fullatt_block_indexes, which llama.cpp's qwen2.5vl tower needs")
+        pattern = full[0] + 1
+        if any(b - a != pattern for a, b in zip(full, full[1:])):
+            raise MergeError(
+                f"its full-attention vision blocks {full} are not evenly spaced, which llama.cpp's qwen2.5vl window "
+                "pattern assumes"
+            )
+        out += [("add_vision_use_silu", True), ("add_vision_n_wa_pattern", pattern)]
+    out.append(("add_vision_attention_layernorm_eps", config.get("rms_norm_eps", 1e-6)))
+    return out
+
+
+def _qwen2vl_force(name: str, new: str) -> str | None:
+    return "F32" if ".position_embd." in new else None
+
+
+def _qwen3vl_vision(vision: dict, config: dict) -> dict:
+    vision = dict(vision)
+    if "image_size" not in vision:  # (image_size / patch_size)^2 = num_position_embeddings
+        vision["image_size"] = int(vision.get("num_position_embeddings", 2304) ** 0.5 * vision.get("patch_size", 16))
+    vision["num_attention_heads"] = vision.get("num_heads")
+    vision["num_hidden_layers"] = vision.get("depth")
+    return vision
+
+
+def _qwen3vl_keys(vision: dict, config: dict, pre: dict) -> list:
+    out = [("add_vision_use_gelu", True)]
+    if vision.get("spatial_merge_size") is not None:
+        out.append(("add_vision_spatial_merge_size", int(vision["spatial_merge_size"])))
+    out.append(("add_vision_attention_layernorm_eps", (config.get("text_config") or {}).get("rms_norm_eps", 1e-6)))
+    deep = [False] * int(vision["num_hidden_layers"] or 0)
+    for i in vision.get("deepstack_visual_indexes") or []:
+        deep[i] = True
+    if deep:
+        out.append(("add_vision_is_deepstack_layers", deep))
+    return out
+
+
+def _qwen3vl_special(name: str, vision: dict) -> str | None:
+    """Qwen3-VL's merger and deepstack mergers: named by the converter itself, not by the name map."""
+    import gguf
+
+    T = gguf.MODEL_TENSOR
+    if name.startswith("visual.deepstack_merger_list."):
+        index, rest = name.split(".", 3)[2:]
+        layer = (vision.get("deepstack_visual_indexes") or [])[int(index)]
+        part, suffix = rest.split(".", 1)
+        kind = {"norm": T.V_DS_NORM, "linear_fc1": T.V_DS_FC1, "linear_fc2": T.V_DS_FC2}.get(part)
+        return None if kind is None else gguf.TENSOR_NAMES[kind].format(bid=layer) + "." + suffix
+    if name.startswith("visual.merger."):
+        part, suffix = name.split(".", 2)[2].split(".", 1)
+        if part == "norm":
+            return gguf.TENSOR_NAMES[T.V_POST_NORM] + "." + suffix
+        fc = {"linear_fc1": 0, "linear_fc2": 2}.get(part)
+        return None if fc is None else gguf.TENSOR_NAMES[T.V_MMPROJ].format(bid=fc) + "." + suffix
+    return None
+
+
+_QWEN2VL = dict(prefixes=("visual.",), renames=(("model.visual.", "visual."),), vision=_qwen2vl_vision,
+                keys=_qwen2vl_keys, force=_qwen2vl_force, split_qkv=True, split_patch=True)
+_QWEN3VL = dict(projector="QWEN3VL", prefixes=("visual.",), renames=(("model.visual.", "visual."),),
+                vision=_qwen3vl_vision, keys=_qwen3vl_keys, split_patch=True, special=_qwen3vl_special)
+
+# model_type -> its tower; tested in tests/test_gguf_mmproj.py, run by llama.cpp in benchmarks/llama_cpp_mmproj_check.py
+TOWERS: dict[str, Tower] = {
+    "gemma3": Tower(
+        projector="GEMMA3",
+        prefixes=("multi_modal_projector.", "vision_tower.", "multimodal_projector.", "vision_model."),
+        renames=(("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")),
+        keys=_gemma3_keys, force=_gemma3_force, skip=("vision_model.head.",), plus_one=("soft_emb_norm.weight",),
+        rename_weight=True,
+    ),
+    "qwen2_vl": Tower(projector="QWEN2VL", **_QWEN2VL),
+    "qwen2_5_vl": Tower(projector="QWEN25VL", **_QWEN2VL),
+    "qwen3_vl": Tower(**_QWEN3VL),
+    "qwen3_vl_moe": Tower(**_QWEN3VL),
+}
+_BLOCK_KEYS = ("n_layers", "num_hidden_layers", "n_layer", "num_layers", "depth", "layers", "encoder_layers", "vt_num_hidden_layers")
+
+
+def mmproj_out(folder: Path, beside: Path) -> Path:
+    """``mmproj-<folder name>-F16.gguf`` in the folder of the language model's GGUF: the converter's prefix; one
+    file for every type of the language model (model pages ship one mmproj-F16 beside all quantizations)."""
+    return Path(beside).absolute().parent / f"mmproj-{Path(folder).absolute().name}-{MMPROJ_TYPE.upper()}.gguf"
+
+
+def tower_of(folder: Path) -> tuple[str | None, str | None]:
+    """(the folder's model_type, None) when we write its mmproj; (model_type, why not) for another VL folder;
+    (None, None) for a text folder."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(config, dict) or "vision_config" not in config:
+        return None, None
+    model_type = str(config.get("model_type"))
+    if model_type not in TOWERS:
+        return model_type, NOT_SUPPORTED.format(model_type=model_type)
+    return model_type, None
+
+
+def plan_mmproj(folder: Path, out: Path, overwrite: bool = False):
+    """The mmproj file's plan (``gguf.GgufPlan``: keys and tensor infos, nothing written). Raises MergeError
+    with the reason (a clause, for a sentence that says the mmproj is not written) when it cannot be."""
+    import gguf
+
+    from tui_merger.core.ship import gguf as main
+
+    folder = Path(folder).expanduser().absolute()
+    config = _config(folder)
+    tower = TOWERS[config["model_type"]]
+    vision = config["vision_config"]
+    vision = tower.vision(vision, config) if tower.vision else dict(vision)
+    pre = _preprocessor(folder)
+    for key in ("image_mean", "image_std"):
+        if not isinstance(pre.get(key), list):
+            raise MergeError(
+                f"{folder} has no {key} in preprocessor_config.json (or processor_config.json), which the mmproj must "
+                "state; copy those files from the original model"
+            )
+    text = {**config, **(config.get("text_config") or {})}
+    keys = [
+        ("add_clip_has_vision_encoder", True),
+        ("add_vision_projection_dim", _find(text, ("hidden_size", "n_embd"))),
+        ("add_vision_image_size", _find(vision, ("image_size",))),
+        ("add_vision_patch_size", _find(vision, ("patch_size",))),
+        ("add_vision_embedding_length", _find(vision, ("hidden_size", "width", "vt_hidden_size"))),
+        ("add_vision_feed_forward_length", _find(vision, ("intermediate_size", "vt_intermediate_size"))),
+        ("add_vision_block_count", _find(vision, _BLOCK_KEYS)),
+        ("add_vision_head_count", _find(vision, ("num_attention_heads", "num_heads", "heads", "vt_num_attention_heads"))),
+        ("add_vision_image_mean", pre["image_mean"]),
+        ("add_vision_image_std", pre["image_std"]),
+        ("add_clip_projector_type", getattr(gguf.VisionProjectorType, tower.projector)),
+    ]
+    keys += tower.keys(vision, config, pre) if tower.keys else []
+    if out.exists() and not overwrite:
+        raise MergeError(f"{out} exists (pass --overwrite to replace it)")
+    source = main._open_source(folder)
+    try:
+        tensors = _plan_tensors(folder, source, tower, vision, _find(vision, _BLOCK_KEYS))
+        writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+        writer.add_type(gguf.GGUFType.MMPROJ)
+        name = folder.name
+        writer.add_name(name)
+        writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
+        for method, value in keys:
+            getattr(writer, method)(value)
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.shape, main._np_float32(), t.nbytes, raw_dtype=gguf.GGMLQuantizationType(t.qtype))
+        plan = main.GgufPlan(folder, out, MMPROJ_TYPE, "clip", name, tuple(tensors), (), 0, writer, source)
+    except BaseException:
+        source.close()
+        raise
+    return plan
+
+
+def _config(folder: Path) -> dict:
+    """The whole config as llama.cpp's converter reads it: transformers' AutoConfig, as a dict (defaults filled)."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(folder, local_files_only=True).to_dict()
+    except Exception as err:  # the language model's plan has read it already: this is rare
+        raise MergeError(f"transformers cannot read {folder / 'config.json'} ({str(err).splitlines()[0][:200]})") from None
+
+
+def _preprocessor(folder: Path) -> dict:
+    """preprocessor_config.json, then processor_config.json over it (its image_processor at the top), as the converter merges them."""
+    out: dict = {}
+    for name, inner in (("preprocessor_config.json", "media_proc_cfg"), ("processor_config.json", "image_processor")):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise MergeError(f"{path} is not valid JSON; copy it again from the original model") from None
+        if isinstance(cfg, dict):
+            out.update(cfg)
+            if isinstance(cfg.get(inner), dict):
+                out.update(cfg[inner])
+    return out
+
+
+def _find(obj: dict, keys) -> object:
+    key = next((k for k in keys if k in obj), None)
+    if key is None or obj[key] is None:
+        raise MergeError(f"its vision config has none of {', '.join(keys)}, which the mmproj must state")
+    return obj[key]
+
+
+def _plan_tensors(folder: Path, source, tower: Tower, vision: dict, blocks: int) -> list:
+    import gguf
+
+    from tui_merger.core.ship.gguf import GgufTensor, _nbytes
+
+    # the converter builds the map for the tower's block count; a projector's layer index (Qwen's mm.2) is
+    # looked up in the same map, so a tower of fewer than 3 blocks (a test model) needs a few more indices
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(int(blocks), 3))
+    out = []
+
+    def add(new: str, ref, hf: str, shape: tuple, derive=None) -> None:
+        qtype = _qtype(tower, hf, new, len(shape))
+        out.append(GgufTensor(new, (ref,), tuple(shape), int(qtype), _nbytes(shape, qtype), derive=derive))
+
+    for ref in source.tensors.values():
+        name = ref.name
+        for old, new in tower.renames:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        if not name.startswith(tower.prefixes) or "language_model." in name or any(s in name for s in tower.skip):
+            continue
+        if tower.rename_weight:
+            name = name.replace("_weight", ".weight")
+        if ref.dtype not in ("float32", "float16", "bfloat16"):
+            raise MergeError(f"{ref.name} in {folder} is {ref.dtype}; the mmproj is written from float32, float16 and bfloat16 weights")
+        shape = tuple(ref.shape)
+        if tower.split_patch and name.endswith("patch_embed.proj.weight"):
+            if len(shape) != 5 or shape[2] != 2:
+                raise MergeError(f"{ref.name} is not a patch convolution over 2 frames, which llama.cpp's tower splits in two")
+            base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
+            for frame, new in ((0, base), (1, base + ".1")):
+                add(new, ref, name, shape[:2] + shape[3:], derive=_frame(frame))
+            continue
+        special = tower.special(name, vision) if tower.special else None
+        if tower.split_qkv and ".qkv." in name and special is None:
+            if shape[0] % 3:
+                raise MergeError(f"{ref.name} has {shape[0]} rows, not q, k and v of equal size")
+            c = shape[0] // 3
+            for i, part in enumerate("qkv"):
+                new = _mapped(names, name.replace("qkv", part), ref)
+                add(new, ref, name, (c,) + shape[1:], derive=_rows(i * c, (i + 1) * c))
+            continue
+        new = special or _mapped(names, name, ref)
+        plus = any(name.endswith(p) for p in tower.plus_one)
+        add(new, ref, name, shape, derive=_plus_one if plus else None)
+    if not out:
+        raise MergeError(f"{folder} holds no tensors of its vision tower")
+    return out
+
+
+def _mapped(names, name: str, ref) -> str:
+    new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    if new is None:
+        raise MergeError(f"{ref.name} has no place in llama.cpp's mmproj layout (gguf's TensorNameMap); the tower is not a plain one")
+    return new
+
+
+def _qtype(tower: Tower, hf: str, new: str, ndim: int):
+    """The type llama.cpp's converter gives the tensor at --outtype f16 (its prepare_tensors and the tower's
+    tensor_force_quant)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    forced = tower.force(hf, new) if tower.force else None
+    if forced is None and (".patch_embd.weight" in new or ".patch_merger.weight" in new):
+        forced = "F16"  # MmprojModel's own rule
+    if ndim <= 1 or new.endswith("_norm.weight"):
+        return T.F32
+    if forced is None and (new == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_POS] + ".weight" or not new.endswith(".weight")):
+        return T.F32
+    return T[forced] if forced else T.F16
+
+
+def _frame(i: int):
+    def derive(w):
+        return w[:, :, i, ...]
+    return derive
+
+
+def _rows(start: int, stop: int):
+    def derive(w):
+        return w[start:stop]
+    return derive
+
+
+def _plus_one(w):
+    """Gemma's RMSNorm scales by 1 + w; llama.cpp's by the stored value. In float32 unless the file is f16/f32
+    already (the converter adds 1 after widening bf16 only)."""
+    import torch
+
+    return (w if w.dtype in (torch.float16, torch.float32) else w.to(torch.float32)) + 1
+
+
+# -- beside the language model's GGUF ---------------------------------------------------------------------
+
+
+@dataclass
+class Beside:
+    out: Path  # the mmproj file
+    plan: object = None  # its GgufPlan; None: the file is there already and is used as it is
+
+
+def beside(text_plan, overwrite: bool) -> Beside | None:
+    """The mmproj to write beside the language model's GGUF of ``text_plan`` (a vision-language folder whose
+    tower we write), its notice put in place of the "not in this GGUF" one; None (and a sentence why, for a
+    vision-language folder) when there is none to write. Nothing is written."""
+    from tui_merger.core.merge.output import check_space
+
+    folder = text_plan.folder
+    model_type, why = tower_of(folder)
+    if model_type is None:
+        return None
+    notices = list(text_plan.notices)
+    if why:
+        text_plan.notices = tuple(notices + [why])
+        return None
+    out = mmproj_out(folder, text_plan.out)
+    kept = [n for n in notices if not ("mmproj" in n and "not in this GGUF" in n)]  # gguf_vl's VISION_NOTICE
+    if out.exists() and not overwrite:
+        text_plan.notices = tuple(kept + [
+            f"The vision tower's mmproj file {out.name} is already there beside it: used as it is (it does not depend on "
+            "the GGUF type; --overwrite writes it again)."
+        ])
+        return Beside(out)
+    try:
+        plan = plan_mmproj(folder, out, overwrite=True)
+    except MergeError as err:
+        text_plan.notices = tuple(notices + [f"The vision tower's mmproj file is not written: {str(err).rstrip('.')}."])
+        return None
+    try:
+        check_space(out.parent, text_plan.tensor_bytes + plan.tensor_bytes, "The GGUF and its mmproj file", "an --out")
+    except MergeError:  # nothing is written: both plans let go of the folder's files
+        plan._source.close()
+        text_plan._source.close()
+        raise
+    text_plan.notices = tuple(kept + [
+        f"The vision tower and projector ({len(plan.tensors)} tensors) go to {out.name}, the mmproj file that llama.cpp "
+        "(--mmproj) and Ollama load beside the language model's GGUF to read images."
+    ])
+    return Beside(out, plan)
+
+
+def write_beside(side: Beside, text_result, on_event, cancel) -> Path:
+    """Write the planned mmproj (streamed: temporary name, renamed when complete) and record it in the folder's
+    merge_manifest.json, as the GGUF is; the path of the file."""
+    from tui_merger.core.events import Notice
+    from tui_merger.core.ship.gguf import record_gguf, write_gguf
+
+    if side.plan is None:
+        return side.out
+    result = write_gguf(side.plan, on_event, cancel)
+    try:
+        record_gguf(side.plan.folder, result)
+    except OSError as err:  # a read-only folder: said once for the GGUF already
+        on_event(Notice("warning", f"{result.path.name} is written, but merge_manifest.json could not be updated ({err.strerror or err})."))
+    return result.path
