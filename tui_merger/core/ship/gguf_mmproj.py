@@ -40,7 +40,10 @@ class Tower:
 
     projector: str  # clip.projector_type: the name of its gguf.VisionProjectorType
     prefixes: tuple[str, ...]  # the tower's and projector's tensors, by the converter's names
-    renames: tuple[tuple[str, str], ...] = ()  # on-disk prefix -> the converter's (newer transformers' names)
+    # on-disk prefix -> the converter's (the released checkpoints' layout, which gguf's name map knows), the first
+    # that matches: transformers 5 saves Gemma 3's SigLIP as vision_tower.* and Qwen3-VL's as model.visual.*, and
+    # loads both layouts as the same model
+    renames: tuple[tuple[str, str], ...] = ()
     vision: Callable[[dict, dict], dict] | None = None  # (vision config, whole config) -> the converter's hparams
     keys: Callable[[dict, dict, dict], list] | None = None  # (vision, whole config, preprocessor) -> [(writer method, value)]
     force: Callable[[str, str], str | None] | None = None  # (converter's HF name, GGUF name) -> F16 / F32 / None
@@ -162,7 +165,9 @@ TOWERS: dict[str, Tower] = {
     "gemma3": Tower(
         projector="GEMMA3",
         prefixes=("multi_modal_projector.", "vision_tower.", "multimodal_projector.", "vision_model."),
-        renames=(("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")),
+        renames=(("model.vision_tower.vision_model.", "vision_tower.vision_model."), ("vision_tower.vision_model.", "vision_tower.vision_model."),
+                 ("model.vision_tower.", "vision_tower.vision_model."), ("vision_tower.", "vision_tower.vision_model."),
+                 ("model.multi_modal_projector.", "multi_modal_projector.")),
         keys=_gemma3_keys, force=_gemma3_force, skip=("vision_model.head.",), plus_one=("soft_emb_norm.weight",),
         rename_weight=True,
     ),
@@ -304,6 +309,7 @@ def _plan_tensors(folder: Path, source, tower: Tower, vision: dict, blocks: int)
         for old, new in tower.renames:
             if name.startswith(old):
                 name = new + name[len(old):]
+                break
         if not name.startswith(tower.prefixes) or "language_model." in name or any(s in name for s in tower.skip):
             continue
         if tower.rename_weight:

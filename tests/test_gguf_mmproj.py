@@ -1,0 +1,199 @@
+"""The mmproj file (core/ship/gguf_mmproj.py): a vision-language folder's vision tower and projector as llama.cpp's
+``convert_hf_to_gguf.py --mmproj --outtype f16`` writes them.
+
+The reference does not use our code: transformers loads the folder (``AutoModelForImageTextToText``), and every
+tower parameter it loaded is put through the converter's rules written out here from the converter
+(conversion/base.py ``MmprojModel``, gemma.py ``Gemma3VisionModel``, qwenvl.py ``Qwen2VLVisionModel``, qwen3vl.py
+``Qwen3VLVisionModel``): the ``gguf`` package's TensorNameMap for the names, Qwen2-VL's qkv split, the Conv3D patch
+split, Gemma 3's 1 + w norm, and the f16/f32 type of each tensor; the keys from transformers' config dict as the
+converter computes them. The file read back with gguf's GGUFReader must equal that, tensor by tensor and key by key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from test_gguf import SMALL
+
+TEXT = dict(SMALL, vocab_size=448)
+VISION = {  # one-layer towers, but Qwen2.5-VL: two (its window pattern needs a full-attention block after a windowed one)
+    "gemma3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+    "qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=TEXT["hidden_size"], num_heads=2, mlp_ratio=2, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2),
+    "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+                       patch_size=14, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1]),
+    "qwen3_vl": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+                     patch_size=16, spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+}
+OTHER = {"gemma3": dict(image_token_index=440, boi_token_index=441, eoi_token_index=442, mm_tokens_per_image=1)}
+# the image normalization of the released checkpoints' preprocessor_config.json (Gemma 3: 0.5; Qwen: OpenAI CLIP's)
+MEAN_STD = {"gemma3": ([0.5] * 3, [0.5] * 3)}
+CLIP = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
+
+
+def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) -> Path:
+    """A tiny random VL model saved by transformers, with the preprocessor files a released checkpoint carries."""
+    import transformers
+    from transformers import AutoConfig
+
+    torch.manual_seed(seed)
+    text = dict(TEXT)
+    if model_type == "qwen3_vl":
+        text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=VISION[model_type], **OTHER.get(model_type, {}))
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        for _name, p in model.named_parameters():
+            if p.ndim == 1:  # random norms and biases: a transform that forgets one shows
+                p.copy_(0.1 * torch.randn_like(p) + (0.5 if _name.endswith("norm.weight") else 0))
+    model.to(dtype).save_pretrained(path)
+    mean, std = MEAN_STD.get(model_type, CLIP)
+    (path / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
+    if model_type == "gemma3":  # the processor says how many tokens an image becomes (Gemma 3: 256; here 1)
+        (path / "processor_config.json").write_text(json.dumps({"image_seq_length": 1, "processor_class": "Gemma3Processor"}))
+    return path
+
+
+def expected_tensors(folder: Path, model_type: str) -> dict:
+    """{GGUF name: (F16 | F32, array)} from transformers' own load, by the converter's rules."""
+    import gguf
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    inner = model.model
+    if model_type == "gemma3":  # the converter's names: the hub's (vision_tower.*, multi_modal_projector.*)
+        items = [("vision_tower.vision_model." + k, v) for k, v in inner.vision_tower.state_dict().items()]
+        items += [("multi_modal_projector." + k.replace("_weight", ".weight"), v)
+                  for k, v in inner.multi_modal_projector.state_dict().items()]
+    else:
+        items = [("visual." + k, v) for k, v in inner.visual.state_dict().items()]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 3)
+    deep = VISION[model_type].get("deepstack_visual_indexes", [])
+    out = {}
+    for hf, w in items:
+        w = w.detach().float()
+        parts = []
+        if "soft_emb_norm" in hf:  # Gemma3VisionModel.modify_tensors: + 1
+            parts = [(names.get_name(hf, try_suffixes=(".weight",)), w + 1)]
+        elif hf.endswith("patch_embed.proj.weight"):  # the Conv3D split along time
+            parts = [("v.patch_embd.weight", w[:, :, 0]), ("v.patch_embd.weight.1", w[:, :, 1])]
+        elif ".qkv." in hf and model_type in ("qwen2_vl", "qwen2_5_vl"):
+            c = w.shape[0] // 3
+            parts = [(names.get_name(hf.replace("qkv", p), try_suffixes=(".weight", ".bias")), w[i * c:(i + 1) * c])
+                     for i, p in enumerate("qkv")]
+        elif hf.startswith("visual.deepstack_merger_list."):
+            i, part, suffix = hf.split(".")[2:5]
+            parts = [(f"v.deepstack.{deep[int(i)]}.{ {'linear_fc1': 'fc1', 'linear_fc2': 'fc2'}.get(part, part)}.{suffix}", w)]
+        elif model_type == "qwen3_vl" and hf.startswith("visual.merger."):
+            part, suffix = hf.split(".")[2:4]
+            parts = [({"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[part] + "." + suffix, w)]
+        elif "vision_model.head." in hf:
+            continue
+        else:
+            parts = [(names.get_name(hf, try_suffixes=(".weight", ".bias")), w)]
+        for new, t in parts:
+            assert new is not None, hf
+            out[new] = (_converter_type(model_type, hf, new, t.ndim), t.numpy())
+    return out
+
+
+def _converter_type(model_type: str, hf: str, new: str, ndim: int) -> str:
+    """prepare_tensors at --outtype f16, with the towers' tensor_force_quant."""
+    forced = None
+    if model_type == "gemma3":
+        forced = "F16" if "input_projection" in hf else "F32" if ".embeddings." in hf else None
+    elif model_type in ("qwen2_vl", "qwen2_5_vl") and ".position_embd." in new:
+        forced = "F32"
+    if forced is None and ".patch_embd.weight" in new:
+        forced = "F16"
+    if ndim <= 1 or new.endswith("_norm.weight"):
+        return "F32"
+    if forced is None and (new == "v.position_embd.weight" or not new.endswith(".weight")):
+        return "F32"
+    return forced or "F16"
+
+
+def expected_keys(folder: Path, model_type: str) -> dict:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder).to_dict()
+    v = dict(cfg["vision_config"])
+    mean, std = MEAN_STD.get(model_type, CLIP)
+    keys = {"general.architecture": "clip", "general.type": "mmproj", "general.file_type": 1,
+            "clip.has_vision_encoder": True, "clip.vision.projection_dim": cfg["text_config"]["hidden_size"],
+            "clip.vision.image_mean": mean, "clip.vision.image_std": std}
+    if model_type == "gemma3":
+        keys.update({"clip.projector_type": "gemma3", "clip.vision.attention.layer_norm_epsilon": v["layer_norm_eps"],
+                     "clip.use_gelu": True, "clip.vision.projector.scale_factor": (28 // 14) // 1})
+        heads, layers, width, ff, size = v["num_attention_heads"], v["num_hidden_layers"], v["hidden_size"], v["intermediate_size"], v["image_size"]
+    elif model_type in ("qwen2_vl", "qwen2_5_vl"):
+        heads, layers, size = v["num_heads"], v["depth"], 560
+        width, ff = (v["embed_dim"], v["hidden_size"]) if model_type == "qwen2_vl" else (v["hidden_size"], v["intermediate_size"])
+        keys["clip.vision.attention.layer_norm_epsilon"] = cfg.get("rms_norm_eps", 1e-6)
+        if model_type == "qwen2_vl":
+            keys["clip.projector_type"] = "qwen2vl_merger"
+        else:
+            keys.update({"clip.projector_type": "qwen2.5vl_merger", "clip.use_silu": True, "clip.vision.n_wa_pattern": 2})
+    else:
+        heads, layers, width, ff = v["num_heads"], v["depth"], v["hidden_size"], v["intermediate_size"]
+        size = int(v["num_position_embeddings"] ** 0.5 * v["patch_size"])
+        keys.update({"clip.projector_type": "qwen3vl_merger", "clip.use_gelu": True, "clip.vision.spatial_merge_size": 2,
+                     "clip.vision.attention.layer_norm_epsilon": cfg["text_config"]["rms_norm_eps"],
+                     "clip.vision.is_deepstack_layers": [True]})
+    keys.update({"clip.vision.image_size": size, "clip.vision.patch_size": v["patch_size"], "clip.vision.embedding_length": width,
+                 "clip.vision.feed_forward_length": ff, "clip.vision.block_count": layers, "clip.vision.attention.head_count": heads})
+    return keys
+
+
+def read_back(path: Path) -> tuple[dict, dict]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    tensors = {t.name: (t.tensor_type.name, np.asarray(t.data)) for t in reader.tensors}
+    keys = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    return tensors, keys
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_mmproj_equals_converter_rules_on_transformers_weights(model_type, tmp_path):
+    from tui_merger.core.ship.gguf import write_gguf
+    from tui_merger.core.ship.gguf_mmproj import plan_mmproj
+
+    folder = make_tower(tmp_path / model_type, model_type)
+    result = write_gguf(plan_mmproj(folder, tmp_path / "mmproj.gguf"))
+    tensors, keys = read_back(result.path)
+    want = expected_tensors(folder, model_type)
+    assert sorted(tensors) == sorted(want)
+    for name, (qtype, data) in want.items():
+        got_type, got = tensors[name]
+        assert got_type == qtype, name
+        ref = data.astype(np.float16 if qtype == "F16" else np.float32)
+        assert got.shape == ref.shape and np.array_equal(got.view(np.uint8), ref.view(np.uint8)), name
+    for key, value in expected_keys(folder, model_type).items():
+        assert key in keys and _close(keys[key], value), (key, keys.get(key), value)
+    assert not [k for k in keys if k.startswith("clip.") and k not in expected_keys(folder, model_type)]
+
+
+def test_mmproj_from_bf16_weights(tmp_path):
+    """bf16 on disk: F16 matrices rounded once from the bf16 value, F32 norms exact, Gemma's 1 + w in float32."""
+    from tui_merger.core.ship.gguf import write_gguf
+    from tui_merger.core.ship.gguf_mmproj import plan_mmproj
+
+    folder = make_tower(tmp_path / "g", "gemma3", dtype=torch.bfloat16)
+    tensors, _ = read_back(write_gguf(plan_mmproj(folder, tmp_path / "m.gguf")).path)
+    for name, (qtype, data) in expected_tensors(folder, "gemma3").items():
+        ref = data.astype(np.float16 if qtype == "F16" else np.float32)
+        assert tensors[name][0] == qtype and np.array_equal(tensors[name][1], ref), name
