@@ -197,3 +197,75 @@ def test_mmproj_from_bf16_weights(tmp_path):
     for name, (qtype, data) in expected_tensors(folder, "gemma3").items():
         ref = data.astype(np.float16 if qtype == "F16" else np.float32)
         assert tensors[name][0] == qtype and np.array_equal(tensors[name][1], ref), name
+
+
+def test_export_writes_mmproj_beside_the_gguf(tmp_path):
+    """`tui-merger gguf` on a Gemma 3 VL folder: the language model's GGUF, mmproj-<name>-F16.gguf beside it (the
+    same bytes as the mmproj written alone), a Modelfile with a second FROM, llama.cpp's multimodal run line; a
+    second type uses the mmproj that is there; --no-mmproj writes none and says the tower is left out."""
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.events import Notice
+    from tui_merger.core.ship.gguf import write_gguf
+    from tui_merger.core.ship.gguf_mmproj import plan_mmproj
+    from tui_merger.core.ship.run_locally import make_local
+
+    vl = make_vl(tmp_path / "vl", "gemma3")
+    (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (vl / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+    out = tmp_path / "out"
+    out.mkdir()
+    events = []
+    made = make_local(vl, "f16", out, check="none", on_event=events.append)
+    mmproj = out / "mmproj-vl-F16.gguf"
+    assert made.result.mmproj == mmproj and mmproj.is_file()
+    said = [e.message for e in events if isinstance(e, Notice)]
+    assert any(mmproj.name in s and "vision tower" in s for s in said)
+    assert not any("not in this GGUF" in s for s in said)
+    alone, _ = read_back(write_gguf(plan_mmproj(vl, tmp_path / "alone.gguf")).path)
+    written, keys = read_back(mmproj)
+    assert keys["clip.vision.projector.scale_factor"] == 1  # 2x2 patches, 4 tokens per image: pooled by 1
+    assert sorted(written) == sorted(alone) and all(np.array_equal(written[n][1], alone[n][1]) for n in alone)
+    text = made.modelfile.path.read_text()
+    assert f"FROM ./{made.result.path.name}" in text and f"FROM ./{mmproj.name}" in text
+    assert any(line.startswith("llama-mtmd-cli -m ") and f"--mmproj {mmproj}" in line for line in made.run_lines())
+    before = mmproj.stat().st_mtime_ns
+    events.clear()
+    again = make_local(vl, "q8_0", out, check="none", on_event=events.append)
+    assert again.result.mmproj == mmproj and mmproj.stat().st_mtime_ns == before
+    assert any("already there" in e.message for e in events if isinstance(e, Notice))
+    events.clear()
+    none = make_local(vl, "bf16", out, check="none", on_event=events.append, mmproj=False)
+    assert none.result.mmproj is None and "mmproj" not in none.modelfile.path.read_text()
+    assert not any(line.startswith("llama-mtmd-cli") for line in none.run_lines())
+    assert any("not in this GGUF" in e.message for e in events if isinstance(e, Notice))
+
+
+def test_vl_folder_without_image_normalization_gets_text_gguf_and_a_sentence(tmp_path):
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.events import Notice
+    from tui_merger.core.ship.gguf import export_gguf
+
+    vl = make_vl(tmp_path / "vl", "gemma3")
+    events = []
+    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append)
+    assert result.path.is_file() and result.mmproj is None
+    assert not list(tmp_path.glob("mmproj-*"))
+    said = [e.message for e in events if isinstance(e, Notice) and "mmproj file is not written" in e.message]
+    assert len(said) == 1 and "image_mean" in said[0] and said[0].endswith(".")
+
+
+def test_vl_tower_we_do_not_write_says_so(tmp_path):
+    """Gemma 4's vision tower: no mmproj writer here; the language model's GGUF is written and the notice says why."""
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.events import Notice
+    from tui_merger.core.ship.gguf import export_gguf
+
+    vl = make_vl(tmp_path / "vl", "gemma4")
+    events = []
+    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append)
+    assert result.path.is_file() and result.mmproj is None
+    said = [e.message for e in events if isinstance(e, Notice)]
+    assert any("gemma4's vision tower has no mmproj writer" in s for s in said)

@@ -49,6 +49,12 @@ def add_parser(sub) -> None:
         "LoRA against peft on the base with the adapter (--check; only llama.cpp applies a GGUF LoRA: without "
         "llama-cpp-python the LoRA is recorded as not checked)",
     )
+    p.add_argument(
+        "--no-mmproj", dest="mmproj", action="store_false",
+        help="for a vision-language model (Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), do not write its vision tower and "
+        "projector as llama.cpp's mmproj file (mmproj-<name>-F16.gguf beside the GGUF; written by default, so llama.cpp "
+        "and Ollama can read images)",
+    )
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_gguf)
@@ -66,11 +72,14 @@ def cmd_gguf(args) -> int:
     if args.adapter is not None:
         return _cmd_gguf_lora(args, progress)
     with progress if isinstance(progress, RichProgress) else nullcontext():
-        made = make_local(args.model, args.gguf_type, args.out, overwrite=args.overwrite, check=args.check, on_event=progress)
+        made = make_local(args.model, args.gguf_type, args.out, overwrite=args.overwrite, check=args.check, on_event=progress,
+                          mmproj=args.mmproj)
     result, check, modelfile = made.result, made.check, made.modelfile
     print(f"GGUF written to {result.path}")
     print(f"  {result.arch}, {result.type.upper()}, {human_bytes(result.size)}, {result.tensors} tensors, {result.seconds:.1f} s")
     print(f"  sha256 {result.sha256}")
+    if result.mmproj is not None:
+        print(f"  vision tower (mmproj) {result.mmproj}, {human_bytes(Path(result.mmproj).stat().st_size)}, not checked on export")
     if result.recorded:
         print(f"  recorded in {Path(args.model) / 'merge_manifest.json'}")
     print(f"  check {check.line()}")

@@ -19,6 +19,8 @@ from pathlib import Path
 from tui_merger.core.events import CancelToken, EventSink, ignore_event
 
 RUN_LOCALLY_TYPE = "q4_k_m"
+MMPROJ_NOT_CHECKED = ("the mmproj file is not run on export; benchmarks/llama_cpp_mmproj_check.py compares llama.cpp's "
+                      "image embeddings with transformers' on tiny models of each tower (docs/formats.md).")
 # bytes of the model folder written per second, by type, measured on this project's 2-core machine
 # (docs/command-line.md: 0.5B f16 6.9 s, q8_0 8.0 s; 3B widths q4_k_m 6 layers in 163 s): the estimate
 # is that rate, so a faster machine takes less
@@ -43,9 +45,16 @@ class LocalModel:
     check: object  # gguf_check.GgufCheck
 
     def run_lines(self) -> list[str]:
+        import shlex
+
         from tui_merger.core.ship.modelfile import run_lines
 
-        return run_lines(self.result.path, self.modelfile)
+        lines = run_lines(self.result.path, self.modelfile)
+        mmproj = getattr(self.result, "mmproj", None)
+        if mmproj is not None:  # llama.cpp's multimodal command line: the GGUF, its mmproj, an image, a prompt
+            lines.append(f"llama-mtmd-cli -m {shlex.quote(str(Path(self.result.path).absolute()))} --mmproj "
+                         f"{shlex.quote(str(Path(mmproj).absolute()))} --image IMAGE.jpg -p 'Describe this image.'")
+        return lines
 
 
 def estimate(folder: Path, type_: str) -> Estimate:
@@ -56,12 +65,16 @@ def estimate(folder: Path, type_: str) -> Estimate:
     from tui_merger.core.io.sources import open_model
     from tui_merger.core.ship.gguf import plan_gguf
 
+    from tui_merger.core.ship import gguf_mmproj
+
     with tempfile.TemporaryDirectory(prefix="tui-merger-estimate-") as tmp:  # a target that is surely free
         plan = plan_gguf(folder, type_, Path(tmp) / "estimate.gguf")
-        size = plan.tensor_bytes
-        closing = getattr(getattr(plan, "_source", None), "close", None)  # the plan holds the folder's files open
-        if closing is not None:
-            closing()
+        side = gguf_mmproj.beside(plan, overwrite=False)  # a vision-language folder: its mmproj file too
+        size = plan.tensor_bytes + (side.plan.tensor_bytes if side is not None and side.plan is not None else 0)
+        for held in (plan, getattr(side, "plan", None)):  # the plans hold the folder's files open
+            closing = getattr(getattr(held, "_source", None), "close", None)
+            if closing is not None:
+                closing()
     source = open_model(Path(folder))
     try:
         source_bytes = sum(int(getattr(ref, "nbytes", 0) or 0) for ref in source.tensors.values())
@@ -85,15 +98,22 @@ def make_local(
     check: str = "auto",
     on_event: EventSink = ignore_event,
     cancel: CancelToken | None = None,
+    mmproj: bool = True,
 ) -> LocalModel:
-    """Write the GGUF, its Modelfile, check the file and record the check. ``check``: auto, llama.cpp,
-    transformers or none (recorded as not checked)."""
+    """Write the GGUF (and a vision-language folder's mmproj file beside it, unless ``mmproj`` is False), its
+    Modelfile, check the file and record the check. ``check``: auto, llama.cpp, transformers or none (recorded
+    as not checked)."""
     from tui_merger.core.ship.gguf import export_gguf
     from tui_merger.core.ship.gguf_check import NOT_CHECKED, GgufCheck, check_gguf, record_check
     from tui_merger.core.ship.modelfile import write_modelfile
 
-    result = export_gguf(folder, type_, out, overwrite=overwrite, on_event=on_event, cancel=cancel)
-    modelfile = write_modelfile(folder, result.path, result.type)
+    result = export_gguf(folder, type_, out, overwrite=overwrite, on_event=on_event, cancel=cancel, mmproj=mmproj)
+    modelfile = write_modelfile(folder, result.path, result.type, projector=result.mmproj)
+    if result.mmproj is not None:  # its own entry in the manifest: never called checked by the language model's check
+        try:
+            record_check(folder, result.mmproj, GgufCheck(NOT_CHECKED, None, MMPROJ_NOT_CHECKED))
+        except OSError:
+            pass
     if check == "none":
         verdict = GgufCheck(NOT_CHECKED, None, "skipped (--check none).")
     else:
