@@ -51,12 +51,25 @@ def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) 
         for _name, p in model.named_parameters():
             if p.ndim == 1:  # random norms and biases: a transform that forgets one shows
                 p.copy_(0.1 * torch.randn_like(p) + (0.5 if _name.endswith("norm.weight") else 0))
+            elif not p.any():  # Gemma 3's input projection starts at zero: a transposed one would not show
+                p.copy_(0.1 * torch.randn_like(p))
     model.to(dtype).save_pretrained(path)
     mean, std = MEAN_STD.get(model_type, CLIP)
     (path / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
     if model_type == "gemma3":  # the processor says how many tokens an image becomes (Gemma 3: 256; here 1)
         (path / "processor_config.json").write_text(json.dumps({"image_seq_length": 1, "processor_class": "Gemma3Processor"}))
     return path
+
+
+def randomize_zero_tensors(folder: Path, seed: int = 0) -> None:
+    """Tensors a model starts at zero (Gemma 3's mm_input_projection_weight) made random in the saved file."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    state = {k: (0.1 * torch.randn_like(v.float())).to(v.dtype) if v.ndim > 1 and not v.any() else v for k, v in state.items()}
+    save_file(state, path, metadata={"format": "pt"})
 
 
 def expected_tensors(folder: Path, model_type: str) -> dict:
