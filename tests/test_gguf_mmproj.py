@@ -232,6 +232,7 @@ def test_export_writes_mmproj_beside_the_gguf(tmp_path):
     made = make_local(vl, "f16", out, check="none", on_event=events.append)
     mmproj = out / "mmproj-vl-F16.gguf"
     assert made.result.mmproj == mmproj and mmproj.is_file()
+    assert made.mmproj_check.status == "not checked" and "--check none" in made.mmproj_check.summary
     said = [e.message for e in events if isinstance(e, Notice)]
     assert any(mmproj.name in s and "vision tower" in s for s in said)
     assert not any("not in this GGUF" in s for s in said)
@@ -282,3 +283,46 @@ def test_vl_tower_we_do_not_write_says_so(tmp_path):
     assert result.path.is_file() and result.mmproj is None
     said = [e.message for e in events if isinstance(e, Notice)]
     assert any("gemma4's vision tower has no mmproj writer" in s for s in said)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen2_5_vl", "qwen3_vl"])
+def test_check_reference_equals_the_whole_model(model_type, tmp_path):
+    """The in-app check's transformers side loads the VL model with its language model cut to one layer (memory: the
+    tower's); its image embeddings must be the whole model's get_image_features on the same pixels, bit for bit."""
+    import transformers
+
+    from tui_merger.core.ship import gguf_mmproj
+
+    folder = make_tower(tmp_path / model_type, model_type)
+    config = gguf_mmproj._config(folder)
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    side = {"gemma3": 28, "qwen2_5_vl": 56, "qwen3_vl": 64}[model_type]
+    rgb = np.random.default_rng(1).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+    got = gguf_mmproj._transformers_image(folder, config, rgb, pre)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    x = torch.from_numpy(((rgb.astype(np.float32) / 255 - np.float32(pre["image_mean"])) / np.float32(pre["image_std"])).transpose(2, 0, 1).copy())
+    with torch.no_grad():
+        if model_type == "gemma3":
+            want = model.model.get_image_features(x[None])
+            want = getattr(want, "pooler_output", want)
+        else:  # the image processor's own patch order: Qwen2VLImageProcessor's reshape, written out again here
+            p, m = model.config.vision_config.patch_size, model.config.vision_config.spatial_merge_size
+            g = side // p
+            flat = x[None].repeat(2, 1, 1, 1).reshape(1, 2, 3, g // m, m, p, g // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+            out = model.model.get_image_features(flat.reshape(g * g, -1), torch.tensor([[1, g, g]]))
+            want = torch.cat(list(out.pooler_output), dim=0)
+            if getattr(out, "deepstack_features", None):
+                want = torch.cat([want] + [torch.cat(list(d), dim=0) for d in out.deepstack_features], dim=-1)
+    want = want.reshape(-1, want.shape[-1]).numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_check_without_llama_cpp_is_not_checked(tmp_path, monkeypatch):
+    """Only llama.cpp reads an mmproj file: without it (or with --check transformers / none), "not checked", never PASSED."""
+    from tui_merger.core.ship import gguf_check
+    from tui_merger.core.ship.gguf_mmproj import check_mmproj
+
+    monkeypatch.setattr(gguf_check, "llama_cpp_version", lambda: None)
+    for reader in ("auto", "llama.cpp", "transformers", "none"):
+        verdict = check_mmproj(tmp_path, tmp_path / "x.gguf", tmp_path / "mmproj-x-F16.gguf", reader=reader)
+        assert verdict.status == gguf_check.NOT_CHECKED and not verdict.passed and verdict.summary.endswith(".")

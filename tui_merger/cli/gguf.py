@@ -79,16 +79,22 @@ def cmd_gguf(args) -> int:
     print(f"  {result.arch}, {result.type.upper()}, {human_bytes(result.size)}, {result.tensors} tensors, {result.seconds:.1f} s")
     print(f"  sha256 {result.sha256}")
     if result.mmproj is not None:
-        print(f"  vision tower (mmproj) {result.mmproj}, {human_bytes(Path(result.mmproj).stat().st_size)}, not checked on export")
+        print(f"  vision tower (mmproj) {result.mmproj}, {human_bytes(Path(result.mmproj).stat().st_size)}")
     if result.recorded:
         print(f"  recorded in {Path(args.model) / 'merge_manifest.json'}")
     print(f"  check {check.line()}")
+    if made.mmproj_check is not None:
+        print(f"  mmproj check {made.mmproj_check.line()}")
     print(f"  Ollama Modelfile {modelfile.path}" + ("" if modelfile.template else " (no TEMPLATE: its comment says why)"))
     print("Run it:")
     for line in made.run_lines():
         print(f"  {line}")
     if check.status == "failed":
         print("The file does not behave like the model: do not share it (the check above says where it differs).", file=sys.stderr)
+        return VERIFY_FAILED
+    if made.mmproj_check is not None and made.mmproj_check.status == "failed":
+        print("llama.cpp does not see images through the mmproj file as the model does: do not share it (the mmproj check "
+              "above says how).", file=sys.stderr)
         return VERIFY_FAILED
     return 0
 

@@ -447,3 +447,213 @@ def write_beside(side: Beside, text_result, on_event, cancel) -> Path:
     except OSError as err:  # a read-only folder: said once for the GGUF already
         on_event(Notice("warning", f"{result.path.name} is written, but merge_manifest.json could not be updated ({err.strerror or err})."))
     return result.path
+
+
+# -- the check: llama.cpp's image embeddings against transformers' ------------------------------------------
+
+CHECK_LIMIT = 5e-3  # max |difference| / max |reference|; measured 5e-5 to 8e-4, wrong files 3e-2 to 0.49 (docs/formats.md)
+_MEMORY_SHARE = 0.6  # of MemAvailable that the reference (the tower and one language-model layer, float32) may take
+
+
+def check_mmproj(folder: Path, text_gguf: Path, mmproj: Path, reader: str = "auto", on_event=None, cancel=None):
+    """Does llama.cpp see an image through the mmproj as transformers does? One random RGB image of a size
+    llama.cpp does not resize (the tower's image size, at least 4 x 4 merged patches for Qwen), encoded by llama.cpp's
+    libmtmd (``mtmd_init_from_file`` with the language model's GGUF, ``mtmd_tokenize``, ``mtmd_encode_chunk``) and by
+    transformers' ``get_image_features`` on the same pixels preprocessed as llama.cpp does ((x / 255 - mean) / std,
+    float32, the image processor's patch order); the number of image tokens must be equal and the embeddings within
+    ``CHECK_LIMIT``. Only llama.cpp reads an mmproj file: without llama-cpp-python (or with ``reader`` transformers
+    or none) the file is "not checked"."""
+    from tui_merger.core.events import PhaseStarted
+    from tui_merger.core.ship.gguf_check import FAILED, NOT_CHECKED, PASSED, GgufCheck, _first_line, llama_cpp_version
+
+    if reader in ("none", "transformers"):
+        why = "skipped (--check none)." if reader == "none" else "only llama.cpp reads an mmproj file (--check transformers)."
+        return GgufCheck(NOT_CHECKED, None, why)
+    version = llama_cpp_version()
+    if version is None:
+        return GgufCheck(NOT_CHECKED, None, "llama-cpp-python is not installed, and only llama.cpp reads an mmproj file.")
+    name = f"llama.cpp's libmtmd (llama-cpp-python {version})"
+    try:
+        import llama_cpp.mtmd_cpp  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - a binding without libmtmd, or built for another CPU
+        return GgufCheck(NOT_CHECKED, None, f"llama_cpp's mtmd binding does not import ({_first_line(err)}).")
+    import numpy as np
+
+    folder = Path(folder).absolute()
+    config = _config(folder)
+    tower = TOWERS[config["model_type"]]
+    vision = tower.vision(config["vision_config"], config) if tower.vision else dict(config["vision_config"])
+    need = _reference_bytes(folder, config)
+    available = _mem_available()
+    if available is not None and need > _MEMORY_SHARE * available:
+        return GgufCheck(NOT_CHECKED, None, f"transformers' reference (the vision tower and one language-model layer, "
+                                            f"about {need >> 20} MiB in float32) does not fit this machine's free memory.")
+    if on_event is not None:
+        on_event(PhaseStarted("check", f"Checking {Path(mmproj).name}: one image through llama.cpp and transformers"))
+    side = int(vision["image_size"])
+    if tower.split_patch:  # Qwen: whole merged patches, at least 4 x 4 of them (llama.cpp enlarges smaller images)
+        unit = int(vision["patch_size"]) * int(vision.get("spatial_merge_size") or 2)
+        side = max(4, -(-side // unit)) * unit
+    rgb = np.random.default_rng(0).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+    pre = _preprocessor(folder)
+    try:
+        got = _llama_cpp_image(text_gguf, mmproj, rgb)
+    except Exception as err:  # noqa: BLE001 - llama.cpp refusing the file is the finding
+        return GgufCheck(FAILED, name, f"llama.cpp did not load or encode with {Path(mmproj).name} ({_first_line(err)}).")
+    want = _transformers_image(folder, config, rgb, pre)
+    details = {"image": f"{side}x{side}", "tokens": [int(got.shape[0]), int(want.shape[0])], "limit": CHECK_LIMIT}
+    if got.shape != want.shape:
+        return GgufCheck(FAILED, name, f"llama.cpp makes {got.shape[0]} image embeddings of {got.shape[1]} values of a "
+                                       f"{side}x{side} image, transformers {want.shape[0]} of {want.shape[1]}.", details)
+    rel = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
+    details["embeddings_rel"] = rel
+    said = (f"{got.shape[0]} image embeddings of a {side}x{side} image, max difference {rel:.2g} of the largest "
+            f"(limit {CHECK_LIMIT:g}).")
+    return GgufCheck(PASSED if rel <= CHECK_LIMIT else FAILED, name, said, details)
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reference_bytes(folder: Path, config: dict) -> int:
+    """float32 bytes of what the reference loads: every tensor but the language model's layers, and one of them."""
+    from tui_merger.core.io.sources import open_model
+
+    layers = int((config.get("text_config") or {}).get("num_hidden_layers") or 1)
+    source = open_model(folder)
+    try:
+        lm = other = 0
+        for ref in source.tensors.values():
+            n = 1
+            for d in ref.shape:
+                n *= d
+            if "language_model" in ref.name or ref.name.startswith(("model.layers.", "lm_head.", "model.embed_tokens.")):
+                lm += n
+            else:
+                other += n
+    finally:
+        source.close()
+    return 4 * (other + lm // max(1, layers))
+
+
+def _llama_cpp_image(text_gguf: Path, mmproj: Path, rgb):
+    """llama.cpp's embeddings of one image: (tokens, width) float32."""
+    import ctypes
+    import os
+
+    import numpy as np
+
+    import llama_cpp
+    import llama_cpp.mtmd_cpp as mtmd
+
+    from tui_merger.core.ship.gguf_check import _quiet_stderr
+
+    with _quiet_stderr():
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.vocab_only = False
+        model = llama_cpp.llama_model_load_from_file(str(text_gguf).encode(), params)
+        if not model:
+            raise RuntimeError(f"llama.cpp did not load {Path(text_gguf).name}")
+        ctx = None
+        try:
+            ctx_params = mtmd.mtmd_context_params_default()
+            ctx_params.use_gpu = False
+            ctx_params.print_timings = False
+            ctx_params.n_threads = max(1, min(4, os.cpu_count() or 1))
+            ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, ctx_params)
+            if not ctx:
+                raise RuntimeError("mtmd_init_from_file refused it")
+            height, width = rgb.shape[:2]
+            data = (ctypes.c_uint8 * rgb.size).from_buffer_copy(np.ascontiguousarray(rgb).tobytes())
+            bitmap = mtmd.mtmd_bitmap_init(width, height, data)
+            chunks = mtmd.mtmd_input_chunks_init()
+            try:
+                prompt = mtmd.mtmd_default_marker()
+                text = mtmd.mtmd_input_text(prompt, len(prompt), True, True)
+                if mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) != 0:
+                    raise RuntimeError("mtmd_tokenize failed")
+                n_embd = llama_cpp.llama_model_n_embd_inp(model) if hasattr(llama_cpp, "llama_model_n_embd_inp") \
+                    else llama_cpp.llama_model_n_embd(model)
+                for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                    chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                    if mtmd.mtmd_input_chunk_get_type(chunk) != 1:  # MTMD_INPUT_CHUNK_TYPE_IMAGE
+                        continue
+                    n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+                    if mtmd.mtmd_encode_chunk(ctx, chunk) != 0:
+                        raise RuntimeError("mtmd_encode_chunk failed")
+                    out = mtmd.mtmd_get_output_embd(ctx)
+                    return np.ctypeslib.as_array(out, shape=(n * n_embd,)).copy().reshape(n, n_embd)
+                raise RuntimeError("llama.cpp made no image chunk")
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
+                mtmd.mtmd_bitmap_free(bitmap)
+        finally:
+            if ctx:
+                mtmd.mtmd_free(ctx)
+            llama_cpp.llama_model_free(model)
+
+
+def _transformers_image(folder: Path, config: dict, rgb, pre: dict):
+    """transformers' embeddings of the image (``get_image_features``): the VL model loaded by transformers with its
+    language model cut to one layer and an 8-token vocabulary (the image path does not use it; memory stays the
+    tower's), the pixels preprocessed as llama.cpp does."""
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+    text = cfg.get_text_config(decoder=True)
+    text.num_hidden_layers = 1
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:1]
+    text.vocab_size = 8
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the load report lists the layers left out on purpose
+    try:
+        model = transformers.AutoModelForImageTextToText.from_pretrained(
+            folder, config=cfg, dtype=torch.float32, ignore_mismatched_sizes=True, local_files_only=True).eval()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    mean = np.array(pre["image_mean"], dtype=np.float32)
+    std = np.array(pre["image_std"], dtype=np.float32)
+    x = ((rgb.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)  # C, H, W
+    inner = model.model
+    with torch.no_grad():
+        if "temporal_patch_size" not in config["vision_config"]:  # Gemma 3: the image as it is
+            t = _as_tensor(inner.get_image_features(torch.from_numpy(np.ascontiguousarray(x[None]))))
+            return t.reshape(-1, t.shape[-1]).numpy()
+        vc = cfg.vision_config
+        patch, merge, temporal = vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size
+        c, h, w = x.shape
+        gh, gw = h // patch, w // patch
+        frames = np.repeat(x[None], temporal, axis=0)  # one image: its frame repeated, as Qwen2VLImageProcessor does
+        p = frames.reshape(1, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+        p = p.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gh * gw, c * temporal * patch * patch)
+        out = inner.get_image_features(torch.from_numpy(np.ascontiguousarray(p)), torch.tensor([[1, gh, gw]]))
+        t = _as_tensor(out)
+        deep = getattr(out, "deepstack_features", None)
+        if deep:  # Qwen3-VL: llama.cpp's embedding is the merger's output and each deepstack merger's side by side
+            t = torch.cat([t] + [_as_tensor(list(d)) for d in deep], dim=-1)
+        return t.reshape(-1, t.shape[-1]).numpy()
+
+
+def _as_tensor(out):
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    pooled = getattr(out, "pooler_output", None)
+    out = pooled if pooled is not None else out
+    if isinstance(out, (list, tuple)):
+        return torch.cat([o if o.ndim > 1 else o[None] for o in out], dim=0)
+    return out

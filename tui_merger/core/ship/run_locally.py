@@ -19,8 +19,6 @@ from pathlib import Path
 from tui_merger.core.events import CancelToken, EventSink, ignore_event
 
 RUN_LOCALLY_TYPE = "q4_k_m"
-MMPROJ_NOT_CHECKED = ("the mmproj file is not run on export; benchmarks/llama_cpp_mmproj_check.py compares llama.cpp's "
-                      "image embeddings with transformers' on tiny models of each tower (docs/formats.md).")
 # bytes of the model folder written per second, by type, measured on this project's 2-core machine
 # (docs/command-line.md: 0.5B f16 6.9 s, q8_0 8.0 s; 3B widths q4_k_m 6 layers in 163 s): the estimate
 # is that rate, so a faster machine takes less
@@ -43,6 +41,7 @@ class LocalModel:
     result: object  # gguf.GgufResult
     modelfile: object  # modelfile.Modelfile
     check: object  # gguf_check.GgufCheck
+    mmproj_check: object = None  # gguf_check.GgufCheck of the mmproj file beside it (gguf_mmproj.check_mmproj); None: none
 
     def run_lines(self) -> list[str]:
         import shlex
@@ -109,9 +108,13 @@ def make_local(
 
     result = export_gguf(folder, type_, out, overwrite=overwrite, on_event=on_event, cancel=cancel, mmproj=mmproj)
     modelfile = write_modelfile(folder, result.path, result.type, projector=result.mmproj)
-    if result.mmproj is not None:  # its own entry in the manifest: never called checked by the language model's check
+    mmproj_check = None
+    if result.mmproj is not None:  # its own check (llama.cpp's image embeddings) in its own manifest entry
+        from tui_merger.core.ship.gguf_mmproj import check_mmproj
+
+        mmproj_check = check_mmproj(folder, result.path, result.mmproj, reader=check, on_event=on_event, cancel=cancel)
         try:
-            record_check(folder, result.mmproj, GgufCheck(NOT_CHECKED, None, MMPROJ_NOT_CHECKED))
+            record_check(folder, result.mmproj, mmproj_check)
         except OSError:
             pass
     if check == "none":
@@ -122,7 +125,7 @@ def make_local(
         record_check(folder, result.path, verdict, modelfile.path)
     except OSError:  # a read-only folder: export_gguf said so already; the file and its check stand
         pass
-    return LocalModel(result, modelfile, verdict)
+    return LocalModel(result, modelfile, verdict, mmproj_check)
 
 
 def human_seconds(seconds: float) -> str:
