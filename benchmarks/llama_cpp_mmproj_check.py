@@ -78,7 +78,7 @@ def check(name: str, tmp: Path, seed: int, np, torch):
         randomize_zero_tensors(folder, seed)  # its input projection starts at zero
         (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
         (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
-        text_gguf = export_gguf(folder, "f16", tmp / "text.gguf", mmproj=False).path
+        text_gguf = export_gguf(folder, "f16", tmp / "text.gguf").path
     else:
         folder = make_tower(tmp / name, name, seed=seed)
         # Qwen3-VL: llama.cpp's image embedding is the merger's output and each deepstack merger's side by side, and

@@ -260,14 +260,15 @@ def test_vl_folder_without_image_normalization_gets_text_gguf_and_a_sentence(tmp
 
     from tui_merger.core.events import Notice
     from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_mmproj import companion
 
     vl = make_vl(tmp_path / "vl", "gemma3")
     events = []
-    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append)
+    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append, companion=companion)
     assert result.path.is_file() and result.mmproj is None
     assert not list(tmp_path.glob("mmproj-*"))
-    said = [e.message for e in events if isinstance(e, Notice) and "mmproj file is not written" in e.message]
-    assert len(said) == 1 and "image_mean" in said[0] and said[0].endswith(".")
+    said = [e.message for e in events if isinstance(e, Notice) and "The mmproj file is not written" in e.message]
+    assert len(said) == 1 and "image_mean" in said[0] and said[0].endswith(".") and said[0].count(". ") == 0
 
 
 def test_vl_tower_we_do_not_write_says_so(tmp_path):
@@ -276,13 +277,15 @@ def test_vl_tower_we_do_not_write_says_so(tmp_path):
 
     from tui_merger.core.events import Notice
     from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_mmproj import companion
 
     vl = make_vl(tmp_path / "vl", "gemma4")
     events = []
-    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append)
+    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append, companion=companion)
     assert result.path.is_file() and result.mmproj is None
     said = [e.message for e in events if isinstance(e, Notice)]
-    assert any("gemma4's vision tower has no mmproj writer" in s for s in said)
+    assert any("not of gemma4 ones" in s for s in said)
+    assert len([s for s in said if "vision tower" in s]) == 1  # gguf_vl's notice, once
 
 
 @pytest.mark.parametrize("model_type", ["gemma3", "qwen2_5_vl", "qwen3_vl"])

@@ -227,20 +227,20 @@ def export_gguf(
     overwrite: bool = False,
     on_event: EventSink = ignore_event,
     cancel: CancelToken | None = None,
-    mmproj: bool = True,
+    companion=None,
 ) -> GgufResult:
-    """Plan, write, and record the GGUF in the folder's merge_manifest.json (when it has one); for a
-    vision-language folder (unless ``mmproj`` is False) its vision tower as llama.cpp's mmproj file beside it."""
+    """Plan, write, and record the GGUF in the folder's merge_manifest.json (when it has one). ``companion``
+    (gguf_mmproj.companion: a vision-language folder's mmproj file) is called with the plan and ``overwrite``
+    before anything is written and gives None or a function that writes its file once the GGUF is (its path
+    goes to ``GgufResult.mmproj``)."""
     from dataclasses import replace
-
-    from tui_merger.core.ship import gguf_mmproj
 
     on_event(PhaseStarted("plan", f"Reading {Path(folder).name}: config, tokenizer, tensor headers"))
     plan = plan_gguf(folder, type_, out, overwrite)
-    side = gguf_mmproj.beside(plan, overwrite) if mmproj else None
+    after = companion(plan, overwrite) if companion is not None else None
     result = write_gguf(plan, on_event, cancel)
-    if side is not None:
-        result = replace(result, mmproj=gguf_mmproj.write_beside(side, result, on_event, cancel))
+    if after is not None:
+        result = replace(result, mmproj=after(on_event, cancel))
     try:
         recorded = record_gguf(plan.folder, result)
     except OSError as err:  # a read-only model folder, the GGUF written elsewhere: the file stands

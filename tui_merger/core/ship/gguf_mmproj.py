@@ -29,8 +29,8 @@ from tui_merger.core.errors import MergeError
 
 MMPROJ_TYPE = "f16"  # what model pages publish beside every quantization of the language model (mmproj-F16)
 NOT_SUPPORTED = (
-    "{model_type}'s vision tower has no mmproj writer in tui-merger (it writes the mmproj of Gemma 3, Qwen2-VL, "
-    "Qwen2.5-VL and Qwen3-VL), so the GGUF runs on text only."
+    "tui-merger writes the mmproj file of Gemma 3, Qwen2-VL, Qwen2.5-VL and Qwen3-VL folders, not of {model_type} ones: "
+    "this GGUF runs on text only."
 )
 
 
@@ -418,7 +418,7 @@ def beside(text_plan, overwrite: bool) -> Beside | None:
     try:
         plan = plan_mmproj(folder, out, overwrite=True)
     except MergeError as err:
-        text_plan.notices = tuple(notices + [f"The vision tower's mmproj file is not written: {str(err).rstrip('.')}."])
+        text_plan.notices = tuple(notices + [f"The mmproj file is not written: {str(err).rstrip('.')}."])
         return None
     try:
         check_space(out.parent, text_plan.tensor_bytes + plan.tensor_bytes, "The GGUF and its mmproj file", "an --out")
@@ -433,7 +433,15 @@ def beside(text_plan, overwrite: bool) -> Beside | None:
     return Beside(out, plan)
 
 
-def write_beside(side: Beside, text_result, on_event, cancel) -> Path:
+def companion(text_plan, overwrite: bool):
+    """``gguf.export_gguf``'s companion: the mmproj planned beside the GGUF (``beside``), written after it."""
+    side = beside(text_plan, overwrite)
+    if side is None:
+        return None
+    return lambda on_event, cancel: write_beside(side, on_event, cancel)
+
+
+def write_beside(side: Beside, on_event, cancel) -> Path:
     """Write the planned mmproj (streamed: temporary name, renamed when complete) and record it in the folder's
     merge_manifest.json, as the GGUF is; the path of the file."""
     from tui_merger.core.events import Notice

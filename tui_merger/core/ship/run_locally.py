@@ -106,7 +106,10 @@ def make_local(
     from tui_merger.core.ship.gguf_check import NOT_CHECKED, GgufCheck, check_gguf, record_check
     from tui_merger.core.ship.modelfile import write_modelfile
 
-    result = export_gguf(folder, type_, out, overwrite=overwrite, on_event=on_event, cancel=cancel, mmproj=mmproj)
+    from tui_merger.core.ship.gguf_mmproj import companion
+
+    result = export_gguf(folder, type_, out, overwrite=overwrite, on_event=on_event, cancel=cancel,
+                         companion=companion if mmproj else None)
     modelfile = write_modelfile(folder, result.path, result.type, projector=result.mmproj)
     mmproj_check = None
     if result.mmproj is not None:  # its own check (llama.cpp's image embeddings) in its own manifest entry
