@@ -30,6 +30,7 @@ VISION = {  # one-layer towers, but Qwen2.5-VL: two (its window pattern needs a 
     "qwen3_vl": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
                      patch_size=16, spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0]),
 }
+VISION["qwen3_vl_moe"] = VISION["qwen3_vl"]
 OTHER = {"gemma3": dict(image_token_index=440, boi_token_index=441, eoi_token_index=442, mm_tokens_per_image=1)}
 # the image normalization of the released checkpoints' preprocessor_config.json (Gemma 3: 0.5; Qwen: OpenAI CLIP's)
 MEAN_STD = {"gemma3": ([0.5] * 3, [0.5] * 3)}
@@ -43,8 +44,10 @@ def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) 
 
     torch.manual_seed(seed)
     text = dict(TEXT)
-    if model_type == "qwen3_vl":
+    if model_type.startswith("qwen3"):
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+    if model_type == "qwen3_vl_moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     config = AutoConfig.for_model(model_type, text_config=text, vision_config=VISION[model_type], **OTHER.get(model_type, {}))
     model = transformers.AutoModelForImageTextToText.from_config(config)
     with torch.no_grad():
@@ -102,7 +105,7 @@ def expected_tensors(folder: Path, model_type: str) -> dict:
         elif hf.startswith("visual.deepstack_merger_list."):
             i, part, suffix = hf.split(".")[2:5]
             parts = [(f"v.deepstack.{deep[int(i)]}.{ {'linear_fc1': 'fc1', 'linear_fc2': 'fc2'}.get(part, part)}.{suffix}", w)]
-        elif model_type == "qwen3_vl" and hf.startswith("visual.merger."):
+        elif model_type.startswith("qwen3") and hf.startswith("visual.merger."):
             part, suffix = hf.split(".")[2:4]
             parts = [({"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[part] + "." + suffix, w)]
         elif "vision_model.head." in hf:
@@ -180,7 +183,7 @@ def _close(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_mmproj_equals_converter_rules_on_transformers_weights(model_type, tmp_path):
     from tui_merger.core.ship.gguf import write_gguf
     from tui_merger.core.ship.gguf_mmproj import plan_mmproj
@@ -329,3 +332,27 @@ def test_check_without_llama_cpp_is_not_checked(tmp_path, monkeypatch):
     for reader in ("auto", "llama.cpp", "transformers", "none"):
         verdict = check_mmproj(tmp_path, tmp_path / "x.gguf", tmp_path / "mmproj-x-F16.gguf", reader=reader)
         assert verdict.status == gguf_check.NOT_CHECKED and not verdict.passed and verdict.summary.endswith(".")
+
+
+def test_tower_beyond_f16_leaves_the_gguf_and_writes_no_mmproj(tmp_path):
+    """A vision weight beyond F16's range: the language model's GGUF stands, the mmproj is not written (no partial
+    file), and a warning says why (not "choose --type bf16": the mmproj is F16 whatever the type)."""
+    from safetensors.torch import load_file, save_file
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.events import Notice
+    from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_mmproj import companion
+
+    vl = make_vl(tmp_path / "vl", "gemma3")
+    (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "image_seq_length": 4}))
+    state = load_file(vl / "model.safetensors")
+    key = next(k for k in state if k.endswith("fc1.weight") and "vision" in k)
+    state[key][0, 0] = 1e6
+    save_file(state, vl / "model.safetensors", metadata={"format": "pt"})
+    events = []
+    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append, companion=companion)
+    assert result.path.is_file() and result.mmproj is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vl", "x.gguf"]
+    said = [e.message for e in events if isinstance(e, Notice) and e.level == "warning"]
+    assert len(said) == 1 and "mmproj file is not" in said[0] and "65504" in said[0] and "--type" not in said[0]

@@ -441,15 +441,22 @@ def companion(text_plan, overwrite: bool):
     return lambda on_event, cancel: write_beside(side, on_event, cancel)
 
 
-def write_beside(side: Beside, on_event, cancel) -> Path:
+def write_beside(side: Beside, on_event, cancel) -> Path | None:
     """Write the planned mmproj (streamed: temporary name, renamed when complete) and record it in the folder's
     merge_manifest.json, as the GGUF is; the path of the file."""
+    from tui_merger.core.errors import MergeCancelled
     from tui_merger.core.events import Notice
     from tui_merger.core.ship.gguf import record_gguf, write_gguf
 
     if side.plan is None:
         return side.out
-    result = write_gguf(side.plan, on_event, cancel)
+    try:
+        result = write_gguf(side.plan, on_event, cancel)
+    except MergeError as err:  # a weight beyond F16's range: the GGUF stands, the mmproj is not written (nothing left)
+        if isinstance(err, MergeCancelled):
+            raise
+        on_event(Notice("warning", f"The GGUF is written, but its mmproj file is not: {str(err).split('; choose')[0].rstrip('.')}."))
+        return None
     try:
         record_gguf(side.plan.folder, result)
     except OSError as err:  # a read-only folder: said once for the GGUF already
