@@ -42,6 +42,18 @@ def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) 
     import transformers
     from transformers import AutoConfig
 
+    if model_type == "gemma4":  # test_gguf_vl_text's Gemma 4 (with its audio tower, as E2B / E4B), pooling 3x3 as released
+        import test_gguf_vl_text
+
+        saved = test_gguf_vl_text.VISION["gemma4"]
+        test_gguf_vl_text.VISION["gemma4"] = dict(saved, pooling_kernel_size=3)
+        try:
+            test_gguf_vl_text.make_vl(path, "gemma4", seed=seed, dtype=dtype)
+        finally:
+            test_gguf_vl_text.VISION["gemma4"] = saved
+        randomize_zero_tensors(path, seed)
+        (path / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.0] * 3, "image_std": [1.0] * 3}))
+        return path
     torch.manual_seed(seed)
     text = dict(TEXT)
     if model_type.startswith("qwen3"):
@@ -86,16 +98,24 @@ def expected_tensors(folder: Path, model_type: str) -> dict:
         items = [("vision_tower.vision_model." + k, v) for k, v in inner.vision_tower.state_dict().items()]
         items += [("multi_modal_projector." + k.replace("_weight", ".weight"), v)
                   for k, v in inner.multi_modal_projector.state_dict().items()]
+    elif model_type == "gemma4":  # transformers' names, then the converter's own renames (Gemma4VisionAudioModel)
+        items = [("model.vision_tower." + k, v) for k, v in inner.vision_tower.state_dict().items()]
+        items += [("model.embed_vision." + k, v) for k, v in inner.embed_vision.state_dict().items()]
+        items = [(k.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight", ".weight")
+                  + (".weight" if k.endswith("position_embedding_table") else ""), v) for k, v in items]
     else:
         items = [("visual." + k, v) for k, v in inner.visual.state_dict().items()]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 3)
-    deep = VISION[model_type].get("deepstack_visual_indexes", [])
+    deep = VISION.get(model_type, {}).get("deepstack_visual_indexes", [])
     out = {}
     for hf, w in items:
         w = w.detach().float()
         parts = []
         if "soft_emb_norm" in hf:  # Gemma3VisionModel.modify_tensors: + 1
             parts = [(names.get_name(hf, try_suffixes=(".weight",)), w + 1)]
+        elif hf.endswith("patch_embedder.input_proj.weight"):  # (n, p*p*3) -> (n, 3, p, p)
+            p = int((w.shape[1] // 3) ** 0.5)
+            parts = [("v.patch_embd.weight", w.reshape(w.shape[0], p, p, 3).permute(0, 3, 1, 2))]
         elif hf.endswith("patch_embed.proj.weight"):  # the Conv3D split along time
             parts = [("v.patch_embd.weight", w[:, :, 0]), ("v.patch_embd.weight.1", w[:, :, 1])]
         elif ".qkv." in hf and model_type in ("qwen2_vl", "qwen2_5_vl"):
@@ -125,6 +145,8 @@ def _converter_type(model_type: str, hf: str, new: str, ndim: int) -> str:
         forced = "F16" if "input_projection" in hf else "F32" if ".embeddings." in hf else None
     elif model_type in ("qwen2_vl", "qwen2_5_vl") and ".position_embd." in new:
         forced = "F32"
+    elif model_type == "gemma4" and "position_embedding_table" in hf:
+        forced = "F32"
     if forced is None and ".patch_embd.weight" in new:
         forced = "F16"
     if ndim <= 1 or new.endswith("_norm.weight"):
@@ -140,6 +162,8 @@ def expected_keys(folder: Path, model_type: str) -> dict:
     cfg = AutoConfig.from_pretrained(folder).to_dict()
     v = dict(cfg["vision_config"])
     mean, std = MEAN_STD.get(model_type, CLIP)
+    if model_type == "gemma4":
+        mean, std = [0.0] * 3, [1.0] * 3
     keys = {"general.architecture": "clip", "general.type": "mmproj", "general.file_type": 1,
             "clip.has_vision_encoder": True, "clip.vision.projection_dim": cfg["text_config"]["hidden_size"],
             "clip.vision.image_mean": mean, "clip.vision.image_std": std}
@@ -147,6 +171,9 @@ def expected_keys(folder: Path, model_type: str) -> dict:
         keys.update({"clip.projector_type": "gemma3", "clip.vision.attention.layer_norm_epsilon": v["layer_norm_eps"],
                      "clip.use_gelu": True, "clip.vision.projector.scale_factor": (28 // 14) // 1})
         heads, layers, width, ff, size = v["num_attention_heads"], v["num_hidden_layers"], v["hidden_size"], v["intermediate_size"], v["image_size"]
+    elif model_type == "gemma4":
+        keys.update({"clip.vision.projector_type": "gemma4v", "clip.vision.attention.layer_norm_epsilon": v.get("layer_norm_eps", 1e-6)})
+        heads, layers, width, ff, size = v["num_attention_heads"], v["num_hidden_layers"], v["hidden_size"], v["intermediate_size"], 224
     elif model_type in ("qwen2_vl", "qwen2_5_vl"):
         heads, layers, size = v["num_heads"], v["depth"], 560
         width, ff = (v["embed_dim"], v["hidden_size"]) if model_type == "qwen2_vl" else (v["hidden_size"], v["intermediate_size"])
@@ -183,7 +210,7 @@ def _close(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_mmproj_equals_converter_rules_on_transformers_weights(model_type, tmp_path):
     from tui_merger.core.ship.gguf import write_gguf
     from tui_merger.core.ship.gguf_mmproj import plan_mmproj
@@ -196,7 +223,7 @@ def test_mmproj_equals_converter_rules_on_transformers_weights(model_type, tmp_p
     for name, (qtype, data) in want.items():
         got_type, got = tensors[name]
         assert got_type == qtype, name
-        ref = data.astype(np.float16 if qtype == "F16" else np.float32)
+        ref = np.ascontiguousarray(data.astype(np.float16 if qtype == "F16" else np.float32))
         assert got.shape == ref.shape and np.array_equal(got.view(np.uint8), ref.view(np.uint8)), name
     for key, value in expected_keys(folder, model_type).items():
         assert key in keys and _close(keys[key], value), (key, keys.get(key), value)
@@ -211,7 +238,7 @@ def test_mmproj_from_bf16_weights(tmp_path):
     folder = make_tower(tmp_path / "g", "gemma3", dtype=torch.bfloat16)
     tensors, _ = read_back(write_gguf(plan_mmproj(folder, tmp_path / "m.gguf")).path)
     for name, (qtype, data) in expected_tensors(folder, "gemma3").items():
-        ref = data.astype(np.float16 if qtype == "F16" else np.float32)
+        ref = np.ascontiguousarray(data.astype(np.float16 if qtype == "F16" else np.float32))
         assert tensors[name][0] == qtype and np.array_equal(tensors[name][1], ref), name
 
 
@@ -274,24 +301,42 @@ def test_vl_folder_without_image_normalization_gets_text_gguf_and_a_sentence(tmp
     assert len(said) == 1 and "image_mean" in said[0] and said[0].endswith(".") and said[0].count(". ") == 0
 
 
-def test_vl_tower_we_do_not_write_says_so(tmp_path):
-    """Gemma 4's vision tower: no mmproj writer here; the language model's GGUF is written and the notice says why."""
-    from test_gguf_vl_text import make_vl
+def test_gemma4_mmproj_beside_its_gguf_and_what_it_leaves_out(tmp_path):
+    """Gemma 4 (E2B / E4B hear too): the mmproj holds the vision tower, a notice says the audio tower is not in it;
+    a tower pooling other than 3 x 3 (llama.cpp's gemma4v, which no key can change) gets a sentence and no mmproj;
+    another VL model type a sentence too."""
+    import test_gguf_vl_text
 
     from tui_merger.core.events import Notice
     from tui_merger.core.ship.gguf import export_gguf
-    from tui_merger.core.ship.gguf_mmproj import companion
+    from tui_merger.core.ship.gguf_mmproj import companion, tower_of
 
-    vl = make_vl(tmp_path / "vl", "gemma4")
+    vl = make_tower(tmp_path / "vl", "gemma4")
     events = []
     result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append, companion=companion)
-    assert result.path.is_file() and result.mmproj is None
+    assert result.mmproj == tmp_path / "mmproj-vl-F16.gguf" and result.mmproj.is_file()
     said = [e.message for e in events if isinstance(e, Notice)]
-    assert any("not of gemma4 ones" in s for s in said)
-    assert len([s for s in said if "vision tower" in s]) == 1  # gguf_vl's notice, once
+    assert any("audio tower" in s and "not in mmproj-vl-F16.gguf" in s for s in said)
+    tensors, keys = read_back(result.mmproj)
+    assert keys["clip.vision.projector_type"] == "gemma4v" and not any(n.startswith("a.") for n in tensors)
+
+    pooled2 = test_gguf_vl_text.make_vl(tmp_path / "p2", "gemma4")  # the text tests' tower pools 2 x 2
+    (pooled2 / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.0] * 3, "image_std": [1.0] * 3}))
+    events.clear()
+    result = export_gguf(pooled2, "f16", tmp_path / "y.gguf", on_event=events.append, companion=companion)
+    assert result.path.is_file() and result.mmproj is None and not (tmp_path / "mmproj-p2-F16.gguf").exists()
+    said = [e.message for e in events if isinstance(e, Notice) and "The mmproj file is not written" in e.message]
+    assert len(said) == 1 and "2 x 2" in said[0] and "3 x 3" in said[0]
+
+    other = tmp_path / "llava"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}, "text_config": {}}))
+    model_type, why = tower_of(other)
+    assert model_type == "llava" and "not of llava ones" in why and why.endswith(".")
+    assert tower_of(tmp_path / "vl") == ("gemma4", None)
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl"])
 def test_check_reference_equals_the_whole_model(model_type, tmp_path):
     """The in-app check's transformers side loads the VL model with its language model cut to one layer (memory: the
     tower's); its image embeddings must be the whole model's get_image_features on the same pixels, bit for bit."""
@@ -302,7 +347,7 @@ def test_check_reference_equals_the_whole_model(model_type, tmp_path):
     folder = make_tower(tmp_path / model_type, model_type)
     config = gguf_mmproj._config(folder)
     pre = json.loads((folder / "preprocessor_config.json").read_text())
-    side = {"gemma3": 28, "qwen2_5_vl": 56, "qwen3_vl": 64}[model_type]
+    side = {"gemma3": 28, "gemma4": 36, "qwen2_5_vl": 56, "qwen3_vl": 64}[model_type]
     rgb = np.random.default_rng(1).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
     got = gguf_mmproj._transformers_image(folder, config, rgb, pre)
     model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
@@ -311,6 +356,12 @@ def test_check_reference_equals_the_whole_model(model_type, tmp_path):
         if model_type == "gemma3":
             want = model.model.get_image_features(x[None])
             want = getattr(want, "pooler_output", want)
+        elif model_type == "gemma4":  # Gemma4ImageProcessor's convert_image_to_patches and (x, y) positions, written out again
+            p = model.config.vision_config.patch_size
+            g = side // p
+            patches = x.reshape(3, g, p, g, p).permute(1, 3, 2, 4, 0).reshape(g * g, -1)
+            pos = torch.stack(torch.meshgrid(torch.arange(g), torch.arange(g), indexing="xy"), dim=-1).reshape(1, -1, 2)
+            want = torch.cat(list(model.model.get_image_features(patches[None], pos).pooler_output), dim=0)
         else:  # the image processor's own patch order: Qwen2VLImageProcessor's reshape, written out again here
             p, m = model.config.vision_config.patch_size, model.config.vision_config.spatial_merge_size
             g = side // p

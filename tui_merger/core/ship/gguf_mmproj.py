@@ -29,7 +29,7 @@ from tui_merger.core.errors import MergeError
 
 MMPROJ_TYPE = "f16"  # what model pages publish beside every quantization of the language model (mmproj-F16)
 NOT_SUPPORTED = (
-    "tui-merger writes the mmproj file of Gemma 3, Qwen2-VL, Qwen2.5-VL and Qwen3-VL folders, not of {model_type} ones: "
+    "tui-merger writes the mmproj file of Gemma 3, Gemma 4, Qwen2-VL, Qwen2.5-VL and Qwen3-VL folders, not of {model_type} ones: "
     "this GGUF runs on text only."
 )
 
@@ -53,6 +53,10 @@ class Tower:
     plus_one: tuple[str, ...] = ()  # norms stored as 1 + w (Gemma's RMSNorm)
     special: Callable[[str, dict], str | None] | None = None  # a GGUF name the name map does not give (Qwen3-VL's merger)
     rename_weight: bool = False  # "..._weight" -> "....weight" (Gemma 3's mm_input_projection_weight)
+    converter_name: Callable[[str], str] | None = None  # the converter's own renames before the name map (Gemma 4)
+    patch_hwc: bool = False  # a linear patch embedding over (p, p, 3) pixels -> a (3, p, p) convolution (Gemma 4)
+    projector_key: str = "add_clip_projector_type"  # Gemma 4: clip.vision.projector_type, as for vision + audio
+    left_out: tuple[str, ...] = ()  # tensors of another tower the file does not hold (Gemma 4's audio), said once
 
 
 # -- the towers ----------------------------------------------------------------------------------------
@@ -155,6 +159,27 @@ def _qwen3vl_special(name: str, vision: dict) -> str | None:
     return None
 
 
+def _gemma4_vision(vision: dict, config: dict) -> dict:
+    return {**vision, "image_size": 224}  # the converter's: unused by llama.cpp's gemma4v, which sizes by tokens
+
+
+def _gemma4_keys(vision: dict, config: dict, pre: dict) -> list:
+    pool = vision.get("pooling_kernel_size", 3)
+    if pool != 3:  # no key says it: llama.cpp pools Gemma 4's patches 3 x 3, as every released Gemma 4 does
+        raise MergeError(f"its vision tower pools {pool} x {pool} patches into one token and llama.cpp's gemma4v 3 x 3, "
+                         "so llama.cpp would see images otherwise")
+    return [("add_vision_attention_layernorm_eps", vision.get("layer_norm_eps", 1e-6))]
+
+
+def _gemma4_force(name: str, new: str) -> str | None:
+    return "F32" if "position_embedding_table" in name else None
+
+
+def _gemma4_name(name: str) -> str:
+    name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight", ".weight")
+    return name + ".weight" if name.endswith(("layer_scalar", "position_embedding_table")) else name
+
+
 _QWEN2VL = dict(prefixes=("visual.",), renames=(("model.visual.", "visual."),), vision=_qwen2vl_vision,
                 keys=_qwen2vl_keys, force=_qwen2vl_force, split_qkv=True, split_patch=True)
 _QWEN3VL = dict(projector="QWEN3VL", prefixes=("visual.",), renames=(("model.visual.", "visual."),),
@@ -170,6 +195,11 @@ TOWERS: dict[str, Tower] = {
                  ("model.multi_modal_projector.", "multi_modal_projector.")),
         keys=_gemma3_keys, force=_gemma3_force, skip=("vision_model.head.",), plus_one=("soft_emb_norm.weight",),
         rename_weight=True,
+    ),
+    "gemma4": Tower(  # the vision tower; the audio tower of Gemma 4 E2B / E4B is left out in a notice
+        projector="GEMMA4V", prefixes=("model.vision_tower.", "model.embed_vision."), vision=_gemma4_vision,
+        keys=_gemma4_keys, force=_gemma4_force, converter_name=_gemma4_name, patch_hwc=True,
+        projector_key="add_clip_vision_projector_type", left_out=("model.audio_tower.", "model.embed_audio."),
     ),
     "qwen2_vl": Tower(projector="QWEN2VL", **_QWEN2VL),
     "qwen2_5_vl": Tower(projector="QWEN25VL", **_QWEN2VL),
@@ -231,7 +261,7 @@ def plan_mmproj(folder: Path, out: Path, overwrite: bool = False):
         ("add_vision_head_count", _find(vision, ("num_attention_heads", "num_heads", "heads", "vt_num_attention_heads"))),
         ("add_vision_image_mean", pre["image_mean"]),
         ("add_vision_image_std", pre["image_std"]),
-        ("add_clip_projector_type", getattr(gguf.VisionProjectorType, tower.projector)),
+        (tower.projector_key, getattr(gguf.VisionProjectorType, tower.projector)),
     ]
     keys += tower.keys(vision, config, pre) if tower.keys else []
     if out.exists() and not overwrite:
@@ -248,7 +278,10 @@ def plan_mmproj(folder: Path, out: Path, overwrite: bool = False):
             getattr(writer, method)(value)
         for t in tensors:
             writer.add_tensor_info(t.name, t.shape, main._np_float32(), t.nbytes, raw_dtype=gguf.GGMLQuantizationType(t.qtype))
-        plan = main.GgufPlan(folder, out, MMPROJ_TYPE, "clip", name, tuple(tensors), (), 0, writer, source)
+        others = [n for n in source.tensors if tower.left_out and n.startswith(tower.left_out)]
+        notices = (f"The audio tower ({len(others)} tensors) is not in {out.name}: tui-merger writes the vision tower, so "
+                   "llama.cpp and Ollama read images with it, not sound.",) if others else ()
+        plan = main.GgufPlan(folder, out, MMPROJ_TYPE, "clip", name, tuple(tensors), notices, 0, writer, source)
     except BaseException:
         source.close()
         raise
@@ -314,6 +347,8 @@ def _plan_tensors(folder: Path, source, tower: Tower, vision: dict, blocks: int)
             continue
         if tower.rename_weight:
             name = name.replace("_weight", ".weight")
+        if tower.converter_name:
+            name = tower.converter_name(name)
         if ref.dtype not in ("float32", "float16", "bfloat16"):
             raise MergeError(f"{ref.name} in {folder} is {ref.dtype}; the mmproj is written from float32, float16 and bfloat16 weights")
         shape = tuple(ref.shape)
@@ -323,6 +358,15 @@ def _plan_tensors(folder: Path, source, tower: Tower, vision: dict, blocks: int)
             base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
             for frame, new in ((0, base), (1, base + ".1")):
                 add(new, ref, name, shape[:2] + shape[3:], derive=_frame(frame))
+            continue
+        if tower.patch_hwc and name.endswith("patch_embedder.input_proj.weight"):
+            p = int((shape[1] // 3) ** 0.5)
+            if len(shape) != 2 or 3 * p * p != shape[1]:
+                raise MergeError(f"{ref.name} is not a patch embedding over square RGB patches")
+            add(_mapped(names, name, ref), ref, name, (shape[0], 3, p, p), derive=_hwc(p))
+            continue
+        if not shape:  # a scalar: a 1-value tensor, as the converter writes it
+            add(_mapped(names, name, ref), ref, name, (1,), derive=_unsqueeze)
             continue
         special = tower.special(name, vision) if tower.special else None
         if tower.split_qkv and ".qkv." in name and special is None:
@@ -368,6 +412,16 @@ def _frame(i: int):
     def derive(w):
         return w[:, :, i, ...]
     return derive
+
+
+def _hwc(p: int):
+    def derive(w):
+        return w.reshape(w.shape[0], p, p, 3).permute(0, 3, 1, 2)
+    return derive
+
+
+def _unsqueeze(w):
+    return w.reshape(1)
 
 
 def _rows(start: int, stop: int):
@@ -466,7 +520,10 @@ def write_beside(side: Beside, on_event, cancel) -> Path | None:
 
 # -- the check: llama.cpp's image embeddings against transformers' ------------------------------------------
 
-CHECK_LIMIT = 5e-3  # max |difference| / max |reference|; measured 5e-5 to 8e-4, wrong files 3e-2 to 0.49 (docs/formats.md)
+# max |difference| / max |reference|, per tower; measured on tiny towers (docs/formats.md): 5e-5 to 8e-4 (Gemma 4: 2.8e-3
+# to 3.7e-3, of which its f16 weights 3e-4), wrong files 2.8e-2 to 0.49 (Gemma 4: 3.9e-2)
+CHECK_LIMIT = 5e-3
+CHECK_LIMITS = {"gemma4": 1e-2}
 _MEMORY_SHARE = 0.6  # of MemAvailable that the reference (the tower and one language-model layer, float32) may take
 
 
@@ -506,7 +563,9 @@ def check_mmproj(folder: Path, text_gguf: Path, mmproj: Path, reader: str = "aut
     if on_event is not None:
         on_event(PhaseStarted("check", f"Checking {Path(mmproj).name}: one image through llama.cpp and transformers"))
     side = int(vision["image_size"])
-    if tower.split_patch:  # Qwen: whole merged patches, at least 4 x 4 of them (llama.cpp enlarges smaller images)
+    if tower.patch_hwc:  # Gemma 4: 9 x 9 tokens of 3 x 3 patches (llama.cpp enlarges an image of fewer tokens)
+        side = 9 * 3 * int(vision["patch_size"])
+    elif tower.split_patch:  # Qwen: whole merged patches, at least 4 x 4 of them (llama.cpp enlarges smaller images)
         unit = int(vision["patch_size"]) * int(vision.get("spatial_merge_size") or 2)
         side = max(4, -(-side // unit)) * unit
     rgb = np.random.default_rng(0).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
@@ -515,16 +574,20 @@ def check_mmproj(folder: Path, text_gguf: Path, mmproj: Path, reader: str = "aut
         got = _llama_cpp_image(text_gguf, mmproj, rgb)
     except Exception as err:  # noqa: BLE001 - llama.cpp refusing the file is the finding
         return GgufCheck(FAILED, name, f"llama.cpp did not load or encode with {Path(mmproj).name} ({_first_line(err)}).")
-    want = _transformers_image(folder, config, rgb, pre)
-    details = {"image": f"{side}x{side}", "tokens": [int(got.shape[0]), int(want.shape[0])], "limit": CHECK_LIMIT}
+    try:
+        want = _transformers_image(folder, config, rgb, pre)
+    except Exception as err:  # noqa: BLE001 - a config the cut-down reference cannot take: said, never PASSED
+        return GgufCheck(NOT_CHECKED, None, f"transformers could not build the image reference ({_first_line(err)}).")
+    limit = CHECK_LIMITS.get(config["model_type"], CHECK_LIMIT)
+    details = {"image": f"{side}x{side}", "tokens": [int(got.shape[0]), int(want.shape[0])], "limit": limit}
     if got.shape != want.shape:
         return GgufCheck(FAILED, name, f"llama.cpp makes {got.shape[0]} image embeddings of {got.shape[1]} values of a "
                                        f"{side}x{side} image, transformers {want.shape[0]} of {want.shape[1]}.", details)
     rel = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
     details["embeddings_rel"] = rel
     said = (f"{got.shape[0]} image embeddings of a {side}x{side} image, max difference {rel:.2g} of the largest "
-            f"(limit {CHECK_LIMIT:g}).")
-    return GgufCheck(PASSED if rel <= CHECK_LIMIT else FAILED, name, said, details)
+            f"(limit {limit:g}).")
+    return GgufCheck(PASSED if rel <= limit else FAILED, name, said, details)
 
 
 def _mem_available() -> int | None:
@@ -632,6 +695,9 @@ def _transformers_image(folder: Path, config: dict, rgb, pre: dict):
     if isinstance(getattr(text, "layer_types", None), list):
         text.layer_types = text.layer_types[:1]
     text.vocab_size = 8
+    for key, value in (("num_kv_shared_layers", 0), ("vocab_size_per_layer_input", 8)):  # Gemma 4's, for one layer
+        if getattr(text, key, None) is not None:
+            setattr(text, key, value)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the load report lists the layers left out on purpose
     try:
@@ -644,6 +710,14 @@ def _transformers_image(folder: Path, config: dict, rgb, pre: dict):
     x = ((rgb.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)  # C, H, W
     inner = model.model
     with torch.no_grad():
+        if config["model_type"] == "gemma4":  # Gemma4ImageProcessor's patches (p, p, C order), their (x, y), no padding
+            p = cfg.vision_config.patch_size
+            c, h, w = x.shape
+            patches = x.reshape(c, h // p, p, w // p, p).transpose(1, 3, 2, 4, 0).reshape((h // p) * (w // p), -1)
+            gx, gy = np.meshgrid(np.arange(w // p), np.arange(h // p), indexing="xy")
+            pos = torch.from_numpy(np.stack([gx, gy], axis=-1).reshape(1, -1, 2))
+            t = _as_tensor(inner.get_image_features(torch.from_numpy(np.ascontiguousarray(patches))[None], pos))
+            return t.reshape(-1, t.shape[-1]).numpy()
         if "temporal_patch_size" not in config["vision_config"]:  # Gemma 3: the image as it is
             t = _as_tensor(inner.get_image_features(torch.from_numpy(np.ascontiguousarray(x[None]))))
             return t.reshape(-1, t.shape[-1]).numpy()
