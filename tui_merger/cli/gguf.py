@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--no-mmproj", dest="mmproj", action="store_false",
-        help="for a vision-language model (Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), do not write its vision tower and "
+        help="for a vision-language model (Gemma 3, Gemma 4, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), do not write its vision tower and "
         "projector as llama.cpp's mmproj file (mmproj-<name>-F16.gguf beside the GGUF; written by default, so llama.cpp "
         "and Ollama can read images)",
     )

@@ -7,8 +7,13 @@ projector into the language model's embeddings. This module writes that file as 
 (``convert_hf_to_gguf.py --mmproj --outtype f16``) writes it: the ``clip.*`` keys, the image mean and std of
 the folder's preprocessor config, the tensor names of the ``gguf`` package's own ``TensorNameMap`` for
 ``MODEL_ARCH.MMPROJ``, the converter's transforms (Qwen2-VL's fused qkv split into q, k, v; the 3-D patch
-convolution split into two 2-D ones; Gemma 3's soft-embedding norm stored as 1 + w) and its types (matrices
-F16, norms, biases, 1-D and position embeddings F32, each tower's own exceptions).
+convolution split into two 2-D ones; Gemma 3's soft-embedding norm stored as 1 + w; Gemma 4's (p, p, 3) patch
+embedding as a (3, p, p) convolution) and its types (matrices F16, norms, biases, 1-D and position embeddings
+F32, each tower's own exceptions). Towers: Gemma 3, Gemma 4 (vision; its audio tower is left out in a notice),
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE.
+
+``check_mmproj`` checks the written file where llama.cpp's Python binding (with libmtmd) is importable: one image
+encoded by llama.cpp through the file and by transformers, the embeddings compared.
 
 A tower is data: one ``Tower`` per model type in ``TOWERS``. A tower llama.cpp's converter does not
 express, or one not done here, gets one sentence and no mmproj; the language model's GGUF is written all
