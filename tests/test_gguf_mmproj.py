@@ -407,3 +407,31 @@ def test_tower_beyond_f16_leaves_the_gguf_and_writes_no_mmproj(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vl", "x.gguf"]
     said = [e.message for e in events if isinstance(e, Notice) and e.level == "warning"]
     assert len(said) == 1 and "mmproj file is not" in said[0] and "65504" in said[0] and "--type" not in said[0]
+
+
+def test_cli_prints_and_records_the_mmproj(tmp_path, capsys):
+    """`tui-merger gguf` on a Gemma 3 VL folder made by tui-merger: the mmproj's own manifest entry (architecture clip,
+    its check), the GGUF's entry pointing at it, the printed lines; --no-mmproj on another folder writes none."""
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.cli import main
+    from tui_merger.core.record.manifest import FORMAT, read_manifest, write_manifest
+
+    vl = make_vl(tmp_path / "vl", "gemma3")
+    (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "image_seq_length": 4}))
+    write_manifest(vl, {"format": FORMAT})
+    assert main(["gguf", str(vl), "--check", "none", "--plain"]) == 0
+    out, _ = capsys.readouterr()
+    gguf_path, mmproj = vl / "vl-F16.gguf", vl / "mmproj-vl-F16.gguf"
+    assert f"  vision tower (mmproj) {mmproj}, " in out and "  mmproj check not checked: skipped (--check none)." in out
+    assert f"  llama-mtmd-cli -m {gguf_path} --mmproj {mmproj} --image IMAGE.jpg -p 'Describe this image.'" in out
+    entries = {e["path"]: e for e in read_manifest(vl)["gguf"]}
+    assert entries["vl-F16.gguf"]["mmproj"] == "mmproj-vl-F16.gguf"
+    assert entries["mmproj-vl-F16.gguf"]["architecture"] == "clip" and entries["mmproj-vl-F16.gguf"]["check"]["status"] == "not checked"
+    assert "FROM ./mmproj-vl-F16.gguf" in (vl / "vl-F16.Modelfile").read_text()
+
+    (vl / "vl-F16.gguf").unlink()
+    mmproj.unlink()
+    assert main(["gguf", str(vl), "--check", "none", "--plain", "--no-mmproj"]) == 0
+    out, _ = capsys.readouterr()
+    assert not mmproj.exists() and "mmproj" not in out.split("Run it:")[1]
