@@ -42,11 +42,11 @@ def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) 
     import transformers
     from transformers import AutoConfig
 
-    if model_type == "gemma4":  # test_gguf_vl_text's Gemma 4 (with its audio tower, as E2B / E4B), pooling 3x3 as released
-        import test_gguf_vl_text
+    if model_type.startswith("gemma4"):  # test_gguf_vl_text's Gemma 4 (with its audio tower, as E2B / E4B), pooling 3x3 as
+        import test_gguf_vl_text  # released; gemma4:clipped with the clipped linears' scalar bounds (use_clipped_linears)
 
         saved = test_gguf_vl_text.VISION["gemma4"]
-        test_gguf_vl_text.VISION["gemma4"] = dict(saved, pooling_kernel_size=3)
+        test_gguf_vl_text.VISION["gemma4"] = dict(saved, pooling_kernel_size=3, use_clipped_linears=model_type.endswith(":clipped"))
         try:
             test_gguf_vl_text.make_vl(path, "gemma4", seed=seed, dtype=dtype)
         finally:
@@ -94,6 +94,7 @@ def expected_tensors(folder: Path, model_type: str) -> dict:
 
     model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     inner = model.model
+    model_type = model_type.split(":")[0]
     if model_type == "gemma3":  # the converter's names: the hub's (vision_tower.*, multi_modal_projector.*)
         items = [("vision_tower.vision_model." + k, v) for k, v in inner.vision_tower.state_dict().items()]
         items += [("multi_modal_projector." + k.replace("_weight", ".weight"), v)
@@ -130,8 +131,9 @@ def expected_tensors(folder: Path, model_type: str) -> dict:
             parts = [({"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[part] + "." + suffix, w)]
         elif "vision_model.head." in hf:
             continue
-        else:
-            parts = [(names.get_name(hf, try_suffixes=(".weight", ".bias")), w)]
+        else:  # the converter's suffixes (Gemma 4's clipped linears' bounds); a scalar as a 1-value tensor
+            suffixes = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
+            parts = [(names.get_name(hf, try_suffixes=suffixes), w.reshape(1) if w.ndim == 0 else w)]
         for new, t in parts:
             assert new is not None, hf
             out[new] = (_converter_type(model_type, hf, new, t.ndim), t.numpy())
@@ -158,6 +160,8 @@ def _converter_type(model_type: str, hf: str, new: str, ndim: int) -> str:
 
 def expected_keys(folder: Path, model_type: str) -> dict:
     from transformers import AutoConfig
+
+    model_type = model_type.split(":")[0]
 
     cfg = AutoConfig.from_pretrained(folder).to_dict()
     v = dict(cfg["vision_config"])
@@ -210,7 +214,7 @@ def _close(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "gemma4:clipped", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_mmproj_equals_converter_rules_on_transformers_weights(model_type, tmp_path):
     from tui_merger.core.ship.gguf import write_gguf
     from tui_merger.core.ship.gguf_mmproj import plan_mmproj

@@ -390,8 +390,11 @@ def _plan_tensors(folder: Path, source, tower: Tower, vision: dict, blocks: int)
     return out
 
 
+_SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")  # Gemma 4's clipped linears
+
+
 def _mapped(names, name: str, ref) -> str:
-    new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    new = names.get_name(name, try_suffixes=_SUFFIXES)
     if new is None:
         raise MergeError(f"{ref.name} has no place in llama.cpp's mmproj layout (gguf's TensorNameMap); the tower is not a plain one")
     return new
