@@ -2,22 +2,24 @@
 """Does llama.cpp itself see an image as transformers does, through the mmproj file `tui-merger gguf` writes?
 Not part of CI (llama.cpp must be built; a prebuilt wheel with libmtmd is in ../shared/tools).
 
-    PYTHONPATH=$PWD /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_mmproj_check.py [gemma3 qwen2_vl ...] [--seed 0]
-    (--control: write wrong files on purpose, Gemma 3's soft-embedding norm without + 1 and Qwen's second patch frame as
-    the first: every row must FAIL)
+    PYTHONPATH=$PWD /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_mmproj_check.py [gemma3 gemma4 qwen2_vl ...] [--seed 0]
+    (--control: write wrong files on purpose, Gemma 3's soft-embedding norm without + 1, Gemma 4's patch pixels in
+    (3, p, p) order and Qwen's second patch frame as the first: every row must FAIL; gemma4:clipped: Gemma 4 with its
+    clipped linears' bounds set to +-0.3)
 
 For a tiny random vision-language model of each tower (tests/test_gguf_mmproj.py's builder: one-layer towers, random
 norms and biases, saved by transformers, with the released checkpoints' image mean/std) it writes the mmproj file with
 tui-merger (``plan_mmproj`` + ``write_gguf``), loads it in llama.cpp's libmtmd (``mtmd_init_from_file`` with a text
-GGUF of the same width: Gemma 3 the folder's own language model, exported by tui-merger; the Qwen towers a Qwen2 text
+GGUF of the same width: Gemma 3 and 4 the folder's own language model, exported by tui-merger; the Qwen towers a Qwen2 text
 GGUF of the same width, as tui-merger does not write qwen2vl / qwen3vl language models on this branch: the image
 encoder does not use the language model), gives it one random RGB image (``mtmd_bitmap_init``), tokenizes a prompt
 with the media marker (``mtmd_tokenize``), encodes the image chunk (``mtmd_encode_chunk``) and reads the embeddings
 (``mtmd_get_output_embd``). transformers gets the same pixels preprocessed as llama.cpp does for an image whose size
-needs no resize (Gemma 3: image_size x image_size; Qwen: a multiple of patch x merge inside the pixel limits), i.e.
-(x / 255 - mean) / std in float32, laid out as the model's image processor lays it out (Qwen: its patch order), and
+needs no resize (Gemma 3: image_size x image_size; Gemma 4: 27 x 27 patches; Qwen: a multiple of patch x merge inside
+the pixel limits), i.e. (x / 255 - mean) / std in float32, laid out as the model's image processor lays it out (Qwen,
+Gemma 4: its patch order), and
 returns ``get_image_features``. Compared: the number of image tokens, and the embeddings' largest difference relative
-to their largest value (limit 5e-3: the file's F16 matrices and llama.cpp's F16 matrix products; measured 5e-5 to 8e-4,
+to their largest value (limit 5e-3, Gemma 4 1e-2, as gguf_mmproj.CHECK_LIMITS: measured 5e-5 to 8e-4, Gemma 4 3e-3;
 the --control files 2.8e-2 to 0.49).
 Prints a Markdown table.
 """
