@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
         "--check", choices=("auto", "llama.cpp", "transformers", "none"), default="auto",
         help="compare the written file with transformers on the folder (token ids, prompt logits within the type's "
         "limit, top tokens): with llama.cpp itself when llama-cpp-python is installed, else with transformers' GGUF "
-        "reader where it knows the family; the verdict goes to merge_manifest.json and the model card; none: skip "
+        "reader where it knows the family; a vision-language model's mmproj file: llama.cpp's image embeddings against "
+        "transformers' (llama.cpp only); the verdict goes to merge_manifest.json and the model card; none: skip "
         "it, the file is recorded as not checked (default: %(default)s)",
     )
     p.add_argument(
