@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
         "--check", choices=("auto", "llama.cpp", "transformers", "none"), default="auto",
         help="compare the written file with transformers on the folder (token ids, prompt logits within the type's "
         "limit, top tokens): with llama.cpp itself when llama-cpp-python is installed, else with transformers' GGUF "
-        "reader where it knows the family; the verdict goes to merge_manifest.json and the model card; none: skip "
+        "reader where it knows the family; a vision-language model's mmproj file: llama.cpp's image embeddings against "
+        "transformers' (llama.cpp only); the verdict goes to merge_manifest.json and the model card; none: skip "
         "it, the file is recorded as not checked (default: %(default)s)",
     )
     p.add_argument(
@@ -48,6 +49,12 @@ def add_parser(sub) -> None:
         "ADAPTER; the base's GGUF is written first unless it is already there; then llama.cpp runs the base's GGUF with the "
         "LoRA against peft on the base with the adapter (--check; only llama.cpp applies a GGUF LoRA: without "
         "llama-cpp-python the LoRA is recorded as not checked)",
+    )
+    p.add_argument(
+        "--no-mmproj", dest="mmproj", action="store_false",
+        help="for a vision-language model (Gemma 3, Gemma 4, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), do not write its vision tower and "
+        "projector as llama.cpp's mmproj file (mmproj-<name>-F16.gguf beside the GGUF; written by default, so llama.cpp "
+        "and Ollama can read images)",
     )
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -66,20 +73,29 @@ def cmd_gguf(args) -> int:
     if args.adapter is not None:
         return _cmd_gguf_lora(args, progress)
     with progress if isinstance(progress, RichProgress) else nullcontext():
-        made = make_local(args.model, args.gguf_type, args.out, overwrite=args.overwrite, check=args.check, on_event=progress)
+        made = make_local(args.model, args.gguf_type, args.out, overwrite=args.overwrite, check=args.check, on_event=progress,
+                          mmproj=args.mmproj)
     result, check, modelfile = made.result, made.check, made.modelfile
     print(f"GGUF written to {result.path}")
     print(f"  {result.arch}, {result.type.upper()}, {human_bytes(result.size)}, {result.tensors} tensors, {result.seconds:.1f} s")
     print(f"  sha256 {result.sha256}")
+    if result.mmproj is not None:
+        print(f"  vision tower (mmproj) {result.mmproj}, {human_bytes(Path(result.mmproj).stat().st_size)}")
     if result.recorded:
         print(f"  recorded in {Path(args.model) / 'merge_manifest.json'}")
     print(f"  check {check.line()}")
+    if made.mmproj_check is not None:
+        print(f"  mmproj check {made.mmproj_check.line()}")
     print(f"  Ollama Modelfile {modelfile.path}" + ("" if modelfile.template else " (no TEMPLATE: its comment says why)"))
     print("Run it:")
     for line in made.run_lines():
         print(f"  {line}")
     if check.status == "failed":
         print("The file does not behave like the model: do not share it (the check above says where it differs).", file=sys.stderr)
+        return VERIFY_FAILED
+    if made.mmproj_check is not None and made.mmproj_check.status == "failed":
+        print("llama.cpp does not see images through the mmproj file as the model does: do not share it (the mmproj check "
+              "above says how).", file=sys.stderr)
         return VERIFY_FAILED
     return 0
 

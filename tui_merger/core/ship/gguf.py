@@ -112,6 +112,7 @@ class GgufResult:
     tensors: int
     seconds: float
     recorded: bool  # the folder's merge_manifest.json lists it
+    mmproj: Path | None = None  # a vision-language folder's vision tower beside it (gguf_mmproj.py)
 
 
 def default_out(folder: Path, type_: str) -> Path:
@@ -227,13 +228,20 @@ def export_gguf(
     overwrite: bool = False,
     on_event: EventSink = ignore_event,
     cancel: CancelToken | None = None,
+    companion=None,
 ) -> GgufResult:
-    """Plan, write, and record the GGUF in the folder's merge_manifest.json (when it has one)."""
+    """Plan, write, and record the GGUF in the folder's merge_manifest.json (when it has one). ``companion``
+    (gguf_mmproj.companion: a vision-language folder's mmproj file) is called with the plan and ``overwrite``
+    before anything is written and gives None or a function that writes its file once the GGUF is (its path
+    goes to ``GgufResult.mmproj``)."""
     from dataclasses import replace
 
     on_event(PhaseStarted("plan", f"Reading {Path(folder).name}: config, tokenizer, tensor headers"))
     plan = plan_gguf(folder, type_, out, overwrite)
+    after = companion(plan, overwrite) if companion is not None else None
     result = write_gguf(plan, on_event, cancel)
+    if after is not None:
+        result = replace(result, mmproj=after(on_event, cancel))
     try:
         recorded = record_gguf(plan.folder, result)
     except OSError as err:  # a read-only model folder, the GGUF written elsewhere: the file stands
@@ -265,6 +273,9 @@ def record_gguf(folder: Path, result: GgufResult) -> bool:
         "tool": {"name": "tui-merger", "version": __version__},
         "seconds": round(result.seconds, 3),
     }
+    if result.mmproj is not None:  # the vision tower's file beside it (its own entry, architecture clip)
+        mm = Path(result.mmproj).absolute()
+        entry["mmproj"] = mm.relative_to(folder).as_posix() if mm.is_relative_to(folder) else str(mm)
     entries = [e for e in manifest.get("gguf") or [] if isinstance(e, dict) and e.get("path") != shown]
     manifest["gguf"] = entries + [entry]
     write_manifest(folder, manifest)

@@ -34,7 +34,7 @@ from tui_merger.core.errors import MergeError
 VISION_NOTICE = (
     "{n} tensor(s) of the vision tower and projector{audio} ({first}...) are not in this GGUF: it holds the language "
     "model only, which llama.cpp, Ollama and LM Studio run on text; llama.cpp keeps a vision tower in a separate "
-    "mmproj file, which tui-merger does not write."
+    "mmproj file (written beside it where tui-merger knows the tower, unless --no-mmproj)."
 )
 
 
