@@ -378,6 +378,20 @@ def _mrope(default: list):
 
 
 _mrope_sections = _mrope([11, 11, 10])  # Qwen3.5's interleaved MRoPE (llama.cpp's converter's default)
+_qwen2vl_sections = _mrope([16, 24, 24])
+
+
+def _sections_fit(sections):
+    """llama.cpp stops (abort(): ``GGML_ASSERT(sect_dims <= ne0)`` in ggml's M-RoPE) on a model whose M-RoPE sections
+    (``rope.dimension_sections``, as ``sections`` gives them) add up to more than its head size."""
+    def check(config) -> str | None:
+        got = sections(config)
+        head = getattr(config, "head_dim", None) or int(config.hidden_size) // int(config.num_attention_heads)
+        if sum(got) > int(head):
+            return (f"its M-RoPE sections {[x for x in got if x] or got} (mrope_section) add up to {sum(got)}, more than "
+                    f"its head size {head}, and llama.cpp stops on such a model (GGML_ASSERT(sect_dims <= ne0))")
+        return None
+    return check
 
 
 def _deepstack_layers(config) -> int:
@@ -551,7 +565,8 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2", "qwen2"),
     "qwen3_5_text": Family("Qwen3.5", "qwen35", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
                            derive=_QWEN35_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
-                           keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections}, checks=(_gdn_heads_divide,)),
+                           keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections},
+                           checks=(_gdn_heads_divide, _sections_fit(_mrope_sections))),
     "mistral": Family("Mistral", "llama", permute_qk=True),
     "gemma3_text": Family("Gemma 3", "gemma3", norm_plus_one=True, head_dim_keys=True, swa=6, swa_rope_theta=10000.0,
                           keys={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window",
@@ -635,13 +650,16 @@ FAMILIES: dict[str, Family] = {
                    checks=(_lfm2_no_conv_bias,)),
     # the language models of vision-language folders (gguf_vl.TEXT_OF says which folder gives which): llama.cpp's
     # converter writes them under their own architectures, with M-RoPE (on text the same as plain rope)
-    "qwen2_5_vl_text": Family("Qwen2.5-VL", "qwen2vl", keys={"rope.dimension_sections": _mrope([16, 24, 24])}),
-    "qwen3_vl_text": Family("Qwen3-VL", "qwen3vl", head_dim_keys=True, keys=_QWEN3_VL_KEYS),
+    "qwen2_5_vl_text": Family("Qwen2.5-VL", "qwen2vl", keys={"rope.dimension_sections": _qwen2vl_sections},
+                              checks=(_sections_fit(_qwen2vl_sections),)),
+    "qwen3_vl_text": Family("Qwen3-VL", "qwen3vl", head_dim_keys=True, keys=_QWEN3_VL_KEYS,
+                           checks=(_sections_fit(_QWEN3_VL_KEYS["rope.dimension_sections"]),)),
     "qwen3_vl_moe_text": Family("Qwen3-VL-MoE", "qwen3vlmoe", head_dim_keys=True, experts="num_experts",
                                 expert_ff="moe_intermediate_size",  # its router always renormalizes, as llama.cpp's
                                 derive={"experts.gate_up_proj": _packed_gate_up, "experts.down_proj": _packed_down},
-                                keys=_QWEN3_VL_KEYS, checks=(_moe_every_layer,)),
-    "qwen2_vl_text": Family("Qwen2-VL", "qwen2vl", keys={"rope.dimension_sections": _mrope([16, 24, 24])}),
+                                keys=_QWEN3_VL_KEYS, checks=(_moe_every_layer, _sections_fit(_QWEN3_VL_KEYS["rope.dimension_sections"]))),
+    "qwen2_vl_text": Family("Qwen2-VL", "qwen2vl", keys={"rope.dimension_sections": _qwen2vl_sections},
+                          checks=(_sections_fit(_qwen2vl_sections),)),
     # Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration): the converter's Mistral3Model writes the language
     # model as mistral3 with LlamaModel's layout
     "mistral3": Family("Mistral 3", "mistral3", permute_qk=True),

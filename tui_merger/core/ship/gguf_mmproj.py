@@ -578,8 +578,15 @@ def check_mmproj(folder: Path, text_gguf: Path, mmproj: Path, reader: str = "aut
         side = max(4, -(-side // unit)) * unit
     rgb = np.random.default_rng(0).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
     pre = _preprocessor(folder)
+    from tui_merger.core.ship.llama_child import LlamaStopped
+
     try:
         got = _llama_cpp_image(text_gguf, mmproj, rgb)
+    except LlamaStopped as stop:
+        if stop.crashed:
+            return GgufCheck(FAILED, name, f"llama.cpp stopped while encoding an image with {Path(mmproj).name} "
+                                           f"({stop.why}): llama.cpp cannot run this file.")
+        return GgufCheck(NOT_CHECKED, None, f"the llama.cpp check of {Path(mmproj).name} ended before it answered ({stop.why}).")
     except Exception as err:  # noqa: BLE001 - llama.cpp refusing the file is the finding
         return GgufCheck(FAILED, name, f"llama.cpp did not load or encode with {Path(mmproj).name} ({_first_line(err)}).")
     try:
@@ -634,62 +641,17 @@ def _reference_bytes(folder: Path, config: dict) -> int:
 
 
 def _llama_cpp_image(text_gguf: Path, mmproj: Path, rgb):
-    """llama.cpp's embeddings of one image: (tokens, width) float32."""
-    import ctypes
+    """llama.cpp's embeddings of one image: (tokens, width) float32, from libmtmd in a child process (llama_child):
+    a failed assert in llama.cpp aborts that process, not tui-merger (raises LlamaStopped)."""
     import os
 
-    import numpy as np
+    from tui_merger.core.ship.llama_child import run
 
-    import llama_cpp
-    import llama_cpp.mtmd_cpp as mtmd
-
-    from tui_merger.core.ship.gguf_check import _quiet_stderr
-
-    with _quiet_stderr():
-        llama_cpp.llama_backend_init()
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 0
-        params.vocab_only = False
-        model = llama_cpp.llama_model_load_from_file(str(text_gguf).encode(), params)
-        if not model:
-            raise RuntimeError(f"llama.cpp did not load {Path(text_gguf).name}")
-        ctx = None
-        try:
-            ctx_params = mtmd.mtmd_context_params_default()
-            ctx_params.use_gpu = False
-            ctx_params.print_timings = False
-            ctx_params.n_threads = max(1, min(4, os.cpu_count() or 1))
-            ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, ctx_params)
-            if not ctx:
-                raise RuntimeError("mtmd_init_from_file refused it")
-            height, width = rgb.shape[:2]
-            data = (ctypes.c_uint8 * rgb.size).from_buffer_copy(np.ascontiguousarray(rgb).tobytes())
-            bitmap = mtmd.mtmd_bitmap_init(width, height, data)
-            chunks = mtmd.mtmd_input_chunks_init()
-            try:
-                prompt = mtmd.mtmd_default_marker()
-                text = mtmd.mtmd_input_text(prompt, len(prompt), True, True)
-                if mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) != 0:
-                    raise RuntimeError("mtmd_tokenize failed")
-                n_embd = llama_cpp.llama_model_n_embd_inp(model) if hasattr(llama_cpp, "llama_model_n_embd_inp") \
-                    else llama_cpp.llama_model_n_embd(model)
-                for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-                    chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-                    if mtmd.mtmd_input_chunk_get_type(chunk) != 1:  # MTMD_INPUT_CHUNK_TYPE_IMAGE
-                        continue
-                    n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
-                    if mtmd.mtmd_encode_chunk(ctx, chunk) != 0:
-                        raise RuntimeError("mtmd_encode_chunk failed")
-                    out = mtmd.mtmd_get_output_embd(ctx)
-                    return np.ctypeslib.as_array(out, shape=(n * n_embd,)).copy().reshape(n, n_embd)
-                raise RuntimeError("llama.cpp made no image chunk")
-            finally:
-                mtmd.mtmd_input_chunks_free(chunks)
-                mtmd.mtmd_bitmap_free(bitmap)
-        finally:
-            if ctx:
-                mtmd.mtmd_free(ctx)
-            llama_cpp.llama_model_free(model)
+    task = {"kind": "image", "model": str(text_gguf), "mmproj": str(mmproj), "threads": max(1, min(4, os.cpu_count() or 1))}
+    out, arrays = run(task, image=rgb)
+    if out.get("error"):
+        raise RuntimeError(out["message"])
+    return arrays["embd"]
 
 
 def _transformers_image(folder: Path, config: dict, rgb, pre: dict):
