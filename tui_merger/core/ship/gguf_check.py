@@ -406,10 +406,8 @@ def _with_llama_cpp(path: Path, ref: _Reference, lora: Path | None = None):
     try:
         out, arrays = run(task)
     except LlamaStopped as stop:
-        running = f"{Path(lora).name} on {Path(path).name}" if lora else Path(path).name
-        if stop.crashed:
-            return f"!llama.cpp stopped while running {running} ({stop.why}): llama.cpp cannot run this file.", name
-        return f"the llama.cpp check of {running} ended before it answered ({stop.why}).", None
+        said = stop.sentence(f"running {Path(lora).name} on {Path(path).name}" if lora else f"running {Path(path).name}")
+        return ("!" + said, name) if stop.crashed else (said, None)
     if out.get("error") == "import":
         return f"llama_cpp is installed but does not import ({out['message']}).", None
     if out.get("error"):

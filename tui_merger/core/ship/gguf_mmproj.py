@@ -113,6 +113,11 @@ def _qwen2vl_keys(vision: dict, config: dict, pre: dict) -> list:
                 f"its full-attention vision blocks {full} are not evenly spaced, which llama.cpp's qwen2.5vl window "
                 "pattern assumes"
             )
+        if pattern == 1:  # llama.cpp's graph then leaves out its window mask, and setting that input aborts (clip.cpp)
+            raise MergeError(
+                f"every block of its vision tower attends fully (fullatt_block_indexes {full}), and llama.cpp's qwen2.5vl "
+                "tower stops on a tower without window-attention blocks"
+            )
         out += [("add_vision_use_silu", True), ("add_vision_n_wa_pattern", pattern)]
     out.append(("add_vision_attention_layernorm_eps", config.get("rms_norm_eps", 1e-6)))
     return out
@@ -583,10 +588,8 @@ def check_mmproj(folder: Path, text_gguf: Path, mmproj: Path, reader: str = "aut
     try:
         got = _llama_cpp_image(text_gguf, mmproj, rgb)
     except LlamaStopped as stop:
-        if stop.crashed:
-            return GgufCheck(FAILED, name, f"llama.cpp stopped while encoding an image with {Path(mmproj).name} "
-                                           f"({stop.why}): llama.cpp cannot run this file.")
-        return GgufCheck(NOT_CHECKED, None, f"the llama.cpp check of {Path(mmproj).name} ended before it answered ({stop.why}).")
+        said = stop.sentence(f"encoding an image with {Path(mmproj).name}")
+        return GgufCheck(FAILED, name, said) if stop.crashed else GgufCheck(NOT_CHECKED, None, said)
     except Exception as err:  # noqa: BLE001 - llama.cpp refusing the file is the finding
         return GgufCheck(FAILED, name, f"llama.cpp did not load or encode with {Path(mmproj).name} ({_first_line(err)}).")
     try:

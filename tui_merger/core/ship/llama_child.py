@@ -23,7 +23,7 @@ from pathlib import Path
 
 # signals a program sends itself when it fails (abort(), a bad address, a bad instruction): llama.cpp stopped
 _CRASHES = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP}
-_TEST_ABORT = "TUI_MERGER_TEST_LLAMA_ABORT"  # tests only: the child prints this on stderr and calls abort()
+_TEST_ABORT = "TUI_MERGER_TEST_LLAMA_ABORT"  # tests only: the child prints this on stderr and calls abort() (or SIGKILL)
 
 
 class LlamaStopped(Exception):
@@ -35,6 +35,13 @@ class LlamaStopped(Exception):
         super().__init__(why)
         self.why = why
         self.crashed = crashed
+
+    def sentence(self, doing: str) -> str:
+        """The verdict's sentence; ``doing``: "running model.gguf". A crash is llama.cpp's own stop: it cannot run
+        the file (FAILED); a process stopped from outside says nothing of the file (not checked)."""
+        if self.crashed:
+            return f"llama.cpp stopped while {doing} ({self.why}): llama.cpp cannot run this file."
+        return f"the llama.cpp process {doing} ended before it answered ({self.why})."
 
 
 def run(task: dict, image=None) -> tuple[dict, dict]:
@@ -69,13 +76,14 @@ def run(task: dict, image=None) -> tuple[dict, dict]:
 
 
 def _said(stderr: str) -> str:
-    """The line of a stopped llama.cpp's stderr that says why: its assert or abort message, else its last line."""
+    """The line of a stopped llama.cpp's stderr that says why: its failed assert, else its abort message
+    ("clip.cpp:4509: Failed to get tensor window_mask"), else an error line, else the last line; without the
+    source file's folders."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    for pattern in (r"GGML_ASSERT\(.*\) failed", r"GGML_ABORT|\berror\b|what\(\)|terminate called|Traceback"):
+    for pattern in (r"GGML_ASSERT\(.*\) failed", r"\.(?:c|cc|cpp|h):\d+: ", r"\berror\b|terminate called|what\(\)"):
         hits = [line for line in lines if re.search(pattern, line)]
         if hits:
-            found = re.search(r"GGML_ASSERT\(.*\) failed", hits[-1])
-            return (found.group(0) if found else hits[-1])[:300]
+            return re.sub(r"^\S*/(?=\S+:\d+: )", "", hits[-1])[:300]
     return lines[-1][:300] if lines else ""
 
 
@@ -162,6 +170,8 @@ def _maybe_abort() -> None:
     """Tests only (CI has no llama.cpp): stop where llama.cpp would, as its failed assert does (its message on
     stderr, then abort())."""
     said = os.environ.get(_TEST_ABORT)
+    if said == "SIGKILL":  # as the system's out-of-memory killer stops a process
+        os.kill(os.getpid(), signal.SIGKILL)
     if said:
         os.write(2, (said + "\n").encode())
         os.abort()
