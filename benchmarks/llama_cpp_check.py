@@ -4,7 +4,8 @@ Not part of CI (llama.cpp must be built; a prebuilt wheel is in ../shared/tools)
 
     python -m venv --system-site-packages /work/venvs/llama-sys     # sees this project's torch and transformers
     /work/venvs/llama-sys/bin/pip install --no-deps ../shared/tools/llama_cpp_python-*.whl
-    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_check.py [model_type ...] [--types f16,q8_0,q4_k_m] [--seed 0]
+    /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_check.py [model_type ...] [--types f16,q8_0,q4_k_m] [--seed 0] [--in-app]
+    (--in-app: `tui-merger gguf`'s own check, gguf_check.check_gguf with llama.cpp, on every file: a column of its verdicts)
     (vl:<case>, a case of tests/test_gguf_vl_text.py's VL_CASES: vl:gemma3 vl:gemma4 vl:qwen2_vl vl:qwen2_5_vl vl:qwen3_vl
     vl:qwen3_vl:tied vl:qwen3_vl_moe vl:llava vl:llava:mistral vl:llava:qwen2 vl:mistral3: a vision-language folder, its language model's
     GGUF judged against the VL model's own logits on text-only input; the in-app check's verdict is printed for each file)
@@ -79,6 +80,8 @@ def main(argv: list[str]) -> int:
         i = argv.index("--types")
         types = argv[i + 1].split(",")
         argv = argv[:i] + argv[i + 2:]
+    in_app = "--in-app" in argv  # also run `tui-merger gguf`'s own check (gguf_check.check_gguf with llama.cpp) on every file
+    argv = [a for a in argv if a != "--in-app"]
     seed = 0  # the random weights (another seed: another tiny model, e.g. past an MoE router's near-tie)
     if "--seed" in argv:
         i = argv.index("--seed")
@@ -160,20 +163,25 @@ def main(argv: list[str]) -> int:
                     vs = f"{rel:.1e}"
                 rows.append((family, type_, "yes", f"{same_ids}/{len(texts)}", vs, f"{greedy}/{NEW_TOKENS}",
                              "PASS" if ok else "FAIL"))
-                if vl:
+                if vl or in_app:
                     del llm
                     verdict = check_gguf(folder, path, type_, reader="llama.cpp")
                     print(f"  {family} {type_}: the in-app check says {verdict.line()}", flush=True)
                     llm = None
+                    if in_app:
+                        rel_, limit_ = verdict.details.get("logits_rel"), verdict.details.get("limit")
+                        number = f" ({rel_:.2g} / limit {limit_:.2g})" if rel_ is not None and limit_ is not None else ""
+                        rows[-1] = rows[-1] + (f"{verdict.status}{number}",)
                 print("  " + " | ".join(rows[-1]) + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
                 del llm
     print()
     print("| family | type | loads | token ids = transformers' | prompt logits, max rel. diff (f16: from transformers; "
-          "quantized: from llama.cpp's own quantization) | greedy tokens = transformers' | verdict |")
-    print("|---|---|---|---|---|---|---|")
+          "quantized: from llama.cpp's own quantization) | greedy tokens = transformers' | verdict |"
+          + (" in-app check (llama.cpp) |" if in_app else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if in_app else ""))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    return 0 if all(r[-1] == "PASS" for r in rows) else 1
+    return 0 if all(r[6] == "PASS" for r in rows) else 1
 
 
 if __name__ == "__main__":
