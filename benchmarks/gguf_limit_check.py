@@ -15,11 +15,11 @@ that git revision (the column "old").
 
 Controls, each a copy of the folder with one thing broken, exported and checked against the unchanged
 folder (every one must FAIL):
-- ``gate1.1``, ``gate1.05``: layer 0's mlp.gate_proj scaled (not followed by a norm that undoes a scale, as
-  o_proj is in Gemma; else the first 2-D tensor of the layer);
-- ``qk``: layer 0's q_proj and k_proj swapped where their shapes are equal, else their rows reversed per head
+- ``gate1.1``, ``gate1.05``: the first mlp.gate_proj scaled (not followed by a norm that undoes a scale, as
+  o_proj is in Gemma; else the first 2-D tensor of layer 0);
+- ``qk``: the first q_proj and k_proj swapped where their shapes are equal, else their rows reversed per head
   (what a converter that permutes q/k for the wrong rope layout gives);
-- ``norm``: layer 0's input norm + 1 (a norm stored "+1" where the family does not add it, or twice);
+- ``norm``: the first input norm + 1 (a norm stored "+1" where the family does not add it, or twice);
 - ``expert``: expert 0 of the first layer with experts zeroed (a mixture of experts only).
 Prints a Markdown table.
 """
@@ -57,7 +57,10 @@ def _edit(folder: Path, dest: Path, change) -> str:
 
 
 def _layer0(state, suffix):
-    return next((n for n in state if ".layers.0." in n and n.endswith(suffix)), None)
+    """The tensor of the first layer that has one ending with ``suffix`` (layer 0 where it has one)."""
+    names = [n for n in state if ".layers." in n and n.endswith(suffix)]
+    names = [n for n in names if "language_model" in n] or names  # a VL folder: not the vision tower's
+    return min(names, key=lambda n: int(n.split(".layers.")[1].split(".")[0]), default=None)
 
 
 def control(kind: str, config: dict):
@@ -66,7 +69,7 @@ def control(kind: str, config: dict):
 
     def gate(factor):
         def change(state):
-            name = _layer0(state, "mlp.gate_proj.weight") or next(
+            name = _layer0(state, ".mlp.gate_proj.weight") or next(
                 n for n in state if ".layers.0." in n and state[n].dim() == 2 and "embed" not in n)
             state[name] = (state[name].float() * factor).to(state[name].dtype)
             return f"{name.split('layers.')[-1]} x{factor:g}"
@@ -78,13 +81,13 @@ def control(kind: str, config: dict):
             return None
         if state[q].shape == state[k].shape:
             state[q], state[k] = state[k], state[q]
-            return "layer 0 q/k swapped"
+            return f"layer {q.split('.layers.')[1].split('.')[0]} q/k swapped"
         text = config.get("text_config", config)
         head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
         for n in (q, k):
             w = state[n]
             state[n] = w.reshape(-1, head, w.shape[-1]).flip(1).reshape(w.shape).contiguous()
-        return "layer 0 q/k rows reversed per head"
+        return f"layer {q.split('.layers.')[1].split('.')[0]} q/k rows reversed per head"
 
     def norm(state):
         name = _layer0(state, "input_layernorm.weight") or next(
@@ -95,7 +98,7 @@ def control(kind: str, config: dict):
         return f"{name.split('layers.')[-1]} +1"
 
     def expert(state):
-        names = [n for n in state if ".experts." in n and "shared" not in n]
+        names = [n for n in state if ".experts." in n and "shared" not in n and "vision" not in n]
         if not names:
             return None
         layer = min(int(n.split(".layers.")[1].split(".")[0]) for n in names)

@@ -11,13 +11,16 @@ as the verification runs it, so memory stays flat in model size):
 
 - token ids of sample texts (ASCII, digits, Chinese, emoji, whitespace) and of a chat rendered by the
   folder's chat template with its special tokens: the GGUF's tokenizer must give the very same ids;
-- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``, for
-  f16/bf16 or 3x the model's own spread under the type's rounding where larger (ROUNDED, OWN_FACTOR);
+- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``, or 3x
+  the model's own spread under the type's rounding where larger (f16/bf16: the type's own rounding, ROUNDED,
+  OWN_FACTOR; quantized types: the checker's own block rounding with as many bits, QUANT_BITS, QUANT_FACTOR);
 - the top token at every prompt position: equal, or where not, the reference's own margin between its
   top token and the GGUF's is within the same limit (a near tie that rounding can flip).
 
 A mixture of experts is judged at its median position (``MOE_CEILING``): rounding can turn a near-tied
-router choice, and a position that runs other experts moves by far more than the rounding.
+router choice, and a position that runs other experts moves by far more than the rounding. A position
+where a router's k-th and (k+1)-th experts are within the rounding's reach of each other (NEAR_TIE) is held
+to that median rule alone.
 
 ``LIMITS``: the relative logit differences llama.cpp 0.3.36 and transformers' reader give on tiny
 dense models of each family (random weights, a hard case for quantization: flat logits) times about 3; measured with ``benchmarks/gguf_check_spreads.py`` and listed in
@@ -84,9 +87,9 @@ QUANT_FACTOR = 3
 # A mixture of experts: a position where some layer's router has its k-th and (k+1)-th expert closer than
 # NEAR_TIE times the largest move the type's rounding gives that router's scores (the rounded reference
 # against the plain one, over every position and expert) may run other experts in the file than in the
-# reference for a correct file. Such a position is left out of the MOE_CEILING rule and of the top-token
-# comparison (counted and said); the median position rule holds over every position. 2 x OWN_FACTOR:
-# both experts' scores move.
+# reference for a correct file. Such a position is left out of the MOE_CEILING rule (counted and said
+# where that mattered); the median position rule holds over every position, and a position over the limit
+# has its top token left uncompared as before. 2 x OWN_FACTOR: both experts' scores move.
 NEAR_TIE = 2 * OWN_FACTOR
 SAMPLE_TEXTS = (
     "Hello, world! The merge is done.",
@@ -695,7 +698,7 @@ def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str,
     top_want, top_have = want.argmax(-1), have.argmax(-1)
     margin = (want.max(-1).values - want.gather(-1, top_have[:, None])[:, 0]) / scale  # the reference's own gap
     within = per_position <= limit
-    compared = (within & ~near) if experts > 1 else torch.ones_like(within)  # MoE: where no expert choice turned
+    compared = within if experts > 1 else torch.ones_like(within)  # MoE: where no expert choice turned
     top_equal = int((top_want == top_have).sum())
     near_ties = int(((top_want != top_have) & (margin <= limit) & compared).sum())
     unexplained = int(((top_want != top_have) & (margin > limit) & compared).sum())
