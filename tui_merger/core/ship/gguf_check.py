@@ -13,7 +13,8 @@ as the verification runs it, so memory stays flat in model size):
   folder's chat template with its special tokens: the GGUF's tokenizer must give the very same ids;
 - the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``, or 3x
   the model's own spread under the type's rounding where larger (f16/bf16: the type's own rounding, ROUNDED,
-  OWN_FACTOR; quantized types: the checker's own block rounding with as many bits, QUANT_BITS, QUANT_FACTOR);
+  OWN_FACTOR; quantized types: the checker's own block rounding with as many bits, QUANT_BITS, QUANT_FACTOR, and 1.6x
+  at the median position, QUANT_MEDIAN_FACTOR; a limit at the largest logit or beyond: "not checked", BLIND);
 - the top token at every prompt position: equal, or where not, the reference's own margin between its
   top token and the GGUF's is within the same limit (a near tie that rounding can flip).
 
@@ -408,11 +409,11 @@ def _block_rounded(value, bits: int, block: int):
 
     if not value.is_floating_point() or value.dim() < 2 or value.shape[-1] % block:
         return value
-    w = value.to(torch.float32).reshape(-1, block)
-    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    w = value.to(torch.float32, copy=True).reshape(-1, block)
+    low, high = torch.aminmax(w, dim=-1, keepdim=True)
     step = (high - low) / (2**bits - 1)
-    step = torch.where(step == 0, torch.ones_like(step), step)
-    return (low + torch.round((w - low) / step) * step).reshape(value.shape)
+    step[step == 0] = 1
+    return w.sub_(low).div_(step).round_().mul_(step).add_(low).reshape(value.shape)
 
 
 def _absmax_rounded(x, bits: int, block: int):
