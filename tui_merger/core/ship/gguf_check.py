@@ -11,10 +11,11 @@ as the verification runs it, so memory stays flat in model size):
 
 - token ids of sample texts (ASCII, digits, Chinese, emoji, whitespace) and of a chat rendered by the
   folder's chat template with its special tokens: the GGUF's tokenizer must give the very same ids;
-- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``, or 3x
-  the model's own spread under the type's rounding where larger (f16/bf16: the type's own rounding, ROUNDED,
-  OWN_FACTOR; quantized types: the checker's own block rounding with as many bits, QUANT_BITS, QUANT_FACTOR, and 1.4-1.6x
-  at the median position, QUANT_MEDIAN_FACTOR; a limit at the largest logit or beyond: "not checked", BLIND);
+- the logits of that chat prompt: max |difference| / max |reference logit| within ``LIMITS[type]``, or a
+  multiple of the model's own spread under the type's rounding where larger (f16/bf16: 3x under the type's own
+  rounding, ROUNDED, OWN_FACTOR; quantized types: the checker's own block rounding with as many bits,
+  QUANT_BITS, 2.2x at the largest position, QUANT_FACTOR, 1.4-1.6x at the median, QUANT_MEDIAN_FACTOR; a
+  limit at the largest logit or beyond: "not checked", BLIND);
 - the top token at every prompt position: equal, or where not, the reference's own margin between its
   top token and the GGUF's is within the same limit (a near tie that rounding can flip).
 
@@ -84,7 +85,12 @@ OWN_FACTOR = 3
 QUANT_BITS = {"q8_0": 8, "q6_k": 6, "q5_k_m": 5, "q5_k_s": 5, "q4_k_m": 4, "q4_k_s": 4, "q3_k_m": 3}
 QUANT_BLOCK = 32
 QUANT_INPUT_BLOCK = {"q8_0": 32}  # Q8_0's blocks; the k-quants' Q8_K: 256 (32 where a row is not a multiple)
-QUANT_FACTOR = 3
+# QUANT_FACTOR: a dense model's largest position. llama.cpp's largest position is 0.34-1.29 times this rounding's
+# on the 279 correct files measured, 1.94 on one (the tiny Gemma 3 at q8_0, seed 0); 3 let through wrong files
+# the fixed limits had caught (Llama q4_k_m with a norm +1 at 2.55x, Qwen3 q4_k_m with q/k reversed at 2.51x,
+# Qwen3 and Phi-3 q8_0 with a projection x1.1 where the fixed 0.05 bound), 2.2 catches them and leaves that
+# Gemma 3 file 13% below its limit.
+QUANT_FACTOR = 2.2
 # ... at the median position (a dense model's median rule, and a mixture of experts' limit), where the spread
 # is steadier than at the largest position: llama.cpp's median is 0.34-1.22 times this rounding's median on the
 # 259 files measured (q8_0, where the roundings this one leaves out weigh most: up to 1.22; the k-quants: up to
