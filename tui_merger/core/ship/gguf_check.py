@@ -111,6 +111,11 @@ BLIND = 1.0
 # where that mattered); the median position rule holds over every position, and a position over the limit
 # has its top token left uncompared as before. 2 x OWN_FACTOR: both experts' scores move.
 NEAR_TIE = 2 * OWN_FACTOR
+# A file past the ceiling at near-tied positions only must be as close as the rounding alone makes it at the
+# median: within this times the model's own median (f16/bf16; quantized types: their QUANT_MEDIAN_FACTOR), not
+# the floor. llama.cpp's median is 1.03-1.13x the rounded reference's on the MoE files measured in bf16; a
+# Qwen3-Next bf16 file with in_proj_ba x1.05, which turns a near-tied router, sits at 1.72x.
+NEAR_TIE_MEDIAN = 1.6
 SAMPLE_TEXTS = (
     "Hello, world! The merge is done.",
     "Numbers: 3.14159, 2026-12-01, 1234567890 and 42.",
@@ -746,7 +751,8 @@ def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str,
         if excused:  # then the file must be as close as the rounding alone makes it, at the median, not the floor:
             # a wrong expert that turns a near-tied router elsewhere moves the median too (Mixtral bf16, an
             # expert's w1 x1.1: 0.019 at the median, under the floor 0.02, 7.6x the model's own)
-            logits_ok = own_median is not None and median <= median_factor * own_median
+            excuse = median_factor if bits is not None else NEAR_TIE_MEDIAN
+            logits_ok = own_median is not None and median <= excuse * own_median
         logit_words = (f"prompt logits within {median:.2g} of transformers' at the median position and {rel:.2g} at "
                        f"most ({limit_words}; {MOE_CEILING}x that at {over} position{'s' if over != 1 else ''} "
                        "where a mixture of experts may route differently)")
@@ -760,7 +766,7 @@ def _verdict(ref: _Reference, got: _Read, limit: float, type_: str, reader: str,
             logit_words += (f"; {tied} position{'s' if tied != 1 else ''} where a router chooses between experts within "
                             f"{NEAR_TIE}x the rounding's move of each other, held to the median rule only"
                             + (f" ({rest:.2g} at most elsewhere)" if tied < positions else "")
-                            + (f", with the median within {median_factor:g}x this model's own ({own_median:.2g})"
+                            + (f", with the median within {excuse:g}x this model's own ({own_median:.2g})"
                                if excused and own_median is not None else ""))
     else:
         logits_ok = rel <= limit and median <= median_limit
