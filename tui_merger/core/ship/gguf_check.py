@@ -78,8 +78,8 @@ OWN_FACTOR = 3
 # coarse as the type and written here (plain b-bit min-max rounding of each block of QUANT_BLOCK values of
 # a row; ggml's k-quants and gguf.quants, which write the file, are not used), and every linear layer's input
 # to 8 bits per block of QUANT_INPUT_BLOCK values (llama.cpp's CPU converts it so: Q8_0 / Q8_K). The file's
-# own rounding is another one, so its spread is not this one's: the limit is QUANT_FACTOR times it,
-# measured against llama.cpp (benchmarks/gguf_limit_check.py, docs/formats.md), and no position is
+# own rounding is another one, so its spread is not this one's: the limits are QUANT_FACTOR and
+# QUANT_MEDIAN_FACTOR times it, measured against llama.cpp (benchmarks/gguf_limit_check.py, docs/formats.md), and no position is
 # compared with this rounded reference. A tensor whose rows are not whole blocks stays as it is (ggml
 # cannot quantize it either).
 QUANT_BITS = {"q8_0": 8, "q6_k": 6, "q5_k_m": 5, "q5_k_s": 5, "q4_k_m": 4, "q4_k_s": 4, "q3_k_m": 3}
@@ -101,8 +101,8 @@ QUANT_MEDIAN_FACTOR = {"q8_0": 1.6}
 QUANT_MEDIAN_FACTOR_K = 1.4  # the k-quants
 # A derived limit this large (the logits may move by the largest logit, and every top token that differs is
 # within it) is not a check of the logits: a file within it is "not checked", said why, never PASSED; one
-# beyond it, or with other token ids, still FAILS. Met on tiny random Gemma 3 models at q4_k_m and below
-# (their q/k norms make attention so sharp that 4-bit rounding moves the logits by 0.7-1.0 of the largest).
+# beyond it, or with other token ids, still FAILS. Met on tiny random Gemma 3 and EXAONE 4 models at q3_k_m
+# (Gemma 3's q/k norms make attention so sharp that 3-bit rounding moves the logits by about the largest).
 BLIND = 1.0
 # A mixture of experts: a position where some layer's router has its k-th and (k+1)-th expert closer than
 # NEAR_TIE times the largest move the type's rounding gives that router's scores (the rounded reference
