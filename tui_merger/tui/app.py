@@ -69,6 +69,9 @@ Wizard { layout: vertical; }
 .dim { color: $text-muted; }
 #gguf-progress { margin-bottom: 1; }
 #login-note, #picked { height: auto; margin-top: 1; }
+#gguf-dialog { padding: 0 2 1 2; }
+#gguf-lora { width: 100%; height: auto; border: none; padding: 0; background: transparent; }
+#lora-estimate { height: auto; margin-top: 1; }
 #public { height: 1; border: none; padding: 0; margin-top: 1; background: transparent; }
 #login-note { margin-top: 0; }
 Confirm, HelpScreen, FolderPicker, CleanupDialog, UploadDialog, GgufDialog { align: center middle; }
