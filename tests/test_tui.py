@@ -1359,10 +1359,18 @@ async def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(workspace, 
         await pilot.pause()
         said = plain(app, "#lora-estimate")
         assert f"(about " in said and ", F32, replacing the one there), applied to the base's GGUF " in said
-        assert f"{base_file} (already there: used as it is); about " in said
-        await pilot.press("escape")
-        await pilot.pause()
+        assert f"{base_file} (already there: used as it is); about " in said and " to write it; " in said
+        made_at = base_file.stat().st_mtime_ns
+        await pilot.click("#make")  # the merged model's GGUF is there too: refused in the app's words, the LoRA made
+        await until(pilot, lambda: wizard.running is None and "GGUF LoRA written" in plain(app, "#finish-notes"),
+                    "the LoRA", tries=1200)
+        notes = plain(app, "#finish-notes")
+        assert notes.startswith("No GGUF: ") and ' exists; type another "File" in "Run it locally..." (the file there is kept).' in notes
+        assert f"\non the base's GGUF (already there, used as it is): {base_file}\n" in notes and "--" not in notes.split("\n")[0]
+        assert base_file.stat().st_mtime_ns == made_at and "Base GGUF check" not in notes
+        assert notes.endswith(f"llama-cli -m {base_file} --lora {lora_file}"), notes
         app.exit(0)
     lines = app.farewell().splitlines()
     assert lines[-2:] == [f"  llama.cpp:    llama-cli -m {base_file} --lora {lora_file}",
                           f"  Ollama:       ollama create adapter:q4_k_m -f {modelfile}"]
+    assert len(lines) == len(set(lines))  # made twice: said once

@@ -384,7 +384,7 @@ class GgufDialog(ModalScreen[tuple | None]):
             check = "the LoRA will not be checked: only llama.cpp applies a GGUF LoRA, and llama-cpp-python is not installed here"
         shown.update(
             f"The LoRA: {escape(plan.lora_path)} (about {human_bytes(plan.lora_size)}, F32{replacing}), applied to the "
-            f"base's GGUF {base}; about {human_seconds(plan.seconds)} to write both; {check}; an Ollama "
+            f"base's GGUF {base}; about {human_seconds(plan.seconds)} to write {'it' if plan.base is None else 'both'}; {check}; an Ollama "
             "Modelfile (FROM the base's GGUF, ADAPTER the LoRA) beside the LoRA."
         )
 

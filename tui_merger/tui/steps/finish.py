@@ -61,8 +61,9 @@ def farewell(wizard) -> str | None:
     for lora in getattr(wizard, "local_loras", []):  # the adapter as a GGUF LoRA on its base's GGUF
         if lora.modelfile is not None and Path(lora.lora.path).is_file() and Path(lora.base_gguf).is_file():
             ollama, llama = lora.run_lines()
-            lines.append(f"  llama.cpp:    {llama}")
-            lines.append(f"  Ollama:       {ollama}")
+            for line in (f"  llama.cpp:    {llama}", f"  Ollama:       {ollama}"):
+                if line not in lines:  # made twice (another type, the same files): said once
+                    lines.append(line)
     return "\n".join(lines)
 
 
@@ -261,7 +262,14 @@ class FinishStep(Step, VerticalScroll):
         folder = self.wizard.out_path
 
         def make():
-            made = make_local(folder, type_, out, on_event=self.forward, cancel=cancel)
+            try:
+                made = make_local(folder, type_, out, on_event=self.forward, cancel=cancel)
+            except MergeCancelled:
+                raise
+            except MergeError as err:  # (the file exists...): the LoRA, asked for too, is made all the same
+                if lora_plan is None:
+                    raise
+                made = str(err)
             if lora_plan is None:
                 return made, None
             try:  # the merged model's GGUF stands whatever becomes of the LoRA: both are shown
@@ -295,9 +303,13 @@ class FinishStep(Step, VerticalScroll):
         self.query_one("#gguf-progress", ProgressBar).display = False
         notes = self.query_one("#finish-notes", Static)
         if done.error:
-            notes.update(("[b yellow]Stopped.[/] " if done.cancelled else "[b red]No GGUF:[/] ") + escape(done.error))
+            notes.update(("[b yellow]Stopped.[/] " if done.cancelled else "[b red]No GGUF:[/] ") + escape(in_app(done.error)))
             return
         made, lora = done.value
+        if isinstance(made, str):  # the merged model's GGUF was refused; the LoRA asked for with it was made
+            notes.update(f"[b red]No GGUF:[/] {escape(in_app(made))}\n\n{self._lora_text(lora, self.text_width())}")
+            self.call_after_refresh(lambda: self.call_after_refresh(notes.scroll_visible, top=True, animate=False))
+            return
         r, check = made.result, made.check
         where = "recorded in merge_manifest.json; Upload... includes it" if r.recorded else "not recorded (no merge_manifest.json)"
         width = self.text_width()
