@@ -1322,8 +1322,10 @@ async def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(workspace, 
         await pilot.click("#make")
         await until(pilot, lambda: wizard.running is None and "GGUF written" in plain(app, "#finish-notes"),
                     "the GGUFs", tries=1200)
-        notes = plain(app, "#finish-notes")
-        assert "GGUF written (Q4_K_M, " in notes and "No GGUF" not in notes
+        assert plain(app, "#finish-notes").startswith("GGUF written (Q4_K_M, ")
+        notes = plain(app, "#lora-notes")  # below the merged model's GGUF, brought into view
+        lora_notes = app.screen.query_one("#lora-notes", Static)
+        await until(pilot, lambda: lora_notes.region.height > 0, "the LoRA's outcome in view")  # (at 100x30, below the fold)
         assert f"GGUF LoRA written (F32, " in notes and ", 28 LoRA pairs, rank 8, alpha 16):\n" in notes
         assert f"\n{lora_file}\non the base's GGUF, written now (Q4_K_M, " in notes and f" s): {base_file}\n" in notes
         assert "\nBase GGUF check PASSED: token ids equal on " in notes
@@ -1362,11 +1364,13 @@ async def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(workspace, 
         assert f"{base_file} (already there: used as it is); about " in said and " to write it; " in said
         made_at = base_file.stat().st_mtime_ns
         await pilot.click("#make")  # the merged model's GGUF is there too: refused in the app's words, the LoRA made
-        await until(pilot, lambda: wizard.running is None and "GGUF LoRA written" in plain(app, "#finish-notes"),
+        await until(pilot, lambda: wizard.running is None and "GGUF LoRA written" in plain(app, "#lora-notes"),
                     "the LoRA", tries=1200)
-        notes = plain(app, "#finish-notes")
-        assert notes.startswith("No GGUF: ") and ' exists; type another "File" in "Run it locally..." (the file there is kept).' in notes
-        assert f"\non the base's GGUF (already there, used as it is): {base_file}\n" in notes and "--" not in notes.split("\n")[0]
+        refused = plain(app, "#finish-notes")
+        assert refused.startswith("No GGUF: ") and refused.endswith(' exists; type another "File" in "Run it locally..." (the file there is kept).')
+        assert "--" not in refused
+        notes = plain(app, "#lora-notes")
+        assert f"\non the base's GGUF (already there, used as it is): {base_file}\n" in notes
         assert base_file.stat().st_mtime_ns == made_at and "Base GGUF check" not in notes
         assert notes.endswith(f"llama-cli -m {base_file} --lora {lora_file}"), notes
         app.exit(0)

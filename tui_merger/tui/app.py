@@ -46,7 +46,7 @@ Wizard { layout: vertical; }
 #merge-detail, #merge-notes, #merge-status, #verify-status { height: auto; }
 #checks { height: auto; max-height: 12; }
 #check-detail { height: auto; margin-top: 1; }
-#summary, #finish-notes { height: auto; margin-bottom: 1; }
+#summary, #finish-notes, #lora-notes { height: auto; margin-bottom: 1; }
 #try { height: 1fr; }
 #try-status { height: auto; }
 #prompt { width: 1fr; }

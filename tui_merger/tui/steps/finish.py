@@ -107,6 +107,9 @@ class FinishStep(Step, VerticalScroll):
         gguf_bar.display = False  # shown while a GGUF is written
         yield gguf_bar
         yield Static(id="finish-notes")
+        lora_notes = Static(id="lora-notes")  # the GGUF LoRA's outcome, when one was asked for
+        lora_notes.display = False
+        yield lora_notes
 
     def enter(self) -> None:
         from tui_merger.core.options import human_bytes
@@ -302,29 +305,47 @@ class FinishStep(Step, VerticalScroll):
             self.query_one(other, Button).disabled = False
         self.query_one("#gguf-progress", ProgressBar).display = False
         notes = self.query_one("#finish-notes", Static)
+        lora_notes = self.query_one("#lora-notes", Static)
+        lora_notes.update("")
+        lora_notes.display = False
         if done.error:
             notes.update(("[b yellow]Stopped.[/] " if done.cancelled else "[b red]No GGUF:[/] ") + escape(in_app(done.error)))
             return
         made, lora = done.value
+        if lora is not None:  # asked for with the GGUF: its outcome in view (the merged GGUF's above it)
+            lora_notes.update(self._lora_text(lora, self.text_width()))
+            lora_notes.display = True
+            notes = lora_notes
         if isinstance(made, str):  # the merged model's GGUF was refused; the LoRA asked for with it was made
-            notes.update(f"[b red]No GGUF:[/] {escape(in_app(made))}\n\n{self._lora_text(lora, self.text_width())}")
-            self.call_after_refresh(lambda: self.call_after_refresh(notes.scroll_visible, top=True, animate=False))
+            self.query_one("#finish-notes", Static).update(f"[b red]No GGUF:[/] {escape(in_app(made))}")
+            self._bring_into_view(notes)
             return
         r, check = made.result, made.check
         where = "recorded in merge_manifest.json; Upload... includes it" if r.recorded else "not recorded (no merge_manifest.json)"
         width = self.text_width()
         verdict = {"passed": "[b green]PASSED[/]", "failed": "[b red]FAILED: do not share it[/]"}.get(check.status, "[b yellow]not checked[/]")
         commands = "\n".join(escape(fold_path(line, width)) for line in made.run_lines())  # each on its own lines
-        notes.update(
+        self.query_one("#finish-notes", Static).update(
             f"GGUF written ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}):\n"
             f"[b]{escape(fold_path(r.path, width))}[/b]\n"
             f"Check {verdict}: {escape(check.summary)}\n"
             f"Ollama Modelfile beside it: {escape(made.modelfile.path.name)}. Run it with:\n{commands}"
-            + (f"\n\n{self._lora_text(lora, width)}" if lora is not None else "")
         )
         # on a small screen the notes lie below the fold: bring them (the verdict, the commands) into view
-        # (after the layout that the new text causes: scrolling before it would stop at the old height)
-        self.call_after_refresh(lambda: self.call_after_refresh(notes.scroll_visible, top=True, animate=False))
+        self._bring_into_view(notes)
+
+    def _bring_into_view(self, notes, tries: int = 5) -> None:
+        """Scroll the step so that ``notes`` starts at its top (or the step's end), once the layout that
+        its new text causes is done: a scroll before it stops at the old height, so it is tried again
+        after each refresh until it holds."""
+        def scroll() -> None:
+            want = min(notes.virtual_region.y, self.max_scroll_y)
+            if self.scroll_y != want:
+                self.scroll_to(y=want, animate=False, immediate=True)
+            if tries > 1 and (self.scroll_y != notes.virtual_region.y or not notes.size.height):
+                self.call_after_refresh(self._bring_into_view, notes, tries - 1)
+
+        self.call_after_refresh(scroll)
 
     def _lora_text(self, lora, width: int) -> str:
         """The GGUF LoRA's outcome: the files, the checks (the base's GGUF, then llama.cpp with the LoRA
