@@ -437,3 +437,29 @@ def test_the_gguf_lora_is_offered_for_one_peft_adapter_only(ws, tmp_path):
     shutil.copy(adapter / "adapter_model.safetensors", lone)
     assert lora_source(MergeOptions(base=base, adapter=lone)) is None
     assert lora_source(None) is None
+
+
+def test_a_stop_after_a_file_is_written_says_that_it_is_there(ws, tmp_path):
+    """Stopped during the GGUF's check, make_local said the merge's "nothing was written" though the file was
+    complete; stopped after the GGUF LoRA, make_local_lora says which files are there and that the rest was not made."""
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken, PhaseStarted
+    from tui_merger.core.ship.run_locally import make_local, make_local_lora, plan_lora
+
+    cancel = CancelToken()
+
+    def stop_at(phase):
+        return lambda ev: cancel.cancel() if isinstance(ev, PhaseStarted) and ev.phase == phase else None
+
+    target = tmp_path / "base-F16.gguf"
+    with pytest.raises(MergeCancelled) as stopped:
+        make_local(ws / "base", "f16", target, on_event=stop_at("check"), cancel=cancel)
+    assert str(stopped.value) == f"Stopped during the check: {target} was written but is not checked."
+    assert target.is_file()
+
+    cancel = CancelToken()
+    plan = plan_lora(ws / "base", ws / "adapter", "f16")
+    with pytest.raises(MergeCancelled) as stopped:
+        make_local_lora(plan, on_event=stop_at("plan"), cancel=cancel)  # the base's GGUF, after the LoRA
+    assert str(stopped.value) == f"Stopped while making the base's GGUF: {plan.lora_path} written; the rest was not made."
+    assert plan.lora_path.is_file() and not plan.base_gguf.exists()

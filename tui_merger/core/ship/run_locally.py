@@ -107,6 +107,8 @@ def make_local(
     else:
         try:
             verdict = check_gguf(folder, result.path, result.type, reader=check, on_event=on_event, cancel=cancel)
+            if cancel is not None:  # (a stop inside the reference comes back as "cannot be run": not a verdict)
+                cancel.raise_if_cancelled()
         except MergeCancelled as err:  # the file is complete: say so, not the merge's "nothing was written"
             stopped = MergeCancelled(f"Stopped during the check: {result.path} was written but is not checked.")
             stopped.interrupted = getattr(err, "interrupted", False)
@@ -274,6 +276,7 @@ def make_local_lora(
             raise_if_cancelled("before the LoRA's check")
             verdict = check_lora_gguf(plan.base_folder, plan.adapter, base_gguf, lora.path, reader=check,
                                       on_event=on_event, cancel=cancel)
+            raise_if_cancelled("during the LoRA's check (not checked)")
         except MergeCancelled as err:
             raise stopped(err, "during the LoRA's check (not checked)") from None
     manifest = plan.base_folder / "merge_manifest.json"
