@@ -463,3 +463,16 @@ def test_a_stop_after_a_file_is_written_says_that_it_is_there(ws, tmp_path):
         make_local_lora(plan, on_event=stop_at("plan"), cancel=cancel)  # the base's GGUF, after the LoRA
     assert str(stopped.value) == f"Stopped while making the base's GGUF: {plan.lora_path} written; the rest was not made."
     assert plan.lora_path.is_file() and not plan.base_gguf.exists()
+
+
+def test_the_base_gguf_of_a_hub_cache_snapshot_goes_beside_the_adapter(ws, tmp_path, monkeypatch):
+    """A base in the Hugging Face cache (a folder huggingface_hub manages, named by a commit hash) gets its GGUF
+    beside the adapter, named after the Hub model; a base folder of one's own keeps it inside, as `tui-merger gguf`."""
+    from tui_merger.core.ship.run_locally import default_base_gguf
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Org--Tiny-Qwen" / "snapshots" / "0123abcd"
+    shutil.copytree(ws / "base", snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert default_base_gguf(snapshot, ws / "adapter", "q4_k_m") == (ws / "adapter" / "Tiny-Qwen-Q4_K_M.gguf").absolute()
+    assert default_base_gguf(ws / "base", ws / "adapter", "q8_0") == (ws / "base" / "base-Q8_0.gguf").absolute()
