@@ -122,8 +122,9 @@ def make_local(
 
 # -- the adapter as a GGUF LoRA on its base's GGUF ------------------------------------------------------
 
-# bytes of LoRA factors written per second (F32, no quantization): far faster than any base GGUF
-LORA_BYTES_PER_SECOND = 150e6
+# bytes of LoRA factors written per second: taken as f16's rate above (the factors are only converted to F32
+# and written, no quantization); not measured on its own: a LoRA is small beside its base's GGUF
+LORA_BYTES_PER_SECOND = SOURCE_BYTES_PER_SECOND["f16"]
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def plan_lora(base_folder: Path, adapter_folder: Path, type_: str) -> LoraPlan:
     base = None if base_gguf.is_file() else estimate(base_folder, type_)
     adapter = open_adapter(adapter_folder)
     try:
-        size = sum(4 * _numel(ref) for name, ref in adapter.source.tensors.items() if "lora_" in name)
+        tensors = getattr(adapter.source, "tensors", None) or {}
+        size = sum(4 * _numel(ref) for name, ref in tensors.items() if "lora_" in name)
     finally:
         adapter.close()
     seconds = size / LORA_BYTES_PER_SECOND + (base.seconds if base is not None else 0.0)

@@ -334,16 +334,19 @@ class FinishStep(Step, VerticalScroll):
         # on a small screen the notes lie below the fold: bring them (the verdict, the commands) into view
         self._bring_into_view(notes)
 
-    def _bring_into_view(self, notes, tries: int = 5) -> None:
+    def _bring_into_view(self, notes, tries: int = 5, layout=None) -> None:
         """Scroll the step so that ``notes`` starts at its top (or the step's end), once the layout that
         its new text causes is done: a scroll before it stops at the old height, so it is tried again
-        after each refresh until it holds."""
+        after the next refresh until the layout holds still (then the user's own scrolling is left alone)."""
         def scroll() -> None:
+            now = (notes.virtual_region.y, self.max_scroll_y, notes.size.height)
+            if now == layout and notes.size.height:  # laid out, and scrolled there last time: done
+                return
             want = min(notes.virtual_region.y, self.max_scroll_y)
             if self.scroll_y != want:
                 self.scroll_to(y=want, animate=False, immediate=True)
-            if tries > 1 and (self.scroll_y != notes.virtual_region.y or not notes.size.height):
-                self.call_after_refresh(self._bring_into_view, notes, tries - 1)
+            if tries > 1:
+                self.call_after_refresh(self._bring_into_view, notes, tries - 1, now)
 
         self.call_after_refresh(scroll)
 
