@@ -5,8 +5,9 @@ Not part of CI (llama.cpp must be built; a prebuilt wheel is in ../shared/tools)
     python -m venv --system-site-packages /work/venvs/llama-sys     # sees this project's torch and transformers
     /work/venvs/llama-sys/bin/pip install --no-deps ../shared/tools/llama_cpp_python-*.whl
     /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_check.py [model_type ...] [--types f16,q8_0,q4_k_m] [--seed 0]
-    (model_type vl:gemma3 / vl:gemma4: a Gemma 3 / Gemma 4 vision-language folder, its language model's GGUF judged
-    against the VL model's own logits on text-only input; the in-app check's verdict is printed for each file)
+    (vl:<case>, a case of tests/test_gguf_vl_text.py's VL_CASES: vl:gemma3 vl:gemma4 vl:qwen2_vl vl:qwen2_5_vl vl:qwen3_vl
+    vl:qwen3_vl:tied vl:qwen3_vl_moe vl:llava vl:llava:mistral vl:llava:qwen2 vl:mistral3: a vision-language folder, its language model's
+    GGUF judged against the VL model's own logits on text-only input; the in-app check's verdict is printed for each file)
 
 For a tiny random model of each family (tests/test_gguf_families.py's builder and configs, widened to
 hidden 256 so that k-quant rows are whole super-blocks; bf16 weights; a trained byte-level BPE
@@ -51,6 +52,9 @@ WIDE_FAMILY = {  # per-family widths that follow hidden 256 (head sizes, expert 
                        shared_expert_intermediate_size=512),
     "gemma4_text": dict(head_dim=64, global_head_dim=128, hidden_size_per_layer_input=64),
     "gemma4_text:moe": dict(head_dim=64, global_head_dim=128, moe_intermediate_size=256),
+    # vision-language folders (vl:<case>): the language model's widths
+    "vl:qwen3_vl": dict(head_dim=64), "vl:qwen3_vl_moe": dict(head_dim=64, moe_intermediate_size=256),
+    "vl:mistral3": dict(head_dim=128),  # 4 heads of 128 in a 256-wide model, as Mistral Small 3.1's 32 of 128 in 5120
     "phi3:longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 50000.0, "long_factor": [1.0 + i / 4 for i in range(32)],
                                            "short_factor": [1.0 + i / 32 for i in range(32)]}),
 }
@@ -66,7 +70,7 @@ def main(argv: list[str]) -> int:
 
     from test_gguf import SAMPLES
     from test_gguf_families import CASES, make_family
-    from test_gguf_vl_text import make_vl
+    from test_gguf_vl_text import VL_CASES, make_vl
     from tui_merger.core.ship.gguf import export_gguf
     from tui_merger.core.ship.gguf_check import check_gguf
 
@@ -86,11 +90,12 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for n, family in enumerate(families):
-            vl = family.startswith("vl:")  # a vision-language folder (Gemma 3/4): its language model's GGUF, judged
-            # against the VL model's own logits on text-only input, and the in-app check's verdict shown
+            vl = family.startswith("vl:")  # a vision-language folder: its language model's GGUF, judged against the VL
+            # model's own logits on text-only input, and the in-app check's verdict shown
             if vl:
-                text_type = f"{family[3:]}_text"
-                folder = make_vl(root / f"tiny-{n}", family[3:], seed=seed, dtype=torch.bfloat16, **WIDE, **WIDE_FAMILY.get(text_type, {}))
+                text_type = VL_CASES[family[3:]][1]
+                widths = WIDE_FAMILY.get(family) or WIDE_FAMILY.get(text_type, {})
+                folder = make_vl(root / f"tiny-{n}", family[3:], seed=seed, dtype=torch.bfloat16, **WIDE, **widths)
             else:
                 folder = make_family(root / f"tiny-{n}", family, dtype=torch.bfloat16, seed=seed, **WIDE, **WIDE_FAMILY.get(family, {}))
             bf16 = export_gguf(folder, "bf16", root / f"{folder.name}-bf16.gguf").path

@@ -34,6 +34,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 NEW_TOKENS, LIMIT = 12, 1e-2
+# per-family config changes from tests/test_gguf_families.py's tiny cases. Qwen3.5: heads of 64 (as
+# llama_cpp_check.py's table has them) and MRoPE sections that fit them: the released models' [11, 11, 10] are half
+# of their 64 rotary dims (head_dim 256 x 0.25). On the tiny case's head_dim 16 that default (what the config leaves
+# out, and llama.cpp's converter writes then) sums to 32 > 16, and llama.cpp's rope aborts the process
+# (GGML_ASSERT(sect_dims <= ne0)) on the base alone; with sections [1, 1, 0] it runs, but llama.cpp's f16 Qwen3.5
+# of heads of 16 is itself 0.013 from transformers on a merged model (its own GGUF check FAILS, no LoRA involved),
+# where heads of 64 give 0.0019
+OVERRIDES = {
+    "qwen3_5_text": dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                          "mrope_section": [3, 3, 2]}),
+}
 
 
 def main(argv: list[str]) -> int:
@@ -74,8 +86,8 @@ def main(argv: list[str]) -> int:
         for name, p in model.named_parameters():
             if p.dim() == 3 and ".experts." in name:
                 params.add(".".join(name.split(".")[-2:]))
-            elif n and p.dim() == 2 and name.endswith(".gate.weight") and p.shape[0] == n:
-                params.add("gate.weight")
+            elif n and p.dim() == 2 and name.endswith((".gate.weight", ".router.weight")) and p.shape[0] == n:
+                params.add(".".join(name.split(".")[-2:]))  # the router (GPT-OSS's: mlp.router.weight)
         return sorted(params)
 
     rows = []
@@ -83,7 +95,7 @@ def main(argv: list[str]) -> int:
         root = Path(tmp)
         for n, family in enumerate(families):
             started = time.perf_counter()
-            base = make_family(root / f"base-{n}", family, dtype=torch.float32)
+            base = make_family(root / f"base-{n}", family, dtype=torch.float32, **OVERRIDES.get(family, {}))
             tok = AutoTokenizer.from_pretrained(base)
             chat = tok.apply_chat_template([{"role": "user", "content": "2+2=? and a longer question"}],
                                            tokenize=False, add_generation_prompt=True)
@@ -161,6 +173,9 @@ def main(argv: list[str]) -> int:
             print("  " + " | ".join(rows[-1]) + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
             if check.status != "passed":
                 print(f"    check: {check.line()}", flush=True)
+            if family == "gpt_oss" and lora.experts:  # the experts as llama.cpp's own GPT-OSS files hold them: MXFP4
+                rows.append(mxfp4_row(label, pairs, base_gguf, with_lora, lora.path, prompt, want, run))
+                print("  " + " | ".join(rows[-1]), flush=True)
             if control and not controlled:  # the check can fail: the same LoRA with lora_B doubled, against this adapter
                 from safetensors.torch import load_file, save_file
 
@@ -183,6 +198,40 @@ def main(argv: list[str]) -> int:
     for row in rows:
         print("| " + " | ".join(row) + " |")
     return 0 if all(r[-1] in ("PASS", "REFUSED", "PASS (caught)") for r in rows) else 1
+
+
+def mxfp4_row(label, pairs, base_gguf, with_f16, lora_path, prompt, want, run):
+    """GPT-OSS with its experts in MXFP4 (llama.cpp's ``llama_model_quantize`` to MOSTLY_MXFP4_MOE: the experts
+    MXFP4, the rest as they were, as llama.cpp's own GPT-OSS files hold them): the same LoRA file on the MXFP4
+    base. MXFP4 rounds the base's experts to 4 bits, so neither peft nor the F16 run is matched to f16's limit;
+    what must hold is that llama.cpp adds the same LoRA to MXFP4 experts as to F16 ones: the LoRA's effect on
+    the logits (with it minus without it) on the MXFP4 base equals its effect on the F16 base within 0.2 of
+    its size (a LoRA dropped or doubled is 1.0 off), and llama.cpp with it stays within 3x the MXFP4 base's own
+    rounding (MXFP4 base alone vs F16 base alone) of peft. Columns: the effect's difference; vs peft; the
+    MXFP4 base alone vs peft."""
+    import ctypes
+
+    import gguf
+    import llama_cpp
+
+    out = base_gguf.with_name(base_gguf.stem + "-MXFP4.gguf")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+    assert llama_cpp.llama_model_quantize(str(base_gguf).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    exps = [t for t in gguf.GGUFReader(out).tensors if "_exps.weight" in t.name]
+    mx = sum(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in exps)
+    with_lora, _ = run(out, prompt, lora_path)
+    plain, _ = run(out, prompt)
+    plain_f16, _ = run(base_gguf, prompt)
+    scale = want.abs().max()
+    effect, effect_f16 = with_lora - plain, with_f16 - plain_f16
+    off = ((effect - effect_f16).abs().max() / effect_f16.abs().max()).item()
+    vs_peft = ((with_lora - want).abs().max() / scale).item()
+    moved = ((plain - want).abs().max() / scale).item()
+    own = ((plain - plain_f16).abs().max() / plain_f16.abs().max()).item()  # MXFP4's own rounding, no LoRA
+    ok = mx == len(exps) > 0 and off < 0.2 and vs_peft < 3 * own
+    return (f"{label}, base experts MXFP4 ({mx}/{len(exps)} ffn_*_exps; MXFP4 base alone vs F16 base alone {own:.1e})", pairs,
+            f"{off:.1e} (the LoRA's effect vs on the F16 base)", f"{vs_peft:.1e}", f"{moved:.1e}", "", "", "PASS" if ok else "FAIL")
 
 
 if __name__ == "__main__":

@@ -72,8 +72,12 @@ CASES = {
     "seed_oss": (dict(NOT_SPECIAL, head_dim=16), False),
     "ernie4_5_moe": (dict(NOT_SPECIAL, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2), False),
     "lfm2": (dict(NOT_SPECIAL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]), True),
+    # M-RoPE sections that fit its 16-wide heads (the default [11, 11, 10] sums to 32: llama.cpp stops on it); as the
+    # released models' they cover the rotated quarter of the head (2 pairs); on text any sections give the same rope
     "qwen3_5_text": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                          layer_types=["linear_attention", "full_attention"], full_attention_interval=2), False),
+                          layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
+                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                               mrope_section=[1, 1, 0])), False),
     "qwen3_next": (dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                         layer_types=["linear_attention", "full_attention"], full_attention_interval=2, num_experts=4,
                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64), False),
@@ -389,7 +393,8 @@ def _expected_keys(model_type: str, config, folder: Path) -> dict:
                      f"{a}.attention.recurrent_layers": [t == "linear_attention" for t in config.layer_types],
                      f"{a}.full_attention_interval": config.full_attention_interval})
     if model_type == "qwen3_5_text":
-        keys[f"{a}.rope.dimension_sections"] = [11, 11, 10, 0]
+        # _Qwen35MRopeMixin: the config's mrope_section (default [11, 11, 10]) padded to 4
+        keys[f"{a}.rope.dimension_sections"] = (list(config.rope_parameters.get("mrope_section") or [11, 11, 10]) + [0] * 4)[:4]
     if model_type == "qwen3_next":  # Qwen2MoeModel's and TextModel's expert keys
         keys.update({f"{a}.expert_count": config.num_experts, f"{a}.expert_used_count": config.num_experts_per_tok,
                      f"{a}.expert_feed_forward_length": config.moe_intermediate_size,
@@ -501,6 +506,38 @@ def test_a_config_llama_cpp_would_compute_differently_is_one_sentence(tmp_path, 
     message = str(err.value)
     assert says in message and "\n" not in message and message.endswith("."), message
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_mrope_sections_wider_than_the_head_are_refused(tmp_path):
+    """llama.cpp aborts (GGML_ASSERT(sect_dims <= ne0) in ggml's M-RoPE) on sections that add up to more than the
+    head size: refused in one sentence, nothing written. Qwen3.5's default sections [11, 11, 10] with 16-wide heads."""
+    folder = make_family(tmp_path / "m", "qwen3_5_text",
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(MergeError) as err:
+        export_gguf(folder, "f16")
+    message = str(err.value)
+    assert "its M-RoPE sections [11, 11, 10] (mrope_section) add up to 32, more than its head size 16, and llama.cpp stops" in message, message
+    assert "\n" not in message and message.endswith(".")
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_every_family_with_mrope_sections_checks_them():
+    """The check is data of every family that writes rope.dimension_sections: transformers' own VL text configs with
+    their default sections (Qwen2-VL [16, 24, 24], Qwen3-VL [24, 20, 20]) and 16-wide heads are refused, fitting ones not."""
+    from transformers import Qwen2VLTextConfig, Qwen3VLMoeTextConfig, Qwen3VLTextConfig
+
+    from tui_merger.core.ship.gguf_families import FAMILIES
+
+    configs = {"qwen2_vl_text": Qwen2VLTextConfig, "qwen2_5_vl_text": Qwen2VLTextConfig, "qwen3_vl_text": Qwen3VLTextConfig,
+               "qwen3_vl_moe_text": Qwen3VLMoeTextConfig}
+    assert {k for k, f in FAMILIES.items() if "rope.dimension_sections" in f.keys} == set(configs) | {"qwen3_5_text"}
+    for model_type, cls in configs.items():
+        narrow = cls(hidden_size=64, num_attention_heads=4, head_dim=16)
+        said = [why for why in (check(narrow) for check in FAMILIES[model_type].checks) if why]
+        assert len(said) == 1 and "more than its head size 16, and llama.cpp stops" in said[0], (model_type, said)
+        wide = cls(hidden_size=512, num_attention_heads=4, head_dim=128)
+        assert not [why for why in (check(wide) for check in FAMILIES[model_type].checks) if why], model_type
 
 
 def test_gemma4_sharing_keys_and_values_of_other_layers_than_llama_cpps_is_refused(tmp_path):

@@ -146,9 +146,10 @@ def test_cli_writes_the_lora_the_base_and_a_modelfile_with_adapter(bases, tmp_pa
     # again, for another adapter: the base's GGUF is there and used as it is
     other, _ = make_adapter(base, tmp_path / "other-lora", seed=1, target_modules=["k_proj"])
     stamp = base_gguf.stat().st_mtime_ns
-    assert main(["gguf", str(base), "--adapter", str(other), "--type", "f16", "--check", "none", "--plain"]) == 0
+    assert main(["gguf", str(base), "--adapter", str(other), "--type", "q8_0", "--out", str(base_gguf), "--check", "none", "--plain"]) == 0
     out, _ = capsys.readouterr()
     assert f"Base GGUF {base_gguf} is already there: used as it is (--overwrite writes it again)." in out
+    assert "  ollama create other-lora:f16 -f" in out  # the tag says the GGUF's own type, not --type's
     assert base_gguf.stat().st_mtime_ns == stamp and (other / "other-lora-LoRA-F32.Modelfile").is_file()
     # an adapter saved with its own tokenizer (a chat template set for training): the Modelfile follows it
     from test_gguf import byte_level_tokenizer
@@ -344,9 +345,21 @@ def test_a_lora_is_never_called_checked_without_a_check(bases, tmp_path, capsys)
     assert main(["gguf", str(base), "--adapter", str(adapter), "--type", "f16", "--plain", "--check", "none"]) == 0
     out, _ = capsys.readouterr()
     assert "  LoRA check not checked: skipped (--check none).\n" in out
-    assert f"  not recorded: {base} has no merge_manifest.json (it was not made by tui-merger)\n" in out
-    assert not (base / "merge_manifest.json").exists()
     lora, base_gguf = adapter / "a-LoRA-F32.gguf", base / "plain-base-F16.gguf"
+    # a base without a manifest (a Hub download) is left as it is: the record goes beside the LoRA, and says so
+    record = adapter / "a-LoRA-F32.json"
+    assert (f"  LoRA and its check recorded in {record} ({base} has no merge_manifest.json: it was not made by "
+            "tui-merger, so neither it nor its model card is changed)\n") in out
+    assert not (base / "merge_manifest.json").exists() and not (base / "README.md").exists()
+    saved = json.loads(record.read_text())
+    assert saved["format"] == "tui-merger-gguf-lora/1" and saved["base"] == str(base) and saved["not_in_manifest"]
+    assert saved["path"] == "a-LoRA-F32.gguf" and saved["base_gguf"] == str(base_gguf) and saved["modelfile"] == "a-LoRA-F32.Modelfile"
+    assert saved["size"] == lora.stat().st_size and saved["pairs"] == 2 and saved["ranks"] == [4] and saved["alpha"] == 8.0
+    import hashlib
+
+    assert saved["sha256"] == hashlib.sha256(lora.read_bytes()).hexdigest()
+    assert saved["check"]["status"] == "not checked" and saved["check"]["reader"] is None
+    assert not list(adapter.glob(".*tmp*"))
     check = check_lora_gguf(base, adapter, base_gguf, lora, reader="transformers")
     assert check.status == "not checked" and check.reader is None and not check.passed
     for recorded in ({}, {"check": {"status": "not checked", "summary": "x"}}, {"check": {"status": "maybe"}}):
@@ -386,3 +399,231 @@ def test_an_expert_lora_in_peft_018s_layout_is_written_as_peft_018_merged_it(tmp
                 torch.testing.assert_close(alpha / a.shape[1] * (b[e] @ a[e]), merged[name] - base[name], rtol=1e-3, atol=1e-5, msg=name)
                 checked += 1
     assert checked == 3 * config["num_hidden_layers"] * config["num_local_experts"] and result.experts == 6
+
+
+# -- derived tensors (issue 40): a base tensor llama.cpp's converter moves (rows regrouped, value heads tiled,
+# experts transposed and gate / up split) gets its LoRA moved alike; the reference transforms are
+# test_gguf_families' (written from convert_hf_to_gguf.py), applied to peft's own merge delta
+
+
+def _alpha_b_a(fields, tensors, name):
+    a, b = tensors[name + ".lora_a"][0], tensors[name + ".lora_b"][0]
+    return fields["adapter.lora.alpha"] / a.shape[-2] * (b @ a)
+
+
+def test_a_lora_on_qwen35_linear_attention_is_moved_as_the_converter_moves_it(tmp_path):
+    """Qwen3.5 (2 key heads, 4 value heads): _LinearAttentionVReorderBase tiles the value heads of in_proj_qkv,
+    in_proj_z, in_proj_a, in_proj_b (rows: lora_b's rows move) and out_proj (columns: lora_a's columns move),
+    running the reorder on lora_A / lora_B; every pair adds the reordered peft delta, and the factors are
+    peft's saved lora_A / lora_B moved, nothing else."""
+    from safetensors.torch import load_file
+    from test_gguf_families import _qwen35_linear_attention, make_family
+    from transformers import AutoConfig
+
+    base = make_family(tmp_path / "q35", "qwen3_5_text", seed=1)
+    adapter, delta = make_adapter(base, tmp_path / "q35-lora")
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    config = AutoConfig.from_pretrained(base)
+    assert fields["general.architecture"] == "qwen35" and result.pairs == len(delta) == len(tensors) // 2
+    linear = [k for k in delta if ".linear_attn." in k]
+    assert {k.split(".linear_attn.")[1] for k in linear} == {f"{p}.weight" for p in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")}
+    names = gguf_names("qwen35", config.num_hidden_layers, [k for k in delta if k not in linear])
+    for hf, want in delta.items():
+        name, want = _qwen35_linear_attention(hf, want, config) if hf in linear else (names[hf], want)
+        torch.testing.assert_close(_alpha_b_a(fields, tensors, name), want, rtol=1e-5, atol=1e-6, msg=hf)
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.0.linear_attn."
+    nk, nv, dv = config.linear_num_key_heads, config.linear_num_value_heads, config.linear_value_head_dim
+    tiled = torch.arange(nv * dv).reshape(nk, nv // nk, dv).permute(1, 0, 2).reshape(-1)  # the converter's _reorder_v_heads
+    a, b = tensors["blk.0.ssm_out.weight.lora_a"][0], tensors["blk.0.ssm_out.weight.lora_b"][0]
+    assert torch.equal(a, saved[prefix + "out_proj.lora_A.weight"][:, tiled]) and torch.equal(b, saved[prefix + "out_proj.lora_B.weight"])
+    a, b = tensors["blk.0.attn_gate.weight.lora_a"][0], tensors["blk.0.attn_gate.weight.lora_b"][0]
+    assert torch.equal(a, saved[prefix + "in_proj_z.lora_A.weight"]) and torch.equal(b, saved[prefix + "in_proj_z.lora_B.weight"][tiled])
+    assert not torch.equal(tiled, torch.arange(nv * dv))  # the case moves something
+
+
+def test_a_lora_on_qwen3_next_in_proj_qkvz_is_regrouped_into_attn_qkv_and_attn_gate(tmp_path):
+    """Qwen3-Next: in_proj_qkvz's rows (per key head [q, k, v, z]) regrouped into attn_qkv and attn_gate as
+    Qwen3NextModel.modify_tensors regroups the weight (its own LoRA conversion stops there: the regroup
+    reshapes the row size, which its LoraTorchTensor cannot; the rows of B move all the same); in_proj_ba
+    and out_proj as they are; the experts and router stacked."""
+    from test_gguf_families import _qwen3_next_linear_attention, make_family
+    from transformers import AutoConfig
+
+    base = make_family(tmp_path / "q3n", "qwen3_next", seed=1)
+    adapter, delta = make_adapter(base, tmp_path / "q3n-lora")
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    config = AutoConfig.from_pretrained(base)
+    linear = [k for k in delta if ".linear_attn." in k]
+    assert {k.split(".linear_attn.")[1] for k in linear} == {"in_proj_qkvz.weight", "in_proj_ba.weight", "out_proj.weight"}
+    for hf in linear:
+        for name, want in _qwen3_next_linear_attention(hf, delta[hf], config).items():
+            torch.testing.assert_close(_alpha_b_a(fields, tensors, name), want, rtol=1e-5, atol=1e-6, msg=f"{hf} {name}")
+    # in_proj_qkvz: two pairs; the packed experts (all-linear adds them: not in the .weight delta) stacked per layer and kind
+    assert result.pairs == len(delta) + 1 + result.experts and result.experts == 3 * config.num_hidden_layers
+    names = gguf_names("qwen3next", config.num_hidden_layers, [k for k in delta if k not in linear])
+    for hf in names:
+        torch.testing.assert_close(_alpha_b_a(fields, tensors, names[hf]), delta[hf], rtol=1e-5, atol=1e-6, msg=hf)
+
+
+def test_a_gpt_oss_expert_lora_is_transposed_and_split_into_gate_and_up_per_expert(tmp_path):
+    """GPT-OSS's packed experts (gate_up_proj [experts, hidden, 2 * ff], gate and up interleaved; down_proj
+    [experts, ff, hidden]) as llama.cpp's converter writes them from 16-bit weights: transposed, gate the
+    even rows and up the odd ones. peft target_parameters on both: for each expert, what llama.cpp adds to
+    ffn_gate_exps / ffn_up_exps / ffn_down_exps is the same transform of peft's merge delta (the tensors
+    save_pretrained writes). The base's experts may be 16-bit or llama.cpp's MXFP4: a LoRA is added to the
+    product either way."""
+    from peft import LoraConfig, get_peft_model
+    from test_gguf_families import make_family
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = make_family(tmp_path / "oss", "gpt_oss", seed=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    adapter = tmp_path / "oss-lora"
+    peft_model.save_pretrained(adapter)
+    peft_model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    config = AutoConfig.from_pretrained(base)
+    layers, experts = config.num_hidden_layers, config.num_local_experts
+    assert result.experts == 3 * layers and result.pairs == 4 * layers
+    before, after = _weights(base), _weights(tmp_path / "merged")
+    moved = {  # the converter's GptOssModel.modify_tensors on 16-bit experts
+        "gate_up_proj": lambda w: {"ffn_gate_exps": w.transpose(1, 2)[:, 0::2], "ffn_up_exps": w.transpose(1, 2)[:, 1::2]},
+        "down_proj": lambda w: {"ffn_down_exps": w.transpose(1, 2)},
+    }
+    for layer in range(layers):
+        for hf, how in moved.items():
+            name = f"model.layers.{layer}.mlp.experts.{hf}"
+            for kind, want in how(after[name] - before[name]).items():
+                a, b = tensors[f"blk.{layer}.{kind}.weight.lora_a"][0], tensors[f"blk.{layer}.{kind}.weight.lora_b"][0]
+                assert a.shape[:2] == (experts, 4) and b.shape == (experts, want.shape[1], 4)
+                for e in range(experts):
+                    torch.testing.assert_close(fields["adapter.lora.alpha"] / 4 * (b[e] @ a[e]), want[e], rtol=1e-4, atol=1e-6,
+                                               msg=f"{name} {kind} {e}")
+
+
+def test_only_a_transform_that_moves_entries_is_taken_for_one():
+    """A derived tensor's LoRA is written only where the base's transform moves entries (rows, columns, a
+    transpose); one that scales or combines them (w * 2, -exp(w), a sum of rows) or changes the matrix's
+    rank of axes (DeepSeek's k_b) stays refused (None)."""
+    from types import SimpleNamespace
+
+    from tui_merger.core.ship.gguf import GgufTensor
+    from tui_merger.core.ship.gguf_lora import _gather
+
+    def tensor(shape, out, fn):
+        return GgufTensor("blk.0.x.weight", (SimpleNamespace(name="x.weight", shape=shape),), out, 0, 0, derive=fn)
+
+    rows, cols, transposed = _gather(tensor((6, 4), (3, 4), lambda w: w[1::2]))
+    assert rows.tolist() == [1, 3, 5] and cols.tolist() == [0, 1, 2, 3] and not transposed
+    # GPT-OSS's gate: out[i, j] = W[j, 2 i] per expert; rows: the source rows of the result's columns
+    rows, cols, transposed = _gather(tensor((2, 6, 4), (2, 2, 6), lambda w: w.transpose(1, 2)[:, 0::2]))
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5] and cols.tolist() == [0, 2] and transposed
+    for shape, out, fn in (((6, 4), (6, 4), lambda w: w * 2), ((6, 4), (6, 4), lambda w: -w.float().exp()),
+                           ((6, 4), (3, 4), lambda w: w[0::2] + w[1::2]), ((6, 4), (2, 4, 3), lambda w: w.reshape(2, 3, 4).transpose(1, 2)),
+                           ((6, 4), (6, 4), lambda w: torch.maximum(w, w.flip(0)))):  # indices in range: the random check
+        assert _gather(tensor(shape, out, fn)) is None
+
+
+def test_a_lora_for_gpt_oss_released_in_mxfp4_is_written_from_its_dequantized_names(tmp_path, capsys):
+    """GPT-OSS as released (experts as MXFP4 *_blocks / *_scales, tests/fp8_factory.py): the adapter was trained
+    on transformers' dequantizing load, and its GGUF LoRA needs the base's names and shapes only. What llama.cpp
+    adds per expert is peft's merge delta on that load, moved as the converter moves the experts. The base's
+    GGUF is llama.cpp's to make (MXFP4): without one given, the command says so before writing anything;
+    with one (--out), the LoRA and Modelfile are written for it."""
+    import transformers
+    from fp8_factory import make_mxfp4_base
+    from peft import LoraConfig, get_peft_model
+    from test_gguf import byte_level_tokenizer
+    from tui_merger.cli import main
+
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=4,
+                                       num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                       vocab_size=448, max_position_embeddings=64, sliding_window=16,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    torch.manual_seed(0)
+    base = tmp_path / "gpt-oss-mxfp4"
+    make_mxfp4_base(base, transformers.GptOssForCausalLM(config))
+    byte_level_tokenizer("o200k").save_pretrained(base)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                                              quantization_config=transformers.Mxfp4Config(dequantize=True))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "dequantized")  # its 16-bit GGUF stands in for llama.cpp's MXFP4 one below
+    byte_level_tokenizer("o200k").save_pretrained(tmp_path / "dequantized")
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    adapter = tmp_path / "oss-lora"
+    peft_model.save_pretrained(adapter)
+    after = peft_model.merge_and_unload().state_dict()
+    # the command: no base GGUF to use, and none it may make: one sentence, nothing written
+    assert main(["gguf", str(base), "--adapter", str(adapter), "--check", "none", "--plain"]) != 0
+    _, err = capsys.readouterr()
+    assert f"{base} holds mxfp4 weights: tui-merger writes the LoRA for it but not its GGUF" in err
+    assert not list(tmp_path.rglob("*.gguf"))
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    assert fields["general.architecture"] == "gpt-oss" and result.experts == 6 and result.pairs == 8
+    for layer in range(2):
+        name = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = after[name + "gate_up_proj"] - before[name + "gate_up_proj"], after[name + "down_proj"] - before[name + "down_proj"]
+        for kind, want in (("ffn_gate_exps", gate_up.transpose(1, 2)[:, 0::2]), ("ffn_up_exps", gate_up.transpose(1, 2)[:, 1::2]),
+                           ("ffn_down_exps", down.transpose(1, 2))):
+            got = _alpha_b_a(fields, tensors, f"blk.{layer}.{kind}.weight")
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"{layer} {kind}")
+    # with the base's GGUF given (here the dequantized model's), the LoRA and its Modelfile; the GGUF is not rewritten
+    from tui_merger.core.ship.gguf import export_gguf
+
+    given = export_gguf(tmp_path / "dequantized", "f16", tmp_path / "gpt-oss-MXFP4.gguf").path
+    stamp = given.read_bytes()
+    assert main(["gguf", str(base), "--adapter", str(adapter), "--out", str(given), "--check", "none", "--plain", "--overwrite"]) == 0
+    out, _ = capsys.readouterr()
+    assert f"Base GGUF {given} is used as it is (llama.cpp's to make: {base} holds mxfp4 weights)." in out and given.read_bytes() == stamp
+    assert f"FROM {given}" in (adapter / "oss-lora-LoRA-F32.Modelfile").read_text()
+
+
+def test_gemma4_expert_loras_carry_the_per_expert_scale_and_a_lora_llama_cpp_drops_is_refused(tmp_path):
+    """Gemma 4's MoE scales each expert's output by router.per_expert_scale; llama.cpp stores it as
+    ffn_down_exps.scale and multiplies only the base's product by it, then adds the LoRA's (llama-graph.cpp's
+    build_lora_mm_id), so lora_b of expert e carries scale[e]: what llama.cpp adds, scale[e] times peft's
+    delta. gate_up (ffn_gate_up_exps, no scale) as it is. A LoRA on per_layer_model_projection, which
+    llama.cpp's gemma4 graph multiplies without adapters (measured: the logits with it equal the base's
+    alone), is refused."""
+    from peft import LoraConfig, get_peft_model
+    from test_gguf_families import make_family
+    from transformers import AutoModelForCausalLM
+
+    base = make_family(tmp_path / "g4moe", "gemma4_text:moe", seed=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                                                  target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    adapter = tmp_path / "g4-lora"
+    peft_model.save_pretrained(adapter)
+    after = peft_model.merge_and_unload().state_dict()
+    result = export_lora_gguf(base, adapter)
+    fields, tensors = read_lora(result.path)
+    assert result.experts == 4
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        scale = before[prefix + "router.per_expert_scale"]
+        assert not torch.allclose(scale, torch.ones_like(scale))  # the case tells
+        for hf, kind, factor in (("experts.gate_up_proj", "ffn_gate_up_exps", torch.ones_like(scale)), ("experts.down_proj", "ffn_down_exps", scale)):
+            delta = after[prefix + hf] - before[prefix + hf]
+            a, b = tensors[f"blk.{layer}.{kind}.weight.lora_a"][0], tensors[f"blk.{layer}.{kind}.weight.lora_b"][0]
+            for e in range(delta.shape[0]):
+                torch.testing.assert_close(fields["adapter.lora.alpha"] / 4 * (b[e] @ a[e]), factor[e] * delta[e], rtol=1e-4, atol=1e-6,
+                                           msg=f"{layer} {kind} {e}")
+    dense = make_family(tmp_path / "g4", "gemma4_text", seed=1)
+    dropped, _ = make_adapter(dense, tmp_path / "ple", target_modules=["q_proj", "per_layer_model_projection"])
+    with pytest.raises(MergeError, match="gemma4 graph does not apply a LoRA to per_layer_model_proj"):
+        export_lora_gguf(dense, dropped)
+    assert not list(dropped.glob("*.gguf"))

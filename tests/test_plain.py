@@ -414,7 +414,7 @@ def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(ws):
         assert "  LoRA check not checked: llama.cpp's Python binding (llama_cpp) is not installed here" in out
     else:
         assert "  LoRA check PASSED: " in out
-    assert "  Not recorded: base has no merge_manifest.json (tui-merger did not make it).\n" in out
+    assert f"  Recorded in {lora.with_suffix('.json')} (base has no merge_manifest.json: tui-merger did not make it).\n" in out
     assert (f"Ollama Modelfile: {modelfile}\nRun it with the LoRA:\n  ollama create adapter:q4_k_m -f {modelfile}\n"
             f"  llama-cli -m {base} --lora {lora}\n") in out
     assert f"\nFROM {base}\nADAPTER ./adapter-LoRA-F32.gguf\n" in modelfile.read_text()

@@ -1334,7 +1334,9 @@ async def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(workspace, 
                     "llama.cpp applies a GGUF LoRA; install llama-cpp-python to check it.\n") in notes
         else:
             assert "\nLoRA check PASSED: " in notes
-        assert "\nNot recorded: base has no merge_manifest.json (tui-merger did not make it).\n" in notes
+        record = lora_file.with_suffix(".json")  # the base has no manifest: the record beside the LoRA
+        assert f"\nRecorded in {record} (base has no merge_manifest.json: tui-merger did not make it).\n" in notes
+        assert json.loads(record.read_text())["sha256"] and not (ws / "base" / "merge_manifest.json").exists()
         modelfile = lora_file.with_suffix(".Modelfile")
         assert notes.endswith(
             f"Ollama Modelfile beside the LoRA: {modelfile.name}. Run it with:\n"

@@ -737,7 +737,10 @@ class _Flow:
             self.say("The LoRA was not checked and no Modelfile was written: the base's GGUF does not behave like the base model.")
             return
         self.say(f"  LoRA check {made.check.line()}")
-        self.say(f"  Recorded in {made.recorded}." if made.recorded else f"  Not recorded: {made.not_recorded}")
+        if made.recorded:
+            self.say(f"  Recorded in {made.recorded}" + (f" ({made.not_recorded})." if made.not_recorded else "."))
+        else:
+            self.say(f"  Not recorded: {made.not_recorded}")
         self.say(f"Ollama Modelfile: {made.modelfile.path}")
         self.say("Run it with the LoRA:")
         for line in made.run_lines():

@@ -22,6 +22,8 @@ gate); this module adds the rest, learnt from megatron-core 0.16.1 (``ssm/gated_
   are the release's ``mtp.pre_fc_norm_embedding`` / ``mtp.pre_fc_norm_hidden`` / ``mtp.fc`` / ``mtp.norm``, and
   ``transformer_layer.*`` is the decoder layer ``mtp.layers.0.*`` (transformers' model does not build it and
   ignores it on load, ``_keys_to_ignore_on_load_unexpected``; vLLM and SGLang read it for speculative decoding).
+  Those names are Qwen3-Next's entry in ``verl_megatron.MTP_PLACES``, written by the kind's ``_mtp`` as for
+  GLM-4.5 and DeepSeek-V3; this module maps the MTP decoder layer (a full-attention layer) like any other.
 """
 
 from __future__ import annotations
@@ -46,10 +48,6 @@ _GDN_KEYS = [
     (r"self_attention\.out_proj\.weight", "copy", "linear_attn.out_proj.weight"),
 ]
 _GDN_PATTERNS = [(re.compile(f"(?:{p})$"), kind, name) for p, kind, name in _GDN_KEYS]
-# the MTP layer's own tensors (mtp.layers.{j}.*) -> the release's names
-_MTP_TOP = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight", "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
-            "eh_proj.weight": "mtp.fc.weight", "final_layernorm.weight": "mtp.norm.weight"}
-_MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
 def is_gdn_model(config: dict) -> bool:
@@ -92,78 +90,10 @@ def _mapper_class(parts):
             if "linear_attention" in types and self.nv % self.nk:
                 raise MergeError(f"{config_path} says {self.nv} value heads in {self.nk} key heads, which do not "
                                  "divide; the config is damaged.")
-            self.mtp_layers = config.get("mtp_num_hidden_layers")
-
-        # -- the whole model: the decoder by the kind's mapper, then the MTP layer -----------------------------
-        def run(self):
-            everything = self.tensors
-            mtp = {k: v for k, v in everything.items() if k.startswith("mtp.")}
-            self.tensors = {k: v for k, v in everything.items() if k not in mtp}
-            self.layer_types = self.types
-            try:
-                mapping = super().run()
-            finally:
-                self.tensors = everything
-            if mtp:
-                self._release_mtp(mtp)
-            return mapping
-
-        def _release_mtp(self, mtp: dict) -> None:
-            layers = sorted({int(m.group(1)) for k in mtp if (m := _MTP_KEY.match(k))})
-            if not isinstance(self.mtp_layers, int) or self.mtp_layers < 1:
-                raise MergeError(
-                    f"The checkpoint holds {len(layers)} multi-token prediction layer(s) (mtp.*) but {self.path} has no "
-                    "mtp_num_hidden_layers; copy the config.json of the Qwen3-Next release it was trained from."
-                )
-            if layers != [0] or self.mtp_layers != 1:
-                raise MergeError(
-                    f"The checkpoint holds multi-token prediction layers {layers} and {self.path} says "
-                    f"mtp_num_hidden_layers {self.mtp_layers}; tui-merger writes Qwen3-Next's one MTP layer "
-                    "(mtp_num_layers 1) only."
-                )
-            inner = []
-            for key in mtp:
-                m = _MTP_KEY.match(key)
-                rest = m.group(2) if m else ""
-                if rest in _MTP_TOP:
-                    entry = self.tensors[key]
-                    self._check_mtp(key, rest, tuple(entry.shape))
-                    self.add(_MTP_TOP[rest], key, (), entry.shape)
-                elif rest.startswith("transformer_layer."):
-                    inner.append((rest[len("transformer_layer."):], key, ()))
-                else:
-                    raise MergeError(
-                        f"The checkpoint holds {key}, which has no counterpart in Qwen3-Next's multi-token prediction "
-                        "layer; tui-merger cannot convert it."
-                    )
-            missing = [k for k in _MTP_TOP if f"mtp.layers.0.{k}" not in mtp]
-            if missing or not inner:
-                raise MergeError(
-                    f"The checkpoint's multi-token prediction layer has no {(missing or ['transformer_layer'])[0]}; "
-                    "it is incomplete."
-                )
-            # the MTP decoder layer is a full-attention layer: mapped as one, then named where the release keeps it
-            marker = self.layers  # a layer number the decoder does not use
-            self.layer_types = self.types + ["full_attention"]
-            before = set(self.specs)
-            self._layer(marker, inner)
-            prefix = f"model.layers.{marker}."
-            for name in [n for n in self.specs if n not in before]:
-                self.specs["mtp.layers.0." + name[len(prefix):]] = self.specs.pop(name)
-            self.notices.append(
-                "The checkpoint's multi-token prediction layer (mtp.*) is written as the Qwen3-Next release keeps it "
-                "(mtp.fc, mtp.layers.0.*, mtp.norm); transformers does not load it, vLLM and SGLang use it for "
-                "speculative decoding."
-            )
-
-        def _check_mtp(self, key: str, rest: str, shape: tuple) -> None:
-            want = (self.hidden, 2 * self.hidden) if rest == "eh_proj.weight" else (self.hidden,)
-            if shape != want:
-                raise self.fail(f"hidden_size {self.hidden} makes {key} {list(want)}, but it is {list(shape)}")
 
         # -- what the checkpoint holds against the config ------------------------------------------------------
         def _features(self) -> None:
-            keys = " ".join(self.tensors)
+            keys = " ".join(k for k in self.tensors if not k.startswith("mtp."))  # the decoder's layers
             experts = (self._experts() or 0) > 0
             features = [
                 ("linear_qkv.bias" in keys, bool(self.config.get("attention_bias", False)), "linear_qkv biases"),
@@ -176,8 +106,10 @@ def _mapper_class(parts):
                                     f"checkpoint {'has' if held else 'has no'} them")
 
         # -- one layer ------------------------------------------------------------------------------------------
-        def _layer(self, i: int, entries) -> None:
-            linear = self.layer_types[i] == "linear_attention"
+        def _layer(self, i: int, entries, prefix: str | None = None) -> None:
+            # past the decoder (i >= num_hidden_layers): the MTP layer's decoder layer, a full-attention layer
+            kind = self.types[i] if i < self.layers else "full_attention"
+            linear = kind == "linear_attention"
             for rest, key, _ in entries:
                 gdn = any(p.match(rest) for p, _, _ in _GDN_PATTERNS[1:])
                 if rest.endswith("self_attention.in_proj.weight"):
@@ -188,7 +120,7 @@ def _mapper_class(parts):
                 if gdn != linear and ("self_attention." in rest and "layer_norm" not in rest):
                     raise self.fail(
                         f"layer {i} is a {'Gated DeltaNet' if gdn else 'full-attention'} layer in the checkpoint but "
-                        f"{self.layer_types[i]} by its layer_types"
+                        f"{kind} by its layer_types"
                     )
             sparse = any(rest == "mlp.router.weight" for rest, _, _ in entries)
             if sparse != self._hf_sparse(i):
@@ -197,9 +129,9 @@ def _mapper_class(parts):
                     f"{'dense' if sparse else 'MoE'} by its mlp_only_layers / decoder_sparse_step"
                 )
             self._gdn_parts = {}
-            super()._layer(i, entries)
+            super()._layer(i, entries, prefix)
             if linear:
-                self._gdn_layer(i)
+                self._gdn_layer(i, prefix or f"model.layers.{i}.")
 
         def _special(self, kind, hf, key, index, param, m) -> None:
             if kind in ("in_proj", "conv"):
@@ -212,8 +144,8 @@ def _mapper_class(parts):
             else:
                 super()._special(kind, hf, key, index, param, m)
 
-        def _gdn_layer(self, i: int) -> None:
-            prefix = f"model.layers.{i}.linear_attn."
+        def _gdn_layer(self, i: int, layer: str) -> None:
+            prefix = layer + "linear_attn."
             nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
             per = nv // nk  # value heads per key head
             rows = {"query": nk * dk, "key": nk * dk, "value": nv * dv, "z": nv * dv, "beta": nv, "alpha": nv}

@@ -101,7 +101,6 @@ class _VlMapper:
         )
 
     def run(self):
-        from tui_merger.core.formats import hf_names
         Spec, _Mapper, _Mapping = self.parts.Spec, self.parts.Mapper, self.parts.Mapping
 
         language = {k[len(LANGUAGE):]: k for k in self.tensors if k.startswith(LANGUAGE)}
@@ -119,16 +118,9 @@ class _VlMapper:
                 f"tui-merger converts Megatron checkpoints of {SUPPORTED_VL} models (language_model.*, visual.* or "
                 "vision_model.*)."
             )
-        layout = hf_names.disk_layout(self.path.parent)
-        if layout is None:
-            raise MergeError(
-                f"transformers {_version()} cannot build a {self.arch} model from {self.path}, so where its vision tower "
-                "goes is unknown; install a transformers that has it."
-            )
+        layout, state, modules, lm_prefix = _meta_model(self.path.parent, f"a {self.arch} model from {self.path}",
+                                                        "where its vision tower goes")
         model = layout.model
-        state = model.state_dict()
-        modules = {id(m): n for n, m in model.named_modules()}
-        lm_prefix = modules.get(id(model.get_decoder()))
         head = model.get_output_embeddings()
         head_name = f"{modules[id(head)]}.weight" if head is not None and id(head) in modules else None
         if not lm_prefix:
@@ -342,6 +334,21 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _meta_model(config_dir: Path, what: str, why: str):
+    """``hf_names.disk_layout`` of ``config_dir`` (transformers' model on the meta device), the model's state dict, its
+    modules' names by id and its language model's prefix; one sentence (``what`` cannot be built, so ``why`` is
+    unknown) when this transformers cannot build it."""
+    from tui_merger.core.formats import hf_names
+
+    found = hf_names.disk_layout(config_dir)
+    if found is None:
+        raise MergeError(f"transformers {_version()} cannot build {what}, so {why} is unknown; install a transformers "
+                         "that has it.")
+    model = found.model
+    modules = {id(m): n for n, m in model.named_modules()}
+    return found, model.state_dict(), modules, modules.get(id(model.get_decoder()))
+
+
 def map_vl(tensors: dict, config: dict, config_path: Path, parts):
     """verl_megatron's _Mapping for a Megatron VL checkpoint's tensors (canonical names); ``parts``: verl_megatron's
     text mapper and records (``Mapper``, ``Mapping``, ``Spec``, ``Piece``), handed in."""
@@ -357,19 +364,9 @@ def lora_names(config_dir: Path, vision_modules: list[str]) -> tuple[str, dict[s
     module the run holds a LoRA pair on (its name inside transformers' vision module: Megatron-Bridge embeds that
     module, ``vision_model.*`` / ``visual.*``) that module's full name, and the renames in-memory -> save_pretrained
     name where they differ (Qwen2.5-VL's ``model.language_model.layers.*`` is saved as ``model.layers.*``)."""
-    from tui_merger.core.formats import hf_names
-
     config_dir = Path(config_dir)
-    layout = hf_names.disk_layout(config_dir)
-    if layout is None:
-        raise MergeError(
-            f"transformers {_version()} cannot build the model of {config_dir / 'config.json'}, so where the LoRA "
-            "run's adapters go is unknown; install a transformers that has it."
-        )
-    model = layout.model
-    state = model.state_dict()
-    modules = {id(m): n for n, m in model.named_modules()}
-    lm = modules.get(id(model.get_decoder()))
+    layout, state, _, lm = _meta_model(config_dir, f"the model of {config_dir / 'config.json'}",
+                                       "where the LoRA run's adapters go")
     probe = f"{lm}.layers.0.self_attn.q_proj.weight"
     if not lm or probe not in state:
         raise MergeError(f"transformers' model for {config_dir / 'config.json'} has no language model layers to merge "

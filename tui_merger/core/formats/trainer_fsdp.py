@@ -417,12 +417,7 @@ def _open(options) -> Inputs:
         inputs.closers.append(store)
         base_map, adapter_map = split_keys(store.tensors)
         lora_only = bool(adapter_map) and not any(k.endswith(".weight") for k in base_map)
-        config_dir, where = _config_dir(layout.folder, options.base)
-        if config_dir is None:
-            raise _no_config(layout)
-        inputs.config = read_config(config_dir)
-        if where != "--base":
-            inputs.notices.append(f"The model's config.json comes from {where}.")
+        config_dir = _read_config(inputs, layout, options)
         world = len({m.group(1) for f in store.data_files if (m := _DISTCP.match(f))})
         if lora_only:
             _lora(inputs, options, layout, store, adapter_map)
@@ -449,6 +444,18 @@ def _open(options) -> Inputs:
     return inputs
 
 
+def _read_config(inputs, layout: TrainerFsdpLayout, options) -> Path:
+    """The model's config.json (--base's, else the one found for the checkpoint) read into ``inputs``, a notice saying
+    where it came from when not from --base; its folder."""
+    config_dir, where = _config_dir(layout.folder, options.base)
+    if config_dir is None:
+        raise _no_config(layout)
+    inputs.config = read_config(config_dir)
+    if where != "--base":
+        inputs.notices.append(f"The model's config.json comes from {where}.")
+    return config_dir
+
+
 def _open_full_file(options, layout: TrainerFsdpLayout) -> Inputs:
     """FULL_STATE_DICT: rank 0's torch.save of the whole state dict (in-memory names, no prefix), read
     by mmap through torch's weights-only loader, one tensor at a time."""
@@ -457,12 +464,7 @@ def _open_full_file(options, layout: TrainerFsdpLayout) -> Inputs:
     inputs = Inputs(None, empty_adapter(layout.folder), {}, FilePlan(), paths_of(options))
     inputs.notices = list(layout.notices)
     try:
-        config_dir, where = _config_dir(layout.folder, options.base)
-        if config_dir is None:
-            raise _no_config(layout)
-        inputs.config = read_config(config_dir)
-        if where != "--base":
-            inputs.notices.append(f"The model's config.json comes from {where}.")
+        config_dir = _read_config(inputs, layout, options)
         whole = TensorSource(layout.folder, [FULL_FILE])
         inputs.closers.append(whole)
         if any(".lora_" in n for n in whole.tensors):

@@ -1071,14 +1071,27 @@ class _Mapper:
                              "it is incomplete (a pipeline stage is missing).")
         count = place["count"]
         said = _cfg(self.config, count)
-        if said != len(found):
+        only = place.get("only")
+        if only is not None:  # the family's models have exactly this many: the config must say so, nothing is rewritten
+            if not isinstance(said, int) or said < 1:
+                raise MergeError(
+                    f"The checkpoint holds {len(found)} multi-token prediction layer(s) (mtp.*) but {self.path} has no "
+                    f"{count}; copy the config.json of the {self.name} release it was trained from."
+                )
+            if len(found) != only or said != only:
+                raise MergeError(
+                    f"The checkpoint holds multi-token prediction layers {found} and {self.path} says {count} {said}; "
+                    f"tui-merger writes {self.name}'s {'one MTP layer' if only == 1 else f'{only} MTP layers'} "
+                    f"(mtp_num_layers {only}) only."
+                )
+        elif said != len(found):
             self.config_changes[count] = len(found)
             self.notices.append(
                 f"The checkpoint holds {len(found)} multi-token prediction layer{'s' if len(found) != 1 else ''} but the "
                 f"config says {said or 0} ({count}); {count} is set to {len(found)}, so that the layers written are read."
             )
         for i in found:
-            names = {k: v.format(i=i, n=self.layers + i) for k, v in place.items() if k != "count"}
+            names = {k: v.format(i=i, n=self.layers + i) for k, v in place.items() if isinstance(v, str)}
             entries = dict(per[i])
             for part, want in (("enorm.weight", (self.hidden,)), ("hnorm.weight", (self.hidden,)),
                                ("eh_proj.weight", (self.hidden, 2 * self.hidden)),
@@ -1102,15 +1115,19 @@ class _Mapper:
                 self.specs[names["embed"]] = self.specs["model.embed_tokens.weight"]
             if "head" in names:
                 self.specs[names["head"]] = self.specs[head if head == "lm_head.weight" else "model.embed_tokens.weight"]
+        where = place.get("where") or place["layer"].format(i=0, n=self.layers) + "*"
         self.notices.append(
             f"The checkpoint's {len(found)} multi-token prediction layer{'s are' if len(found) != 1 else ' is'} written "
-            f"as {self.name} keeps {'them' if len(found) != 1 else 'it'} ({MTP_PLACES[self.family]['layer'].format(i=0, n=self.layers)}*)."
+            f"as {self.name} keeps {'them' if len(found) != 1 else 'it'} ({where}){place.get('note', '')}."
         )
 
 
 # -- multi-token prediction layers, where each family's Hugging Face checkpoints keep them (issue 39) --------------
-# Templates: {i} the MTP layer, {n} num_hidden_layers + i. "count": the config field that says how many. A family
-# without an entry has no place for them: they are left out with a notice.
+# Templates: {i} the MTP layer, {n} num_hidden_layers + i: "layer" (the decoder layer's prefix), "enorm", "hnorm",
+# "eh_proj", "final_layernorm" (megatron-core's MTP tensors), optional "embed" / "head" (the family's own copies of
+# the embedding and output layer). "count": the config field that says how many; "only": the one number the
+# family's models have (the config must say it; else a differing count is rewritten); "where" and "note": what the
+# notice says (default: the layer prefix). A family without an entry has no place for them: left out with a notice.
 # GLM-4.5 and DeepSeek-V3 as released: one extra decoder layer model.layers.{num_hidden_layers} with enorm, hnorm,
 # eh_proj, shared_head.norm, and copies of the embedding and lm_head (shared with the main model in megatron-core);
 # megatron-core's final_layernorm of the MTP layer is shared_head.norm (Megatron-Bridge's GLM-4.5 mapping).
@@ -1118,7 +1135,14 @@ _MTP_AS_LAYER = {"count": "num_nextn_predict_layers", "layer": "model.layers.{n}
                  "hnorm": "model.layers.{n}.hnorm.weight", "eh_proj": "model.layers.{n}.eh_proj.weight",
                  "final_layernorm": "model.layers.{n}.shared_head.norm.weight",
                  "embed": "model.layers.{n}.embed_tokens.weight", "head": "model.layers.{n}.shared_head.head.weight"}
-MTP_PLACES: dict[str, dict[str, str]] = {"glm4_moe": _MTP_AS_LAYER, "deepseek_v3": _MTP_AS_LAYER}
+# Qwen3-Next as released (megatron_gdn maps the decoder layer): one MTP layer with its own names, mtp.fc,
+# mtp.layers.0.*, mtp.norm; transformers' model does not build it (_keys_to_ignore_on_load_unexpected).
+_MTP_QWEN3_NEXT = {"count": "mtp_num_hidden_layers", "only": 1, "layer": "mtp.layers.{i}.",
+                   "enorm": "mtp.pre_fc_norm_embedding.weight", "hnorm": "mtp.pre_fc_norm_hidden.weight",
+                   "eh_proj": "mtp.fc.weight", "final_layernorm": "mtp.norm.weight",
+                   "where": "mtp.fc, mtp.layers.0.*, mtp.norm",
+                   "note": "; transformers does not load it, vLLM and SGLang use it for speculative decoding"}
+MTP_PLACES: dict[str, dict] = {"glm4_moe": _MTP_AS_LAYER, "deepseek_v3": _MTP_AS_LAYER, "qwen3_next": _MTP_QWEN3_NEXT}
 
 
 def _attention_keys(family: str) -> tuple[str, ...]:

@@ -112,6 +112,7 @@ class GgufResult:
     tensors: int
     seconds: float
     recorded: bool  # the folder's merge_manifest.json lists it
+    mmproj: Path | None = None  # a vision-language folder's vision tower beside it (gguf_mmproj.py)
 
 
 def default_out(folder: Path, type_: str) -> Path:
@@ -142,7 +143,8 @@ def _plan_gguf(folder: Path, type_: str, out: Path | None, overwrite: bool) -> G
     source = _open_source(folder)
     try:
         if config.get(_VL):
-            source = gguf_vl.text_source(folder, source, hp["config"], notices)
+            source = gguf_vl.text_source(folder, source, hp["config"], notices, tuple(family.derive))
+            hp["tie_word_embeddings"] = gguf_vl.tied(source, hp["tie_word_embeddings"], notices)
         tensors = _plan_tensors(folder, source, config, hp, family, type_, notices)
         writer = gguf.GGUFWriter(None, arch)
         vocab = add_tokenizer(writer, folder, hp["vocab_size"], notices)
@@ -226,13 +228,20 @@ def export_gguf(
     overwrite: bool = False,
     on_event: EventSink = ignore_event,
     cancel: CancelToken | None = None,
+    companion=None,
 ) -> GgufResult:
-    """Plan, write, and record the GGUF in the folder's merge_manifest.json (when it has one)."""
+    """Plan, write, and record the GGUF in the folder's merge_manifest.json (when it has one). ``companion``
+    (gguf_mmproj.companion: a vision-language folder's mmproj file) is called with the plan and ``overwrite``
+    before anything is written and gives None or a function that writes its file once the GGUF is (its path
+    goes to ``GgufResult.mmproj``)."""
     from dataclasses import replace
 
     on_event(PhaseStarted("plan", f"Reading {Path(folder).name}: config, tokenizer, tensor headers"))
     plan = plan_gguf(folder, type_, out, overwrite)
+    after = companion(plan, overwrite) if companion is not None else None
     result = write_gguf(plan, on_event, cancel)
+    if after is not None:
+        result = replace(result, mmproj=after(on_event, cancel))
     try:
         recorded = record_gguf(plan.folder, result)
     except OSError as err:  # a read-only model folder, the GGUF written elsewhere: the file stands
@@ -264,6 +273,9 @@ def record_gguf(folder: Path, result: GgufResult) -> bool:
         "tool": {"name": "tui-merger", "version": __version__},
         "seconds": round(result.seconds, 3),
     }
+    if result.mmproj is not None:  # the vision tower's file beside it (its own entry, architecture clip)
+        mm = Path(result.mmproj).absolute()
+        entry["mmproj"] = mm.relative_to(folder).as_posix() if mm.is_relative_to(folder) else str(mm)
     entries = [e for e in manifest.get("gguf") or [] if isinstance(e, dict) and e.get("path") != shown]
     manifest["gguf"] = entries + [entry]
     write_manifest(folder, manifest)
@@ -273,7 +285,7 @@ def record_gguf(folder: Path, result: GgufResult) -> bool:
 # -- the folder and its config ---------------------------------------------------------------------
 
 
-def _read_config(folder: Path) -> dict:
+def _read_config(folder: Path, quantized_ok: bool = False) -> dict:
     if not folder.is_dir():
         if folder.is_file():
             raise MergeError(f"{folder} is a file; give the model folder that holds it ({folder.parent}).")
@@ -294,7 +306,7 @@ def _read_config(folder: Path) -> dict:
         raise MergeError(f"{path} does not hold a JSON object; copy it again from the original model.")
     model_type = config.get("model_type")
     if gguf_vl.is_vl(config):  # its language model, as llama.cpp's converter writes it (the vision tower: mmproj, not ours)
-        config = {**gguf_vl.text_config(folder, config, FAMILIES, FAMILY_NAMES), _VL: model_type}
+        config = {**gguf_vl.text_config(folder, config, FAMILIES), _VL: model_type}
         model_type = config.get("model_type")
     if model_type in REFUSED:
         raise MergeError(f"{folder} is a {model_type} model; {REFUSED[model_type]}.")
@@ -303,7 +315,7 @@ def _read_config(folder: Path) -> dict:
             f"{folder} is a {model_type or 'model of unknown type'} model; GGUF export writes {FAMILY_NAMES} "
             "models (the families whose GGUF layout llama.cpp defines, listed in docs/formats.md)."
         )
-    if config.get("quantization_config"):
+    if config.get("quantization_config") and not quantized_ok:  # quantized_ok: names and shapes only (gguf_lora)
         method = (config["quantization_config"] or {}).get("quant_method", "quantized") if isinstance(config["quantization_config"], dict) else "quantized"
         raise MergeError(
             f"{folder} holds {method} weights; make the GGUF from the 16-bit model (llama.cpp quantizes from there)."

@@ -393,34 +393,29 @@ class _Read:
 
 
 def _with_llama_cpp(path: Path, ref: _Reference, lora: Path | None = None):
-    """The GGUF at ``path`` (with the GGUF LoRA ``lora`` applied, llama.cpp's --lora) as llama.cpp reads it."""
+    """The GGUF at ``path`` (with the GGUF LoRA ``lora`` applied, llama.cpp's --lora) as llama.cpp reads it, in a
+    child process (llama_child): a failed assert in llama.cpp aborts that process, not tui-merger."""
     import torch
 
+    from tui_merger.core.ship.llama_child import LlamaStopped, run
+
     name = f"llama.cpp (llama-cpp-python {llama_cpp_version()})"
+    task = {"kind": "text", "model": str(path), "lora": str(lora) if lora else None, "n_ctx": max(256, len(ref.prompt) + 8),
+            "threads": max(1, min(4, os.cpu_count() or 1)), "texts": list(ref.texts), "special": list(ref.special),
+            "prompt": [int(i) for i in ref.prompt]}
     try:
-        from llama_cpp import Llama
-    except Exception as err:  # noqa: BLE001 - a binding built for another CPU or library raises anything
-        return f"llama_cpp is installed but does not import ({_first_line(err)}).", None
-    try:
-        with _quiet_stderr():
-            llm = Llama(model_path=str(path), n_ctx=max(256, len(ref.prompt) + 8), logits_all=True, verbose=False,
-                        seed=0, n_threads=max(1, min(4, os.cpu_count() or 1)), **({"lora_path": str(lora)} if lora else {}))
-    except Exception as err:  # noqa: BLE001 - llama.cpp reports a file it refuses as a ValueError or worse
+        out, arrays = run(task)
+    except LlamaStopped as stop:
+        said = stop.sentence(f"running {Path(lora).name} on {Path(path).name}" if lora else f"running {Path(path).name}")
+        return ("!" + said, name) if stop.crashed else (said, None)
+    if out.get("error") == "import":
+        return f"llama_cpp is installed but does not import ({out['message']}).", None
+    if out.get("error"):
         if lora is not None:
-            return (f"!{name} did not load the LoRA {Path(lora).name} with {Path(path).name} ({_first_line(err)}).", name)
-        return (f"!{name} did not load the file ({_first_line(err)}); a llama.cpp older than the file's "
+            return (f"!{name} did not load the LoRA {Path(lora).name} with {Path(path).name} ({out['message']}).", name)
+        return (f"!{name} did not load the file ({out['message']}); a llama.cpp older than the file's "
                 "architecture refuses it too: with a current llama-cpp-python, make the GGUF again."), name
-    try:
-        ids = []
-        for text, special in zip(ref.texts, ref.special):
-            ids.append(list(llm.tokenize(text.encode("utf-8"), add_bos=special, special=True)))
-        llm.reset()
-        llm.eval(ref.prompt)
-        logits = torch.tensor(llm.scores[: len(ref.prompt)], dtype=torch.float32)
-    finally:
-        llm.close() if hasattr(llm, "close") else None
-        del llm
-    return _Read(ids, logits), name
+    return _Read(out["ids"], torch.from_numpy(arrays["logits"])), name
 
 
 def _gemma3_misread(reader) -> bool:
@@ -639,27 +634,4 @@ def record_check(folder: Path, gguf_path: Path, check: GgufCheck, modelfile: Pat
 
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-
-
-class _quiet_stderr:
-    """llama.cpp prints its loading log on the C stderr even with verbose=False for some messages."""
-
-    def __enter__(self):
-        import sys
-
-        try:
-            sys.stderr.flush()
-            self._saved = os.dup(2)
-            self._null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(self._null, 2)
-        except OSError:
-            self._saved = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved is not None:
-            os.dup2(self._saved, 2)
-            os.close(self._saved)
-            os.close(self._null)
-        return False
 

@@ -366,10 +366,71 @@ _QWEN3_NEXT_DERIVE = {  # Qwen3NextModel.modify_tensors: value heads stay groupe
 }
 
 
-def _mrope_sections(config) -> list:
-    """Qwen3.5's interleaved MRoPE sections, padded to 4 as llama.cpp reads them (its default [11, 11, 10])."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    return [int(x) for x in (list(rope.get("mrope_section") or [11, 11, 10]) + [0, 0, 0, 0])[:4]]
+def _mrope(default: list):
+    """The M-RoPE sections (rope pairs turned by time, height, width) padded to 4 as llama.cpp reads them
+    (``rope.dimension_sections``), as the converter writes ``mrope_section``; without one, the sections the
+    model's transformers code takes (``default``). On text, where the three positions are equal, any
+    sections give the same rope."""
+    def sections(config) -> list:
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        return [int(x) for x in (list(rope.get("mrope_section") or default) + [0, 0, 0, 0])[:4]]
+    return sections
+
+
+_mrope_sections = _mrope([11, 11, 10])  # Qwen3.5's interleaved MRoPE (llama.cpp's converter's default)
+_qwen2vl_sections = _mrope([16, 24, 24])
+
+
+def _sections_fit(sections):
+    """llama.cpp stops (abort(): ``GGML_ASSERT(sect_dims <= ne0)`` in ggml's M-RoPE) on a model whose M-RoPE sections
+    (``rope.dimension_sections``, as ``sections`` gives them) add up to more than its head size."""
+    def check(config) -> str | None:
+        got = sections(config)
+        head = getattr(config, "head_dim", None) or int(config.hidden_size) // int(config.num_attention_heads)
+        if sum(got) > int(head):
+            return (f"its M-RoPE sections {[x for x in got if x] or got} (mrope_section) add up to {sum(got)}, more than "
+                    f"its head size {head}, and llama.cpp stops on such a model (GGML_ASSERT(sect_dims <= ne0))")
+        return None
+    return check
+
+
+def _deepstack_layers(config) -> int:
+    """Qwen3-VL's vision features added to the first layers' outputs (deepstack_visual_indexes of the vision
+    config, kept beside the language model's config by gguf_vl.text_hf_config), as the converter writes it:
+    llama.cpp widens its input embedding for them (zeros on text)."""
+    vision = getattr(config, "gguf_vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or [])
+
+
+def _packed_layout(shape, loaded: tuple) -> bool:
+    """Is a packed experts tensor on disk as transformers holds it in memory (``loaded``), or transposed (as the
+    released Qwen3-VL-MoE checkpoints keep it)? transformers' own rule (its Transpose with check_dims): the
+    shape equal to the parameter's is taken as it is, any other is transposed."""
+    return tuple(shape) == tuple(loaded)
+
+
+def _packed_gate_up(config, shape):
+    """Qwen3-VL-MoE's packed gate_up_proj as llama.cpp's converter writes it (Qwen3VLMoeTextModel.modify_tensors):
+    in memory (experts, 2 * ff, hidden), gate rows then up rows -> ffn_gate_exps and ffn_up_exps (experts, ff, hidden)."""
+    e, ff, hidden = shape[0], int(config.moe_intermediate_size), int(config.hidden_size)
+    as_is = _packed_layout(shape, (e, 2 * ff, hidden))
+
+    def part(i):
+        return lambda w: (w if as_is else w.transpose(1, 2))[:, i * ff:(i + 1) * ff]
+    return [("ffn_gate_exps", (e, ff, hidden), part(0)), ("ffn_up_exps", (e, ff, hidden), part(1))]
+
+
+def _packed_down(config, shape):
+    """Qwen3-VL-MoE's packed down_proj: in memory (experts, hidden, ff), what llama.cpp's ffn_down_exps is."""
+    e, ff, hidden = shape[0], int(config.moe_intermediate_size), int(config.hidden_size)
+    as_is = _packed_layout(shape, (e, hidden, ff))
+    return [("ffn_down_exps", (e, hidden, ff), (lambda w: w) if as_is else (lambda w: w.transpose(1, 2)))]
+
+
+_QWEN3_VL_KEYS = {  # Qwen3VLTextModel / Qwen3VLMoeTextModel.set_gguf_parameters
+    "rope.dimension_sections": _mrope([24, 20, 20]),
+    "n_deepstack_layers": _deepstack_layers,
+}
 
 
 _GDN_KEYS = {  # Qwen3NextModel.set_gguf_parameters: the Gated DeltaNet's sizes and which layers are recurrent
@@ -504,7 +565,8 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2", "qwen2"),
     "qwen3_5_text": Family("Qwen3.5", "qwen35", norm_plus_one=True, partial_rotary=True, head_dim_keys=True,
                            derive=_QWEN35_DERIVE, keep_f32=("ssm_conv1d",), bare=("ssm_a",), left_out=("mtp.",),
-                           keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections}, checks=(_gdn_heads_divide,)),
+                           keys={**_GDN_KEYS, "rope.dimension_sections": _mrope_sections},
+                           checks=(_gdn_heads_divide, _sections_fit(_mrope_sections))),
     "mistral": Family("Mistral", "llama", permute_qk=True),
     "gemma3_text": Family("Gemma 3", "gemma3", norm_plus_one=True, head_dim_keys=True, swa=6, swa_rope_theta=10000.0,
                           keys={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window",
@@ -586,6 +648,21 @@ FAMILIES: dict[str, Family] = {
                    keys={"attention.head_count_kv": _lfm2_kv_heads, "shortconv.l_cache": lambda c: int(c.conv_L_cache),
                          "feed_forward_length": _lfm2_ff},
                    checks=(_lfm2_no_conv_bias,)),
+    # the language models of vision-language folders (gguf_vl.TEXT_OF says which folder gives which): llama.cpp's
+    # converter writes them under their own architectures, with M-RoPE (on text the same as plain rope)
+    "qwen2_5_vl_text": Family("Qwen2.5-VL", "qwen2vl", keys={"rope.dimension_sections": _qwen2vl_sections},
+                              checks=(_sections_fit(_qwen2vl_sections),)),
+    "qwen3_vl_text": Family("Qwen3-VL", "qwen3vl", head_dim_keys=True, keys=_QWEN3_VL_KEYS,
+                           checks=(_sections_fit(_QWEN3_VL_KEYS["rope.dimension_sections"]),)),
+    "qwen3_vl_moe_text": Family("Qwen3-VL-MoE", "qwen3vlmoe", head_dim_keys=True, experts="num_experts",
+                                expert_ff="moe_intermediate_size",  # its router always renormalizes, as llama.cpp's
+                                derive={"experts.gate_up_proj": _packed_gate_up, "experts.down_proj": _packed_down},
+                                keys=_QWEN3_VL_KEYS, checks=(_moe_every_layer, _sections_fit(_QWEN3_VL_KEYS["rope.dimension_sections"]))),
+    "qwen2_vl_text": Family("Qwen2-VL", "qwen2vl", keys={"rope.dimension_sections": _qwen2vl_sections},
+                          checks=(_sections_fit(_qwen2vl_sections),)),
+    # Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration): the converter's Mistral3Model writes the language
+    # model as mistral3 with LlamaModel's layout
+    "mistral3": Family("Mistral 3", "mistral3", permute_qk=True),
 }
 
 # Families llama.cpp runs that tui-merger does not write yet: why, in one sentence (after "<folder> is a ... model;").

@@ -24,7 +24,9 @@ _MAGIC = F(12582912.0)  # 1.5 * 2**23: ggml's nearest_int
 _EPS = F(1e-15)  # GROUP_MAX_EPS
 
 
-def _jit(fn, **kw):
+def _jit(fn=None, **kw):
+    if fn is None:  # @_jit(inline="always")
+        return lambda f: _jit(f, **kw)
     # error_model="numpy": a float division by zero gives inf/NaN as in C (ggml divides first and then
     # does not use such a result), not Python's ZeroDivisionError
     try:
@@ -248,46 +250,55 @@ def _q45_block(xb, y, scales, mins, L, nmax, five, ls, lm, fb, ib):
                 y[16 + 32 * k + i] = L[64 * k + i] | (L[64 * k + 32 + i] << 4)
 
 
-@_jit
-def _make_qx(x, nmax, L, fb, ib):
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL): the scale; L gets levels + nmax."""
-    n = x.shape[0]
+@_jit(inline="always")
+def _signed_max(x):
+    """(the value of the largest magnitude, the first of equals; that magnitude), as make_qx_quants,
+    make_q3_quants and the Q3_K / Q6_K super-block scales look for it."""
     vmax = F(0)
     amax = F(0)
-    for i in range(n):
+    for i in range(x.shape[0]):
         ax = abs(x[i])
         if ax > amax:
             amax = ax
             vmax = x[i]
+    return vmax, amax
+
+
+@_jit(inline="always")
+def _qx_sums(x, iscale, nmax, L, off, store, fb, ib):
+    """One pass of make_qx_quants / make_q3_quants: l = nearest_int(iscale*x) in [-nmax, nmax-1] (stored
+    as l + off when ``store``); returns (sum of w*x*l, sum of w*l*l), w = x*x, in C's order."""
+    sumlx = F(0)
+    suml2 = F(0)
+    for i in range(x.shape[0]):
+        l = min(max(_nearest_int(iscale * x[i], fb, ib), -nmax), nmax - 1)
+        if store:
+            L[i] = l + off
+        w = x[i] * x[i]
+        fl = F(l)
+        sumlx += w * x[i] * fl
+        suml2 += w * fl * fl
+    return sumlx, suml2
+
+
+@_jit
+def _make_qx(x, nmax, L, fb, ib):
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL): the scale; L gets levels + nmax."""
+    n = x.shape[0]
+    vmax, amax = _signed_max(x)
     if amax < _EPS:
         for i in range(n):
             L[i] = 0
         return F(0)
     fmax = F(nmax)
-    iscale = F(-nmax) / vmax
-    sumlx = F(0)
-    suml2 = F(0)
-    for i in range(n):
-        l = min(max(_nearest_int(iscale * x[i], fb, ib), -nmax), nmax - 1)
-        L[i] = l + nmax
-        w = x[i] * x[i]
-        fl = F(l)
-        sumlx += w * x[i] * fl
-        suml2 += w * fl * fl
+    sumlx, suml2 = _qx_sums(x, F(-nmax) / vmax, nmax, L, nmax, True, fb, ib)
     scale = sumlx / suml2 if suml2 != F(0) else F(0)
     best = scale * sumlx
     for k in range(-9, 10):
         if k == 0:
             continue
         iscale = -(fmax + F(0.1) * F(k)) / vmax
-        sumlx = F(0)
-        suml2 = F(0)
-        for i in range(n):
-            l = min(max(_nearest_int(iscale * x[i], fb, ib), -nmax), nmax - 1)
-            w = x[i] * x[i]
-            fl = F(l)
-            sumlx += w * x[i] * fl
-            suml2 += w * fl * fl
+        sumlx, suml2 = _qx_sums(x, iscale, nmax, L, nmax, False, fb, ib)
         if suml2 > F(0) and sumlx * sumlx > best * suml2:
             for i in range(n):
                 L[i] = nmax + min(max(_nearest_int(iscale * x[i], fb, ib), -nmax), nmax - 1)
@@ -315,12 +326,7 @@ def _q6_k(x, out):
 @_jit
 def _q6_block(xb, y, scales, L, sc, fb, ib):
     """The rest of quantize_row_q6_K_ref for one super-block from its sub-blocks' scales and levels."""
-    max_scale = F(0)
-    max_abs = F(0)
-    for j in range(16):
-        if abs(scales[j]) > max_abs:
-            max_abs = abs(scales[j])
-            max_scale = scales[j]
+    max_scale, max_abs = _signed_max(scales)
     if max_abs < _EPS:
         for i in range(210):
             y[i] = 0
@@ -355,27 +361,12 @@ def _q6_block(xb, y, scales, L, sc, fb, ib):
 def _make_q3(x, nmax, L, fb, ib):
     """make_q3_quants(n, nmax, x, L, do_rmse=true): the scale; L gets levels + nmax."""
     n = x.shape[0]
-    vmax = F(0)
-    amax = F(0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            vmax = x[i]
+    vmax, amax = _signed_max(x)
     if amax < _EPS:
         for i in range(n):
             L[i] = 0
         return F(0)
-    iscale = F(-nmax) / vmax
-    sumlx = F(0)
-    suml2 = F(0)
-    for i in range(n):
-        l = min(max(_nearest_int(iscale * x[i], fb, ib), -nmax), nmax - 1)
-        L[i] = l
-        w = x[i] * x[i]
-        fl = F(l)
-        sumlx += w * x[i] * fl
-        suml2 += w * fl * fl
+    sumlx, suml2 = _qx_sums(x, F(-nmax) / vmax, nmax, L, 0, True, fb, ib)
     for _ in range(5):
         changed = 0
         for i in range(n):
@@ -472,9 +463,48 @@ G = 8  # super-blocks side by side
 _LIM = F(4194304.0)
 
 
+@_jit(inline="always")
+def _level(v, lo, hi):
+    """nearest_int(v) by the float trick, clamped to [lo, hi], as a float; right where _outside(v) is 0."""
+    return min(max((v + _MAGIC) - _MAGIC, lo), hi)
+
+
+@_jit(inline="always")
+def _outside(v):
+    """1 where the float trick is not nearest_int (|v| >= 2^22, or NaN): the group goes to the exact path."""
+    return 0 if abs(v) < _LIM else 1
+
+
+@_jit(inline="always")
+def _to_lanes(x, g0, gb, width, xt):
+    """Super-blocks g0 .. g0+gb-1 of x as lanes: xt[i, per*b + j] is value i of sub-block j of super-block
+    b (sub-blocks of xt.shape[0] values, per of them in a super-block)."""
+    per = 256 // width
+    for b in range(gb):
+        xb = x[g0 + b]
+        for j in range(per):
+            for i in range(width):
+                xt[i, per * b + j] = xb[width * j + i]
+
+
+@_jit(inline="always")
+def _lane_levels(xt, b, width, live, kis, kbase, lo, hi, off, L):
+    """Super-block b's levels (of the group in xt) at the scales its lanes' searches kept: nearest_int(kis *
+    (x - kbase)) in [lo, hi], plus off, into L; all 0 in a lane that is not live (ggml's early return)."""
+    per = 256 // width
+    for j in range(per):
+        s = per * b + j
+        for i in range(width):
+            if live[s]:
+                L[width * j + i] = np.int64(_level(kis[s] * (xt[i, s] - kbase[s]), lo, hi)) + off
+            else:
+                L[width * j + i] = 0
+
+
 @_jit
 def _q45_lanes(x, out, nmax, rmin, nstep, five):
-    """Q4_K / Q5_K (as _q45_k) G super-blocks at a time; returns how many groups the exact path redid."""
+    """Q4_K / Q5_K (as _q45_k) G super-blocks at a time: make_qkx2_quants over the lanes, then _q45_block
+    per super-block; returns how many groups the exact path redid."""
     redone = 0
     fb = np.zeros(1, dtype=np.float32)
     ib = fb.view(np.int32)
@@ -508,11 +538,7 @@ def _q45_lanes(x, out, nmax, rmin, nstep, five):
     for g0 in range(0, nb, G):
         gb = min(G, nb - g0)
         n = 8 * gb
-        for b in range(gb):
-            xb = x[g0 + b]
-            for j in range(8):
-                for i in range(32):
-                    xt[i, 8 * b + j] = xb[32 * j + i]
+        _to_lanes(x, g0, gb, 32, xt)
         bad = 0
         for s in range(n):
             s_l[s] = F(0)
@@ -555,9 +581,8 @@ def _q45_lanes(x, out, nmax, rmin, nstep, five):
             wi = wt[i]
             for s in range(n):
                 v = isc[s] * (xi[s] - lo[s])
-                bad += 0 if abs(v) < _LIM else 1
-                l = min(max((v + _MAGIC) - _MAGIC, F(0)), fmax)
-                diff = scale[s] * l + lo[s] - xi[s]
+                bad += _outside(v)
+                diff = scale[s] * _level(v, F(0), fmax) + lo[s] - xi[s]
                 diff = diff * diff
                 best[s] += wi[s] * diff
         for step in range(nstep + 1):
@@ -573,8 +598,8 @@ def _q45_lanes(x, out, nmax, rmin, nstep, five):
                 lai = la[i]
                 for s in range(n):
                     v = isc[s] * (xi[s] - lo[s])
-                    bad += 0 if abs(v) < _LIM else 1
-                    l = min(max((v + _MAGIC) - _MAGIC, F(0)), fmax)
+                    bad += _outside(v)
+                    l = _level(v, F(0), fmax)
                     lai[s] = l
                     wl = wi[s] * l
                     s_l[s] += wl
@@ -615,19 +640,36 @@ def _q45_lanes(x, out, nmax, rmin, nstep, five):
                 s = 8 * b + j
                 scales[j] = scale[s] if live[s] else F(0)
                 mins[j] = -lo[s]
-                for i in range(32):
-                    if live[s]:
-                        v = kis[s] * (xt[i, s] - kbase[s])
-                        L[32 * j + i] = np.int64(min(max((v + _MAGIC) - _MAGIC, F(0)), fmax))
-                    else:
-                        L[32 * j + i] = 0
+            _lane_levels(xt, b, 32, live, kis, kbase, F(0), fmax, 0, L)
             _q45_block(x[g0 + b], out[g0 + b], scales, mins, L, nmax, five, ls, lm, fb, ib)
     return redone
 
 
 @_jit
+def _qx_lane_sums(xt, n, isc, slx, sl2, lo, hi):
+    """One pass of make_qx_quants over the lanes at their scales isc: levels in [lo, hi], slx = sum of
+    w*x*l and sl2 = sum of w*l*l (w = x*x), each lane's in C's order; returns how many values the float
+    trick could not round."""
+    bad = 0
+    for s in range(n):
+        slx[s] = F(0)
+        sl2[s] = F(0)
+    for i in range(xt.shape[0]):
+        xi = xt[i]
+        for s in range(n):
+            v = isc[s] * xi[s]
+            bad += _outside(v)
+            l = _level(v, lo, hi)
+            w = xi[s] * xi[s]
+            slx[s] += w * xi[s] * l
+            sl2[s] += w * l * l
+    return bad
+
+
+@_jit
 def _q6_lanes(x, out):
-    """Q6_K (as _q6_k) G super-blocks at a time; returns how many groups the exact path redid."""
+    """Q6_K (as _q6_k) G super-blocks at a time: make_qx_quants over the lanes, then _q6_block per
+    super-block; returns how many groups the exact path redid."""
     redone = 0
     fb = np.zeros(1, dtype=np.float32)
     ib = fb.view(np.int32)
@@ -637,6 +679,7 @@ def _q6_lanes(x, out):
     amax = np.zeros(S, dtype=np.float32)
     isc = np.zeros(S, dtype=np.float32)
     kis = np.zeros(S, dtype=np.float32)
+    zero = np.zeros(S, dtype=np.float32)
     slx = np.zeros(S, dtype=np.float32)
     sl2 = np.zeros(S, dtype=np.float32)
     scale = np.zeros(S, dtype=np.float32)
@@ -653,12 +696,7 @@ def _q6_lanes(x, out):
     for g0 in range(0, nb, G):
         gb = min(G, nb - g0)
         n = 16 * gb
-        for b in range(gb):
-            xb = x[g0 + b]
-            for j in range(16):
-                for i in range(16):
-                    xt[i, 16 * b + j] = xb[16 * j + i]
-        bad = 0
+        _to_lanes(x, g0, gb, 16, xt)
         for s in range(n):
             vmax[s] = F(0)
             amax[s] = F(0)
@@ -673,17 +711,7 @@ def _q6_lanes(x, out):
             live[s] = not (amax[s] < _EPS)
             isc[s] = F(-nmax) / vmax[s] if live[s] else F(0)
             kis[s] = isc[s]
-            slx[s] = F(0)
-            sl2[s] = F(0)
-        for i in range(16):
-            xi = xt[i]
-            for s in range(n):
-                v = isc[s] * xi[s]
-                bad += 0 if abs(v) < _LIM else 1
-                l = min(max((v + _MAGIC) - _MAGIC, lo_l), hi_l)
-                w = xi[s] * xi[s]
-                slx[s] += w * xi[s] * l
-                sl2[s] += w * l * l
+        bad = _qx_lane_sums(xt, n, isc, slx, sl2, lo_l, hi_l)
         for s in range(n):
             scale[s] = slx[s] / sl2[s] if sl2[s] != F(0) else F(0)
             best[s] = scale[s] * slx[s]
@@ -693,17 +721,7 @@ def _q6_lanes(x, out):
             num = fmax + F(0.1) * F(k)
             for s in range(n):
                 isc[s] = -num / vmax[s] if live[s] else F(0)
-                slx[s] = F(0)
-                sl2[s] = F(0)
-            for i in range(16):
-                xi = xt[i]
-                for s in range(n):
-                    v = isc[s] * xi[s]
-                    bad += 0 if abs(v) < _LIM else 1
-                    l = min(max((v + _MAGIC) - _MAGIC, lo_l), hi_l)
-                    w = xi[s] * xi[s]
-                    slx[s] += w * xi[s] * l
-                    sl2[s] += w * l * l
+            bad += _qx_lane_sums(xt, n, isc, slx, sl2, lo_l, hi_l)
             for s in range(n):
                 if live[s] and sl2[s] > F(0) and slx[s] * slx[s] > best[s] * sl2[s]:
                     kis[s] = isc[s]
@@ -717,15 +735,9 @@ def _q6_lanes(x, out):
             for j in range(16):
                 s = 16 * b + j
                 scales[j] = scale[s] if live[s] else F(0)
-                for i in range(16):
-                    if live[s]:
-                        v = kis[s] * xt[i, s]
-                        L[16 * j + i] = np.int64(min(max((v + _MAGIC) - _MAGIC, lo_l), hi_l)) + nmax
-                    else:
-                        L[16 * j + i] = 0
+            _lane_levels(xt, b, 16, live, kis, zero, lo_l, hi_l, nmax, L)
             _q6_block(x[g0 + b], out[g0 + b], scales, L, sc, fb, ib)
     return redone
-
 
 
 # The kernels kquants.quantize calls: (float32 (B, 256) C-contiguous, uint8 (B, block bytes)) -> None, the

@@ -223,7 +223,8 @@ class Modelfile:
         return run_lines(gguf_path, self)
 
 
-def write_modelfile(folder: Path, gguf_path: Path, type_: str, adapter: Path | None = None) -> Modelfile:
+def write_modelfile(folder: Path, gguf_path: Path, type_: str, adapter: Path | None = None,
+                    projector: Path | None = None) -> Modelfile:
     """Write ``<gguf stem>.Modelfile`` beside the GGUF (replacing an older one) and return it. With
     ``adapter`` (a GGUF LoRA, ship/gguf_lora.py), the Modelfile is ``<adapter stem>.Modelfile`` beside the
     adapter: ``FROM`` the base GGUF (``./name`` when in the same folder, else its whole path) and
@@ -253,6 +254,10 @@ def write_modelfile(folder: Path, gguf_path: Path, type_: str, adapter: Path | N
     ]
     if adapter is not None:
         lines.append(f"ADAPTER {_quote('./' + adapter.name)}")
+    if projector is not None:  # a second FROM of general.type mmproj: Ollama 0.30+ passes it to llama-server as --mmproj
+        projector = Path(projector).absolute()
+        lines.append("# The vision tower (mmproj): Ollama 0.30 and later run it with the model to read images.")
+        lines.append(f"FROM {_quote('./' + projector.name if projector.parent == path.parent else str(projector))}")
     if name is not None:
         if name in GO_TEMPLATE_NOTES:
             lines.append(f"# TEMPLATE renders the chat template exactly on plain conversations; {GO_TEMPLATE_NOTES[name]}")

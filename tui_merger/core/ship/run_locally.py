@@ -49,11 +49,19 @@ class LocalModel:
     result: object  # gguf.GgufResult
     modelfile: object  # modelfile.Modelfile
     check: object  # gguf_check.GgufCheck
+    mmproj_check: object = None  # gguf_check.GgufCheck of the mmproj file beside it (gguf_mmproj.check_mmproj); None: none
 
     def run_lines(self) -> list[str]:
+        import shlex
+
         from tui_merger.core.ship.modelfile import run_lines
 
-        return run_lines(self.result.path, self.modelfile)
+        lines = run_lines(self.result.path, self.modelfile)
+        mmproj = getattr(self.result, "mmproj", None)
+        if mmproj is not None:  # llama.cpp's multimodal command line: the GGUF, its mmproj, an image, a prompt
+            lines.append(f"llama-mtmd-cli -m {shlex.quote(str(Path(self.result.path).absolute()))} --mmproj "
+                         f"{shlex.quote(str(Path(mmproj).absolute()))} --image IMAGE.jpg -p 'Describe this image.'")
+        return lines
 
 
 def estimate(folder: Path, type_: str) -> Estimate:
@@ -64,12 +72,16 @@ def estimate(folder: Path, type_: str) -> Estimate:
     from tui_merger.core.io.sources import open_model
     from tui_merger.core.ship.gguf import plan_gguf
 
+    from tui_merger.core.ship import gguf_mmproj
+
     with tempfile.TemporaryDirectory(prefix="tui-merger-estimate-") as tmp:  # a target that is surely free
         plan = plan_gguf(folder, type_, Path(tmp) / "estimate.gguf")
-        size = plan.tensor_bytes
-        closing = getattr(getattr(plan, "_source", None), "close", None)  # the plan holds the folder's files open
-        if closing is not None:
-            closing()
+        side = gguf_mmproj.beside(plan, overwrite=False)  # a vision-language folder: its mmproj file too
+        size = plan.tensor_bytes + (side.plan.tensor_bytes if side is not None and side.plan is not None else 0)
+        for held in (plan, getattr(side, "plan", None)):  # the plans hold the folder's files open
+            closing = getattr(getattr(held, "_source", None), "close", None)
+            if closing is not None:
+                closing()
     source = open_model(Path(folder))
     try:
         source_bytes = sum(int(getattr(ref, "nbytes", 0) or 0) for ref in source.tensors.values())
@@ -93,15 +105,29 @@ def make_local(
     check: str = "auto",
     on_event: EventSink = ignore_event,
     cancel: CancelToken | None = None,
+    mmproj: bool = True,
 ) -> LocalModel:
-    """Write the GGUF, its Modelfile, check the file and record the check. ``check``: auto, llama.cpp,
-    transformers or none (recorded as not checked)."""
+    """Write the GGUF (and a vision-language folder's mmproj file beside it, unless ``mmproj`` is False), its
+    Modelfile, check the file and record the check. ``check``: auto, llama.cpp, transformers or none (recorded
+    as not checked)."""
     from tui_merger.core.ship.gguf import export_gguf
     from tui_merger.core.ship.gguf_check import NOT_CHECKED, GgufCheck, check_gguf, record_check
     from tui_merger.core.ship.modelfile import write_modelfile
 
-    result = export_gguf(folder, type_, out, overwrite=overwrite, on_event=on_event, cancel=cancel)
-    modelfile = write_modelfile(folder, result.path, result.type)
+    from tui_merger.core.ship.gguf_mmproj import companion
+
+    result = export_gguf(folder, type_, out, overwrite=overwrite, on_event=on_event, cancel=cancel,
+                         companion=companion if mmproj else None)
+    modelfile = write_modelfile(folder, result.path, result.type, projector=result.mmproj)
+    mmproj_check = None
+    if result.mmproj is not None:  # its own check (llama.cpp's image embeddings) in its own manifest entry
+        from tui_merger.core.ship.gguf_mmproj import check_mmproj
+
+        mmproj_check = check_mmproj(folder, result.path, result.mmproj, reader=check, on_event=on_event, cancel=cancel)
+        try:
+            record_check(folder, result.mmproj, mmproj_check)
+        except OSError:
+            pass
     if check == "none":
         verdict = GgufCheck(NOT_CHECKED, None, "skipped (--check none).")
     else:
@@ -117,7 +143,7 @@ def make_local(
         record_check(folder, result.path, verdict, modelfile.path)
     except OSError:  # a read-only folder: export_gguf said so already; the file and its check stand
         pass
-    return LocalModel(result, modelfile, verdict)
+    return LocalModel(result, modelfile, verdict, mmproj_check)
 
 
 # -- the adapter as a GGUF LoRA on its base's GGUF ------------------------------------------------------
@@ -149,8 +175,8 @@ class LocalLora:
     base: LocalModel | None  # the base's GGUF written now (with its check); None: it was there, used as it is
     modelfile: object | None  # modelfile.Modelfile (FROM the base GGUF, ADAPTER the LoRA); None: the base failed
     check: object | None  # gguf_check.GgufCheck of llama.cpp with the LoRA against peft; None: the base failed
-    recorded: str | None  # the manifest the LoRA and its check went to; None: not recorded
-    not_recorded: str = ""  # why not, one sentence
+    recorded: str | None  # the file the LoRA and its check went to (the base's manifest, or the JSON beside the LoRA)
+    not_recorded: str = ""  # why not in the base's manifest (recorded beside it), or why not at all (recorded None)
 
     @property
     def base_failed(self) -> bool:
@@ -232,7 +258,7 @@ def make_local_lora(
     check FAILS nothing more is done), the Modelfile beside the LoRA (the adapter's chat template when it
     saved a tokenizer, else the base's), then llama.cpp runs the base GGUF with the LoRA against peft on the
     base with the adapter (``check`` as make_local's), recorded in the base folder's merge_manifest.json
-    where it has one."""
+    where it has one, else in the JSON beside the LoRA (gguf_lora.record_lora_gguf)."""
     from tui_merger.core.ship.gguf_check import NOT_CHECKED, GgufCheck, check_lora_gguf
     from tui_merger.core.ship.gguf_lora import export_lora_gguf, record_lora_gguf
     from tui_merger.core.ship.modelfile import write_modelfile
@@ -281,16 +307,22 @@ def make_local_lora(
             raise_if_cancelled("during the LoRA's check (not checked)")
         except MergeCancelled as err:
             raise stopped(err, "during the LoRA's check (not checked)") from None
+    from tui_merger.core.ship.gguf_lora import lora_record_path
+
     manifest = plan.base_folder / "merge_manifest.json"
+    beside = lora_record_path(lora.path)  # where the record goes when the base folder has no manifest
     try:
-        recorded = record_lora_gguf(plan.base_folder, lora, base_gguf, verdict, modelfile.path)
-    except OSError as err:  # a read-only base folder: the files and the check stand
+        in_manifest = record_lora_gguf(plan.base_folder, lora, base_gguf, verdict, modelfile.path)
+    except OSError as err:  # a read-only folder: the files and the check stand
         return LocalLora(lora, base_gguf, base, modelfile, verdict, None,
-                         f"{manifest} could not be updated ({err.strerror or err}).")
-    if not recorded:
-        return LocalLora(lora, base_gguf, base, modelfile, verdict, None,
-                         f"{plan.base_folder.name} has no merge_manifest.json (tui-merger did not make it).")
-    return LocalLora(lora, base_gguf, base, modelfile, verdict, str(manifest))
+                         f"{manifest if manifest.is_file() else beside} could not be written ({err.strerror or err}).")
+    if in_manifest:
+        return LocalLora(lora, base_gguf, base, modelfile, verdict, str(manifest))
+    if beside.is_file():
+        return LocalLora(lora, base_gguf, base, modelfile, verdict, str(beside),
+                         f"{plan.base_folder.name} has no merge_manifest.json: tui-merger did not make it")
+    return LocalLora(lora, base_gguf, base, modelfile, verdict, None,
+                     f"{plan.base_folder.name} has no merge_manifest.json (tui-merger did not make it).")
 
 
 def human_seconds(seconds: float) -> str:

@@ -382,7 +382,10 @@ class FinishStep(Step, VerticalScroll):
             return "\n".join(lines)
         status = verdicts.get(lora.check.status, "[b yellow]not checked[/]")
         lines.append(f"LoRA check {status}: {escape(lora.check.summary)}")
-        lines.append(f"Recorded in {escape(lora.recorded)}." if lora.recorded else f"Not recorded: {escape(lora.not_recorded)}")
+        if lora.recorded:
+            lines.append(f"Recorded in {escape(lora.recorded)}" + (f" ({escape(lora.not_recorded)})." if lora.not_recorded else "."))
+        else:
+            lines.append(f"Not recorded: {escape(lora.not_recorded)}")
         lines.append(f"Ollama Modelfile beside the LoRA: {escape(lora.modelfile.path.name)}. Run it with:")
         lines.extend(escape(fold_path(line, width)) for line in lora.run_lines())
         return "\n".join(lines)
