@@ -166,21 +166,26 @@ def test_run_it_locally_from_finish_in_a_real_terminal(tmp_path):
         tmux.wait_for("to write (at the speed")
         screen = tmux.wait_for("-Q4_K_M.gguf", timeout=10)  # the file field scrolled to its end
         assert "q4_k_m (recommended)" in screen, screen
-        tmux.keys("Tab", "Tab", "Enter")  # the type, the file, Make the GGUF
+        tmux.keys("Tab", "Tab", "Space")  # the type, the file, also the adapter as a GGUF LoRA: ticked
+        tmux.wait_for("The LoRA: ", timeout=10)  # what it writes, said before anything is
+        tmux.keys("Tab", "Enter")  # Make the GGUF
         # the notes say the file, the check, the Modelfile and the commands, scrolled into view (they lie
         # below the buttons); the farewell repeats the commands
-        screen = tmux.wait_for("Check PASSED", timeout=240)
-        screen = tmux.wait_for("llama-cli -m", timeout=10)
-        assert "-Q4_K_M.gguf" in screen and "Modelfile beside it" in screen and "ollama create " in screen, screen
+        screen = tmux.wait_for("GGUF LoRA written", timeout=240)  # the LoRA's outcome in view, the GGUF's above
+        screen = tmux.wait_for("LoRA check ", timeout=10)
+        assert "Base GGUF check PASSED" in screen and "Recorded in" in screen, screen  # (the run lines below: the farewell)
         tmux.keys("C-q")
         screen = tmux.wait_for("EXIT=0")
         assert "llama.cpp:    llama-cli -m " in screen and "Ollama:       ollama create " in screen, screen
+        assert " --lora " in screen, screen
     finally:
         tmux.kill()
     [out] = (tmp_path / "ws").glob("*-r8-*")
     [gguf_file] = out.glob("*-Q4_K_M.gguf")
     assert gguf_file.with_suffix(".Modelfile").is_file()
     assert read_manifest(out)["gguf"][0]["check"]["status"] == "passed"
+    assert (tmp_path / "ws" / "adapter" / "adapter-LoRA-F32.gguf").is_file()
+    assert (tmp_path / "ws" / "adapter" / "adapter-LoRA-F32.Modelfile").is_file()
 
 
 # -- the terminal going away (the note after issue 38: a `tui-merger demo` whose tmux session was killed

@@ -265,7 +265,7 @@ def test_the_plain_flow_offers_run_it_locally_with_q4_k_m_first(tmp_path, monkey
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     base, _ = build_demo(tmp_path / "ws")
-    answers = ["", "", "", "", "2", "", "", "4"]  # Find, output, start, no trial; Run it locally, q4_k_m, its file; Done
+    answers = ["", "", "", "", "2", "", "", "", "4"]  # Find, output, start, no trial; Run it locally, q4_k_m, its file, no LoRA; Done
     out = io.StringIO()
     code = run_plain(tmp_path / "ws", input=io.StringIO("".join(a + "\n" for a in answers)), output=out, dumb=True)
     text = out.getvalue()

@@ -172,3 +172,44 @@ def test_a_modelfile_with_a_dated_template_says_what_it_leaves_out(tmp_path):
     for messages in CONVERSATIONS:
         assert render_go(written, messages) == tok.apply_chat_template(list(messages), tokenize=False,
                                                                        add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gemma3"])
+def test_gemma_4_gets_no_template_and_says_that_ollama_renders_it(tmp_path, arch):
+    """Gemma 4's released templates (small and large, as Ollama committed them) are no template of ours, and a
+    gemma4 GGUF gets no TEMPLATE line: Ollama sets its own gemma4 renderer from the GGUF's architecture and prompts
+    with it whatever TEMPLATE says (server/create.go, server/prompt.go). The comment says that, not that Ollama
+    takes the GGUF's Jinja, which is what the same tokenizer gets under another architecture."""
+    import gguf
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tui_merger.core.ship.modelfile import OLLAMA_RENDERERS, write_modelfile
+
+    small, large = (e for e in RELEASED if e["model"].startswith("Gemma 4"))
+    tok = tokenizer(small)
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True) == \
+        "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"
+    assert tokenizer(large).apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                add_generation_prompt=True).endswith("<|turn>model\n<|channel>thought\n<channel|>")
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<turn|>": 3}
+    folder = tmp_path / "gemma-4-e4b-sql-merged"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), bos_token="<bos>",
+                            eos_token="<eos>", chat_template=small["chat_template"]).save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    path = folder / "gemma-4-e4b-sql-merged-Q4_K_M.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    mf = write_modelfile(folder, path, "q4_k_m")
+    text = mf.path.read_text()
+    assert mf.template is None and "TEMPLATE" not in text.replace("# No TEMPLATE", "").replace("a TEMPLATE here", "")
+    assert mf.stops == ("<eos>", "<turn|>")
+    if arch == "gemma4":
+        assert f"\n# No TEMPLATE: {OLLAMA_RENDERERS['gemma4']}\n" in text and "renderer" in mf.why_no_template
+    else:
+        assert "knows no Ollama template" in mf.why_no_template and "renderer" not in text

@@ -385,3 +385,94 @@ def test_a_format_the_engine_refuses_is_said_and_the_previous_one_kept(tmp_path)
     assert "--quantize fp8 found no Linear weight of whole 128x128 blocks" in out
     assert "The output stays as merged." in out
     assert out.count("The plan:") == 1 and "Traceback" not in out
+
+
+def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(ws):
+    """Issue 40: after a peft LoRA merge, "Run it locally" says what the adapter as a GGUF LoRA writes (the
+    LoRA beside the adapter, the base's GGUF in the base folder, sizes, time, whether llama.cpp can check
+    it) before asking; yes writes both after the merged model's GGUF and prints each check as the engine
+    recorded it and the exact lines to run the base's GGUF with the LoRA."""
+    import gguf
+
+    from tui_merger.core.ship.gguf_check import llama_cpp_version
+
+    code, out = lines(ws, "", "", "", "",  # Find, output, start, no trial
+                      "2", "", "", "y",  # Finish: Run it locally, q4_k_m, its file, the LoRA too
+                      "4")  # Done
+    assert code == 0, out
+    assert "2) Run it locally: a GGUF for llama.cpp, Ollama, LM Studio" in out
+    lora, base = ws / "adapter" / "adapter-LoRA-F32.gguf", ws / "base" / "base-Q4_K_M.gguf"
+    modelfile = lora.with_suffix(".Modelfile")
+    said = out.index(f"The adapter can also be written as a GGUF LoRA (for Ollama ADAPTER / llama-cli --lora): {lora} (about ")
+    assert out.index(f"  applied to the base's GGUF {base} (about ", said) < out.index("Also write the adapter as a GGUF LoRA? (y/N)")
+    assert said < out.index("GGUF written: ") < out.index(f"GGUF LoRA written: {lora} (F32, ")  # said before anything is written
+    assert ", 28 LoRA pairs, rank 8, alpha 16).\n" in out
+    assert f"  On the base's GGUF {base}, written now (Q4_K_M, " in out
+    assert "  Base GGUF check PASSED: token ids equal on " in out
+    if llama_cpp_version() is None:  # CI: only llama.cpp applies a GGUF LoRA
+        assert "; the LoRA will not be checked: only llama.cpp applies a GGUF LoRA, and llama-cpp-python is not installed here;" in out
+        assert "  LoRA check not checked: llama.cpp's Python binding (llama_cpp) is not installed here" in out
+    else:
+        assert "  LoRA check PASSED: " in out
+    assert f"  Recorded in {lora.with_suffix('.json')} (base has no merge_manifest.json: tui-merger did not make it).\n" in out
+    assert (f"Ollama Modelfile: {modelfile}\nRun it with the LoRA:\n  ollama create adapter:q4_k_m -f {modelfile}\n"
+            f"  llama-cli -m {base} --lora {lora}\n") in out
+    assert f"\nFROM {base}\nADAPTER ./adapter-LoRA-F32.gguf\n" in modelfile.read_text()
+    reader = gguf.GGUFReader(lora)  # llama.cpp's own library reads it as an adapter of the base's architecture
+    assert bytes(reader.fields["general.type"].parts[-1]).decode() == "adapter"
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "qwen2"
+    assert "Traceback" not in out
+
+
+def test_the_gguf_lora_is_offered_for_one_peft_adapter_only(ws, tmp_path):
+    """lora_source: one peft adapter folder at weight 1 on a base folder; not a weighted blend, nor an
+    adapter that is not a peft folder (nothing to make a GGUF LoRA of)."""
+    from tui_merger.core.options import MergeOptions
+    from tui_merger.core.ship.run_locally import lora_source
+
+    base, adapter = ws / "base", ws / "adapter"
+    assert lora_source(MergeOptions(base=base, adapter=adapter)) == (base.absolute(), adapter.absolute())
+    assert lora_source(MergeOptions(base=base, adapters=[(adapter, 0.5)])) is None
+    lone = tmp_path / "lone.safetensors"
+    shutil.copy(adapter / "adapter_model.safetensors", lone)
+    assert lora_source(MergeOptions(base=base, adapter=lone)) is None
+    assert lora_source(None) is None
+
+
+def test_a_stop_after_a_file_is_written_says_that_it_is_there(ws, tmp_path):
+    """Stopped during the GGUF's check, make_local said the merge's "nothing was written" though the file was
+    complete; stopped after the GGUF LoRA, make_local_lora says which files are there and that the rest was not made."""
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken, PhaseStarted
+    from tui_merger.core.ship.run_locally import make_local, make_local_lora, plan_lora
+
+    cancel = CancelToken()
+
+    def stop_at(phase):
+        return lambda ev: cancel.cancel() if isinstance(ev, PhaseStarted) and ev.phase == phase else None
+
+    target = tmp_path / "base-F16.gguf"
+    with pytest.raises(MergeCancelled) as stopped:
+        make_local(ws / "base", "f16", target, on_event=stop_at("check"), cancel=cancel)
+    assert str(stopped.value) == f"Stopped during the check: {target} was written but is not checked."
+    assert target.is_file()
+
+    cancel = CancelToken()
+    plan = plan_lora(ws / "base", ws / "adapter", "f16")
+    with pytest.raises(MergeCancelled) as stopped:
+        make_local_lora(plan, on_event=stop_at("plan"), cancel=cancel)  # the base's GGUF, after the LoRA
+    assert str(stopped.value) == f"Stopped while making the base's GGUF: {plan.lora_path} written; the rest was not made."
+    assert plan.lora_path.is_file() and not plan.base_gguf.exists()
+
+
+def test_the_base_gguf_of_a_hub_cache_snapshot_goes_beside_the_adapter(ws, tmp_path, monkeypatch):
+    """A base in the Hugging Face cache (a folder huggingface_hub manages, named by a commit hash) gets its GGUF
+    beside the adapter, named after the Hub model; a base folder of one's own keeps it inside, as `tui-merger gguf`."""
+    from tui_merger.core.ship.run_locally import default_base_gguf
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Org--Tiny-Qwen" / "snapshots" / "0123abcd"
+    shutil.copytree(ws / "base", snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert default_base_gguf(snapshot, ws / "adapter", "q4_k_m") == (ws / "adapter" / "Tiny-Qwen-Q4_K_M.gguf").absolute()
+    assert default_base_gguf(ws / "base", ws / "adapter", "q8_0") == (ws / "base" / "base-Q8_0.gguf").absolute()

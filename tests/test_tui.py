@@ -13,6 +13,7 @@ from shlex import quote as shlex_quote
 from pathlib import Path
 
 import pytest
+import torch
 from textual.widgets import Button, Checkbox, DataTable, Input, OptionList, ProgressBar, Select, Static
 
 from tui_merger.core.events import TensorProgress, TrialToken
@@ -1279,3 +1280,103 @@ async def test_a_missing_hub_base_says_hf_download_and_browse_picks_a_folder(unr
         await until(pilot, lambda: wizard.running is None and wizard.plan is not None and not wizard.plan_stale, "the plan")
         assert app.screen.query_one("#base", Input).value == str(far)
         assert wizard.options.base == far and not wizard.plan.blocked
+
+
+async def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(workspace, tmp_path):
+    """Issue 40: after a peft LoRA merge, "Run it locally" offers the adapter as a GGUF LoRA (Ollama ADAPTER,
+    llama-cli --lora). Ticked, it says the files, sizes and time before anything is written; the worker
+    writes the merged GGUF, the LoRA beside the adapter, the base's GGUF in the base folder and the
+    Modelfile; Finish shows each check's verdict as the engine recorded it and the exact lines to run it.
+    The LoRA's factors are the adapter's own (read with safetensors); asked again, the base's GGUF is
+    said to be there and used as it is."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tui_merger.core.ship.gguf_check import llama_cpp_version
+
+    ws = _workspace_with_alpha(workspace, tmp_path, 16)
+    out = tmp_path / "merged"
+    app = MergeApp(ws)
+    async with app.run_test(size=(100, 30)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(out)
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
+        await pilot.click("#gguf")
+        await until(pilot, lambda: "About " in str(app.screen.query_one("#gguf-estimate", Static).content), "the estimate")
+        box = app.screen.query_one("#gguf-lora", Checkbox)
+        assert str(box.label) == "Also the adapter as a GGUF LoRA (Ollama ADAPTER / --lora)"
+        assert not box.value and not app.screen.query_one("#lora-estimate", Static).display  # said when ticked
+        await pilot.click("#gguf-lora")
+        await pilot.pause()
+        assert box.value and app.screen.query_one("#lora-estimate", Static).display
+        said = plain(app, "#lora-estimate")
+        lora_file, base_file = ws / "adapter" / "adapter-LoRA-F32.gguf", ws / "base" / "base-Q4_K_M.gguf"
+        assert said.startswith(f"The LoRA: {lora_file} (about ") and " KB, F32), applied to the base's GGUF " in said
+        assert f"{base_file} (about " in said and " KB, written first and checked against the base); about " in said
+        if llama_cpp_version() is None:  # CI: only llama.cpp applies a GGUF LoRA, and it is not installed there
+            assert "; the LoRA will not be checked: only llama.cpp applies a GGUF LoRA, and llama-cpp-python is not installed here;" in said
+        assert not list(ws.rglob("*.gguf")) and not list(out.glob("*.gguf"))  # nothing written before "Make"
+        await pilot.click("#make")
+        await until(pilot, lambda: wizard.running is None and "GGUF written" in plain(app, "#finish-notes"),
+                    "the GGUFs", tries=1200)
+        assert plain(app, "#finish-notes").startswith("GGUF written (Q4_K_M, ")
+        notes = plain(app, "#lora-notes")  # below the merged model's GGUF, brought into view
+        lora_notes = app.screen.query_one("#lora-notes", Static)
+        await until(pilot, lambda: lora_notes.region.height > 0, "the LoRA's outcome in view")  # (at 100x30, below the fold)
+        assert f"GGUF LoRA written (F32, " in notes and ", 28 LoRA pairs, rank 8, alpha 16):\n" in notes
+        assert f"\n{lora_file}\non the base's GGUF, written now (Q4_K_M, " in notes and f" s): {base_file}\n" in notes
+        assert "\nBase GGUF check PASSED: token ids equal on " in notes
+        if llama_cpp_version() is None:
+            assert ("\nLoRA check not checked: llama.cpp's Python binding (llama_cpp) is not installed here, and only "
+                    "llama.cpp applies a GGUF LoRA; install llama-cpp-python to check it.\n") in notes
+        else:
+            assert "\nLoRA check PASSED: " in notes
+        record = lora_file.with_suffix(".json")  # the base has no manifest: the record beside the LoRA
+        assert f"\nRecorded in {record} (base has no merge_manifest.json: tui-merger did not make it).\n" in notes
+        assert json.loads(record.read_text())["sha256"] and not (ws / "base" / "merge_manifest.json").exists()
+        modelfile = lora_file.with_suffix(".Modelfile")
+        assert notes.endswith(
+            f"Ollama Modelfile beside the LoRA: {modelfile.name}. Run it with:\n"
+            f"ollama create adapter:q4_k_m -f {modelfile}\n"
+            f"llama-cli -m {base_file} --lora {lora_file}"
+        ), notes
+        text_ = modelfile.read_text()
+        assert f"\nFROM {base_file}\nADAPTER ./adapter-LoRA-F32.gguf\n" in text_
+        # the file holds the adapter's own factors where llama.cpp keeps the base's order (v_proj: no permute)
+        reader = gguf.GGUFReader(lora_file)
+        assert bytes(reader.fields["general.type"].parts[-1]).decode() == "adapter"
+        tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+        saved = load_file(ws / "adapter" / "adapter_model.safetensors")
+        [a_name] = [k for k in saved if "layers.0." in k and "v_proj.lora_A" in k]
+        assert torch.equal(tensors["blk.0.attn_v.weight.lora_a"], saved[a_name].float())
+        assert torch.equal(tensors["blk.0.attn_v.weight.lora_b"], saved[a_name.replace("lora_A", "lora_B")].float())
+        # asked again: the base's GGUF is there and used as it is; the LoRA is made of the adapter alone, replaced
+        await pilot.pause()
+        app.screen.query_one("#finish").scroll_home(animate=False, immediate=True)  # the notes were brought into view
+        await pilot.pause()
+        await pilot.click("#gguf")
+        await until(pilot, lambda: "About " in str(app.screen.query_one("#gguf-estimate", Static).content), "the estimate")
+        await pilot.click("#gguf-lora")
+        await pilot.pause()
+        said = plain(app, "#lora-estimate")
+        assert f"(about " in said and ", F32, replacing the one there), applied to the base's GGUF " in said
+        assert f"{base_file} (already there: used as it is); about " in said and " to write it; " in said
+        made_at = base_file.stat().st_mtime_ns
+        await pilot.click("#make")  # the merged model's GGUF is there too: refused in the app's words, the LoRA made
+        await until(pilot, lambda: wizard.running is None and "GGUF LoRA written" in plain(app, "#lora-notes"),
+                    "the LoRA", tries=1200)
+        refused = plain(app, "#finish-notes")
+        assert refused.startswith("No GGUF: ") and refused.endswith(' exists; type another "File" in "Run it locally..." (the file there is kept).')
+        assert "--" not in refused
+        notes = plain(app, "#lora-notes")
+        assert f"\non the base's GGUF (already there, used as it is): {base_file}\n" in notes
+        assert base_file.stat().st_mtime_ns == made_at and "Base GGUF check" not in notes
+        assert notes.endswith(f"llama-cli -m {base_file} --lora {lora_file}"), notes
+        app.exit(0)
+    lines = app.farewell().splitlines()
+    assert lines[-2:] == [f"  llama.cpp:    llama-cli -m {base_file} --lora {lora_file}",
+                          f"  Ollama:       ollama create adapter:q4_k_m -f {modelfile}"]
+    assert len(lines) == len(set(lines))  # made twice: said once

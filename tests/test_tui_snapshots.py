@@ -247,6 +247,27 @@ def test_run_locally_dialog(snap_compare, workspace, size):
 
 
 @SIZES
+def test_run_locally_dialog_with_the_gguf_lora(snap_compare, workspace, size):
+    """Finish > Run it locally... after a LoRA merge, "Also write the adapter as a GGUF LoRA" ticked: the LoRA's
+    and the base GGUF's paths and sizes, the time, and whether llama.cpp checks them, said before anything is
+    written; the dialog scrolled to its end so that the button is in sight."""
+    from textual.widgets import Input
+
+    async def ticked(pilot):
+        await merged(pilot)
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it, skipped
+        await pilot.click("#gguf")
+        await pilot.pause()
+        for field in pilot.app.screen.query(Input):
+            field.cursor_blink = False
+        await pilot.click("#gguf-lora")
+        await pilot.pause()
+        await pilot.pause()
+
+    assert snap_compare(app(), terminal_size=size, run_before=ticked)
+
+
+@SIZES
 def test_find_broken_config(snap_compare, workspace, size):
     """An adapter whose adapter_config.json is not JSON: marked in the list, the reason under it."""
     ws = WORKSPACE.parent / "broken"

@@ -657,13 +657,17 @@ class _Flow:
                  "a 2-core machine), then checked against the model.")
         where = self.ask.text("GGUF file (in the model folder, an upload of the folder includes it):",
                               default=str(default_out(folder, type_)), validate=_not_empty)
+        lora_plan = self.ask_lora(type_)
+        target = Path(where).expanduser()
         try:
-            made = make_local(folder, type_, Path(where).expanduser(), on_event=PlainProgress(stream=self.out, words=_in_flow))
+            made = make_local(folder, type_, target, on_event=PlainProgress(stream=self.out, words=_in_flow))
         except MergeError as err:
-            self.say(f"error: {err}")
+            self.say(f"error: {_in_flow(err)}")
+            if lora_plan is not None:  # asked for on its own: the merged model's GGUF does not change it
+                self.gguf_lora(lora_plan)
             return False
         except KeyboardInterrupt:  # the file is written under a temporary name, removed on the way out
-            self.say("Stopped; no GGUF was written.")
+            self.say(f"Stopped; {target} was written but is not checked." if target.is_file() else "Stopped; no GGUF was written.")
             return False
         r, check = made.result, made.check
         where = "recorded in merge_manifest.json; an upload of the folder includes it" if r.recorded else "not recorded (no merge_manifest.json)"
@@ -673,7 +677,74 @@ class _Flow:
         self.say("Run it:")
         for line in made.run_lines():
             self.say(f"  {line}")
+        if lora_plan is not None:
+            self.gguf_lora(lora_plan)
         return True
+
+    def ask_lora(self, type_: str):
+        """After a peft LoRA merge: say what the adapter as a GGUF LoRA writes (the LoRA beside the adapter,
+        the base's GGUF of this type, sizes, time, whether llama.cpp can check it) and ask; its
+        run_locally.LoraPlan when wanted, else None."""
+        from tui_merger.core.ship.gguf_check import llama_cpp_version
+        from tui_merger.core.ship.run_locally import human_seconds, lora_source, plan_lora
+
+        source = lora_source(self.options)
+        if source is None:
+            return None
+        try:
+            plan = plan_lora(*source, type_)
+        except MergeError as err:
+            self.say(f"The adapter cannot also be written as a GGUF LoRA: {err}")
+            return None
+        replacing = ", replacing the one there" if plan.lora_exists else ""
+        self.say(f"The adapter can also be written as a GGUF LoRA (for Ollama ADAPTER / llama-cli --lora): "
+                 f"{plan.lora_path} (about {human_bytes(plan.lora_size)}, F32{replacing}),")
+        if plan.base is None:
+            self.say(f"  applied to the base's GGUF {plan.base_gguf} (already there: used as it is);")
+        else:
+            self.say(f"  applied to the base's GGUF {plan.base_gguf} (about {human_bytes(plan.base.size)}, written first "
+                     "and checked against the base);")
+        check = ("then llama.cpp runs the base's GGUF with the LoRA against peft on the base with the adapter"
+                 if llama_cpp_version() is not None else
+                 "the LoRA will not be checked: only llama.cpp applies a GGUF LoRA, and llama-cpp-python is not installed here")
+        both = "both" if plan.base is not None else "it"
+        self.say(f"  about {human_seconds(plan.seconds)} to write {both}; {check}; an Ollama Modelfile beside the LoRA.")
+        return plan if self.ask.confirm("Also write the adapter as a GGUF LoRA?", default=False) else None
+
+    def gguf_lora(self, plan) -> None:
+        """Write the GGUF LoRA (run_locally.make_local_lora) and say the files, the checks and the lines to run it."""
+        from tui_merger.core.ship.run_locally import make_local_lora
+
+        try:
+            made = make_local_lora(plan, on_event=PlainProgress(stream=self.out, words=_in_flow))
+        except MergeError as err:
+            self.say(f"No GGUF LoRA: {err}")
+            return
+        except KeyboardInterrupt:  # each file is written under a temporary name, removed on the way out
+            done = [p for p in (plan.lora_path, plan.base_gguf) if p.is_file()]
+            self.say("Stopped; " + (", ".join(map(str, done)) + " are there" if done else "no GGUF LoRA was written") + ".")
+            return
+        r = made.lora
+        self.say(f"GGUF LoRA written: {r.path} (F32, {human_bytes(r.size)}, {r.pairs} LoRA pairs, rank "
+                 f"{', '.join(map(str, r.ranks))}, alpha {r.alpha:g}).")
+        if made.base is None:
+            self.say(f"  On the base's GGUF {made.base_gguf} (already there: used as it is).")
+        else:
+            b = made.base.result
+            self.say(f"  On the base's GGUF {made.base_gguf}, written now ({b.type.upper()}, {human_bytes(b.size)}, {b.seconds:.1f} s).")
+            self.say(f"  Base GGUF check {made.base.check.line()}")
+        if made.base_failed:
+            self.say("The LoRA was not checked and no Modelfile was written: the base's GGUF does not behave like the base model.")
+            return
+        self.say(f"  LoRA check {made.check.line()}")
+        if made.recorded:
+            self.say(f"  Recorded in {made.recorded}" + (f" ({made.not_recorded})." if made.not_recorded else "."))
+        else:
+            self.say(f"  Not recorded: {made.not_recorded}")
+        self.say(f"Ollama Modelfile: {made.modelfile.path}")
+        self.say("Run it with the LoRA:")
+        for line in made.run_lines():
+            self.say(f"  {line}")
 
     def upload(self, folder: Path) -> bool:
         """Ask, plan, confirm and upload; whether the model was uploaded."""
@@ -799,6 +870,8 @@ def _check_more(text: str) -> str | None:
 
 
 IN_FLOW = (  # the engine's words for flags, as this flow asks them
+    ("choose another --out, or pass --overwrite to replace it (only once the new file is complete)",
+     "give another name to the GGUF file question (the file there is kept)"),
     ("give it with --lora-alpha", 'pick "Change lora_alpha" below'),
     ("pass --lora-alpha with the value used in training", 'pick "Change lora_alpha" below'),
     ("the merge needs --lora-alpha", "the merge needs the lora_alpha used in training"),

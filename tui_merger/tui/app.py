@@ -46,7 +46,7 @@ Wizard { layout: vertical; }
 #merge-detail, #merge-notes, #merge-status, #verify-status { height: auto; }
 #checks { height: auto; max-height: 12; }
 #check-detail { height: auto; margin-top: 1; }
-#summary, #finish-notes { height: auto; margin-bottom: 1; }
+#summary, #finish-notes, #lora-notes { height: auto; margin-bottom: 1; }
 #try { height: 1fr; }
 #try-status { height: auto; }
 #prompt { width: 1fr; }
@@ -69,6 +69,9 @@ Wizard { layout: vertical; }
 .dim { color: $text-muted; }
 #gguf-progress { margin-bottom: 1; }
 #login-note, #picked { height: auto; margin-top: 1; }
+#gguf-dialog { padding: 0 2 1 2; }
+#gguf-lora { width: 100%; height: auto; border: none; padding: 0; background: transparent; }
+#lora-estimate { height: auto; margin-top: 1; }
 #public { height: 1; border: none; padding: 0; margin-top: 1; background: transparent; }
 #login-note { margin-top: 0; }
 Confirm, HelpScreen, FolderPicker, CleanupDialog, UploadDialog, GgufDialog { align: center middle; }

@@ -290,26 +290,37 @@ class UploadDialog(ModalScreen[tuple | None]):
 
 class GgufDialog(ModalScreen[tuple | None]):
     """"Run it locally": asks the GGUF type (Q4_K_M preselected) and file, shows the file's size and about
-    how long writing it takes before anything is written; returns (type, path) or None."""
+    how long writing it takes before anything is written; after a peft LoRA merge (``lora``: the base and
+    adapter folders), also offers the adapter as a GGUF LoRA on the base's GGUF of that type and says what
+    that writes. Returns (type, path, the LoRA's run_locally.LoraPlan or None) or None."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    LORA_LABEL = "Also the adapter as a GGUF LoRA (Ollama ADAPTER / --lora)"
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, lora: tuple[Path, Path] | None = None) -> None:
         super().__init__()
         self.folder = folder
+        self.lora = lora
+        self.lora_plan = None  # run_locally.LoraPlan for the chosen type, once planned
 
     def compose(self) -> ComposeResult:
-        from textual.widgets import Select
+        from textual.widgets import Checkbox, Select
 
         from tui_merger.core.ship.gguf import default_out
         from tui_merger.core.ship.run_locally import LOCAL_TYPE_WORDS, RUN_LOCALLY_TYPE
 
-        with Vertical(classes="dialog"):
+        # a scroll (not focusable itself: tab goes from the type on) for a small screen once the LoRA is said
+        with VerticalScroll(classes="dialog", id="gguf-dialog", can_focus=False):
             yield Label("Run it locally: a GGUF for llama.cpp, Ollama, LM Studio. Type:")
             yield Select(LOCAL_TYPE_WORDS, value=RUN_LOCALLY_TYPE, allow_blank=False, id="gguf-type")
             yield Static(id="gguf-estimate")
             yield Label("File (in the model folder, an upload of the folder includes it):")
             yield Input(str(default_out(self.folder, RUN_LOCALLY_TYPE)), id="gguf-out")
+            if self.lora is not None:
+                yield Checkbox(self.LORA_LABEL, False, id="gguf-lora")
+                lora_estimate = Static(id="lora-estimate")
+                lora_estimate.display = False  # said when ticked
+                yield lora_estimate
             with Horizontal(classes="buttons"):
                 yield Button("Make the GGUF", variant="primary", id="make")
                 yield Button("Cancel", id="cancel")
@@ -338,6 +349,52 @@ class GgufDialog(ModalScreen[tuple | None]):
         self.query_one("#make", Button).disabled = False
         shown.update(f"About {human_bytes(e.size)}, about {human_seconds(e.seconds)} to write (at the speed measured "
                      "on a 2-core machine), then checked against the model, with an Ollama Modelfile beside it.")
+        if self.lora is not None:
+            self._lora_estimate(type_)
+
+    def _lora_estimate(self, type_: str) -> None:
+        """What the GGUF LoRA writes for this type: the LoRA beside the adapter, the base's GGUF (or the one
+        already there), sizes and time, and whether llama.cpp is here to check the pair."""
+        from textual.widgets import Checkbox
+
+        from tui_merger.core.errors import MergeError
+        from tui_merger.core.options import human_bytes
+        from tui_merger.core.ship.gguf_check import llama_cpp_version
+        from tui_merger.core.ship.run_locally import human_seconds, plan_lora
+        from tui_merger.tui.steps.common import escape
+
+        shown = self.query_one("#lora-estimate", Static)
+        shown.display = self.query_one("#gguf-lora", Checkbox).value
+        self.lora_plan = None
+        try:
+            plan = plan_lora(*self.lora, type_)
+        except MergeError as err:
+            shown.update(f"[b red]The GGUF LoRA cannot be made:[/] {escape(err)}")
+            return
+        self.lora_plan = plan
+        replacing = ", replacing the one there" if plan.lora_exists else ""
+        if plan.base is None:
+            base = f"{escape(plan.base_gguf)} (already there: used as it is)"
+        else:
+            base = (f"{escape(plan.base_gguf)} (about {human_bytes(plan.base.size)}, written first and checked "
+                    "against the base)")
+        if llama_cpp_version() is not None:
+            check = "then llama.cpp runs the base's GGUF with the LoRA against peft on the base with the adapter"
+        else:
+            check = "the LoRA will not be checked: only llama.cpp applies a GGUF LoRA, and llama-cpp-python is not installed here"
+        shown.update(
+            f"The LoRA: {escape(plan.lora_path)} (about {human_bytes(plan.lora_size)}, F32{replacing}), applied to the "
+            f"base's GGUF {base}; about {human_seconds(plan.seconds)} to write {'it' if plan.base is None else 'both'}; {check}; an Ollama "
+            "Modelfile (FROM the base's GGUF, ADAPTER the LoRA) beside the LoRA."
+        )
+
+    def on_checkbox_changed(self, event) -> None:
+        event.stop()
+        shown = self.query_one("#lora-estimate", Static)
+        shown.display = event.value
+        if event.value:  # what it writes and the button in sight (the dialog scrolls on a small screen)
+            # (not immediate: Textual scrolls after the layout the shown text causes, to the new end)
+            self.query_one(".dialog", VerticalScroll).scroll_end(animate=False, immediate=False, force=True)
 
     def on_select_changed(self, event) -> None:
         from tui_merger.core.ship.gguf import TYPES, default_out
@@ -351,11 +408,16 @@ class GgufDialog(ModalScreen[tuple | None]):
         self._estimate(event.value)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        from textual.widgets import Select
+        from textual.widgets import Checkbox, Select
 
         if event.button.id == "make":
             out = self.query_one("#gguf-out", Input).value.strip()
-            self.dismiss((self.query_one("#gguf-type", Select).value, Path(out).expanduser() if out else None))
+            lora = None
+            if self.lora is not None and self.query_one("#gguf-lora", Checkbox).value:
+                lora = self.lora_plan
+                if lora is None:  # its sentence is on screen: the box stays ticked, nothing is written
+                    return
+            self.dismiss((self.query_one("#gguf-type", Select).value, Path(out).expanduser() if out else None, lora))
             return
         self.dismiss(None)
 

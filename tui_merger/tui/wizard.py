@@ -57,6 +57,7 @@ class Wizard(Screen):
         self.result = None  # the merge's MergeResult
         self.report = None  # the verification's report
         self.job = None  # the background job being followed (core.jobs.Job), when the merge runs detached
+        self.local_loras = []  # GGUF LoRAs Finish made of the merged adapter (run_locally.LocalLora), for the farewell
         self.stop_following = None  # set: stop following the job (it keeps running)
         self.cancel_token = None  # the merge's
         self.merge_idle = threading.Event()  # cleared while a merge runs in the app's own thread

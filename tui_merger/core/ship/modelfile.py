@@ -15,6 +15,8 @@
   tests/test_modelfile.py holds them against Go's own text/template and the released Jinja templates. Templates that write today's date use
   Ollama's ``currentDate``; what a template leaves out (tools, thinking modes) is a comment above it
   (``GO_TEMPLATE_NOTES``). A chat template no template of ours renders exactly keeps the comment.
+  An architecture Ollama prompts with its own renderer whatever the TEMPLATE says (Gemma 4:
+  ``OLLAMA_RENDERERS``) gets no TEMPLATE and a comment saying so.
 - ``PARAMETER stop`` for each end token the tokenizer names: its ``eos_token`` and the
   ``eos_token_id`` of ``generation_config.json`` (one id or a list). Nothing else is invented.
 
@@ -185,6 +187,18 @@ GO_TEMPLATE_NOTES = {
     "gpt-oss": f"{_TODAY_NOTE}; reasoning stays at the template's default (medium); {_NO_TOOLS}, nor past reasoning "
                "(the template drops it too).",
 }
+# Architectures Ollama renders with its own code, not a TEMPLATE: creating a model from such a GGUF sets its renderer
+# and parser from general.architecture, and a model with a renderer is prompted by it (server/create.go, server/prompt.go
+# in ollama/ollama, read at fb30760). Gemma 4: since Ollama v0.20.0, the release that added the architecture. No Go
+# template is written for them: one would not be used (the released Gemma 4 templates are in
+# tests/fixtures/ollama/released_chat_templates.json, and no template of ours claims them).
+OLLAMA_RENDERERS = {
+    "gemma4": (
+        "Ollama renders Gemma 4 (GGUF architecture gemma4) with its own gemma4 renderer and parser, which it sets from the "
+        "architecture when it creates the model (Ollama 0.20.0 and later, the versions that run Gemma 4; the E2B/E4B or the "
+        "12B-and-larger prompt, by the model's name or size), so a TEMPLATE here would not be used."
+    ),
+}
 CONVERSATIONS = (  # what both renderings must agree on, with the generation prompt added
     [{"role": "user", "content": "Hello!"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
@@ -221,7 +235,8 @@ def write_modelfile(folder: Path, gguf_path: Path, type_: str, adapter: Path | N
     folder, gguf_path = Path(folder).absolute(), Path(gguf_path).absolute()
     tok = load_tokenizer(folder)
     add_bos = _gguf_adds_bos(gguf_path)
-    name, why = chosen_template(tok, add_bos)
+    renderer = OLLAMA_RENDERERS.get(_gguf_architecture(gguf_path) or "")
+    name, why = (None, renderer) if renderer else chosen_template(tok, add_bos)
     stops = end_tokens(tok, json_object_or_none(folder / "generation_config.json") or {})
     ollama_name = ollama_model_name(folder.name, type_)
     path = gguf_path.with_name(gguf_path.stem + ".Modelfile")
@@ -559,14 +574,29 @@ _GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
 
 
 def _gguf_adds_bos(path: Path) -> bool:
-    """The file's tokenizer.ggml.add_bos_token, read by walking its key-value header only (gguf's
-    GGUFReader parses every array, a 150k-token vocabulary in seconds and hundreds of MB)."""
+    """The file's tokenizer.ggml.add_bos_token."""
+    return _gguf_header_values(path).get("tokenizer.ggml.add_bos_token") is True
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    """The file's general.architecture (llama.cpp's name: gemma4, qwen3...)."""
+    arch = _gguf_header_values(path).get("general.architecture")
+    return arch if isinstance(arch, str) else None
+
+
+_HEADER_KEYS = (b"tokenizer.ggml.add_bos_token", b"general.architecture")
+
+
+def _gguf_header_values(path: Path) -> dict:
+    """The header keys Modelfile needs (_HEADER_KEYS: a bool, a string), read by walking the file's key-value
+    header only (gguf's GGUFReader parses every array, a 150k-token vocabulary in seconds and hundreds of MB)."""
     import mmap
     import struct
 
+    found: dict = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
-            return False
+            return found
         pos, n_kv = 24, struct.unpack_from("<Q", buf, 16)[0]
 
         def skip(kind: int, pos: int) -> int:
@@ -588,10 +618,16 @@ def _gguf_adds_bos(path: Path) -> bool:
             pos += 8 + length
             kind = struct.unpack_from("<I", buf, pos)[0]
             pos += 4
-            if key == b"tokenizer.ggml.add_bos_token":
-                return kind == _GGUF_BOOL and buf[pos] != 0
+            if key in _HEADER_KEYS:
+                if kind == _GGUF_BOOL:
+                    found[key.decode()] = buf[pos] != 0
+                elif kind == _GGUF_STRING:
+                    length = struct.unpack_from("<Q", buf, pos)[0]
+                    found[key.decode()] = bytes(buf[pos + 8 : pos + 8 + length]).decode("utf-8", "replace")
+                if len(found) == len(_HEADER_KEYS):
+                    break
             pos = skip(kind, pos)
-    return False
+    return found
 
 
 def _quote(value: str, always: bool = False) -> str:

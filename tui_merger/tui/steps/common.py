@@ -79,6 +79,8 @@ def visible(text: str) -> str:
 # The engine's sentences name command-line flags; in the app the same choice is a field or a switch.
 # (phrase as the engine says it, as the app says it), tried in this order.
 IN_APP = (
+    ("choose another --out, or pass --overwrite to replace it (only once the new file is complete)",
+     'type another "File" in "Run it locally..." (the file there is kept)'),
     ("pass --overwrite", 'tick "Replace the existing folder" under the output folder'),
     ("(--overwrite)", '("Replace the existing folder")'),
     ("Use --dtype bf16, or --force to clamp them to ±65504.", 'Choose "dtype: bf16" (or fp32) under the output folder.'),

@@ -17,7 +17,7 @@ from tui_merger.tui.widgets import CleanupDialog, GgufDialog, UploadDialog
 def farewell(wizard) -> str | None:
     """What the terminal keeps when the app closes after a merge (None: no model was made): where the
     model is, whether it was verified, and the lines to use it: transformers, vLLM, and llama.cpp for
-    each GGUF made of it."""
+    each GGUF made of it (and each GGUF LoRA of its adapter, on the base's GGUF)."""
     import json
     import shlex
 
@@ -58,6 +58,12 @@ def farewell(wizard) -> str | None:
 
                 name = ollama_model_name(out.name, str(gguf.get("type", "")))
                 lines.append(f"  Ollama:       ollama create {name} -f {shlex.quote(str(modelfile))}")
+    for lora in getattr(wizard, "local_loras", []):  # the adapter as a GGUF LoRA on its base's GGUF
+        if lora.modelfile is not None and Path(lora.lora.path).is_file() and Path(lora.base_gguf).is_file():
+            ollama, llama = lora.run_lines()
+            for line in (f"  llama.cpp:    {llama}", f"  Ollama:       {ollama}"):
+                if line not in lines:  # made twice (another type, the same files): said once
+                    lines.append(line)
     return "\n".join(lines)
 
 
@@ -101,6 +107,9 @@ class FinishStep(Step, VerticalScroll):
         gguf_bar.display = False  # shown while a GGUF is written
         yield gguf_bar
         yield Static(id="finish-notes")
+        lora_notes = Static(id="lora-notes")  # the GGUF LoRA's outcome, when one was asked for
+        lora_notes.display = False
+        yield lora_notes
 
     def enter(self) -> None:
         from tui_merger.core.options import human_bytes
@@ -246,14 +255,34 @@ class FinishStep(Step, VerticalScroll):
                 wizard.refresh_nav()
                 self._gguf_worker(*answer, self.gguf_cancel)
 
-        self.app.push_screen(GgufDialog(wizard.out_path), chosen)
+        self.app.push_screen(GgufDialog(wizard.out_path, lora_of(wizard)), chosen)
 
     @work(thread=True, exclusive=True, group="gguf", exit_on_error=False)
-    def _gguf_worker(self, type_: str, out, cancel) -> None:
-        from tui_merger.core.ship.run_locally import make_local
+    def _gguf_worker(self, type_: str, out, lora_plan, cancel) -> None:
+        from tui_merger.core.errors import MergeCancelled, MergeError
+        from tui_merger.core.ship.run_locally import make_local, make_local_lora
 
         folder = self.wizard.out_path
-        self.post_outcome("gguf", lambda: make_local(folder, type_, out, on_event=self.forward, cancel=cancel), say_cancel=True)
+
+        def make():
+            try:
+                made = make_local(folder, type_, out, on_event=self.forward, cancel=cancel)
+            except MergeCancelled:
+                raise
+            except MergeError as err:  # (the file exists...): the LoRA, asked for too, is made all the same
+                if lora_plan is None:
+                    raise
+                made = str(err)
+            if lora_plan is None:
+                return made, None
+            try:  # the merged model's GGUF stands whatever becomes of the LoRA: both are shown
+                return made, make_local_lora(lora_plan, on_event=self.forward, cancel=cancel)
+            except MergeCancelled as err:
+                return made, err
+            except MergeError as err:
+                return made, str(err)
+
+        self.post_outcome("gguf", make, say_cancel=True)
 
     def on_engine_event(self, message: EngineEvent) -> None:
         from tui_merger.core.events import PhaseStarted, TensorProgress
@@ -276,21 +305,103 @@ class FinishStep(Step, VerticalScroll):
             self.query_one(other, Button).disabled = False
         self.query_one("#gguf-progress", ProgressBar).display = False
         notes = self.query_one("#finish-notes", Static)
+        lora_notes = self.query_one("#lora-notes", Static)
+        lora_notes.update("")
+        lora_notes.display = False
         if done.error:
-            notes.update(("[b yellow]Stopped.[/] " if done.cancelled else "[b red]No GGUF:[/] ") + escape(done.error))
+            notes.update(("[b yellow]Stopped.[/] " if done.cancelled else "[b red]No GGUF:[/] ") + escape(in_app(done.error)))
             return
-        made = done.value
+        made, lora = done.value
+        if lora is not None:  # asked for with the GGUF: its outcome in view (the merged GGUF's above it)
+            lora_notes.update(self._lora_text(lora, self.text_width()))
+            lora_notes.display = True
+            notes = lora_notes
+        if isinstance(made, str):  # the merged model's GGUF was refused; the LoRA asked for with it was made
+            self.query_one("#finish-notes", Static).update(f"[b red]No GGUF:[/] {escape(in_app(made))}")
+            self._bring_into_view(notes)
+            return
         r, check = made.result, made.check
         where = "recorded in merge_manifest.json; Upload... includes it" if r.recorded else "not recorded (no merge_manifest.json)"
         width = self.text_width()
         verdict = {"passed": "[b green]PASSED[/]", "failed": "[b red]FAILED: do not share it[/]"}.get(check.status, "[b yellow]not checked[/]")
         commands = "\n".join(escape(fold_path(line, width)) for line in made.run_lines())  # each on its own lines
-        notes.update(
+        self.query_one("#finish-notes", Static).update(
             f"GGUF written ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}):\n"
             f"[b]{escape(fold_path(r.path, width))}[/b]\n"
             f"Check {verdict}: {escape(check.summary)}\n"
             f"Ollama Modelfile beside it: {escape(made.modelfile.path.name)}. Run it with:\n{commands}"
         )
         # on a small screen the notes lie below the fold: bring them (the verdict, the commands) into view
-        # (after the layout that the new text causes: scrolling before it would stop at the old height)
-        self.call_after_refresh(lambda: self.call_after_refresh(notes.scroll_visible, top=True, animate=False))
+        self._bring_into_view(notes)
+
+    def _bring_into_view(self, notes, tries: int = 5, layout=None) -> None:
+        """Scroll the step so that ``notes`` starts at its top (or the step's end), once the layout that
+        its new text causes is done: a scroll before it stops at the old height, so it is tried again
+        after the next refresh until the layout holds still (then the user's own scrolling is left alone)."""
+        def scroll() -> None:
+            now = (notes.virtual_region.y, self.max_scroll_y, notes.size.height)
+            if now == layout and notes.size.height:  # laid out, and scrolled there last time: done
+                return
+            want = min(notes.virtual_region.y, self.max_scroll_y)
+            if self.scroll_y != want:
+                self.scroll_to(y=want, animate=False, immediate=True)
+            if tries > 1:
+                self.call_after_refresh(self._bring_into_view, notes, tries - 1, now)
+
+        self.call_after_refresh(scroll)
+
+    def _lora_text(self, lora, width: int) -> str:
+        """The GGUF LoRA's outcome: the files, the checks (the base's GGUF, then llama.cpp with the LoRA
+        against peft), where it is recorded and the lines to run it; or why there is none."""
+        from tui_merger.core.errors import MergeCancelled
+        from tui_merger.core.options import human_bytes
+
+        if isinstance(lora, MergeCancelled):
+            return f"[b yellow]GGUF LoRA stopped.[/] {escape(lora)}"
+        if isinstance(lora, str):
+            return f"[b red]No GGUF LoRA:[/] {escape(lora)}"
+        self.wizard.local_loras.append(lora)  # for the farewell
+        verdicts = {"passed": "[b green]PASSED[/]", "failed": "[b red]FAILED: do not share it[/]"}
+        r = lora.lora
+        ranks = ", ".join(map(str, r.ranks))
+        lines = [
+            f"GGUF LoRA written (F32, {human_bytes(r.size)}, {r.pairs} LoRA pairs, rank {ranks}, alpha {r.alpha:g}):",
+            f"[b]{escape(fold_path(r.path, width))}[/b]",
+        ]
+        if lora.base is None:
+            lines.append(f"on the base's GGUF (already there, used as it is): {escape(fold_path(lora.base_gguf, width))}")
+        else:
+            b = lora.base
+            lines.append(f"on the base's GGUF, written now ({b.result.type.upper()}, {human_bytes(b.result.size)}, "
+                         f"{b.result.seconds:.1f} s): {escape(fold_path(lora.base_gguf, width))}")
+            status = verdicts.get(b.check.status, "[b yellow]not checked[/]")
+            lines.append(f"Base GGUF check {status}: {escape(b.check.summary)}")
+        if lora.base_failed:
+            lines.append("The LoRA was not checked and no Modelfile was written: the base's GGUF does not behave like "
+                         "the base model.")
+            return "\n".join(lines)
+        status = verdicts.get(lora.check.status, "[b yellow]not checked[/]")
+        lines.append(f"LoRA check {status}: {escape(lora.check.summary)}")
+        if lora.recorded:
+            lines.append(f"Recorded in {escape(lora.recorded)}" + (f" ({escape(lora.not_recorded)})." if lora.not_recorded else "."))
+        else:
+            lines.append(f"Not recorded: {escape(lora.not_recorded)}")
+        lines.append(f"Ollama Modelfile beside the LoRA: {escape(lora.modelfile.path.name)}. Run it with:")
+        lines.extend(escape(fold_path(line, width)) for line in lora.run_lines())
+        return "\n".join(lines)
+
+
+def lora_of(wizard) -> tuple[Path, Path] | None:
+    """(base, adapter) when the merge was one peft LoRA adapter on a base folder here (run_locally.lora_source),
+    from the app's options or a followed job's request."""
+    from tui_merger.core.ship.run_locally import lora_source
+
+    options = wizard.options
+    if options is None and wizard.job is not None:
+        from tui_merger.core.options import MergeOptions
+
+        try:
+            options = MergeOptions(**wizard.job.request["options"])
+        except Exception:  # noqa: BLE001 - a request of another version: the LoRA is not offered
+            return None
+    return lora_source(options)
