@@ -175,14 +175,17 @@ def check_gguf(
         why = _transformers_cannot_read(gguf_path)
         if why:
             return GgufCheck(NOT_CHECKED, None, why + " Install llama-cpp-python to check it with llama.cpp itself.")
+    quirk = _llama_cpp_quirk(gguf_path) if use_llama else None
     try:
-        ref = _reference(folder, cancel, type_=type_)
+        ref = _reference(folder, cancel, type_=type_, config_edit=quirk[0] if quirk else None)
     except MergeError as err:
         return GgufCheck(NOT_CHECKED, None, f"the model folder cannot be run as the reference ({str(err).rstrip('.')}).")
     if cancel is not None:
         cancel.raise_if_cancelled()
     if use_llama:
         got, name = _with_llama_cpp(gguf_path, ref)
+        if quirk and not isinstance(got, str):
+            name = f"{name}; {quirk[1]}"
         if ref.llama_ids is not None and not isinstance(got, str):
             return _verdict(ref, got, limit, type_, name, _experts(gguf_path), expected=ref.llama_ids)
     else:
@@ -290,9 +293,11 @@ class _Reference:
     near_tie: object = None
 
 
-def _reference(folder: Path, cancel, adapter: Path | None = None, type_: str | None = None) -> _Reference:
+def _reference(folder: Path, cancel, adapter: Path | None = None, type_: str | None = None,
+               config_edit: dict | None = None) -> _Reference:
     """transformers on the folder; with ``adapter``, peft's LoRA applied to it unmerged (the reference of a
-    GGUF LoRA). For a float ``type_`` (ROUNDED) the forward runs a second time rounded to that type."""
+    GGUF LoRA). For a float ``type_`` (ROUNDED) the forward runs a second time rounded to that type.
+    ``config_edit``: values set on the (text) config before the model is built (``_llama_cpp_quirk``)."""
     import torch
 
     from tui_merger.core.io.files import json_object_or_none
@@ -316,10 +321,10 @@ def _reference(folder: Path, cancel, adapter: Path | None = None, type_: str | N
     prompt = ids[-1]
     probe = list(tok("x")["input_ids"])
     add_bos = tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id]
-    logits, routers = _streamed_logits(folder, cls, prompt, cancel, adapter)
+    logits, routers = _streamed_logits(folder, cls, prompt, cancel, adapter, config_edit=config_edit)
     rounded = near_tie = None
     if type_ in ROUNDED or type_ in QUANT_BITS:
-        rounded, moved = _streamed_logits(folder, cls, prompt, cancel, adapter, round_to=type_)
+        rounded, moved = _streamed_logits(folder, cls, prompt, cancel, adapter, round_to=type_, config_edit=config_edit)
         rounded = rounded.to(torch.float32)
         near_tie = _near_ties(routers, moved)
     llama_ids = None
@@ -360,7 +365,7 @@ def _chat_text(tok) -> str | None:
 
 
 def _streamed_logits(folder: Path, cls, prompt: list[int], cancel, adapter: Path | None = None,
-                     round_to: str | None = None):
+                     round_to: str | None = None, config_edit: dict | None = None):
     """transformers' own forward of the folder's model, float32, one module's weights in memory at a time;
     with ``adapter``, peft's forward of the model with that LoRA (behaviour.streamer_with_adapter).
     Returns (logits [positions, vocab], the selection scores of every router [(scores [positions, experts],
@@ -394,6 +399,8 @@ def _streamed_logits(folder: Path, cls, prompt: list[int], cancel, adapter: Path
     try:
         try:
             config = AutoConfig.from_pretrained(folder)
+            for key, value in (config_edit or {}).items():
+                setattr(config.get_text_config(), key, value)
             if adapter is None:
                 streamer, missing = bh.streamer_for_files(cls, config, tensors, "merged model", cancel=cancel)
             else:
@@ -658,6 +665,30 @@ def _with_transformers(path: Path, ref: _Reference):
 
 
 # -- the verdict -------------------------------------------------------------------------------------
+
+
+# llama.cpp versions whose qwen2vl graph runs its RMS norms with epsilon 0: their loader
+# (src/models/qwen2vl.cpp, load_arch_hparams) reads the M-RoPE sections only, never
+# attention.layer_norm_rms_epsilon, which the file holds as the converter writes it (the qwen2 loader reads it)
+_QWEN2VL_WITHOUT_EPS = {"0.3.36"}
+
+
+def _llama_cpp_quirk(path: Path) -> tuple[dict, str] | None:
+    """Where the installed llama.cpp computes a file's architecture otherwise than the file says, by a known
+    fault of its own: the reference's config values that do as it does, and the sentence that says so."""
+    import gguf
+
+    if llama_cpp_version() not in _QWEN2VL_WITHOUT_EPS:
+        return None
+    try:
+        field = gguf.GGUFReader(path).fields.get("general.architecture")
+        arch = bytes(field.parts[field.data[0]]).decode() if field is not None and field.data else None
+    except Exception:  # noqa: BLE001 - an unreadable file: its loading says what
+        return None
+    if arch != "qwen2vl":
+        return None
+    return ({"rms_norm_eps": 0.0}, "reference run with the norms' epsilon 0, as this llama.cpp's qwen2vl runs them "
+            "(it does not read the file's attention.layer_norm_rms_epsilon)")
 
 
 def _experts(path: Path) -> int:
