@@ -387,7 +387,8 @@ def test_the_plain_flow_makes_a_gguf_and_uploads_with_a_pasted_token(hub, tmp_pa
     base, _ = build_demo(tmp_path / "ws")
     answers = [
         "1", "", "1", "",  # the adapter, the output folder, Start the merge; Try it: no
-        "2", "1", "",  # What next: Run it locally, the type f16 (q4_k_m is preselected), its file (the suggestion)
+        "2", "1", "", "",  # What next: Run it locally, the type f16 (q4_k_m is preselected), its file (the suggestion),
+        # the adapter as a GGUF LoRA too: no (the default)
         "3", "alice/plain-merged", "", WRITE, "y",  # upload: repo, private, the token, upload now
         "3",  # Done
     ]
