@@ -4,8 +4,8 @@
 The reference does not use our code: transformers loads the folder (``AutoModelForImageTextToText``), and every
 tower parameter it loaded is put through the converter's rules written out here from the converter
 (conversion/base.py ``MmprojModel``, gemma.py ``Gemma3VisionModel``, qwenvl.py ``Qwen2VLVisionModel``, qwen3vl.py
-``Qwen3VLVisionModel``): the ``gguf`` package's TensorNameMap for the names, Qwen2-VL's qkv split, the Conv3D patch
-split, Gemma 3's 1 + w norm, and the f16/f32 type of each tensor; the keys from transformers' config dict as the
+``Qwen3VLVisionModel``, llava.py ``LlavaVisionModel``): the ``gguf`` package's TensorNameMap for the names, Qwen2-VL's
+qkv split, the Conv3D patch split, Gemma 3's 1 + w norm, Pixtral's q/k rows permuted as ``LlamaModel.permute``, and the f16/f32 type of each tensor; the keys from transformers' config dict as the
 converter computes them. The file read back with gguf's GGUFReader must equal that, tensor by tensor and key by key.
 """
 
@@ -31,7 +31,15 @@ VISION = {  # one-layer towers, but Qwen2.5-VL: two (its window pattern needs a 
                      patch_size=16, spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0]),
 }
 VISION["qwen3_vl_moe"] = VISION["qwen3_vl"]
-OTHER = {"gemma3": dict(image_token_index=440, boi_token_index=441, eoi_token_index=442, mm_tokens_per_image=1)}
+# Pixtral towers (Mistral 3: with its patch merger; Llava: Pixtral 12B's layout, llama inside): 128 x 128 images of 16 x 16
+# patches, the size llama.cpp's pixtral tower takes without resizing (8 to 1024 tokens)
+PIXTRAL = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               head_dim=16, image_size=128, patch_size=16)
+VISION["mistral3"] = VISION["llava"] = PIXTRAL
+TEXT_TYPE = {"mistral3": "mistral", "llava": "llama"}
+OTHER = {"gemma3": dict(image_token_index=440, boi_token_index=441, eoi_token_index=442, mm_tokens_per_image=1),
+         "mistral3": dict(image_token_index=440, spatial_merge_size=2),
+         "llava": dict(image_token_index=440, vision_feature_select_strategy="full", vision_feature_layer=-1)}
 # the image normalization of the released checkpoints' preprocessor_config.json (Gemma 3: 0.5; Qwen: OpenAI CLIP's)
 MEAN_STD = {"gemma3": ([0.5] * 3, [0.5] * 3)}
 CLIP = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
@@ -60,6 +68,8 @@ def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) 
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
     if model_type == "qwen3_vl_moe":
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if model_type in TEXT_TYPE:
+        text["model_type"] = TEXT_TYPE[model_type]
     config = AutoConfig.for_model(model_type, text_config=text, vision_config=VISION[model_type], **OTHER.get(model_type, {}))
     model = transformers.AutoModelForImageTextToText.from_config(config)
     with torch.no_grad():
@@ -68,9 +78,19 @@ def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) 
                 p.copy_(0.1 * torch.randn_like(p) + (0.5 if _name.endswith("norm.weight") else 0))
             elif not p.any():  # Gemma 3's input projection starts at zero: a transposed one would not show
                 p.copy_(0.1 * torch.randn_like(p))
+            if model_type in TEXT_TYPE and ".attention." in _name and "vision" in _name:  # sharp, weighty attention:
+                p.copy_((1.0 if _name.endswith(("q_proj.weight", "k_proj.weight")) else 0.5) * torch.randn_like(p))  # its 2-D rope shows
     model.to(dtype).save_pretrained(path)
     mean, std = MEAN_STD.get(model_type, CLIP)
     (path / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
+    if model_type in TEXT_TYPE:  # a tokenizer: the language model's GGUF beside it (benchmarks/llama_cpp_mmproj_check.py)
+        from test_gguf import byte_level_tokenizer
+
+        from tokenizers import AddedToken
+
+        tok = byte_level_tokenizer("qwen")
+        tok.add_tokens([AddedToken("[IMG_BREAK]", special=True)])  # llama.cpp's pixtral tower ends image rows with it
+        tok.save_pretrained(path)
     if model_type == "gemma3":  # the processor says how many tokens an image becomes (Gemma 3: 256; here 1)
         (path / "processor_config.json").write_text(json.dumps({"image_seq_length": 1, "processor_class": "Gemma3Processor"}))
     return path
@@ -104,6 +124,11 @@ def expected_tensors(folder: Path, model_type: str) -> dict:
         items += [("model.embed_vision." + k, v) for k, v in inner.embed_vision.state_dict().items()]
         items = [(k.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight", ".weight")
                   + (".weight" if k.endswith("position_embedding_table") else ""), v) for k, v in items]
+    elif model_type in ("mistral3", "llava"):  # the hub's names: vision_tower.*, multi_modal_projector.*
+        items = [("vision_tower." + k, v) for k, v in inner.vision_tower.state_dict().items()]
+        items += [("multi_modal_projector." + k, v) for k, v in inner.multi_modal_projector.state_dict().items()]
+        added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]  # the [IMG_BREAK] row of the embedding
+        items.append(("img_break", model.get_input_embeddings().weight[next(t["id"] for t in added if t["content"] == "[IMG_BREAK]")]))
     else:
         items = [("visual." + k, v) for k, v in inner.visual.state_dict().items()]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 3)
@@ -131,6 +156,12 @@ def expected_tensors(folder: Path, model_type: str) -> dict:
             parts = [({"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[part] + "." + suffix, w)]
         elif "vision_model.head." in hf:
             continue
+        elif model_type in ("mistral3", "llava") and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            n = model.config.vision_config.num_attention_heads  # LlamaModel.permute(w, n_head, n_head)
+            permuted = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            parts = [(names.get_name(hf, try_suffixes=(".weight",)), permuted)]
+        elif hf == "img_break":
+            parts = [("v.token_embd.img_break", w)]
         else:  # the converter's suffixes (Gemma 4's clipped linears' bounds); a scalar as a 1-value tensor
             suffixes = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
             parts = [(names.get_name(hf, try_suffixes=suffixes), w.reshape(1) if w.ndim == 0 else w)]
@@ -178,6 +209,11 @@ def expected_keys(folder: Path, model_type: str) -> dict:
     elif model_type == "gemma4":
         keys.update({"clip.vision.projector_type": "gemma4v", "clip.vision.attention.layer_norm_epsilon": v.get("layer_norm_eps", 1e-6)})
         heads, layers, width, ff, size = v["num_attention_heads"], v["num_hidden_layers"], v["hidden_size"], v["intermediate_size"], 224
+    elif model_type in ("mistral3", "llava"):
+        keys.update({"clip.projector_type": "pixtral", "clip.vision.attention.layer_norm_epsilon": 1e-5, "clip.use_gelu": True})
+        if model_type == "mistral3":
+            keys["clip.vision.spatial_merge_size"] = cfg["spatial_merge_size"]
+        heads, layers, width, ff, size = v["num_attention_heads"], v["num_hidden_layers"], v["hidden_size"], v["intermediate_size"], v["image_size"]
     elif model_type in ("qwen2_vl", "qwen2_5_vl"):
         heads, layers, size = v["num_heads"], v["depth"], 560
         width, ff = (v["embed_dim"], v["hidden_size"]) if model_type == "qwen2_vl" else (v["hidden_size"], v["intermediate_size"])
@@ -214,7 +250,8 @@ def _close(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "gemma4:clipped", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "gemma4:clipped", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                                        "mistral3", "llava"])
 def test_mmproj_equals_converter_rules_on_transformers_weights(model_type, tmp_path):
     from tui_merger.core.ship.gguf import write_gguf
     from tui_merger.core.ship.gguf_mmproj import plan_mmproj
