@@ -62,9 +62,9 @@ def main(argv: list[str]) -> int:
             try:
                 rows.append(check(name, Path(tmp), seed, np, torch))
             except Exception as err:  # a row that says why, the others still run
-                rows.append((name, "no", "-", "-", f"{type(err).__name__}: {str(err)[:160]}", "FAILED"))
-    print("| tower | loads | image tokens llama.cpp / transformers | embeddings max rel. diff | note | result |")
-    print("|---|---|---|---|---|---|")
+                rows.append((name, "no", "-", "-", f"{type(err).__name__}: {str(err)[:160]}", "-", "FAILED"))
+    print("| tower | loads | image tokens llama.cpp / transformers | embeddings max rel. diff | note | tui-merger's check | result |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(map(str, row)) + " |")
     return 0 if all(r[-1] == "PASSED" for r in rows) else 1
@@ -118,10 +118,16 @@ def check(name: str, tmp: Path, seed: int, np, torch):
     pre = json.loads((folder / "preprocessor_config.json").read_text())
     want = transformers_embeddings(model, name, rgb, pre, np, torch)
     tokens = f"{got.shape[0]} / {want.shape[0]}"
+    app = "-"
+    if name in ("mistral3", "llava"):  # the in-app check (gguf_mmproj.check_mmproj: llama.cpp in a child process)
+        from tui_merger.core.ship.gguf_mmproj import check_mmproj
+
+        verdict = check_mmproj(folder, text_gguf, mmproj)
+        app = f"{verdict.status} ({verdict.details.get('embeddings_rel', float('nan')):.1e})" if verdict.details else verdict.status
     if got.shape != want.shape:
-        return (name, "yes", tokens, "-", f"shapes {tuple(got.shape)} vs {tuple(want.shape)}", "FAILED")
+        return (name, "yes", tokens, "-", f"shapes {tuple(got.shape)} vs {tuple(want.shape)}", app, "FAILED")
     rel = float(np.abs(got - want).max() / np.abs(want).max())
-    return (name, "yes", tokens, f"{rel:.1e}", f"{width}x{height} image, {model.config.vision_config.model_type}",
+    return (name, "yes", tokens, f"{rel:.1e}", f"{width}x{height} image, {model.config.vision_config.model_type}", app,
             "PASSED" if rel <= LIMITS.get(name, LIMIT) else "FAILED")
 
 

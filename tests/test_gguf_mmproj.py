@@ -342,6 +342,39 @@ def test_vl_folder_without_image_normalization_gets_text_gguf_and_a_sentence(tmp
     assert len(said) == 1 and "image_mean" in said[0] and said[0].endswith(".") and said[0].count(". ") == 0
 
 
+@pytest.mark.parametrize("case", ["clip", "layer", "no_break"])
+def test_llava_tower_llama_cpp_cannot_run_gets_text_gguf_and_a_sentence(case, tmp_path):
+    """A Llava with a CLIP tower (LLaVA 1.5: the converter's LlavaVisionModel writes Pixtral towers only), one that takes
+    its features from an inner vision layer (llama.cpp's pixtral graph uses the last), or a tokenizer without [IMG_BREAK]
+    (clip.cpp requires its embedding): the language model's GGUF, no mmproj, one sentence why."""
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.events import Notice
+    from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_mmproj import companion
+
+    if case == "clip":
+        vl = make_vl(tmp_path / "vl", "llava")  # test_gguf_vl_text's Llava: a CLIP vision tower, llama inside
+        (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": CLIP[0], "image_std": CLIP[1]}))
+    else:
+        vl = make_tower(tmp_path / "vl", "llava")
+        if case == "layer":
+            config = json.loads((vl / "config.json").read_text())
+            (vl / "config.json").write_text(json.dumps(dict(config, vision_feature_layer=-2)))
+        else:
+            from test_gguf import byte_level_tokenizer
+
+            (vl / "tokenizer_config.json").unlink()
+            byte_level_tokenizer("qwen").save_pretrained(vl)
+    events = []
+    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append, companion=companion)
+    assert result.path.is_file() and result.mmproj is None
+    assert not list(tmp_path.glob("mmproj-*"))
+    said = [e.message for e in events if isinstance(e, Notice) and "The mmproj file is not written" in e.message]
+    want = {"clip": "clip_vision_model", "layer": "vision layer -2", "no_break": "[IMG_BREAK]"}[case]
+    assert len(said) == 1 and want in said[0] and said[0].endswith("."), said
+
+
 def test_gemma4_mmproj_beside_its_gguf_and_what_it_leaves_out(tmp_path):
     """Gemma 4 (E2B / E4B hear too): the mmproj holds the vision tower, a notice says the audio tower is not in it;
     a tower pooling other than 3 x 3 (llama.cpp's gemma4v, which no key can change) gets a sentence and no mmproj;
@@ -377,7 +410,7 @@ def test_gemma4_mmproj_beside_its_gguf_and_what_it_leaves_out(tmp_path):
     assert tower_of(tmp_path / "vl") == ("gemma4", None)
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl", "mistral3"])
 def test_check_reference_equals_the_whole_model(model_type, tmp_path):
     """The in-app check's transformers side loads the VL model with its language model cut to one layer (memory: the
     tower's); its image embeddings must be the whole model's get_image_features on the same pixels, bit for bit."""
@@ -388,7 +421,7 @@ def test_check_reference_equals_the_whole_model(model_type, tmp_path):
     folder = make_tower(tmp_path / model_type, model_type)
     config = gguf_mmproj._config(folder)
     pre = json.loads((folder / "preprocessor_config.json").read_text())
-    side = {"gemma3": 28, "gemma4": 36, "qwen2_5_vl": 56, "qwen3_vl": 64}[model_type]
+    side = {"gemma3": 28, "gemma4": 36, "qwen2_5_vl": 56, "qwen3_vl": 64, "mistral3": 96}[model_type]
     rgb = np.random.default_rng(1).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
     got = gguf_mmproj._transformers_image(folder, config, rgb, pre)
     model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
@@ -397,6 +430,12 @@ def test_check_reference_equals_the_whole_model(model_type, tmp_path):
         if model_type == "gemma3":
             want = model.model.get_image_features(x[None])
             want = getattr(want, "pooler_output", want)
+        elif model_type == "mistral3":  # 3 x 3 merged tokens, [IMG_BREAK]'s embedding after the first two rows (llama.cpp's layout)
+            t = model.model.get_image_features(pixel_values=x[None], image_sizes=torch.tensor([[side, side]])).pooler_output
+            grid = torch.cat(list(t), dim=0).reshape(3, 3, -1)
+            added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+            brk = model.get_input_embeddings().weight[next(a["id"] for a in added if a["content"] == "[IMG_BREAK]")][None]
+            want = torch.cat([grid[0], brk, grid[1], brk, grid[2]])
         elif model_type == "gemma4":  # Gemma4ImageProcessor's convert_image_to_patches and (x, y) positions, written out again
             p = model.config.vision_config.patch_size
             g = side // p

@@ -776,7 +776,10 @@ def _transformers_image(folder: Path, config: dict, rgb, pre: dict):
             h, w = x.shape[1:]
             t = _as_tensor(inner.get_image_features(pixel_values=torch.from_numpy(np.ascontiguousarray(x[None])),
                                                     image_sizes=torch.tensor([[h, w]])))
-            return t.reshape(-1, t.shape[-1]).numpy()
+            unit = int(cfg.vision_config.patch_size) * int(config.get("spatial_merge_size") or 1)
+            rows = list(t.reshape(h // unit, w // unit, -1).numpy())
+            brk = _img_break_row(folder)[None]  # llama.cpp ends each row but the last with [IMG_BREAK]'s embedding
+            return np.concatenate([p for i, r in enumerate(rows) for p in ([r, brk] if i < len(rows) - 1 else [r])])
         if "temporal_patch_size" not in config["vision_config"]:  # Gemma 3: the image as it is
             t = _as_tensor(inner.get_image_features(torch.from_numpy(np.ascontiguousarray(x[None]))))
             return t.reshape(-1, t.shape[-1]).numpy()
@@ -793,6 +796,20 @@ def _transformers_image(folder: Path, config: dict, rgb, pre: dict):
         if deep:  # Qwen3-VL: llama.cpp's embedding is the merger's output and each deepstack merger's side by side
             t = torch.cat([t] + [_as_tensor(list(d)) for d in deep], dim=-1)
         return t.reshape(-1, t.shape[-1]).numpy()
+
+
+def _img_break_row(folder: Path):
+    """The language model's embedding of [IMG_BREAK], float32, read from the folder's own file (the cut-down reference
+    model has no vocabulary)."""
+    from tui_merger.core.io.sources import open_model
+
+    token = img_break_id(folder)
+    source = open_model(folder)
+    try:
+        ref = next(r for r in source.tensors.values() if r.name.endswith("embed_tokens.weight") and "vision" not in r.name)
+        return ref.load()[token].float().numpy().copy()
+    finally:
+        source.close()
 
 
 def _as_tensor(out):
