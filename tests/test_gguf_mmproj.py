@@ -402,11 +402,11 @@ def test_gemma4_mmproj_beside_its_gguf_and_what_it_leaves_out(tmp_path):
     said = [e.message for e in events if isinstance(e, Notice) and "The mmproj file is not written" in e.message]
     assert len(said) == 1 and "2 x 2" in said[0] and "3 x 3" in said[0]
 
-    other = tmp_path / "llava"
+    other = tmp_path / "paligemma"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}, "text_config": {}}))
+    (other / "config.json").write_text(json.dumps({"model_type": "paligemma", "vision_config": {}, "text_config": {}}))
     model_type, why = tower_of(other)
-    assert model_type == "llava" and "not of llava ones" in why and why.endswith(".")
+    assert model_type == "paligemma" and "not of paligemma ones" in why and why.endswith(".")
     assert tower_of(tmp_path / "vl") == ("gemma4", None)
 
 
