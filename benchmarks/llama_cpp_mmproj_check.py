@@ -4,7 +4,7 @@ Not part of CI (llama.cpp must be built; a prebuilt wheel with libmtmd is in ../
 
     PYTHONPATH=$PWD /work/venvs/llama-sys/bin/python benchmarks/llama_cpp_mmproj_check.py [gemma3 gemma4 qwen2_vl ...] [--seed 0]
     (--control: write wrong files on purpose, Gemma 3's soft-embedding norm without + 1, Gemma 4's patch pixels in
-    (3, p, p) order and Qwen's second patch frame as the first: every row must FAIL; gemma4:clipped: Gemma 4 with its
+    (3, p, p) order, Qwen's second patch frame as the first and Pixtral's q / k rows unpermuted: every row must FAIL; gemma4:clipped: Gemma 4 with its
     clipped linears' bounds set to +-0.3)
 
 For a tiny random vision-language model of each tower (tests/test_gguf_mmproj.py's builder: one-layer towers, random
@@ -36,8 +36,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 LIMIT = 5e-3
 LIMITS = {"gemma4": 1e-2, "gemma4:clipped": 1e-2}  # gguf_mmproj.CHECK_LIMITS: Gemma 4's llama.cpp differs by 3e-3 on tiny towers, wrong files by 4e-2
-TOWERS = ("gemma3", "gemma4", "gemma4:clipped", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-SIZES = {"gemma3": (28, 28), "gemma4": (108, 108), "gemma4:clipped": (108, 108), "qwen2_vl": (112, 84), "qwen2_5_vl": (112, 112), "qwen3_vl": (96, 96)}  # (width, height)
+TOWERS = ("gemma3", "gemma4", "gemma4:clipped", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3", "llava")
+SIZES = {"mistral3": (128, 128), "llava": (128, 128), "gemma3": (28, 28), "gemma4": (108, 108), "gemma4:clipped": (108, 108), "qwen2_vl": (112, 84), "qwen2_5_vl": (112, 112), "qwen3_vl": (96, 96)}  # (width, height)
 
 
 def main(argv: list[str]) -> int:
@@ -51,6 +51,10 @@ def main(argv: list[str]) -> int:
         gguf_mmproj._plus_one = lambda w: w
         gguf_mmproj._frame = lambda i: (lambda w: w[:, :, 0, ...])
         gguf_mmproj._hwc = lambda p: (lambda w: w.reshape(w.shape[0], 3, p, p))  # Gemma 4's patch pixels in C, p, p order
+        import dataclasses  # Pixtral's q / k rows left in HF's order (no LlamaModel.permute)
+
+        for key in ("mistral3", "llava"):
+            gguf_mmproj.TOWERS[key] = dataclasses.replace(gguf_mmproj.TOWERS[key], permute_qk=False)
     names = [a for a in argv if a in TOWERS] or list(TOWERS)
     rows = []
     for name in names:
@@ -58,9 +62,9 @@ def main(argv: list[str]) -> int:
             try:
                 rows.append(check(name, Path(tmp), seed, np, torch))
             except Exception as err:  # a row that says why, the others still run
-                rows.append((name, "no", "-", "-", f"{type(err).__name__}: {str(err)[:160]}", "FAILED"))
-    print("| tower | loads | image tokens llama.cpp / transformers | embeddings max rel. diff | note | result |")
-    print("|---|---|---|---|---|---|")
+                rows.append((name, "no", "-", "-", f"{type(err).__name__}: {str(err)[:160]}", "-", "FAILED"))
+    print("| tower | loads | image tokens llama.cpp / transformers | embeddings max rel. diff | note | tui-merger's check | result |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(map(str, row)) + " |")
     return 0 if all(r[-1] == "PASSED" for r in rows) else 1
@@ -82,6 +86,9 @@ def check(name: str, tmp: Path, seed: int, np, torch):
         randomize_zero_tensors(folder, seed)  # its input projection starts at zero
         (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
         (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+        text_gguf = export_gguf(folder, "f16", tmp / "text.gguf").path
+    elif name in ("mistral3", "llava"):  # the folder's own language model (mistral3; Llava's llama), exported by tui-merger
+        folder = make_tower(tmp / name, name, seed=seed)
         text_gguf = export_gguf(folder, "f16", tmp / "text.gguf").path
     elif name.startswith("gemma4"):  # with its audio tower (E2B / E4B), which the mmproj leaves out
         folder = make_tower(tmp / name, name, seed=seed)
@@ -111,10 +118,16 @@ def check(name: str, tmp: Path, seed: int, np, torch):
     pre = json.loads((folder / "preprocessor_config.json").read_text())
     want = transformers_embeddings(model, name, rgb, pre, np, torch)
     tokens = f"{got.shape[0]} / {want.shape[0]}"
+    app = "-"
+    if name in ("mistral3", "llava"):  # the in-app check (gguf_mmproj.check_mmproj: llama.cpp in a child process)
+        from tui_merger.core.ship.gguf_mmproj import check_mmproj
+
+        verdict = check_mmproj(folder, text_gguf, mmproj)
+        app = f"{verdict.status} ({verdict.details.get('embeddings_rel', float('nan')):.1e})" if verdict.details else verdict.status
     if got.shape != want.shape:
-        return (name, "yes", tokens, "-", f"shapes {tuple(got.shape)} vs {tuple(want.shape)}", "FAILED")
+        return (name, "yes", tokens, "-", f"shapes {tuple(got.shape)} vs {tuple(want.shape)}", app, "FAILED")
     rel = float(np.abs(got - want).max() / np.abs(want).max())
-    return (name, "yes", tokens, f"{rel:.1e}", f"{width}x{height} image, {model.config.vision_config.model_type}",
+    return (name, "yes", tokens, f"{rel:.1e}", f"{width}x{height} image, {model.config.vision_config.model_type}", app,
             "PASSED" if rel <= LIMITS.get(name, LIMIT) else "FAILED")
 
 
@@ -172,6 +185,11 @@ def transformers_embeddings(model, name: str, rgb, pre: dict, np, torch):
     x = ((rgb.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)  # C, H, W
     inner = model.model
     with torch.no_grad():
+        if name in ("mistral3", "llava"):  # PixtralImageProcessor's pixels and the image's size
+            h, w = x.shape[1:]
+            t = _tensor(inner.get_image_features(pixel_values=torch.from_numpy(x[None].copy()), image_sizes=torch.tensor([[h, w]])))
+            unit = model.config.vision_config.patch_size * getattr(model.config, "spatial_merge_size", 1)
+            return with_breaks(model, t.reshape(h // unit, w // unit, -1), np)
         if name == "gemma3":
             out = inner.get_image_features(torch.from_numpy(x[None].copy()))
             return _tensor(out).reshape(-1, _tensor(out).shape[-1]).numpy()
@@ -198,6 +216,18 @@ def transformers_embeddings(model, name: str, rgb, pre: dict, np, torch):
         if deep:  # Qwen3-VL: each deepstack merger's output beside the merger's, as llama.cpp lays them out
             t = torch.cat([t] + [_tensor(list(d)) for d in deep], dim=-1)
         return t.reshape(-1, t.shape[-1]).numpy()
+
+
+def with_breaks(model, grid, np):
+    """Pixtral as llama.cpp lays it out: each row of image tokens but the last followed by the embedding of the
+    tokenizer's [IMG_BREAK] token (the processor puts that token there; transformers' get_image_features has none)."""
+    import json
+
+    added = json.loads((Path(model.name_or_path) / "tokenizer.json").read_text())["added_tokens"]
+    token = next(t["id"] for t in added if t["content"] == "[IMG_BREAK]")
+    brk = model.get_input_embeddings().weight[token].detach().numpy()[None]
+    rows = [grid[i].numpy() for i in range(grid.shape[0])]
+    return np.concatenate([part for i, r in enumerate(rows) for part in ([r, brk] if i < len(rows) - 1 else [r])])
 
 
 def _tensor(out):

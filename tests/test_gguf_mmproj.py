@@ -4,8 +4,8 @@
 The reference does not use our code: transformers loads the folder (``AutoModelForImageTextToText``), and every
 tower parameter it loaded is put through the converter's rules written out here from the converter
 (conversion/base.py ``MmprojModel``, gemma.py ``Gemma3VisionModel``, qwenvl.py ``Qwen2VLVisionModel``, qwen3vl.py
-``Qwen3VLVisionModel``): the ``gguf`` package's TensorNameMap for the names, Qwen2-VL's qkv split, the Conv3D patch
-split, Gemma 3's 1 + w norm, and the f16/f32 type of each tensor; the keys from transformers' config dict as the
+``Qwen3VLVisionModel``, llava.py ``LlavaVisionModel``): the ``gguf`` package's TensorNameMap for the names, Qwen2-VL's
+qkv split, the Conv3D patch split, Gemma 3's 1 + w norm, Pixtral's q/k rows permuted as ``LlamaModel.permute``, and the f16/f32 type of each tensor; the keys from transformers' config dict as the
 converter computes them. The file read back with gguf's GGUFReader must equal that, tensor by tensor and key by key.
 """
 
@@ -31,7 +31,15 @@ VISION = {  # one-layer towers, but Qwen2.5-VL: two (its window pattern needs a 
                      patch_size=16, spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0]),
 }
 VISION["qwen3_vl_moe"] = VISION["qwen3_vl"]
-OTHER = {"gemma3": dict(image_token_index=440, boi_token_index=441, eoi_token_index=442, mm_tokens_per_image=1)}
+# Pixtral towers (Mistral 3: with its patch merger; Llava: Pixtral 12B's layout, llama inside): 128 x 128 images of 16 x 16
+# patches, the size llama.cpp's pixtral tower takes without resizing (8 to 1024 tokens)
+PIXTRAL = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               head_dim=16, image_size=128, patch_size=16)
+VISION["mistral3"] = VISION["llava"] = PIXTRAL
+TEXT_TYPE = {"mistral3": "mistral", "llava": "llama"}
+OTHER = {"gemma3": dict(image_token_index=440, boi_token_index=441, eoi_token_index=442, mm_tokens_per_image=1),
+         "mistral3": dict(image_token_index=440, spatial_merge_size=2),
+         "llava": dict(image_token_index=440, vision_feature_select_strategy="full", vision_feature_layer=-1)}
 # the image normalization of the released checkpoints' preprocessor_config.json (Gemma 3: 0.5; Qwen: OpenAI CLIP's)
 MEAN_STD = {"gemma3": ([0.5] * 3, [0.5] * 3)}
 CLIP = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
@@ -60,6 +68,8 @@ def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) 
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
     if model_type == "qwen3_vl_moe":
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if model_type in TEXT_TYPE:
+        text["model_type"] = TEXT_TYPE[model_type]
     config = AutoConfig.for_model(model_type, text_config=text, vision_config=VISION[model_type], **OTHER.get(model_type, {}))
     model = transformers.AutoModelForImageTextToText.from_config(config)
     with torch.no_grad():
@@ -68,9 +78,19 @@ def make_tower(path: Path, model_type: str, seed: int = 0, dtype=torch.float32) 
                 p.copy_(0.1 * torch.randn_like(p) + (0.5 if _name.endswith("norm.weight") else 0))
             elif not p.any():  # Gemma 3's input projection starts at zero: a transposed one would not show
                 p.copy_(0.1 * torch.randn_like(p))
+            if model_type in TEXT_TYPE and ".attention." in _name and "vision" in _name:  # sharp, weighty attention:
+                p.copy_((1.0 if _name.endswith(("q_proj.weight", "k_proj.weight")) else 0.5) * torch.randn_like(p))  # its 2-D rope shows
     model.to(dtype).save_pretrained(path)
     mean, std = MEAN_STD.get(model_type, CLIP)
     (path / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
+    if model_type in TEXT_TYPE:  # a tokenizer: the language model's GGUF beside it (benchmarks/llama_cpp_mmproj_check.py)
+        from test_gguf import byte_level_tokenizer
+
+        from tokenizers import AddedToken
+
+        tok = byte_level_tokenizer("qwen")
+        tok.add_tokens([AddedToken("[IMG_BREAK]", special=True)])  # llama.cpp's pixtral tower ends image rows with it
+        tok.save_pretrained(path)
     if model_type == "gemma3":  # the processor says how many tokens an image becomes (Gemma 3: 256; here 1)
         (path / "processor_config.json").write_text(json.dumps({"image_seq_length": 1, "processor_class": "Gemma3Processor"}))
     return path
@@ -104,6 +124,11 @@ def expected_tensors(folder: Path, model_type: str) -> dict:
         items += [("model.embed_vision." + k, v) for k, v in inner.embed_vision.state_dict().items()]
         items = [(k.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight", ".weight")
                   + (".weight" if k.endswith("position_embedding_table") else ""), v) for k, v in items]
+    elif model_type in ("mistral3", "llava"):  # the hub's names: vision_tower.*, multi_modal_projector.*
+        items = [("vision_tower." + k, v) for k, v in inner.vision_tower.state_dict().items()]
+        items += [("multi_modal_projector." + k, v) for k, v in inner.multi_modal_projector.state_dict().items()]
+        added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]  # the [IMG_BREAK] row of the embedding
+        items.append(("img_break", model.get_input_embeddings().weight[next(t["id"] for t in added if t["content"] == "[IMG_BREAK]")]))
     else:
         items = [("visual." + k, v) for k, v in inner.visual.state_dict().items()]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 3)
@@ -131,6 +156,12 @@ def expected_tensors(folder: Path, model_type: str) -> dict:
             parts = [({"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[part] + "." + suffix, w)]
         elif "vision_model.head." in hf:
             continue
+        elif model_type in ("mistral3", "llava") and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            n = model.config.vision_config.num_attention_heads  # LlamaModel.permute(w, n_head, n_head)
+            permuted = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            parts = [(names.get_name(hf, try_suffixes=(".weight",)), permuted)]
+        elif hf == "img_break":
+            parts = [("v.token_embd.img_break", w)]
         else:  # the converter's suffixes (Gemma 4's clipped linears' bounds); a scalar as a 1-value tensor
             suffixes = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
             parts = [(names.get_name(hf, try_suffixes=suffixes), w.reshape(1) if w.ndim == 0 else w)]
@@ -178,6 +209,11 @@ def expected_keys(folder: Path, model_type: str) -> dict:
     elif model_type == "gemma4":
         keys.update({"clip.vision.projector_type": "gemma4v", "clip.vision.attention.layer_norm_epsilon": v.get("layer_norm_eps", 1e-6)})
         heads, layers, width, ff, size = v["num_attention_heads"], v["num_hidden_layers"], v["hidden_size"], v["intermediate_size"], 224
+    elif model_type in ("mistral3", "llava"):
+        keys.update({"clip.projector_type": "pixtral", "clip.vision.attention.layer_norm_epsilon": 1e-5, "clip.use_gelu": True})
+        if model_type == "mistral3":
+            keys["clip.vision.spatial_merge_size"] = cfg["spatial_merge_size"]
+        heads, layers, width, ff, size = v["num_attention_heads"], v["num_hidden_layers"], v["hidden_size"], v["intermediate_size"], v["image_size"]
     elif model_type in ("qwen2_vl", "qwen2_5_vl"):
         heads, layers, size = v["num_heads"], v["depth"], 560
         width, ff = (v["embed_dim"], v["hidden_size"]) if model_type == "qwen2_vl" else (v["hidden_size"], v["intermediate_size"])
@@ -214,7 +250,8 @@ def _close(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "gemma4:clipped", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "gemma4:clipped", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                                        "mistral3", "llava"])
 def test_mmproj_equals_converter_rules_on_transformers_weights(model_type, tmp_path):
     from tui_merger.core.ship.gguf import write_gguf
     from tui_merger.core.ship.gguf_mmproj import plan_mmproj
@@ -305,6 +342,39 @@ def test_vl_folder_without_image_normalization_gets_text_gguf_and_a_sentence(tmp
     assert len(said) == 1 and "image_mean" in said[0] and said[0].endswith(".") and said[0].count(". ") == 0
 
 
+@pytest.mark.parametrize("case", ["clip", "layer", "no_break"])
+def test_llava_tower_llama_cpp_cannot_run_gets_text_gguf_and_a_sentence(case, tmp_path):
+    """A Llava with a CLIP tower (LLaVA 1.5: the converter's LlavaVisionModel writes Pixtral towers only), one that takes
+    its features from an inner vision layer (llama.cpp's pixtral graph uses the last), or a tokenizer without [IMG_BREAK]
+    (clip.cpp requires its embedding): the language model's GGUF, no mmproj, one sentence why."""
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.events import Notice
+    from tui_merger.core.ship.gguf import export_gguf
+    from tui_merger.core.ship.gguf_mmproj import companion
+
+    if case == "clip":
+        vl = make_vl(tmp_path / "vl", "llava")  # test_gguf_vl_text's Llava: a CLIP vision tower, llama inside
+        (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": CLIP[0], "image_std": CLIP[1]}))
+    else:
+        vl = make_tower(tmp_path / "vl", "llava")
+        if case == "layer":
+            config = json.loads((vl / "config.json").read_text())
+            (vl / "config.json").write_text(json.dumps(dict(config, vision_feature_layer=-2)))
+        else:
+            from test_gguf import byte_level_tokenizer
+
+            (vl / "tokenizer_config.json").unlink()
+            byte_level_tokenizer("qwen").save_pretrained(vl)
+    events = []
+    result = export_gguf(vl, "f16", tmp_path / "x.gguf", on_event=events.append, companion=companion)
+    assert result.path.is_file() and result.mmproj is None
+    assert not list(tmp_path.glob("mmproj-*"))
+    said = [e.message for e in events if isinstance(e, Notice) and "The mmproj file is not written" in e.message]
+    want = {"clip": "clip_vision_model", "layer": "vision layer -2", "no_break": "[IMG_BREAK]"}[case]
+    assert len(said) == 1 and want in said[0] and said[0].endswith("."), said
+
+
 def test_gemma4_mmproj_beside_its_gguf_and_what_it_leaves_out(tmp_path):
     """Gemma 4 (E2B / E4B hear too): the mmproj holds the vision tower, a notice says the audio tower is not in it;
     a tower pooling other than 3 x 3 (llama.cpp's gemma4v, which no key can change) gets a sentence and no mmproj;
@@ -332,15 +402,15 @@ def test_gemma4_mmproj_beside_its_gguf_and_what_it_leaves_out(tmp_path):
     said = [e.message for e in events if isinstance(e, Notice) and "The mmproj file is not written" in e.message]
     assert len(said) == 1 and "2 x 2" in said[0] and "3 x 3" in said[0]
 
-    other = tmp_path / "llava"
+    other = tmp_path / "paligemma"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}, "text_config": {}}))
+    (other / "config.json").write_text(json.dumps({"model_type": "paligemma", "vision_config": {}, "text_config": {}}))
     model_type, why = tower_of(other)
-    assert model_type == "llava" and "not of llava ones" in why and why.endswith(".")
+    assert model_type == "paligemma" and "not of paligemma ones" in why and why.endswith(".")
     assert tower_of(tmp_path / "vl") == ("gemma4", None)
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl", "mistral3"])
 def test_check_reference_equals_the_whole_model(model_type, tmp_path):
     """The in-app check's transformers side loads the VL model with its language model cut to one layer (memory: the
     tower's); its image embeddings must be the whole model's get_image_features on the same pixels, bit for bit."""
@@ -351,7 +421,7 @@ def test_check_reference_equals_the_whole_model(model_type, tmp_path):
     folder = make_tower(tmp_path / model_type, model_type)
     config = gguf_mmproj._config(folder)
     pre = json.loads((folder / "preprocessor_config.json").read_text())
-    side = {"gemma3": 28, "gemma4": 36, "qwen2_5_vl": 56, "qwen3_vl": 64}[model_type]
+    side = {"gemma3": 28, "gemma4": 36, "qwen2_5_vl": 56, "qwen3_vl": 64, "mistral3": 96}[model_type]
     rgb = np.random.default_rng(1).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
     got = gguf_mmproj._transformers_image(folder, config, rgb, pre)
     model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
@@ -360,6 +430,12 @@ def test_check_reference_equals_the_whole_model(model_type, tmp_path):
         if model_type == "gemma3":
             want = model.model.get_image_features(x[None])
             want = getattr(want, "pooler_output", want)
+        elif model_type == "mistral3":  # 3 x 3 merged tokens, [IMG_BREAK]'s embedding after the first two rows (llama.cpp's layout)
+            t = model.model.get_image_features(pixel_values=x[None], image_sizes=torch.tensor([[side, side]])).pooler_output
+            grid = torch.cat(list(t), dim=0).reshape(3, 3, -1)
+            added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+            brk = model.get_input_embeddings().weight[next(a["id"] for a in added if a["content"] == "[IMG_BREAK]")][None]
+            want = torch.cat([grid[0], brk, grid[1], brk, grid[2]])
         elif model_type == "gemma4":  # Gemma4ImageProcessor's convert_image_to_patches and (x, y) positions, written out again
             p = model.config.vision_config.patch_size
             g = side // p

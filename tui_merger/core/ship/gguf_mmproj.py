@@ -8,9 +8,11 @@ projector into the language model's embeddings. This module writes that file as 
 the folder's preprocessor config, the tensor names of the ``gguf`` package's own ``TensorNameMap`` for
 ``MODEL_ARCH.MMPROJ``, the converter's transforms (Qwen2-VL's fused qkv split into q, k, v; the 3-D patch
 convolution split into two 2-D ones; Gemma 3's soft-embedding norm stored as 1 + w; Gemma 4's (p, p, 3) patch
-embedding as a (3, p, p) convolution) and its types (matrices F16, norms, biases, 1-D and position embeddings
-F32, each tower's own exceptions). Towers: Gemma 3, Gemma 4 (vision; its audio tower is left out in a notice),
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE.
+embedding as a (3, p, p) convolution; Pixtral's q and k rows reordered per head for llama.cpp's rope, as
+LlamaModel.permute does) and its types (matrices F16, norms, biases, 1-D and position embeddings F32, each tower's
+own exceptions). Towers: Gemma 3, Gemma 4 (vision; its audio tower is left out in a notice), Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL, Qwen3-VL-MoE, Mistral 3 (Mistral Small 3.1 / 3.2: Pixtral tower, patch merger, projector) and Llava with a
+Pixtral tower (Pixtral 12B; the converter's LlavaVisionModel writes no other Llava tower, so a CLIP one is refused).
 
 ``check_mmproj`` checks the written file where llama.cpp's Python binding (with libmtmd) is importable: one image
 encoded by llama.cpp through the file and by transformers, the embeddings compared.
@@ -34,7 +36,8 @@ from tui_merger.core.errors import MergeError
 
 MMPROJ_TYPE = "f16"  # what model pages publish beside every quantization of the language model (mmproj-F16)
 NOT_SUPPORTED = (
-    "tui-merger writes the mmproj file of Gemma 3, Gemma 4, Qwen2-VL, Qwen2.5-VL and Qwen3-VL folders, not of {model_type} ones: "
+    "tui-merger writes the mmproj file of Gemma 3, Gemma 4, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3 and Llava (Pixtral tower) "
+    "folders, not of {model_type} ones: "
     "this GGUF runs on text only."
 )
 
@@ -62,6 +65,9 @@ class Tower:
     patch_hwc: bool = False  # a linear patch embedding over (p, p, 3) pixels -> a (3, p, p) convolution (Gemma 4)
     projector_key: str = "add_clip_projector_type"  # Gemma 4: clip.vision.projector_type, as for vision + audio
     left_out: tuple[str, ...] = ()  # tensors of another tower the file does not hold (Gemma 4's audio), said once
+    permute_qk: bool = False  # q_proj / k_proj rows reordered per head (LlamaModel.permute; Pixtral's 2-D rope)
+    any_size: bool = False  # llama.cpp reads any image size, resizing only outside its token limits (Pixtral)
+    img_break: bool = False  # v.token_embd.img_break: the [IMG_BREAK] token's embedding, put after each image row (Pixtral)
 
 
 # -- the towers ----------------------------------------------------------------------------------------
@@ -190,6 +196,44 @@ def _gemma4_name(name: str) -> str:
     return name + ".weight" if name.endswith(("layer_scalar", "position_embedding_table")) else name
 
 
+def _pixtral_keys(vision: dict, config: dict, pre: dict) -> list:
+    """LlavaVisionModel (Llava with a Pixtral tower, Mistral 3): what llama.cpp's pixtral graph computes, or a refusal."""
+    kind = vision.get("model_type")
+    if kind != "pixtral":
+        raise MergeError(f"its vision tower is {kind}, and llama.cpp's converter writes the mmproj of a Llava with a "
+                         "Pixtral vision tower only (LlavaVisionModel), not of a CLIP one such as LLaVA 1.5's")
+    layers = int(vision["num_hidden_layers"])
+    layer = config.get("vision_feature_layer", -1)
+    if layer not in (-1, layers):  # llama.cpp's graph runs every block and uses the last one's output
+        raise MergeError(f"it takes the image features from vision layer {layer} (vision_feature_layer), and llama.cpp's "
+                         f"pixtral tower from the last of its {layers}")
+    strategy = config.get("vision_feature_select_strategy", "full")
+    if strategy != "full":  # "default" drops the first patch (a CLIP class token), which llama.cpp keeps
+        raise MergeError(f"its vision_feature_select_strategy is {strategy!r}, which drops the first image patch that "
+                         "llama.cpp's pixtral tower keeps")
+    if config.get("projector_hidden_act", "gelu") != "gelu":
+        raise MergeError(f"its projector uses {config.get('projector_hidden_act')} (projector_hidden_act), and "
+                         "llama.cpp's pixtral projector always GELU")
+    act = vision.get("hidden_act", "gelu")
+    if act not in ("gelu", "silu"):  # the converter raises on any other
+        raise MergeError(f"its vision tower uses {act} (hidden_act), and llama.cpp's pixtral tower gelu or silu")
+    theta = (vision.get("rope_parameters") or {}).get("rope_theta", vision.get("rope_theta", 10000.0))
+    if float(theta) != 10000.0:  # no key carries it: clip.cpp fixes the pixtral tower's rope base at 10000
+        raise MergeError(f"its vision tower's rope_theta is {theta:g}, and llama.cpp's pixtral tower uses 10000")
+    eps = vision.get("layer_norm_eps", 1e-5)  # not in the config: modeling_pixtral's 1e-5 (the converter's default)
+    text_eps = (config.get("text_config") or {}).get("rms_norm_eps", eps)
+    if config.get("model_type") == "mistral3" and abs(float(text_eps) - float(eps)) > 1e-12:
+        raise MergeError(f"its patch merger's norm uses epsilon {text_eps:g} (the text rms_norm_eps), and llama.cpp's "
+                         f"pixtral tower the vision one, {eps:g}")
+    out = [("add_vision_attention_layernorm_eps", eps), ("add_vision_use_silu" if act == "silu" else "add_vision_use_gelu", True)]
+    if "spatial_merge_size" in config:  # Mistral 3's patch merger (Llava's Pixtral 12B has none)
+        out.append(("add_vision_spatial_merge_size", int(config["spatial_merge_size"])))
+    return out
+
+
+_PIXTRAL = dict(projector="PIXTRAL", prefixes=("multi_modal_projector.", "vision_tower."),
+                renames=(("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")),
+                keys=_pixtral_keys, permute_qk=True, any_size=True, img_break=True)
 _QWEN2VL = dict(prefixes=("visual.",), renames=(("model.visual.", "visual."),), vision=_qwen2vl_vision,
                 keys=_qwen2vl_keys, force=_qwen2vl_force, split_qkv=True, split_patch=True)
 _QWEN3VL = dict(projector="QWEN3VL", prefixes=("visual.",), renames=(("model.visual.", "visual."),),
@@ -215,6 +259,8 @@ TOWERS: dict[str, Tower] = {
     "qwen2_5_vl": Tower(projector="QWEN25VL", **_QWEN2VL),
     "qwen3_vl": Tower(**_QWEN3VL),
     "qwen3_vl_moe": Tower(**_QWEN3VL),
+    "mistral3": Tower(**_PIXTRAL),
+    "llava": Tower(**_PIXTRAL),  # a Pixtral tower only (Pixtral 12B), as the converter; a CLIP one gets a sentence
 }
 _BLOCK_KEYS = ("n_layers", "num_hidden_layers", "n_layer", "num_layers", "depth", "layers", "encoder_layers", "vt_num_hidden_layers")
 
@@ -343,9 +389,12 @@ def _plan_tensors(folder: Path, source, tower: Tower, vision: dict, blocks: int)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(int(blocks), 3))
     out = []
 
+    heads = int(vision.get("num_attention_heads") or 1)
+
     def add(new: str, ref, hf: str, shape: tuple, derive=None) -> None:
         qtype = _qtype(tower, hf, new, len(shape))
-        out.append(GgufTensor(new, (ref,), tuple(shape), int(qtype), _nbytes(shape, qtype), derive=derive))
+        permute = heads if tower.permute_qk and hf.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")) else None
+        out.append(GgufTensor(new, (ref,), tuple(shape), int(qtype), _nbytes(shape, qtype), derive=derive, permute_heads=permute))
 
     for ref in source.tensors.values():
         name = ref.name
@@ -392,7 +441,32 @@ def _plan_tensors(folder: Path, source, tower: Tower, vision: dict, blocks: int)
         add(new, ref, name, shape, derive=_plus_one if plus else None)
     if not out:
         raise MergeError(f"{folder} holds no tensors of its vision tower")
+    if tower.img_break:  # LlavaVisionModel: the language model's embedding of [IMG_BREAK], which llama.cpp's pixtral
+        # tower requires (clip.cpp) and puts after each row of image tokens; the converter's modify_tensors writes it
+        token = img_break_id(folder)
+        embed = [r for r in source.tensors.values() if r.name.endswith("embed_tokens.weight") and "vision" not in r.name]
+        if len(embed) != 1 or len(embed[0].shape) != 2 or not 0 <= token < embed[0].shape[0]:
+            raise MergeError(f"{folder} has no language-model embedding row for its [IMG_BREAK] token (id {token}), which "
+                             "llama.cpp's pixtral tower needs")
+        add(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_TOK_EMBD_IMG_BREAK], embed[0], embed[0].name, (embed[0].shape[1],),
+            derive=_rows(token, token + 1))
     return out
+
+
+def img_break_id(folder: Path) -> int:
+    """The [IMG_BREAK] token's id, looked up as the converter does: tokenizer_config.json's added_tokens_decoder, then
+    tokenizer.json's added_tokens."""
+    for name, key in (("tokenizer_config.json", "added_tokens_decoder"), ("tokenizer.json", "added_tokens")):
+        try:
+            found = json.loads((Path(folder) / name).read_text()).get(key) or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        items = found.items() if isinstance(found, dict) else ((t.get("id"), t) for t in found if isinstance(t, dict))
+        for token_id, token in items:
+            if isinstance(token, dict) and token.get("content") == "[IMG_BREAK]":
+                return int(token_id)
+    raise MergeError(f"the tokenizer in {folder} has no [IMG_BREAK] token, whose embedding llama.cpp's pixtral tower puts "
+                     "after each row of an image; copy the tokenizer files of the original model")
 
 
 _SUFFIXES = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")  # Gemma 4's clipped linears
@@ -581,6 +655,9 @@ def check_mmproj(folder: Path, text_gguf: Path, mmproj: Path, reader: str = "aut
     elif tower.split_patch:  # Qwen: whole merged patches, at least 4 x 4 of them (llama.cpp enlarges smaller images)
         unit = int(vision["patch_size"]) * int(vision.get("spatial_merge_size") or 2)
         side = max(4, -(-side // unit)) * unit
+    elif tower.any_size:  # Pixtral: whole merged patches, 4 x 4 to 16 x 16 tokens (llama.cpp resizes outside 8 to 1024)
+        unit = int(vision["patch_size"]) * int(config.get("spatial_merge_size") or 1)
+        side = max(4, min(16, side // unit)) * unit
     rgb = np.random.default_rng(0).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
     pre = _preprocessor(folder)
     from tui_merger.core.ship.llama_child import LlamaStopped
@@ -598,7 +675,7 @@ def check_mmproj(folder: Path, text_gguf: Path, mmproj: Path, reader: str = "aut
         return GgufCheck(NOT_CHECKED, None, f"transformers could not build the image reference ({_first_line(err)}).")
     limit = CHECK_LIMITS.get(config["model_type"], CHECK_LIMIT)
     details = {"image": f"{side}x{side}", "tokens": [int(got.shape[0]), int(want.shape[0])], "limit": limit}
-    if got.shape[0] != want.shape[0] and (tower.split_patch or tower.patch_hwc):
+    if got.shape[0] != want.shape[0] and (tower.split_patch or tower.patch_hwc or tower.any_size):
         # a tower that reads any image size: llama.cpp resized this one (its pixel limits), so nothing comparable
         return GgufCheck(NOT_CHECKED, None, f"llama.cpp resized the {side}x{side} check image ({got.shape[0]} image "
                                             f"embeddings against transformers' {want.shape[0]}), so they were not compared.", details)
@@ -695,6 +772,14 @@ def _transformers_image(folder: Path, config: dict, rgb, pre: dict):
             pos = torch.from_numpy(np.stack([gx, gy], axis=-1).reshape(1, -1, 2))
             t = _as_tensor(inner.get_image_features(torch.from_numpy(np.ascontiguousarray(patches))[None], pos))
             return t.reshape(-1, t.shape[-1]).numpy()
+        if config["vision_config"].get("model_type") == "pixtral":  # Llava, Mistral 3: the image and its size
+            h, w = x.shape[1:]
+            t = _as_tensor(inner.get_image_features(pixel_values=torch.from_numpy(np.ascontiguousarray(x[None])),
+                                                    image_sizes=torch.tensor([[h, w]])))
+            unit = int(cfg.vision_config.patch_size) * int(config.get("spatial_merge_size") or 1)
+            rows = list(t.reshape(h // unit, w // unit, -1).numpy())
+            brk = _img_break_row(folder)[None]  # llama.cpp ends each row but the last with [IMG_BREAK]'s embedding
+            return np.concatenate([p for i, r in enumerate(rows) for p in ([r, brk] if i < len(rows) - 1 else [r])])
         if "temporal_patch_size" not in config["vision_config"]:  # Gemma 3: the image as it is
             t = _as_tensor(inner.get_image_features(torch.from_numpy(np.ascontiguousarray(x[None]))))
             return t.reshape(-1, t.shape[-1]).numpy()
@@ -711,6 +796,20 @@ def _transformers_image(folder: Path, config: dict, rgb, pre: dict):
         if deep:  # Qwen3-VL: llama.cpp's embedding is the merger's output and each deepstack merger's side by side
             t = torch.cat([t] + [_as_tensor(list(d)) for d in deep], dim=-1)
         return t.reshape(-1, t.shape[-1]).numpy()
+
+
+def _img_break_row(folder: Path):
+    """The language model's embedding of [IMG_BREAK], float32, read from the folder's own file (the cut-down reference
+    model has no vocabulary)."""
+    from tui_merger.core.io.sources import open_model
+
+    token = img_break_id(folder)
+    source = open_model(folder)
+    try:
+        ref = next(r for r in source.tensors.values() if r.name.endswith("embed_tokens.weight") and "vision" not in r.name)
+        return ref.load()[token].float().numpy().copy()
+    finally:
+        source.close()
 
 
 def _as_tensor(out):
