@@ -46,7 +46,11 @@ def farewell(wizard) -> str | None:
         f"  transformers: {python_command()} -c {shlex.quote(code)}",
         f"  vLLM:         vllm serve {shlex.quote(str(out))}",
     ]
-    for gguf in manifest.get("gguf") or []:
+    entries = [g for g in manifest.get("gguf") or [] if isinstance(g, dict)]
+    projectors = {g.get("mmproj") for g in entries if g.get("mmproj")}  # a vision tower is run with its GGUF, not alone
+    for gguf in entries:
+        if gguf.get("path") in projectors:
+            continue
         path = Path(gguf.get("path", ""))
         path = path if path.is_absolute() else out / path
         if path.is_file():
@@ -349,10 +353,10 @@ class FinishStep(Step, VerticalScroll):
         if mmproj is None:
             return ""
         try:
-            size = f" ({human_bytes(Path(mmproj).stat().st_size)})"
+            size = f", {human_bytes(Path(mmproj).stat().st_size)}"
         except OSError:
             size = ""
-        text = f"Vision tower (mmproj){size} beside it: [b]{escape(fold_path(mmproj, width))}[/b]\n"
+        text = f"Vision tower beside it (mmproj{size}):\n[b]{escape(fold_path(mmproj, width))}[/b]\n"
         check = made.mmproj_check
         if check is not None:
             verdict = {"passed": "[b green]PASSED[/]", "failed": "[b red]FAILED: do not share it[/]"}.get(
