@@ -1448,6 +1448,7 @@ async def test_run_it_locally_says_the_mmproj_and_its_check(workspace, tmp_path,
         await until(pilot, lambda: wizard.running is None and "(F16, " in plain(app, "#finish-notes"), "the f16 GGUF", tries=1200)
         notes = plain(app, "#finish-notes")
         assert "\nmmproj check FAILED: do not share it: image embeddings differ by 3.2 (limit 0.05) on 4 tokens.\n" in notes, notes
+        app.save_screenshot(filename="finish-mmproj-failed.svg", path=str(tmp_path))
         app.exit(0)
     lines = app.farewell().splitlines()  # each GGUF recorded, with the mmproj beside it
     assert f"  llama.cpp:    llama-cli -m {gguf_file}" in lines
