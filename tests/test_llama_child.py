@@ -186,3 +186,30 @@ def test_a_stop_during_the_llama_cpp_check_says_the_gguf_is_complete_and_not_che
     assert not _children()
     reader = gguf.GGUFReader(out)
     assert len(reader.tensors) > 0 and all(t.data.nbytes == t.n_bytes for t in reader.tensors)
+
+
+def test_a_stop_after_the_mmproj_check_keeps_its_verdict_in_the_sentence(tmp_path, monkeypatch):
+    """A Gemma 3 VL folder (as test_gguf_mmproj makes one): the mmproj's check has its verdict (here "not checked":
+    no libmtmd), then Stop while llama.cpp's child runs the language model's GGUF; the sentence says the GGUF is not
+    checked and the mmproj's check as it was, not "nothing was written"; the child is gone."""
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken
+    from tui_merger.core.ship.run_locally import make_local
+
+    vl = make_vl(tmp_path / "vl", "gemma3")
+    (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (vl / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+    if HAS_LLAMA:
+        pytest.skip("with llama.cpp here the mmproj's own check runs the child first")
+    monkeypatch.setattr(gguf_check, "llama_cpp_version", lambda: "0.0-test")  # the mmproj's: its mtmd binding does not import
+    monkeypatch.setenv("TUI_MERGER_TEST_LLAMA_SLEEP", "30")
+    cancel = CancelToken()
+    when = _cancel_once_the_child_runs(cancel)
+    with pytest.raises(MergeCancelled) as stop:
+        make_local(vl, "f16", tmp_path / "vl-F16.gguf", check="llama.cpp", cancel=cancel)
+    assert "cancel" in when
+    assert str(stop.value) == (f"Stopped during the check: {tmp_path / 'vl-F16.gguf'} was written but is not checked "
+                               "(mmproj-vl-F16.gguf beside it: mmproj check not checked)."), str(stop.value)
+    assert (tmp_path / "mmproj-vl-F16.gguf").is_file() and not _children()

@@ -124,8 +124,14 @@ def make_local(
     mmproj_check = None
 
     def stopped(err: MergeCancelled) -> MergeCancelled:  # the files are complete: say so, not the merge's "nothing was written"
-        files = f"{result.path} and {result.mmproj} were" if result.mmproj is not None else f"{result.path} was"
-        new = MergeCancelled(f"Stopped during the check: {files} written but {'are' if result.mmproj else 'is'} not checked.")
+        if result.mmproj is not None and mmproj_check is None:  # stopped in the mmproj's check: neither is checked
+            said = f"{result.path} and {result.mmproj} were written but are not checked."
+        elif result.mmproj is not None:  # stopped in the GGUF's check, after the mmproj's: its verdict stands
+            said = (f"{result.path} was written but is not checked ({Path(result.mmproj).name} beside it: mmproj check "
+                    f"{mmproj_check.line().split(':')[0]}).")
+        else:
+            said = f"{result.path} was written but is not checked."
+        new = MergeCancelled(f"Stopped during the check: {said}")
         new.interrupted = getattr(err, "interrupted", False)
         return new
 
