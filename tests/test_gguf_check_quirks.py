@@ -51,7 +51,7 @@ def test_the_quirk_is_said_in_the_verdict(tmp_path, monkeypatch):
     path = export_gguf(vl, "f16", tmp_path / "vl.gguf").path
     monkeypatch.setattr(gguf_check, "llama_cpp_version", lambda: "0.3.36")
 
-    def reader(gguf_path, ref, lora=None):  # llama.cpp is not in CI: a reader that gives the reference's own ids and logits
+    def reader(gguf_path, ref, lora=None, cancel=None):  # llama.cpp is not in CI: a reader that gives the reference's own ids and logits
         return gguf_check._Read(ref.ids, ref.logits.clone()), "llama.cpp (llama-cpp-python 0.3.36)"
 
     monkeypatch.setattr(gguf_check, "_with_llama_cpp", reader)

@@ -97,3 +97,119 @@ def test_signals_llama_cpp_stops_itself_with_are_crashes():
     from tui_merger.core.ship.llama_child import _CRASHES
 
     assert signal.SIGABRT in _CRASHES and signal.SIGSEGV in _CRASHES and signal.SIGKILL not in _CRASHES
+
+
+def _children() -> list[int]:
+    """This process's llama_child processes still in the process table (a zombie included)."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"tui_merger.core.ship.llama_child" in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def _cancel_once_the_child_runs(cancel) -> dict:
+    """A thread that sets ``cancel`` as soon as a llama_child child of this process exists; when, in its dict."""
+    import threading
+    import time
+
+    when = {}
+
+    def watch() -> None:
+        for _ in range(600):
+            if _children():
+                time.sleep(0.3)  # running: inside "llama.cpp"
+                when["cancel"] = time.monotonic()
+                cancel.cancel()
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return when
+
+
+def test_a_stop_ends_a_running_child_within_a_second(monkeypatch):
+    """The child runs as long as a large llama.cpp run (it sleeps 30 s and ignores SIGTERM, as llama.cpp's C code
+    does not answer it): the user's Stop ends it (SIGTERM, then SIGKILL) and reaches the caller as the engine's
+    MergeCancelled within about a second; no child is left, not even a zombie."""
+    import time
+
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken
+
+    monkeypatch.setenv("TUI_MERGER_TEST_LLAMA_SLEEP", "30")
+    cancel = CancelToken()
+    when = _cancel_once_the_child_runs(cancel)
+    start = time.monotonic()
+    with pytest.raises(MergeCancelled):
+        run({"kind": "text"}, cancel=cancel)
+    ended = time.monotonic()
+    assert "cancel" in when and ended - when["cancel"] < 1.0, (ended - when["cancel"], ended - start)
+    assert not _children()
+
+
+def test_a_stop_during_the_llama_cpp_check_says_the_gguf_is_complete_and_not_checked(tmp_path, monkeypatch):
+    """make_local on a real tiny model: Stop while llama.cpp's child runs the written GGUF. The child is ended within
+    a second, the sentence says the file was written but is not checked (not the merge's "nothing was written"),
+    the file is whole (llama.cpp's gguf library reads every tensor) and nothing is recorded as checked."""
+    import time
+
+    import gguf
+
+    from test_gguf_families import make_family
+
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken
+    from tui_merger.core.ship.run_locally import make_local
+
+    folder = make_family(tmp_path / "m", "qwen2")
+    monkeypatch.setattr(gguf_check, "llama_cpp_version", lambda: "0.0-test")  # CI has none: the child sleeps before its import
+    monkeypatch.setenv("TUI_MERGER_TEST_LLAMA_SLEEP", "30")
+    cancel = CancelToken()
+    when = _cancel_once_the_child_runs(cancel)
+    out = tmp_path / "m-F16.gguf"
+    with pytest.raises(MergeCancelled) as stop:
+        make_local(folder, "f16", out, check="llama.cpp", cancel=cancel)
+    ended = time.monotonic()
+    assert "cancel" in when and ended - when["cancel"] < 1.0, ended - when["cancel"]
+    assert str(stop.value) == f"Stopped during the check: {out.absolute()} was written but is not checked.", str(stop.value)
+    assert not _children()
+    reader = gguf.GGUFReader(out)
+    assert len(reader.tensors) > 0 and all(t.data.nbytes == t.n_bytes for t in reader.tensors)
+
+
+def test_a_stop_after_the_mmproj_check_keeps_its_verdict_in_the_sentence(tmp_path, monkeypatch):
+    """A Gemma 3 VL folder (as test_gguf_mmproj makes one): the mmproj's check has its verdict (here "not checked":
+    no libmtmd), then Stop while llama.cpp's child runs the language model's GGUF; the sentence says the GGUF is not
+    checked and the mmproj's check as it was, not "nothing was written"; the child is gone."""
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.errors import MergeCancelled
+    from tui_merger.core.events import CancelToken
+    from tui_merger.core.ship.run_locally import make_local
+
+    vl = make_vl(tmp_path / "vl", "gemma3")
+    (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (vl / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+    if HAS_LLAMA:
+        pytest.skip("with llama.cpp here the mmproj's own check runs the child first")
+    monkeypatch.setattr(gguf_check, "llama_cpp_version", lambda: "0.0-test")  # the mmproj's: its mtmd binding does not import
+    monkeypatch.setenv("TUI_MERGER_TEST_LLAMA_SLEEP", "30")
+    cancel = CancelToken()
+    when = _cancel_once_the_child_runs(cancel)
+    with pytest.raises(MergeCancelled) as stop:
+        make_local(vl, "f16", tmp_path / "vl-F16.gguf", check="llama.cpp", cancel=cancel)
+    assert "cancel" in when
+    assert str(stop.value) == (f"Stopped during the check: {tmp_path / 'vl-F16.gguf'} was written but is not checked "
+                               "(mmproj-vl-F16.gguf beside it: mmproj check not checked)."), str(stop.value)
+    assert (tmp_path / "mmproj-vl-F16.gguf").is_file() and not _children()

@@ -476,3 +476,54 @@ def test_the_base_gguf_of_a_hub_cache_snapshot_goes_beside_the_adapter(ws, tmp_p
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     assert default_base_gguf(snapshot, ws / "adapter", "q4_k_m") == (ws / "adapter" / "Tiny-Qwen-Q4_K_M.gguf").absolute()
     assert default_base_gguf(ws / "base", ws / "adapter", "q8_0") == (ws / "base" / "base-Q8_0.gguf").absolute()
+
+
+def _gemma3_vl(folder: Path) -> Path:
+    """A tiny Gemma 3 vision-language folder as test_gguf_mmproj makes one: transformers' model, its tokenizer and
+    the image normalization a released checkpoint's preprocessor_config.json carries."""
+    from test_gguf_vl_text import make_vl
+
+    vl = make_vl(folder, "gemma3")
+    (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (vl / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+    return vl
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["as-checked", "mmproj-failed"])
+def test_run_it_locally_says_the_mmproj_and_its_check(tmp_path, monkeypatch, failed):
+    """A vision-language model's "Run it locally" (issue 40): the plan counts the mmproj file's size before anything is
+    written; then the mmproj file beside the GGUF with its size, its check's verdict in the engine's own sentence (a
+    FAILED one with "do not share it", as the command says it), and llama.cpp's multimodal line to run both."""
+    from tui_merger.core.options import human_bytes
+    from tui_merger.core.ship import gguf_mmproj
+    from tui_merger.core.ship.gguf_check import FAILED, GgufCheck
+    from tui_merger.core.ship.run_locally import estimate
+
+    vl = _gemma3_vl(tmp_path / "vl")
+    if failed:  # the verdict as check_mmproj gives a FAILED one (llama.cpp is not here to give it)
+        monkeypatch.setattr(gguf_mmproj, "check_mmproj", lambda *a, **k: GgufCheck(
+            FAILED, "llama.cpp's libmtmd (test)", "image embeddings differ by 3.2 (limit 0.05) on 4 tokens."))
+    e = estimate(vl, "q4_k_m")
+    assert 0 < e.mmproj_size < e.size
+    out = io.StringIO()
+    flow = plain._Flow(plain.DumbAsk(stdin=io.StringIO("\n\n"), out=out), out, tmp_path)  # q4_k_m, its file
+    assert flow.gguf(vl)
+    said = out.getvalue()
+    gguf_file, mmproj = vl / "vl-Q4_K_M.gguf", vl / "mmproj-vl-F16.gguf"
+    assert (f"About {human_bytes(e.size)} (with the vision tower's mmproj file beside it, about {human_bytes(e.mmproj_size)}, "
+            "checked on an image), about ") in said
+    assert said.index("About ") < said.index("GGUF written: ")
+    assert f"\nVision tower (mmproj): {mmproj} ({human_bytes(mmproj.stat().st_size)}).\n" in said
+    if failed:
+        assert ("\nmmproj check FAILED: image embeddings differ by 3.2 (limit 0.05) on 4 tokens.\n"
+                "llama.cpp does not see images through the mmproj file as the model does: do not share it.\n") in said
+    else:
+        from tui_merger.core.ship.gguf_check import llama_cpp_version
+
+        if llama_cpp_version() is None:  # CI: only llama.cpp reads an mmproj file
+            assert ("\nmmproj check not checked: llama-cpp-python is not installed, and only llama.cpp reads an mmproj "
+                    "file.\n") in said
+        else:
+            assert "\nmmproj check PASSED: " in said
+    assert f"\n  llama-mtmd-cli -m {gguf_file} --mmproj {mmproj} --image IMAGE.jpg -p 'Describe this image.'\n" in said
+    assert "Traceback" not in said

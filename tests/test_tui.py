@@ -1380,3 +1380,78 @@ async def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(workspace, 
     assert lines[-2:] == [f"  llama.cpp:    llama-cli -m {base_file} --lora {lora_file}",
                           f"  Ollama:       ollama create adapter:q4_k_m -f {modelfile}"]
     assert len(lines) == len(set(lines))  # made twice: said once
+
+
+async def test_run_it_locally_says_the_mmproj_and_its_check(workspace, tmp_path, monkeypatch):
+    """A vision-language model's "Run it locally" at 80x24 (issue 40): the dialog counts the mmproj file before anything
+    is written; Finish says the mmproj file beside the GGUF with its size, its own check's verdict in the engine's
+    sentence, and llama.cpp's multimodal line (llama-mtmd-cli with --mmproj); a FAILED mmproj check shows as FAILED,
+    "do not share it"; the farewell gives the multimodal line too. The Finish step is the demo merge's, pointed at a
+    Gemma 3 VL folder made as test_gguf_mmproj makes one (test_vl merges a VL adapter in the app; its tiny folders
+    have no tokenizer, which a GGUF needs)."""
+    from test_gguf_vl_text import make_vl
+
+    from tui_merger.core.options import human_bytes
+    from tui_merger.core.ship import gguf_mmproj
+    from tui_merger.core.ship.gguf_check import FAILED, GgufCheck, llama_cpp_version
+    from tui_merger.core.ship.run_locally import estimate
+
+    ws = _workspace_with_alpha(workspace, tmp_path, 16)
+    vl = make_vl(tmp_path / "vl", "gemma3")
+    (vl / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (vl / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+    e = estimate(vl, "q4_k_m")
+    gguf_file, mmproj = vl / "vl-Q4_K_M.gguf", vl / "mmproj-vl-F16.gguf"
+    app = MergeApp(ws)
+    async with app.run_test(size=(80, 24)) as pilot:
+        wizard = await to_review(pilot, app)
+        app.screen.query_one("#out", Input).value = str(tmp_path / "merged")
+        await recheck(pilot, app)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
+        wizard.result.out = vl  # the merged folder is a vision-language model's, with the merge's record
+        shutil.copy(tmp_path / "merged" / "merge_manifest.json", vl / "merge_manifest.json")
+        app.screen.query_one("#gguf", Button).press()  # (at 80x24 below the fold)
+        await pilot.pause()
+        await until(pilot, lambda: "About " in str(app.screen.query_one("#gguf-estimate", Static).content), "the estimate")
+        said = plain(app, "#gguf-estimate")
+        assert said.startswith(f"About {human_bytes(e.size)} (with the vision tower's mmproj file beside it, about "
+                               f"{human_bytes(e.mmproj_size)}, checked on an image), about "), said
+        assert not mmproj.exists()  # nothing written before "Make"
+        app.screen.query_one("#make", Button).press()
+        await pilot.pause()
+        await until(pilot, lambda: wizard.running is None and "GGUF written" in plain(app, "#finish-notes"), "the GGUF", tries=1200)
+        notes = plain(app, "#finish-notes")
+        assert f"GGUF written (Q4_K_M, " in notes and "; recorded in merge_manifest.json; Upload... includes it):\n" in notes
+        assert f"\nVision tower beside it (mmproj, {human_bytes(mmproj.stat().st_size)}):\n{mmproj}\n" in notes, notes
+        if llama_cpp_version() is None:  # CI: only llama.cpp reads an mmproj file
+            assert "\nmmproj check not checked: llama-cpp-python is not installed, and only llama.cpp reads an mmproj file.\n" in notes
+        else:
+            assert "\nmmproj check PASSED: " in notes
+        assert notes.endswith(f"\nllama-mtmd-cli -m {gguf_file} --mmproj {mmproj} --image IMAGE.jpg -p 'Describe this image.'"), notes
+        notes_widget = app.screen.query_one("#finish-notes", Static)
+        await until(pilot, lambda: notes_widget.region.height > 0, "the outcome in view")
+        app.save_screenshot(filename="finish-mmproj.svg", path=str(tmp_path))
+        # again as f16 (the mmproj there is used), its check FAILED as check_mmproj says a FAILED one
+        monkeypatch.setattr(gguf_mmproj, "check_mmproj", lambda *a, **k: GgufCheck(
+            FAILED, "llama.cpp's libmtmd (test)", "image embeddings differ by 3.2 (limit 0.05) on 4 tokens."))
+        app.screen.query_one("#finish").scroll_home(animate=False, immediate=True)
+        await pilot.pause()
+        app.screen.query_one("#gguf", Button).press()  # (at 80x24 below the fold)
+        await pilot.pause()
+        await until(pilot, lambda: "About " in str(app.screen.query_one("#gguf-estimate", Static).content), "the estimate")
+        app.screen.query_one("#gguf-type").value = "f16"
+        await until(pilot, lambda: app.screen.query_one("#gguf-out", Input).value.endswith("vl-F16.gguf"), "the f16 file")
+        app.screen.query_one("#make", Button).press()
+        await pilot.pause()
+        await until(pilot, lambda: wizard.running is None and "(F16, " in plain(app, "#finish-notes"), "the f16 GGUF", tries=1200)
+        notes = plain(app, "#finish-notes")
+        assert "\nmmproj check FAILED: do not share it: image embeddings differ by 3.2 (limit 0.05) on 4 tokens.\n" in notes, notes
+        app.save_screenshot(filename="finish-mmproj-failed.svg", path=str(tmp_path))
+        app.exit(0)
+    lines = app.farewell().splitlines()  # each GGUF recorded, with the mmproj beside it
+    assert f"  llama.cpp:    llama-cli -m {gguf_file}" in lines
+    assert not [line for line in lines if f"-m {mmproj}" in line], lines  # the vision tower is not a model to run alone
+    assert f"  images:       llama-mtmd-cli -m {gguf_file} --mmproj {mmproj}" in lines, lines
+    assert f"  images:       llama-mtmd-cli -m {vl / 'vl-F16.gguf'} --mmproj {mmproj}" in lines, lines

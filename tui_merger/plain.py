@@ -653,7 +653,9 @@ class _Flow:
         except MergeError as err:
             self.say(f"error: {err}")
             return False
-        self.say(f"About {human_bytes(e.size)}, about {human_seconds(e.seconds)} to write (at the speed measured on "
+        mmproj = (f" (with the vision tower's mmproj file beside it, about {human_bytes(e.mmproj_size)}, checked on an "
+                  "image)") if e.mmproj_size else ""
+        self.say(f"About {human_bytes(e.size)}{mmproj}, about {human_seconds(e.seconds)} to write (at the speed measured on "
                  "a 2-core machine), then checked against the model.")
         where = self.ask.text("GGUF file (in the model folder, an upload of the folder includes it):",
                               default=str(default_out(folder, type_)), validate=_not_empty)
@@ -673,6 +675,12 @@ class _Flow:
         where = "recorded in merge_manifest.json; an upload of the folder includes it" if r.recorded else "not recorded (no merge_manifest.json)"
         self.say(f"GGUF written: {r.path} ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}).")
         self.say(f"Check {check.line()}")
+        if r.mmproj is not None:  # a vision-language model: its vision tower beside it, with its own check
+            self.say(f"Vision tower (mmproj): {r.mmproj} ({human_bytes(Path(r.mmproj).stat().st_size)}).")
+            if made.mmproj_check is not None:
+                self.say(f"mmproj check {made.mmproj_check.line()}")
+                if made.mmproj_check.status == "failed":
+                    self.say("llama.cpp does not see images through the mmproj file as the model does: do not share it.")
         self.say(f"Ollama Modelfile: {made.modelfile.path}")
         self.say("Run it:")
         for line in made.run_lines():

@@ -347,7 +347,9 @@ class GgufDialog(ModalScreen[tuple | None]):
             self.query_one("#make", Button).disabled = True
             return
         self.query_one("#make", Button).disabled = False
-        shown.update(f"About {human_bytes(e.size)}, about {human_seconds(e.seconds)} to write (at the speed measured "
+        mmproj = (f" (with the vision tower's mmproj file beside it, about {human_bytes(e.mmproj_size)}, checked on an "
+                  "image)") if e.mmproj_size else ""
+        shown.update(f"About {human_bytes(e.size)}{mmproj}, about {human_seconds(e.seconds)} to write (at the speed measured "
                      "on a 2-core machine), then checked against the model, with an Ollama Modelfile beside it.")
         if self.lora is not None:
             self._lora_estimate(type_)

@@ -183,7 +183,7 @@ def check_gguf(
     if cancel is not None:
         cancel.raise_if_cancelled()
     if use_llama:
-        got, name = _with_llama_cpp(gguf_path, ref)
+        got, name = _with_llama_cpp(gguf_path, ref, cancel=cancel)
         if quirk and not isinstance(got, str):
             name = f"{name}; {quirk[1]}"
         if ref.llama_ids is not None and not isinstance(got, str):
@@ -230,7 +230,7 @@ def check_lora_gguf(
         return GgufCheck(NOT_CHECKED, None, f"the base with the adapter cannot be run as the reference ({str(err).rstrip('.')}).")
     if cancel is not None:
         cancel.raise_if_cancelled()
-    got, name = _with_llama_cpp(base_gguf, ref, lora=lora_gguf)
+    got, name = _with_llama_cpp(base_gguf, ref, lora=lora_gguf, cancel=cancel)
     if isinstance(got, str):
         status = FAILED if got.startswith("!") else NOT_CHECKED
         return GgufCheck(status, name if status == FAILED else None, got.lstrip("!"))
@@ -545,7 +545,7 @@ class _Read:
     logits: object  # torch tensor [positions, vocab]
 
 
-def _with_llama_cpp(path: Path, ref: _Reference, lora: Path | None = None):
+def _with_llama_cpp(path: Path, ref: _Reference, lora: Path | None = None, cancel: CancelToken | None = None):
     """The GGUF at ``path`` (with the GGUF LoRA ``lora`` applied, llama.cpp's --lora) as llama.cpp reads it, in a
     child process (llama_child): a failed assert in llama.cpp aborts that process, not tui-merger."""
     import torch
@@ -557,7 +557,7 @@ def _with_llama_cpp(path: Path, ref: _Reference, lora: Path | None = None):
             "threads": max(1, min(4, os.cpu_count() or 1)), "texts": list(ref.texts), "special": list(ref.special),
             "prompt": [int(i) for i in ref.prompt]}
     try:
-        out, arrays = run(task)
+        out, arrays = run(task, cancel=cancel)  # a Stop ends the child: MergeCancelled
     except LlamaStopped as stop:
         said = stop.sentence(f"running {Path(lora).name} on {Path(path).name}" if lora else f"running {Path(path).name}")
         return ("!" + said, name) if stop.crashed else (said, None)

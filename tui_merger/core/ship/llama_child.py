@@ -5,7 +5,9 @@ tui-merger's process, that would end the user's app (the TUI over SSH included) 
 checks hand llama.cpp's part to ``python -m tui_merger.core.ship.llama_child <folder>``: the folder holds
 ``task.json`` (and ``image.npy`` for an image), the child writes ``out.json`` (token ids, or the Python error
 llama.cpp raised) and ``logits.npy`` / ``embd.npy``; its stderr (llama.cpp's log, an assert's message) goes
-to ``stderr.txt``. ``run`` returns the outputs or raises ``LlamaStopped`` with what stopped it.
+to ``stderr.txt``. ``run`` returns the outputs or raises ``LlamaStopped`` with what stopped it. The parent
+watches the user's Stop (a CancelToken) while the child runs and ends it (SIGTERM, then SIGKILL): a Stop during a
+long llama.cpp run takes effect within a second.
 
 The child imports numpy and llama_cpp only (no torch): it adds about half a second per check.
 """
@@ -19,11 +21,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # signals a program sends itself when it fails (abort(), a bad address, a bad instruction): llama.cpp stopped
 _CRASHES = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP}
 _TEST_ABORT = "TUI_MERGER_TEST_LLAMA_ABORT"  # tests only: the child prints this on stderr and calls abort() (or SIGKILL)
+_TEST_SLEEP = "TUI_MERGER_TEST_LLAMA_SLEEP"  # tests only: the child sleeps this many seconds first (a long llama.cpp run)
+_POLL = 0.1  # seconds between looks at the user's Stop while the child runs
+_TERM_GRACE = 0.5  # seconds a stopped child has after SIGTERM before SIGKILL
+
+_scoped = threading.local()  # the cancel token of the check running in this thread (cancel_scope), for callers that pass none
 
 
 class LlamaStopped(Exception):
@@ -44,9 +54,28 @@ class LlamaStopped(Exception):
         return f"the llama.cpp process {doing} ended before it answered ({self.why})."
 
 
-def run(task: dict, image=None) -> tuple[dict, dict]:
-    """Run ``task`` in a child process: returns (out.json's dict, {name: numpy array}). Raises LlamaStopped."""
+@contextmanager
+def cancel_scope(cancel):
+    """Within it, ``run`` in this thread watches ``cancel`` when its caller passed no token (a check that does not
+    hand its token down, as the mmproj check's image run)."""
+    before = getattr(_scoped, "cancel", None)
+    _scoped.cancel = cancel
+    try:
+        yield
+    finally:
+        _scoped.cancel = before
+
+
+def run(task: dict, image=None, cancel=None) -> tuple[dict, dict]:
+    """Run ``task`` in a child process: returns (out.json's dict, {name: numpy array}). Raises LlamaStopped; and
+    MergeCancelled (the engine's Stop) when ``cancel`` (a CancelToken; default: cancel_scope's) is set while the child
+    runs: the child is ended (SIGTERM, SIGKILL after half a second) and waited for, so nothing of it is left."""
     import numpy as np
+
+    if cancel is None:
+        cancel = getattr(_scoped, "cancel", None)
+    if cancel is not None:
+        cancel.raise_if_cancelled()
 
     with tempfile.TemporaryDirectory(prefix="tui-merger-llama-") as tmp:
         work = Path(tmp)
@@ -57,8 +86,9 @@ def run(task: dict, image=None) -> tuple[dict, dict]:
         env = dict(os.environ, GGML_NO_BACKTRACE="1",  # ggml's abort would run gdb for a backtrace: seconds, noise
                    PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         with open(work / "stderr.txt", "wb") as err:
-            code = subprocess.run([sys.executable, "-m", "tui_merger.core.ship.llama_child", str(work)],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env).returncode
+            child = subprocess.Popen([sys.executable, "-m", "tui_merger.core.ship.llama_child", str(work)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
+            code = _wait(child, cancel)
         said = _said((work / "stderr.txt").read_text(errors="replace"))
         out_file = work / "out.json"
         if code != 0 or not out_file.exists():
@@ -73,6 +103,33 @@ def run(task: dict, image=None) -> tuple[dict, dict]:
         out = json.loads(out_file.read_text())
         arrays = {p.stem: np.load(p) for p in work.glob("*.npy") if p.name != "image.npy"}
         return out, arrays
+
+
+def _wait(child: subprocess.Popen, cancel) -> int:
+    """The child's exit code; when ``cancel`` is set first, the child is ended and MergeCancelled raised."""
+    while True:
+        try:
+            return child.wait(timeout=_POLL)
+        except subprocess.TimeoutExpired:
+            pass
+        except BaseException:  # Ctrl-C in the parent: the child goes too
+            _end(child)
+            raise
+        if cancel is not None and cancel.cancelled:
+            _end(child)
+            cancel.raise_if_cancelled()
+
+
+def _end(child: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not gone within _TERM_GRACE; waited for (no zombie left)."""
+    try:
+        child.terminate()
+        child.wait(timeout=_TERM_GRACE)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    except OSError:  # already gone
+        child.wait()
 
 
 def _said(stderr: str) -> str:
@@ -168,7 +225,13 @@ def _image(task: dict, work: Path) -> dict:
 
 def _maybe_abort() -> None:
     """Tests only (CI has no llama.cpp): stop where llama.cpp would, as its failed assert does (its message on
-    stderr, then abort())."""
+    stderr, then abort()); or first run as long as a large llama.cpp run does (TUI_MERGER_TEST_LLAMA_SLEEP seconds,
+    SIGTERM ignored, as a thread inside llama.cpp's C code does not answer it: only SIGKILL ends it)."""
+    sleep = os.environ.get(_TEST_SLEEP)
+    if sleep:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.write(2, f"sleeping {sleep} s\n".encode())
+        time.sleep(float(sleep))
     said = os.environ.get(_TEST_ABORT)
     if said == "SIGKILL":  # as the system's out-of-memory killer stops a process
         os.kill(os.getpid(), signal.SIGKILL)

@@ -42,6 +42,7 @@ class Estimate:
     size: int  # bytes of the GGUF
     seconds: float  # about, at the measured rate
     source_bytes: int
+    mmproj_size: int = 0  # bytes of a vision-language folder's mmproj file (included in ``size``); 0: none
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ def estimate(folder: Path, type_: str) -> Estimate:
     with tempfile.TemporaryDirectory(prefix="tui-merger-estimate-") as tmp:  # a target that is surely free
         plan = plan_gguf(folder, type_, Path(tmp) / "estimate.gguf")
         side = gguf_mmproj.beside(plan, overwrite=False)  # a vision-language folder: its mmproj file too
-        size = plan.tensor_bytes + (side.plan.tensor_bytes if side is not None and side.plan is not None else 0)
+        mmproj_size = side.plan.tensor_bytes if side is not None and side.plan is not None else 0
+        size = plan.tensor_bytes + mmproj_size
         for held in (plan, getattr(side, "plan", None)):  # the plans hold the folder's files open
             closing = getattr(getattr(held, "_source", None), "close", None)
             if closing is not None:
@@ -88,7 +90,7 @@ def estimate(folder: Path, type_: str) -> Estimate:
     finally:
         source.close()
     rate = SOURCE_BYTES_PER_SECOND.get(type_) or _k_quant_rate()
-    return Estimate(type_, size, source_bytes / rate, source_bytes)
+    return Estimate(type_, size, source_bytes / rate, source_bytes, mmproj_size)
 
 
 def _k_quant_rate() -> float:
@@ -120,10 +122,30 @@ def make_local(
                          companion=companion if mmproj else None)
     modelfile = write_modelfile(folder, result.path, result.type, projector=result.mmproj)
     mmproj_check = None
+
+    def stopped(err: MergeCancelled) -> MergeCancelled:  # the files are complete: say so, not the merge's "nothing was written"
+        if result.mmproj is not None and mmproj_check is None:  # stopped in the mmproj's check: neither is checked
+            said = f"{result.path} and {result.mmproj} were written but are not checked."
+        elif result.mmproj is not None:  # stopped in the GGUF's check, after the mmproj's: its verdict stands
+            said = (f"{result.path} was written but is not checked ({Path(result.mmproj).name} beside it: mmproj check "
+                    f"{mmproj_check.line().split(':')[0]}).")
+        else:
+            said = f"{result.path} was written but is not checked."
+        new = MergeCancelled(f"Stopped during the check: {said}")
+        new.interrupted = getattr(err, "interrupted", False)
+        return new
+
     if result.mmproj is not None:  # its own check (llama.cpp's image embeddings) in its own manifest entry
         from tui_merger.core.ship.gguf_mmproj import check_mmproj
+        from tui_merger.core.ship.llama_child import cancel_scope
 
-        mmproj_check = check_mmproj(folder, result.path, result.mmproj, reader=check, on_event=on_event, cancel=cancel)
+        try:
+            with cancel_scope(cancel):  # a Stop ends llama.cpp's child process of the image check too
+                mmproj_check = check_mmproj(folder, result.path, result.mmproj, reader=check, on_event=on_event, cancel=cancel)
+            if cancel is not None:
+                cancel.raise_if_cancelled()
+        except MergeCancelled as err:
+            raise stopped(err) from None
         try:
             record_check(folder, result.mmproj, mmproj_check)
         except OSError:
@@ -135,10 +157,8 @@ def make_local(
             verdict = check_gguf(folder, result.path, result.type, reader=check, on_event=on_event, cancel=cancel)
             if cancel is not None:  # (a stop inside the reference comes back as "cannot be run": not a verdict)
                 cancel.raise_if_cancelled()
-        except MergeCancelled as err:  # the file is complete: say so, not the merge's "nothing was written"
-            stopped = MergeCancelled(f"Stopped during the check: {result.path} was written but is not checked.")
-            stopped.interrupted = getattr(err, "interrupted", False)
-            raise stopped from None
+        except MergeCancelled as err:
+            raise stopped(err) from None
     try:
         record_check(folder, result.path, verdict, modelfile.path)
     except OSError:  # a read-only folder: export_gguf said so already; the file and its check stand

@@ -46,7 +46,11 @@ def farewell(wizard) -> str | None:
         f"  transformers: {python_command()} -c {shlex.quote(code)}",
         f"  vLLM:         vllm serve {shlex.quote(str(out))}",
     ]
-    for gguf in manifest.get("gguf") or []:
+    entries = [g for g in manifest.get("gguf") or [] if isinstance(g, dict)]
+    projectors = {g.get("mmproj") for g in entries if g.get("mmproj")}  # a vision tower is run with its GGUF, not alone
+    for gguf in entries:
+        if gguf.get("path") in projectors:
+            continue
         path = Path(gguf.get("path", ""))
         path = path if path.is_absolute() else out / path
         if path.is_file():
@@ -58,6 +62,10 @@ def farewell(wizard) -> str | None:
 
                 name = ollama_model_name(out.name, str(gguf.get("type", "")))
                 lines.append(f"  Ollama:       ollama create {name} -f {shlex.quote(str(modelfile))}")
+            mmproj = Path(str(gguf.get("mmproj") or ""))
+            mmproj = mmproj if mmproj.is_absolute() else out / mmproj
+            if gguf.get("mmproj") and mmproj.is_file():  # a vision-language model: llama.cpp reads images with it
+                lines.append(f"  images:       llama-mtmd-cli -m {shlex.quote(str(path))} --mmproj {shlex.quote(str(mmproj))}")
     for lora in getattr(wizard, "local_loras", []):  # the adapter as a GGUF LoRA on its base's GGUF
         if lora.modelfile is not None and Path(lora.lora.path).is_file() and Path(lora.base_gguf).is_file():
             ollama, llama = lora.run_lines()
@@ -329,10 +337,32 @@ class FinishStep(Step, VerticalScroll):
             f"GGUF written ({r.type.upper()}, {human_bytes(r.size)}, {r.seconds:.1f} s; {where}):\n"
             f"[b]{escape(fold_path(r.path, width))}[/b]\n"
             f"Check {verdict}: {escape(check.summary)}\n"
-            f"Ollama Modelfile beside it: {escape(made.modelfile.path.name)}. Run it with:\n{commands}"
+            + self._mmproj_text(made, width)
+            + f"Ollama Modelfile beside it: {escape(made.modelfile.path.name)}. Run it with:\n{commands}"
         )
         # on a small screen the notes lie below the fold: bring them (the verdict, the commands) into view
         self._bring_into_view(notes)
+
+    @staticmethod
+    def _mmproj_text(made, width: int) -> str:
+        """A vision-language model's mmproj file beside the GGUF and its own check, as the command says them
+        ("" when there is none)."""
+        from tui_merger.core.options import human_bytes
+
+        mmproj = getattr(made.result, "mmproj", None)
+        if mmproj is None:
+            return ""
+        try:
+            size = f", {human_bytes(Path(mmproj).stat().st_size)}"
+        except OSError:
+            size = ""
+        text = f"Vision tower beside it (mmproj{size}):\n[b]{escape(fold_path(mmproj, width))}[/b]\n"
+        check = made.mmproj_check
+        if check is not None:
+            verdict = {"passed": "[b green]PASSED[/]", "failed": "[b red]FAILED: do not share it[/]"}.get(
+                check.status, "[b yellow]not checked[/]")
+            text += f"mmproj check {verdict}: {escape(check.summary)}\n"
+        return text
 
     def _bring_into_view(self, notes, tries: int = 5, layout=None) -> None:
         """Scroll the step so that ``notes`` starts at its top (or the step's end), once the layout that
