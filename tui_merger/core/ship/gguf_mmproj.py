@@ -662,8 +662,12 @@ def check_mmproj(folder: Path, text_gguf: Path, mmproj: Path, reader: str = "aut
     pre = _preprocessor(folder)
     from tui_merger.core.ship.llama_child import LlamaStopped
 
+    from tui_merger.core.errors import MergeCancelled
+
     try:
-        got = _llama_cpp_image(text_gguf, mmproj, rgb)
+        got = _llama_cpp_image(text_gguf, mmproj, rgb, cancel)
+    except MergeCancelled:  # the user's Stop: not a finding about the file
+        raise
     except LlamaStopped as stop:
         said = stop.sentence(f"encoding an image with {Path(mmproj).name}")
         return GgufCheck(FAILED, name, said) if stop.crashed else GgufCheck(NOT_CHECKED, None, said)
@@ -720,7 +724,7 @@ def _reference_bytes(folder: Path, config: dict) -> int:
     return 4 * (other + lm // max(1, layers))
 
 
-def _llama_cpp_image(text_gguf: Path, mmproj: Path, rgb):
+def _llama_cpp_image(text_gguf: Path, mmproj: Path, rgb, cancel=None):
     """llama.cpp's embeddings of one image: (tokens, width) float32, from libmtmd in a child process (llama_child):
     a failed assert in llama.cpp aborts that process, not tui-merger (raises LlamaStopped)."""
     import os
@@ -728,7 +732,7 @@ def _llama_cpp_image(text_gguf: Path, mmproj: Path, rgb):
     from tui_merger.core.ship.llama_child import run
 
     task = {"kind": "image", "model": str(text_gguf), "mmproj": str(mmproj), "threads": max(1, min(4, os.cpu_count() or 1))}
-    out, arrays = run(task, image=rgb)
+    out, arrays = run(task, image=rgb, cancel=cancel)
     if out.get("error"):
         raise RuntimeError(out["message"])
     return arrays["embd"]
