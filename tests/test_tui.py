@@ -89,6 +89,12 @@ async def to_review(pilot, app):
     return wizard
 
 
+async def merge_and_verify(pilot, wizard):
+    """Merge from Review, as Ctrl+N does, and wait for the merge and its verification to end."""
+    await pilot.press("ctrl+n")
+    await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+
+
 async def test_find_lists_checkpoints_and_picks_the_adapter(workspace):
     app = MergeApp(workspace)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -198,8 +204,7 @@ def _workspace_with_alpha(workspace, tmp_path, alpha):
 
 async def _merged_with_the_typed_alpha(pilot, app, wizard, out):
     """Merge from Review; the verification passes and the manifest records the alpha typed (32) as given."""
-    await pilot.press("ctrl+n")
-    await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+    await merge_and_verify(pilot, wizard)
     assert "PASSED" in text(app, "#verify-status")
     manifest = read_manifest(out)
     assert manifest["adapter"]["alpha"] == 32 and manifest["adapter"]["alpha_from"] == "--lora-alpha"
@@ -294,8 +299,7 @@ async def test_full_run_to_a_verified_model(workspace, tmp_path):
         out = tmp_path / "merged"
         app.screen.query_one("#out", Input).value = str(out)
         await recheck(pilot, app)
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         assert "PASSED" in text(app, "#verify-status")
         table = app.screen.query_one("#checks", DataTable)
         assert [table.get_row_at(i)[1] for i in range(table.row_count)] == ["structure", "recompute", "behaviour"]
@@ -491,8 +495,7 @@ async def test_finish_offers_cleanup_of_a_training_run(tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         wizard = await to_review(pilot, app)
         assert wizard.candidate.path.endswith("checkpoint-20")  # newest first
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         await pilot.click("#cleanup")
         await pilot.pause()
@@ -603,8 +606,7 @@ async def test_review_blends_weighted_adapters(workspace, tmp_path):
         plan = text(app, "#plan-text")
         assert "0.7 x adapter 1 (adapter:" in plan and "0.3 x adapter 2 (other-lora:" in plan
         assert "q_proj: adapter + other-lora" in plan
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         assert "PASSED" in text(app, "#verify-status")
     manifest = read_manifest(out)
     assert [p["weight"] for p in manifest["adapter"]["adapters"]] == [0.7, 0.3]
@@ -723,8 +725,7 @@ async def test_the_output_suggestion_never_collides_and_replace_is_a_switch(work
             assert "ERROR" not in findings and "will be replaced" in findings and "--overwrite" not in findings
             app.screen.query_one("#ack", Checkbox).value = True
             await pilot.pause()
-            await pilot.press("ctrl+n")
-            await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+            await merge_and_verify(pilot, wizard)
             assert "PASSED" in text(app, "#verify-status")
         assert (first / "config.json").is_file() and (first / "model.safetensors").stat().st_size > 1000
     finally:
@@ -771,8 +772,7 @@ async def test_a_base_not_on_this_machine_is_proposed_and_ctrl_n_accepts_it(unre
         ack = app.screen.query_one("#ack", Checkbox)
         assert not ack.value and not ack.display and wizard.step == "review"
         assert str(nxt.label) == "Merge >" and not nxt.disabled
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         assert "PASSED" in text(app, "#verify-status") and header(app)[1] == "Verify"
         table = app.screen.query_one("#checks", DataTable)
         summaries = [str(table.get_row_at(i)[2]) for i in range(table.row_count)]
@@ -893,8 +893,7 @@ async def test_try_it_answers_as_generate_does_and_stop_ends_it(workspace, tmp_p
         wizard = await to_review(pilot, app)
         app.screen.query_one("#out", Input).value = str(out)
         await recheck(pilot, app)
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         await pilot.press("ctrl+n")
         assert wizard.step == "try" and header(app)[1] == "Try"
         await until(pilot, lambda: wizard.panes["try"].trial_plan is not None, "the trial plan")
@@ -993,8 +992,7 @@ async def test_try_it_says_the_demo_is_random_and_a_prompt_of_no_tokens_in_a_sen
         wizard = await to_review(pilot, app)
         app.screen.query_one("#out", Input).value = str(out)
         await recheck(pilot, app)
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         wordless_tokenizer(out)
         await pilot.press("ctrl+n")
         trial = wizard.panes["try"]
@@ -1179,8 +1177,7 @@ async def test_review_writes_a_16_bit_merge_as_fp8_blocks_for_serving(workspace,
         app.screen.query_one("#out", Input).value = str(out)
         await recheck(pilot, app)
         assert "FP8 (e4m3), 128x128 blocks, weight-only" in text(app, "#plan-text")
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         assert "PASSED" in text(app, "#verify-status"), text(app, "#verify-status")
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128]
@@ -1223,8 +1220,7 @@ async def test_a_long_path_on_finish_is_shown_whole_and_copied_whole(workspace, 
         wizard = await to_review(pilot, app)
         app.screen.query_one("#out", Input).value = str(out)
         await recheck(pilot, app)
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         await pilot.pause()
         summary = app.screen.query_one("#summary", Static)
@@ -1301,8 +1297,7 @@ async def test_run_it_locally_also_writes_the_adapter_as_a_gguf_lora(workspace, 
         wizard = await to_review(pilot, app)
         app.screen.query_one("#out", Input).value = str(out)
         await recheck(pilot, app)
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         await pilot.click("#gguf")
         await until(pilot, lambda: "About " in str(app.screen.query_one("#gguf-estimate", Static).content), "the estimate")
@@ -1407,8 +1402,7 @@ async def test_run_it_locally_says_the_mmproj_and_its_check(workspace, tmp_path,
         wizard = await to_review(pilot, app)
         app.screen.query_one("#out", Input).value = str(tmp_path / "merged")
         await recheck(pilot, app)
-        await pilot.press("ctrl+n")
-        await until(pilot, lambda: wizard.step == "verify" and wizard.running is None, "merge and verification", tries=1200)
+        await merge_and_verify(pilot, wizard)
         await pilot.press("ctrl+n", "ctrl+n")  # Try it (skipped), Finish
         wizard.result.out = vl  # the merged folder is a vision-language model's, with the merge's record
         shutil.copy(tmp_path / "merged" / "merge_manifest.json", vl / "merge_manifest.json")
